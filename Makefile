@@ -1,0 +1,33 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Each bootstraps .venv itself.
+PYTHON ?= python3
+VENV   := .venv
+STAMP  := $(VENV)/.installed-stamp
+BIN    := $(VENV)/bin
+
+.PHONY: demo test test-vllm protos protos-check venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kvroute demo
+
+test: $(STAMP)
+	PYTHON=$(BIN)/python scripts/gen_protos.sh --check
+	$(BIN)/pytest
+
+# Real vLLM (CPU build) in its own cached virtualenv; see tests/vllm/.
+test-vllm: $(STAMP)
+	scripts/vllm_venv.sh
+	KVROUTE_VLLM_PYTHON="$$(scripts/vllm_venv.sh --print-python)" $(BIN)/pytest -m vllm tests/vllm
+
+protos: $(STAMP)
+	PYTHON=$(BIN)/python scripts/gen_protos.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache

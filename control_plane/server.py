@@ -1,0 +1,88 @@
+"""Runs the control plane: gRPC server, liveness sweeper and an optional /metrics HTTP port."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from control_plane.index import BitmaskPrefixIndex
+from control_plane.registry import WorkerRegistry
+from control_plane.service import GRPC_OPTIONS, ControlPlaneMetrics, ControlPlaneService
+from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvroute.control_plane")
+
+
+@dataclass
+class ControlPlaneConfig:
+    listen: str = "127.0.0.1:50051"
+    heartbeat_timeout_s: float = 5.0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0  # 0 = no metrics endpoint
+
+
+class ControlPlaneServer:
+    def __init__(self, config: ControlPlaneConfig) -> None:
+        self.config = config
+        self.metrics_registry = CollectorRegistry()
+        self.registry = WorkerRegistry(BitmaskPrefixIndex(), heartbeat_timeout_s=config.heartbeat_timeout_s)
+        self.service = ControlPlaneService(self.registry, ControlPlaneMetrics(self.metrics_registry))
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self._metrics_runner: web.AppRunner | None = None
+
+    async def start(self) -> int:
+        self._server = grpc.aio.server(options=GRPC_OPTIONS)
+        pb_grpc.add_ControlPlaneServicer_to_server(self.service, self._server)
+        self.port = self._server.add_insecure_port(self.config.listen)
+        if self.port == 0:
+            raise OSError(f"control plane could not listen on {self.config.listen}")
+        await self._server.start()
+        self._sweeper = asyncio.create_task(self.service.expire_forever(max(0.05, self.config.heartbeat_timeout_s / 5)))
+        if self.config.metrics_port:
+            app = web.Application()
+            app.router.add_get("/metrics", self._metrics)
+            app.router.add_get("/health", self._health)
+            self._metrics_runner = web.AppRunner(app, access_log=None)
+            await self._metrics_runner.setup()
+            await web.TCPSite(self._metrics_runner, self.config.metrics_host, self.config.metrics_port).start()
+        host = self.config.listen.rsplit(":", 1)[0]
+        log.info("control plane ready on %s:%d", host, self.port)
+        return self.port
+
+    async def stop(self, grace_s: float = 0.5) -> None:
+        if self._sweeper:
+            self._sweeper.cancel()
+        if self._metrics_runner:
+            await self._metrics_runner.cleanup()
+        if self._server:
+            await self._server.stop(grace_s)
+
+    async def wait(self) -> None:
+        assert self._server is not None
+        await self._server.wait_for_termination()
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics_registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "workers": len(self.registry)})
+
+
+async def serve(config: ControlPlaneConfig) -> int:
+    server = ControlPlaneServer(config)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()
+    return 0

@@ -1,0 +1,253 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AgentMessage(_message.Message):
+    __slots__ = ("register", "batch", "heartbeat")
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    register: RegisterWorker
+    batch: EventBatch
+    heartbeat: Heartbeat
+    def __init__(self, register: _Optional[_Union[RegisterWorker, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+
+class RegisterWorker(_message.Message):
+    __slots__ = ("worker_id", "model", "engine", "block_size", "endpoint", "engine_version")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    model: str
+    engine: str
+    block_size: int
+    endpoint: str
+    engine_version: str
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., block_size: _Optional[int] = ..., endpoint: _Optional[str] = ..., engine_version: _Optional[str] = ...) -> None: ...
+
+class EventBatch(_message.Message):
+    __slots__ = ("seq", "snapshot", "events")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    snapshot: bool
+    events: _containers.RepeatedCompositeFieldContainer[BlockEvent]
+    def __init__(self, seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[BlockEvent, _Mapping]]] = ...) -> None: ...
+
+class BlockEvent(_message.Message):
+    __slots__ = ("stored", "removed", "cleared")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    stored: BlocksStored
+    removed: BlocksRemoved
+    cleared: AllBlocksCleared
+    def __init__(self, stored: _Optional[_Union[BlocksStored, _Mapping]] = ..., removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
+
+class BlocksStored(_message.Message):
+    __slots__ = ("block_keys", "medium")
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    block_keys: _containers.RepeatedScalarFieldContainer[int]
+    medium: str
+    def __init__(self, block_keys: _Optional[_Iterable[int]] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class BlocksRemoved(_message.Message):
+    __slots__ = ("block_keys", "medium")
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    block_keys: _containers.RepeatedScalarFieldContainer[int]
+    medium: str
+    def __init__(self, block_keys: _Optional[_Iterable[int]] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class AllBlocksCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("load",)
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    load: WorkerLoad
+    def __init__(self, load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
+
+class WorkerLoad(_message.Message):
+    __slots__ = ("running_requests", "waiting_requests", "kv_usage", "observed_unix_ms")
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    running_requests: int
+    waiting_requests: int
+    kv_usage: float
+    observed_unix_ms: int
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., observed_unix_ms: _Optional[int] = ...) -> None: ...
+
+class ControlMessage(_message.Message):
+    __slots__ = ("registered", "ack")
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    registered: Registered
+    ack: Ack
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ...) -> None: ...
+
+class Registered(_message.Message):
+    __slots__ = ("worker_id", "heartbeat_timeout_ms")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    heartbeat_timeout_ms: int
+    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ("seq", "applied_events")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    applied_events: int
+    def __init__(self, seq: _Optional[int] = ..., applied_events: _Optional[int] = ...) -> None: ...
+
+class KeyChain(_message.Message):
+    __slots__ = ("block_size", "block_keys")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    block_keys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_size: _Optional[int] = ..., block_keys: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class QueryRequest(_message.Message):
+    __slots__ = ("model", "chains")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CHAINS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    chains: _containers.RepeatedCompositeFieldContainer[KeyChain]
+    def __init__(self, model: _Optional[str] = ..., chains: _Optional[_Iterable[_Union[KeyChain, _Mapping]]] = ...) -> None: ...
+
+class WorkerMatch(_message.Message):
+    __slots__ = ("worker_id", "endpoint", "block_size", "matched_blocks", "load")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    endpoint: str
+    block_size: int
+    matched_blocks: int
+    load: WorkerLoad
+    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., block_size: _Optional[int] = ..., matched_blocks: _Optional[int] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
+
+class QueryResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerMatch]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerMatch, _Mapping]]] = ...) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "model", "engine", "block_size", "endpoint", "load", "cached_blocks", "last_seq")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    model: str
+    engine: str
+    block_size: int
+    endpoint: str
+    load: WorkerLoad
+    cached_blocks: int
+    last_seq: int
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., block_size: _Optional[int] = ..., endpoint: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., cached_blocks: _Optional[int] = ..., last_seq: _Optional[int] = ...) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatMessages(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("model", "prompt", "token_ids", "messages", "lora_name", "cache_salt")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    prompt: str
+    token_ids: TokenIds
+    messages: ChatMessages
+    lora_name: str
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class WorkerScore(_message.Message):
+    __slots__ = ("worker_id", "endpoint", "cached_tokens", "score", "load", "inflight_requests")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    endpoint: str
+    cached_tokens: int
+    score: float
+    load: WorkerLoad
+    inflight_requests: int
+    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., score: _Optional[float] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., inflight_requests: _Optional[int] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("worker_id", "endpoint", "prompt_tokens", "cached_tokens", "workers", "policy", "fail_open")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    FAIL_OPEN_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    endpoint: str
+    prompt_tokens: int
+    cached_tokens: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerScore]
+    policy: str
+    fail_open: bool
+    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerScore, _Mapping]]] = ..., policy: _Optional[str] = ..., fail_open: _Optional[bool] = ...) -> None: ...
