@@ -1,0 +1,93 @@
+"""`kvroute router`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+from kvroute import aio
+from kvroute.telemetry import setup_tracing, shutdown_tracing
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--control-plane", default="127.0.0.1:50051", metavar="HOST:PORT", help="control plane gRPC address")
+    p.add_argument("--policy", default="kv_aware", choices=["kv_aware", "round_robin", "random", "least_loaded"],
+                   help="routing policy")
+    p.add_argument("--tokenizer", required=True, metavar="PATH", help="local model directory with tokenizer.json")
+    p.add_argument("--model", default=None, help="served model name (default: the tokenizer directory's name)")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (HTTP and gRPC)")
+    p.add_argument("--port", type=int, default=8080, help="OpenAI-compatible HTTP port")
+    p.add_argument("--grpc-port", type=int, default=50052, help="gRPC Route port (0 = off)")
+    p.add_argument("--query-timeout-ms", type=float, default=20.0,
+                   help="deadline of the control-plane query; past it the router decides on load alone")
+    p.add_argument("--max-prompt-tokens", type=int, default=131072, help="reject longer prompts with a 400")
+    p.add_argument("--static-workers", default="", metavar="ID=URL,...",
+                   help="fallback fleet used only while the control plane has never been reachable")
+    p.add_argument("--log-level", default="INFO", help="Python logging level")
+
+
+def _parse_static(spec: str) -> dict[str, str]:
+    out = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        worker_id, sep, url = item.partition("=")
+        if not sep or not url:
+            raise SystemExit(f"--static-workers entries must be ID=URL, got {item!r}")
+        out[worker_id] = url.rstrip("/")
+    return out
+
+
+async def serve(args: argparse.Namespace) -> int:
+    import grpc
+    from aiohttp import web
+
+    from data_plane.control_plane_client import ControlPlaneClient
+    from data_plane.grpc_api import RouterGrpcService
+    from data_plane.http_api import RouterHttpApi
+    from data_plane.load_tracker import LoadTracker
+    from data_plane.policies import make_policy
+    from data_plane.routing import Router
+    from data_plane.tokenization import load_tokenizer
+    from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
+
+    model = args.model or Path(args.tokenizer).resolve().name
+    tokenizer = load_tokenizer(args.tokenizer)
+    control_plane = ControlPlaneClient(args.control_plane, args.query_timeout_ms / 1000,
+                                       static_workers=_parse_static(args.static_workers))
+    control_plane.start()
+    load = LoadTracker()
+    router = Router(control_plane, make_policy(args.policy), load)
+    http = RouterHttpApi(router, tokenizer, model, load, args.max_prompt_tokens)
+    runner = web.AppRunner(http.app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    grpc_server = None
+    if args.grpc_port:
+        grpc_server = grpc.aio.server()
+        pb_grpc.add_RouterServicer_to_server(RouterGrpcService(router, tokenizer, model, args.max_prompt_tokens),
+                                             grpc_server)
+        grpc_server.add_insecure_port(f"{args.host}:{args.grpc_port}")
+        await grpc_server.start()
+    logging.getLogger("kvroute.router").info("router ready: http://%s:%d grpc=%s policy=%s model=%s", args.host,
+                                             args.port, args.grpc_port or "off", args.policy, model)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    if grpc_server:
+        await grpc_server.stop(0.5)
+    await runner.cleanup()
+    await control_plane.close()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_tracing("kvroute-router")
+    try:
+        return aio.run(serve(args))
+    finally:
+        shutdown_tracing()

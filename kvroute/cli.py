@@ -1,0 +1,45 @@
+"""`kvroute` console script: one subcommand per process kind.
+
+Each subcommand lives in the module that owns it and exposes
+`add_arguments(parser)` and `run(args) -> int`; this file only dispatches, so no plane
+imports another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "control-plane": ("control_plane.cli", "run the control plane (global prefix index + worker registry, gRPC)"),
+    "agent": ("worker_agent.cli", "run a worker agent: engine KV events -> control plane"),
+    "router": ("data_plane.cli", "run a stateless router (OpenAI-compatible HTTP + gRPC Route)"),
+    "sim-engine": ("sim_engine.cli", "run a GPU-free vLLM stand-in (OpenAI API, real vLLM KV events)"),
+    "demo": ("kvroute.demo", "start a local fleet and compare kv_aware with round_robin"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvroute", description="KV-cache-aware routing for LLM inference fleets.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

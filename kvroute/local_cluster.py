@@ -1,0 +1,244 @@
+"""Starts a local kvroute fleet as separate OS processes on loopback ports.
+
+Used by `kvroute demo`, the end-to-end tests and the live benchmarks, so all three exercise
+exactly what a user deploys: one control plane, N engines (sim or real vLLM) each with its
+own agent, and routers, talking over real gRPC/ZMQ/HTTP sockets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def http_post_json(url: str, body: dict | None = None, timeout: float = 10.0) -> tuple[int, bytes]:
+    data = json.dumps(body or {}).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    argv: list[str]
+    log_path: Path
+    popen: subprocess.Popen | None = None
+
+    def start(self, env: dict[str, str] | None = None) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      env={**os.environ, **(env or {})}, start_new_session=True)
+        log.close()
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, timeout: float = 5.0, sig: int = signal.SIGTERM) -> None:
+        if not self.popen or self.popen.poll() is not None:
+            return
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(5)
+
+    def kill(self) -> None:
+        self.stop(sig=signal.SIGKILL)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+
+def kvroute_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvroute.cli", *args]
+
+
+def wait_until(predicate, timeout: float, what: str, procs: list[ManagedProcess] = (), interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = predicate()
+        if result:
+            return result
+        for proc in procs:
+            if not proc.alive():
+                raise RuntimeError(f"{proc.name} exited while waiting for {what}:\n{proc.log_tail()}")
+        time.sleep(interval)
+    tails = "\n".join(f"--- {p.name}\n{p.log_tail(15)}" for p in procs)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}\n{tails}")
+
+
+def http_ok(url: str) -> bool:
+    try:
+        return http_get(url, timeout=1.0)[0] == 200
+    except OSError:
+        return False
+
+
+@dataclass
+class EngineHandle:
+    worker_id: str
+    url: str
+    kv_events_port: int
+    replay_port: int
+    engine: ManagedProcess
+    agent: ManagedProcess | None = None
+
+
+@dataclass
+class LocalCluster:
+    """A control plane, sim engines with agents, and routers, each its own process."""
+
+    workdir: Path
+    tokenizer_dir: Path
+    model: str = "tiny-llama"
+    block_size: int = 16
+    heartbeat_timeout_s: float = 3.0
+    control_plane: ManagedProcess | None = None
+    control_plane_addr: str = ""
+    engines: list[EngineHandle] = field(default_factory=list)
+    routers: dict[str, ManagedProcess] = field(default_factory=dict)
+    router_urls: dict[str, str] = field(default_factory=dict)
+
+    def all_processes(self) -> list[ManagedProcess]:
+        procs = [self.control_plane] if self.control_plane else []
+        for e in self.engines:
+            procs.append(e.engine)
+            if e.agent:
+                procs.append(e.agent)
+        return procs + list(self.routers.values())
+
+    # -------------------------------------------------------------- control plane
+
+    def start_control_plane(self, port: int | None = None) -> str:
+        port = port or free_port()
+        self.control_plane_addr = f"127.0.0.1:{port}"
+        self.control_plane = ManagedProcess("control-plane", kvroute_argv(
+            "control-plane", "--listen", self.control_plane_addr,
+            "--heartbeat-timeout", str(self.heartbeat_timeout_s)), self.workdir / "control-plane.log")
+        self.control_plane.start()
+        wait_until(lambda: _tcp_open(self.control_plane_addr), 30, "control plane", [self.control_plane])
+        return self.control_plane_addr
+
+    def restart_control_plane(self) -> None:
+        assert self.control_plane is not None
+        self.control_plane.stop()
+        self.control_plane.start()
+        wait_until(lambda: _tcp_open(self.control_plane_addr), 30, "control plane restart", [self.control_plane])
+
+    # -------------------------------------------------------------- engines + agents
+
+    def add_sim_engine(self, worker_id: str, *extra_engine_args: str, start_agent: bool = True,
+                       agent_args: tuple[str, ...] = ()) -> EngineHandle:
+        port, ev_port, replay_port = free_port(), free_port(), free_port()
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ev_port}",
+                  "replay_endpoint": f"tcp://*:{replay_port}", "topic": ""}
+        engine = ManagedProcess(worker_id, kvroute_argv(
+            "sim-engine", "--host", "127.0.0.1", "--port", str(port), "--model", self.model,
+            "--tokenizer", str(self.tokenizer_dir), "--block-size", str(self.block_size),
+            "--kv-events-config", json.dumps(config), *extra_engine_args), self.workdir / f"{worker_id}.log")
+        engine.start()
+        handle = EngineHandle(worker_id, f"http://127.0.0.1:{port}", ev_port, replay_port, engine)
+        self.engines.append(handle)
+        if start_agent:
+            self.start_agent(handle, *agent_args)
+        return handle
+
+    def start_agent(self, handle: EngineHandle, *extra: str) -> ManagedProcess:
+        agent = ManagedProcess(f"agent-{handle.worker_id}", kvroute_argv(
+            "agent", "--control-plane", self.control_plane_addr, "--engine", "vllm",
+            "--kv-events", f"tcp://127.0.0.1:{handle.kv_events_port}",
+            "--replay-endpoint", f"tcp://127.0.0.1:{handle.replay_port}",
+            "--engine-url", handle.url, "--worker-id", handle.worker_id, "--model", self.model,
+            "--block-size", str(self.block_size), *extra), self.workdir / f"agent-{handle.worker_id}.log")
+        agent.start()
+        handle.agent = agent
+        return agent
+
+    def wait_engines_healthy(self, timeout: float = 60.0) -> None:
+        for e in self.engines:
+            wait_until(lambda e=e: http_ok(e.url + "/health"), timeout, f"{e.worker_id} /health", [e.engine])
+
+    def wait_workers_registered(self, count: int | None = None, timeout: float = 30.0) -> None:
+        want = len(self.engines) if count is None else count
+        wait_until(lambda: len(self.list_workers()) >= want, timeout, f"{want} workers registered",
+                   self.all_processes())
+
+    def list_workers(self) -> list:
+        import grpc
+
+        from kvroute.v1 import kvroute_pb2 as pb
+        from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
+
+        try:
+            with grpc.insecure_channel(self.control_plane_addr) as channel:
+                return list(pb_grpc.ControlPlaneStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=1).workers)
+        except grpc.RpcError:
+            return []
+
+    # -------------------------------------------------------------- routers
+
+    def start_router(self, name: str, policy: str, *extra: str) -> str:
+        port = free_port()
+        router = ManagedProcess(f"router-{name}", kvroute_argv(
+            "router", "--control-plane", self.control_plane_addr, "--policy", policy,
+            "--tokenizer", str(self.tokenizer_dir), "--model", self.model,
+            "--host", "127.0.0.1", "--port", str(port), "--grpc-port", "0", *extra),
+            self.workdir / f"router-{name}.log")
+        router.start()
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: http_ok(url + "/health"), 30, f"router {name}", [router])
+        self.routers[name] = router
+        self.router_urls[name] = url
+        return url
+
+    def stop_router(self, name: str) -> None:
+        self.routers.pop(name).stop()
+        self.router_urls.pop(name, None)
+
+    def stop(self) -> None:
+        for proc in reversed(self.all_processes()):
+            proc.stop()
+
+
+def _tcp_open(addr: str) -> bool:
+    host, port = addr.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=0.5):
+            return True
+    except OSError:
+        return False

@@ -1,0 +1,1 @@
+"""Worker agent: one per engine; engine KV events -> kvroute block keys -> control plane."""
