@@ -212,14 +212,14 @@ class LocalCluster:
 
     # -------------------------------------------------------------- routers
 
-    def start_router(self, name: str, policy: str, *extra: str) -> str:
+    def start_router(self, name: str, policy: str, *extra: str, env: dict[str, str] | None = None) -> str:
         port = free_port()
         router = ManagedProcess(f"router-{name}", kvroute_argv(
             "router", "--control-plane", self.control_plane_addr, "--policy", policy,
             "--tokenizer", str(self.tokenizer_dir), "--model", self.model,
             "--host", "127.0.0.1", "--port", str(port), "--grpc-port", "0", *extra),
             self.workdir / f"router-{name}.log")
-        router.start()
+        router.start(env=env)
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: http_ok(url + "/health"), 30, f"router {name}", [router])
         self.routers[name] = router

@@ -10,7 +10,6 @@ Malformed frames are counted and logged; the batches around them still apply.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
