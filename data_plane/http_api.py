@@ -127,15 +127,21 @@ class RouterHttpApi:
 
     # ------------------------------------------------------------ handlers
 
-    async def handle_route(self, request: web.Request) -> web.Response:
+    async def _parse_and_decide(self, request: web.Request) -> tuple[dict, list[int], RouteDecision] | web.Response:
+        """The decision for a request, or the error response the client gets instead."""
         try:
             body, tokens = await self._parse(request)
-            decision = await self._decide(body, tokens)
+            return body, tokens, await self._decide(body, tokens)
         except BadRequest as exc:
             return error_response(str(exc), exc.status, exc.code)
         except NoWorkersError as exc:
             return error_response(str(exc), 503, "no_workers")
-        return web.json_response(decision.as_json())
+
+    async def handle_route(self, request: web.Request) -> web.Response:
+        outcome = await self._parse_and_decide(request)
+        if isinstance(outcome, web.Response):
+            return outcome
+        return web.json_response(outcome[2].as_json())
 
     async def handle_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._proxy(request, "/v1/completions")
@@ -144,18 +150,12 @@ class RouterHttpApi:
         return await self._proxy(request, "/v1/chat/completions")
 
     async def _proxy(self, request: web.Request, path: str) -> web.StreamResponse:
-        try:
-            body, tokens = await self._parse(request)
-            decision = await self._decide(body, tokens)
-        except BadRequest as exc:
-            return error_response(str(exc), exc.status, exc.code)
-        except NoWorkersError as exc:
-            return error_response(str(exc), 503, "no_workers")
+        outcome = await self._parse_and_decide(request)
+        if isinstance(outcome, web.Response):
+            return outcome
+        body, tokens, decision = outcome
         raw = json.dumps(body).encode()
-        tried: set[str] = set()
-        ranked = decision.ranked()
-        for attempt, candidate in enumerate(ranked):
-            tried.add(candidate.worker_id)
+        for attempt, candidate in enumerate(decision.ranked()):
             result = await self._forward(request, path, raw, decision, candidate, tokens)
             if result is not None:
                 return result

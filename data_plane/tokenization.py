@@ -50,7 +50,7 @@ class PromptTokenizer:
                                          bos_token=self.bos_token, eos_token=self.eos_token)
         except TokenizationError:
             raise
-        except Exception as exc:  # noqa: BLE001 - template errors become a clear 400
+        except Exception as exc:  # template errors become a clear 400
             raise TokenizationError(f"chat template failed: {exc}") from exc
 
     def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:

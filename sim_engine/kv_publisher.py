@@ -26,54 +26,25 @@ log = logging.getLogger("kvroute.sim_engine.kv_publisher")
 END_SEQ = b"\xff" * 8
 
 
-# ---- map era (vLLM 0.24 - 0.33)
-class MapBlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
+# Field names, order and defaults of vLLM's BlockStored / BlockRemoved (wire spec §2.3, §2.4).
+_STORED_FIELDS = [
+    ("block_hashes", list[int]), ("parent_block_hash", int | None), ("token_ids", list[int]), ("block_size", int),
+    ("lora_id", int | None), ("medium", str | None), ("lora_name", str | None),
+    ("extra_keys", list | None, None), ("group_idx", int | None, None), ("kv_cache_spec_kind", str | None, None),
+    ("kv_cache_spec_sliding_window", int | None, None),
+]
+_REMOVED_FIELDS = [("block_hashes", list[int]), ("medium", str | None), ("group_idx", int | None, None)]
 
 
-class MapBlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
+def _era_structs(era: str) -> tuple[type, type, type]:
+    """The three event structs of one era: tagged maps (vLLM 0.24-0.33) or tagged arrays (0.22-0.23)."""
+    options = ({"tag_field": "type", "omit_defaults": True} if era == "map" else {"array_like": True})
+    return (msgspec.defstruct("BlockStored", _STORED_FIELDS, tag="BlockStored", **options),
+            msgspec.defstruct("BlockRemoved", _REMOVED_FIELDS, tag="BlockRemoved", **options),
+            msgspec.defstruct("AllBlocksCleared", [], tag="AllBlocksCleared", **options))
 
 
-class MapAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", omit_defaults=True):
-    pass
-
-
-# ---- array era (vLLM 0.22 - 0.23)
-class ArrayBlockStored(msgspec.Struct, tag="BlockStored", array_like=True):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class ArrayBlockRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class ArrayAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True):
-    pass
+_STRUCTS = {"map": _era_structs("map"), "array": _era_structs("array")}
 
 
 class EventBatch(msgspec.Struct, array_like=True):
@@ -83,8 +54,7 @@ class EventBatch(msgspec.Struct, array_like=True):
 
 
 def to_wire(event: CacheEvent, block_size: int, era: str) -> msgspec.Struct:
-    stored, removed, cleared = ((MapBlockStored, MapBlockRemoved, MapAllBlocksCleared) if era == "map"
-                                else (ArrayBlockStored, ArrayBlockRemoved, ArrayAllBlocksCleared))
+    stored, removed, cleared = _STRUCTS[era]
     if isinstance(event, StoredEvent):
         return stored(event.block_hashes, event.parent_block_hash, event.token_ids, block_size, None, "GPU", None,
                       None, 0, "full_attention", None)
@@ -123,7 +93,7 @@ class KvEventPublisher:
             self._replay.bind(self.replay_endpoint)
 
     @classmethod
-    def from_cli(cls, config_json: str, block_size: int, era: str, replay_framing: str) -> "KvEventPublisher | None":
+    def from_cli(cls, config_json: str, block_size: int, era: str, replay_framing: str) -> KvEventPublisher | None:
         config = json.loads(config_json) if config_json else {}
         if not config.get("enable_kv_cache_events"):
             return None

@@ -17,13 +17,7 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-_WORDS = (
-    "the of and to in is that for it as was with be by on not he this are or his from at which but have an "
-    "they you were her she there one all we their can has been if more when will would who so no cache "
-    "token prefix router worker model request latency block memory engine query index policy load queue "
-    "system user assistant document answer question tool schema function value result error time first "
-    "compute prefill decode batch stream event key hash store remove update graph kernel tensor layer"
-).split()
+_WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "they", "you", "were", "her", "she", "there", "one", "all", "we", "their", "can", "has", "been", "if", "more", "when", "will", "would", "who", "so", "no", "cache", "token", "prefix", "router", "worker", "model", "request", "latency", "block", "memory", "engine", "query", "index", "policy", "load", "queue", "system", "user", "assistant", "document", "answer", "question", "tool", "schema", "function", "value", "result", "error", "time", "first", "compute", "prefill", "decode", "batch", "stream", "event", "key", "hash", "store", "remove", "update", "graph", "kernel", "tensor", "layer"]
 
 
 def _corpus(n_lines: int, seed: int) -> list[str]:

@@ -15,7 +15,7 @@ import pytest
 from kvroute.local_cluster import LocalCluster, http_post_json, wait_until
 from sim_engine.tiny_model import build_model_dir
 
-WORDS = "cache token prefix router worker model request latency block memory engine query index".split()
+WORDS = ["cache", "token", "prefix", "router", "worker", "model", "request", "latency", "block", "memory", "engine", "query", "index"]
 
 
 def long_text(seed: int, n_words: int = 400) -> str:

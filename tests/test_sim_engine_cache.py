@@ -55,6 +55,6 @@ def test_lru_eviction_emits_removed_and_reset_clears() -> None:
     events = cache.take_events()
     assert any(isinstance(e, RemovedEvent) for e in events)
     assert cache.cached_blocks <= 8
-    oldest = cache.chain_hashes(list(range(0, 12)))
+    oldest = cache.chain_hashes(list(range(12)))
     assert cache.longest_cached_prefix(oldest) == 0  # the least recently used prompt went first
     assert cache.reset() and isinstance(cache.take_events()[-1], ClearedEvent) and cache.cached_blocks == 0

@@ -7,8 +7,7 @@ import pytest
 
 from kvroute.block_keys import prompt_block_keys
 from worker_agent.block_resolver import BlockResolver
-from worker_agent.vllm_wire import (AllBlocksCleared, BlockRemoved, BlockStored, WireFormatError, decode_frames,
-                                    decode_payload)
+from worker_agent.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored, WireFormatError, decode_frames, decode_payload
 
 U64 = 2**64 - 1
 enc = msgspec.msgpack.encode

@@ -69,7 +69,7 @@ class ControlPlaneLink:
                     raise
             except grpc.aio.AioRpcError as exc:
                 log.warning("control plane %s: %s %s", self.address, exc.code().name, exc.details())
-            except Exception:  # noqa: BLE001 - never let the link die
+            except Exception:  # never let the link die
                 log.exception("control plane session failed")
             self.connected = False
             if time.monotonic() - started > 5:
@@ -105,7 +105,7 @@ class ControlPlaneLink:
         while True:
             try:
                 events = await asyncio.wait_for(self._deltas.get(), self.heartbeat_interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 yield pb.AgentMessage(heartbeat=pb.Heartbeat(load=self._load()))
                 continue
             while not self._deltas.empty() and len(events) < 1024:  # coalesce a burst into one batch

@@ -46,7 +46,7 @@ class EngineLoadPoller:
                     async with session.get(self.url) as resp:
                         resp.raise_for_status()
                         self.latest = parse_load(await resp.text())
-                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
                     self.failures += 1
                     if self.failures in (1, 10) or self.failures % 100 == 0:
                         log.warning("engine metrics %s unavailable (%d failures): %s", self.url, self.failures, exc)

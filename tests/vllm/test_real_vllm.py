@@ -15,14 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.local_cluster import (EngineHandle, LocalCluster, ManagedProcess, free_port, http_ok, http_post_json,
-                                   wait_until)
+from kvroute.local_cluster import EngineHandle, LocalCluster, ManagedProcess, free_port, http_ok, http_post_json, wait_until
 from sim_engine.tiny_model import build_model_dir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 BLOCK_SIZE = 32  # the CPU attention backend rejects 16
-WORDS = "cache token prefix router worker model request latency block memory engine query index".split()
+WORDS = ["cache", "token", "prefix", "router", "worker", "model", "request", "latency", "block", "memory", "engine", "query", "index"]
 
 
 def document(seed: int, n_words: int = 300) -> str:
