@@ -21,6 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.stats import percentile
 from kvroute.local_cluster import LocalCluster, http_get, http_post_json, wait_until
 
 PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries_total"
@@ -69,16 +70,6 @@ class PolicyResult:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = q / 100 * (len(ordered) - 1)
-    lo = int(rank)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
 
 
 def build_workload(args: argparse.Namespace) -> list[Conversation]:

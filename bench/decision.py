@@ -1,0 +1,107 @@
+"""Routing decision latency end to end: tokenize + hash + control-plane Query over gRPC + score.
+
+The control plane runs as its own process; the benchmark registers `workers` fake agents over
+real Connect streams and fills the index (each worker holds part of the prompt's prefix plus
+unrelated blocks), then times the router's own decision path (`Router.decide`) in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from bench.stats import percentile
+from data_plane.control_plane_client import ControlPlaneClient
+from data_plane.load_tracker import LoadTracker
+from data_plane.policies import make_policy
+from data_plane.routing import Router
+from data_plane.tokenization import load_tokenizer
+from kvroute.block_keys import prompt_block_keys
+from kvroute.local_cluster import LocalCluster
+from kvroute.v1 import kvroute_pb2 as pb
+from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
+from sim_engine.tiny_model import build_model_dir
+
+MODEL = "tiny-llama"
+WORDS = ["cache", "token", "prefix", "router", "worker", "model", "request", "latency", "block", "memory", "engine", "query", "index", "policy"]
+
+
+def prompt_text(tokenizer, n_tokens: int, seed: int) -> str:
+    rng = random.Random(seed)
+    words: list[str] = []
+    while len(tokenizer.encode_prompt(" ".join(words))) < n_tokens:
+        words.extend(rng.choice(WORDS) + str(rng.randrange(1000)) for _ in range(256))
+    ids = tokenizer.encode_prompt(" ".join(words))[:n_tokens]
+    return tokenizer.decode(ids)
+
+
+async def populate(address: str, workers: int, block_size: int, prompt_keys: list[int], other_blocks: int,
+                   seed: int) -> list:
+    rng = random.Random(seed)
+    channel = grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 256 << 20)])
+    stub = pb_grpc.ControlPlaneStub(channel)
+    calls = []
+    for w in range(workers):
+        held = prompt_keys[: rng.randrange(len(prompt_keys) + 1)] + [rng.getrandbits(64) for _ in range(other_blocks)]
+        messages = [
+            pb.AgentMessage(register=pb.RegisterWorker(worker_id=f"w{w}", model=MODEL, engine="sim", block_size=block_size,
+                                                       endpoint=f"http://127.0.0.1:{20000 + w}")),
+            pb.AgentMessage(batch=pb.EventBatch(seq=1, snapshot=True, events=[
+                pb.BlockEvent(stored=pb.BlocksStored(block_keys=held, medium="gpu"))])),
+        ]
+        queue: asyncio.Queue = asyncio.Queue()
+        for m in messages:
+            queue.put_nowait(m)
+
+        async def outgoing(q=queue):
+            while True:
+                yield await q.get()
+
+        call = stub.Connect(outgoing())
+        await call.read()  # registered
+        await call.read()  # snapshot acked
+        calls.append((call, queue))
+    return [channel, calls]
+
+
+async def measure(address: str, tokenizer_dir: Path, prompt_tokens: int, workers: int, block_size: int,
+                  iterations: int, other_blocks: int, seed: int) -> dict:
+    tokenizer = load_tokenizer(tokenizer_dir)
+    text = prompt_text(tokenizer, prompt_tokens, seed)
+    ids = tokenizer.encode_prompt(text)
+    keep_alive = await populate(address, workers, block_size, prompt_block_keys(ids, block_size, MODEL), other_blocks, seed)
+    client = ControlPlaneClient(address, query_timeout_s=1.0)
+    await client.refresh()
+    router = Router(client, make_policy("kv_aware", seed=seed), LoadTracker())
+    samples, fail_open = [], 0
+    for i in range(iterations + 20):
+        started = time.perf_counter()
+        tokens = tokenizer.encode_prompt(text)
+        decision = await router.decide(MODEL, tokens)
+        elapsed = time.perf_counter() - started
+        if i >= 20:  # warm-up
+            samples.append(elapsed * 1000)
+            fail_open += decision.fail_open
+    await client.close()
+    await keep_alive[0].close()
+    return {"p50_ms": round(percentile(samples, 50), 3), "p99_ms": round(percentile(samples, 99), 3),
+            "mean_ms": round(sum(samples) / len(samples), 3), "prompt_tokens": len(ids), "workers": workers,
+            "iterations": iterations, "fail_open": fail_open}
+
+
+def run_decision(prompt_tokens: int = 8192, workers: int = 64, block_size: int = 16, iterations: int = 300,
+                 other_blocks: int = 2000, seed: int = 0) -> dict:
+    workdir = Path(tempfile.mkdtemp(prefix="kvroute-bench-"))
+    cluster = LocalCluster(workdir=workdir, tokenizer_dir=build_model_dir(workdir / MODEL),
+                           heartbeat_timeout_s=3600)
+    try:
+        address = cluster.start_control_plane()
+        return asyncio.run(measure(address, cluster.tokenizer_dir, prompt_tokens, workers, block_size, iterations,
+                                   other_blocks, seed))
+    finally:
+        cluster.stop()
