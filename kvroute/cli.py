@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "router": ("data_plane.cli", "run a stateless router (OpenAI-compatible HTTP + gRPC Route)"),
     "sim-engine": ("sim_engine.cli", "run a GPU-free vLLM stand-in (OpenAI API, real vLLM KV events)"),
     "demo": ("kvroute.demo", "start a local fleet and compare kv_aware with round_robin"),
+    "simulate": ("simulator.cli", "simulate a fleet on a trace or generated workload under several policies"),
     "bench": ("bench.cli", "micro-benchmarks of the hot paths (ingest, decision, proxy)"),
 }
 

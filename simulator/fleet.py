@@ -1,0 +1,192 @@
+"""Discrete-event simulation of a fleet behind one router.
+
+Real code: the routing policies (data_plane.policies), the router's in-flight tracking
+(data_plane.load_tracker), the agent's engine-hash -> block-key resolution
+(worker_agent.block_resolver) and the control plane's index (control_plane.index).
+Simulated: each engine (sim_engine's PrefixCache + Scheduler + CostModel) and the clock.
+KV events reach the index when the engine step that produced them ends, plus `event_delay_s`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from control_plane.index import BitmaskPrefixIndex
+from data_plane.load_tracker import InflightTicket, LoadTracker
+from data_plane.policies import Candidate, RoutingInput, make_policy
+from kvroute.block_keys import prompt_block_keys
+from sim_engine.cost_model import CostModel
+from sim_engine.prefix_cache import ClearedEvent, PrefixCache, RemovedEvent, StoredEvent
+from sim_engine.scheduler import Scheduler, SimRequest
+from simulator.workloads import SimWorkloadRequest
+from worker_agent.block_resolver import BlockResolver
+from worker_agent.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored
+
+MODEL = "sim-model"
+
+
+@dataclass
+class FleetConfig:
+    workers: int = 8
+    num_blocks: int = 8192
+    block_size: int = 16
+    cost: CostModel = field(default_factory=CostModel)
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    event_delay_s: float = 0.0
+    seed: int = 0
+
+
+@dataclass
+class PolicyRun:
+    policy: str
+    ttft_s: list[float] = field(default_factory=list)
+    e2e_s: list[float] = field(default_factory=list)
+    hit_tokens: int = 0
+    query_tokens: int = 0
+    busy_s: list[float] = field(default_factory=list)
+    makespan_s: float = 0.0
+    rejected: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+class _Worker:
+    def __init__(self, i: int, config: FleetConfig) -> None:
+        self.worker_id = f"w{i}"
+        self.slot = i
+        self.cache = PrefixCache(config.num_blocks, config.block_size, hash_seed=f"sim-{config.seed}-{i}")
+        self.scheduler = Scheduler(self.cache, config.cost, config.max_num_batched_tokens, config.max_num_seqs,
+                                   vocab_size=50_000, seed=config.seed * 1000 + i)
+        self.resolver = BlockResolver(MODEL)
+        self.busy = False
+        self.busy_s = 0.0
+
+
+def _to_wire(event, block_size: int):
+    if isinstance(event, StoredEvent):
+        return BlockStored(event.block_hashes, event.parent_block_hash, event.token_ids, block_size)
+    if isinstance(event, RemovedEvent):
+        return BlockRemoved(event.block_hashes)
+    if isinstance(event, ClearedEvent):
+        return AllBlocksCleared()
+    raise TypeError(event)
+
+
+def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config: FleetConfig,
+                    progress=None) -> PolicyRun:
+    policy = make_policy(policy_name, **({} if policy_name == "round_robin" else {"seed": config.seed}))
+    workers = [_Worker(i, config) for i in range(config.workers)]
+    index = BitmaskPrefixIndex()
+    load = LoadTracker()
+    run = PolicyRun(policy_name)
+    seq = itertools.count()
+    # (time, order, kind, payload): kind 0 = arrival, 1 = step done, 2 = events reach the index
+    heap: list[tuple[float, int, int, object]] = [(r.arrival_s, next(seq), 0, r) for r in workload]
+    heapq.heapify(heap)
+    tickets: dict[str, tuple[InflightTicket, float]] = {}
+    ids = itertools.count()
+    now = 0.0
+    done = 0
+
+    def start_step(w: _Worker, t: float) -> None:
+        result = w.scheduler.step()
+        w.busy = True
+        w.busy_s += result.seconds
+        heapq.heappush(heap, (t + result.seconds, next(seq), 1, (w, result)))
+
+    while heap:
+        now, _, kind, payload = heapq.heappop(heap)
+        if kind == 0:
+            req: SimWorkloadRequest = payload
+            keys = prompt_block_keys(req.tokens, config.block_size, MODEL)
+            matched = index.match(keys)
+            candidates = []
+            for w in workers:
+                inflight, pending = load.inflight(w.worker_id)
+                candidates.append(Candidate(
+                    worker_id=w.worker_id, endpoint="", block_size=config.block_size,
+                    cached_tokens=min(matched.get(w.slot, 0) * config.block_size, len(req.tokens)),
+                    running_requests=len(w.scheduler.running), waiting_requests=len(w.scheduler.waiting),
+                    inflight_requests=inflight, pending_prefill_tokens=pending))
+            choice = policy.choose(RoutingInput(MODEL, len(req.tokens)), candidates)
+            w = workers[int(choice.worker.worker_id[1:])]
+            if -(-(len(req.tokens) + req.output_tokens) // config.block_size) > config.num_blocks:
+                run.rejected += 1  # larger than a whole engine cache: an engine would reject it too
+                continue
+            sim_req = SimRequest(f"r{next(ids)}", req.tokens, req.output_tokens)
+            w.scheduler.add(sim_req)
+            tickets[sim_req.request_id] = (load.start(w.worker_id, max(0, len(req.tokens) - choice.worker.cached_tokens)),
+                                           req.arrival_s)
+            if not w.busy:
+                start_step(w, now)
+        elif kind == 1:
+            w, result = payload
+            w.busy = False
+            for r in result.first_tokens:
+                ticket, arrival = tickets[r.request_id]
+                run.ttft_s.append(now - arrival)
+                load.first_token(ticket)
+            for r in result.finished:
+                ticket, arrival = tickets.pop(r.request_id)
+                run.e2e_s.append(now - arrival)
+                load.finish(ticket)
+                done += 1
+                if progress and done % 500 == 0:
+                    progress(done)
+            events = w.cache.take_events()
+            if events:
+                wire = [_to_wire(e, config.block_size) for e in events]
+                if config.event_delay_s > 0:
+                    heapq.heappush(heap, (now + config.event_delay_s, next(seq), 2, (w, wire)))
+                else:
+                    _apply(index, w, wire)
+            if w.scheduler.has_work():
+                start_step(w, now)
+        else:
+            w, wire = payload
+            _apply(index, w, wire)
+    run.makespan_s = now
+    run.busy_s = [w.busy_s for w in workers]
+    run.hit_tokens = sum(w.cache.hits_tokens for w in workers)
+    run.query_tokens = sum(w.cache.queries_tokens for w in workers)
+    return run
+
+
+def _apply(index: BitmaskPrefixIndex, w: _Worker, wire: list) -> None:
+    for event in w.resolver.apply(wire):
+        k = event.WhichOneof("kind")
+        if k == "stored":
+            index.store(w.slot, event.stored.block_keys)
+        elif k == "removed":
+            index.remove(w.slot, event.removed.block_keys)
+        else:
+            index.clear(w.slot)
+
+
+def oracle_hit_rate(workload: list[SimWorkloadRequest], block_size: int, capacity_blocks: int | None) -> float:
+    """Token hit rate of one pooled LRU prefix cache (None = infinite), requests in arrival order."""
+    lru: OrderedDict[int, None] = OrderedDict()
+    hits = queries = 0
+    for req in sorted(workload, key=lambda r: r.arrival_s):
+        keys = prompt_block_keys(req.tokens, block_size, MODEL)
+        n = 0
+        for k in keys:
+            if k not in lru:
+                break
+            n += 1
+        n = min(n, (len(req.tokens) - 1) // block_size)  # the engine always computes the last token
+        hits += n * block_size
+        queries += len(req.tokens)
+        for k in keys:
+            lru[k] = None
+            lru.move_to_end(k)
+        if capacity_blocks is not None:
+            while len(lru) > capacity_blocks:
+                lru.popitem(last=False)
+    return hits / queries if queries else 0.0

@@ -1,0 +1,124 @@
+"""Workloads for the simulator: Mooncake JSONL traces and a generated suite.
+
+Every request carries real token ids, so the router-side hashing, the index and the engines'
+caches all run on the same bytes they would see live.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+TRACE_BLOCK_TOKENS = 512  # Mooncake hash_ids each stand for 512 tokens
+
+
+@dataclass(slots=True)
+class SimWorkloadRequest:
+    arrival_s: float
+    tokens: list[int]
+    output_tokens: int
+
+
+def load_mooncake_trace(path: str | Path, limit: int | None = None) -> list[SimWorkloadRequest]:
+    """`timestamp` (ms), `input_length`, `output_length`, `hash_ids` (512-token blocks) per line.
+    Equal hash ids get equal token ids, so shared blocks are shared prefixes exactly as in the trace."""
+    block_tokens: dict[int, list[int]] = {}
+    out: list[SimWorkloadRequest] = []
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                ts, n_in, n_out, ids = row["timestamp"], int(row["input_length"]), int(row["output_length"]), row["hash_ids"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{line_no}: not a Mooncake trace row: {exc}") from exc
+            tokens: list[int] = []
+            for h in ids:
+                block = block_tokens.get(h)
+                if block is None:
+                    base = (h * TRACE_BLOCK_TOKENS) % 2_000_000_000
+                    block = block_tokens[h] = list(range(base, base + TRACE_BLOCK_TOKENS))
+                tokens += block
+            out.append(SimWorkloadRequest(ts / 1000.0, tokens[:n_in] if n_in <= len(tokens) else tokens, max(1, n_out)))
+            if limit and len(out) >= limit:
+                break
+    return out
+
+
+@dataclass
+class GeneratedWorkload:
+    """Knobs shared by the generated suite."""
+    name: str
+    requests: int = 2000
+    rate_rps: float = 20.0
+    arrival: str = "poisson"          # or "bursty"
+    seed: int = 0
+    system_prompt_tokens: int = 2048  # shared-prefix / agent schema size
+    groups: int = 8                   # distinct shared prompts / documents / agents
+    user_tokens: int = 256
+    output_tokens: int = 128
+    turns: int = 4
+    docs: int = 32
+    doc_tokens: int = 2048
+    docs_per_request: int = 2
+
+
+WORKLOAD_NAMES = ("shared-prefix", "multi-turn", "rag", "agent", "one-shot")
+
+
+def _arrivals(w: GeneratedWorkload, rng: random.Random) -> list[float]:
+    t, out = 0.0, []
+    for i in range(w.requests):
+        if w.arrival == "bursty":  # on/off: bursts at 4x the rate, then silence, same mean rate
+            t += rng.expovariate(w.rate_rps * 4) if (i // 50) % 2 == 0 else rng.expovariate(w.rate_rps * 4 / 7)
+        else:
+            t += rng.expovariate(w.rate_rps)
+        out.append(t)
+    return out
+
+
+def generate(w: GeneratedWorkload) -> list[SimWorkloadRequest]:
+    if w.name not in WORKLOAD_NAMES:
+        raise ValueError(f"unknown workload {w.name!r}; choose one of {', '.join(WORKLOAD_NAMES)}")
+    rng = random.Random(w.seed)
+    fresh = iter(range(10_000_000, 2_000_000_000))
+
+    def unique(n: int) -> list[int]:
+        return [next(fresh) for _ in range(n)]
+
+    arrivals = _arrivals(w, rng)
+    out: list[SimWorkloadRequest] = []
+    if w.name in ("shared-prefix", "agent"):
+        size = w.system_prompt_tokens * (4 if w.name == "agent" else 1)  # agents carry a large tool schema
+        prefixes = [unique(size) for _ in range(w.groups)]
+        for t in arrivals:
+            out.append(SimWorkloadRequest(t, rng.choice(prefixes) + unique(w.user_tokens), w.output_tokens))
+    elif w.name == "rag":
+        docs = [unique(w.doc_tokens) for _ in range(w.docs)]
+        system = unique(256)
+        for t in arrivals:
+            chosen = rng.sample(range(w.docs), w.docs_per_request)
+            out.append(SimWorkloadRequest(t, system + [tok for d in chosen for tok in docs[d]] + unique(w.user_tokens),
+                                          w.output_tokens))
+    elif w.name == "multi-turn":
+        systems = [unique(w.system_prompt_tokens // 2) for _ in range(w.groups)]
+        conversations: list[list[int]] = []
+        turn_of: list[int] = []
+        for t in arrivals:
+            live = [i for i, n in enumerate(turn_of) if n < w.turns]
+            if live and rng.random() < 1 - 1 / w.turns:
+                i = rng.choice(live[-32:])  # recent conversations continue
+                conversations[i] = conversations[i] + unique(w.output_tokens) + unique(w.user_tokens)
+                turn_of[i] += 1
+            else:
+                conversations.append(rng.choice(systems) + unique(w.user_tokens))
+                turn_of.append(1)
+                i = len(conversations) - 1
+            out.append(SimWorkloadRequest(t, conversations[i], w.output_tokens))
+    else:  # one-shot: nothing to share, routing can only balance load
+        for t in arrivals:
+            out.append(SimWorkloadRequest(t, unique(w.system_prompt_tokens + w.user_tokens), w.output_tokens))
+    return out
