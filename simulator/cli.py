@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     total_blocks = num_blocks * args.workers
     oracle = oracle_hit_rate(workload, block_size, total_blocks)
     oracle_inf = oracle_hit_rate(workload, block_size, None)
-    lines = [f"| policy | hit rate | % of ceiling | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | e2e p50 ms | req/s | imbalance |",
+    lines = ["| policy | hit rate | % of ceiling | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | e2e p50 ms | req/s | imbalance |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         share = r["hit_rate"] / oracle if oracle else 0.0
