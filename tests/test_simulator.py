@@ -10,7 +10,6 @@ from pathlib import Path
 from simulator.fleet import FleetConfig, oracle_hit_rate, simulate_policy
 from simulator.workloads import GeneratedWorkload, generate, load_mooncake_trace
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 
 def test_kv_aware_near_ceiling_where_round_robin_thrashes() -> None:
@@ -47,9 +46,20 @@ def test_seed_makes_runs_bit_for_bit_reproducible() -> None:
     assert first == second and set(first["policies"]) == {"random", "kv_aware"}
 
 
-def test_mooncake_trace_rows_map_to_shared_token_blocks() -> None:
-    requests = load_mooncake_trace(TRACE, limit=20)
-    assert len(requests) == 20 and requests[0].arrival_s == 0.0
-    # All rows of this trace start with hash id 0: the same first 512 tokens.
-    assert all(r.tokens[:512] == requests[0].tokens[:512] for r in requests)
-    assert len(requests[0].tokens) == 6758
+def test_mooncake_trace_rows_map_to_shared_token_blocks(tmp_path: Path) -> None:
+    # Rows in the Mooncake conversation trace's format (timestamp ms, lengths, 512-token hash ids).
+    rows = [{"timestamp": 0, "input_length": 1100, "output_length": 10, "hash_ids": [0, 1, 2]},
+            {"timestamp": 250, "input_length": 1500, "output_length": 0, "hash_ids": [0, 1, 3]},
+            {"timestamp": 500, "input_length": 300, "output_length": 5, "hash_ids": [4]}]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    first, second, third = load_mooncake_trace(trace)
+    assert [r.arrival_s for r in (first, second, third)] == [0.0, 0.25, 0.5]
+    assert len(first.tokens) == 1100 and len(second.tokens) == 1500 and len(third.tokens) == 300
+    assert first.tokens[:1024] == second.tokens[:1024] and first.tokens[1024:] != second.tokens[1024:1100]
+    assert second.output_tokens == 1  # an engine always produces at least one token
+    trace.write_text('{"timestamp": 0}\n')
+    import pytest
+
+    with pytest.raises(ValueError, match=":1: not a Mooncake trace row"):
+        load_mooncake_trace(trace)
