@@ -57,6 +57,8 @@ class Scheduler:
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self._rng = random.Random(seed)
+        self._token_pool: list[int] = []
+        self._pool_offset = 0
 
     def add(self, request: SimRequest) -> None:
         request.prompt_hashes = self.cache.chain_hashes(request.prompt)
@@ -105,6 +107,43 @@ class Scheduler:
             self.cache.release(req.alloc)
         seconds = self.cost.step_seconds(prefill_tokens, len(decoders))
         return StepResult(seconds, prefill_tokens, new_tokens, first, finished)
+
+    def fast_forward(self, max_steps: int) -> StepResult | None:
+        """Run up to `max_steps` pure-decode steps at once (no request waiting or prefilling).
+
+        Equivalent to calling step() that many times, except that the blocks those steps fill are
+        cached at the end of the run rather than step by step. The caller bounds `max_steps` by
+        the next arrival, so no request could have joined in between. None when not applicable.
+        """
+        if self.waiting or not self.running or max_steps < 2:
+            return None
+        if any(not r.prefill_done for r in self.running):
+            return None
+        k = min(max_steps, min(r.max_tokens - len(r.output) for r in self.running))
+        if k < 2:
+            return None
+        for req in self.running:
+            req.output.extend(self._random_tokens(k))
+            self._cache_full_blocks(req)
+        finished = [r for r in self.running if r.finished]
+        for req in finished:
+            self.running.remove(req)
+            self.cache.release(req.alloc)
+        return StepResult(k * self.cost.step_seconds(0, len(self.running) + len(finished)), 0, [], [], finished)
+
+    def _random_tokens(self, k: int) -> list[int]:
+        """k output token ids from a seeded pool (content only matters for which blocks match)."""
+        if not self._token_pool:
+            self._token_pool = [self._rng.randrange(3, self.vocab_size) for _ in range(1 << 16)]
+        start = self._pool_offset
+        self._pool_offset = (start + k) % len(self._token_pool)
+        out = self._token_pool[start:start + k]
+        while len(out) < k:
+            out += self._token_pool[: k - len(out)]
+        return out
+
+    def decode_step_seconds(self) -> float:
+        return self.cost.step_seconds(0, len(self.running))
 
     def _cache_full_blocks(self, req: SimRequest) -> None:
         bs = self.cache.block_size

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -86,24 +87,33 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
     load = LoadTracker()
     run = PolicyRun(policy_name)
     seq = itertools.count()
-    # (time, order, kind, payload): kind 0 = arrival, 1 = step done, 2 = events reach the index
-    heap: list[tuple[float, int, int, object]] = [(r.arrival_s, next(seq), 0, r) for r in workload]
-    heapq.heapify(heap)
+    arrivals = sorted(workload, key=lambda r: r.arrival_s)
+    next_arrival = 0
+    # (time, order, kind, payload): kind 1 = step done, 2 = events reach the index
+    heap: list[tuple[float, int, int, object]] = []
     tickets: dict[str, tuple[InflightTicket, float]] = {}
     ids = itertools.count()
     now = 0.0
     done = 0
 
     def start_step(w: _Worker, t: float) -> None:
-        result = w.scheduler.step()
+        result = None
+        step_s = w.scheduler.decode_step_seconds()
+        if step_s > 0:
+            # Decode-only stretches run in one event, up to the step boundary after the next arrival.
+            horizon = arrivals[next_arrival].arrival_s - t if next_arrival < len(arrivals) else float("inf")
+            result = w.scheduler.fast_forward(max(1, math.ceil(horizon / step_s)) if horizon != float("inf") else 1 << 30)
+        if result is None:
+            result = w.scheduler.step()
         w.busy = True
         w.busy_s += result.seconds
         heapq.heappush(heap, (t + result.seconds, next(seq), 1, (w, result)))
 
-    while heap:
-        now, _, kind, payload = heapq.heappop(heap)
-        if kind == 0:
-            req: SimWorkloadRequest = payload
+    while heap or next_arrival < len(arrivals):
+        if next_arrival < len(arrivals) and (not heap or arrivals[next_arrival].arrival_s <= heap[0][0]):
+            req: SimWorkloadRequest = arrivals[next_arrival]
+            next_arrival += 1
+            now = req.arrival_s
             keys = prompt_block_keys(req.tokens, config.block_size, MODEL)
             matched = index.match(keys)
             candidates = []
@@ -125,7 +135,9 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
                                            req.arrival_s)
             if not w.busy:
                 start_step(w, now)
-        elif kind == 1:
+            continue
+        now, _, kind, payload = heapq.heappop(heap)
+        if kind == 1:
             w, result = payload
             w.busy = False
             for r in result.first_tokens:
