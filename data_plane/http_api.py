@@ -83,7 +83,7 @@ class RouterHttpApi:
 
     async def _parse(self, request: web.Request) -> tuple[dict, list[int]]:
         try:
-            body = await request.json()
+            body = json.loads(await request.read())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise BadRequest(f"request body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
@@ -153,8 +153,8 @@ class RouterHttpApi:
         outcome = await self._parse_and_decide(request)
         if isinstance(outcome, web.Response):
             return outcome
-        body, tokens, decision = outcome
-        raw = json.dumps(body).encode()
+        _, tokens, decision = outcome
+        raw = await request.read()  # the client's own bytes, not a re-serialisation (aiohttp caches the body)
         for attempt, candidate in enumerate(decision.ranked()):
             result = await self._forward(request, path, raw, decision, candidate, tokens)
             if result is not None:
