@@ -1,12 +1,30 @@
-"""Step-time model of one engine replica, in seconds of (unscaled) model time.
+"""Step-time model of one engine replica, in seconds of (unscaled) model time. Pure and clock-free.
 
-Default: a 70B-class dense model (Llama-3.1-70B-like, bf16) with tensor parallelism over one
-8-GPU node. Reasoning for the numbers: prefill is compute-bound at ~2*70e9 FLOP/token; eight
-H100-class GPUs at ~40% of ~1 PFLOP/s dense bf16 each give ~3.2 PFLOP/s, i.e. ~20k tokens/s;
-we use 16k tokens/s to account for attention cost on long prompts. A decode step is
-memory-bound: 140 GB of weights over ~8*3.35 TB/s plus TP all-reduces is ~15-25 ms; we use
-20 ms plus 0.1 ms per running sequence for KV reads. `speedup` only scales wall time, so a
-demo runs faster while every ratio stays that of the cost model.
+    step_seconds(prefill_tokens, decode_seqs, context_tokens)
+        = step_overhead_s
+        + prefill_tokens / prefill_tokens_per_s
+        + (decode_step_s + decode_seqs * decode_per_seq_s        if decode_seqs > 0)
+        + context_tokens * decode_per_context_token_s
+
+`context_tokens` = KV-cache tokens the step's decode sequences attend over (the sum of their
+current lengths); pass 0 to ignore it.
+
+Default: a 70B-class dense model (Llama-3.1-70B-like: 80 layers, d_model 8192, GQA with 8 KV
+heads of 128, bf16) with tensor parallelism over one 8-GPU node. Reasoning:
+- Prefill is compute-bound at ~2 * 70e9 = 140 GFLOP/token. Eight H100-class GPUs at ~40% of
+  ~1 PFLOP/s dense bf16 each give ~3.2 PFLOP/s, i.e. ~20k tokens/s; we use 16k tokens/s to
+  account for attention FLOPs on long prompts and TP all-reduces.
+- A decode step is memory-bound: 140 GB of weights over 8 * 3.35 TB/s is ~5 ms, plus TP
+  all-reduces, kernel launches and sampling; measured steps at small batch are ~15-25 ms. We use
+  20 ms per step plus 0.1 ms per running sequence, which folds in the KV reads of a typical
+  few-thousand-token context (sampling, per-sequence kernels, KV traffic).
+- KV reads explicitly (off by default, so the per-sequence term above carries them):
+  2 (K,V) * 80 layers * 8 heads * 128 * 2 bytes = 320 KiB per context token, over 8 * 3.35 TB/s
+  of HBM is ~12 ns per token per step (256 sequences of 4k tokens: ~13 ms). To model long
+  contexts set `decode_per_context_token_s=1.2e-8` and lower `decode_per_seq_s` to ~0.05 ms.
+- 2 ms fixed scheduling / input-preparation overhead per step.
+`speedup` (in the server) only divides wall time, so a demo runs faster while every ratio
+stays that of the cost model.
 """
 
 from __future__ import annotations
@@ -19,12 +37,25 @@ class CostModel:
     prefill_tokens_per_s: float = 16_000.0
     decode_step_s: float = 0.020
     decode_per_seq_s: float = 0.0001
+    decode_per_context_token_s: float = 0.0
     step_overhead_s: float = 0.002
 
-    def step_seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
+    def __post_init__(self) -> None:
+        if self.prefill_tokens_per_s <= 0:
+            raise ValueError("prefill_tokens_per_s must be positive")
+        for name in ("decode_step_s", "decode_per_seq_s", "decode_per_context_token_s", "step_overhead_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative")
+
+    def step_seconds(self, prefill_tokens: int, decode_seqs: int, context_tokens: int = 0) -> float:
+        """Duration of one engine step; 0.0 for an empty step."""
         if prefill_tokens == 0 and decode_seqs == 0:
             return 0.0
         t = self.step_overhead_s + prefill_tokens / self.prefill_tokens_per_s
         if decode_seqs:
             t += self.decode_step_s + decode_seqs * self.decode_per_seq_s
-        return t
+        return t + context_tokens * self.decode_per_context_token_s
+
+    def prefill_seconds(self, tokens: int) -> float:
+        """Time of a step that only prefills `tokens` (a lower bound on the TTFT of that many uncached tokens)."""
+        return self.step_seconds(tokens, 0)
