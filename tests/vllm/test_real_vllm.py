@@ -94,7 +94,7 @@ def test_shared_prefix_goes_to_the_vllm_that_cached_it(cluster: LocalCluster) ->
         body = chat(document(i), "now list the key points")
         decision = wait_until(
             lambda: (d := json.loads(http_post_json(router + "/v1/route", body)[1])) and d["cached_tokens"] > 0 and d,
-            30, f"{engine.worker_id}'s KV events reach the router")
+            60, f"{engine.worker_id}'s KV events reach the router")
         assert decision["worker_id"] == engine.worker_id, decision
         assert decision["cached_tokens"] >= 8 * BLOCK_SIZE
         hits_before = [prefix_hits(e.url) for e in cluster.engines]
