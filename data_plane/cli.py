@@ -17,7 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="kv_aware", choices=["kv_aware", "round_robin", "random", "least_loaded"],
                    help="routing policy")
     p.add_argument("--tokenizer", required=True, metavar="PATH", help="local model directory with tokenizer.json")
-    p.add_argument("--model", default=None, help="served model name (default: the tokenizer directory's name)")
+    p.add_argument("--model", default=None, help="served model name the tokenizer belongs to; other models get a 404 "
+                        "(unset: the tokenizer directory's name)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (HTTP and gRPC)")
     p.add_argument("--port", type=int, default=8080, help="OpenAI-compatible HTTP port")
     p.add_argument("--grpc-port", type=int, default=50052, help="gRPC Route port (0 = off)")
@@ -52,35 +53,42 @@ async def serve(args: argparse.Namespace) -> int:
     from data_plane.tokenization import load_tokenizer
     from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
+    log = logging.getLogger("kvroute.router")
     model = args.model or Path(args.tokenizer).resolve().name
     tokenizer = load_tokenizer(args.tokenizer)
     control_plane = ControlPlaneClient(args.control_plane, args.query_timeout_ms / 1000,
                                        static_workers=_parse_static(args.static_workers))
     control_plane.start()
-    load = LoadTracker()
-    router = Router(control_plane, make_policy(args.policy), load)
-    http = RouterHttpApi(router, tokenizer, model, load, args.max_prompt_tokens)
-    runner = web.AppRunner(http.app(), access_log=None)
+    router = Router(control_plane, make_policy(args.policy), LoadTracker())
+    http = RouterHttpApi(router, tokenizer, model, args.max_prompt_tokens)
+    # handler_cancellation: a client that goes away cancels its handler, which closes the backend
+    # connection, so the engine stops generating for nobody.
+    runner = web.AppRunner(http.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()
     grpc_server = None
-    if args.grpc_port:
-        grpc_server = grpc.aio.server()
-        pb_grpc.add_RouterServicer_to_server(RouterGrpcService(router, tokenizer, model, args.max_prompt_tokens),
-                                             grpc_server)
-        grpc_server.add_insecure_port(f"{args.host}:{args.grpc_port}")
-        await grpc_server.start()
-    logging.getLogger("kvroute.router").info("router ready: http://%s:%d grpc=%s policy=%s model=%s", args.host,
-                                             args.port, args.grpc_port or "off", args.policy, model)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    if grpc_server:
-        await grpc_server.stop(0.5)
-    await runner.cleanup()
-    await control_plane.close()
+    try:
+        await web.TCPSite(runner, args.host, args.port).start()
+        if args.grpc_port:
+            grpc_server = grpc.aio.server()
+            pb_grpc.add_RouterServicer_to_server(RouterGrpcService(router, tokenizer, model, args.max_prompt_tokens),
+                                                 grpc_server)
+            if not grpc_server.add_insecure_port(f"{args.host}:{args.grpc_port}"):
+                raise OSError(f"cannot listen on {args.host}:{args.grpc_port} for gRPC")
+            await grpc_server.start()
+        log.info("router ready: http://%s:%d grpc=%s policy=%s model=%s control-plane=%s query-timeout=%gms",
+                 args.host, args.port, args.grpc_port or "off", args.policy, model, args.control_plane,
+                 args.query_timeout_ms)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("router stopping")
+    finally:
+        if grpc_server:
+            await grpc_server.stop(0.5)
+        await runner.cleanup()
+        await control_plane.close()
     return 0
 
 
@@ -89,5 +97,8 @@ def run(args: argparse.Namespace) -> int:
     setup_tracing("kvroute-router")
     try:
         return aio.run(serve(args))
+    except (FileNotFoundError, OSError) as exc:  # bad --tokenizer, port in use: one clear line, no traceback
+        logging.getLogger("kvroute.router").error("router cannot start: %s", exc)
+        return 2
     finally:
         shutdown_tracing()

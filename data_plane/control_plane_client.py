@@ -1,5 +1,14 @@
-"""The router's view of the control plane: deadline-bounded Query plus a background fleet
-refresher, so a slow or dead control plane degrades routing to load-only, never to errors."""
+"""The router's view of the control plane: a deadline-bounded `Query` plus a background
+`ListWorkers` refresher that keeps the known fleet (ids, endpoints, block sizes, load).
+
+The known fleet is what lets a slow or dead control plane degrade routing to load-only instead
+of to errors (`data_plane.routing` does the failing open):
+
+- `workers_for(model)` is the latest `ListWorkers` snapshot for the model; if that is empty (a
+  restarted control plane whose agents have not re-registered yet) it is the last non-empty
+  snapshot; if the control plane has never answered, the `--static-workers` fleet.
+- `query()` raises on timeout or error (grpc.aio.AioRpcError); it never retries.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +28,7 @@ log = logging.getLogger("kvroute.router.cp")
 @dataclass(slots=True)
 class KnownWorker:
     worker_id: str
-    model: str
+    model: str  # "" for a static worker: serves whatever model the router serves
     endpoint: str
     block_size: int
     load: pb.WorkerLoad
@@ -35,35 +44,63 @@ class ControlPlaneClient:
             ("grpc.max_receive_message_length", 64 * 1024 * 1024)])
         self._stub = pb_grpc.ControlPlaneStub(self._channel)
         self.fleet: dict[str, KnownWorker] = {}
-        self.fleet_updated_at = 0.0
-        self._static = {wid: KnownWorker(wid, "", url, static_block_size, pb.WorkerLoad())
-                        for wid, url in (static_workers or {}).items()}
+        self.fleet_updated_at = 0.0  # monotonic time of the last successful ListWorkers; 0 = never
+        self.reachable = False       # did the last ListWorkers succeed
+        self._last_known: dict[str, list[KnownWorker]] = {}  # model -> last non-empty snapshot
+        self._static = [KnownWorker(wid, "", url.rstrip("/"), static_block_size, pb.WorkerLoad())
+                        for wid, url in (static_workers or {}).items()]
         self._task: asyncio.Task | None = None
 
+    # ------------------------------------------------------------ lifecycle
+
     def start(self) -> None:
-        self._task = asyncio.create_task(self._refresh_forever())
+        """Start the background refresher (first refresh immediately)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._refresh_forever(), name="kvroute-cp-refresh")
 
     async def close(self) -> None:
         if self._task:
             self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
         await self._channel.close()
 
+    # ------------------------------------------------------------ the known fleet
+
+    @property
+    def ever_reached(self) -> bool:
+        return self.fleet_updated_at > 0
+
     def workers_for(self, model: str) -> list[KnownWorker]:
-        known = [w for w in self.fleet.values() if w.model == model]
-        if known:
-            return known
-        if not self.fleet_updated_at and self._static:
-            return list(self._static.values())  # control plane never reached: static fallback fleet
+        current = [w for w in self.fleet.values() if w.model == model]
+        if current:
+            return current
+        if model in self._last_known:
+            return list(self._last_known[model])
+        if not self.ever_reached:
+            return list(self._static)  # control plane never reached: static fallback fleet
         return []
 
     def models(self) -> set[str]:
-        return {w.model for w in self.fleet.values()}
+        """Models with known workers (static workers serve any model, so they add none)."""
+        return {w.model for w in self.fleet.values()} | set(self._last_known)
 
     async def refresh(self) -> None:
-        response = await self._stub.ListWorkers(pb.ListWorkersRequest(), timeout=1.0)
-        self.fleet = {w.worker_id: KnownWorker(w.worker_id, w.model, w.endpoint, w.block_size, w.load)
-                      for w in response.workers}
+        response = await self._stub.ListWorkers(pb.ListWorkersRequest(), timeout=max(1.0, self.refresh_interval_s))
+        fleet = {w.worker_id: KnownWorker(w.worker_id, w.model, w.endpoint.rstrip("/"), w.block_size, w.load)
+                 for w in response.workers}
+        joined, left = fleet.keys() - self.fleet.keys(), self.fleet.keys() - fleet.keys()
+        if joined or left:
+            log.info("fleet: %d workers (joined: %s; left: %s)", len(fleet), ", ".join(sorted(joined)) or "-",
+                     ", ".join(sorted(left)) or "-")
+        self.fleet = fleet
+        for model in {w.model for w in fleet.values()}:
+            self._last_known[model] = [w for w in fleet.values() if w.model == model]
         self.fleet_updated_at = time.monotonic()
+        self.reachable = True
 
     async def _refresh_forever(self) -> None:
         failures = 0
@@ -71,16 +108,25 @@ class ControlPlaneClient:
             try:
                 await self.refresh()
                 if failures:
-                    log.info("control plane %s reachable again", self.address)
+                    log.info("control plane %s reachable again after %d failed refreshes", self.address, failures)
                 failures = 0
-            except grpc.aio.AioRpcError as exc:
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the refresher must never die
+                self.reachable = False
                 failures += 1
+                reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
                 if failures in (1, 20) or failures % 200 == 0:
-                    log.warning("control plane %s unreachable (%s); routing on last known fleet", self.address,
-                                exc.code().name)
+                    log.warning("control plane %s unreachable (%s, %d times); routing on the last known fleet "
+                                "(%d workers)", self.address, reason, failures, len(self.fleet) or len(self._static))
             await asyncio.sleep(self.refresh_interval_s)
 
+    # ------------------------------------------------------------ the index
+
     async def query(self, model: str, chains: dict[int, list[int]]) -> list[pb.WorkerMatch]:
+        """Matched prefix + load of every live worker of `model`; `chains` maps block size -> keys.
+
+        Raises grpc.aio.AioRpcError (DEADLINE_EXCEEDED past `query_timeout_s`, UNAVAILABLE...)."""
         request = pb.QueryRequest(model=model, chains=[pb.KeyChain(block_size=bs, block_keys=keys)
                                                        for bs, keys in chains.items()])
         response = await self._stub.Query(request, timeout=self.query_timeout_s)

@@ -1,49 +1,77 @@
-"""gRPC `kvroute.v1.Router/Route`: the same decision as POST /v1/route."""
+"""gRPC `kvroute.v1.Router/Route`: the same decision as POST /v1/route (nothing is forwarded).
+
+Input is one of `prompt` (tokenized like /v1/completions), `token_ids`, or chat `messages`
+(rendered with the model's chat template, generation prompt added, like /v1/chat/completions).
+Bad input -> INVALID_ARGUMENT, unknown model -> NOT_FOUND, no worker known -> UNAVAILABLE.
+"""
 
 from __future__ import annotations
 
-import grpc
+import asyncio
 
-from data_plane.routing import NoWorkersError, Router
-from data_plane.tokenization import PromptTokenizer, TokenizationError
+import grpc
+from opentelemetry import propagate, trace
+
+from data_plane.routing import NoWorkersError, RouteDecision, Router
+from data_plane.tokenization import THREAD_TOKENIZE_CHARS, PromptTokenizer, TokenizationError
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
+tracer = trace.get_tracer("kvroute.router")
+
 
 class RouterGrpcService(pb_grpc.RouterServicer):
-    def __init__(self, router: Router, tokenizer: PromptTokenizer, model: str, max_prompt_tokens: int) -> None:
+    def __init__(self, router: Router, tokenizer: PromptTokenizer, model: str, max_prompt_tokens: int = 131072) -> None:
         self.router, self.tokenizer, self.model, self.max_prompt_tokens = router, tokenizer, model, max_prompt_tokens
 
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
-        if request.model != self.model:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served by this router")
+        carrier = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        with tracer.start_as_current_span("kvroute.v1.Router/Route", context=propagate.extract(carrier),
+                                          kind=trace.SpanKind.SERVER):
+            if not request.model:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "'model' is required")
+            if request.model != self.model:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"The model `{request.model}` does not exist.")
+            try:
+                tokens = await self._tokens(request)
+            except TokenizationError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            if len(tokens) > self.max_prompt_tokens:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"prompt has {len(tokens)} tokens, more than this router accepts "
+                                    f"({self.max_prompt_tokens}; see --max-prompt-tokens)")
+            try:
+                decision = await self.router.decide(request.model, tokens, request.lora_name, request.cache_salt)
+            except NoWorkersError as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            return to_route_response(decision)
+
+    async def _tokens(self, request: pb.RouteRequest) -> list[int]:
         kind = request.WhichOneof("input")
-        try:
-            if kind == "prompt":
-                tokens = self.tokenizer.encode_prompt(request.prompt)
-            elif kind == "token_ids":
-                tokens = list(request.token_ids.ids)
-            elif kind == "messages":
-                tokens = self.tokenizer.encode_chat([{"role": m.role, "content": m.content}
-                                                     for m in request.messages.messages])
-            else:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "one of prompt, token_ids or messages is required")
-        except TokenizationError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if not tokens:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
-        if len(tokens) > self.max_prompt_tokens:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"prompt has {len(tokens)} tokens, more than {self.max_prompt_tokens}")
-        try:
-            d = await self.router.decide(request.model, tokens, request.lora_name, request.cache_salt)
-        except NoWorkersError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        return pb.RouteResponse(
-            worker_id=d.worker_id, endpoint=d.endpoint, prompt_tokens=d.prompt_tokens, cached_tokens=d.cached_tokens,
-            policy=d.policy, fail_open=d.fail_open,
-            workers=[pb.WorkerScore(worker_id=c.worker_id, endpoint=c.endpoint, cached_tokens=c.cached_tokens,
-                                    score=d.scores.get(c.worker_id, 0.0), inflight_requests=c.inflight_requests,
-                                    load=pb.WorkerLoad(running_requests=c.running_requests,
-                                                       waiting_requests=c.waiting_requests, kv_usage=c.kv_usage))
-                     for c in d.candidates])
+        if kind == "prompt":
+            return await self._run(len(request.prompt), self.tokenizer.encode_prompt, request.prompt)
+        if kind == "token_ids":
+            if not request.token_ids.ids:
+                raise TokenizationError("'token_ids' must not be empty")
+            return list(request.token_ids.ids)
+        if kind == "messages":
+            messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+            if not messages:
+                raise TokenizationError("'messages' must not be empty")
+            return await self._run(sum(len(m["content"]) for m in messages), self.tokenizer.encode_chat, messages)
+        raise TokenizationError("one of 'prompt', 'token_ids' or 'messages' is required")
+
+    @staticmethod
+    async def _run(size: int, fn, *args) -> list[int]:
+        return await asyncio.to_thread(fn, *args) if size > THREAD_TOKENIZE_CHARS else fn(*args)
+
+
+def to_route_response(d: RouteDecision) -> pb.RouteResponse:
+    return pb.RouteResponse(
+        worker_id=d.worker_id, endpoint=d.endpoint, prompt_tokens=d.prompt_tokens, cached_tokens=d.cached_tokens,
+        policy=d.policy, fail_open=d.fail_open,
+        workers=[pb.WorkerScore(worker_id=c.worker_id, endpoint=c.endpoint, cached_tokens=c.cached_tokens,
+                                score=d.scores.get(c.worker_id, 0.0), inflight_requests=c.inflight_requests,
+                                load=pb.WorkerLoad(running_requests=c.running_requests,
+                                                   waiting_requests=c.waiting_requests, kv_usage=c.kv_usage))
+                 for c in d.candidates])

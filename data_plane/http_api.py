@@ -1,63 +1,55 @@
-"""OpenAI-compatible HTTP front of the router.
+"""OpenAI-compatible HTTP front of the router: where a request's path starts.
 
-A request's path: parse + validate -> tokenize (model's own tokenizer / chat template) ->
-Router.decide -> proxy the original body to the chosen engine, SSE streamed through
-unbuffered, with W3C trace context and `x-kvroute-worker` on the response. A backend that
-refuses or fails before its first byte is retried on the next-best worker.
+    POST /v1/chat/completions, /v1/completions
+        _parse: JSON body -> validate -> token ids (tokenization.py: the model's own tokenizer
+                and chat template)
+        Router.decide (routing.py): block keys per block size -> control-plane query -> policy
+        BackendProxy.forward (proxy.py): the original body to the chosen engine, streamed back
+    POST /v1/route      the decision alone, as JSON (same body as completions or chat)
+    GET  /v1/models, /health, /metrics
+
+Bad input is a 400 with an OpenAI-style error (unknown model: 404); no worker known: 503.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-import time
 
-import aiohttp
 from aiohttp import web
 from opentelemetry import propagate, trace
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from data_plane.load_tracker import LoadTracker
-from data_plane.routing import NoWorkersError, RouteDecision, Router
-from data_plane.tokenization import PromptTokenizer, TokenizationError
+from data_plane.proxy import BackendProxy, error_response
+from data_plane.routing import NoWorkersError, Router
+from data_plane.tokenization import THREAD_TOKENIZE_CHARS, PromptTokenizer, TokenizationError
 
 log = logging.getLogger("kvroute.router.http")
 tracer = trace.get_tracer("kvroute.router")
-WORKER_HEADER = "x-kvroute-worker"
-_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+
+_RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400, code: str = "invalid_request_error") -> None:
+    def __init__(self, message: str, status: int = 400, code: str | int | None = None,
+                 error_type: str = "invalid_request_error") -> None:
         super().__init__(message)
-        self.status, self.code = status, code
+        self.status, self.code, self.error_type = status, code, error_type
 
 
-def error_response(message: str, status: int, code: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": code, "code": status}}, status=status)
-
-
-class RouterMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter("kvroute_router_requests", "Requests routed", ["policy", "worker"], registry=registry)
-        self.decision_seconds = Histogram("kvroute_router_decision_seconds", "Tokenize+hash+query+score time",
-                                          registry=registry, buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1))
-        self.fail_open = Counter("kvroute_router_fail_open", "Decisions made without the index", registry=registry)
-        self.backend_errors = Counter("kvroute_router_backend_errors", "Backend failures before the first byte",
-                                      ["worker"], registry=registry)
-        self.cached_tokens = Counter("kvroute_router_cached_tokens", "Prompt tokens expected cached", registry=registry)
-        self.prompt_tokens = Counter("kvroute_router_prompt_tokens", "Prompt tokens routed", registry=registry)
+def _is_token_ids(value: object) -> bool:
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in value))
 
 
 class RouterHttpApi:
-    def __init__(self, router: Router, tokenizer: PromptTokenizer, model: str, load: LoadTracker,
-                 max_prompt_tokens: int = 131072, backend_timeout_s: float = 600.0) -> None:
-        self.router, self.tokenizer, self.model, self.load = router, tokenizer, model, load
+    def __init__(self, router: Router, tokenizer: PromptTokenizer, model: str, max_prompt_tokens: int = 131072,
+                 proxy: BackendProxy | None = None) -> None:
+        self.router, self.tokenizer, self.model = router, tokenizer, model
         self.max_prompt_tokens = max_prompt_tokens
-        self.registry = CollectorRegistry()
-        self.metrics = RouterMetrics(self.registry)
-        self._backend_timeout = aiohttp.ClientTimeout(total=backend_timeout_s, sock_connect=2.0)
-        self._session: aiohttp.ClientSession | None = None
+        self.metrics = router.metrics
+        self.proxy = proxy or BackendProxy(router.load, router.metrics)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -65,163 +57,113 @@ class RouterHttpApi:
         app.router.add_post("/v1/chat/completions", self.handle_chat)
         app.router.add_post("/v1/route", self.handle_route)
         app.router.add_get("/v1/models", self.handle_models)
-        app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
+        app.router.add_get("/health", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)
-        app.on_startup.append(self._open)
-        app.on_cleanup.append(self._close)
+        app.on_startup.append(lambda _app: self.proxy.open())
+        app.on_cleanup.append(lambda _app: self.proxy.close())
         return app
 
-    async def _open(self, app: web.Application) -> None:
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=self._backend_timeout,
-                                              auto_decompress=False)
+    # ------------------------------------------------------------ handlers
 
-    async def _close(self, app: web.Application) -> None:
-        if self._session:
-            await self._session.close()
+    async def handle_chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "chat", forward_to="/v1/chat/completions")
+
+    async def handle_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "completions", forward_to="/v1/completions")
+
+    async def handle_route(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "either", forward_to=None)
+
+    async def _handle(self, request: web.Request, kind: str, forward_to: str | None) -> web.StreamResponse:
+        """parse -> decide -> proxy (or, for /v1/route, the decision as JSON), in a server span
+        joined to the caller's trace (W3C traceparent)."""
+        with tracer.start_as_current_span(f"POST {request.path}", context=propagate.extract(request.headers),
+                                          kind=trace.SpanKind.SERVER):
+            try:
+                raw, body, tokens = await self._parse(request, kind)
+                decision = await self.router.decide(self.model, tokens, str(body.get("lora_name") or ""),
+                                                    str(body.get("cache_salt") or ""), avoid=self.proxy.avoided())
+            except BadRequest as exc:
+                return error_response(str(exc), exc.status, exc.error_type, exc.code)
+            except NoWorkersError as exc:
+                return error_response(str(exc), 503, "service_unavailable", "no_workers")
+            if forward_to is None:
+                return web.json_response(decision.as_json())
+            return await self.proxy.forward(request, forward_to, raw, decision, len(tokens))
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        served = [self.model] if self.router.control_plane.workers_for(self.model) else []
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "kvroute"}
+                                                             for m in served]})
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        cp = self.router.control_plane
+        return web.json_response({"status": "ok", "model": self.model, "policy": self.router.policy.name,
+                                  "workers": len(cp.workers_for(self.model)),
+                                  "control_plane": "reachable" if cp.reachable else "unreachable"})
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # ------------------------------------------------------------ parsing
 
-    async def _parse(self, request: web.Request) -> tuple[dict, list[int]]:
+    async def _parse(self, request: web.Request, kind: str) -> tuple[bytes, dict, list[int]]:
+        """(original body bytes, parsed body, prompt token ids); kind is chat, completions or either."""
+        raw = await request.read()
         try:
-            body = json.loads(await request.read())
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise BadRequest(f"request body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
             raise BadRequest("request body must be a JSON object")
         model = body.get("model")
         if not isinstance(model, str) or not model:
-            raise BadRequest("'model' is required")
+            raise BadRequest("'model' is required (a string)")
         if model != self.model:
             raise BadRequest(f"The model `{model}` does not exist.", 404, "model_not_found")
+        if kind == "chat" or (kind == "either" and "messages" in body):
+            tokens = await self._chat_tokens(body)
+        elif "prompt" in body:
+            tokens = await self._completion_tokens(body["prompt"])
+        elif kind == "completions":
+            raise BadRequest("'prompt' is required (a string, a list of token ids, or a list of those)")
+        else:
+            raise BadRequest("either 'prompt' or 'messages' is required")
+        return raw, body, tokens
+
+    async def _chat_tokens(self, body: dict) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' is required (a non-empty list of messages)")
+        tools = body.get("tools") if isinstance(body.get("tools"), list) else None
+        extra = body.get("chat_template_kwargs") if isinstance(body.get("chat_template_kwargs"), dict) else {}
+        extra = {k: v for k, v in extra.items() if k not in _RESERVED_TEMPLATE_VARS}
+        add_generation_prompt = body.get("add_generation_prompt", True) is not False
+        size = sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, dict))
+        return self._check_length(await self._tokenize(
+            size, self.tokenizer.encode_chat, messages, add_generation_prompt, tools, **extra))
+
+    async def _completion_tokens(self, prompt: object) -> list[int]:
+        if isinstance(prompt, str):
+            return self._check_length(await self._tokenize(len(prompt), self.tokenizer.encode_prompt, prompt))
+        if _is_token_ids(prompt):
+            return self._check_length(prompt)  # type: ignore[arg-type]
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+            # A batch goes to one worker: route on its first prompt; every prompt must fit.
+            batch = [await self._completion_tokens(p) for p in prompt]
+            return batch[0]
+        raise BadRequest("'prompt' must be a string, a non-empty list of token ids, or a list of those")
+
+    async def _tokenize(self, size: int, fn, *args, **kwargs) -> list[int]:
         try:
-            if "messages" in body:
-                messages = body["messages"]
-                if not isinstance(messages, list) or not messages:
-                    raise BadRequest("'messages' must be a non-empty list")
-                tokens = self.tokenizer.encode_chat(messages)
-            elif "prompt" in body:
-                prompt = body["prompt"]
-                if isinstance(prompt, str):
-                    tokens = self.tokenizer.encode_prompt(prompt)
-                elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and 0 <= t < 2**32 for t in prompt):
-                    tokens = prompt
-                else:
-                    raise BadRequest("'prompt' must be a string or a non-empty list of token ids")
-            else:
-                raise BadRequest("either 'prompt' or 'messages' is required")
+            if size > THREAD_TOKENIZE_CHARS:
+                return await asyncio.to_thread(fn, *args, **kwargs)
+            return fn(*args, **kwargs)
         except TokenizationError as exc:
             raise BadRequest(str(exc)) from exc
+
+    def _check_length(self, tokens: list[int]) -> list[int]:
         if len(tokens) > self.max_prompt_tokens:
             raise BadRequest(f"prompt has {len(tokens)} tokens, more than this router accepts "
-                             f"({self.max_prompt_tokens}; see --max-prompt-tokens)")
-        return body, tokens
-
-    async def _decide(self, body: dict, tokens: list[int], exclude: frozenset[str] = frozenset()) -> RouteDecision:
-        started = time.perf_counter()
-        decision = await self.router.decide(self.model, tokens, str(body.get("lora_name") or ""),
-                                            str(body.get("cache_salt") or ""), exclude)
-        self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        if decision.fail_open:
-            self.metrics.fail_open.inc()
-        return decision
-
-    # ------------------------------------------------------------ handlers
-
-    async def _parse_and_decide(self, request: web.Request) -> tuple[dict, list[int], RouteDecision] | web.Response:
-        """The decision for a request, or the error response the client gets instead."""
-        try:
-            body, tokens = await self._parse(request)
-            return body, tokens, await self._decide(body, tokens)
-        except BadRequest as exc:
-            return error_response(str(exc), exc.status, exc.code)
-        except NoWorkersError as exc:
-            return error_response(str(exc), 503, "no_workers")
-
-    async def handle_route(self, request: web.Request) -> web.Response:
-        outcome = await self._parse_and_decide(request)
-        if isinstance(outcome, web.Response):
-            return outcome
-        return web.json_response(outcome[2].as_json())
-
-    async def handle_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._proxy(request, "/v1/completions")
-
-    async def handle_chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._proxy(request, "/v1/chat/completions")
-
-    async def _proxy(self, request: web.Request, path: str) -> web.StreamResponse:
-        outcome = await self._parse_and_decide(request)
-        if isinstance(outcome, web.Response):
-            return outcome
-        _, tokens, decision = outcome
-        raw = await request.read()  # the client's own bytes, not a re-serialisation (aiohttp caches the body)
-        for attempt, candidate in enumerate(decision.ranked()):
-            result = await self._forward(request, path, raw, decision, candidate, tokens)
-            if result is not None:
-                return result
-            log.warning("backend %s failed before the first byte; retrying on the next-best worker",
-                        candidate.worker_id)
-            if attempt >= 2:
-                break
-        return error_response("no backend could serve the request", 502, "backend_unavailable")
-
-    async def _forward(self, request: web.Request, path: str, raw: bytes, decision: RouteDecision, candidate,
-                       tokens: list[int]) -> web.StreamResponse | None:
-        """Proxy to one backend; None if it failed before sending anything (safe to retry)."""
-        assert self._session is not None
-        worker = candidate.worker_id
-        ticket = self.load.start(worker, max(0, len(tokens) - candidate.cached_tokens))
-        self.metrics.requests.labels(decision.policy, worker).inc()
-        self.metrics.prompt_tokens.inc(len(tokens))
-        self.metrics.cached_tokens.inc(candidate.cached_tokens)
-        headers = {"Content-Type": "application/json"}
-        if auth := request.headers.get("Authorization"):
-            headers["Authorization"] = auth
-        with tracer.start_as_current_span("kvroute.proxy", kind=trace.SpanKind.CLIENT) as span:
-            span.set_attribute("kvroute.worker_id", worker)
-            propagate.inject(headers)
-            try:
-                upstream = await self._session.post(candidate.endpoint + path, data=raw, headers=headers)
-            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                self.metrics.backend_errors.labels(worker).inc()
-                span.record_exception(exc)
-                self.load.finish(ticket)
-                return None
-            response: web.StreamResponse | None = None
-            try:
-                if upstream.status >= 500:
-                    self.metrics.backend_errors.labels(worker).inc()
-                    return None
-                response = web.StreamResponse(status=upstream.status)
-                for name, value in upstream.headers.items():
-                    if name.lower() not in _HOP_HEADERS:
-                        response.headers[name] = value
-                response.headers[WORKER_HEADER] = worker
-                first = True
-                async for chunk in upstream.content.iter_any():
-                    if first:
-                        self.load.first_token(ticket)
-                        await response.prepare(request)
-                        first = False
-                    await response.write(chunk)
-                if first:
-                    await response.prepare(request)
-                await response.write_eof()
-                return response
-            except (aiohttp.ClientError, OSError) as exc:
-                span.record_exception(exc)
-                if response is None or not response.prepared:
-                    self.metrics.backend_errors.labels(worker).inc()
-                    return None
-                raise  # mid-stream: the client already has bytes, so its connection is aborted
-            finally:
-                upstream.release()
-                self.load.finish(ticket)
-
-    async def handle_models(self, request: web.Request) -> web.Response:
-        models = self.router.control_plane.models() or {self.model}
-        return web.json_response({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "kvroute"}
-                                                             for m in sorted(models) if m == self.model]})
-
-    async def handle_metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+                             f"({self.max_prompt_tokens}; see --max-prompt-tokens)", code="context_length_exceeded")
+        return tokens

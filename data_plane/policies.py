@@ -1,25 +1,35 @@
-"""Routing policies: pure functions of the candidates (no I/O), so the fleet simulator can
-drive exactly the code the router runs."""
+"""Routing policies: pure functions of the candidates (no I/O, no clock), so the fleet simulator
+drives exactly the code the router runs.
+
+    policy = make_policy("kv_aware", seed=0, decode_weight=32.0)
+    choice = policy.choose(RoutingInput(model, prompt_tokens), [Candidate(...), ...])
+    choice.worker        # the chosen Candidate
+    choice.scores        # worker_id -> estimated cost, lower is better (the retry order)
+
+Every policy that compares scores breaks ties uniformly at random with its own `random.Random`
+(`seed=` or `rng=`), never "always the first worker": with an empty index every candidate
+ties, and a deterministic tie-break would send the whole cold fleet's traffic to one GPU.
+"""
 
 from __future__ import annotations
 
-import itertools
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 
 @dataclass(slots=True)
 class Candidate:
+    """One worker as a policy sees it: index match, engine-reported load, this router's in-flight work."""
     worker_id: str
     endpoint: str
     block_size: int
-    cached_tokens: int = 0
+    cached_tokens: int = 0           # prompt tokens already in this worker's KV cache (prefix match)
     running_requests: int = 0        # engine-reported (heartbeat)
     waiting_requests: int = 0        # engine-reported (heartbeat)
-    kv_usage: float = 0.0
+    kv_usage: float = 0.0            # engine-reported (heartbeat), 0..1
     inflight_requests: int = 0       # routed by this router, not finished
-    pending_prefill_tokens: int = 0  # routed by this router, prefill not done yet
+    pending_prefill_tokens: int = 0  # routed by this router, uncached tokens whose prefill is not done yet
 
 
 @dataclass(slots=True)
@@ -40,40 +50,64 @@ class RoutingPolicy(Protocol):
     def choose(self, request: RoutingInput, candidates: list[Candidate]) -> Choice: ...
 
 
+def _require(candidates: list[Candidate]) -> None:
+    if not candidates:
+        raise ValueError("a routing policy needs at least one candidate")
+
+
 def _pick_min(scores: dict[str, float], candidates: list[Candidate], rng: random.Random) -> Candidate:
     best = min(scores.values())
-    tied = [c for c in candidates if scores[c.worker_id] <= best + 1e-9]
-    return tied[0] if len(tied) == 1 else rng.choice(tied)  # never "always the first worker"
+    tolerance = 1e-9 * max(1.0, abs(best))
+    tied = [c for c in candidates if scores[c.worker_id] <= best + tolerance]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
+def _rng(seed: int | None, rng: random.Random | None) -> random.Random:
+    return rng if rng is not None else random.Random(seed)
 
 
 class RoundRobin:
+    """Cycles through the candidates (ordered by worker id) with one counter per model.
+
+    Scores are the position in the rotation from the chosen worker (0, 1, 2...), so a retry goes
+    to the next worker in the cycle."""
     name = "round_robin"
 
     def __init__(self) -> None:
-        self._counter = itertools.count()
+        self._next: dict[str, int] = {}
 
     def choose(self, request: RoutingInput, candidates: list[Candidate]) -> Choice:
+        _require(candidates)
         ordered = sorted(candidates, key=lambda c: c.worker_id)
-        return Choice(ordered[next(self._counter) % len(ordered)], {c.worker_id: 0.0 for c in candidates})
+        turn = self._next.get(request.model, 0)
+        self._next[request.model] = turn + 1
+        start = turn % len(ordered)
+        scores = {c.worker_id: float((i - start) % len(ordered)) for i, c in enumerate(ordered)}
+        return Choice(ordered[start], scores)
 
 
 class RandomPolicy:
+    """Uniformly random (seeded or injected `random.Random`); all scores 0."""
     name = "random"
 
-    def __init__(self, seed: int | None = None) -> None:
-        self._rng = random.Random(seed)
+    def __init__(self, seed: int | None = None, rng: random.Random | None = None) -> None:
+        self._rng = _rng(seed, rng)
 
     def choose(self, request: RoutingInput, candidates: list[Candidate]) -> Choice:
+        _require(candidates)
         return Choice(self._rng.choice(candidates), {c.worker_id: 0.0 for c in candidates})
 
 
 class LeastLoaded:
+    """Fewest requests: max(engine-reported running + waiting, this router's in-flight), since
+    heartbeats lag behind what this router has just sent. Ignores the cache."""
     name = "least_loaded"
 
-    def __init__(self, seed: int | None = None) -> None:
-        self._rng = random.Random(seed)
+    def __init__(self, seed: int | None = None, rng: random.Random | None = None) -> None:
+        self._rng = _rng(seed, rng)
 
     def choose(self, request: RoutingInput, candidates: list[Candidate]) -> Choice:
+        _require(candidates)
         scores = {c.worker_id: float(max(c.inflight_requests, c.running_requests + c.waiting_requests))
                   for c in candidates}
         return Choice(_pick_min(scores, candidates, self._rng), scores)
@@ -81,15 +115,21 @@ class LeastLoaded:
 
 @dataclass(frozen=True, slots=True)
 class KvAwareParams:
-    """Cost of a candidate, in prefill-token equivalents (lower is better):
+    """Weights of the kv_aware cost, in prefill-token equivalents (lower is better):
 
-        cost = (prompt_tokens - cached_tokens)                 # prefill this request still needs there
-             + pending_prefill_tokens                           # prefill this router already queued there
-             + queue_weight * waiting_requests * mean_prompt_tokens   # engine-reported queue (other routers)
+        cost = max(0, prompt_tokens - cached_tokens)                  # prefill this request needs there
+             + pending_prefill_tokens                                  # prefill this router already queued there
+             + queue_weight * waiting_requests * mean_prompt_tokens    # engine-reported queue (incl. other routers')
              + decode_weight * max(running_requests, inflight_requests)
 
-    `mean_prompt_tokens` estimates the prefill behind each waiting request the engine reports;
-    `decode_weight` converts one running decode into the prefill tokens it slows down.
+    queue_weight:       how much of a waiting request's estimated prefill lands before ours
+                        (1.0 = FCFS, all of it).
+    mean_prompt_tokens: estimated uncached prefill behind each request the engine reports waiting
+                        (the engine reports a count, not tokens). Set it near the fleet's mean
+                        uncached prompt length.
+    decode_weight:      prefill tokens one running decode is worth, i.e. how much a busy decode
+                        batch slows our prefill and the decode that follows it. The running count
+                        is max(engine-reported, this router's in-flight) because heartbeats lag.
     """
     queue_weight: float = 1.0
     mean_prompt_tokens: float = 2048.0
@@ -97,11 +137,13 @@ class KvAwareParams:
 
 
 class KvAware:
+    """Minimum estimated cost (see `KvAwareParams`): the cache hit saves prefill, load adds it."""
     name = "kv_aware"
 
-    def __init__(self, params: KvAwareParams | None = None, seed: int | None = None) -> None:
+    def __init__(self, params: KvAwareParams | None = None, seed: int | None = None,
+                 rng: random.Random | None = None) -> None:
         self.params = params or KvAwareParams()
-        self._rng = random.Random(seed)
+        self._rng = _rng(seed, rng)
 
     def cost(self, request: RoutingInput, c: Candidate) -> float:
         p = self.params
@@ -110,15 +152,31 @@ class KvAware:
                 + p.decode_weight * max(c.running_requests, c.inflight_requests))
 
     def choose(self, request: RoutingInput, candidates: list[Candidate]) -> Choice:
+        _require(candidates)
         scores = {c.worker_id: self.cost(request, c) for c in candidates}
         return Choice(_pick_min(scores, candidates, self._rng), scores)
 
 
-POLICIES = {"kv_aware": KvAware, "round_robin": RoundRobin, "random": RandomPolicy, "least_loaded": LeastLoaded}
+POLICIES: dict[str, type] = {"kv_aware": KvAware, "round_robin": RoundRobin, "random": RandomPolicy,
+                             "least_loaded": LeastLoaded}
+_KV_AWARE_FIELDS = {f.name for f in fields(KvAwareParams)}
 
 
 def make_policy(name: str, **params) -> RoutingPolicy:
+    """`make_policy("kv_aware", seed=1, queue_weight=0.5)`: KvAwareParams fields may be passed flat.
+    `seed`/`rng` are accepted (and ignored) by round_robin too, so callers can pass them uniformly."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    if name == "kv_aware":
+        weights = {k: params.pop(k) for k in list(params) if k in _KV_AWARE_FIELDS}
+        if weights:
+            if params.get("params") is not None:
+                raise ValueError("pass either params=KvAwareParams(...) or its fields, not both")
+            params["params"] = KvAwareParams(**weights)
+    elif name == "round_robin":
+        params.pop("seed", None)
+        params.pop("rng", None)
     try:
         return POLICIES[name](**params)
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+    except TypeError as exc:
+        raise ValueError(f"bad parameters for policy {name!r}: {exc}") from None

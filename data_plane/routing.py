@@ -1,8 +1,23 @@
-"""Router core: prompt tokens -> block keys -> control-plane query -> policy -> decision."""
+"""Router core: prompt tokens -> block keys -> control-plane query -> candidates -> policy.
+
+`Router.decide(model, token_ids, lora_name, cache_salt)`:
+1. the known workers of the model (`ControlPlaneClient.workers_for`: last ListWorkers snapshot,
+   or the static fleet) give the distinct block sizes;
+2. the prompt is hashed once per block size (`kvroute.block_keys.prompt_block_keys`);
+3. one `Query` with one KeyChain per block size, under the client's deadline;
+4. candidates: cached_tokens = matched_blocks x the worker's block size (capped at the prompt),
+   engine load from the query (or the last heartbeat), this router's in-flight work;
+5. the policy chooses.
+
+Failing open: if the query times out, errors, or returns no workers while some are known, the
+decision is made over the known workers on load alone (cached_tokens 0, `fail_open=True`). A
+request never fails for an index reason; only "no worker known at all" raises NoWorkersError.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -10,8 +25,10 @@ from opentelemetry import trace
 
 from data_plane.control_plane_client import ControlPlaneClient
 from data_plane.load_tracker import LoadTracker
+from data_plane.metrics import RouterMetrics
 from data_plane.policies import Candidate, RoutingInput, RoutingPolicy
 from kvroute.block_keys import prompt_block_keys
+from kvroute.v1 import kvroute_pb2 as pb
 
 log = logging.getLogger("kvroute.router")
 tracer = trace.get_tracer("kvroute.router")
@@ -31,65 +48,99 @@ class RouteDecision:
     fail_open: bool
     candidates: list[Candidate] = field(default_factory=list)
     scores: dict[str, float] = field(default_factory=dict)
+    fail_open_reason: str = ""
 
     def ranked(self) -> list[Candidate]:
-        """Candidates best first: the chosen one, then by score (used for retries)."""
+        """Candidates best first: the chosen one, then by score (the retry order)."""
         rest = sorted((c for c in self.candidates if c.worker_id != self.worker_id),
                       key=lambda c: self.scores.get(c.worker_id, 0.0))
         chosen = [c for c in self.candidates if c.worker_id == self.worker_id]
         return chosen + rest
 
     def as_json(self) -> dict:
+        """The POST /v1/route answer."""
         return {"worker_id": self.worker_id, "endpoint": self.endpoint, "prompt_tokens": self.prompt_tokens,
-                "cached_tokens": self.cached_tokens, "policy": self.policy, "fail_open": self.fail_open,
+                "cached_tokens": self.cached_tokens, "fail_open": self.fail_open, "policy": self.policy,
                 "workers": [{"worker_id": c.worker_id, "endpoint": c.endpoint, "cached_tokens": c.cached_tokens,
                              "score": self.scores.get(c.worker_id, 0.0), "inflight_requests": c.inflight_requests,
                              "running_requests": c.running_requests, "waiting_requests": c.waiting_requests}
                             for c in self.candidates]}
 
 
+@dataclass(slots=True)
+class _Seen:
+    """A worker as this decision sees it, from the query or (failing open) the known fleet."""
+    worker_id: str
+    endpoint: str
+    block_size: int
+    matched_blocks: int
+    load: pb.WorkerLoad
+
+
 class Router:
-    def __init__(self, control_plane: ControlPlaneClient, policy: RoutingPolicy, load: LoadTracker) -> None:
+    def __init__(self, control_plane: ControlPlaneClient, policy: RoutingPolicy, load: LoadTracker,
+                 metrics: RouterMetrics | None = None) -> None:
         self.control_plane = control_plane
         self.policy = policy
         self.load = load
+        self.metrics = metrics or RouterMetrics()
         self.fail_open_count = 0
 
     async def decide(self, model: str, token_ids: list[int], lora_name: str = "", cache_salt: str = "",
-                     exclude: frozenset[str] = frozenset()) -> RouteDecision:
+                     avoid: frozenset[str] = frozenset()) -> RouteDecision:
+        """`avoid`: workers to leave out (e.g. recently failed backends) unless no other is known."""
+        started = time.perf_counter()
         with tracer.start_as_current_span("kvroute.route") as span:
-            workers = [w for w in self.control_plane.workers_for(model) if w.worker_id not in exclude]
-            if not workers:
-                raise NoWorkersError(f"no workers known for model {model!r}")
+            known = self.control_plane.workers_for(model)
+            if avoid and any(w.worker_id not in avoid for w in known):
+                known = [w for w in known if w.worker_id not in avoid]
+            else:
+                avoid = frozenset()
+            if not known:
+                raise NoWorkersError(f"no workers known for model {model!r} (control plane "
+                                     f"{'reachable' if self.control_plane.reachable else 'unreachable'}, "
+                                     f"no --static-workers fallback)")
             chains = {bs: prompt_block_keys(token_ids, bs, model, lora_name, cache_salt)
-                      for bs in {w.block_size for w in workers}}
-            fail_open = False
-            matched: dict[str, int] = {}
-            loads = {w.worker_id: w.load for w in workers}
-            try:
-                for m in await self.control_plane.query(model, chains):
-                    matched[m.worker_id] = m.matched_blocks * m.block_size
-                    loads[m.worker_id] = m.load
-            except grpc.aio.AioRpcError as exc:
-                fail_open = True  # decide on load alone; never fail a request for an index reason
-                self.fail_open_count += 1
-                span.set_attribute("kvroute.fail_open_reason", exc.code().name)
-            candidates = []
-            for w in workers:
-                inflight, pending = self.load.inflight(w.worker_id)
-                load = loads[w.worker_id]
-                candidates.append(Candidate(
-                    worker_id=w.worker_id, endpoint=w.endpoint, block_size=w.block_size,
-                    cached_tokens=min(matched.get(w.worker_id, 0), len(token_ids)),
-                    running_requests=load.running_requests, waiting_requests=load.waiting_requests,
-                    kv_usage=load.kv_usage, inflight_requests=inflight, pending_prefill_tokens=pending))
+                      for bs in sorted({w.block_size for w in known if w.block_size > 0})}
+            seen, reason = await self._match(model, chains, avoid)
+            if not seen:  # failing open: load alone over the known fleet
+                seen = [_Seen(w.worker_id, w.endpoint, w.block_size, 0, w.load) for w in known]
+            candidates = [self._candidate(s, len(token_ids)) for s in seen]
             choice = self.policy.choose(RoutingInput(model, len(token_ids)), candidates)
             decision = RouteDecision(choice.worker.worker_id, choice.worker.endpoint, len(token_ids),
-                                     choice.worker.cached_tokens, self.policy.name, fail_open, candidates, choice.scores)
-            if span.is_recording():
-                span.set_attribute("kvroute.policy", self.policy.name)
-                span.set_attribute("kvroute.prompt_tokens", len(token_ids))
-                span.set_attribute("kvroute.worker_id", decision.worker_id)
-                span.set_attribute("kvroute.cached_tokens", decision.cached_tokens)
-                span.set_attribute("kvroute.fail_open", fail_open)
-            return decision
+                                     choice.worker.cached_tokens, self.policy.name, bool(reason), candidates,
+                                     choice.scores, reason)
+            if reason:
+                self.fail_open_count += 1
+                self.metrics.fail_open.inc()
+                span.set_attribute("kvroute.fail_open_reason", reason)
+            span.set_attribute("kvroute.policy", self.policy.name)
+            span.set_attribute("kvroute.prompt_tokens", len(token_ids))
+            span.set_attribute("kvroute.worker_id", decision.worker_id)
+            span.set_attribute("kvroute.cached_tokens", decision.cached_tokens)
+            span.set_attribute("kvroute.fail_open", decision.fail_open)
+        self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        return decision
+
+    async def _match(self, model: str, chains: dict[int, list[int]],
+                     avoid: frozenset[str]) -> tuple[list[_Seen], str]:
+        """Workers with their matched prefix, and "" — or [] and why the index could not be used."""
+        try:
+            matches = await self.control_plane.query(model, chains)
+        except grpc.aio.AioRpcError as exc:
+            return [], exc.code().name
+        except Exception as exc:  # noqa: BLE001 - never fail a request for an index reason
+            log.warning("control-plane query failed: %r; deciding on load alone", exc)
+            return [], type(exc).__name__
+        if not matches:  # e.g. a restarted control plane whose agents have not re-registered yet
+            return [], "index has no workers for the model"
+        seen = [_Seen(m.worker_id, m.endpoint.rstrip("/"), m.block_size, m.matched_blocks, m.load) for m in matches]
+        return [s for s in seen if s.worker_id not in avoid] or seen, ""
+
+    def _candidate(self, s: _Seen, prompt_tokens: int) -> Candidate:
+        inflight, pending = self.load.inflight(s.worker_id)
+        return Candidate(
+            worker_id=s.worker_id, endpoint=s.endpoint, block_size=s.block_size,
+            cached_tokens=min(s.matched_blocks * s.block_size, prompt_tokens),
+            running_requests=s.load.running_requests, waiting_requests=s.load.waiting_requests,
+            kv_usage=s.load.kv_usage, inflight_requests=inflight, pending_prefill_tokens=pending)

@@ -1,60 +1,149 @@
 """The model's own tokenizer from a local HF-style directory, with its chat template.
 
-Chat requests are rendered with the template from tokenizer_config.json exactly as HF's
-`apply_chat_template` does (sandboxed Jinja, trim_blocks + lstrip_blocks) and encoded
-without adding special tokens, which is how vLLM tokenizes chat prompts.
+Block keys only match what an engine cached if the router sees the *same token ids* the engine
+will, so this mirrors what vLLM does with a Hugging Face tokenizer:
+
+- completions: `encode_prompt(text)` is HF's `tokenizer.encode(text)`: the tokenizer.json
+  post-processor adds whatever special tokens it defines (e.g. Llama-3's BOS), nothing else.
+- chat: `encode_chat(messages)` renders the Jinja chat template the way HF's
+  `apply_chat_template` does (sandboxed environment, `trim_blocks` + `lstrip_blocks`, the
+  `loopcontrols` extension, HF's `tojson` filter, `raise_exception` / `strftime_now` globals,
+  the special-token strings as variables), then encodes the text *without* special tokens.
+
+OpenAI content-part lists (`[{"type": "text", "text": ...}, ...]`) are flattened to their text
+parts joined by newlines (vLLM's "string" content format); non-text parts are ignored. That is
+an approximation for routing only: the original body still goes to the engine untouched.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+# Tokenizing costs a few tenths of a millisecond per 1000 characters; callers on an event loop run
+# longer inputs in a worker thread (the encode releases the GIL) so the loop keeps streaming meanwhile.
+THREAD_TOKENIZE_CHARS = 4096
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
 
 class TokenizationError(ValueError):
-    """The request cannot be tokenized (bad messages, template error)."""
+    """The request cannot be tokenized (bad messages, no or failing chat template)."""
 
 
 def _raise_exception(message: str) -> None:  # templates call raise_exception(...) on bad input
     raise TokenizationError(message)
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    # HF overrides Jinja's HTML-escaping tojson with plain json.dumps.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationTag(Extension):
+    """HF's `{% generation %}...{% endgeneration %}` (assistant-mask marker): renders its body."""
+
+    tags = frozenset({"generation"})
+
+    def parse(self, parser):  # type: ignore[no-untyped-def]
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller) -> str:  # type: ignore[no-untyped-def]
+        return caller()
+
+
+def _chat_environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _flatten_content(content: Any) -> Any:
+    if isinstance(content, list):
+        return "\n".join(str(part.get("text", "")) for part in content
+                         if isinstance(part, Mapping) and part.get("type", "text") == "text")
+    return content
+
+
+def _normalize_messages(messages: Sequence[Any]) -> list[dict]:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TokenizationError("'messages' must be a list of message objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise TokenizationError(f"messages[{i}] must be an object with a 'role'")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise TokenizationError(f"messages[{i}] must have a string 'role'")
+        message = dict(m)
+        if "content" in message:
+            message["content"] = _flatten_content(message["content"])
+        out.append(message)
+    return out
+
+
 @dataclass
 class PromptTokenizer:
     tokenizer: Tokenizer
     chat_template: str | None
-    bos_token: str
-    eos_token: str
+    bos_token: str = ""
+    eos_token: str = ""
+    special_tokens: dict[str, str] = field(default_factory=dict)  # all *_token strings, passed to the template
 
     def __post_init__(self) -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_exception
-        self._template = env.from_string(self.chat_template) if self.chat_template else None
+        self.special_tokens = {**self.special_tokens, "bos_token": self.bos_token, "eos_token": self.eos_token}
+        self._template = _chat_environment().from_string(self.chat_template) if self.chat_template else None
+
+    # ------------------------------------------------------------ completions
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch releases the GIL (encode does not) at the same cost, so a long prompt
+        # tokenized in a worker thread really leaves the event loop free meanwhile.
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_prompt(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True).ids
+        """HF `tokenizer.encode(text)`: only the post-processor's special tokens are added."""
+        return self._encode(text, True)
 
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    # ------------------------------------------------------------ chat
+
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    tools: list | None = None, **template_kwargs: Any) -> str:
         if self._template is None:
-            raise TokenizationError("this tokenizer has no chat_template; use /v1/completions")
-        for m in messages:
-            if not isinstance(m, dict) or "role" not in m:
-                raise TokenizationError("each message must be an object with a 'role'")
+            raise TokenizationError("this model's tokenizer has no chat_template; use /v1/completions")
+        variables = {**self.special_tokens, **template_kwargs}
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token)
+            return self._template.render(messages=_normalize_messages(messages), tools=tools, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **variables)
         except TokenizationError:
             raise
-        except Exception as exc:  # template errors become a clear 400
+        except Exception as exc:  # a template error is the request's fault: it becomes a clear 400
             raise TokenizationError(f"chat template failed: {exc}") from exc
 
-    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.tokenizer.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False).ids
+    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                    tools: list | None = None, **template_kwargs: Any) -> list[int]:
+        """Render the chat template, then encode without special tokens (the template has them)."""
+        text = self.render_chat(messages, add_generation_prompt, tools, **template_kwargs)
+        return self._encode(text, False)
+
+    # ------------------------------------------------------------ misc
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -70,15 +159,29 @@ def _token_text(value: object) -> str:
     return str(value or "")
 
 
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _chat_template(directory: Path, config: dict) -> str | None:
+    template = config.get("chat_template")
+    if template is None and (directory / "chat_template.jinja").exists():  # newer HF layout
+        template = (directory / "chat_template.jinja").read_text()
+    if template is None:
+        template = _read_json(directory / "chat_template.json").get("chat_template")
+    if isinstance(template, list):  # named templates: HF uses the one called "default"
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template
+
+
 def load_tokenizer(path: str | Path) -> PromptTokenizer:
+    """Tokenizer + chat template + special-token strings of a local HF-style model directory."""
     directory = Path(path)
     tokenizer_file = directory / "tokenizer.json"
     if not tokenizer_file.exists():
-        raise FileNotFoundError(f"no tokenizer.json in {directory}")
-    config_file = directory / "tokenizer_config.json"
-    config = json.loads(config_file.read_text()) if config_file.exists() else {}
-    template = config.get("chat_template")
-    if isinstance(template, list):  # named templates: take the default one
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    return PromptTokenizer(Tokenizer.from_file(str(tokenizer_file)), template,
-                           _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+        raise FileNotFoundError(f"no tokenizer.json in {directory} (--tokenizer must be a local model directory)")
+    config = _read_json(directory / "tokenizer_config.json")
+    special = {**_read_json(directory / "special_tokens_map.json"), **config}
+    tokens = {name: _token_text(special.get(name)) for name in _SPECIAL_TOKEN_NAMES if special.get(name)}
+    return PromptTokenizer(Tokenizer.from_file(str(tokenizer_file)), _chat_template(directory, config),
+                           tokens.get("bos_token", ""), tokens.get("eos_token", ""), tokens)

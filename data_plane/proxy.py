@@ -1,0 +1,170 @@
+"""Forwarding a request to the chosen engine (the last step of a request's path).
+
+`BackendProxy.forward(request, path, body, decision, prompt_tokens)`:
+- sends the client's *original* body bytes to `<endpoint><path>` with the client's headers
+  (minus hop-by-hop ones) and a W3C `traceparent` injected inside a `kvroute.proxy` client span;
+- waits for the backend's first body byte, then streams the rest through chunk by chunk
+  (SSE or JSON, never buffered), with `x-kvroute-worker: <worker_id>` on the response;
+- a backend that refuses the connection, returns 5xx, or fails before its first byte is retried
+  on the decision's next-best worker (`max_attempts` in all); nothing reached the client yet,
+  so that is invisible to it. A failed worker is also avoided for `cooldown_s` by later
+  decisions (unless nothing else is known), so one dead engine does not cost every request a
+  connect attempt. If every attempt fails the client gets the last 5xx or a 502;
+- keeps the load tracker honest: in flight from send to finish, prefill pending until the
+  first byte, always released in `finally`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import aiohttp
+from aiohttp import web
+from opentelemetry import propagate, trace
+
+from data_plane.load_tracker import LoadTracker
+from data_plane.metrics import RouterMetrics
+from data_plane.policies import Candidate
+from data_plane.routing import RouteDecision
+
+log = logging.getLogger("kvroute.router.proxy")
+tracer = trace.get_tracer("kvroute.router")
+
+WORKER_HEADER = "x-kvroute-worker"
+# Not forwarded in either direction: per-connection headers, framing we redo, and trace context we replace.
+_HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                          "transfer-encoding", "upgrade", "content-length", "host", "traceparent", "tracestate"})
+
+
+class _Failed(Exception):
+    """This attempt failed before anything reached the client (safe to retry elsewhere)."""
+
+    def __init__(self, reason: str, upstream: aiohttp.ClientResponse | None = None, body: bytes = b"") -> None:
+        super().__init__(reason)
+        self.upstream, self.body = upstream, body
+
+
+def error_response(message: str, status: int, error_type: str, code: str | int | None = None) -> web.Response:
+    """An OpenAI-style error body."""
+    return web.json_response({"error": {"message": message, "type": error_type, "param": None,
+                                        "code": code if code is not None else status}}, status=status)
+
+
+class BackendProxy:
+    def __init__(self, load: LoadTracker, metrics: RouterMetrics, max_attempts: int = 2,
+                 connect_timeout_s: float = 2.0, read_timeout_s: float = 1800.0, cooldown_s: float = 2.0) -> None:
+        self.load, self.metrics = load, metrics
+        self.max_attempts = max(1, max_attempts)
+        self.cooldown_s = cooldown_s
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+        self._failed_at: dict[str, float] = {}  # worker_id -> monotonic time of its last failure
+
+    async def open(self) -> None:
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=self._timeout,
+                                              auto_decompress=False)
+
+    async def close(self) -> None:
+        if self._session:
+            await self._session.close()
+            self._session = None
+
+    def avoided(self) -> frozenset[str]:
+        """Workers that failed within the last `cooldown_s` (a soft exclusion for decisions)."""
+        now = time.monotonic()
+        for wid in [w for w, t in self._failed_at.items() if now - t > self.cooldown_s]:
+            del self._failed_at[wid]
+        return frozenset(self._failed_at)
+
+    async def forward(self, request: web.Request, path: str, body: bytes, decision: RouteDecision,
+                      prompt_tokens: int) -> web.StreamResponse:
+        attempts = decision.ranked()[: self.max_attempts]
+        failures = []
+        for i, candidate in enumerate(attempts):
+            last = i == len(attempts) - 1
+            try:
+                return await self._attempt(request, path, body, decision, candidate, prompt_tokens, i, last)
+            except _Failed as failed:
+                self.metrics.backend_errors.labels(candidate.worker_id).inc()
+                self._failed_at[candidate.worker_id] = time.monotonic()
+                failures.append(f"{candidate.worker_id}: {failed}")
+                if not last:
+                    log.warning("backend %s failed before its first byte (%s); retrying on %s", candidate.worker_id,
+                                failed, attempts[i + 1].worker_id)
+                elif failed.upstream is not None:  # the last attempt's own 5xx goes to the client as is
+                    log.warning("backend %s answered %s; no attempts left", candidate.worker_id, failed)
+                    return self._replay_error(failed, candidate)
+        log.warning("no backend could serve the request: %s", "; ".join(failures))
+        return error_response(f"no backend could serve the request ({'; '.join(failures)})", 502,
+                              "backend_unavailable")
+
+    def _replay_error(self, failed: _Failed, candidate: Candidate) -> web.Response:
+        assert failed.upstream is not None
+        response = web.Response(status=failed.upstream.status, body=failed.body)
+        self._copy_headers(failed.upstream, response, candidate.worker_id)
+        return response
+
+    @staticmethod
+    def _copy_headers(upstream: aiohttp.ClientResponse, response: web.StreamResponse, worker_id: str) -> None:
+        for name, value in upstream.headers.items():
+            if name.lower() not in _HOP_HEADERS:
+                response.headers.add(name, value)
+        response.headers[WORKER_HEADER] = worker_id
+
+    def _backend_headers(self, request: web.Request) -> dict[str, str]:
+        headers = {name: value for name, value in request.headers.items() if name.lower() not in _HOP_HEADERS}
+        headers.setdefault("Content-Type", "application/json")
+        propagate.inject(headers)  # W3C traceparent of the current (kvroute.proxy) span
+        return headers
+
+    async def _attempt(self, request: web.Request, path: str, body: bytes, decision: RouteDecision,
+                       candidate: Candidate, prompt_tokens: int, attempt: int, last: bool) -> web.StreamResponse:
+        assert self._session is not None, "BackendProxy.open() was not called"
+        worker = candidate.worker_id
+        url = candidate.endpoint + path
+        ticket = self.load.start(worker, prompt_tokens - candidate.cached_tokens)
+        with tracer.start_as_current_span("kvroute.proxy", kind=trace.SpanKind.CLIENT) as span:
+            span.set_attribute("kvroute.worker_id", worker)
+            span.set_attribute("kvroute.attempt", attempt)
+            span.set_attribute("url.full", url)
+            upstream = None
+            try:
+                try:
+                    upstream = await self._session.post(url, data=body, headers=self._backend_headers(request))
+                    span.set_attribute("http.response.status_code", upstream.status)
+                    if upstream.status >= 500:
+                        raise _Failed(f"HTTP {upstream.status}", upstream, await upstream.read() if last else b"")
+                    first = await upstream.content.readany()  # a backend dying here is still retryable
+                except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                    span.record_exception(exc)
+                    raise _Failed(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
+                self.load.first_token(ticket)
+                response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+                self._copy_headers(upstream, response, worker)
+                self.metrics.requests.labels(decision.policy, worker).inc()
+                self.metrics.prompt_tokens.inc(prompt_tokens)
+                self.metrics.cached_tokens.inc(candidate.cached_tokens)
+                await response.prepare(request)
+                chunk = first
+                while chunk:
+                    await response.write(chunk)
+                    chunk = await upstream.content.readany()
+                await response.write_eof()
+                return response
+            except _Failed as failed:
+                span.set_status(trace.StatusCode.ERROR, str(failed))
+                raise
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                # Mid-stream (backend died, or the client went away): the client already has bytes, so
+                # its connection is closed without the final chunk; a clean end would hide the truncation.
+                span.record_exception(exc)
+                span.set_status(trace.StatusCode.ERROR, "stream interrupted")
+                log.warning("stream from %s interrupted after the first byte: %r", worker, exc)
+                if request.transport is not None:
+                    request.transport.close()
+                return response
+            finally:
+                if upstream is not None:
+                    upstream.release()
+                self.load.finish(ticket)
