@@ -1,160 +1,381 @@
-"""The agent's ZMQ source against real sockets: malformed frames, gaps + replay, sequence resets."""
+"""The agent's ZMQ source against real sockets: a PUB (the engine) and a ROUTER replay server written
+here; malformed frames, gaps + replay (both framings), slow-joiner catch-up, sequence resets."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import msgspec
 import pytest
 import zmq
 import zmq.asyncio
 
+from kvroute.block_keys import prompt_block_keys
+from worker_agent.block_resolver import BlockResolver
+from worker_agent.vllm_wire import DecodedBatch
 from worker_agent.zmq_source import VllmZmqSource
 
 END = b"\xff" * 8
+MODEL = "tiny"
+BS = 4
 
 
-def payload(*hashes: int) -> bytes:
-    return msgspec.msgpack.encode([1.0, [{"type": "BlockRemoved", "block_hashes": list(hashes), "medium": "GPU"}], 0])
+def root_store(h: int) -> dict:
+    """A one-block prompt whose tokens derive from h, so every batch has its own key."""
+    return {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": None, "token_ids": tokens(h),
+            "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None}
 
 
-def frames(seq: int, body: bytes) -> list[bytes]:
-    return [b"", seq.to_bytes(8, "big"), body]
+def tokens(h: int) -> list[int]:
+    return [h, h + 1, h + 2, h + 3]
 
 
-class Harness:
-    def __init__(self, framing: str = "new", with_replay: bool = True) -> None:
-        self.ctx = zmq.asyncio.Context()
-        self.pub = self.ctx.socket(zmq.PUB)
-        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+def key(h: int) -> int:
+    return prompt_block_keys(tokens(h), BS, MODEL)[0]
+
+
+def payload(*events: object) -> bytes:
+    return msgspec.msgpack.encode([1.0, list(events), 0])
+
+
+def frames(seq: int, body: bytes, topic: bytes = b"") -> list[bytes]:
+    return [topic, seq.to_bytes(8, "big"), body]
+
+
+class Engine:
+    """A PUB socket plus a replay ROUTER with a buffer, as vLLM's ZmqEventPublisher. (XPUB is a PUB that
+    also reports subscriptions: the tests use that to know the SUB has joined, instead of sleeping.)"""
+
+    def __init__(self, ctx: zmq.asyncio.Context, framing: str = "new", replay: bool = True, answer: bool = True,
+                 pub_connect: str | None = None) -> None:
+        self.pub = ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        if pub_connect:
+            self.pub.connect(pub_connect)
+            self.endpoint = pub_connect
+        else:
+            self.endpoint = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
+        self.framing, self.answer = framing, answer
         self.buffer: dict[int, bytes] = {}
-        self.framing = framing
-        replay_endpoint = None
-        if with_replay:
-            self.router = self.ctx.socket(zmq.ROUTER)
-            replay_endpoint = f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}"
-            self.replay_task = asyncio.create_task(self._serve_replay())
-        self.applied: list[int] = []
-        self.resets: list[str] = []
-        self.source = VllmZmqSource(f"tcp://127.0.0.1:{port}", self._on_batch, self._on_reset, replay_endpoint,
-                                    replay_timeout_s=0.5)
-        self.task = asyncio.create_task(self.source.run())
-
-    async def _on_batch(self, batch) -> None:
-        self.applied.append(batch.seq)
-
-    async def _on_reset(self, reason: str) -> None:
-        self.resets.append(reason)
+        self.replay_requests: list[int] = []
+        self.replay_endpoint: str | None = None
+        self._task: asyncio.Task | None = None
+        if replay:
+            self.router = ctx.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            self.replay_endpoint = f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}"
+            self._task = asyncio.create_task(self._serve_replay())
 
     async def _serve_replay(self) -> None:
         while True:
-            identity, _, start = await self.router.recv_multipart()
-            for seq in sorted(s for s in self.buffer if s >= int.from_bytes(start, "big")):
+            identity, _, start8 = await self.router.recv_multipart()
+            start = int.from_bytes(start8, "big")
+            self.replay_requests.append(start)
+            if not self.answer:
+                continue
+            for seq in sorted(s for s in self.buffer if s >= start):
                 seq8 = seq.to_bytes(8, "big")
                 body = [b"", b"", seq8, self.buffer[seq]] if self.framing == "new" else [b"", seq8, self.buffer[seq]]
                 await self.router.send_multipart([identity, *body])
             end = [b"", b"", END, b""] if self.framing == "new" else [b"", END, b""]
             await self.router.send_multipart([identity, *end])
 
-    async def publish(self, seq: int, *, live: bool = True) -> None:
-        self.buffer[seq] = payload(seq)
-        if live:
-            await self.pub.send_multipart(frames(seq, self.buffer[seq]))
+    async def wait_subscribed(self) -> bytes:
+        message = await asyncio.wait_for(self.pub.recv(), 5)
+        assert message[:1] == b"\x01"
+        return message[1:]  # the topic prefix
 
-    async def settle(self, until=lambda: False, timeout: float = 3.0) -> None:
-        deadline = asyncio.get_running_loop().time() + timeout
-        while not until() and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.02)
+    async def publish(self, seq: int, body: bytes, *, live: bool = True) -> None:
+        self.buffer[seq] = body
+        if live:
+            await self.pub.send_multipart(frames(seq, body))
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+
+
+class Agent:
+    """The source feeding a real BlockResolver, as the agent wires it."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, replay_endpoint: str | None, *, bind: bool = False,
+                 replay_timeout_s: float = 0.5, topic: str = "") -> None:
+        self.resolver = BlockResolver(MODEL)
+        self.applied: list[int] = []
+        self.resets: list[str] = []
+        self.source = VllmZmqSource(endpoint, self._on_batch, self._on_reset, replay_endpoint, bind=bind, topic=topic,
+                                    replay_timeout_s=replay_timeout_s, context=ctx)
+        self.task = asyncio.create_task(self.source.run())
+
+    def _on_batch(self, batch: DecodedBatch) -> None:
+        self.applied.append(batch.seq)
+        self.resolver.apply(batch.events)
+
+    async def _on_reset(self, reason: str) -> None:  # coroutine callbacks work too
+        self.resets.append(reason)
+        self.resolver.clear()
+
+    def keys(self) -> set[int]:
+        return set(self.resolver.snapshot())
 
     async def close(self) -> None:
         self.task.cancel()
-        if hasattr(self, "replay_task"):
-            self.replay_task.cancel()
-        await asyncio.sleep(0)
-        self.source.close()
-        self.ctx.destroy(linger=0)
+        await asyncio.gather(self.task, return_exceptions=True)
 
 
-async def test_malformed_and_truncated_frames_are_counted_and_neighbours_applied(caplog) -> None:
-    h = Harness(with_replay=False)
-    await asyncio.sleep(0.3)  # let the subscription reach the PUB (ZMQ slow joiner)
+async def settle(until, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not until() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def ctx():
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+async def joined(engine: Engine, agent: Agent, seq: int = 0) -> None:
+    """Wait for the SUB's subscription, then publish `seq` live (a one-block store of key(1000))."""
+    await engine.wait_subscribed()
+    await engine.publish(seq, payload(root_store(1000)))
+    await settle(lambda: agent.applied == [seq])
+    assert agent.applied == [seq]
+
+
+async def test_malformed_and_truncated_frames_between_valid_batches(ctx, caplog) -> None:
+    """Done-when criterion: bad frames are counted and logged; the valid events around them apply."""
+    caplog.set_level(logging.WARNING, "kvroute.agent.zmq")
+    engine = Engine(ctx, replay=False)
+    agent = Agent(ctx, engine.endpoint, None)
     try:
-        await h.publish(0)
-        await h.pub.send_multipart([b"", (1).to_bytes(8, "big")])             # truncated: 2 frames
-        await h.pub.send_multipart([b"", b"\x00\x01\x02", payload(1)])        # 3-byte sequence
-        await h.pub.send_multipart(frames(1, b"\xc1\xc1\xc1"))                # garbage payload
-        await h.pub.send_multipart(frames(1, payload(1)[:-4]))                # truncated payload
-        await h.publish(1)
-        await h.publish(2)
-        await h.settle(lambda: h.applied == [0, 1, 2])
-        assert h.applied == [0, 1, 2]
-        assert h.source.counters.malformed_frames == 4
-        assert h.source.counters.gaps == 0 and h.resets == []
-        assert "malformed KV event frame dropped" in caplog.text
+        await joined(engine, agent)                                             # seq 0: key(1000)
+        await engine.pub.send_multipart([b"", (1).to_bytes(8, "big")])           # truncated: 2 frames
+        await engine.pub.send_multipart([b"", b"\x00\x00\x01", payload(root_store(1))])  # 3-byte sequence frame
+        await engine.pub.send_multipart(frames(1, b"\xc1\xc1garbage\xc1"))       # garbage payload (seq 1 used up)
+        await engine.pub.send_multipart(frames(2, payload(root_store(2))[:-7]))   # truncated payload (seq 2 used up)
+        await engine.publish(3, payload(root_store(30), ["BlockStored", "broken"], {"type": "NewEvent"}, root_store(31)))
+        await engine.publish(4, payload(root_store(40)))
+        await settle(lambda: agent.applied == [0, 3, 4])
+        assert agent.applied == [0, 3, 4]
+        assert agent.keys() == {key(1000), key(30), key(31), key(40)}  # neighbours of the bad event applied too
+        c = agent.source.counters
+        assert (c.malformed_frames, c.malformed_events, c.unknown_events) == (4, 1, 1)
+        assert c.gaps == 0 and c.sequence_resets == 0 and agent.resets == [] and agent.source.last_seq == 4
+        log = caplog.text
+        assert "malformed KV event frame dropped: expected 3 frames (topic, seq, payload), got 2" in log
+        assert "malformed KV event frame dropped: sequence frame must be 8 bytes, got 3" in log
+        assert "malformed KV event batch seq 1 dropped: payload is not msgpack" in log
+        assert "seq 2 dropped" not in log  # a second payload error within 5 s: rate-limited (still counted)
+        assert "KV event batch seq 3: 1 malformed events skipped" in log
+        assert "unknown event types ['NewEvent'] skipped" in log
     finally:
-        await h.close()
+        await agent.close()
+        await engine.close()
 
 
 @pytest.mark.parametrize("framing", ["new", "old"])
-async def test_gap_is_filled_by_replay(framing: str) -> None:
-    h = Harness(framing)
-    await asyncio.sleep(0.3)
+async def test_gap_is_filled_by_replay(ctx, framing: str) -> None:
+    engine = Engine(ctx, framing)
+    engine.answer = False  # no replay answers until the subscription is up
+    agent = Agent(ctx, engine.endpoint, engine.replay_endpoint, replay_timeout_s=0.2)
     try:
-        await h.publish(0)
-        await h.settle(lambda: h.applied == [0])
-        await h.publish(1, live=False)  # dropped on the live path, still in the replay buffer
-        await h.publish(2, live=False)
-        await h.publish(3)
-        await h.settle(lambda: h.applied == [0, 1, 2, 3])
-        assert h.applied == [0, 1, 2, 3]
-        assert h.source.counters.gaps == 1 and h.resets == []
+        await joined(engine, agent)
+        engine.answer = True
+        await engine.publish(1, payload(root_store(10)), live=False)  # dropped on the live path (HWM), still buffered
+        await engine.publish(2, payload(root_store(20)), live=False)
+        await engine.publish(3, payload(root_store(30)))
+        await settle(lambda: agent.applied[-1:] == [3])
+        assert agent.applied == [0, 1, 2, 3]
+        assert engine.replay_requests[-1] == 1  # asked from last + 1
+        assert agent.keys() == {key(1000), key(10), key(20), key(30)}
+        c = agent.source.counters
+        assert c.gaps == 1 and c.unrecoverable_gaps == 0 and c.replayed_batches == 2 and agent.resets == []
     finally:
-        await h.close()
+        await agent.close()
+        await engine.close()
 
 
-async def test_start_catches_up_from_replay_and_dedupes_live_copies() -> None:
-    h = Harness()
+async def test_replay_that_no_longer_holds_the_gap_resets_state(ctx) -> None:
+    engine = Engine(ctx)
+    engine.answer = False
+    agent = Agent(ctx, engine.endpoint, engine.replay_endpoint, replay_timeout_s=0.2)
     try:
-        # Published before the agent connected (slow joiner): only the replay has them.
-        for seq in range(3):
-            await h.publish(seq, live=False)
-        await h.settle(lambda: h.applied == [0, 1, 2])
-        await asyncio.sleep(0.3)
-        await h.pub.send_multipart(frames(2, h.buffer[2]))  # a live copy of an already replayed batch
-        await h.publish(3)
-        await h.settle(lambda: h.applied[-1:] == [3])
-        assert h.applied == [0, 1, 2, 3]
-        assert h.source.counters.duplicate_batches == 1
+        await joined(engine, agent)
+        engine.answer = True
+        engine.buffer.clear()
+        await engine.publish(2, payload(root_store(20)), live=False)  # seq 1 fell out of the replay buffer
+        await engine.publish(3, payload(root_store(30)))
+        await settle(lambda: agent.applied[-1:] == [3])
+        assert agent.resets == ["gap not recoverable"] and agent.source.counters.unrecoverable_gaps == 1
+        assert agent.applied == [0, 2, 3]  # what is left still applies, on a cleared state
+        assert agent.keys() == {key(20), key(30)}
     finally:
-        await h.close()
+        await agent.close()
+        await engine.close()
 
 
-async def test_sequence_reset_means_engine_restart() -> None:
-    h = Harness()
-    await asyncio.sleep(0.3)
+async def test_gap_without_replay_endpoint_resets_state(ctx) -> None:
+    engine = Engine(ctx, replay=False)
+    agent = Agent(ctx, engine.endpoint, None)
     try:
-        for seq in range(3):
-            await h.publish(seq)
-        await h.settle(lambda: h.applied == [0, 1, 2])
-        h.buffer.clear()  # the restarted engine has a fresh replay buffer
-        await h.publish(0)
-        await h.settle(lambda: h.resets)
-        await h.settle(lambda: h.applied == [0, 1, 2, 0])
-        assert h.resets == ["sequence reset"]
-        assert h.source.counters.sequence_resets == 1
-        assert h.applied == [0, 1, 2, 0]
+        await joined(engine, agent)
+        await engine.publish(5, payload(root_store(50)))
+        await settle(lambda: agent.applied[-1:] == [5])
+        assert agent.resets == ["gap not recoverable"] and agent.keys() == {key(50)}
+        assert agent.source.counters.gaps == 1 and agent.source.counters.unrecoverable_gaps == 1
     finally:
-        await h.close()
+        await agent.close()
+        await engine.close()
 
 
-async def test_unrecoverable_gap_resets_worker_state() -> None:
-    h = Harness(with_replay=False)
-    await asyncio.sleep(0.3)
+async def test_replay_timeout_gives_up_and_keeps_reading(ctx) -> None:
+    engine = Engine(ctx, answer=False)  # a ROUTER that never answers
+    agent = Agent(ctx, engine.endpoint, engine.replay_endpoint, replay_timeout_s=0.2)
     try:
-        await h.publish(0)
-        await h.publish(5)
-        await h.settle(lambda: h.applied == [0, 5])
-        assert h.resets == ["gap not recoverable"]
-        assert h.source.counters.unrecoverable_gaps == 1
+        await joined(engine, agent)
+        await engine.publish(3, payload(root_store(30)))
+        await engine.publish(4, payload(root_store(40)))
+        await settle(lambda: agent.applied[-1:] == [4])
+        assert agent.applied == [0, 3, 4] and agent.resets == ["gap not recoverable"]
+        assert agent.source.counters.replay_timeouts >= 2  # start-up catch-up + the gap
+        assert agent.keys() == {key(30), key(40)}
     finally:
-        await h.close()
+        await agent.close()
+        await engine.close()
+
+
+async def test_start_catches_up_from_replay_and_drops_live_copies(ctx) -> None:
+    engine = Engine(ctx)
+    for seq in range(3):  # published before the agent started (slow joiner): only the replay has them
+        await engine.publish(seq, payload(root_store(seq * 10 + 5)), live=False)
+    agent = Agent(ctx, engine.endpoint, engine.replay_endpoint)
+    try:
+        await settle(lambda: agent.applied == [0, 1, 2])
+        assert engine.replay_requests == [0]
+        await engine.wait_subscribed()
+        await engine.pub.send_multipart(frames(2, engine.buffer[2]))  # live copy of a replayed batch
+        await engine.publish(3, payload(root_store(35)))
+        await settle(lambda: agent.applied[-1:] == [3])
+        assert agent.applied == [0, 1, 2, 3]
+        assert agent.source.counters.duplicate_batches == 1 and agent.resets == []
+        assert agent.keys() == {key(5), key(15), key(25), key(35)}
+    finally:
+        await agent.close()
+        await engine.close()
+
+
+async def test_first_live_batch_after_missed_ones_catches_up_from_zero(ctx) -> None:
+    engine = Engine(ctx)  # nothing buffered when the agent starts: the start-up replay is empty
+    agent = Agent(ctx, engine.endpoint, engine.replay_endpoint)
+    try:
+        await settle(lambda: engine.replay_requests == [0])
+        await engine.wait_subscribed()
+        await engine.publish(0, payload(root_store(5)), live=False)
+        await engine.publish(1, payload(root_store(15)), live=False)
+        await engine.publish(2, payload(root_store(25)))
+        await settle(lambda: agent.applied[-1:] == [2])
+        assert engine.replay_requests == [0, 0] and agent.applied == [0, 1, 2]
+        assert agent.source.counters.gaps == 0 and agent.keys() == {key(5), key(15), key(25)}
+    finally:
+        await agent.close()
+        await engine.close()
+
+
+async def test_sequence_reset_clears_state_and_replays_the_new_engine_from_zero(ctx) -> None:
+    engine = Engine(ctx, "old")
+    engine.answer = False
+    agent = Agent(ctx, engine.endpoint, engine.replay_endpoint, replay_timeout_s=0.2)
+    try:
+        await joined(engine, agent)
+        engine.answer = True
+        for seq in range(1, 5):
+            await engine.publish(seq, payload(root_store(seq * 10)))
+        await settle(lambda: agent.applied[-1:] == [4])
+        assert agent.keys() == {key(1000), key(10), key(20), key(30), key(40)}
+        engine.buffer.clear()  # the engine restarted: fresh counter, fresh replay buffer
+        await engine.publish(0, payload(root_store(7)), live=False)
+        await engine.publish(1, payload(root_store(8)))
+        await settle(lambda: agent.applied[-1:] == [1] and len(agent.applied) > 6)
+        assert agent.resets == ["sequence reset"] and agent.source.counters.sequence_resets == 1
+        assert agent.applied == [0, 1, 2, 3, 4, 0, 1]
+        assert agent.keys() == {key(7), key(8)}  # nothing of the old engine's state survives
+    finally:
+        await agent.close()
+        await engine.close()
+
+
+async def test_malformed_replay_messages_are_counted(ctx) -> None:
+    engine = Engine(ctx, replay=False)
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    replay_endpoint = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+    good = payload(root_store(10))
+
+    async def serve() -> None:
+        while True:
+            identity, _, start8 = await router.recv_multipart()
+            if int.from_bytes(start8, "big") == 0:
+                await router.send_multipart([identity, b"", END, b""])
+                continue
+            await router.send_multipart([identity, b"", b"x", b"y", b"z", b"w"])      # 4 frames after delimiter
+            await router.send_multipart([identity, b"", b"\x01", good])               # short seq
+            await router.send_multipart([identity, b"", (1).to_bytes(8, "big"), good])
+            await router.send_multipart([identity, b"", (1).to_bytes(8, "big"), good])  # duplicate: deduped
+            await router.send_multipart([identity, b"", (2).to_bytes(8, "big"), b"\xc1"])  # garbage: seq used up
+            await router.send_multipart([identity, b"", END, b""])
+
+    task = asyncio.create_task(serve())
+    agent = Agent(ctx, engine.endpoint, replay_endpoint)
+    try:
+        await joined(engine, agent)
+        await engine.publish(3, payload(root_store(30)))
+        await settle(lambda: agent.applied[-1:] == [3])
+        assert agent.applied == [0, 1, 3] and agent.resets == []
+        assert agent.source.counters.malformed_frames == 3
+        assert agent.keys() == {key(1000), key(10), key(30)}
+    finally:
+        task.cancel()
+        await agent.close()
+        await engine.close()
+
+
+async def test_bind_mode_for_a_connecting_vllm(ctx) -> None:
+    # vLLM connects its PUB when the endpoint has no '*' (spec §1.1): the agent's SUB binds.
+    agent = Agent(ctx, "tcp://127.0.0.1:0", None, bind=True, topic="kv@w1")
+    await agent.source.ready.wait()
+    assert agent.source.bound_endpoint and agent.source.bound_endpoint != "tcp://127.0.0.1:0"
+    engine = Engine(ctx, replay=False, pub_connect=agent.source.bound_endpoint)
+    try:
+        assert await engine.wait_subscribed() == b"kv@w1"
+        await engine.pub.send_multipart(frames(0, payload(root_store(2)), topic=b"other"))  # filtered by topic prefix
+        await engine.pub.send_multipart(frames(0, payload(root_store(1)), topic=b"kv@w1@tiny"))
+        await settle(lambda: agent.applied)
+        await asyncio.sleep(0.1)
+        assert agent.applied == [0] and agent.keys() == {key(1)}
+    finally:
+        await agent.close()
+        await engine.close()
+
+
+async def test_holes_in_a_replay_only_the_batches_after_the_last_hole_apply(ctx) -> None:
+    engine = Engine(ctx)
+    for seq in (0, 1, 3, 4):  # seq 2 lost (e.g. truncated by the ROUTER's send HWM)
+        await engine.publish(seq, payload(root_store(seq * 10 + 1)), live=False)
+    agent = Agent(ctx, engine.endpoint, engine.replay_endpoint)
+    try:
+        await settle(lambda: agent.applied == [3, 4])
+        assert agent.applied == [3, 4] and agent.resets == []  # state was empty: nothing to reset
+        assert agent.source.counters.incomplete_catch_ups == 1 and agent.keys() == {key(31), key(41)}
+        await engine.wait_subscribed()
+        for seq in (6, 8):  # gap [5, 9) where the replay buffer lacks 5 and 7
+            await engine.publish(seq, payload(root_store(seq * 10 + 1)), live=False)
+        await engine.publish(9, payload(root_store(91)))
+        await settle(lambda: agent.applied[-1:] == [9])
+        assert agent.applied == [3, 4, 8, 9] and agent.resets == ["gap not recoverable"]
+        assert agent.source.counters.unrecoverable_gaps == 1 and agent.keys() == {key(81), key(91)}
+    finally:
+        await agent.close()
+        await engine.close()

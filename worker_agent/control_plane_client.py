@@ -1,9 +1,16 @@
 """The agent's side of `ControlPlane.Connect`: register, snapshot, deltas, heartbeats, reconnect.
 
-After every (re)connect the first batch is a snapshot of everything the worker holds, so
-whatever was lost while disconnected (or sent but never acked) is superseded. Deltas produced
-while disconnected are dropped for the same reason. The control plane being down never stops
-the agent from consuming engine events.
+One session = one gRPC stream:
+  register -> wait `Registered` -> EventBatch(seq=1, snapshot=True, all keys held) ->
+  incremental EventBatches (seq 2, 3, ...: whatever accumulated since the last send) and
+  heartbeats carrying WorkerLoad every min(1 s, heartbeat_timeout_ms / 3).
+Acks are read concurrently. A batch not acked within `ack_timeout_s`, a missing `Registered`,
+or any stream error ends the session; the link then reconnects with exponential backoff and
+jitter (0.1 s doubling to 5 s). Deltas produced while disconnected are not queued: the snapshot
+sent first on the next session is taken from the resolver, which kept applying engine events,
+so it supersedes them (and any batch sent but never acked).
+
+`send()` never blocks (the ZMQ reader calls it); the gRPC writes happen in the link's own task.
 """
 
 from __future__ import annotations
@@ -12,8 +19,9 @@ import asyncio
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import grpc
 
@@ -21,8 +29,13 @@ from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvroute.agent.cp")
-GRPC_OPTIONS = [("grpc.max_send_message_length", 256 * 1024 * 1024),
-                ("grpc.max_receive_message_length", 256 * 1024 * 1024)]
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    # Detect a control plane that vanished without closing the TCP connection.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+]
 
 
 @dataclass
@@ -34,81 +47,217 @@ class WorkerIdentity:
     endpoint: str
     engine_version: str = ""
 
+    def register_message(self) -> pb.AgentMessage:
+        return pb.AgentMessage(register=pb.RegisterWorker(
+            worker_id=self.worker_id, model=self.model, engine=self.engine, block_size=self.block_size,
+            endpoint=self.endpoint, engine_version=self.engine_version))
+
+
+@dataclass(slots=True)
+class LinkCounters:
+    sessions: int = 0            # streams that got `Registered`
+    connect_failures: int = 0    # attempts or sessions that ended in an error
+    snapshots_sent: int = 0
+    batches_sent: int = 0        # incremental batches
+    events_sent: int = 0
+    batches_acked: int = 0
+    heartbeats_sent: int = 0
+    dropped_while_disconnected: int = 0  # delta batches not sent (superseded by the next snapshot)
+    overflow_resyncs: int = 0    # backlog grew past max_pending_events: replaced by a snapshot
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class _EndSession(Exception):
+    pass
+
+
+class _Reregister(Exception):
+    pass
+
 
 class ControlPlaneLink:
     def __init__(self, address: str, identity: WorkerIdentity, snapshot: Callable[[], list[int]],
-                 load: Callable[[], pb.WorkerLoad], heartbeat_interval_s: float = 1.0) -> None:
+                 load: Callable[[], pb.WorkerLoad], *, heartbeat_interval_s: float | None = None,
+                 register_timeout_s: float = 5.0, ack_timeout_s: float = 15.0, backoff_initial_s: float = 0.1,
+                 backoff_max_s: float = 5.0, max_pending_events: int = 100_000, stable_session_s: float = 5.0) -> None:
         self.address, self.identity = address, identity
         self._snapshot, self._load = snapshot, load
-        self.heartbeat_interval_s = heartbeat_interval_s
-        self._deltas: asyncio.Queue[list[pb.BlockEvent]] = asyncio.Queue()
-        self.connected = False
-        self.sessions = 0
+        self.heartbeat_interval_s = heartbeat_interval_s  # None: min(1 s, heartbeat_timeout_ms / 3)
+        self.register_timeout_s, self.ack_timeout_s = register_timeout_s, ack_timeout_s
+        self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
+        self.max_pending_events = max_pending_events
+        # Backoff restarts from backoff_initial_s only after a session that lasted this long (two agents
+        # fighting over one worker id must not reconnect in a tight loop).
+        self.stable_session_s = stable_session_s
+        self.counters = LinkCounters()
+        self.connected = False       # registered and the snapshot written
+        self.last_sent_seq = 0
         self.acked_seq = 0
-        self._session_task: asyncio.Task | None = None
+        self.connected_event = asyncio.Event()  # set while connected (tests and /health)
+        self._pending: list[pb.BlockEvent] = []
+        self._resync = False
+        self._reregister = False
+        self._wake = asyncio.Event()
+
+    # ------------------------------------------------------------------ producer side (never blocks)
 
     def send(self, events: list[pb.BlockEvent]) -> None:
-        """Queue deltas; dropped while disconnected (the next snapshot covers them)."""
-        if self.connected and events:
-            self._deltas.put_nowait(events)
+        """Queue deltas for the next batch; dropped while disconnected (the next snapshot covers them)."""
+        if not events:
+            return
+        if not self.connected:
+            self.counters.dropped_while_disconnected += 1
+            return
+        if self._resync:
+            return  # a snapshot is due anyway
+        self._pending.extend(events)
+        if len(self._pending) > self.max_pending_events:
+            self.counters.overflow_resyncs += 1
+            log.warning("control plane backlog of %d events: sending a snapshot instead", len(self._pending))
+            self.resync()
+            return
+        self._wake.set()
 
-    def reconnect(self) -> None:
-        """Force a new session (e.g. after the identity changed or the worker state was reset)."""
-        if self._session_task:
-            self._session_task.cancel()
+    def resync(self) -> None:
+        """Replace queued deltas by a fresh snapshot (after the worker's state was reset)."""
+        self._pending = []
+        self._resync = True
+        self._wake.set()
+
+    def reregister(self) -> None:
+        """End the current session and register again at once (the identity changed)."""
+        self._reregister = True
+        self._wake.set()
+
+    # ------------------------------------------------------------------ sessions
 
     async def run(self) -> None:
-        backoff = 0.1
+        """Keep a session up forever; never raises (except cancellation)."""
+        backoff = self.backoff_initial_s
+        failures = 0
         while True:
-            self._session_task = asyncio.create_task(self._session())
+            registered_before = self.counters.sessions
             started = time.monotonic()
             try:
-                await self._session_task
+                await self._session()
             except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():
-                    raise
+                self.connected = False
+                self.connected_event.clear()
+                raise
+            except _Reregister:
+                log.info("re-registering with control plane %s as %s (block_size %d)", self.address,
+                         self.identity.worker_id, self.identity.block_size)
+                continue
             except grpc.aio.AioRpcError as exc:
-                log.warning("control plane %s: %s %s", self.address, exc.code().name, exc.details())
-            except Exception:  # never let the link die
-                log.exception("control plane session failed")
-            self.connected = False
-            if time.monotonic() - started > 5:
-                backoff = 0.1
-            await asyncio.sleep(backoff * (0.5 + random.random()))
-            backoff = min(backoff * 2, 5.0)
+                failures += 1
+                self._log_failure(failures, f"{exc.code().name}: {exc.details()}")
+            except Exception as exc:  # noqa: BLE001 - the link must never die
+                failures += 1
+                self._log_failure(failures, f"{type(exc).__name__}: {exc}")
+            finally:
+                self._disconnected()
+            self.counters.connect_failures += 1
+            if self.counters.sessions > registered_before and time.monotonic() - started > self.stable_session_s:
+                backoff, failures = self.backoff_initial_s, 0  # the session was up for a while: start over
+            await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
+            backoff = min(backoff * 2, self.backoff_max_s)
+
+    def _log_failure(self, failures: int, why: str) -> None:
+        if failures <= 3 or failures % 20 == 0:
+            log.warning("control plane %s unavailable (attempt %d): %s", self.address, failures, why)
+
+    def _disconnected(self) -> None:
+        if self.connected:
+            log.warning("control plane %s: stream closed; reconnecting", self.address)
+        self.connected = False
+        self.connected_event.clear()
+        self._pending = []
 
     async def _session(self) -> None:
         async with grpc.aio.insecure_channel(self.address, options=GRPC_OPTIONS) as channel:
-            call = pb_grpc.ControlPlaneStub(channel).Connect(self._outgoing())
-            async for message in call:
-                kind = message.WhichOneof("body")
-                if kind == "registered":
-                    self.sessions += 1
-                    log.info("registered with control plane %s as %s", self.address, self.identity.worker_id)
-                elif kind == "ack":
-                    self.acked_seq = message.ack.seq
-
-    async def _outgoing(self):
-        i = self.identity
-        yield pb.AgentMessage(register=pb.RegisterWorker(worker_id=i.worker_id, model=i.model, engine=i.engine,
-                                                         block_size=i.block_size, endpoint=i.endpoint,
-                                                         engine_version=i.engine_version))
-        # Everything queued so far is contained in the snapshot taken now.
-        while not self._deltas.empty():
-            self._deltas.get_nowait()
-        self.connected = True
-        seq = 1
-        keys = self._snapshot()
-        yield pb.AgentMessage(batch=pb.EventBatch(seq=seq, snapshot=True, events=[
-            pb.BlockEvent(stored=pb.BlocksStored(block_keys=keys, medium="gpu"))]))
-        yield pb.AgentMessage(heartbeat=pb.Heartbeat(load=self._load()))
-        while True:
+            call = pb_grpc.ControlPlaneStub(channel).Connect()
             try:
-                events = await asyncio.wait_for(self._deltas.get(), self.heartbeat_interval_s)
-            except TimeoutError:
-                yield pb.AgentMessage(heartbeat=pb.Heartbeat(load=self._load()))
-                continue
-            while not self._deltas.empty() and len(events) < 1024:  # coalesce a burst into one batch
-                events.extend(self._deltas.get_nowait())
+                await self._run_stream(call)
+            finally:
+                call.cancel()
+
+    async def _run_stream(self, call: grpc.aio.StreamStreamCall) -> None:
+        await call.write(self.identity.register_message())
+        reply = await asyncio.wait_for(call.read(), self.register_timeout_s)
+        if reply is grpc.aio.EOF or reply.WhichOneof("body") != "registered":
+            raise _EndSession(f"expected `registered`, got {reply!r}")
+        self.counters.sessions += 1
+        timeout_ms = reply.registered.heartbeat_timeout_ms
+        interval = self.heartbeat_interval_s or (min(1.0, timeout_ms / 3000) if timeout_ms else 1.0)
+        log.info("registered with control plane %s as %s (model %s, block_size %d)", self.address,
+                 self.identity.worker_id, self.identity.model, self.identity.block_size)
+
+        unacked: deque[tuple[int, float]] = deque()
+        seq = 0
+
+        async def read_acks() -> None:
+            while True:
+                message = await call.read()
+                if message is grpc.aio.EOF:
+                    raise _EndSession("control plane closed the stream")
+                if message.WhichOneof("body") == "ack":
+                    acked = message.ack.seq
+                    self.acked_seq = acked
+                    while unacked and unacked[0][0] <= acked:
+                        unacked.popleft()
+                        self.counters.batches_acked += 1
+
+        async def write_batch(snapshot: bool, events: list[pb.BlockEvent]) -> None:
+            nonlocal seq
             seq += 1
-            yield pb.AgentMessage(batch=pb.EventBatch(seq=seq, events=events))
+            unacked.append((seq, time.monotonic()))
+            self.last_sent_seq = seq
+            await call.write(pb.AgentMessage(batch=pb.EventBatch(seq=seq, snapshot=snapshot, events=events)))
+            if snapshot:
+                self.counters.snapshots_sent += 1
+            else:
+                self.counters.batches_sent += 1
+                self.counters.events_sent += len(events)
+
+        # The snapshot and `connected` are taken in one step (no await in between), so every later
+        # delta is either in the snapshot or queued after it.
+        self._pending, self._resync, self._reregister = [], False, False
+        self._wake.clear()
+        keys = self._snapshot()
+        self.connected = True
+        self.connected_event.set()
+        reader = asyncio.create_task(read_acks())
+        reader.add_done_callback(lambda _: self._wake.set())
+        try:
+            await write_batch(True, [pb.BlockEvent(stored=pb.BlocksStored(block_keys=keys, medium="gpu"))])
+            next_heartbeat = time.monotonic()
+            while True:
+                now = time.monotonic()
+                if now >= next_heartbeat:
+                    await call.write(pb.AgentMessage(heartbeat=pb.Heartbeat(load=self._load())))
+                    self.counters.heartbeats_sent += 1
+                    next_heartbeat = now + interval
+                if unacked and now - unacked[0][1] > self.ack_timeout_s:
+                    raise _EndSession(f"batch {unacked[0][0]} not acked within {self.ack_timeout_s:.0f}s")
+                if not self._wake.is_set():
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), max(0.0, next_heartbeat - time.monotonic()))
+                    except TimeoutError:
+                        continue
+                self._wake.clear()
+                if reader.done():
+                    reader.result()  # raises why the stream ended
+                    raise _EndSession("ack reader stopped")
+                if self._reregister:
+                    raise _Reregister()
+                if self._resync:
+                    self._resync, self._pending = False, []
+                    await write_batch(True, [pb.BlockEvent(stored=pb.BlocksStored(block_keys=self._snapshot(),
+                                                                                  medium="gpu"))])
+                elif self._pending:
+                    events, self._pending = self._pending, []
+                    await write_batch(False, events)
+        finally:
+            reader.cancel()

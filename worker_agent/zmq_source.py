@@ -1,182 +1,324 @@
 """Live vLLM KV events over ZMQ SUB, with sequence tracking and replay over a DEALER socket.
 
-- first contact (and agent start): replay from seq 0 to catch up what a slow joiner missed;
-- seq == last + 1: apply;  seq > last + 1: gap -> replay the missing range;
-- seq <= last: the publisher restarted (its counter reset) -> the worker's state is unknown:
-  reset, then replay from 0;
-- a gap the replay buffer cannot fill (or no replay socket) -> reset: under-claim, never over-claim.
-Malformed frames are counted and logged; the batches around them still apply.
+Sequence rules (one publisher = one counter starting at 0, +1 per batch, wire spec §1.2):
+- start, and the first batch ever: if a replay endpoint is configured, replay from seq 0 to
+  catch up what the ZMQ slow joiner missed;
+- seq == last + 1: apply;
+- seq > last + 1: gap -> replay [last + 1, seq) from the engine's ROUTER; if the replay
+  cannot deliver that range (no replay socket, no answer, or the buffer no longer holds it) the
+  worker's state is unknown: `on_reset` (the agent clears the resolver and resyncs the control
+  plane), counted as `unrecoverable_gaps`; later batches apply on the cleared state;
+- seq <= last: the publisher restarted (its counter reset): `on_reset`, then replay from 0;
+- a live copy of a batch that a start-up replay already applied is dropped (same seq, same
+  payload digest).
+Frames that cannot be decoded are counted and logged (rate-limited) and never stop the loop.
+A malformed payload with a readable seq still uses up its sequence number (like a malformed event
+inside a batch, its content is lost but it is not a gap), so the batches around it apply.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
+import xxhash
 import zmq
 import zmq.asyncio
 
-from worker_agent.vllm_wire import DecodedBatch, WireFormatError, decode_frames, decode_payload
+from worker_agent.vllm_wire import DecodedBatch, WireFormatError, decode_payload, split_frames
 
 log = logging.getLogger("kvroute.agent.zmq")
-END_SEQ = b"\xff" * 8
+END_SEQ = b"\xff" * 8  # (-1).to_bytes(8, "big", signed=True)
+_digest = xxhash.xxh3_64_intdigest
+
+BatchCallback = Callable[[DecodedBatch], Awaitable[None] | None]
+ResetCallback = Callable[[str], Awaitable[None] | None]
 
 
 @dataclass(slots=True)
 class SourceCounters:
-    batches: int = 0
-    malformed_frames: int = 0
-    malformed_events: int = 0
-    unknown_events: int = 0
-    gaps: int = 0
-    unrecoverable_gaps: int = 0
-    replays: int = 0
-    replay_timeouts: int = 0
-    sequence_resets: int = 0
-    duplicate_batches: int = 0
+    batches: int = 0              # batches applied (live or replayed)
+    malformed_frames: int = 0     # ZMQ messages (live or replayed) that could not be decoded
+    malformed_events: int = 0     # single events rejected inside otherwise good batches
+    unknown_events: int = 0       # events with an unknown tag (skipped)
+    gaps: int = 0                 # seq jumped forward
+    unrecoverable_gaps: int = 0   # gaps the replay could not fill -> worker state reset
+    replays: int = 0              # replay requests sent
+    replayed_batches: int = 0     # batches applied from a replay
+    replay_timeouts: int = 0      # replay requests that got no (complete) answer in time
+    sequence_resets: int = 0      # seq went backwards: engine restarted
+    duplicate_batches: int = 0    # live copies of batches a replay already applied
+    incomplete_catch_ups: int = 0  # catch-up from seq 0 found the start no longer buffered
+    callback_errors: int = 0      # exceptions raised by on_batch / on_reset
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-class _RateLimitedLog:
-    def __init__(self, period_s: float = 5.0) -> None:
-        self.period_s, self._last, self._suppressed = period_s, 0.0, 0
+class RateLimitedLog:
+    """At most one warning per `period_s` per kind of problem; the rest are counted and summarised
+    in the next warning of that kind."""
 
-    def warning(self, msg: str, *args: object) -> None:
+    def __init__(self, logger: logging.Logger, period_s: float = 5.0) -> None:
+        self.logger, self.period_s = logger, period_s
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def warning(self, kind: str, msg: str, *args: object, exc_info: bool = False) -> None:
         now = time.monotonic()
-        if now - self._last >= self.period_s:
-            extra = f" ({self._suppressed} similar suppressed)" if self._suppressed else ""
-            log.warning(msg + extra, *args)
-            self._last, self._suppressed = now, 0
+        if now - self._last.get(kind, -self.period_s) >= self.period_s:
+            suppressed = self._suppressed.pop(kind, 0)
+            if suppressed:
+                msg += f" ({suppressed} similar messages suppressed)"
+            self.logger.warning(msg, *args, exc_info=exc_info)
+            self._last[kind] = now
         else:
-            self._suppressed += 1
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+
+
+@dataclass(slots=True)
+class _Replay:
+    batches: dict[int, DecodedBatch | None]  # seq -> batch (None = malformed payload)
+    digests: dict[int, int]                  # seq -> payload digest
+    complete: bool                           # end marker seen
 
 
 class VllmZmqSource:
-    def __init__(self, endpoint: str, on_batch: Callable[[DecodedBatch], Awaitable[None]],
-                 on_reset: Callable[[str], Awaitable[None]], replay_endpoint: str | None = None,
-                 bind: bool = False, topic: str = "", replay_timeout_s: float = 1.0) -> None:
+    """Reads one engine publisher. `on_batch(batch)` per batch in sequence order, `on_reset(reason)`
+    when the worker's state became unknown; both may be plain functions or coroutines."""
+
+    def __init__(self, endpoint: str, on_batch: BatchCallback, on_reset: ResetCallback,
+                 replay_endpoint: str | None = None, *, bind: bool = False, topic: str = "",
+                 replay_timeout_s: float = 1.0, replay_max_s: float = 30.0, rcvhwm: int = 100_000,
+                 context: zmq.asyncio.Context | None = None) -> None:
         self.endpoint, self.replay_endpoint, self.bind, self.topic = endpoint, replay_endpoint, bind, topic
         self.on_batch, self.on_reset = on_batch, on_reset
-        self.replay_timeout_s = replay_timeout_s
+        self.replay_timeout_s, self.replay_max_s, self.rcvhwm = replay_timeout_s, replay_max_s, rcvhwm
         self.counters = SourceCounters()
         self.last_seq: int | None = None
-        self._dedupe_until = -1
-        self._ctx = zmq.asyncio.Context()
-        self._bad_log = _RateLimitedLog()
+        self.bound_endpoint: str | None = None  # the SUB's resolved address when bind=True (e.g. port 0)
+        self.ready = asyncio.Event()            # set once the SUB socket is bound/connected
+        self._own_ctx = context is None
+        self._ctx = context or zmq.asyncio.Context()
+        self._replayed: dict[int, int] = {}    # seq -> digest of batches applied by a catch-up replay
+        self._replayed_max = -1
+        self._log = RateLimitedLog(log)
+
+    # ------------------------------------------------------------------ loop
 
     async def run(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.RCVHWM, 100_000)  # ZMQ's default 1000 drops bursts of a busy engine
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self.rcvhwm)  # ZMQ's default 1000 drops the bursts of a busy engine
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
-        (sub.bind if self.bind else sub.connect)(self.endpoint)
         try:
+            if self.bind:
+                sub.bind(self.endpoint)
+                self.bound_endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                sub.connect(self.endpoint)
+            log.info("KV events: SUB %s %s (topic %r, replay %s)", "bound to" if self.bind else "connected to",
+                     self.bound_endpoint or self.endpoint, self.topic, self.replay_endpoint or "off")
+            self.ready.set()
             if self.replay_endpoint:
-                await self._catch_up(0, stop_before=None)
+                await self._catch_up_from_zero(None)
             while True:
                 frames = await sub.recv_multipart()
-                await self.handle_frames(frames)
+                try:
+                    await self.handle_frames(frames)
+                except Exception:  # noqa: BLE001 - a bug must not stop the event stream
+                    self.counters.callback_errors += 1
+                    self._log.warning("internal", "handling a KV event message failed", exc_info=True)
         finally:
             sub.close(linger=0)
 
     def close(self) -> None:
-        self._ctx.destroy(linger=0)
+        if self._own_ctx:
+            self._ctx.destroy(linger=0)
+
+    # ------------------------------------------------------------------ per message
 
     async def handle_frames(self, frames: list[bytes]) -> None:
+        """One live message. Never raises for bad input."""
         try:
-            batch = decode_frames(frames)
+            _, seq, payload = split_frames(frames)
         except WireFormatError as exc:
             self.counters.malformed_frames += 1
-            self._bad_log.warning("malformed KV event frame dropped: %s", exc)
+            self._log.warning(type(exc).__name__, "malformed KV event frame dropped: %s", exc)
             return
-        await self._handle(batch)
+        if self._replayed:
+            if seq in self._replayed and self._replayed[seq] == _digest(payload):
+                self.counters.duplicate_batches += 1  # a live copy of a batch the catch-up replay applied
+                return
+            if seq > self._replayed_max:
+                self._replayed.clear()
+        try:
+            batch: DecodedBatch | None = decode_payload(seq, payload)
+        except WireFormatError as exc:
+            self.counters.malformed_frames += 1
+            self._log.warning(type(exc).__name__, "malformed KV event batch seq %d dropped: %s", seq, exc)
+            if self.last_seq is not None and seq <= self.last_seq:
+                return  # a frame we cannot read is no evidence of an engine restart
+            batch = None
+        await self._sequence(seq, batch)
 
-    async def _handle(self, batch: DecodedBatch) -> None:
+    async def _sequence(self, seq: int, batch: DecodedBatch | None) -> None:
         last = self.last_seq
-        if last is not None and batch.seq <= self._dedupe_until:
-            self.counters.duplicate_batches += 1  # live copy of a batch the replay already applied
-            return
-        self._dedupe_until = -1
-        if last is None:
-            if self.replay_endpoint and batch.seq > 0:
-                await self._catch_up(0, stop_before=batch.seq)
-        elif batch.seq == last + 1:
-            pass
-        elif batch.seq > last + 1:
-            self.counters.gaps += 1
-            log.warning("KV event gap: expected seq %d, got %d; replaying", last + 1, batch.seq)
-            await self._catch_up(last + 1, stop_before=batch.seq)
-        else:
+        if last is not None and seq <= last:
             self.counters.sequence_resets += 1
-            log.warning("KV event sequence went back from %d to %d: engine restarted, resetting worker state",
-                        last, batch.seq)
-            await self.on_reset("sequence reset")
-            self.last_seq = None
-            if self.replay_endpoint and batch.seq > 0:
-                await self._catch_up(0, stop_before=batch.seq)
-        await self._apply(batch)
+            log.warning("KV event seq went back from %d to %d: engine restarted, worker state reset", last, seq)
+            await self._reset("sequence reset")
+            self.last_seq = last = None
+            self._replayed.clear()
+        if last is None and seq > 0:  # first batch ever, or first after a restart
+            if self.replay_endpoint:
+                await self._catch_up_from_zero(seq)
+                last = self.last_seq
+            else:
+                log.info("KV events start at seq %d and no replay endpoint is set: earlier events are unknown", seq)
+        if last is not None and seq > last + 1:
+            self.counters.gaps += 1
+            log.warning("KV event gap: expected seq %d, got %d", last + 1, seq)
+            await self._fill_gap(last + 1, seq)
+        self._consume(seq)
+        if batch is not None:
+            await self._apply(batch)
+
+    def _consume(self, seq: int) -> None:
+        if self.last_seq is None or seq > self.last_seq:
+            self.last_seq = seq
 
     async def _apply(self, batch: DecodedBatch) -> None:
-        self.counters.batches += 1
+        c = self.counters
+        c.batches += 1
         if batch.bad_events:
-            self.counters.malformed_events += len(batch.bad_events)
-            self._bad_log.warning("batch %d: %d malformed events skipped (first: %s)", batch.seq,
-                                  len(batch.bad_events), batch.bad_events[0])
+            c.malformed_events += len(batch.bad_events)
+            self._log.warning("bad_event", "KV event batch seq %d: %d malformed events skipped (first: %s)",
+                                         batch.seq, len(batch.bad_events), batch.bad_events[0])
         if batch.unknown_events:
-            self.counters.unknown_events += len(batch.unknown_events)
-            self._bad_log.warning("batch %d: unknown event types %s ignored", batch.seq, sorted(set(batch.unknown_events)))
-        self.last_seq = batch.seq
-        await self.on_batch(batch)
-
-    async def _catch_up(self, start: int, stop_before: int | None) -> None:
-        """Replay [start, stop_before); reset the worker if the range cannot be recovered."""
-        replayed = await self._replay(start) if self.replay_endpoint else None
-        if replayed is None:
-            if stop_before is not None and start > 0:
-                self.counters.unrecoverable_gaps += 1
-                await self.on_reset("gap not recoverable")
-            return
-        wanted = [b for b in replayed if b.seq >= start and (stop_before is None or b.seq < stop_before)]
-        if start > 0 and (not wanted or wanted[0].seq != start):
-            self.counters.unrecoverable_gaps += 1
-            log.warning("replay buffer no longer holds seq %d: resetting worker state", start)
-            await self.on_reset("gap not recoverable")
-        for batch in wanted:
-            await self._apply(batch)
-        if stop_before is None and wanted:
-            self._dedupe_until = wanted[-1].seq
-
-    async def _replay(self, start: int) -> list[DecodedBatch] | None:
-        self.counters.replays += 1
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.connect(self.replay_endpoint)
-        batches: list[DecodedBatch] = []
+            c.unknown_events += len(batch.unknown_events)
+            self._log.warning("unknown_event", "KV event batch seq %d: unknown event types %s skipped", batch.seq,
+                                         sorted(set(batch.unknown_events)))
         try:
-            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            result = self.on_batch(batch)
+            if inspect.isawaitable(result):
+                await result
+        except Exception:  # noqa: BLE001 - one bad batch must not stop the event stream
+            c.callback_errors += 1
+            self._log.warning("callback", "applying KV event batch seq %d failed", batch.seq, exc_info=True)
+
+    async def _reset(self, reason: str) -> None:
+        try:
+            result = self.on_reset(reason)
+            if inspect.isawaitable(result):
+                await result
+        except Exception:
+            self.counters.callback_errors += 1
+            log.exception("worker state reset (%s) failed", reason)
+
+    # ------------------------------------------------------------------ catch-up and gaps
+
+    async def _catch_up_from_zero(self, stop_before: int | None) -> None:
+        """Start / first batch ever / after a restart: apply what the replay buffer holds before
+        `stop_before`. The worker's state is empty here, so a buffer that no longer starts at 0 (or has
+        holes) just means we know less than the engine: only the batches after the last hole apply."""
+        replay = await self._replay(0)
+        if replay is None:
+            return
+        seqs = sorted(s for s in replay.batches if stop_before is None or s < stop_before)
+        if not seqs:
+            return
+        first = 0
+        for i in range(1, len(seqs)):
+            if seqs[i] != seqs[i - 1] + 1:
+                first = i  # a hole: what came before it lacks the lost events
+        if seqs[first] > 0:
+            self.counters.incomplete_catch_ups += 1
+            log.info("KV event catch-up: replay buffer holds seq %d..%d; earlier events are not known",
+                     seqs[first], seqs[-1])
+        for s in seqs[first:]:
+            await self._apply_replayed(s, replay.batches[s])
+        if stop_before is None:  # live copies of these may already be queued on the SUB socket
+            self._replayed = {s: replay.digests[s] for s in seqs[first:]}
+            self._replayed_max = seqs[-1]
+
+    async def _fill_gap(self, start: int, stop_before: int) -> None:
+        replay = await self._replay(start) if self.replay_endpoint else None
+        batches = replay.batches if replay else {}
+        missing = [s for s in range(start, stop_before) if s not in batches]
+        if missing:
+            self.counters.unrecoverable_gaps += 1
+            why = ("no replay endpoint" if not self.replay_endpoint else "no replay answer" if replay is None
+                   else f"replay buffer lacks seq {missing[0]}" + (f"..{missing[-1]}" if len(missing) > 1 else ""))
+            log.warning("KV event gap [%d, %d) not recoverable (%s): worker state reset", start, stop_before, why)
+            await self._reset("gap not recoverable")
+            start = missing[-1] + 1  # batches before the last lost one apply to state we just dropped
+        for s in range(start, stop_before):
+            await self._apply_replayed(s, batches[s])
+
+    async def _apply_replayed(self, seq: int, batch: DecodedBatch | None) -> None:
+        self._consume(seq)
+        if batch is not None:
+            self.counters.replayed_batches += 1
+            await self._apply(batch)
+
+    async def _replay(self, start: int) -> _Replay | None:
+        """Ask the engine's ROUTER for every buffered batch with seq >= start. None = no usable answer."""
+        assert self.replay_endpoint
+        self.counters.replays += 1
+        dealer = self._ctx.socket(zmq.DEALER)  # not REQ: a REQ socket only delivers the first reply message
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 0)  # the reply can be the whole buffer (10000 batches by default)
+        out = _Replay({}, {}, False)
+        deadline = time.monotonic() + self.replay_max_s
+        try:
+            dealer.connect(self.replay_endpoint)
+            await asyncio.wait_for(dealer.send_multipart([b"", start.to_bytes(8, "big")]), self.replay_timeout_s)
             while True:
-                if not await dealer.poll(int(self.replay_timeout_s * 1000)):
+                timeout = min(self.replay_timeout_s, deadline - time.monotonic())
+                if timeout <= 0 or not await dealer.poll(int(timeout * 1000)):
                     self.counters.replay_timeouts += 1
-                    log.warning("replay from seq %d: no answer within %.1fs", start, self.replay_timeout_s)
-                    return batches or None
+                    log.warning("replay from seq %d (%s): no %s within %.1fs", start, self.replay_endpoint,
+                                "end marker" if out.batches else "answer", self.replay_timeout_s)
+                    return out if out.batches else None
                 frames = await dealer.recv_multipart()
                 if frames and frames[0] == b"":
-                    frames = frames[1:]
-                if len(frames) == 3:      # vLLM >= 0.26: [topic, seq, payload]
+                    frames = frames[1:]  # the DEALER-side empty delimiter
+                if len(frames) == 3:     # new framing (vLLM >= 0.26): [topic, seq8, payload]
                     seq8, payload = frames[1], frames[2]
-                elif len(frames) == 2:    # older: [seq, payload]
+                elif len(frames) == 2:   # old framing: [seq8, payload]
                     seq8, payload = frames
                 else:
                     self.counters.malformed_frames += 1
+                    self._log.warning("replay_frames", "malformed replay message dropped: %d frames", len(frames))
                     continue
                 if seq8 == END_SEQ:
-                    return batches
+                    out.complete = True
+                    return out
                 if len(seq8) != 8:
                     self.counters.malformed_frames += 1
+                    self._log.warning("replay_seq", "malformed replay message dropped: %d-byte seq", len(seq8))
                     continue
+                seq = int.from_bytes(seq8, "big")
+                if seq < start or seq in out.batches:
+                    continue  # dedupe by seq
                 try:
-                    batches.append(decode_payload(int.from_bytes(seq8, "big"), payload))
+                    out.batches[seq] = decode_payload(seq, payload)
                 except WireFormatError as exc:
                     self.counters.malformed_frames += 1
-                    self._bad_log.warning("malformed replayed batch dropped: %s", exc)
+                    self._log.warning("replay_payload", "malformed replayed batch seq %d dropped: %s", seq, exc)
+                    out.batches[seq] = None
+                out.digests[seq] = _digest(payload)
+        except TimeoutError:
+            self.counters.replay_timeouts += 1
+            log.warning("replay from seq %d (%s): request could not be sent", start, self.replay_endpoint)
+            return None
+        except zmq.ZMQError as exc:
+            log.warning("replay from seq %d (%s) failed: %s", start, self.replay_endpoint, exc)
+            return None
         finally:
             dealer.close(linger=0)

@@ -1,0 +1,153 @@
+"""BlockResolver: engine hashes -> kvroute keys, parent linkage, idempotence, filtering."""
+
+from __future__ import annotations
+
+from kvroute.block_keys import namespace_seed, prompt_block_keys
+from kvroute.v1 import kvroute_pb2 as pb
+from worker_agent.block_resolver import BlockResolver
+from worker_agent.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored
+
+MODEL = "tiny"
+TOKENS = list(range(1, 65))  # 4 blocks of 16
+KEYS = prompt_block_keys(TOKENS, 16, MODEL)
+
+
+def changes(events: list[pb.BlockEvent]) -> list[tuple[str, list[int]]]:
+    out = []
+    for e in events:
+        kind = e.WhichOneof("kind")
+        out.append((kind, list(getattr(e, kind).block_keys) if kind != "cleared" else []))
+    return out
+
+
+def test_prompt_stored_in_two_events_chains_to_prompt_block_keys() -> None:
+    r = BlockResolver(MODEL)
+    first = r.apply([BlockStored([101, 102], None, TOKENS[:32], 16)])
+    second = r.apply([BlockStored([103, 104], 102, TOKENS[32:64], 16)])
+    assert changes(first) + changes(second) == [("stored", KEYS[:2]), ("stored", KEYS[2:])]
+    assert first[0].stored.medium == "gpu"
+    assert sorted(r.snapshot()) == sorted(KEYS) and len(r) == 4
+    assert r.counters.stored_blocks == 4 and r.observed_block_size == 16
+
+
+def test_extra_token_ids_beyond_the_blocks_are_ignored() -> None:
+    r = BlockResolver(MODEL)
+    (event,) = r.apply([BlockStored([1, 2], None, TOKENS[:40], 16)])  # 2.5 blocks worth: the tail is not a block
+    assert list(event.stored.block_keys) == KEYS[:2]
+
+
+def test_duplicate_store_and_duplicate_remove_are_no_ops() -> None:
+    r = BlockResolver(MODEL)
+    r.apply([BlockStored([101, 102], None, TOKENS[:32], 16)])
+    # Real vLLM re-stores a recomputed block and re-announces prefix hits (parent None from block 0).
+    assert r.apply([BlockStored([102], 101, TOKENS[16:32], 16)]) == []
+    assert r.apply([BlockStored([101, 102, 103], None, TOKENS[:48], 16)]) == [
+        pb.BlockEvent(stored=pb.BlocksStored(block_keys=[KEYS[2]], medium="gpu"))]
+    assert r.counters.duplicate_stores == 3
+    assert changes(r.apply([BlockRemoved([103]), BlockRemoved([103])])) == [("removed", [KEYS[2]])]
+    assert r.counters.unknown_removes == 1
+    assert r.apply([BlockRemoved([999])]) == []
+    assert sorted(r.snapshot()) == sorted(KEYS[:2])
+
+
+def test_two_engine_hashes_with_one_key_are_reference_counted() -> None:
+    # e.g. the same tokens under two cache salts: different engine hashes, one kvroute key.
+    r = BlockResolver(MODEL)
+    assert changes(r.apply([BlockStored([1], None, TOKENS[:16], 16)])) == [("stored", KEYS[:1])]
+    assert r.apply([BlockStored([2], None, TOKENS[:16], 16)]) == []   # key already announced
+    assert r.apply([BlockRemoved([1])]) == []                         # still held through hash 2
+    assert r.snapshot() == KEYS[:1]
+    assert changes(r.apply([BlockRemoved([2])])) == [("removed", KEYS[:1])]
+    assert r.snapshot() == [] and r.engine_blocks == 0
+
+
+def test_unknown_parent_is_an_orphan_and_so_are_its_children() -> None:
+    r = BlockResolver(MODEL)
+    assert r.apply([BlockStored([201, 202], 999, TOKENS[:32], 16)]) == []
+    assert r.apply([BlockStored([203], 202, TOKENS[32:48], 16)]) == []
+    assert r.counters.orphan_blocks == 3 and len(r) == 0
+
+
+def test_removing_a_parent_keeps_its_children() -> None:
+    r = BlockResolver(MODEL)
+    r.apply([BlockStored([1, 2], None, TOKENS[:32], 16)])
+    assert changes(r.apply([BlockRemoved([1])])) == [("removed", [KEYS[0]])]
+    assert r.snapshot() == [KEYS[1]]
+    assert changes(r.apply([BlockStored([3], 2, TOKENS[32:48], 16)])) == [("stored", [KEYS[2]])]  # child of a held block
+
+
+def test_all_blocks_cleared_wipes_everything() -> None:
+    r = BlockResolver(MODEL)
+    r.apply([BlockStored([1, 2], None, TOKENS[:32], 16)])
+    assert changes(r.apply([AllBlocksCleared()])) == [("cleared", [])]
+    assert len(r) == 0 and r.snapshot() == []
+    assert r.apply([BlockStored([3], 2, TOKENS[32:48], 16)]) == []  # its parent is gone too
+    assert r.apply([AllBlocksCleared()]) == []  # nothing held: nothing changed
+    assert r.counters.clears == 2
+
+
+def test_event_order_is_kept_and_consecutive_changes_are_merged() -> None:
+    r = BlockResolver(MODEL)
+    out = r.apply([BlockStored([1], None, TOKENS[:16], 16), BlockStored([2], 1, TOKENS[16:32], 16),
+                   BlockRemoved([2]), BlockRemoved([1]), BlockStored([1], None, TOKENS[:16], 16), AllBlocksCleared(),
+                   BlockStored([1], None, TOKENS[:16], 16)])
+    assert changes(out) == [("stored", KEYS[:2]), ("removed", [KEYS[1], KEYS[0]]), ("stored", KEYS[:1]), ("cleared", []),
+                            ("stored", KEYS[:1])]
+
+
+def test_other_tiers_are_skipped_and_counted() -> None:
+    r = BlockResolver(MODEL)
+    r.apply([BlockStored([1], None, TOKENS[:16], 16)])
+    assert r.apply([BlockStored([5], None, TOKENS[:16], 16, medium="cpu")]) == []
+    assert r.apply([BlockRemoved([1], medium="cpu")]) == []  # the CPU copy went, the GPU one is still there
+    assert r.counters.skipped_tier_blocks == 2 and r.snapshot() == KEYS[:1]
+
+
+def test_only_the_main_full_attention_group_is_indexed() -> None:
+    r = BlockResolver(MODEL)
+    # Hybrid model (vLLM 0.22+): one store per KV group, same engine hashes.
+    out = r.apply([BlockStored([1, 2], None, TOKENS[:32], 16, group_idx=0, kv_cache_spec_kind="full_attention"),
+                   BlockStored([1, 2], None, TOKENS[:64], 16, group_idx=1, kv_cache_spec_kind="sliding_window")])
+    assert changes(out) == [("stored", KEYS[:2])]
+    assert r.apply([BlockRemoved([1], group_idx=1)]) == []  # the sliding-window group evicted its copy
+    assert r.snapshot() == KEYS[:2]
+    assert changes(r.apply([BlockRemoved([1], group_idx=0)])) == [("removed", KEYS[:1])]
+    # vLLM 0.20-0.21: group_idx without a kind: only group 0 is indexed.
+    assert r.apply([BlockStored([9], None, TOKENS[:16], 16, group_idx=3)]) == []
+    assert r.counters.skipped_group_blocks == 4
+
+
+def test_main_group_is_learned_when_group_0_is_not_full_attention() -> None:
+    r = BlockResolver(MODEL)
+    assert r.apply([BlockStored([1], None, TOKENS[:16], 16, group_idx=0, kv_cache_spec_kind="mamba")]) == []
+    assert changes(r.apply([BlockStored([1], None, TOKENS[:16], 16, group_idx=1, kv_cache_spec_kind="mla_attention")])) == [
+        ("stored", KEYS[:1])]
+    assert r.apply([BlockRemoved([1], group_idx=0)]) == []
+    assert changes(r.apply([BlockRemoved([1], group_idx=1)])) == [("removed", KEYS[:1])]
+
+
+def test_short_and_invalid_token_ids_are_counted() -> None:
+    r = BlockResolver(MODEL)
+    assert r.apply([BlockStored([1, 2], None, TOKENS[:20], 16)]) == []
+    assert r.counters.short_token_ids == 2
+    assert r.apply([BlockStored([3], None, [2**32] + TOKENS[:15], 16)]) == []
+    assert r.counters.invalid_token_ids == 1 and len(r) == 0
+
+
+def test_lora_name_and_block_size_namespace_keys() -> None:
+    r = BlockResolver(MODEL)
+    (plain,) = r.apply([BlockStored([1], None, TOKENS[:16], 16)])
+    (lora,) = r.apply([BlockStored([2], None, TOKENS[:16], 16, lora_name="sql-adapter")])
+    (small,) = r.apply([BlockStored([3, 4], None, TOKENS[:16], 8)])
+    assert list(plain.stored.block_keys) == KEYS[:1]
+    assert list(lora.stored.block_keys) == prompt_block_keys(TOKENS[:16], 16, MODEL, lora_name="sql-adapter")
+    assert list(small.stored.block_keys) == prompt_block_keys(TOKENS[:16], 8, MODEL)
+    assert r.observed_block_size == 8
+    assert namespace_seed(MODEL, 16) != namespace_seed(MODEL, 8)
+
+
+def test_clear_forgets_state_without_an_event() -> None:
+    r = BlockResolver(MODEL)
+    r.apply([BlockStored([1], None, TOKENS[:16], 16)])
+    r.clear()
+    assert len(r) == 0 and r.apply([BlockRemoved([1])]) == []
