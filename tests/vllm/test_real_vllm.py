@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kvroute.demo import engine_prefix_counters
 from kvroute.local_cluster import EngineHandle, LocalCluster, ManagedProcess, free_port, http_ok, http_post_json, wait_until
 from sim_engine.tiny_model import build_model_dir
 
@@ -54,11 +55,7 @@ def start_vllm(cluster: LocalCluster, model_dir: Path, index: int) -> EngineHand
 
 
 def prefix_hits(url: str) -> float:
-    from kvroute.local_cluster import http_get
-
-    _, body = http_get(url + "/metrics")
-    return sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines()
-               if line.startswith("vllm:prefix_cache_hits_total"))
+    return engine_prefix_counters(url)[1]
 
 
 @pytest.fixture(scope="module")
