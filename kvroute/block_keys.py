@@ -17,6 +17,7 @@ wire break.
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Sequence
 
@@ -34,14 +35,19 @@ def namespace_seed(model: str, block_size: int, lora_name: str = "", cache_salt:
     return _xxh3(_SEED_DOMAIN + material.encode("utf-8"))
 
 
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
 def _u32le(token_ids: Sequence[int]) -> bytes:
+    if _LITTLE_ENDIAN and isinstance(token_ids, array) and token_ids.typecode == "I" and token_ids.itemsize == 4:
+        return token_ids.tobytes()  # already packed (the simulator's workloads): a memcpy, no per-token work
     try:
         packed = array("I", token_ids)
     except OverflowError as exc:
         raise ValueError("token ids must fit in an unsigned 32-bit integer") from exc
     if packed.itemsize != 4:  # pragma: no cover - exotic platforms only
         raise RuntimeError("platform 'I' array is not 32-bit")
-    if array("I", [1]).tobytes() != b"\x01\x00\x00\x00":  # pragma: no cover - big-endian hosts
+    if not _LITTLE_ENDIAN:  # pragma: no cover - big-endian hosts
         packed.byteswap()
     return packed.tobytes()
 

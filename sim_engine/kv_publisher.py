@@ -80,7 +80,8 @@ class EventBatch(msgspec.Struct, array_like=True):
 def to_wire(event: CacheEvent, block_size: int, era: str) -> msgspec.Struct:
     stored, removed, cleared = _STRUCTS[era]
     if isinstance(event, StoredEvent):
-        return stored(event.block_hashes, event.parent_block_hash, event.token_ids, block_size, None, "GPU", None,
+        tokens = event.token_ids if isinstance(event.token_ids, list) else list(event.token_ids)  # array('I') runs
+        return stored(event.block_hashes, event.parent_block_hash, tokens, block_size, None, "GPU", None,
                       None, 0, "full_attention", None)
     if isinstance(event, RemovedEvent):
         return removed(event.block_hashes, "GPU", 0)

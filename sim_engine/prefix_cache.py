@@ -1,10 +1,11 @@
 """A vLLM-like paged prefix cache, pure and clock-free (the fleet simulator reuses it).
 
-N blocks of B tokens. Full blocks are identified by an engine-style chained hash: SHA-256 over
-the parent block's hash and the block's tokens, the chain seeded by a per-process random
-NONE_HASH (like vLLM before 0.29 without PYTHONHASHSEED) unless a `hash_seed` is given. The
-int form of a hash is the digest's last 8 bytes, big-endian unsigned, which is what vLLM
->= 0.10.2 puts on the wire. These hashes are deliberately unlike kvroute's block keys, so
+N blocks of B tokens. Full blocks are identified by an engine-style chained hash: a 128-bit
+xxh3 over the parent block's hash and the block's tokens, cut to 64 bits (like vLLM >= 0.13's
+`--prefix-caching-hash-algo xxhash`, though our input layout is our own; a fast hash keeps the
+simulator fast), the chain seeded by a
+per-process random NONE_HASH (like vLLM before 0.29 without PYTHONHASHSEED) unless a
+`hash_seed` is given. Hashes are unsigned 64-bit ints, as vLLM >= 0.10.2 puts them on the wire. These hashes are deliberately unlike kvroute's block keys, so
 nothing downstream can get away with comparing engine hashes.
 
 Life of a block, as in vLLM's BlockPool:
@@ -37,12 +38,25 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import xxhash
+
+_xxh3_128 = xxhash.xxh3_128_intdigest
+_U64 = (1 << 64) - 1
+
+
+def _pack_u32(token_ids: Sequence[int]) -> bytes:
+    """Token ids as native u32 bytes; an array('I') (the simulator's workloads) is packed already."""
+    if isinstance(token_ids, array) and token_ids.typecode == "I":
+        return token_ids.tobytes()
+    return array("I", token_ids).tobytes()
+
+
 
 @dataclass(slots=True)
 class StoredEvent:
     block_hashes: list[int]
     parent_block_hash: int | None
-    token_ids: list[int]
+    token_ids: Sequence[int]  # a list, or array('I') when the request's tokens are packed
 
 
 @dataclass(slots=True)
@@ -91,14 +105,17 @@ class PrefixCache:
 
     def chain_hashes(self, token_ids: Sequence[int], parent: int | None = None) -> list[int]:
         """Hashes of the full blocks of `token_ids`, chained from `parent` (None = first block)."""
-        h = self.none_hash if parent is None else parent
-        out = []
         bs = self.block_size
-        for i in range(len(token_ids) // bs):
-            packed = array("Q", token_ids[i * bs:(i + 1) * bs]).tobytes()
-            digest = hashlib.sha256(h.to_bytes(8, "big") + packed).digest()
-            h = int.from_bytes(digest[-8:], "big")  # vLLM's int form: last 8 bytes, big-endian
-            out.append(h)
+        n = len(token_ids) // bs
+        if n == 0:
+            return []
+        data = memoryview(_pack_u32(token_ids[: n * bs]))
+        stride = 4 * bs
+        h = self.none_hash if parent is None else parent
+        out = [0] * n
+        for i in range(n):
+            h = _xxh3_128(h.to_bytes(8, "big") + data[i * stride:(i + 1) * stride]) & _U64
+            out[i] = h
         return out
 
     def blocks_for(self, tokens: int) -> int:
@@ -203,22 +220,22 @@ class PrefixCache:
     def _emit_stored(self, hashes: Sequence[int], new_hashes: set[int], token_ids: Sequence[int],
                      parent: int | None) -> None:
         """One BlockStored per run of consecutive new blocks; a shared block in between splits it."""
-        bs = self.block_size
-        run_hashes: list[int] = []
-        run_tokens: list[int] = []
-        run_parent = prev = parent
+        start = None  # first block of the current run of new blocks
         for i, h in enumerate(hashes):
             if h in new_hashes:
-                if not run_hashes:
-                    run_parent = prev
-                run_hashes.append(h)
-                run_tokens.extend(token_ids[i * bs:(i + 1) * bs])
-            elif run_hashes:
-                self.events.append(StoredEvent(run_hashes, run_parent, run_tokens))
-                run_hashes, run_tokens = [], []
-            prev = h
-        if run_hashes:
-            self.events.append(StoredEvent(run_hashes, run_parent, run_tokens))
+                if start is None:
+                    start = i
+            elif start is not None:
+                self._store_run(hashes, token_ids, start, i, parent)
+                start = None
+        if start is not None:
+            self._store_run(hashes, token_ids, start, len(hashes), parent)
+
+    def _store_run(self, hashes: Sequence[int], token_ids: Sequence[int], start: int, end: int,
+                   parent: int | None) -> None:
+        bs = self.block_size
+        run_parent = hashes[start - 1] if start else parent
+        self.events.append(StoredEvent(list(hashes[start:end]), run_parent, token_ids[start * bs:end * bs]))
 
     def release(self, alloc: Allocation) -> None:
         """The request is finished (or aborted): unpin its blocks, tail first, and drop its reservation."""

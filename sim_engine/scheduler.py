@@ -21,7 +21,9 @@ deliver `result.new_tokens`, repeat while `has_work()`. Output length is always 
 from __future__ import annotations
 
 import random
+from array import array
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sim_engine.cost_model import CostModel
@@ -31,12 +33,12 @@ from sim_engine.prefix_cache import Allocation, PrefixCache
 @dataclass(slots=True)
 class SimRequest:
     request_id: str
-    prompt: list[int]
+    prompt: Sequence[int]        # packed into array('I') by Scheduler.add (cheap slices, hashing, events)
     max_tokens: int
     prompt_hashes: list[int] = field(default_factory=list)
     alloc: Allocation | None = None
     computed: int = 0            # prompt tokens computed or taken from cache
-    output: list[int] = field(default_factory=list)
+    output: array = field(default_factory=lambda: array("I"))
     hashed_tokens: int = 0       # tokens covered by cached full blocks so far
 
     @property
@@ -93,6 +95,8 @@ class Scheduler:
         if request.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         self.cache.check_fits(len(request.prompt) + request.max_tokens)
+        if not (isinstance(request.prompt, array) and request.prompt.typecode == "I"):
+            request.prompt = array("I", request.prompt)
         request.prompt_hashes = self.cache.chain_hashes(request.prompt)
         self.waiting.append(request)
 
@@ -201,7 +205,7 @@ class Scheduler:
     def _random_tokens(self, k: int) -> list[int]:
         """k output token ids from a seeded pool (content only matters for which blocks match)."""
         if not self._token_pool:
-            self._token_pool = [self._rng.randrange(self.min_token_id, self.vocab_size) for _ in range(1 << 16)]
+            self._token_pool = [self._rng.randrange(self.min_token_id, self.vocab_size) for _ in range(1 << 12)]
         start = self._pool_offset
         self._pool_offset = (start + k) % len(self._token_pool)
         out = self._token_pool[start:start + k]

@@ -6,43 +6,57 @@ caches all run on the same bytes they would see live.
 
 from __future__ import annotations
 
-import json
 import random
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 TRACE_BLOCK_TOKENS = 512  # Mooncake hash_ids each stand for 512 tokens
+_TOKEN_ID_LIMIT = 1 << 32
+_TRACE_FILLER = array("I", range(1, TRACE_BLOCK_TOKENS))
 
 
 @dataclass(slots=True)
 class SimWorkloadRequest:
     arrival_s: float
-    tokens: list[int]
+    tokens: array  # array('I'): 4 bytes a token, sliced and hashed without per-token Python work
     output_tokens: int
+
+
+class _TraceRow(msgspec.Struct):
+    timestamp: float
+    input_length: int
+    output_length: int
+    hash_ids: list[int]
 
 
 def load_mooncake_trace(path: str | Path, limit: int | None = None) -> list[SimWorkloadRequest]:
     """`timestamp` (ms), `input_length`, `output_length`, `hash_ids` (512-token blocks) per line.
     Equal hash ids get equal token ids, so shared blocks are shared prefixes exactly as in the trace."""
-    block_tokens: dict[int, list[int]] = {}
+    decoder = msgspec.json.Decoder(_TraceRow)
+    block_tokens: dict[int, array] = {}
     out: list[SimWorkloadRequest] = []
-    with open(path) as f:
+    with open(path, "rb") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-                ts, n_in, n_out, ids = row["timestamp"], int(row["input_length"]), int(row["output_length"]), row["hash_ids"]
-            except (ValueError, KeyError, TypeError) as exc:
+                row = decoder.decode(line)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 raise ValueError(f"{path}:{line_no}: not a Mooncake trace row: {exc}") from exc
-            tokens: list[int] = []
-            for h in ids:
+            tokens = array("I")
+            for h in row.hash_ids:
                 block = block_tokens.get(h)
                 if block is None:
-                    base = (h * TRACE_BLOCK_TOKENS) % 2_000_000_000
-                    block = block_tokens[h] = list(range(base, base + TRACE_BLOCK_TOKENS))
+                    # The id itself as the first token makes blocks with different ids differ; the
+                    # filler after it is shared, so building a block is a copy, not 512 conversions.
+                    block = block_tokens[h] = array("I", (h % _TOKEN_ID_LIMIT,)) + _TRACE_FILLER
                 tokens += block
-            out.append(SimWorkloadRequest(ts / 1000.0, tokens[:n_in] if n_in <= len(tokens) else tokens, max(1, n_out)))
+            if row.input_length < len(tokens):
+                del tokens[row.input_length:]
+            out.append(SimWorkloadRequest(row.timestamp / 1000.0, tokens, max(1, row.output_length)))
             if limit and len(out) >= limit:
                 break
     return out
@@ -95,13 +109,13 @@ def generate(w: GeneratedWorkload) -> list[SimWorkloadRequest]:
         size = w.system_prompt_tokens * (4 if w.name == "agent" else 1)  # agents carry a large tool schema
         prefixes = [unique(size) for _ in range(w.groups)]
         for t in arrivals:
-            out.append(SimWorkloadRequest(t, rng.choice(prefixes) + unique(w.user_tokens), w.output_tokens))
+            out.append(SimWorkloadRequest(t, _packed(rng.choice(prefixes) + unique(w.user_tokens)), w.output_tokens))
     elif w.name == "rag":
         docs = [unique(w.doc_tokens) for _ in range(w.docs)]
         system = unique(256)
         for t in arrivals:
             chosen = rng.sample(range(w.docs), w.docs_per_request)
-            out.append(SimWorkloadRequest(t, system + [tok for d in chosen for tok in docs[d]] + unique(w.user_tokens),
+            out.append(SimWorkloadRequest(t, _packed(system + [tok for d in chosen for tok in docs[d]] + unique(w.user_tokens)),
                                           w.output_tokens))
     elif w.name == "multi-turn":
         systems = [unique(w.system_prompt_tokens // 2) for _ in range(w.groups)]
@@ -117,8 +131,12 @@ def generate(w: GeneratedWorkload) -> list[SimWorkloadRequest]:
                 conversations.append(rng.choice(systems) + unique(w.user_tokens))
                 turn_of.append(1)
                 i = len(conversations) - 1
-            out.append(SimWorkloadRequest(t, conversations[i], w.output_tokens))
+            out.append(SimWorkloadRequest(t, _packed(conversations[i]), w.output_tokens))
     else:  # one-shot: nothing to share, routing can only balance load
         for t in arrivals:
-            out.append(SimWorkloadRequest(t, unique(w.system_prompt_tokens + w.user_tokens), w.output_tokens))
+            out.append(SimWorkloadRequest(t, _packed(unique(w.system_prompt_tokens + w.user_tokens)), w.output_tokens))
     return out
+
+
+def _packed(tokens: list[int]) -> array:
+    return array("I", tokens)

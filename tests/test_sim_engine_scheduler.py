@@ -94,12 +94,12 @@ def test_decode_blocks_are_stored_chained_to_the_prompt() -> None:
     run(sched, req)
     stored = [e for e in sched.cache.take_events() if isinstance(e, StoredEvent)]
     assert len(stored[0].block_hashes) == 2 and stored[0].parent_block_hash is None
-    assert stored[0].token_ids == list(range(8))
+    assert list(stored[0].token_ids) == list(range(8))
     chain = [h for e in stored for h in e.block_hashes]
     assert chain == sched.cache.chain_hashes(req.prompt + req.output[:-1])  # the newest token has no KV yet
     for prev, ev in itertools.pairwise(stored):
         assert ev.parent_block_hash == prev.block_hashes[-1]
-    assert [t for e in stored for t in e.token_ids] == (req.prompt + req.output)[:len(chain) * 4]
+    assert [t for e in stored for t in e.token_ids] == list(req.prompt + req.output)[:len(chain) * 4]
     assert sched.cache.usage() == 0  # finished: everything unpinned
 
 
