@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -33,7 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tokens-per-s", type=float, default=None, help="cost model: prefill rate")
     p.add_argument("--event-delay-ms", type=float, default=0.0, help="KV event propagation delay to the index")
     p.add_argument("--seed", type=int, default=0, help="makes a run reproducible bit for bit")
+    p.add_argument("--jobs", type=int, default=None, help="policies simulated in parallel (default: one per core)")
     p.add_argument("--report", default=None, help="also write a Markdown report to this file")
+    p.add_argument("--plots", default=None, metavar="DIR",
+                   help="also write PNG plots (ttft_cdf.png, hit_rate.png) to DIR; the report links them")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
 
 
@@ -45,7 +49,8 @@ def _pct(values: list[float], q: float) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from sim_engine.cost_model import CostModel
-    from simulator.fleet import FleetConfig, oracle_hit_rate, simulate_policy
+    from simulator.fleet import FleetConfig, oracle_hit_rate
+    from simulator.sweep import ProgressLine, default_jobs, run_policies
     from simulator.workloads import GeneratedWorkload, generate, load_mooncake_trace
 
     started = time.monotonic()
@@ -56,24 +61,27 @@ def run(args: argparse.Namespace) -> int:
                 r.arrival_s /= args.time_scale
         block_size = args.block_size or 512
         source = f"trace {args.trace}"
+        source_name = os.path.basename(args.trace)
     else:
         workload = generate(GeneratedWorkload(args.workload, requests=args.requests, rate_rps=args.rate,
                                               arrival=args.arrival, seed=args.seed, groups=args.groups,
                                               system_prompt_tokens=args.system_prompt_tokens,
                                               output_tokens=args.output_tokens))
         block_size = args.block_size or 16
-        source = f"workload {args.workload}"
+        source = source_name = f"workload {args.workload}"
     num_blocks = args.num_blocks or max(1, 1_048_576 // block_size)
     cost = CostModel(prefill_tokens_per_s=args.prefill_tokens_per_s) if args.prefill_tokens_per_s else CostModel()
     config = FleetConfig(workers=args.workers, num_blocks=num_blocks, block_size=block_size, cost=cost,
                          event_delay_s=args.event_delay_ms / 1000, seed=args.seed)
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
     log(f"{source}: {len(workload)} requests, {args.workers} workers x {num_blocks} blocks of {block_size}")
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    t0 = time.monotonic()
+    runs = run_policies(names, workload, config, jobs=args.jobs or default_jobs(len(names)),
+                        progress=None if args.json else ProgressLine(len(workload), len(names)))
+    log(f"  {len(names)} policies simulated in {time.monotonic() - t0:.1f}s")
     results = {}
-    for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
-        t0 = time.monotonic()
-        run_ = simulate_policy(name, workload, config,
-                               progress=lambda n, name=name: log(f"  {name}: {n}/{len(workload)} requests"))
+    for name, run_ in runs.items():
         busy = run_.busy_s
         results[name] = {
             "hit_rate": round(run_.hit_rate, 4),
@@ -81,29 +89,38 @@ def run(args: argparse.Namespace) -> int:
             "ttft_p90_ms": round(_pct(run_.ttft_s, 90) * 1000, 2),
             "ttft_p99_ms": round(_pct(run_.ttft_s, 99) * 1000, 2),
             "e2e_p50_ms": round(_pct(run_.e2e_s, 50) * 1000, 2),
+            "e2e_p99_ms": round(_pct(run_.e2e_s, 99) * 1000, 2),
             "throughput_rps": round(len(run_.e2e_s) / run_.makespan_s, 3) if run_.makespan_s else 0.0,
             "imbalance": round(max(busy) / (sum(busy) / len(busy)), 3) if sum(busy) else 1.0,
             "rejected": run_.rejected,
         }
-        log(f"  {name}: done in {time.monotonic() - t0:.1f}s")
     total_blocks = num_blocks * args.workers
     oracle = oracle_hit_rate(workload, block_size, total_blocks)
     oracle_inf = oracle_hit_rate(workload, block_size, None)
-    lines = ["| policy | hit rate | % of ceiling | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | e2e p50 ms | req/s | imbalance |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| policy | hit rate | % of ceiling | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms | req/s | imbalance |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         share = r["hit_rate"] / oracle if oracle else 0.0
         lines.append(f"| {name} | {r['hit_rate']:.1%} | {share:.0%} | {r['ttft_p50_ms']:.1f} | {r['ttft_p90_ms']:.1f} | "
-                     f"{r['ttft_p99_ms']:.1f} | {r['e2e_p50_ms']:.1f} | {r['throughput_rps']:.2f} | {r['imbalance']:.2f} |")
+                     f"{r['ttft_p99_ms']:.1f} | {r['e2e_p50_ms']:.1f} | {r['e2e_p99_ms']:.1f} | {r['throughput_rps']:.2f} | {r['imbalance']:.2f} |")
     summary = (f"{source}; {len(workload)} requests; {args.workers} workers x {num_blocks} blocks of {block_size}; "
                f"pooled-cache ceiling {oracle:.1%} (infinite cache {oracle_inf:.1%}); seed {args.seed}; "
                f"{time.monotonic() - started:.1f}s")
     if not args.json:
         print(summary)
         print("\n".join(lines))
+    plots = []
+    if args.plots:
+        from simulator.plots import write_plots
+
+        plots = write_plots(runs, oracle, oracle_inf, args.plots, f"{source_name}, {args.workers} workers")
+        log("plots: " + ", ".join(str(p) for p in plots))
     if args.report:
         with open(args.report, "w") as f:
             f.write(f"# kvroute simulate\n\n{summary}\n\n" + "\n".join(lines) + "\n")
+            for path in plots:
+                rel = os.path.relpath(path, os.path.dirname(os.path.abspath(args.report)))
+                f.write(f"\n![{path.stem}]({rel})\n")
     print(json.dumps({"oracle_hit_rate": round(oracle, 4), "oracle_hit_rate_infinite": round(oracle_inf, 4),
                       "policies": results}))
     return 0

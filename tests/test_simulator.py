@@ -11,7 +11,6 @@ from simulator.fleet import FleetConfig, oracle_hit_rate, simulate_policy
 from simulator.workloads import GeneratedWorkload, generate, load_mooncake_trace
 
 
-
 def test_kv_aware_near_ceiling_where_round_robin_thrashes() -> None:
     workload = generate(GeneratedWorkload("shared-prefix", requests=300, rate_rps=8, groups=32, seed=3))
     config = FleetConfig(workers=8, num_blocks=1024, block_size=16, seed=3)
@@ -63,3 +62,43 @@ def test_mooncake_trace_rows_map_to_shared_token_blocks(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match=":1: not a Mooncake trace row"):
         load_mooncake_trace(trace)
+
+
+def test_parallel_sweep_gives_the_sequential_numbers() -> None:
+    from simulator.sweep import run_policies
+
+    workload = generate(GeneratedWorkload("multi-turn", requests=120, rate_rps=6, seed=4))
+    config = FleetConfig(workers=4, num_blocks=512, seed=4)
+    seen: list[dict[str, int]] = []
+    parallel = run_policies(["kv_aware", "random", "least_loaded"], workload, config, jobs=2,
+                            progress=lambda counts: seen.append(dict(counts)))
+    sequential = run_policies(["kv_aware", "random", "least_loaded"], workload, config, jobs=1)
+    assert list(parallel) == ["kv_aware", "random", "least_loaded"]
+    for name in parallel:
+        assert parallel[name].ttft_s == sequential[name].ttft_s and parallel[name].hit_tokens == sequential[name].hit_tokens
+    assert seen[-1] == {"kv_aware": 120, "random": 120, "least_loaded": 120}
+
+
+def test_a_failing_policy_fails_the_sweep_instead_of_hanging() -> None:
+    import pytest
+
+    from simulator.sweep import run_policies
+
+    workload = generate(GeneratedWorkload("one-shot", requests=10, rate_rps=5, seed=1))
+    with pytest.raises((RuntimeError, ValueError), match="no_such_policy"):
+        run_policies(["kv_aware", "no_such_policy"], workload, FleetConfig(workers=2), jobs=2)
+
+
+def test_report_and_plots_are_written(tmp_path: Path) -> None:
+    report, plots = tmp_path / "report.md", tmp_path / "plots"
+    argv = [sys.executable, "-m", "kvroute.cli", "simulate", "--workload", "shared-prefix", "--requests", "60",
+            "--rate", "5", "--workers", "2", "--policies", "round_robin,kv_aware", "--report", str(report),
+            "--plots", str(plots)]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for name in ("ttft_cdf.png", "hit_rate.png"):
+        data = (plots / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    text = report.read_text()
+    assert "| kv_aware |" in text and "](plots/ttft_cdf.png)" in text
+    assert "simulated 100%" in out.stderr  # progress, as plain lines when stderr is not a terminal
