@@ -27,7 +27,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=131072, help="reject longer prompts with a 400")
     p.add_argument("--static-workers", default="", metavar="ID=URL,...",
                    help="fallback fleet used only while the control plane has never been reachable")
+    p.add_argument("--capture-trace", default=None, metavar="PATH",
+                   help="record routed requests to PATH as a Mooncake JSONL trace for `kvroute simulate --trace` "
+                        "(lengths, timestamps and dense 512-token block ids only, no prompt content; "
+                        "the file is truncated at startup)")
+    p.add_argument("--capture-sample-rate", type=_sample_rate, default=1.0, metavar="FLOAT",
+                   help="fraction of requests to capture, in (0, 1]; deterministic (every 1/rate-th request)")
     p.add_argument("--log-level", default="INFO", help="Python logging level")
+
+
+def _sample_rate(value: str) -> float:
+    rate = float(value)
+    if not 0.0 < rate <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return rate
 
 
 def _parse_static(spec: str) -> dict[str, str]:
@@ -51,6 +64,7 @@ async def serve(args: argparse.Namespace) -> int:
     from data_plane.policies import make_policy
     from data_plane.routing import Router
     from data_plane.tokenization import load_tokenizer
+    from data_plane.traffic_capture import TrafficCapture
     from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
     log = logging.getLogger("kvroute.router")
@@ -60,7 +74,11 @@ async def serve(args: argparse.Namespace) -> int:
                                        static_workers=_parse_static(args.static_workers))
     control_plane.start()
     router = Router(control_plane, make_policy(args.policy), LoadTracker())
-    http = RouterHttpApi(router, tokenizer, model, args.max_prompt_tokens)
+    capture = None
+    if args.capture_trace:
+        capture = TrafficCapture(args.capture_trace, args.capture_sample_rate, router.metrics)
+        capture.start()
+    http = RouterHttpApi(router, tokenizer, model, args.max_prompt_tokens, capture=capture)
     # handler_cancellation: a client that goes away cancels its handler, which closes the backend
     # connection, so the engine stops generating for nobody.
     runner = web.AppRunner(http.app(), access_log=None, handler_cancellation=True)
@@ -70,8 +88,8 @@ async def serve(args: argparse.Namespace) -> int:
         await web.TCPSite(runner, args.host, args.port).start()
         if args.grpc_port:
             grpc_server = grpc.aio.server()
-            pb_grpc.add_RouterServicer_to_server(RouterGrpcService(router, tokenizer, model, args.max_prompt_tokens),
-                                                 grpc_server)
+            pb_grpc.add_RouterServicer_to_server(RouterGrpcService(router, tokenizer, model, args.max_prompt_tokens,
+                                                                   capture), grpc_server)
             if not grpc_server.add_insecure_port(f"{args.host}:{args.grpc_port}"):
                 raise OSError(f"cannot listen on {args.host}:{args.grpc_port} for gRPC")
             await grpc_server.start()
@@ -88,6 +106,8 @@ async def serve(args: argparse.Namespace) -> int:
         if grpc_server:
             await grpc_server.stop(0.5)
         await runner.cleanup()
+        if capture:  # after the servers, so rows of requests that finished while stopping are kept
+            await capture.aclose()
         await control_plane.close()
     return 0
 

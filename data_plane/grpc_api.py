@@ -14,6 +14,7 @@ from opentelemetry import propagate, trace
 
 from data_plane.routing import NoWorkersError, RouteDecision, Router
 from data_plane.tokenization import THREAD_TOKENIZE_CHARS, PromptTokenizer, TokenizationError
+from data_plane.traffic_capture import TrafficCapture
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
@@ -21,13 +22,16 @@ tracer = trace.get_tracer("kvroute.router")
 
 
 class RouterGrpcService(pb_grpc.RouterServicer):
-    def __init__(self, router: Router, tokenizer: PromptTokenizer, model: str, max_prompt_tokens: int = 131072) -> None:
+    def __init__(self, router: Router, tokenizer: PromptTokenizer, model: str, max_prompt_tokens: int = 131072,
+                 capture: TrafficCapture | None = None) -> None:
         self.router, self.tokenizer, self.model, self.max_prompt_tokens = router, tokenizer, model, max_prompt_tokens
+        self.capture = capture  # a Route call is a decision for a request served elsewhere: record it too
 
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         carrier = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
         with tracer.start_as_current_span("kvroute.v1.Router/Route", context=propagate.extract(carrier),
                                           kind=trace.SpanKind.SERVER):
+            arrived = self.capture.sample_arrival() if self.capture else None
             if not request.model:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "'model' is required")
             if request.model != self.model:
@@ -44,6 +48,8 @@ class RouterGrpcService(pb_grpc.RouterServicer):
                 decision = await self.router.decide(request.model, tokens, request.lora_name, request.cache_salt)
             except NoWorkersError as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            if self.capture and arrived is not None:  # RouteRequest has no output budget: output_length 0
+                self.capture.record(arrived, tokens, 0, request.model, request.lora_name, request.cache_salt)
             return to_route_response(decision)
 
     async def _tokens(self, request: pb.RouteRequest) -> list[int]:

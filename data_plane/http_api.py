@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from data_plane.proxy import BackendProxy, error_response
 from data_plane.routing import NoWorkersError, Router
 from data_plane.tokenization import THREAD_TOKENIZE_CHARS, PromptTokenizer, TokenizationError
+from data_plane.traffic_capture import TrafficCapture, reported_output_tokens, requested_output_tokens
 
 log = logging.getLogger("kvroute.router.http")
 tracer = trace.get_tracer("kvroute.router")
@@ -45,8 +46,9 @@ def _is_token_ids(value: object) -> bool:
 
 class RouterHttpApi:
     def __init__(self, router: Router, tokenizer: PromptTokenizer, model: str, max_prompt_tokens: int = 131072,
-                 proxy: BackendProxy | None = None) -> None:
+                 proxy: BackendProxy | None = None, capture: TrafficCapture | None = None) -> None:
         self.router, self.tokenizer, self.model = router, tokenizer, model
+        self.capture = capture  # --capture-trace: proxied requests only (/v1/route is also a probe)
         self.max_prompt_tokens = max_prompt_tokens
         self.metrics = router.metrics
         self.proxy = proxy or BackendProxy(router.load, router.metrics)
@@ -79,17 +81,27 @@ class RouterHttpApi:
         joined to the caller's trace (W3C traceparent)."""
         with tracer.start_as_current_span(f"POST {request.path}", context=propagate.extract(request.headers),
                                           kind=trace.SpanKind.SERVER):
+            arrived = self.capture.sample_arrival() if self.capture and forward_to else None
             try:
                 raw, body, tokens = await self._parse(request, kind)
-                decision = await self.router.decide(self.model, tokens, str(body.get("lora_name") or ""),
-                                                    str(body.get("cache_salt") or ""), avoid=self.proxy.avoided())
+                lora_name, cache_salt = str(body.get("lora_name") or ""), str(body.get("cache_salt") or "")
+                decision = await self.router.decide(self.model, tokens, lora_name, cache_salt,
+                                                    avoid=self.proxy.avoided())
             except BadRequest as exc:
                 return error_response(str(exc), exc.status, exc.error_type, exc.code)
             except NoWorkersError as exc:
                 return error_response(str(exc), 503, "service_unavailable", "no_workers")
             if forward_to is None:
                 return web.json_response(decision.as_json())
-            return await self.proxy.forward(request, forward_to, raw, decision, len(tokens))
+            if arrived is None:
+                return await self.proxy.forward(request, forward_to, raw, decision, len(tokens))
+            tail = bytearray()
+            response = await self.proxy.forward(request, forward_to, raw, decision, len(tokens), tail)
+            if response.status < 400:  # the engine did the work; errors are not traffic worth replaying
+                output = reported_output_tokens(tail)
+                self.capture.record(arrived, tokens, requested_output_tokens(body) if output is None else output,
+                                    self.model, lora_name, cache_salt)
+            return response
 
     async def handle_models(self, request: web.Request) -> web.Response:
         served = [self.model] if self.router.control_plane.workers_for(self.model) else []

@@ -26,3 +26,9 @@ class RouterMetrics:
         self.cached_tokens = Counter("kvroute_router_cached_tokens",
                                      "Prompt tokens of proxied requests the index expected cached on their worker",
                                      registry=r)
+        # Traffic capture (--capture-trace): rows written to the trace, rows lost to a full buffer or a failed write.
+        self.capture_rows = Counter("kvroute_capture_rows", "Mooncake trace rows written by --capture-trace",
+                                    registry=r)
+        self.capture_dropped = Counter("kvroute_capture_dropped",
+                                       "Trace rows dropped by --capture-trace (buffer full or write failed)",
+                                       registry=r)

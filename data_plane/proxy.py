@@ -11,7 +11,9 @@
   decisions (unless nothing else is known), so one dead engine does not cost every request a
   connect attempt. If every attempt fails the client gets the last 5xx or a 502;
 - keeps the load tracker honest: in flight from send to finish, prefill pending until the
-  first byte, always released in `finally`.
+  first byte, always released in `finally`;
+- given a `tail` bytearray, leaves the last >= 16 KiB of the body in it (traffic capture reads
+  `usage` from there instead of parsing every chunk).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ log = logging.getLogger("kvroute.router.proxy")
 tracer = trace.get_tracer("kvroute.router")
 
 WORKER_HEADER = "x-kvroute-worker"
+TAIL_BYTES = 16384  # enough for a response's trailing usage object / an SSE stream's last chunks
 # Not forwarded in either direction: per-connection headers, framing we redo, and trace context we replace.
 _HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                           "transfer-encoding", "upgrade", "content-length", "host", "traceparent", "tracestate"})
@@ -78,13 +81,13 @@ class BackendProxy:
         return frozenset(self._failed_at)
 
     async def forward(self, request: web.Request, path: str, body: bytes, decision: RouteDecision,
-                      prompt_tokens: int) -> web.StreamResponse:
+                      prompt_tokens: int, tail: bytearray | None = None) -> web.StreamResponse:
         attempts = decision.ranked()[: self.max_attempts]
         failures = []
         for i, candidate in enumerate(attempts):
             last = i == len(attempts) - 1
             try:
-                return await self._attempt(request, path, body, decision, candidate, prompt_tokens, i, last)
+                return await self._attempt(request, path, body, decision, candidate, prompt_tokens, i, last, tail)
             except _Failed as failed:
                 self.metrics.backend_errors.labels(candidate.worker_id).inc()
                 self._failed_at[candidate.worker_id] = time.monotonic()
@@ -119,7 +122,8 @@ class BackendProxy:
         return headers
 
     async def _attempt(self, request: web.Request, path: str, body: bytes, decision: RouteDecision,
-                       candidate: Candidate, prompt_tokens: int, attempt: int, last: bool) -> web.StreamResponse:
+                       candidate: Candidate, prompt_tokens: int, attempt: int, last: bool,
+                       tail: bytearray | None = None) -> web.StreamResponse:
         assert self._session is not None, "BackendProxy.open() was not called"
         worker = candidate.worker_id
         url = candidate.endpoint + path
@@ -149,6 +153,10 @@ class BackendProxy:
                 chunk = first
                 while chunk:
                     await response.write(chunk)
+                    if tail is not None:  # amortized O(chunk): trimmed only once it doubles
+                        tail += chunk
+                        if len(tail) > 2 * TAIL_BYTES:
+                            del tail[:-TAIL_BYTES]
                     chunk = await upstream.content.readany()
                 await response.write_eof()
                 return response
