@@ -1,4 +1,5 @@
-"""`kvroute bench {ingest,decision,proxy}`: hot-path micro-benchmarks; the last stdout line is JSON."""
+"""`kvroute bench {ingest,decision,proxy,live}`: hot-path micro-benchmarks and the live-vs-simulator
+benchmark (`bench/live.py`); the last stdout line is JSON."""
 
 from __future__ import annotations
 
@@ -21,9 +22,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     proxy.add_argument("--requests", type=int, default=300, help="requests per path")
     for sp in (ingest, decision, proxy):
         sp.add_argument("--json", action="store_true", help="print only the JSON result")
+    live = sub.add_parser("live", help="a simulator workload live over HTTP (routers + sim engines as processes), "
+                          "side by side with the simulator", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_live_arguments(live)
+
+
+def add_live_arguments(p: argparse.ArgumentParser) -> None:
+    """Defaults: a load where round-robin thrashes 640-block caches (8 x 2048-token prefixes = 1024
+    blocks, more than one engine holds, less than the fleet's 2560) and queues; ~35 s on 2 cores."""
+    from simulator.cli import add_generated_workload_knobs
+    from simulator.workloads import WORKLOAD_NAMES  # light; keeps `kvroute --help` from importing aiohttp
+
+    w = p.add_argument_group("workload (the knobs of `kvroute simulate`)")
+    w.add_argument("--workload", choices=WORKLOAD_NAMES, default="shared-prefix", help="generated workload")
+    add_generated_workload_knobs(w, requests=600, rate=20.0, output_tokens=16)
+    w.add_argument("--seed", type=int, default=0, help="workload and simulator seed")
+    f = p.add_argument_group("local fleet (started unless --router-url / --engine-urls are given)")
+    f.add_argument("--policies", default="kv_aware,round_robin", help="comma-separated policies, one router each")
+    f.add_argument("--engines", type=int, default=4, help="sim engines, each with its own agent")
+    f.add_argument("--num-blocks", type=int, default=640, help="KV cache capacity of each engine, in blocks")
+    f.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    f.add_argument("--speedup", type=float, default=2.0,
+                   help="engines run this many times faster than the cost model (arrivals are divided by it, "
+                        "latencies multiplied back)")
+    f.add_argument("--workdir", default="", help="directory for logs and the tiny model (empty: a temp dir)")
+    t = p.add_argument_group("an already running fleet (--num-blocks, --block-size, --speedup must describe it)")
+    t.add_argument("--router-url", default="", help="bench this router (its own policy) instead of a local fleet")
+    t.add_argument("--engine-urls", default="", help="comma-separated engine URLs: /metrics hit rate, cache reset, --direct")
+    t.add_argument("--model", default="tiny-llama", help="served model name")
+    t.add_argument("--vocab-size", type=int, default=2048,
+                   help="vocabulary the workload's token ids are folded into (a local fleet uses the tiny model's own)")
+    p.add_argument("--direct", action="store_true", help="also run a no-router baseline: round-robin to the engines")
+    p.add_argument("--concurrency", type=int, default=0,
+                   help="closed loop with this many requests in flight (0: open loop at the arrival times)")
+    p.add_argument("--json", action="store_true", help="print only the JSON result")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.bench == "live":
+        from bench.live import run as run_live
+
+        return run_live(args)  # prints its own table and JSON
     if args.bench == "ingest":
         from bench.ingest import run_ingest
 

@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sim-engine": ("sim_engine.cli", "run a GPU-free vLLM stand-in (OpenAI API, real vLLM KV events)"),
     "demo": ("kvroute.demo", "start a local fleet and compare kv_aware with round_robin"),
     "simulate": ("simulator.cli", "simulate a fleet on a trace or generated workload under several policies"),
-    "bench": ("bench.cli", "micro-benchmarks of the hot paths (ingest, decision, proxy)"),
+    "bench": ("bench.cli", "hot-path micro-benchmarks (ingest, decision, proxy) and the live workload bench (live)"),
 }
 
 

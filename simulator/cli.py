@@ -25,12 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "granularity only; 16 for generated workloads)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N trace requests")
     p.add_argument("--time-scale", type=float, default=1.0, help="divide trace inter-arrival times by this")
-    p.add_argument("--requests", type=int, default=2000, help="generated workload: number of requests")
-    p.add_argument("--rate", type=float, default=20.0, help="generated workload: mean arrival rate (req/s)")
-    p.add_argument("--arrival", choices=["poisson", "bursty"], default="poisson", help="generated arrivals")
-    p.add_argument("--groups", type=int, default=8, help="generated: distinct shared prompts / agents")
-    p.add_argument("--system-prompt-tokens", type=int, default=2048, help="generated: shared prefix length")
-    p.add_argument("--output-tokens", type=int, default=128, help="generated: output tokens per request")
+    add_generated_workload_knobs(p.add_argument_group("generated workload"))
     p.add_argument("--prefill-tokens-per-s", type=float, default=None, help="cost model: prefill rate")
     p.add_argument("--event-delay-ms", type=float, default=0.0, help="KV event propagation delay to the index")
     p.add_argument("--seed", type=int, default=0, help="makes a run reproducible bit for bit")
@@ -39,6 +34,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plots", default=None, metavar="DIR",
                    help="also write PNG plots (ttft_cdf.png, hit_rate.png) to DIR; the report links them")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
+
+
+def add_generated_workload_knobs(g, requests: int = 2000, rate: float = 20.0, output_tokens: int = 128) -> None:
+    """The generated suite's knobs, shared with `kvroute bench live` so both build the same workload."""
+    g.add_argument("--requests", type=int, default=requests, help="number of requests")
+    g.add_argument("--rate", type=float, default=rate, help="mean arrival rate (req/s of cost-model time)")
+    g.add_argument("--arrival", choices=["poisson", "bursty"], default="poisson", help="arrival process")
+    g.add_argument("--groups", type=int, default=8, help="distinct shared prompts / documents / agents")
+    g.add_argument("--system-prompt-tokens", type=int, default=2048, help="shared prefix length")
+    g.add_argument("--output-tokens", type=int, default=output_tokens, help="output tokens per request")
 
 
 def _pct(values: list[float], q: float) -> float:
