@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--query-timeout-ms", type=float, default=20.0,
                    help="deadline of the control-plane query; past it the router decides on load alone")
     p.add_argument("--max-prompt-tokens", type=int, default=131072, help="reject longer prompts with a 400")
+    p.add_argument("--tokenizer-cache-tokens", type=int, default=4_000_000, metavar="N",
+                   help="token ids of already-seen prompt segments (system prompts, earlier turns) kept for reuse; "
+                        "0 tokenizes every prompt whole")
     p.add_argument("--static-workers", default="", metavar="ID=URL,...",
                    help="fallback fleet used only while the control plane has never been reachable")
     p.add_argument("--capture-trace", default=None, metavar="PATH",
@@ -69,7 +72,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     log = logging.getLogger("kvroute.router")
     model = args.model or Path(args.tokenizer).resolve().name
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer, cache_tokens=args.tokenizer_cache_tokens)
     control_plane = ControlPlaneClient(args.control_plane, args.query_timeout_ms / 1000,
                                        static_workers=_parse_static(args.static_workers))
     control_plane.start()

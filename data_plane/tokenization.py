@@ -29,6 +29,8 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from data_plane.token_cache import SegmentTokenCache
+
 # Tokenizing costs a few tenths of a millisecond per 1000 characters; callers on an event loop run
 # longer inputs in a worker thread (the encode releases the GIL) so the loop keeps streaming meanwhile.
 THREAD_TOKENIZE_CHARS = 4096
@@ -106,14 +108,18 @@ class PromptTokenizer:
     bos_token: str = ""
     eos_token: str = ""
     special_tokens: dict[str, str] = field(default_factory=dict)  # all *_token strings, passed to the template
+    cache_tokens: int = 4_000_000  # SegmentTokenCache budget (token ids kept); 0 = tokenize every prompt whole
 
     def __post_init__(self) -> None:
         self.special_tokens = {**self.special_tokens, "bos_token": self.bos_token, "eos_token": self.eos_token}
         self._template = _chat_environment().from_string(self.chat_template) if self.chat_template else None
+        self.segment_cache = SegmentTokenCache(self.tokenizer, self.cache_tokens) if self.cache_tokens > 0 else None
 
     # ------------------------------------------------------------ completions
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self.segment_cache is not None:  # same ids, but a known system prompt / history is not re-tokenized
+            return self.segment_cache.encode(text, add_special_tokens)
         # encode_batch releases the GIL (encode does not) at the same cost, so a long prompt
         # tokenized in a worker thread really leaves the event loop free meanwhile.
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
@@ -174,7 +180,7 @@ def _chat_template(directory: Path, config: dict) -> str | None:
     return template
 
 
-def load_tokenizer(path: str | Path) -> PromptTokenizer:
+def load_tokenizer(path: str | Path, cache_tokens: int = 4_000_000) -> PromptTokenizer:
     """Tokenizer + chat template + special-token strings of a local HF-style model directory."""
     directory = Path(path)
     tokenizer_file = directory / "tokenizer.json"
@@ -184,4 +190,4 @@ def load_tokenizer(path: str | Path) -> PromptTokenizer:
     special = {**_read_json(directory / "special_tokens_map.json"), **config}
     tokens = {name: _token_text(special.get(name)) for name in _SPECIAL_TOKEN_NAMES if special.get(name)}
     return PromptTokenizer(Tokenizer.from_file(str(tokenizer_file)), _chat_template(directory, config),
-                           tokens.get("bos_token", ""), tokens.get("eos_token", ""), tokens)
+                           tokens.get("bos_token", ""), tokens.get("eos_token", ""), tokens, cache_tokens)

@@ -1,0 +1,136 @@
+"""Reuse the tokens of prompt prefixes the router has already tokenized (issue: tokenization
+dominates the routing decision: ~10 ms for 8k tokens, against well under 1 ms for the rest).
+
+A Hugging Face tokenizer cuts its input at added tokens (`<|end|>`, `<|eot_id|>`, ...) before
+normalizing, pre-tokenizing and merging, so text before the end of an added token never merges
+with text after it: tokens(A + B) == tokens(A) + tokens(B) when A ends with such a token. Chat
+templates put one after every message, so a conversation's system prompt and earlier turns are
+"segments" whose tokens can be cached and a new turn only tokenizes what is new.
+
+The cache is keyed by a chained hash of the segment texts (segment i's key covers all text up
+to its end), so a cached segment is only reused after exactly the same text before it.
+
+Not every tokenizer keeps that split clean (a Metaspace pre-tokenizer that prepends "▁" only to
+the first piece, an added token that strips whitespace to its right, a post-processor that appends
+EOS), so at load time each candidate boundary token is checked on probe strings: the split
+encoding must equal the whole encoding, else that token is not used as a boundary. With no usable
+boundary the cache is simply off and every prompt is tokenized whole.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+import xxhash
+from tokenizers import Tokenizer
+
+_PROBES = ("hello world", " leading space", "\nnew line", "x", "  two spaces", "Ünïcode ✓", "<", "1234")
+_MODE_SEEDS = {False: 0x6B76726F75746531, True: 0x6B76726F75746532}  # chat (no specials) / completions (with)
+
+EncodeBatch = Callable[[list[str], bool], list[list[int]]]
+
+
+def _encode_batch(tokenizer: Tokenizer) -> EncodeBatch:
+    # encode_batch releases the GIL and runs the pieces in parallel inside the tokenizer.
+    return lambda texts, add_special: [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=add_special)]
+
+
+def safe_boundary_tokens(tokenizer: Tokenizer) -> list[str]:
+    """Added tokens after which the tokenizer's output splits exactly (checked on probe strings)."""
+    encode = _encode_batch(tokenizer)
+
+    def splits_cleanly(token: str) -> bool:
+        for a in _PROBES:
+            for b in _PROBES:
+                plain_whole, plain_left, right = encode([a + token + b, a + token, b], False)
+                special_whole, special_left = encode([a + token + b, a + token], True)
+                if plain_whole != plain_left + right or special_whole != special_left + right:
+                    return False
+        return True
+
+    # rstrip/single_word look at the text after the token; normalized tokens match normalized
+    # text, which a raw-text scan would not see the same way.
+    return [added.content for added in tokenizer.get_added_tokens_decoder().values()
+            if added.content and not (added.rstrip or added.single_word or added.normalized)
+            and splits_cleanly(added.content)]
+
+
+def _chain(key: int, piece: str) -> int:
+    return xxhash.xxh3_64_intdigest(piece.encode("utf-8", "surrogatepass"), seed=key)
+
+
+class SegmentTokenCache:
+    """Tokens of text segments ending in a boundary token, keyed by the chained hash of the text
+    up to them; LRU bounded by the number of cached tokens. Thread-safe (long prompts are
+    tokenized in worker threads)."""
+
+    def __init__(self, tokenizer: Tokenizer, max_tokens: int = 4_000_000,
+                 boundaries: list[str] | None = None) -> None:
+        self._encode = _encode_batch(tokenizer)
+        self.boundaries = safe_boundary_tokens(tokenizer) if boundaries is None else boundaries
+        # Longest first: at one position the tokenizer matches the longest added token.
+        alternatives = sorted(self.boundaries, key=len, reverse=True)
+        self._pattern = re.compile("|".join(map(re.escape, alternatives))) if alternatives else None
+        self.max_tokens = max_tokens
+        self._segments: OrderedDict[int, list[int]] = OrderedDict()
+        self._cached_tokens = 0
+        self._lock = threading.Lock()
+        self.hit_tokens = 0
+        self.miss_tokens = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self._pattern is not None and self.max_tokens > 0
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Exactly the tokenizer's `encode(text, add_special_tokens)` ids, reusing cached segments."""
+        ends = [m.end() for m in self._pattern.finditer(text)] if self.enabled else []  # type: ignore[union-attr]
+        if not ends:
+            return self._encode([text], add_special_tokens)[0]
+        tokens: list[int] = []
+        key = _MODE_SEEDS[add_special_tokens]  # chained: the key of everything before `start`
+        start = hit = 0
+        with self._lock:
+            for end in ends:
+                next_key = _chain(key, text[start:end])
+                cached = self._segments.get(next_key)
+                if cached is None:
+                    break
+                self._segments.move_to_end(next_key)
+                tokens += cached
+                key, start, hit = next_key, end, hit + 1
+        self.hit_tokens += len(tokens)
+        if start == len(text):
+            return tokens
+        # The rest, piece by piece in one batch call, so each new full segment can be cached. The
+        # piece after the last boundary (e.g. the generation prompt's tail) is never cached.
+        cuts = ends[hit:]
+        if not cuts or cuts[-1] != len(text):
+            cuts.append(len(text))
+        pieces = [text[a:b] for a, b in zip([start, *cuts[:-1]], cuts)]
+        encoded = self._encode(pieces, False)
+        if add_special_tokens and start == 0:  # only the prompt's first piece gets the post-processor's BOS
+            encoded[0] = self._encode([pieces[0]], True)[0]
+        new: list[tuple[int, list[int]]] = []
+        for piece, ids, cut in zip(pieces, encoded, cuts):
+            tokens += ids
+            self.miss_tokens += len(ids)
+            if cut <= ends[-1]:
+                key = _chain(key, piece)
+                new.append((key, ids))
+        self._store(new)
+        return tokens
+
+    def _store(self, new: list[tuple[int, list[int]]]) -> None:
+        with self._lock:
+            for key, ids in new:
+                if key in self._segments:
+                    continue
+                self._segments[key] = ids
+                self._cached_tokens += len(ids)
+            while self._cached_tokens > self.max_tokens and self._segments:
+                _, ids = self._segments.popitem(last=False)
+                self._cached_tokens -= len(ids)
