@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -75,7 +76,8 @@ class SegmentTokenCache:
         alternatives = sorted(self.boundaries, key=len, reverse=True)
         self._pattern = re.compile("|".join(map(re.escape, alternatives))) if alternatives else None
         self.max_tokens = max_tokens
-        self._segments: OrderedDict[int, list[int]] = OrderedDict()
+        # Packed u32 ids: a hit is a memcpy, and the block-key hash takes the packed bytes as they are.
+        self._segments: OrderedDict[int, array] = OrderedDict()
         self._cached_tokens = 0
         self._lock = threading.Lock()
         self.hit_tokens = 0
@@ -85,12 +87,13 @@ class SegmentTokenCache:
     def enabled(self) -> bool:
         return self._pattern is not None and self.max_tokens > 0
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Exactly the tokenizer's `encode(text, add_special_tokens)` ids, reusing cached segments."""
+    def encode(self, text: str, add_special_tokens: bool) -> array:
+        """Exactly the tokenizer's `encode(text, add_special_tokens)` ids, packed as array('I'),
+        reusing cached segments."""
         ends = [m.end() for m in self._pattern.finditer(text)] if self.enabled else []  # type: ignore[union-attr]
         if not ends:
-            return self._encode([text], add_special_tokens)[0]
-        tokens: list[int] = []
+            return array("I", self._encode([text], add_special_tokens)[0])
+        tokens = array("I")
         key = _MODE_SEEDS[add_special_tokens]  # chained: the key of everything before `start`
         start = hit = 0
         with self._lock:
@@ -114,17 +117,18 @@ class SegmentTokenCache:
         encoded = self._encode(pieces, False)
         if add_special_tokens and start == 0:  # only the prompt's first piece gets the post-processor's BOS
             encoded[0] = self._encode([pieces[0]], True)[0]
-        new: list[tuple[int, list[int]]] = []
+        new: list[tuple[int, array]] = []
         for piece, ids, cut in zip(pieces, encoded, cuts):
-            tokens += ids
+            packed = array("I", ids)
+            tokens += packed
             self.miss_tokens += len(ids)
             if cut <= ends[-1]:
                 key = _chain(key, piece)
-                new.append((key, ids))
+                new.append((key, packed))
         self._store(new)
         return tokens
 
-    def _store(self, new: list[tuple[int, list[int]]]) -> None:
+    def _store(self, new: list[tuple[int, array]]) -> None:
         with self._lock:
             for key, ids in new:
                 if key in self._segments:

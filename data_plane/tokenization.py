@@ -18,6 +18,7 @@ an approximation for routing only: the original body still goes to the engine un
 from __future__ import annotations
 
 import json
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -117,14 +118,15 @@ class PromptTokenizer:
 
     # ------------------------------------------------------------ completions
 
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def _encode(self, text: str, add_special_tokens: bool) -> array:
+        """Token ids packed as array('I'): block-key hashing takes the packed bytes as they are."""
         if self.segment_cache is not None:  # same ids, but a known system prompt / history is not re-tokenized
             return self.segment_cache.encode(text, add_special_tokens)
         # encode_batch releases the GIL (encode does not) at the same cost, so a long prompt
         # tokenized in a worker thread really leaves the event loop free meanwhile.
-        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return array("I", self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
-    def encode_prompt(self, text: str) -> list[int]:
+    def encode_prompt(self, text: str) -> array:
         """HF `tokenizer.encode(text)`: only the post-processor's special tokens are added."""
         return self._encode(text, True)
 
@@ -144,7 +146,7 @@ class PromptTokenizer:
             raise TokenizationError(f"chat template failed: {exc}") from exc
 
     def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                    tools: list | None = None, **template_kwargs: Any) -> list[int]:
+                    tools: list | None = None, **template_kwargs: Any) -> array:
         """Render the chat template, then encode without special tokens (the template has them)."""
         text = self.render_chat(messages, add_generation_prompt, tools, **template_kwargs)
         return self._encode(text, False)
