@@ -13,9 +13,10 @@ from kvroute.telemetry import setup_tracing, shutdown_tracing
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from data_plane.policies import POLICIES  # pure module, cheap to import for --help
+
     p.add_argument("--control-plane", default="127.0.0.1:50051", metavar="HOST:PORT", help="control plane gRPC address")
-    p.add_argument("--policy", default="kv_aware", choices=["kv_aware", "round_robin", "random", "least_loaded"],
-                   help="routing policy")
+    p.add_argument("--policy", default="kv_aware", choices=sorted(POLICIES), help="routing policy")
     p.add_argument("--tokenizer", required=True, metavar="PATH", help="local model directory with tokenizer.json")
     p.add_argument("--model", default=None, help="served model name the tokenizer belongs to; other models get a 404 "
                         "(unset: the tokenizer directory's name)")

@@ -4,6 +4,7 @@
         _parse: JSON body -> validate -> token ids (tokenization.py: the model's own tokenizer
                 and chat template)
         Router.decide (routing.py): block keys per block size -> control-plane query -> policy
+                (session key for the session policy: `x-session-id` header, else the body's `user`)
         BackendProxy.forward (proxy.py): the original body to the chosen engine, streamed back
     POST /v1/route      the decision alone, as JSON (same body as completions or chat)
     GET  /v1/models, /health, /metrics
@@ -29,6 +30,7 @@ from data_plane.traffic_capture import TrafficCapture, reported_output_tokens, r
 log = logging.getLogger("kvroute.router.http")
 tracer = trace.get_tracer("kvroute.router")
 
+SESSION_HEADER = "x-session-id"
 _RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
 
 
@@ -42,6 +44,15 @@ class BadRequest(Exception):
 def _is_token_ids(value: object) -> bool:
     return (isinstance(value, list) and bool(value)
             and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in value))
+
+
+def _session_key(request: web.Request, body: dict) -> str:
+    """The session policy's key: the `x-session-id` header, else OpenAI's end-user id (`user`), else ""."""
+    header = request.headers.get(SESSION_HEADER, "").strip()
+    if header:
+        return header
+    user = body.get("user")
+    return user if isinstance(user, str) else ""
 
 
 class RouterHttpApi:
@@ -86,7 +97,7 @@ class RouterHttpApi:
                 raw, body, tokens = await self._parse(request, kind)
                 lora_name, cache_salt = str(body.get("lora_name") or ""), str(body.get("cache_salt") or "")
                 decision = await self.router.decide(self.model, tokens, lora_name, cache_salt,
-                                                    avoid=self.proxy.avoided())
+                                                    avoid=self.proxy.avoided(), session_key=_session_key(request, body))
             except BadRequest as exc:
                 return error_response(str(exc), exc.status, exc.error_type, exc.code)
             except NoWorkersError as exc:

@@ -14,6 +14,7 @@ ties, and a deterministic tie-break would send the whole cold fleet's traffic to
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Protocol
 
@@ -36,6 +37,8 @@ class Candidate:
 class RoutingInput:
     model: str
     prompt_tokens: int
+    token_ids: Sequence[int] = ()  # the prompt itself, for policies that read it (chwbl, approx_tree)
+    session_key: str = ""          # x-session-id header or OpenAI `user`; "" = none (session policy)
 
 
 @dataclass(slots=True)
@@ -180,3 +183,8 @@ def make_policy(name: str, **params) -> RoutingPolicy:
         return POLICIES[name](**params)
     except TypeError as exc:
         raise ValueError(f"bad parameters for policy {name!r}: {exc}") from None
+
+
+# session, chwbl and approx_tree live in affinity_policies, which imports this module and adds
+# itself to POLICIES; a module import (not `from ... import`) works whichever of the two loads first.
+import data_plane.affinity_policies  # noqa: F401

@@ -1,13 +1,14 @@
 """Router core: prompt tokens -> block keys -> control-plane query -> candidates -> policy.
 
-`Router.decide(model, token_ids, lora_name, cache_salt)`:
+`Router.decide(model, token_ids, lora_name, cache_salt, session_key=...)`:
 1. the known workers of the model (`ControlPlaneClient.workers_for`: last ListWorkers snapshot,
    or the static fleet) give the distinct block sizes;
 2. the prompt is hashed once per block size (`kvroute.block_keys.prompt_block_keys`);
 3. one `Query` with one KeyChain per block size, under the client's deadline;
 4. candidates: cached_tokens = matched_blocks x the worker's block size (capped at the prompt),
    engine load from the query (or the last heartbeat), this router's in-flight work;
-5. the policy chooses.
+5. the policy chooses (it also gets the prompt's token ids and the session key, for the
+   policies that hash or remember prompts or sessions instead of reading the index).
 
 Failing open: if the query times out, errors, or returns no workers while some are known, the
 decision is made over the known workers on load alone (cached_tokens 0, `fail_open=True`). A
@@ -87,8 +88,9 @@ class Router:
         self.fail_open_count = 0
 
     async def decide(self, model: str, token_ids: list[int], lora_name: str = "", cache_salt: str = "",
-                     avoid: frozenset[str] = frozenset()) -> RouteDecision:
-        """`avoid`: workers to leave out (e.g. recently failed backends) unless no other is known."""
+                     avoid: frozenset[str] = frozenset(), session_key: str = "") -> RouteDecision:
+        """`avoid`: workers to leave out (e.g. recently failed backends) unless no other is known.
+        `session_key`: the client's session/end-user id ("" = none), for the session policy."""
         started = time.perf_counter()
         with tracer.start_as_current_span("kvroute.route") as span:
             known = self.control_plane.workers_for(model)
@@ -106,7 +108,8 @@ class Router:
             if not seen:  # failing open: load alone over the known fleet
                 seen = [_Seen(w.worker_id, w.endpoint, w.block_size, 0, w.load) for w in known]
             candidates = [self._candidate(s, len(token_ids)) for s in seen]
-            choice = self.policy.choose(RoutingInput(model, len(token_ids)), candidates)
+            choice = self.policy.choose(RoutingInput(model, len(token_ids), token_ids=token_ids, session_key=session_key),
+                                        candidates)
             decision = RouteDecision(choice.worker.worker_id, choice.worker.endpoint, len(token_ids),
                                      choice.worker.cached_tokens, self.policy.name, bool(reason), candidates,
                                      choice.scores, reason)

@@ -124,7 +124,7 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
                     cached_tokens=min(matched.get(w.slot, 0) * config.block_size, len(req.tokens)),
                     running_requests=len(w.scheduler.running), waiting_requests=len(w.scheduler.waiting),
                     inflight_requests=inflight, pending_prefill_tokens=pending))
-            choice = policy.choose(RoutingInput(MODEL, len(req.tokens)), candidates)
+            choice = policy.choose(RoutingInput(MODEL, len(req.tokens), token_ids=req.tokens, session_key=req.session), candidates)
             w = workers[int(choice.worker.worker_id[1:])]
             if -(-(len(req.tokens) + req.output_tokens) // config.block_size) > config.num_blocks:
                 run.rejected += 1  # larger than a whole engine cache: an engine would reject it too

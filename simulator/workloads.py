@@ -23,6 +23,7 @@ class SimWorkloadRequest:
     arrival_s: float
     tokens: array  # array('I'): 4 bytes a token, sliced and hashed without per-token Python work
     output_tokens: int
+    session: str = ""  # conversation id (multi-turn), the session policy's key; "" = no session
 
 
 class _TraceRow(msgspec.Struct):
@@ -78,9 +79,10 @@ class GeneratedWorkload:
     docs: int = 32
     doc_tokens: int = 2048
     docs_per_request: int = 2
+    hot_share: float = 0.6            # hot-prefix: share of requests on the one hot system prompt
 
 
-WORKLOAD_NAMES = ("shared-prefix", "multi-turn", "rag", "agent", "one-shot")
+WORKLOAD_NAMES = ("shared-prefix", "multi-turn", "rag", "agent", "one-shot", "hot-prefix")
 
 
 def _arrivals(w: GeneratedWorkload, rng: random.Random) -> list[float]:
@@ -131,7 +133,17 @@ def generate(w: GeneratedWorkload) -> list[SimWorkloadRequest]:
                 conversations.append(rng.choice(systems) + unique(w.user_tokens))
                 turn_of.append(1)
                 i = len(conversations) - 1
-            out.append(SimWorkloadRequest(t, _packed(conversations[i]), w.output_tokens))
+            out.append(SimWorkloadRequest(t, _packed(conversations[i]), w.output_tokens, session=str(i)))
+    elif w.name == "hot-prefix":
+        # One system prompt on hot_share of the traffic, far more than a 1/workers share, so a policy
+        # that pins a prefix to one worker overloads it; the rest is shared-prefix over `groups` prompts.
+        if not 0.0 <= w.hot_share <= 1.0:
+            raise ValueError(f"hot_share must be in [0, 1], got {w.hot_share}")
+        hot = unique(w.system_prompt_tokens)
+        prefixes = [unique(w.system_prompt_tokens) for _ in range(w.groups)]
+        for t in arrivals:
+            prefix = hot if rng.random() < w.hot_share else rng.choice(prefixes)
+            out.append(SimWorkloadRequest(t, _packed(prefix + unique(w.user_tokens)), w.output_tokens))
     else:  # one-shot: nothing to share, routing can only balance load
         for t in arrivals:
             out.append(SimWorkloadRequest(t, _packed(unique(w.system_prompt_tokens + w.user_tokens)), w.output_tokens))
