@@ -122,14 +122,22 @@ class KvAwareParams:
 
         cost = max(0, prompt_tokens - cached_tokens)                  # prefill this request needs there
              + pending_prefill_tokens                                  # prefill this router already queued there
-             + queue_weight * waiting_requests * mean_prompt_tokens    # engine-reported queue (incl. other routers')
+             + queue_weight * max(0, waiting_requests - inflight_requests) * mean_prompt_tokens
+                                                                       # queued there by others, size unknown
              + decode_weight * max(running_requests, inflight_requests)
+
+    The engine's waiting count includes this router's own requests, whose uncached prefill is
+    already counted exactly in pending_prefill_tokens; only the excess over this router's in-flight
+    requests is someone else's and estimated. (Counting every waiting request at
+    mean_prompt_tokens double-counted our own mostly-cached queue: on shared-prefix at 20 req/s,
+    8 workers, the simulator showed kv_aware scattering prefixes, hit rate 46% and TTFT p50 1.8 s;
+    with this term 86% and 52 ms.)
 
     queue_weight:       how much of a waiting request's estimated prefill lands before ours
                         (1.0 = FCFS, all of it).
-    mean_prompt_tokens: estimated uncached prefill behind each request the engine reports waiting
-                        (the engine reports a count, not tokens). Set it near the fleet's mean
-                        uncached prompt length.
+    mean_prompt_tokens: estimated uncached prefill behind each waiting request that is not this
+                        router's (the engine reports a count, not tokens). Set it near the fleet's
+                        mean uncached prompt length.
     decode_weight:      prefill tokens one running decode is worth, i.e. how much a busy decode
                         batch slows our prefill and the decode that follows it. The running count
                         is max(engine-reported, this router's in-flight) because heartbeats lag.
@@ -151,7 +159,7 @@ class KvAware:
     def cost(self, request: RoutingInput, c: Candidate) -> float:
         p = self.params
         return (max(0, request.prompt_tokens - c.cached_tokens) + c.pending_prefill_tokens
-                + p.queue_weight * c.waiting_requests * p.mean_prompt_tokens
+                + p.queue_weight * max(0, c.waiting_requests - c.inflight_requests) * p.mean_prompt_tokens
                 + p.decode_weight * max(c.running_requests, c.inflight_requests))
 
     def choose(self, request: RoutingInput, candidates: list[Candidate]) -> Choice:

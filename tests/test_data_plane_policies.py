@@ -55,9 +55,13 @@ def test_kv_aware_cost_is_the_documented_formula() -> None:
     from data_plane.policies import KvAwareParams
 
     p = KvAwareParams(queue_weight=0.5, mean_prompt_tokens=1000, decode_weight=10)
-    c = cand("a", cached_tokens=1000, pending_prefill_tokens=300, waiting_requests=2, running_requests=3,
+    c = cand("a", cached_tokens=1000, pending_prefill_tokens=300, waiting_requests=7, running_requests=3,
              inflight_requests=5)
+    # 7 waiting, 5 of them possibly ours (their prefill is in pending_prefill_tokens): 2 are estimated.
     assert KvAware(p).cost(REQ, c) == (4096 - 1000) + 300 + 0.5 * 2 * 1000 + 10 * 5
+    ours = cand("a", cached_tokens=1000, pending_prefill_tokens=300, waiting_requests=2, running_requests=3,
+                inflight_requests=5)
+    assert KvAware(p).cost(REQ, ours) == (4096 - 1000) + 300 + 10 * 5  # our own queue is not counted twice
     assert make_policy("kv_aware", queue_weight=0.5, mean_prompt_tokens=1000, decode_weight=10).params == p
 
 
