@@ -26,6 +26,7 @@ from collections.abc import Collection, Sequence
 import xxhash
 
 from data_plane.policies import POLICIES, Candidate, Choice, LeastLoaded, RoutingInput, _require, _rng
+from kvroute.block_keys import pack_token_ids
 
 
 def _load(c: Candidate) -> int:
@@ -154,11 +155,9 @@ _CHUNK = 64  # tokens compared per C-level slice comparison when looking for whe
 
 
 def _as_tokens(token_ids: Sequence[int]) -> array:
-    if isinstance(token_ids, array) and token_ids.typecode == "I":
-        return token_ids  # the simulator's packed prompts: no copy
     try:
-        return array("I", token_ids)
-    except OverflowError:  # ids past 2**32 (no tokenizer has them); still correct, twice the memory
+        return pack_token_ids(token_ids)  # packed prompts (tokenizer, simulator) pass through uncopied
+    except ValueError:  # ids past 2**32 (no tokenizer has them); still correct, twice the memory
         return array("q", token_ids)
 
 

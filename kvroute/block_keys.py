@@ -38,16 +38,23 @@ def namespace_seed(model: str, block_size: int, lora_name: str = "", cache_salt:
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
-def _u32le(token_ids: Sequence[int]) -> bytes:
-    if _LITTLE_ENDIAN and isinstance(token_ids, array) and token_ids.typecode == "I" and token_ids.itemsize == 4:
-        return token_ids.tobytes()  # already packed (the simulator's workloads): a memcpy, no per-token work
+def pack_token_ids(token_ids: Sequence[int]) -> array:
+    """Token ids as array('I'), the packed form the router's tokenizer and the simulator pass
+    around; an array('I') is returned as it is (no per-token work). ValueError outside u32."""
+    if isinstance(token_ids, array) and token_ids.typecode == "I":
+        return token_ids
     try:
-        packed = array("I", token_ids)
+        return array("I", token_ids)
     except OverflowError as exc:
         raise ValueError("token ids must fit in an unsigned 32-bit integer") from exc
+
+
+def _u32le(token_ids: Sequence[int]) -> bytes:
+    packed = pack_token_ids(token_ids)
     if packed.itemsize != 4:  # pragma: no cover - exotic platforms only
         raise RuntimeError("platform 'I' array is not 32-bit")
-    if not _LITTLE_ENDIAN:  # pragma: no cover - big-endian hosts
+    if not _LITTLE_ENDIAN:  # pragma: no cover - big-endian hosts; copy, the caller's array stays as it is
+        packed = array("I", packed)
         packed.byteswap()
     return packed.tobytes()
 

@@ -33,22 +33,16 @@ from __future__ import annotations
 
 import hashlib
 import os
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
 
+from kvroute.block_keys import pack_token_ids
+
 _xxh3_128 = xxhash.xxh3_128_intdigest
 _U64 = (1 << 64) - 1
-
-
-def _pack_u32(token_ids: Sequence[int]) -> bytes:
-    """Token ids as native u32 bytes; an array('I') (the simulator's workloads) is packed already."""
-    if isinstance(token_ids, array) and token_ids.typecode == "I":
-        return token_ids.tobytes()
-    return array("I", token_ids).tobytes()
 
 
 
@@ -109,7 +103,7 @@ class PrefixCache:
         n = len(token_ids) // bs
         if n == 0:
             return []
-        data = memoryview(_pack_u32(token_ids[: n * bs]))
+        data = memoryview(pack_token_ids(token_ids[: n * bs]).tobytes())
         stride = 4 * bs
         h = self.none_hash if parent is None else parent
         out = [0] * n

@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvroute.block_keys import pack_token_ids
 from sim_engine.cost_model import CostModel
 from sim_engine.prefix_cache import Allocation, PrefixCache
 
@@ -95,8 +96,7 @@ class Scheduler:
         if request.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         self.cache.check_fits(len(request.prompt) + request.max_tokens)
-        if not (isinstance(request.prompt, array) and request.prompt.typecode == "I"):
-            request.prompt = array("I", request.prompt)
+        request.prompt = pack_token_ids(request.prompt)
         request.prompt_hashes = self.cache.chain_hashes(request.prompt)
         self.waiting.append(request)
 

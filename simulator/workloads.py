@@ -13,6 +13,8 @@ from pathlib import Path
 
 import msgspec
 
+from kvroute.block_keys import pack_token_ids
+
 TRACE_BLOCK_TOKENS = 512  # Mooncake hash_ids each stand for 512 tokens
 _TOKEN_ID_LIMIT = 1 << 32
 _TRACE_FILLER = array("I", range(1, TRACE_BLOCK_TOKENS))
@@ -111,13 +113,13 @@ def generate(w: GeneratedWorkload) -> list[SimWorkloadRequest]:
         size = w.system_prompt_tokens * (4 if w.name == "agent" else 1)  # agents carry a large tool schema
         prefixes = [unique(size) for _ in range(w.groups)]
         for t in arrivals:
-            out.append(SimWorkloadRequest(t, _packed(rng.choice(prefixes) + unique(w.user_tokens)), w.output_tokens))
+            out.append(SimWorkloadRequest(t, pack_token_ids(rng.choice(prefixes) + unique(w.user_tokens)), w.output_tokens))
     elif w.name == "rag":
         docs = [unique(w.doc_tokens) for _ in range(w.docs)]
         system = unique(256)
         for t in arrivals:
             chosen = rng.sample(range(w.docs), w.docs_per_request)
-            out.append(SimWorkloadRequest(t, _packed(system + [tok for d in chosen for tok in docs[d]] + unique(w.user_tokens)),
+            out.append(SimWorkloadRequest(t, pack_token_ids(system + [tok for d in chosen for tok in docs[d]] + unique(w.user_tokens)),
                                           w.output_tokens))
     elif w.name == "multi-turn":
         systems = [unique(w.system_prompt_tokens // 2) for _ in range(w.groups)]
@@ -133,7 +135,7 @@ def generate(w: GeneratedWorkload) -> list[SimWorkloadRequest]:
                 conversations.append(rng.choice(systems) + unique(w.user_tokens))
                 turn_of.append(1)
                 i = len(conversations) - 1
-            out.append(SimWorkloadRequest(t, _packed(conversations[i]), w.output_tokens, session=str(i)))
+            out.append(SimWorkloadRequest(t, pack_token_ids(conversations[i]), w.output_tokens, session=str(i)))
     elif w.name == "hot-prefix":
         # One system prompt on hot_share of the traffic, far more than a 1/workers share, so a policy
         # that pins a prefix to one worker overloads it; the rest is shared-prefix over `groups` prompts.
@@ -143,12 +145,8 @@ def generate(w: GeneratedWorkload) -> list[SimWorkloadRequest]:
         prefixes = [unique(w.system_prompt_tokens) for _ in range(w.groups)]
         for t in arrivals:
             prefix = hot if rng.random() < w.hot_share else rng.choice(prefixes)
-            out.append(SimWorkloadRequest(t, _packed(prefix + unique(w.user_tokens)), w.output_tokens))
+            out.append(SimWorkloadRequest(t, pack_token_ids(prefix + unique(w.user_tokens)), w.output_tokens))
     else:  # one-shot: nothing to share, routing can only balance load
         for t in arrivals:
-            out.append(SimWorkloadRequest(t, _packed(unique(w.system_prompt_tokens + w.user_tokens)), w.output_tokens))
+            out.append(SimWorkloadRequest(t, pack_token_ids(unique(w.system_prompt_tokens + w.user_tokens)), w.output_tokens))
     return out
-
-
-def _packed(tokens: list[int]) -> array:
-    return array("I", tokens)

@@ -49,3 +49,17 @@ def test_rejects_out_of_range_tokens() -> None:
         prompt_block_keys([2**32] * 16, 16, "m")
     with pytest.raises(ValueError, match="block_size"):
         namespace_seed("m", 0)
+
+
+def test_pack_token_ids_passes_packed_arrays_through_and_rejects_ids_past_u32() -> None:
+    from array import array
+
+    from kvroute.block_keys import pack_token_ids
+
+    packed = array("I", [1, 2, 3])
+    assert pack_token_ids(packed) is packed
+    assert pack_token_ids([1, 2, 3]) == packed and pack_token_ids(array("q", [1, 2, 3])) == packed
+    with pytest.raises(ValueError, match="32-bit"):
+        pack_token_ids([2**32])
+    with pytest.raises(ValueError, match="32-bit"):
+        pack_token_ids([-1])
