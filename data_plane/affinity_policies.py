@@ -7,8 +7,7 @@ simulator and the router can run them next to kv_aware on the same traffic:
 
 None of them reads `Candidate.cached_tokens`: each decides from what a router sees on its own (the
 session key, the prompt's first tokens, the prompts it sent), which is what sets them apart from
-kv_aware's engine-reported index. "Load" is max(inflight_requests, running + waiting), as in
-LeastLoaded (heartbeats lag behind what this router has just sent).
+kv_aware's engine-reported index. "Load" is `policies.request_load`, as in LeastLoaded.
 
 Importing this module adds the three to `policies.POLICIES`, so `make_policy("chwbl")` works.
 """
@@ -25,18 +24,14 @@ from collections.abc import Collection, Sequence
 
 import xxhash
 
-from data_plane.policies import POLICIES, Candidate, Choice, LeastLoaded, RoutingInput, _require, _rng
+from data_plane.policies import POLICIES, Candidate, Choice, LeastLoaded, RoutingInput, _pick_one, _require, _rng, request_load
 from kvroute.block_keys import pack_token_ids
-
-
-def _load(c: Candidate) -> int:
-    return max(c.inflight_requests, c.running_requests + c.waiting_requests)
 
 
 def _others_by_load(chosen: Candidate, candidates: list[Candidate]) -> dict[str, float]:
     """Scores for policies whose choice is not a cost: 0 for the chosen worker, 1 + load for the
     rest, so a retry goes to the least loaded other worker."""
-    return {c.worker_id: 0.0 if c is chosen else 1.0 + _load(c) for c in candidates}
+    return {c.worker_id: 0.0 if c is chosen else 1.0 + request_load(c) for c in candidates}
 
 
 # ---------------------------------------------------------------- session
@@ -129,7 +124,7 @@ class PrefixHashBoundedLoad:
                 walk[owner] = by_id[owner]
                 if len(walk) == len(by_id):
                     break
-        loads = {c.worker_id: _load(c) for c in candidates}
+        loads = {c.worker_id: request_load(c) for c in candidates}
         # The epsilon: a product that is an integer in exact arithmetic (1.1 * 10 / 11) must not ceil one up.
         cap = math.ceil(self.load_factor * (sum(loads.values()) + 1) / len(candidates) - 1e-9)
         order = list(walk.values())
@@ -330,7 +325,7 @@ class ApproxTree:
 
     def choose(self, request: RoutingInput, candidates: list[Candidate]) -> Choice:
         _require(candidates)
-        loads = {c.worker_id: _load(c) for c in candidates}
+        loads = {c.worker_id: request_load(c) for c in candidates}
         hi, lo = max(loads.values()), min(loads.values())
         tokens = _as_tokens(request.token_ids)
         if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
@@ -342,7 +337,7 @@ class ApproxTree:
             else:
                 smallest = min(self.tree.size(c.worker_id) for c in candidates)
                 pool = [c for c in candidates if self.tree.size(c.worker_id) == smallest]
-            chosen = pool[0] if len(pool) == 1 else self._rng.choice(pool)  # candidate order: reproducible
+            chosen = _pick_one(pool, self._rng)  # in candidate order: reproducible
         self.tree.insert(tokens, chosen.worker_id)
         return Choice(chosen, _others_by_load(chosen, candidates))
 

@@ -61,8 +61,18 @@ def _require(candidates: list[Candidate]) -> None:
 def _pick_min(scores: dict[str, float], candidates: list[Candidate], rng: random.Random) -> Candidate:
     best = min(scores.values())
     tolerance = 1e-9 * max(1.0, abs(best))
-    tied = [c for c in candidates if scores[c.worker_id] <= best + tolerance]
-    return tied[0] if len(tied) == 1 else rng.choice(tied)
+    return _pick_one([c for c in candidates if scores[c.worker_id] <= best + tolerance], rng)
+
+
+def _pick_one(pool: list[Candidate], rng: random.Random) -> Candidate:
+    """Uniform among equals; a lone candidate draws nothing, so the seeded sequence only moves on ties."""
+    return pool[0] if len(pool) == 1 else rng.choice(pool)
+
+
+def request_load(c: Candidate) -> int:
+    """Requests on a worker: max(engine-reported running + waiting, this router's in-flight), since
+    heartbeats lag behind what this router has just sent."""
+    return max(c.inflight_requests, c.running_requests + c.waiting_requests)
 
 
 def _rng(seed: int | None, rng: random.Random | None) -> random.Random:
@@ -102,8 +112,7 @@ class RandomPolicy:
 
 
 class LeastLoaded:
-    """Fewest requests: max(engine-reported running + waiting, this router's in-flight), since
-    heartbeats lag behind what this router has just sent. Ignores the cache."""
+    """Fewest requests (`request_load`). Ignores the cache."""
     name = "least_loaded"
 
     def __init__(self, seed: int | None = None, rng: random.Random | None = None) -> None:
@@ -111,8 +120,7 @@ class LeastLoaded:
 
     def choose(self, request: RoutingInput, candidates: list[Candidate]) -> Choice:
         _require(candidates)
-        scores = {c.worker_id: float(max(c.inflight_requests, c.running_requests + c.waiting_requests))
-                  for c in candidates}
+        scores = {c.worker_id: float(request_load(c)) for c in candidates}
         return Choice(_pick_min(scores, candidates, self._rng), scores)
 
 
