@@ -345,11 +345,7 @@ def run_local(args: argparse.Namespace, workload: list[SimWorkloadRequest], log:
         f"{args.speedup}; logs in {workdir}")
     runs: dict[str, LiveRun] = {}
     try:
-        cluster.start_control_plane()
-        for i in range(args.engines):
-            cluster.add_sim_engine(f"engine-{i}", *sim_engine_args(args))
-        cluster.wait_engines_healthy()
-        cluster.wait_workers_registered()
+        cluster.start_sim_fleet(args.engines, *sim_engine_args(args))
         for policy in _split(args.policies):
             cluster.start_router(policy, policy)
         engine_urls = [e.url for e in cluster.engines]

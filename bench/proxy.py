@@ -37,10 +37,7 @@ def run_proxy(requests: int = 300) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="kvroute-bench-"))
     cluster = LocalCluster(workdir=workdir, tokenizer_dir=build_model_dir(workdir / "tiny-llama"))
     try:
-        cluster.start_control_plane()
-        engine = cluster.add_sim_engine("engine-0", "--speedup", "1000000")
-        cluster.wait_engines_healthy()
-        cluster.wait_workers_registered()
+        engine, = cluster.start_sim_fleet(1, "--speedup", "1000000")
         router = cluster.start_router("bench", "kv_aware")
         probe = {"model": cluster.model, "prompt": "probe"}
         wait_until(lambda: json.loads(http_post_json(router + "/v1/route", probe)[1]).get("fail_open") is False, 30,

@@ -189,11 +189,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = LocalCluster(workdir=workdir, tokenizer_dir=tokenizer_dir, block_size=args.block_size)
     results = []
     try:
-        cluster.start_control_plane()
-        for i in range(args.engines):
-            cluster.add_sim_engine(f"engine-{i}", "--num-blocks", str(args.num_blocks), "--speedup", str(args.speedup))
-        cluster.wait_engines_healthy()
-        cluster.wait_workers_registered()
+        cluster.start_sim_fleet(args.engines, "--num-blocks", str(args.num_blocks), "--speedup", str(args.speedup))
         for policy in policies:
             print(f"running policy {policy} ...", file=sys.stderr)
             results.append(run_policy(cluster, policy, workload, args))

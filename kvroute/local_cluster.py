@@ -178,6 +178,16 @@ class LocalCluster:
             self.start_agent(handle, *agent_args)
         return handle
 
+    def start_sim_fleet(self, engines: int, *engine_args: str) -> list[EngineHandle]:
+        """The usual local fleet: the control plane (unless started), then sim engines engine-0,
+        engine-1, ... each with its agent, returning once all are healthy and registered."""
+        if self.control_plane is None:
+            self.start_control_plane()
+        handles = [self.add_sim_engine(f"engine-{i}", *engine_args) for i in range(engines)]
+        self.wait_engines_healthy()
+        self.wait_workers_registered()
+        return handles
+
     def start_agent(self, handle: EngineHandle, *extra: str) -> ManagedProcess:
         agent = ManagedProcess(f"agent-{handle.worker_id}", kvroute_argv(
             "agent", "--control-plane", self.control_plane_addr, "--engine", "vllm",
@@ -225,6 +235,11 @@ class LocalCluster:
         self.routers[name] = router
         self.router_urls[name] = url
         return url
+
+    def chat_request(self, system: str, user: str, max_tokens: int = 4) -> dict:
+        """An OpenAI chat body for the cluster's model: one system and one user message."""
+        return {"model": self.model, "max_tokens": max_tokens,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
 
     def stop_router(self, name: str) -> None:
         self.routers.pop(name).stop()

@@ -27,20 +27,11 @@ def cluster(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("e2e")
     c = LocalCluster(workdir=workdir, tokenizer_dir=build_model_dir(workdir / "tiny-llama"), block_size=16)
     try:
-        c.start_control_plane()
-        for i in range(3):
-            c.add_sim_engine(f"engine-{i}", "--num-blocks", "512", "--speedup", "50")
-        c.wait_engines_healthy()
-        c.wait_workers_registered()
+        c.start_sim_fleet(3, "--num-blocks", "512", "--speedup", "50")
         c.start_router("kv", "kv_aware")
         yield c
     finally:
         c.stop()
-
-
-def chat(system: str, user: str) -> dict:
-    return {"model": "tiny-llama", "max_tokens": 4,
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
 
 
 def route(cluster: LocalCluster, body: dict) -> dict:
@@ -51,10 +42,10 @@ def route(cluster: LocalCluster, body: dict) -> dict:
 
 def test_routing_follows_the_cache_after_events_arrive(cluster: LocalCluster) -> None:
     for i, engine in enumerate(cluster.engines):
-        status, raw = http_post_json(engine.url + "/v1/chat/completions", chat(long_text(i), "warm up"))
+        status, raw = http_post_json(engine.url + "/v1/chat/completions", cluster.chat_request(long_text(i), "warm up"))
         assert status == 200, raw
     for i, engine in enumerate(cluster.engines):
-        body = chat(long_text(i), "a different question about the same document")
+        body = cluster.chat_request(long_text(i), "a different question about the same document")
         decision = wait_until(lambda: (d := route(cluster, body)) and d["cached_tokens"] > 0 and d,
                               15, f"events of {engine.worker_id} reach the router")
         assert decision["worker_id"] == engine.worker_id, decision
@@ -74,7 +65,7 @@ def test_unknown_prefix_spreads_by_load_and_header_names_worker(cluster: LocalCl
 
     seen = set()
     for i in range(12):
-        body = chat(f"unique {i} " + long_text(100 + i, 30), "hi")
+        body = cluster.chat_request(f"unique {i} " + long_text(100 + i, 30), "hi")
         req = urllib.request.Request(cluster.router_urls["kv"] + "/v1/chat/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=10) as resp:
@@ -86,7 +77,8 @@ def test_control_plane_down_fails_open(cluster: LocalCluster) -> None:
     cluster.control_plane.stop()
     try:
         started = time.monotonic()
-        status, raw = http_post_json(cluster.router_urls["kv"] + "/v1/chat/completions", chat(long_text(0), "still there?"))
+        status, raw = http_post_json(cluster.router_urls["kv"] + "/v1/chat/completions",
+                                     cluster.chat_request(long_text(0), "still there?"))
         assert status == 200, raw
         assert time.monotonic() - started < 5
     finally:
@@ -94,6 +86,7 @@ def test_control_plane_down_fails_open(cluster: LocalCluster) -> None:
         wait_until(lambda: len(cluster.list_workers()) == len(cluster.engines), 20, "agents re-register",
                    cluster.all_processes())
     # After the restart the agents' snapshots rebuild the index: routing follows the cache again.
-    decision = wait_until(lambda: (d := route(cluster, chat(long_text(1), "again"))) and d["cached_tokens"] > 0 and d,
+    decision = wait_until(lambda: (d := route(cluster, cluster.chat_request(long_text(1), "again")))
+                          and d["cached_tokens"] > 0 and d,
                           15, "index rebuilt from agent snapshots")
     assert decision["worker_id"] == cluster.engines[1].worker_id

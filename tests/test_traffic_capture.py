@@ -231,11 +231,7 @@ def test_router_captures_live_traffic_that_the_simulator_replays(tmp_path: Path)
     trace_path = tmp_path / "captured.jsonl"
     cluster = LocalCluster(workdir=tmp_path, tokenizer_dir=build_model_dir(tmp_path / "tiny-llama"), block_size=16)
     try:
-        cluster.start_control_plane()
-        for i in range(2):
-            cluster.add_sim_engine(f"engine-{i}", "--num-blocks", "1024", "--speedup", "50")
-        cluster.wait_engines_healthy()
-        cluster.wait_workers_registered()
+        cluster.start_sim_fleet(2, "--num-blocks", "1024", "--speedup", "50")
         grpc_port = free_port()
         url = cluster.start_router("cap", "kv_aware", "--capture-trace", str(trace_path),
                                    "--grpc-port", str(grpc_port))

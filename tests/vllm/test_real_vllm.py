@@ -77,18 +77,14 @@ def cluster(tmp_path_factory):
         c.stop()
 
 
-def chat(system: str, user: str) -> dict:
-    return {"model": "tiny-llama", "max_tokens": 4,
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
-
-
 def test_shared_prefix_goes_to_the_vllm_that_cached_it(cluster: LocalCluster) -> None:
     router = cluster.router_urls["kv"]
     for i, engine in enumerate(cluster.engines):  # warm a distinct document on each vLLM, bypassing the router
-        status, raw = http_post_json(engine.url + "/v1/chat/completions", chat(document(i), "summarise"), timeout=60)
+        status, raw = http_post_json(engine.url + "/v1/chat/completions", cluster.chat_request(document(i), "summarise"),
+                                     timeout=60)
         assert status == 200, raw
     for i, engine in enumerate(cluster.engines):
-        body = chat(document(i), "now list the key points")
+        body = cluster.chat_request(document(i), "now list the key points")
         decision = wait_until(
             lambda: (d := json.loads(http_post_json(router + "/v1/route", body)[1])) and d["cached_tokens"] > 0 and d,
             60, f"{engine.worker_id}'s KV events reach the router")
