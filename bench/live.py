@@ -30,8 +30,9 @@ from kvroute.local_cluster import LocalCluster, ManagedProcess, http_get, http_p
 from sim_engine.cost_model import CostModel
 from sim_engine.engine import EngineConfig
 from sim_engine.tiny_model import SPECIAL_TOKENS, build_model_dir
+from simulator.cli import generated_workload
 from simulator.fleet import FleetConfig, simulate_policy
-from simulator.workloads import GeneratedWorkload, SimWorkloadRequest, generate
+from simulator.workloads import SimWorkloadRequest
 
 DIRECT = "direct"  # the no-router baseline: round-robin straight to the engines
 FIRST_PLAIN_TOKEN = len(SPECIAL_TOKENS)  # the tiny model's special tokens come first; prompts avoid them
@@ -39,12 +40,6 @@ REQUEST_TIMEOUT_S = 120.0
 
 
 # ---------------------------------------------------------------------------- workload
-
-
-def workload_from_args(args: argparse.Namespace) -> list[SimWorkloadRequest]:
-    return generate(GeneratedWorkload(args.workload, requests=args.requests, rate_rps=args.rate, arrival=args.arrival,
-                                      seed=args.seed, groups=args.groups,
-                                      system_prompt_tokens=args.system_prompt_tokens, output_tokens=args.output_tokens))
 
 
 def map_token_ids(tokens: list[int], vocab_size: int, first: int = FIRST_PLAIN_TOKEN) -> list[int]:
@@ -411,7 +406,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
     check_args(args)
-    workload = workload_from_args(args)
+    workload = generated_workload(args)
     if args.router_url or args.engine_urls:
         runs, engines = run_remote(args, workload, log)
     else:

@@ -46,6 +46,15 @@ def add_generated_workload_knobs(g, requests: int = 2000, rate: float = 20.0, ou
     g.add_argument("--output-tokens", type=int, default=output_tokens, help="output tokens per request")
 
 
+def generated_workload(args: argparse.Namespace) -> list:
+    """The generated workload those knobs (and --workload, --seed) describe."""
+    from simulator.workloads import GeneratedWorkload, generate
+
+    return generate(GeneratedWorkload(args.workload, requests=args.requests, rate_rps=args.rate, arrival=args.arrival,
+                                      seed=args.seed, groups=args.groups, system_prompt_tokens=args.system_prompt_tokens,
+                                      output_tokens=args.output_tokens))
+
+
 def _pct(values: list[float], q: float) -> float:
     from bench.stats import percentile
 
@@ -56,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from sim_engine.cost_model import CostModel
     from simulator.fleet import FleetConfig, oracle_hit_rate
     from simulator.sweep import ProgressLine, default_jobs, run_policies
-    from simulator.workloads import GeneratedWorkload, generate, load_mooncake_trace
+    from simulator.workloads import load_mooncake_trace
 
     started = time.monotonic()
     if args.trace:
@@ -68,10 +77,7 @@ def run(args: argparse.Namespace) -> int:
         source = f"trace {args.trace}"
         source_name = os.path.basename(args.trace)
     else:
-        workload = generate(GeneratedWorkload(args.workload, requests=args.requests, rate_rps=args.rate,
-                                              arrival=args.arrival, seed=args.seed, groups=args.groups,
-                                              system_prompt_tokens=args.system_prompt_tokens,
-                                              output_tokens=args.output_tokens))
+        workload = generated_workload(args)
         block_size = args.block_size or 16
         source = source_name = f"workload {args.workload}"
     num_blocks = args.num_blocks or max(1, 1_048_576 // block_size)
