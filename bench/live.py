@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 import tempfile
@@ -54,9 +55,17 @@ def map_token_ids(tokens: list[int], vocab_size: int, first: int = FIRST_PLAIN_T
 
 
 def request_bodies(workload: list[SimWorkloadRequest], model: str, vocab_size: int) -> list[bytes]:
-    """Encoded up front so JSON encoding is not inside the timed window."""
-    return [json.dumps({"model": model, "prompt": map_token_ids(r.tokens, vocab_size), "max_tokens": r.output_tokens,
-                        "stream": True}).encode() for r in workload]
+    """Encoded up front so JSON encoding is not inside the timed window. A request's session (the
+    multi-turn conversation) goes in OpenAI's `user` field, which the router's session policy reads,
+    as the simulator's session policy reads `SimWorkloadRequest.session`."""
+    def body(r: SimWorkloadRequest) -> dict:
+        out = {"model": model, "prompt": map_token_ids(r.tokens, vocab_size), "max_tokens": r.output_tokens,
+               "stream": True}
+        if r.session:
+            out["user"] = r.session
+        return out
+
+    return [json.dumps(body(r)).encode() for r in workload]
 
 
 # ---------------------------------------------------------------------------- live side
@@ -275,8 +284,8 @@ def sim_workload(workload: list[SimWorkloadRequest], run: LiveRun, closed: bool)
     replies, so it replays the times the live clients actually sent at, in cost-model seconds."""
     if not closed:
         return workload
-    return [SimWorkloadRequest(run.sent_s[i] * run.speedup, r.tokens, r.output_tokens)
-            for i, r in enumerate(workload) if i in run.sent_s]
+    return [dataclasses.replace(r, arrival_s=run.sent_s[i] * run.speedup) for i, r in enumerate(workload)
+            if i in run.sent_s]
 
 
 # ---------------------------------------------------------------------------- comparison and output

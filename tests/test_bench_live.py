@@ -47,6 +47,19 @@ def test_folding_keeps_the_block_sharing_structure() -> None:
     assert not sharing_preserved("shared-prefix", FIRST_PLAIN_TOKEN + 16)
 
 
+def test_sessions_reach_the_router_and_the_closed_loop_simulation() -> None:
+    from bench.live import LiveRun, request_bodies, sim_workload
+
+    workload = generate(GeneratedWorkload("multi-turn", requests=12, rate_rps=5, seed=1))
+    assert any(r.session for r in workload)
+    bodies = [json.loads(b) for b in request_bodies(workload, "tiny-llama", 2048)]
+    assert [b.get("user", "") for b in bodies] == [r.session for r in workload]
+    run = LiveRun("session", speedup=2.0, sent_s={i: 0.5 * i for i in range(12)})
+    replayed = sim_workload(workload, run, closed=True)
+    assert [r.session for r in replayed] == [r.session for r in workload]
+    assert [r.arrival_s for r in replayed] == [1.0 * i for i in range(12)]
+
+
 def test_pairwise_agreement() -> None:
     assert pairwise_agree({"a": 0.8, "b": 0.4}, {"a": 0.7, "b": 0.5})
     assert not pairwise_agree({"a": 0.8, "b": 0.4}, {"a": 0.5, "b": 0.7})
