@@ -42,14 +42,17 @@ def _encode_batch(tokenizer: Tokenizer) -> EncodeBatch:
 def safe_boundary_tokens(tokenizer: Tokenizer) -> list[str]:
     """Added tokens after which the tokenizer's output splits exactly (checked on probe strings)."""
     encode = _encode_batch(tokenizer)
+    rights = encode(list(_PROBES), False)  # the same for every token: encoded once
+    pairs = [(i, j) for i in range(len(_PROBES)) for j in range(len(_PROBES))]
 
     def splits_cleanly(token: str) -> bool:
-        for a in _PROBES:
-            for b in _PROBES:
-                plain_whole, plain_left, right = encode([a + token + b, a + token, b], False)
-                special_whole, special_left = encode([a + token + b, a + token], True)
-                if plain_whole != plain_left + right or special_whole != special_left + right:
-                    return False
+        # Two batch calls per mode, not one call per probe pair: tokenizers with hundreds of
+        # reserved added tokens are checked at router start-up.
+        for add_special in (False, True):
+            lefts = encode([a + token for a in _PROBES], add_special)
+            wholes = encode([_PROBES[i] + token + _PROBES[j] for i, j in pairs], add_special)
+            if any(whole != lefts[i] + rights[j] for whole, (i, j) in zip(wholes, pairs)):
+                return False
         return True
 
     # rstrip/single_word look at the text after the token; normalized tokens match normalized
@@ -114,9 +117,10 @@ class SegmentTokenCache:
         if not cuts or cuts[-1] != len(text):
             cuts.append(len(text))
         pieces = [text[a:b] for a, b in zip([start, *cuts[:-1]], cuts)]
-        encoded = self._encode(pieces, False)
         if add_special_tokens and start == 0:  # only the prompt's first piece gets the post-processor's BOS
-            encoded[0] = self._encode([pieces[0]], True)[0]
+            encoded = self._encode(pieces[:1], True) + self._encode(pieces[1:], False)
+        else:
+            encoded = self._encode(pieces, False)
         new: list[tuple[int, array]] = []
         for piece, ids, cut in zip(pieces, encoded, cuts):
             packed = array("I", ids)
