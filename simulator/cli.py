@@ -63,7 +63,7 @@ def _pct(values: list[float], q: float) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from sim_engine.cost_model import CostModel
-    from simulator.fleet import FleetConfig, oracle_hit_rate
+    from simulator.fleet import FleetConfig, oracle_hit_rates
     from simulator.sweep import ProgressLine, default_jobs, run_policies
     from simulator.workloads import load_mooncake_trace
 
@@ -106,8 +106,7 @@ def run(args: argparse.Namespace) -> int:
             "rejected": run_.rejected,
         }
     total_blocks = num_blocks * args.workers
-    oracle = oracle_hit_rate(workload, block_size, total_blocks)
-    oracle_inf = oracle_hit_rate(workload, block_size, None)
+    oracle, oracle_inf = oracle_hit_rates(workload, block_size, [total_blocks, None])
     lines = ["| policy | hit rate | % of ceiling | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms | req/s | imbalance |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():

@@ -183,22 +183,29 @@ def _apply(index: BitmaskPrefixIndex, w: _Worker, wire: list) -> None:
 
 def oracle_hit_rate(workload: list[SimWorkloadRequest], block_size: int, capacity_blocks: int | None) -> float:
     """Token hit rate of one pooled LRU prefix cache (None = infinite), requests in arrival order."""
-    lru: OrderedDict[int, None] = OrderedDict()
-    hits = queries = 0
+    return oracle_hit_rates(workload, block_size, [capacity_blocks])[0]
+
+
+def oracle_hit_rates(workload: list[SimWorkloadRequest], block_size: int,
+                     capacities_blocks: list[int | None]) -> list[float]:
+    """`oracle_hit_rate` for several capacities in one pass (each prompt is hashed once)."""
+    lrus: list[OrderedDict[int, None]] = [OrderedDict() for _ in capacities_blocks]
+    hits = [0] * len(capacities_blocks)
+    queries = 0
     for req in sorted(workload, key=lambda r: r.arrival_s):
         keys = prompt_block_keys(req.tokens, block_size, MODEL)
-        n = 0
-        for k in keys:
-            if k not in lru:
-                break
-            n += 1
-        n = min(n, (len(req.tokens) - 1) // block_size)  # the engine always computes the last token
-        hits += n * block_size
         queries += len(req.tokens)
-        for k in keys:
-            lru[k] = None
-            lru.move_to_end(k)
-        if capacity_blocks is not None:
-            while len(lru) > capacity_blocks:
-                lru.popitem(last=False)
-    return hits / queries if queries else 0.0
+        for c, (lru, capacity) in enumerate(zip(lrus, capacities_blocks)):
+            n = 0
+            for k in keys:
+                if k not in lru:
+                    break
+                n += 1
+            hits[c] += min(n, (len(req.tokens) - 1) // block_size) * block_size  # the last token is always computed
+            for k in keys:
+                lru[k] = None
+                lru.move_to_end(k)
+            if capacity is not None:
+                while len(lru) > capacity:
+                    lru.popitem(last=False)
+    return [h / queries if queries else 0.0 for h in hits]
