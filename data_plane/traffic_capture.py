@@ -56,11 +56,16 @@ def trace_block_keys(token_ids: Sequence[int], model: str, lora_name: str = "", 
     return keys
 
 
+def _token_count(value: object) -> int | None:
+    """A JSON token count (a non-negative int, and not a bool), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 def requested_output_tokens(body: dict) -> int:
     """The request's own output budget: max_completion_tokens, else max_tokens, else 0."""
     for name in ("max_completion_tokens", "max_tokens"):
-        value = body.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        value = _token_count(body.get(name))
+        if value is not None:
             return value
     return 0
 
@@ -81,8 +86,7 @@ def reported_output_tokens(tail: bytes | bytearray) -> int | None:
         usage, _ = json.JSONDecoder().raw_decode(text)
     except ValueError:
         return None
-    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0 else None
+    return _token_count(usage.get("completion_tokens")) if isinstance(usage, dict) else None
 
 
 @dataclass(slots=True)
