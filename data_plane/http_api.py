@@ -104,11 +104,9 @@ class RouterHttpApi:
                 return error_response(str(exc), 503, "service_unavailable", "no_workers")
             if forward_to is None:
                 return web.json_response(decision.as_json())
-            if arrived is None:
-                return await self.proxy.forward(request, forward_to, raw, decision, len(tokens))
-            tail = bytearray()
+            tail = bytearray() if arrived is not None else None  # only a captured response keeps its end
             response = await self.proxy.forward(request, forward_to, raw, decision, len(tokens), tail)
-            if response.status < 400:  # the engine did the work; errors are not traffic worth replaying
+            if tail is not None and response.status < 400:  # the engine did the work; errors are not worth replaying
                 output = reported_output_tokens(tail)
                 self.capture.record(arrived, tokens, requested_output_tokens(body) if output is None else output,
                                     self.model, lora_name, cache_salt)
