@@ -17,20 +17,24 @@ class AgentMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[RegisterWorker, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
 
 class RegisterWorker(_message.Message):
-    __slots__ = ("worker_id", "model", "engine", "block_size", "endpoint", "engine_version")
+    __slots__ = ("worker_id", "model", "engine", "block_size", "endpoint", "engine_version", "lora_adapters", "data_parallel_rank")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     engine: str
     block_size: int
     endpoint: str
     engine_version: str
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., block_size: _Optional[int] = ..., endpoint: _Optional[str] = ..., engine_version: _Optional[str] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    data_parallel_rank: int
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., block_size: _Optional[int] = ..., endpoint: _Optional[str] = ..., engine_version: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
 
 class EventBatch(_message.Message):
     __slots__ = ("seq", "snapshot", "events")
@@ -73,10 +77,12 @@ class AllBlocksCleared(_message.Message):
     def __init__(self) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("load",)
+    __slots__ = ("load", "lora_adapters")
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     load: WorkerLoad
-    def __init__(self, load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("running_requests", "waiting_requests", "kv_usage", "observed_unix_ms")
@@ -123,32 +129,132 @@ class KeyChain(_message.Message):
     def __init__(self, block_size: _Optional[int] = ..., block_keys: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class QueryRequest(_message.Message):
-    __slots__ = ("model", "chains")
+    __slots__ = ("model", "chains", "query_id", "lora_name")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CHAINS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     model: str
     chains: _containers.RepeatedCompositeFieldContainer[KeyChain]
-    def __init__(self, model: _Optional[str] = ..., chains: _Optional[_Iterable[_Union[KeyChain, _Mapping]]] = ...) -> None: ...
+    query_id: int
+    lora_name: str
+    def __init__(self, model: _Optional[str] = ..., chains: _Optional[_Iterable[_Union[KeyChain, _Mapping]]] = ..., query_id: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class WorkerMatch(_message.Message):
-    __slots__ = ("worker_id", "endpoint", "block_size", "matched_blocks", "load")
+    __slots__ = ("worker_id", "endpoint", "block_size", "matched_blocks", "load", "cpu_blocks", "disk_blocks", "speculative_blocks", "reserved_requests", "reserved_prefill_tokens", "data_parallel_rank")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     endpoint: str
     block_size: int
     matched_blocks: int
     load: WorkerLoad
-    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., block_size: _Optional[int] = ..., matched_blocks: _Optional[int] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
+    cpu_blocks: int
+    disk_blocks: int
+    speculative_blocks: int
+    reserved_requests: int
+    reserved_prefill_tokens: int
+    data_parallel_rank: int
+    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., block_size: _Optional[int] = ..., matched_blocks: _Optional[int] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., cpu_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., speculative_blocks: _Optional[int] = ..., reserved_requests: _Optional[int] = ..., reserved_prefill_tokens: _Optional[int] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
 
 class QueryResponse(_message.Message):
-    __slots__ = ("workers",)
+    __slots__ = ("workers", "query_id")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_ID_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerMatch]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerMatch, _Mapping]]] = ...) -> None: ...
+    query_id: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerMatch, _Mapping]]] = ..., query_id: _Optional[int] = ...) -> None: ...
+
+class RouterMessage(_message.Message):
+    __slots__ = ("hello", "query", "reserve", "prefill_done", "release")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DONE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    hello: RouterHello
+    query: QueryRequest
+    reserve: Reservation
+    prefill_done: ReservationDone
+    release: ReservationDone
+    def __init__(self, hello: _Optional[_Union[RouterHello, _Mapping]] = ..., query: _Optional[_Union[QueryRequest, _Mapping]] = ..., reserve: _Optional[_Union[Reservation, _Mapping]] = ..., prefill_done: _Optional[_Union[ReservationDone, _Mapping]] = ..., release: _Optional[_Union[ReservationDone, _Mapping]] = ...) -> None: ...
+
+class RouterHello(_message.Message):
+    __slots__ = ("router_id",)
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    def __init__(self, router_id: _Optional[str] = ...) -> None: ...
+
+class Reservation(_message.Message):
+    __slots__ = ("reservation_id", "worker_id", "block_size", "block_keys", "prefill_tokens", "ttl_ms")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: int
+    worker_id: str
+    block_size: int
+    block_keys: _containers.RepeatedScalarFieldContainer[int]
+    prefill_tokens: int
+    ttl_ms: int
+    def __init__(self, reservation_id: _Optional[int] = ..., worker_id: _Optional[str] = ..., block_size: _Optional[int] = ..., block_keys: _Optional[_Iterable[int]] = ..., prefill_tokens: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class ReservationDone(_message.Message):
+    __slots__ = ("reservation_id",)
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: int
+    def __init__(self, reservation_id: _Optional[int] = ...) -> None: ...
+
+class RouterReply(_message.Message):
+    __slots__ = ("welcome", "result")
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    welcome: RouterWelcome
+    result: QueryResponse
+    def __init__(self, welcome: _Optional[_Union[RouterWelcome, _Mapping]] = ..., result: _Optional[_Union[QueryResponse, _Mapping]] = ...) -> None: ...
+
+class RouterWelcome(_message.Message):
+    __slots__ = ("router_id", "reservation_max_age_ms")
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_MAX_AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    reservation_max_age_ms: int
+    def __init__(self, router_id: _Optional[str] = ..., reservation_max_age_ms: _Optional[int] = ...) -> None: ...
+
+class GetWorkerKeysRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class TierKeys(_message.Message):
+    __slots__ = ("medium", "block_keys")
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    medium: str
+    block_keys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, medium: _Optional[str] = ..., block_keys: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetWorkerKeysResponse(_message.Message):
+    __slots__ = ("worker_id", "block_size", "tiers")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    block_size: int
+    tiers: _containers.RepeatedCompositeFieldContainer[TierKeys]
+    def __init__(self, worker_id: _Optional[str] = ..., block_size: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierKeys, _Mapping]]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ("model",)
@@ -157,7 +263,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "model", "engine", "block_size", "endpoint", "load", "cached_blocks", "last_seq")
+    __slots__ = ("worker_id", "model", "engine", "block_size", "endpoint", "load", "cached_blocks", "last_seq", "lora_adapters", "engine_version", "data_parallel_rank")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +272,9 @@ class WorkerInfo(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     engine: str
@@ -174,7 +283,10 @@ class WorkerInfo(_message.Message):
     load: WorkerLoad
     cached_blocks: int
     last_seq: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., block_size: _Optional[int] = ..., endpoint: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., cached_blocks: _Optional[int] = ..., last_seq: _Optional[int] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    engine_version: str
+    data_parallel_rank: int
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., block_size: _Optional[int] = ..., endpoint: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., cached_blocks: _Optional[int] = ..., last_seq: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., engine_version: _Optional[str] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)

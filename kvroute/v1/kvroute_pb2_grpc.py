@@ -51,6 +51,16 @@ class ControlPlaneStub:
                 request_serializer=kvroute_dot_v1_dot_kvroute__pb2.ListWorkersRequest.SerializeToString,
                 response_deserializer=kvroute_dot_v1_dot_kvroute__pb2.ListWorkersResponse.FromString,
                 _registered_method=True)
+        self.RouterSession = channel.stream_stream(
+                '/kvroute.v1.ControlPlane/RouterSession',
+                request_serializer=kvroute_dot_v1_dot_kvroute__pb2.RouterMessage.SerializeToString,
+                response_deserializer=kvroute_dot_v1_dot_kvroute__pb2.RouterReply.FromString,
+                _registered_method=True)
+        self.GetWorkerKeys = channel.unary_unary(
+                '/kvroute.v1.ControlPlane/GetWorkerKeys',
+                request_serializer=kvroute_dot_v1_dot_kvroute__pb2.GetWorkerKeysRequest.SerializeToString,
+                response_deserializer=kvroute_dot_v1_dot_kvroute__pb2.GetWorkerKeysResponse.FromString,
+                _registered_method=True)
 
 
 class ControlPlaneServicer:
@@ -81,6 +91,22 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RouterSession(self, request_iterator, context):
+        """One long-lived stream per router process: queries (answered in order, by query_id) and the
+        router's in-flight reservations, which every router's queries then see. The first message
+        must be `hello`. Closing the stream drops the router's reservations.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetWorkerKeys(self, request, context):
+        """Every block key the control plane believes a worker holds, per tier (audit).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlPlaneServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +124,16 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.ListWorkers,
                     request_deserializer=kvroute_dot_v1_dot_kvroute__pb2.ListWorkersRequest.FromString,
                     response_serializer=kvroute_dot_v1_dot_kvroute__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'RouterSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.RouterSession,
+                    request_deserializer=kvroute_dot_v1_dot_kvroute__pb2.RouterMessage.FromString,
+                    response_serializer=kvroute_dot_v1_dot_kvroute__pb2.RouterReply.SerializeToString,
+            ),
+            'GetWorkerKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWorkerKeys,
+                    request_deserializer=kvroute_dot_v1_dot_kvroute__pb2.GetWorkerKeysRequest.FromString,
+                    response_serializer=kvroute_dot_v1_dot_kvroute__pb2.GetWorkerKeysResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -183,6 +219,60 @@ class ControlPlane:
             '/kvroute.v1.ControlPlane/ListWorkers',
             kvroute_dot_v1_dot_kvroute__pb2.ListWorkersRequest.SerializeToString,
             kvroute_dot_v1_dot_kvroute__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RouterSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvroute.v1.ControlPlane/RouterSession',
+            kvroute_dot_v1_dot_kvroute__pb2.RouterMessage.SerializeToString,
+            kvroute_dot_v1_dot_kvroute__pb2.RouterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWorkerKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvroute.v1.ControlPlane/GetWorkerKeys',
+            kvroute_dot_v1_dot_kvroute__pb2.GetWorkerKeysRequest.SerializeToString,
+            kvroute_dot_v1_dot_kvroute__pb2.GetWorkerKeysResponse.FromString,
             options,
             channel_credentials,
             insecure,
