@@ -6,7 +6,8 @@ Each `step()`:
    token budget (`max_num_batched_tokens`, shared with the decodes);
 3. admits waiting requests FIFO while budget, sequence slots (`max_num_seqs`) and KV blocks
    allow: admission looks up the prompt's cached prefix (those tokens are not computed) and
-   reserves blocks; a head-of-line request that does not fit waits (vLLM's FCFS);
+   reserves blocks (a prefix found on the cache's CPU tier is loaded back and its copy time
+   charged to this step); a head-of-line request that does not fit waits (vLLM's FCFS);
 4. produces the first output token for every request whose prefill completed in this step
    (so TTFT = queueing + prefill of the uncached tokens + the steps it shares with others),
    caches newly full blocks (prompt blocks when prefill completes, decode blocks as output
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 
 from kvroute.block_keys import pack_token_ids
 from sim_engine.cost_model import CostModel
-from sim_engine.prefix_cache import Allocation, PrefixCache
+from sim_engine.prefix_cache import BASE_NAMESPACE, Allocation, CacheNamespace, PrefixCache
 
 
 @dataclass(slots=True)
@@ -41,6 +42,7 @@ class SimRequest:
     computed: int = 0            # prompt tokens computed or taken from cache
     output: array = field(default_factory=lambda: array("I"))
     hashed_tokens: int = 0       # tokens covered by cached full blocks so far
+    namespace: CacheNamespace = BASE_NAMESPACE  # LoRA adapter and cache salt: which blocks it may share
 
     @property
     def prefill_done(self) -> bool:
@@ -66,6 +68,7 @@ class StepResult:
     decode_seqs: int = 0
     context_tokens: int = 0
     admitted: list[SimRequest] = field(default_factory=list)
+    loaded_tokens: int = 0                      # cached tokens copied back from the CPU tier in this step
 
 
 class Scheduler:
@@ -97,7 +100,7 @@ class Scheduler:
             raise ValueError("max_tokens must be at least 1")
         self.cache.check_fits(len(request.prompt) + request.max_tokens)
         request.prompt = pack_token_ids(request.prompt)
-        request.prompt_hashes = self.cache.chain_hashes(request.prompt)
+        request.prompt_hashes = self.cache.chain_hashes(request.prompt, namespace=request.namespace)
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> bool:
@@ -147,11 +150,14 @@ class Scheduler:
             if not req.prefill_done:
                 prefill(req)
         admitted: list[SimRequest] = []
+        loaded_tokens = 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            alloc = self.cache.allocate(req.prompt_hashes, len(req.prompt), len(req.prompt) + req.max_tokens)
+            alloc = self.cache.allocate(req.prompt_hashes, len(req.prompt), len(req.prompt) + req.max_tokens,
+                                        req.namespace)
             if alloc is None:
                 break  # head-of-line waits for blocks, as in vLLM's FCFS
+            loaded_tokens += alloc.loaded_tokens
             self.waiting.popleft()
             req.alloc = alloc
             req.computed = req.hashed_tokens = alloc.hit_tokens
@@ -169,9 +175,9 @@ class Scheduler:
         for req in finished:
             self.running.remove(req)
             self.cache.release(req.alloc)
-        seconds = self.cost.step_seconds(prefill_tokens, len(decoders), context_tokens)
+        seconds = self.cost.step_seconds(prefill_tokens, len(decoders), context_tokens, loaded_tokens)
         return StepResult(seconds, prefill_tokens, new_tokens, first, finished, len(decoders), context_tokens,
-                          admitted)
+                          admitted, loaded_tokens)
 
     def fast_forward(self, max_steps: int) -> StepResult | None:
         """Run up to `max_steps` pure-decode steps at once (no request waiting or prefilling).
@@ -233,8 +239,8 @@ class Scheduler:
             hashes = req.prompt_hashes[req.hashed_tokens // bs:full // bs]
             rest = span[len(hashes) * bs:]
             if rest:
-                hashes = hashes + self.cache.chain_hashes(rest, hashes[-1] if hashes else parent)
+                hashes = hashes + self.cache.chain_hashes(rest, hashes[-1] if hashes else parent, req.namespace)
         else:
-            hashes = self.cache.chain_hashes(span, parent)
+            hashes = self.cache.chain_hashes(span, parent, req.namespace)
         self.cache.commit(req.alloc, hashes, span)
         req.hashed_tokens = full
