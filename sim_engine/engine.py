@@ -2,9 +2,15 @@
 
 The loop calls `Scheduler.step()`, sleeps the step's cost-model time divided by `speedup`
 (against a running deadline, so scheduling jitter does not accumulate), then delivers the
-step's tokens to per-request streams, updates vLLM-named metrics and queues the step's cache
-events on the KV-event publisher (which never blocks the loop). Requests whose client went
-away are aborted between steps, releasing their blocks.
+step's tokens to per-request streams, updates the engine's metrics (in its dialect's names) and
+queues the step's cache events on the event publisher (ZMQ, or TRT-LLM's pull queue; neither
+blocks the loop). Requests whose client went away are aborted between steps, releasing their
+blocks.
+
+The dialect (`dialects.py`) decides what the engine is: which hash its events carry (the cache's
+labeler), which metrics it exports, whether it honours `cache_salt`. Served LoRA adapters are
+names a request may use as its `model`; each gets vLLM's int id (1, 2, ... in the order given)
+and its own cache namespace.
 """
 
 from __future__ import annotations
@@ -15,25 +21,37 @@ import logging
 import time
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from typing import Protocol
 
 from sim_engine.cost_model import CostModel
-from sim_engine.kv_publisher import KvEventPublisher
-from sim_engine.prefix_cache import CacheFullError, PrefixCache
+from sim_engine.dialects import DEFAULT_DIALECT, Dialect, get_dialect
+from sim_engine.engine_hashes import DialectLabeler
+from sim_engine.metrics import EngineMetricsFamily, SglangMetrics, TrtllmIterationStats, VllmMetrics
+from sim_engine.prefix_cache import BASE_NAMESPACE, CacheEvent, CacheFullError, CacheNamespace, PrefixCache
 from sim_engine.scheduler import Scheduler, SimRequest
 
 log = logging.getLogger("kvroute.sim_engine")
-
-# vLLM's bucket boundaries for vllm:time_to_first_token_seconds and vllm:e2e_request_latency_seconds.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
 _LATE_RESET_S = 0.05  # behind the deadline by more than this: restart the deadline instead of catching up
 
 
 class RequestRejected(ValueError):
     """The request can never run on this engine (too long, bad parameters); maps to HTTP 400."""
+
+
+class UnknownModel(ValueError):
+    """The request names a model that is neither the served model nor one of its adapters; HTTP 404."""
+
+
+class EventPublisher(Protocol):
+    """The ZMQ publisher (`KvEventPublisher`) or TRT-LLM's pull queue (`TrtllmEventQueue`)."""
+
+    def start(self) -> None: ...
+
+    def publish(self, events: list[CacheEvent]) -> None: ...
+
+    def inject_faults(self, drop_next_batches: int = 0, restart: bool = False) -> dict[str, int]: ...
+
+    async def aclose(self) -> None: ...
 
 
 @dataclass
@@ -48,63 +66,58 @@ class EngineConfig:
     hash_seed: str | None = None
     default_max_tokens: int = 16
     seed: int = 0
+    dialect: str = DEFAULT_DIALECT
+    lora_adapters: tuple[str, ...] = ()
+    cpu_offload_blocks: int = 0
+    event_hash_form: str | None = None  # None = the dialect's default ("int"); "bytes" or "hex" where it has them
 
     def __post_init__(self) -> None:
         if self.speedup <= 0:
             raise ValueError("speedup must be positive")
         if self.max_model_len <= 0 or self.default_max_tokens <= 0:
             raise ValueError("max_model_len and default_max_tokens must be positive")
+        dialect = get_dialect(self.dialect)
+        dialect.hash_scheme(self.event_hash_form)  # raises for a form the dialect does not have
+        if self.cpu_offload_blocks < 0:
+            raise ValueError("cpu_offload_blocks must not be negative")
+        if self.cpu_offload_blocks and dialect.cpu_medium is None:
+            raise ValueError(f"{dialect.name} cannot report a CPU offload tier: its events have no medium for it")
+        names = list(self.lora_adapters)
+        if len(set(names)) != len(names) or self.model in names or not all(names):
+            raise ValueError("LoRA adapter names must be unique, non-empty and differ from the model name")
 
 
-class EngineMetrics:
-    """vLLM's metric names (label `model_name`), in a per-engine registry."""
-
-    def __init__(self, registry: CollectorRegistry, model: str) -> None:
-        lbl = ["model_name"]
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, lbl, registry=registry).labels(model)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, lbl, registry=registry).labels(model)
-
-        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
-        self.hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
-        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                               ["model_name", "finished_reason"], registry=registry).labels(model, "length")
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              lbl, registry=registry, buckets=TTFT_BUCKETS).labels(model)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                             lbl, registry=registry, buckets=E2E_BUCKETS).labels(model)
+def make_metrics(dialect: Dialect, model: str, cpu_tier: bool) -> EngineMetricsFamily:
+    if dialect.engine == "sglang":
+        return SglangMetrics(model)
+    if dialect.engine == "trtllm":
+        return TrtllmIterationStats()
+    return VllmMetrics(model, cpu_tier)
 
 
 class SimEngine:
     """One simulated engine: pure cache + scheduler + cost model, driven by an asyncio loop."""
 
     def __init__(self, config: EngineConfig, tokenizer, cost: CostModel | None = None,
-                 publisher: KvEventPublisher | None = None) -> None:
+                 publisher: EventPublisher | None = None) -> None:
         self.config = config
+        self.dialect = get_dialect(config.dialect)
         self.tokenizer = tokenizer
         self.cost = cost or CostModel()
-        self.cache = PrefixCache(config.num_blocks, config.block_size, config.hash_seed)
+        labeler = DialectLabeler(config.model, config.block_size, self.dialect.hash_scheme(config.event_hash_form))
+        self.cache = PrefixCache(config.num_blocks, config.block_size, config.hash_seed,
+                                 digest_bits=128 if config.event_hash_form == "bytes" else 64,
+                                 cpu_offload_blocks=config.cpu_offload_blocks, labeler=labeler)
         self.vocab_size = int(tokenizer.vocab_size)
         self.scheduler = Scheduler(self.cache, self.cost, config.max_num_batched_tokens, config.max_num_seqs,
                                    self.vocab_size, seed=config.seed, min_token_id=_first_plain_token(tokenizer))
         self.publisher = publisher
-        self.registry = CollectorRegistry()
-        self.metrics = EngineMetrics(self.registry, config.model)
+        self.metrics = make_metrics(self.dialect, config.model, config.cpu_offload_blocks > 0)
         self._wakeup = asyncio.Event()
         self._streams: dict[str, asyncio.Queue] = {}
         self._arrivals: dict[str, float] = {}
         self._ids = itertools.count()
         self._loop_task: asyncio.Task | None = None
-        self._reported_queries = self._reported_hits = 0
         self.steps = 0
 
     # ------------------------------------------------------------------ loop
@@ -147,37 +160,29 @@ class SimEngine:
             self._deliver(result)
 
     def _deliver(self, result) -> None:
-        m = self.metrics
         now = time.monotonic()
-        for req in result.first_tokens:
-            m.prompt_tokens.inc(len(req.prompt))  # vLLM counts the whole prompt once prefill is done
-            if req.request_id in self._arrivals:
-                m.ttft.observe((now - self._arrivals[req.request_id]) * self.config.speedup)
+        ttft_s = [self._since_arrival(req, now) for req in result.first_tokens if req.request_id in self._arrivals]
         for req, token in result.new_tokens:
             queue = self._streams.get(req.request_id)
             if queue is not None:
                 queue.put_nowait(token)
-        m.generation_tokens.inc(len(result.new_tokens))
+        e2e_s = []
         for req in result.finished:
             queue = self._streams.get(req.request_id)
             if queue is not None:
                 queue.put_nowait(None)
             if req.request_id in self._arrivals:
-                m.e2e.observe((now - self._arrivals[req.request_id]) * self.config.speedup)
-            m.success.inc()
-        self.sync_metrics()
-        events = self.cache.take_events()
-        if self.publisher:
-            self.publisher.publish(events)
+                e2e_s.append(self._since_arrival(req, now))
+        self.metrics.on_step(result, self.scheduler, ttft_s, e2e_s)
+        self.publish_pending_events()
 
-    def sync_metrics(self) -> None:
-        m = self.metrics
-        m.queries.inc(self.cache.queries_tokens - self._reported_queries)
-        m.hits.inc(self.cache.hits_tokens - self._reported_hits)
-        self._reported_queries, self._reported_hits = self.cache.queries_tokens, self.cache.hits_tokens
-        m.running.set(len(self.scheduler.running))
-        m.waiting.set(len(self.scheduler.waiting))
-        m.kv_usage.set(self.cache.usage())
+    def _since_arrival(self, req: SimRequest, now: float) -> float:
+        """Model-time seconds since the request arrived (wall time undone by the speedup)."""
+        return (now - self._arrivals[req.request_id]) * self.config.speedup
+
+    def render_metrics(self) -> tuple[bytes, str]:
+        """Body and content type of GET /metrics, in the dialect's names."""
+        return self.metrics.render(self.scheduler)
 
     # ------------------------------------------------------------------ requests
 
@@ -203,10 +208,25 @@ class SimEngine:
         except CacheFullError as exc:
             raise RequestRejected(f"Request rejected: {exc}.") from exc
 
-    def submit(self, prompt: list[int], max_tokens: int) -> tuple[SimRequest, asyncio.Queue]:
+    def namespace_for(self, model: str | None, cache_salt: str | None = None) -> CacheNamespace:
+        """The cache namespace of a request for `model` (the served model or an adapter; None = the
+        served model) with `cache_salt`; the salt is dropped by an engine version that ignores it."""
+        if model is None or model == self.config.model:
+            lora_name, lora_id = None, None
+        elif model in self.config.lora_adapters:
+            lora_name, lora_id = model, self.config.lora_adapters.index(model) + 1
+        else:
+            raise UnknownModel(f"The model `{model}` does not exist.")
+        salt = cache_salt if self.dialect.honours_cache_salt else None
+        if lora_name is None and not salt:
+            return BASE_NAMESPACE
+        return CacheNamespace(lora_name, lora_id, salt or None)
+
+    def submit(self, prompt: list[int], max_tokens: int,
+               namespace: CacheNamespace = BASE_NAMESPACE) -> tuple[SimRequest, asyncio.Queue]:
         """Queue a request; its queue yields output token ids, then None when it is done."""
         self.validate(prompt, max_tokens)
-        req = SimRequest(f"req-{next(self._ids)}", list(prompt), max_tokens)
+        req = SimRequest(f"req-{next(self._ids)}", list(prompt), max_tokens, namespace=namespace)
         self.scheduler.add(req)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[req.request_id] = queue
@@ -232,6 +252,17 @@ class SimEngine:
         if ok:
             self.publish_pending_events()
         return ok
+
+    def inject_faults(self, drop_next_batches: int = 0, restart_publisher: bool = False,
+                      drop_cache: bool = False) -> dict:
+        """Fault hooks for end-to-end tests (see `server.py`). `drop_cache` empties the cache without
+        any event, as a restarted engine has; it raises RuntimeError while requests hold blocks."""
+        if self.publisher is None and (drop_next_batches or restart_publisher):
+            raise RuntimeError("KV events are off: there is no publisher to inject faults into")
+        if drop_cache:
+            self.cache.forget_all()
+            self.cache.take_events()  # nothing of the old cache may reach the wire any more
+        return self.publisher.inject_faults(drop_next_batches, restart_publisher) if self.publisher else {}
 
     async def generate(self, prompt: list[int], max_tokens: int):
         """Convenience async iterator of output token ids (aborts the request if the consumer stops)."""

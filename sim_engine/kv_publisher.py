@@ -1,16 +1,10 @@
-"""Publishes cache events in vLLM's real KV-event wire format over ZMQ.
+"""Publishes cache events over ZMQ as vLLM's ZmqEventPublisher does (SGLang and TRT-LLM copy it).
 
-Our own msgspec replicas of vLLM's published schemas (field names, order and struct options
-from the wire spec §2; no vLLM code):
-- `map` era = vLLM 0.24-0.33: events are tagged maps (`"type"` = class name) with
-  omit_defaults, so `extra_keys` / `kv_cache_spec_sliding_window` (None) are left out while
-  `lora_id` / `medium` / `lora_name` (no default) are always present;
-- `array` era = vLLM 0.22-0.23: tagged arrays, 12-element BlockStored, 4-element BlockRemoved.
-The batch is always vLLM's positional `[ts, events, data_parallel_rank]`.
-
-Transport (spec §1) as vLLM's ZmqEventPublisher:
-- PUB socket, bound if the endpoint contains `*` or `::` or is ipc:// / inproc://, else
-  connected (the consumer binds); SNDHWM = `hwm`.
+The payload comes from a `MsgpackEventEncoder` (one dialect's schema, `wire_encoding.py`); this
+module is the transport, as in the wire spec §1:
+- PUB socket, bound or connected per the dialect (`publisher_binds`): vLLM binds wildcard
+  (`*`, `::`) and ipc:// / inproc:// endpoints and connects to anything else; SGLang >= 0.5.13
+  also binds 0.0.0.0, >= 0.5.22 honours an explicit `"bind"`; TRT-LLM always binds. SNDHWM = `hwm`.
 - Three frames [topic, seq as 8-byte big-endian unsigned, msgpack batch]; seq starts at 0 and
   grows by 1 per non-empty batch (one batch per scheduler step that produced events); it is
   assigned by the sender, so a batch that fails to encode still uses up its number.
@@ -19,8 +13,16 @@ Transport (spec §1) as vLLM's ZmqEventPublisher:
   task encodes and sends.
 - Optional ROUTER replay socket (always binds) keeping the last `buffer_steps` batches: a
   request `[identity, b"", start_seq8]` gets every buffered batch with seq >= start_seq, then
-  an end marker, in the `new` framing (vLLM >= 0.26: `[b"", topic, seq8, payload]`, end
-  `[b"", b"", ff*8, b""]`) or the `old` one (`[b"", seq8, payload]`, end `[b"", ff*8, b""]`).
+  an end marker, in the `new` framing (vLLM >= 0.26, SGLang >= 0.5.22, TRT-LLM:
+  `[b"", topic, seq8, payload]`, end `[b"", b"", ff*8, b""]`) or the `old` one
+  (`[b"", seq8, payload]`, end `[b"", ff*8, b""]`). Its SNDHWM is 2*(buffer_steps+1) on vLLM
+  0.33 and ZMQ's default elsewhere (§1.3).
+- Data parallelism (§1.5): rank R publishes on the endpoint's port + R (inproc: `_dp<R>`
+  suffix; ipc only on TRT-LLM) and writes R into every batch.
+
+Fault hooks (`inject_faults`, for end-to-end tests): drop the next N batches on the PUB socket
+(their seqs are used and they stay replayable: a real gap), or restart (seq back to 0, replay
+buffer and queue emptied, as a restarted engine does; the sockets stay up).
 """
 
 from __future__ import annotations
@@ -29,73 +31,29 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from sim_engine.prefix_cache import CacheEvent, ClearedEvent, RemovedEvent, StoredEvent
+from sim_engine.dialects import DEFAULT_DIALECT, Dialect, get_dialect
+from sim_engine.prefix_cache import CacheEvent
+from sim_engine.wire_encoding import MsgpackEventEncoder
 
 log = logging.getLogger("kvroute.sim_engine.kv_publisher")
 END_SEQ = b"\xff" * 8  # (-1).to_bytes(8, "big", signed=True)
+REPLAY_FRAMINGS = ("new", "old")
 
-# vLLM's KVEventsConfig keys and defaults (spec §2.10).
+# KVEventsConfig keys and defaults (spec §2.10; SGLang §4 the same keys, publisher "null" by default).
 CONFIG_DEFAULTS: dict[str, Any] = {
     "enable_kv_cache_events": False, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": None,
     "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000, "topic": "",
 }
-
-# Field names, order and defaults of vLLM's BlockStored / BlockRemoved (wire spec §2.3, §2.4).
-_STORED_FIELDS = [
-    ("block_hashes", list[int]), ("parent_block_hash", int | None), ("token_ids", list[int]), ("block_size", int),
-    ("lora_id", int | None), ("medium", str | None), ("lora_name", str | None),
-    ("extra_keys", list | None, None), ("group_idx", int | None, None), ("kv_cache_spec_kind", str | None, None),
-    ("kv_cache_spec_sliding_window", int | None, None),
-]
-_REMOVED_FIELDS = [("block_hashes", list[int]), ("medium", str | None), ("group_idx", int | None, None)]
-
-
-def _era_structs(era: str) -> tuple[type, type, type]:
-    """The three event structs of one era: tagged maps (vLLM 0.24-0.33) or tagged arrays (0.22-0.23)."""
-    options = {"tag_field": "type", "omit_defaults": True} if era == "map" else {"array_like": True}
-    return (msgspec.defstruct("BlockStored", _STORED_FIELDS, tag="BlockStored", **options),
-            msgspec.defstruct("BlockRemoved", _REMOVED_FIELDS, tag="BlockRemoved", **options),
-            msgspec.defstruct("AllBlocksCleared", [], tag="AllBlocksCleared", **options))
-
-
-_STRUCTS = {"map": _era_structs("map"), "array": _era_structs("array")}
-WIRE_ERAS = tuple(_STRUCTS)
-REPLAY_FRAMINGS = ("new", "old")
-
-
-class EventBatch(msgspec.Struct, array_like=True):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-def to_wire(event: CacheEvent, block_size: int, era: str) -> msgspec.Struct:
-    stored, removed, cleared = _STRUCTS[era]
-    if isinstance(event, StoredEvent):
-        tokens = event.token_ids if isinstance(event.token_ids, list) else list(event.token_ids)  # array('I') runs
-        return stored(event.block_hashes, event.parent_block_hash, tokens, block_size, None, "GPU", None,
-                      None, 0, "full_attention", None)
-    if isinstance(event, RemovedEvent):
-        return removed(event.block_hashes, "GPU", 0)
-    if isinstance(event, ClearedEvent):
-        return cleared()
-    raise TypeError(f"unknown cache event {event!r}")
-
-
-def encode_batch(events: list[CacheEvent], block_size: int, era: str, ts: float | None = None,
-                 data_parallel_rank: int = 0) -> bytes:
-    """The msgpack payload (frame 2) of one batch."""
-    batch = EventBatch(time.time() if ts is None else ts, [to_wire(e, block_size, era) for e in events],
-                       data_parallel_rank)
-    return msgspec.msgpack.encode(batch)
 
 
 def pub_binds(endpoint: str) -> bool:
@@ -103,11 +61,34 @@ def pub_binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
-_binds = pub_binds  # older name
+def publisher_binds(endpoint: str, dialect: Dialect, config: dict[str, Any]) -> bool:
+    if dialect.always_binds:
+        return True
+    if dialect.explicit_bind_key and config.get("bind") is not None:
+        return bool(config["bind"])
+    return pub_binds(endpoint) or (dialect.binds_any_address and "0.0.0.0" in endpoint)
 
 
-def parse_kv_events_config(config_json: str | dict | None) -> dict[str, Any]:
-    """vLLM's --kv-events-config JSON, with defaults filled in. Raises ValueError on bad input."""
+def offset_endpoint_port(endpoint: str | None, rank: int, dialect: Dialect) -> str | None:
+    """The endpoint data-parallel rank `rank` uses (§1.5)."""
+    if endpoint is None or rank == 0:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{rank}"
+    if endpoint.startswith("ipc://"):
+        if dialect.engine != "trtllm":
+            raise ValueError("ipc:// endpoints cannot be used with a data-parallel rank above 0")
+        return f"{endpoint}_dp{rank}"
+    match = re.fullmatch(r"(tcp://.*):(\d+)", endpoint)
+    if match is None:
+        raise ValueError(f"cannot offset the port of {endpoint!r} for data-parallel rank {rank}")
+    host, port = match.group(1), int(match.group(2))
+    return endpoint if port == 0 else f"{host}:{port + rank}"  # an OS-chosen port is not offset
+
+
+def parse_kv_events_config(config_json: str | dict | None, dialect: Dialect | None = None) -> dict[str, Any]:
+    """The engine's --kv-events-config JSON, with the dialect's defaults filled in. Raises ValueError."""
+    dialect = dialect or get_dialect(DEFAULT_DIALECT)
     if not config_json:
         raw: dict = {}
     elif isinstance(config_json, dict):
@@ -119,34 +100,57 @@ def parse_kv_events_config(config_json: str | dict | None) -> dict[str, Any]:
             raise ValueError(f"--kv-events-config is not valid JSON: {exc}") from exc
         if not isinstance(raw, dict):
             raise ValueError("--kv-events-config must be a JSON object")
-    unknown = sorted(set(raw) - set(CONFIG_DEFAULTS))
+    known = set(CONFIG_DEFAULTS) | ({"bind", "format"} if dialect.explicit_bind_key else set())
+    unknown = sorted(set(raw) - known)
     if unknown:
-        raise ValueError(f"unknown --kv-events-config keys: {', '.join(unknown)}")
-    config = {**CONFIG_DEFAULTS, **raw}
+        raise ValueError(f"unknown --kv-events-config keys for {dialect.name}: {', '.join(unknown)}")
+    config = {**CONFIG_DEFAULTS, "publisher": dialect.publisher_default, **raw}
     for key in ("buffer_steps", "hwm", "max_queue_size"):
         if not isinstance(config[key], int) or config[key] <= 0:
             raise ValueError(f"kv events config: {key} must be a positive integer")
     if config["publisher"] not in ("zmq", "null"):
         raise ValueError(f"kv events config: publisher must be 'zmq' or 'null', not {config['publisher']!r}")
+    if config.get("bind") is not None and not isinstance(config["bind"], bool):
+        raise ValueError("kv events config: bind must be true or false")
+    if config.get("format", "default") != "default":
+        raise ValueError("kv events config: only the default event format is simulated")
     return config
 
 
+def events_enabled(config: dict[str, Any], dialect: Dialect) -> bool:
+    """vLLM/TRT-LLM need enable_kv_cache_events and the zmq publisher; SGLang only the publisher."""
+    return config["publisher"] == "zmq" and (config["enable_kv_cache_events"] or not dialect.needs_enable_flag)
+
+
+@dataclass
+class FaultState:
+    drop_next_batches: int = 0   # batches still to withhold from the PUB socket
+    dropped_by_fault: int = 0
+    restarts: int = 0
+
+
 class KvEventPublisher:
-    def __init__(self, config: dict, block_size: int, era: str = "map", replay_framing: str = "new",
+    def __init__(self, config: dict | str | None, block_size: int, dialect: Dialect | None = None,
                  data_parallel_rank: int = 0) -> None:
-        if era not in WIRE_ERAS or replay_framing not in REPLAY_FRAMINGS:
-            raise ValueError("era must be map|array and replay_framing new|old")
-        config = parse_kv_events_config(config)
-        self.endpoint: str = config["endpoint"]
-        self.replay_endpoint: str | None = config["replay_endpoint"]
+        dialect = dialect or get_dialect(DEFAULT_DIALECT)
+        if dialect.transport != "zmq":
+            raise ValueError(f"dialect {dialect.name} does not publish over ZMQ")
+        if data_parallel_rank and not dialect.data_parallel:
+            raise ValueError(f"{dialect.name} has no data parallelism: its data-parallel rank is always 0")
+        config = parse_kv_events_config(config, dialect)
+        self.dialect = dialect
+        self.encoder = MsgpackEventEncoder(dialect, block_size, data_parallel_rank)
+        self.endpoint: str = offset_endpoint_port(config["endpoint"], data_parallel_rank, dialect)
+        self.replay_endpoint: str | None = offset_endpoint_port(config["replay_endpoint"], data_parallel_rank, dialect)
         self.topic = str(config["topic"]).encode()
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=config["buffer_steps"])
         self.hwm: int = config["hwm"]
         self.max_queue_size: int = config["max_queue_size"]
-        self.block_size, self.era, self.replay_framing = block_size, era, replay_framing
+        self.block_size, self.replay_framing = block_size, dialect.replay_framing
         self.data_parallel_rank = data_parallel_rank
         self.seq = 0                # next sequence number the sender assigns
         self.dropped_batches = 0
+        self.faults = FaultState()
         self._pending: deque[tuple[float, list[CacheEvent], int]] = deque()  # (ts, events, seqs dropped before)
         self._dropped_since_last = 0
         self._wakeup: asyncio.Event | None = None
@@ -155,23 +159,26 @@ class KvEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(self.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
-        (self._pub.bind if pub_binds(self.endpoint) else self._pub.connect)(self.endpoint)
+        self.binds = publisher_binds(self.endpoint, dialect, config)
+        (self._pub.bind if self.binds else self._pub.connect)(self.endpoint)
         self._replay = None
         self._tasks: list[asyncio.Task] = []
         if self.replay_endpoint:
             self._replay = self._ctx.socket(zmq.ROUTER)
-            self._replay.setsockopt(zmq.SNDHWM, 2 * (config["buffer_steps"] + 1))  # as vLLM 0.33
+            if dialect.replay_sndhwm_scaled:
+                self._replay.setsockopt(zmq.SNDHWM, 2 * (config["buffer_steps"] + 1))
             self._replay.setsockopt(zmq.LINGER, 0)
             self._replay.bind(self.replay_endpoint)
 
     @classmethod
-    def from_cli(cls, config_json: str | None, block_size: int, era: str = "map", replay_framing: str = "new",
+    def from_cli(cls, config_json: str | None, block_size: int, dialect: Dialect | None = None,
                  data_parallel_rank: int = 0) -> KvEventPublisher | None:
-        """None when the config does not enable a ZMQ publisher (vLLM's null publisher)."""
-        config = parse_kv_events_config(config_json)
-        if not config["enable_kv_cache_events"] or config["publisher"] != "zmq":
+        """None when the config does not enable a ZMQ publisher (the engine's null publisher)."""
+        dialect = dialect or get_dialect(DEFAULT_DIALECT)
+        config = parse_kv_events_config(config_json, dialect)
+        if not events_enabled(config, dialect):
             return None
-        return cls(config, block_size, era, replay_framing, data_parallel_rank)
+        return cls(config, block_size, dialect, data_parallel_rank)
 
     # ------------------------------------------------------------------ endpoints
 
@@ -200,7 +207,21 @@ class KvEventPublisher:
             self._tasks.append(asyncio.create_task(self._serve_replay(), name="kv-event-replay"))
 
     def encode(self, events: list[CacheEvent], ts: float | None = None) -> bytes:
-        return encode_batch(events, self.block_size, self.era, ts, self.data_parallel_rank)
+        return self.encoder.encode(events, ts)
+
+    def inject_faults(self, drop_next_batches: int = 0, restart: bool = False) -> dict[str, int]:
+        """Fault hooks for end-to-end tests; returns the publisher's state afterwards."""
+        if restart:  # like a restarted engine: numbering from 0, nothing to replay, nothing queued
+            self.seq = 0
+            self.buffer.clear()
+            self._pending.clear()
+            self._dropped_since_last = 0
+            self.faults.restarts += 1
+            if self._idle is not None:
+                self._idle.set()
+        self.faults.drop_next_batches += drop_next_batches
+        return {"next_seq": self.seq, "drop_next_batches": self.faults.drop_next_batches,
+                "dropped_by_fault": self.faults.dropped_by_fault, "restarts": self.faults.restarts}
 
     def publish(self, events: list[CacheEvent]) -> None:
         """Queue one batch (the events of one scheduler step). Never blocks; empty batches are skipped."""
@@ -233,10 +254,14 @@ class KvEventPublisher:
                 self.seq = seq + 1
                 try:
                     payload = self.encode(events, ts)
-                except (msgspec.EncodeError, OverflowError, TypeError) as exc:
+                except (msgspec.EncodeError, OverflowError, TypeError, ValueError) as exc:
                     log.error("KV event batch %d could not be encoded (%s): dropped", seq, exc)
                     continue
                 self.buffer.append((seq, payload))
+                if self.faults.drop_next_batches:  # withheld from subscribers, still replayable
+                    self.faults.drop_next_batches -= 1
+                    self.faults.dropped_by_fault += 1
+                    continue
                 try:
                     await self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
                 except zmq.Again:

@@ -6,9 +6,38 @@ POST /v1/chat/completions  messages (rendered with the model's chat template), m
   `stream_options.include_usage` a last chunk with empty `choices` carries `usage`. Output is
   always `max_tokens` (default 16) pseudo-random tokens; `min_tokens` / `ignore_eos` / sampling
   parameters are accepted and ignored. `usage.prompt_tokens_details.cached_tokens` = prefix hit.
-GET  /v1/models, /health, /version, /metrics (vLLM metric names)
-POST /reset_prefix_cache   200 when cleared (AllBlocksCleared goes out), 409 while requests hold blocks
-GET  /kvroute/blocks       the true cached block hashes (audits)
+  `model` may name a served LoRA adapter: the request runs in that adapter's cache namespace
+  (any other unknown name is a 404). `cache_salt` (vLLM's field, a non-empty string) namespaces
+  the request's blocks too, unless the dialect's engine version ignores it (SGLang < 0.5.20).
+GET  /v1/models            the model, then each adapter as vLLM lists it (`parent` = the model)
+GET  /health, /version
+GET  /metrics              the dialect's own metrics: vLLM or SGLang Prometheus names, or
+                           TRT-LLM's JSON list of iteration stats (drained by each call)
+POST /reset_prefix_cache   200 when cleared (AllBlocksCleared goes out), 409 while requests hold blocks;
+                           SGLang dialects also answer it as POST or GET /flush_cache
+POST /kv_cache_events      trtllm-pull only: returns and drains the JSON array of KV-cache events
+
+kvroute endpoints (not part of any engine's API):
+GET  /kvroute/blocks       the engine's true cached block set as kvroute block keys, by tier:
+                           {"model", "block_size", "tiers": {"gpu": [...], "cpu": [...]},
+                            "counts": {"gpu": n, "cpu": m}, "num_blocks", "cpu_offload_blocks",
+                            "used_blocks"}; keys are decimal integers in ascending order, computed
+                           once when each block was cached (model = the served model, LoRA name
+                           and cache salt = the request's, as kvroute.block_keys namespaces them).
+POST /kvroute/faults       fault hooks for end-to-end tests; a JSON object with any of
+                           {"drop_next_batches": N}   the publisher withholds its next N batches
+                                 from the PUB socket; their seqs are used up and they stay in the
+                                 replay buffer (a real gap, to be filled by replay). trtllm-pull:
+                                 the events of the next N steps are lost, their event_ids used up.
+                           {"restart_publisher": true} seq restarts at 0 and the replay buffer and
+                                 send queue are emptied, as when an engine restarts (the HTTP
+                                 server and the sockets stay up). trtllm-pull: event ids restart
+                                 at 0 with a new `created` event.
+                           {"drop_cache": true}       the cache is emptied without any event, as
+                                 a restarted engine's is (409 while requests hold blocks).
+                           Answers 200 with the publisher's state
+                           ({"next_seq" | "next_event_id", "drop_next_batches", "dropped_by_fault",
+                           "restarts"}); 400 on a bad body; 409 when KV events are off.
 Errors are vLLM-like JSON: {"error": {"message", "type", "param", "code"}}.
 An incoming W3C `traceparent` parents the server span (tracing on via kvroute.telemetry).
 """
@@ -21,10 +50,10 @@ import uuid
 
 from aiohttp import web
 from opentelemetry import propagate, trace
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-from sim_engine.engine import EngineConfig, EngineMetrics, RequestRejected, SimEngine  # noqa: F401 (re-exported)
+from sim_engine.engine import EngineConfig, RequestRejected, SimEngine, UnknownModel
+from sim_engine.prefix_cache import CPU, GPU, CacheNamespace
 from sim_engine.scheduler import SimRequest
+from sim_engine.trtllm_events import TrtllmEventQueue
 
 tracer = trace.get_tracer("kvroute.sim_engine")
 
@@ -59,25 +88,40 @@ class SimServer:
         app.router.add_get("/version", self.handle_version)
         app.router.add_get("/metrics", self.handle_metrics)
         app.router.add_post("/reset_prefix_cache", self.handle_reset)
+        if self.engine.dialect.engine == "sglang":
+            app.router.add_route("*", "/flush_cache", self.handle_reset)
+        if isinstance(self.engine.publisher, TrtllmEventQueue):
+            app.router.add_post("/kv_cache_events", self.handle_kv_cache_events)
         app.router.add_get("/kvroute/blocks", self.handle_blocks)
+        app.router.add_post("/kvroute/faults", self.handle_faults)
         return app
 
     # ------------------------------------------------------------------ parsing
 
-    async def _body(self, request: web.Request) -> dict:
+    async def _json_object(self, request: web.Request) -> dict:
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(f"request body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
             raise ApiError("request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.config.model:
-            raise ApiError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
+        return body
+
+    async def _body(self, request: web.Request) -> dict:
+        body = await self._json_object(request)
         n = body.get("n")
         if n not in (None, 1):
             raise ApiError("the sim engine only supports n=1", param="n")
         return body
+
+    def _namespace(self, body: dict) -> CacheNamespace:
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ApiError("Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")
+        try:
+            return self.engine.namespace_for(body.get("model"), salt)
+        except UnknownModel as exc:
+            raise ApiError(str(exc), 404, "NotFoundError", "model") from exc
 
     def _max_tokens(self, body: dict, chat: bool) -> int:
         value = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") is not None \
@@ -125,9 +169,10 @@ class SimServer:
         with tracer.start_as_current_span(f"sim_engine.{route}", context=ctx, kind=trace.SpanKind.SERVER) as span:
             try:
                 body = await self._body(request)
+                namespace = self._namespace(body)
                 prompt = self._prompt(body, chat)
                 max_tokens = self._max_tokens(body, chat)
-                req, queue = self.engine.submit(prompt, max_tokens)
+                req, queue = self.engine.submit(prompt, max_tokens, namespace)
             except RequestRejected as exc:
                 return ApiError(str(exc)).response()
             except ApiError as exc:
@@ -152,6 +197,10 @@ class SimServer:
     def _response_id(self, chat: bool) -> str:
         return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
+    def _served_name(self, req: SimRequest) -> str:
+        """The model a response names: the adapter the request asked for, else the served model."""
+        return req.namespace.lora_name or self.config.model
+
     def _usage(self, req: SimRequest) -> dict:
         return {"prompt_tokens": len(req.prompt), "completion_tokens": len(req.output),
                 "total_tokens": len(req.prompt) + len(req.output),
@@ -165,7 +214,7 @@ class SimServer:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None}
         return {"id": self._response_id(chat), "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": self.config.model, "choices": [choice],
+                "created": int(time.time()), "model": self._served_name(req), "choices": [choice],
                 "usage": self._usage(req)}
 
     async def _stream(self, request: web.Request, req: SimRequest, queue, chat: bool,
@@ -176,7 +225,7 @@ class SimServer:
         created, rid = int(time.time()), self._response_id(chat)
 
         async def send(choices: list[dict], usage: dict | None = None) -> None:
-            chunk = {"id": rid, "object": obj, "created": created, "model": self.config.model, "choices": choices}
+            chunk = {"id": rid, "object": obj, "created": created, "model": self._served_name(req), "choices": choices}
             if usage is not None:
                 chunk["usage"] = usage
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
@@ -203,19 +252,24 @@ class SimServer:
     # ------------------------------------------------------------------ the rest
 
     async def handle_models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.config.model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
-             "root": self.config.model, "parent": None, "max_model_len": self.config.max_model_len}]})
+        created, model = int(time.time()), self.config.model
+        data = [{"id": model, "object": "model", "created": created, "owned_by": "vllm", "root": model,
+                 "parent": None, "max_model_len": self.config.max_model_len}]
+        data += [{"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": name,
+                  "parent": model, "max_model_len": None} for name in self.config.lora_adapters]
+        return web.json_response({"object": "list", "data": data})
 
     async def handle_health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
 
     async def handle_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": "kvroute-sim-engine"})
+        dialect = self.engine.dialect.name
+        return web.json_response({"version": dialect.split("-", 1)[1], "engine": self.engine.dialect.engine,
+                                  "dialect": dialect, "server": "kvroute-sim-engine"})
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
-        self.engine.sync_metrics()
-        return web.Response(body=generate_latest(self.engine.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        body, content_type = self.engine.render_metrics()
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def handle_reset(self, request: web.Request) -> web.Response:
         if self.engine.reset_prefix_cache():
@@ -223,11 +277,37 @@ class SimServer:
         return ApiError(f"prefix cache not reset: {self.engine.cache.used_blocks} KV blocks are still in use by "
                         "running requests", 409, "ConflictError").response()
 
+    async def handle_kv_cache_events(self, request: web.Request) -> web.Response:
+        return web.json_response(self.engine.publisher.drain())
+
     async def handle_blocks(self, request: web.Request) -> web.Response:
         cache = self.engine.cache
-        return web.json_response({"model": self.config.model, "block_size": cache.block_size,
-                                  "num_blocks": cache.num_blocks, "used_blocks": cache.used_blocks,
-                                  "block_hashes": sorted(cache.true_block_hashes())})
+        keys = cache.block_keys()
+        tiers = {"gpu": sorted(keys[GPU]), "cpu": sorted(keys[CPU])}
+        return web.json_response({"model": self.config.model, "block_size": cache.block_size, "tiers": tiers,
+                                  "counts": {tier: len(k) for tier, k in tiers.items()},
+                                  "num_blocks": cache.num_blocks, "cpu_offload_blocks": cache.cpu_offload_blocks,
+                                  "used_blocks": cache.used_blocks})
+
+    async def handle_faults(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_object(request)
+            unknown = sorted(set(body) - {"drop_next_batches", "restart_publisher", "drop_cache"})
+            if unknown:
+                raise ApiError(f"unknown fault fields: {', '.join(unknown)}")
+            drops = body.get("drop_next_batches", 0)
+            if isinstance(drops, bool) or not isinstance(drops, int) or drops < 0:
+                raise ApiError("drop_next_batches must be a non-negative integer", param="drop_next_batches")
+            flags = {name: body.get(name, False) for name in ("restart_publisher", "drop_cache")}
+            if not all(isinstance(v, bool) for v in flags.values()):
+                raise ApiError("restart_publisher and drop_cache must be true or false")
+        except ApiError as exc:
+            return exc.response()
+        try:
+            state = self.engine.inject_faults(drops, **flags)
+        except RuntimeError as exc:
+            return ApiError(str(exc), 409, "ConflictError").response()
+        return web.json_response(state)
 
 
 async def start_server(engine: SimEngine, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, int]:

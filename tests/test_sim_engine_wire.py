@@ -1,53 +1,25 @@
-"""The sim engine's KV events: vLLM's exact shapes (wire spec §2.3-§2.7) and transport (§1) over real sockets."""
+"""The sim engine's KV-event transport (wire spec §1) over real ZMQ sockets, per dialect: bind rules,
+config defaults, data-parallel offsets, replay framings and the fault hooks. Payload shapes are in
+test_sim_engine_dialects.py."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import msgspec
 import pytest
 import zmq
 import zmq.asyncio
 
+from sim_engine.dialects import get_dialect
 from sim_engine.kv_publisher import END_SEQ, KvEventPublisher, parse_kv_events_config, pub_binds
 from sim_engine.prefix_cache import ClearedEvent, RemovedEvent, StoredEvent
 
 EVENTS = [StoredEvent([2**63 + 1], None, [1, 2]), RemovedEvent([2**63 + 1]), ClearedEvent()]
 
 
-def publisher(era: str) -> KvEventPublisher:
-    return KvEventPublisher({"endpoint": "tcp://127.0.0.1:*"}, block_size=2, era=era)
-
-
-def test_map_era_matches_vllm_0_33_shape() -> None:
-    pub = publisher("map")
-    try:
-        ts, events, rank = msgspec.msgpack.decode(pub.encode(EVENTS))
-    finally:
-        pub.close()
-    assert isinstance(ts, float) and rank == 0
-    assert events[0] == {"type": "BlockStored", "block_hashes": [2**63 + 1], "parent_block_hash": None,
-                         "token_ids": [1, 2], "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None,
-                         "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
-    assert next(iter(events[0])) == "type"
-    assert events[1] == {"type": "BlockRemoved", "block_hashes": [2**63 + 1], "medium": "GPU", "group_idx": 0}
-    assert events[2] == {"type": "AllBlocksCleared"}
-
-
-def test_array_era_matches_vllm_0_22_shape() -> None:
-    pub = publisher("array")
-    try:
-        raw = pub.encode(EVENTS)
-        _, events, _ = msgspec.msgpack.decode(raw)
-    finally:
-        pub.close()
-    assert events[0] == ["BlockStored", [2**63 + 1], None, [1, 2], 2, None, "GPU", None, None, 0, "full_attention", None]
-    assert events[1] == ["BlockRemoved", [2**63 + 1], "GPU", 0]
-    assert events[2] == ["AllBlocksCleared"]
-    assert b"\xcf\x80\x00\x00\x00\x00\x00\x00\x01" in raw  # uint64 hash as msgpack 0xcf, like vLLM's int form
-
-
-# ---------------------------------------------------------------- over real ZMQ sockets
+# ---------------------------------------------------------------- config and bind rules
 
 def test_bind_heuristic_and_config_parsing() -> None:
     assert pub_binds("tcp://*:5557") and pub_binds("tcp://[::]:5557") and pub_binds("ipc:///tmp/x")
@@ -57,10 +29,75 @@ def test_bind_heuristic_and_config_parsing() -> None:
     assert config["replay_endpoint"] is None and config["max_queue_size"] == 100000 and config["topic"] == "kv"
     assert KvEventPublisher.from_cli("", 16) is None
     assert KvEventPublisher.from_cli('{"enable_kv_cache_events": true, "publisher": "null"}', 16) is None
-    for bad in ('{"enable_kv_cache_events": true, "endpoint_typo": "x"}', "not json", '{"buffer_steps": 0}'):
+    for bad in ('{"enable_kv_cache_events": true, "endpoint_typo": "x"}', "not json", '{"buffer_steps": 0}',
+                '{"bind": true}'):  # "bind" is SGLang >= 0.5.22's key, not vLLM's
         with pytest.raises(ValueError):
             parse_kv_events_config(bad)
 
+
+def open_publisher(dialect: str, config: str) -> KvEventPublisher | None:
+    pub = KvEventPublisher.from_cli(config, 16, get_dialect(dialect))
+    if pub is not None:
+        pub.close()
+    return pub
+
+
+def test_publisher_defaults_per_engine_version() -> None:
+    enable_only = '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:*"}'
+    # vLLM <= 0.11 and SGLang default to the null publisher; vLLM >= 0.12 to zmq once enabled (§2.10, §4).
+    assert open_publisher("vllm-0.10.2", enable_only) is None and open_publisher("sglang-0.5.9", enable_only) is None
+    assert open_publisher("vllm-0.14", enable_only) is not None
+    zmq_only = '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*"}'
+    assert open_publisher("sglang-0.5.9", zmq_only) is not None  # SGLang: the flag itself enables events
+    assert open_publisher("vllm-0.26", zmq_only) is None and open_publisher("trtllm-zmq", zmq_only) is None
+    with pytest.raises(ValueError):
+        parse_kv_events_config('{"publisher": "zmq", "format": "dynamo"}', get_dialect("sglang-0.5.22"))
+
+
+def test_bind_or_connect_per_dialect() -> None:
+    def binds(dialect: str, endpoint: str, **extra) -> bool:
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, **extra}
+        pub = KvEventPublisher(config, 16, get_dialect(dialect))
+        pub.close()
+        return pub.binds
+
+    # Connecting never fails, so any address works for the connect cases.
+    assert not binds("vllm-0.26", "tcp://127.0.0.1:1") and not binds("vllm-0.26", "tcp://0.0.0.0:1")
+    assert not binds("sglang-0.5.9", "tcp://0.0.0.0:1") and binds("sglang-0.5.20", "tcp://0.0.0.0:0")
+    assert binds("sglang-0.5.22", "tcp://127.0.0.1:0", bind=True)
+    assert not binds("sglang-0.5.22", "tcp://127.0.0.1:1", bind=False)
+    assert binds("trtllm-zmq", "tcp://127.0.0.1:0")  # TRT-LLM always binds
+    assert binds("vllm-0.26", "tcp://*:0") and binds("vllm-0.9.0", "inproc://x")
+
+
+def test_data_parallel_rank_offsets_ports_and_is_written_into_batches() -> None:
+    config = {"endpoint": "tcp://*:41000", "replay_endpoint": "tcp://*:41100"}
+    pub = KvEventPublisher(config, 16, get_dialect("vllm-0.26"), data_parallel_rank=2)
+    try:
+        assert pub.last_endpoint.endswith(":41002") and pub.replay_last_endpoint.endswith(":41102")
+        assert msgspec.msgpack.decode(pub.encode([ClearedEvent()]))[2] == 2
+    finally:
+        pub.close()
+    inproc = KvEventPublisher({"endpoint": "inproc://kv"}, 16, get_dialect("trtllm-zmq"), data_parallel_rank=1)
+    assert inproc.endpoint == "inproc://kv_dp1"
+    inproc.close()
+    with pytest.raises(ValueError, match="no data parallelism"):
+        KvEventPublisher({"endpoint": "tcp://*:0"}, 16, get_dialect("vllm-0.9.0"), data_parallel_rank=1)
+    with pytest.raises(ValueError, match="ipc"):
+        KvEventPublisher({"endpoint": "ipc:///tmp/kvroute-x"}, 16, get_dialect("sglang-0.5.22"), data_parallel_rank=1)
+
+
+def test_only_vllm_0_33_raises_the_replay_high_water_mark() -> None:
+    hwm = {}
+    for dialect in ("vllm-0.26", "vllm-0.33"):
+        pub = KvEventPublisher({"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*",
+                                "buffer_steps": 50}, 16, get_dialect(dialect))
+        hwm[dialect] = pub._replay.getsockopt(zmq.SNDHWM)
+        pub.close()
+    assert hwm == {"vllm-0.26": 1000, "vllm-0.33": 102}
+
+
+# ---------------------------------------------------------------- over real ZMQ sockets
 
 async def recv_or_none(sock: zmq.asyncio.Socket, timeout: float) -> list[bytes] | None:
     try:
@@ -69,22 +106,38 @@ async def recv_or_none(sock: zmq.asyncio.Socket, timeout: float) -> list[bytes] 
         return None
 
 
-@pytest.mark.parametrize("era", ["map", "array"])
-async def test_sub_socket_receives_three_frame_batches(era: str) -> None:
+async def connected_sub(ctx: zmq.asyncio.Context, pub: KvEventPublisher, topic: bytes = b"") -> zmq.asyncio.Socket:
+    """A SUB socket on `pub`'s endpoint that has provably joined (probe batches until one arrives)."""
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+    sub.connect(pub.last_endpoint)
+    while await _probe(pub, sub) is None:  # ZMQ slow joiner: early batches are dropped before the connection is up
+        pass
+    while await recv_or_none(sub, 0.2) is not None:  # a probe that arrived after its timeout
+        pass
+    return sub
+
+
+async def _probe(pub: KvEventPublisher, sub: zmq.asyncio.Socket) -> list[bytes] | None:
+    pub.publish([RemovedEvent([1])])
+    await pub.flush()
+    return await recv_or_none(sub, 0.1)
+
+
+@pytest.mark.parametrize("dialect", ["vllm-0.22", "vllm-0.26", "sglang-0.5.9"])
+async def test_sub_socket_receives_three_frame_batches(dialect: str) -> None:
     ctx = zmq.asyncio.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv@w0")
     port = sub.bind_to_random_port("tcp://127.0.0.1")
     # No '*' in the endpoint: like vLLM, the publisher connects and the consumer binds.
-    pub = KvEventPublisher({"endpoint": f"tcp://127.0.0.1:{port}", "topic": "kv@w0"}, block_size=2, era=era)
+    pub = KvEventPublisher({"endpoint": f"tcp://127.0.0.1:{port}", "topic": "kv@w0"}, 2, get_dialect(dialect))
     pub.start()
     try:
         frames = None
-        while frames is None:  # ZMQ slow joiner: early batches may be dropped before the connection is up
-            pub.publish([RemovedEvent([1])])
-            await pub.flush()
-            frames = await recv_or_none(sub, 0.1)
-        while (late := await recv_or_none(sub, 0.2)) is not None:  # a probe that arrived after its timeout
+        while frames is None:
+            frames = await _probe(pub, sub)
+        while (late := await recv_or_none(sub, 0.2)) is not None:
             frames = late
         first_seq = int.from_bytes(frames[1], "big")
         assert first_seq == pub.seq - 1
@@ -102,20 +155,36 @@ async def test_sub_socket_receives_three_frame_batches(era: str) -> None:
     ts, events, rank = msgspec.msgpack.decode(got[0][2])
     assert isinstance(ts, float) and rank == 0 and len(events) == 3
     _, (stored,), _ = msgspec.msgpack.decode(got[1][2])
-    if era == "map":
-        assert events[0]["type"] == "BlockStored" and events[2] == {"type": "AllBlocksCleared"}
+    if dialect == "vllm-0.26":
+        assert events[2] == {"type": "AllBlocksCleared"}
         assert stored == {"type": "BlockStored", "block_hashes": [7, 8], "parent_block_hash": 6, "token_ids": [1, 2, 3, 4],
                           "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0,
                           "kv_cache_spec_kind": "full_attention"}
-    else:
+    elif dialect == "vllm-0.22":
         assert events[1] == ["BlockRemoved", [2**63 + 1], "GPU", 0]
         assert stored == ["BlockStored", [7, 8], 6, [1, 2, 3, 4], 2, None, "GPU", None, None, 0, "full_attention", None]
+    else:
+        assert events[1] == ["BlockRemoved", [2**63 + 1], "GPU"]
+        assert stored == ["BlockStored", [7, 8], 6, [1, 2, 3, 4], 2, None, "GPU"]
 
 
-@pytest.mark.parametrize("framing", ["new", "old"])
-async def test_replay_over_dealer_returns_requested_batches_then_end_marker(framing: str) -> None:
-    pub = KvEventPublisher({"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*",
-                            "buffer_steps": 3, "topic": "t"}, block_size=2, replay_framing=framing)
+async def replay(dealer: zmq.asyncio.Socket, start: int) -> list[list[bytes]]:
+    """Every reply message to one replay request, up to and including the end marker."""
+    await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+    replies = []
+    while True:
+        msg = await asyncio.wait_for(dealer.recv_multipart(), 2)
+        replies.append(msg)
+        if END_SEQ in msg:
+            return replies
+
+
+@pytest.mark.parametrize("dialect,framing", [("vllm-0.24", "old"), ("sglang-0.4.8", "old"), ("vllm-0.26", "new"),
+                                             ("sglang-0.5.22", "new"), ("trtllm-zmq", "new")])
+async def test_replay_over_dealer_returns_requested_batches_then_end_marker(dialect: str, framing: str) -> None:
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
+              "replay_endpoint": "tcp://127.0.0.1:*", "buffer_steps": 3, "topic": "t"}
+    pub = KvEventPublisher(config, 2, get_dialect(dialect))
     pub.start()
     ctx = zmq.asyncio.Context()
     dealer = ctx.socket(zmq.DEALER)
@@ -125,18 +194,9 @@ async def test_replay_over_dealer_returns_requested_batches_then_end_marker(fram
             pub.publish([RemovedEvent([h])])
         await pub.flush()
         await dealer.send_multipart([b"x"])  # invalid request (2 frames at the ROUTER): ignored
-        await dealer.send_multipart([b"", (3).to_bytes(8, "big")])
-        replies = []
-        while True:
-            msg = await asyncio.wait_for(dealer.recv_multipart(), 2)
-            replies.append(msg)
-            if END_SEQ in msg:
-                break
-        await dealer.send_multipart([b"", (0).to_bytes(8, "big")])  # older than the ring: starts at seq 2
-        first_of_all = await asyncio.wait_for(dealer.recv_multipart(), 2)
-        await dealer.send_multipart([b"", (99).to_bytes(8, "big")])  # nothing that new: only the end marker
-        skipped = [await asyncio.wait_for(dealer.recv_multipart(), 2) for _ in range(3)]
-        only_end = await asyncio.wait_for(dealer.recv_multipart(), 2)
+        replies = await replay(dealer, 3)
+        from_zero = await replay(dealer, 0)  # older than the ring: starts at seq 2
+        only_end = await replay(dealer, 99)  # nothing that new: only the end marker
     finally:
         pub.close()
         ctx.destroy(linger=0)
@@ -144,12 +204,14 @@ async def test_replay_over_dealer_returns_requested_batches_then_end_marker(fram
     assert len(data) == 2
     if framing == "new":
         assert [m[:3] for m in data] == [[b"", b"t", (3).to_bytes(8, "big")], [b"", b"t", (4).to_bytes(8, "big")]]
-        assert end == [b"", b"", END_SEQ, b""] and first_of_all[2] == (2).to_bytes(8, "big")
+        assert end == [b"", b"", END_SEQ, b""] and from_zero[0][2] == (2).to_bytes(8, "big")
     else:
         assert [m[:2] for m in data] == [[b"", (3).to_bytes(8, "big")], [b"", (4).to_bytes(8, "big")]]
-        assert end == [b"", END_SEQ, b""] and first_of_all[1] == (2).to_bytes(8, "big")
-    assert [msgspec.msgpack.decode(m[-1])[1][0]["block_hashes"] for m in data] == [[3], [4]]
-    assert END_SEQ in skipped[-1] and END_SEQ in only_end and len(only_end) == len(end)
+        assert end == [b"", END_SEQ, b""] and from_zero[0][1] == (2).to_bytes(8, "big")
+    assert len(from_zero) == 4 and only_end == [end]
+    decoded = [msgspec.msgpack.decode(m[-1])[1][0] for m in data]
+    hashes = [e["block_hashes"] if isinstance(e, dict) else e[1] for e in decoded]
+    assert hashes == [[3], [4]]
 
 
 async def test_publish_never_blocks_and_a_full_queue_leaves_a_seq_gap() -> None:
@@ -167,18 +229,50 @@ async def test_publish_never_blocks_and_a_full_queue_leaves_a_seq_gap() -> None:
         pub.close()
 
 
-@pytest.mark.parametrize("era", ["map", "array"])
-def test_the_agents_independent_decoder_reads_both_eras(era: str) -> None:
-    from worker_agent.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_payload
+# ---------------------------------------------------------------- fault hooks
 
-    pub = publisher(era)
+@contextlib.asynccontextmanager
+async def live_and_replay(dialect: str):
+    """A started publisher with a joined SUB socket and a DEALER on its replay socket."""
+    pub = KvEventPublisher({"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}, 2,
+                           get_dialect(dialect))
+    pub.start()
+    ctx = zmq.asyncio.Context()
     try:
-        batch = decode_payload(5, pub.encode([StoredEvent([11, 12], 10, [1, 2, 3, 4]), RemovedEvent([11]), ClearedEvent()]))
+        sub = await connected_sub(ctx, pub)
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(pub.replay_last_endpoint)
+        yield pub, sub, dealer
     finally:
         pub.close()
-    assert not batch.bad_events and not batch.unknown_events and batch.dp_rank == 0
-    stored, removed, cleared = batch.events
-    assert isinstance(stored, BlockStored) and stored.block_hashes == [11, 12] and stored.parent_block_hash == 10
-    assert stored.token_ids == [1, 2, 3, 4] and stored.block_size == 2 and stored.group_idx == 0
-    assert isinstance(removed, BlockRemoved) and removed.block_hashes == [11]
-    assert isinstance(cleared, AllBlocksCleared)
+        ctx.destroy(linger=0)
+
+
+async def test_dropped_batches_leave_a_gap_that_replay_fills() -> None:
+    async with live_and_replay("vllm-0.33") as (pub, sub, dealer):
+        base = pub.seq
+        assert pub.inject_faults(drop_next_batches=2) == {"next_seq": base, "drop_next_batches": 2,
+                                                          "dropped_by_fault": 0, "restarts": 0}
+        for h in range(100, 104):
+            pub.publish([RemovedEvent([h])])
+        await pub.flush()
+        live = [await asyncio.wait_for(sub.recv_multipart(), 2) for _ in range(2)]
+        assert await recv_or_none(sub, 0.2) is None
+        assert [int.from_bytes(m[1], "big") for m in live] == [base + 2, base + 3]  # base, base+1 never came
+        filled = (await replay(dealer, base))[:-1]
+        assert [int.from_bytes(m[2], "big") for m in filled] == [base, base + 1, base + 2, base + 3]
+        assert [msgspec.msgpack.decode(m[3])[1][0]["block_hashes"] for m in filled] == [[100], [101], [102], [103]]
+        assert pub.faults.dropped_by_fault == 2 and pub.faults.drop_next_batches == 0
+
+
+async def test_a_restarted_publisher_counts_from_zero_with_nothing_to_replay() -> None:
+    async with live_and_replay("sglang-0.5.9") as (pub, sub, dealer):
+        assert pub.seq > 0
+        state = pub.inject_faults(restart=True)
+        assert state["next_seq"] == 0 and state["restarts"] == 1
+        assert len(await replay(dealer, 0)) == 1  # the replay buffer went with the restart: only the end marker
+        pub.publish([RemovedEvent([5])])
+        await pub.flush()
+        msg = await asyncio.wait_for(sub.recv_multipart(), 2)
+        assert int.from_bytes(msg[1], "big") == 0 and msgspec.msgpack.decode(msg[2])[1] == [["BlockRemoved", [5], "GPU"]]
+        assert [int.from_bytes(m[1], "big") for m in (await replay(dealer, 0))[:-1]] == [0]
