@@ -19,6 +19,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sim_engine.dialects import DEFAULT_DIALECT, get_dialect
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -117,6 +119,13 @@ class EngineHandle:
     replay_port: int
     engine: ManagedProcess
     agent: ManagedProcess | None = None
+    dialect: str = DEFAULT_DIALECT
+    block_size: int = 16
+
+    @property
+    def engine_family(self) -> str:
+        """vllm, sglang or trtllm: the dialect's engine."""
+        return get_dialect(self.dialect).engine
 
 
 @dataclass
@@ -163,38 +172,52 @@ class LocalCluster:
     # -------------------------------------------------------------- engines + agents
 
     def add_sim_engine(self, worker_id: str, *extra_engine_args: str, start_agent: bool = True,
-                       agent_args: tuple[str, ...] = ()) -> EngineHandle:
+                       agent_args: tuple[str, ...] = (), dialect: str | None = None, block_size: int | None = None,
+                       lora_adapters: tuple[str, ...] = (), cpu_offload_blocks: int = 0) -> EngineHandle:
+        """A sim engine process (and its agent). `dialect` picks the engine/version it imitates
+        (sim_engine.dialects; None = its default); `block_size` overrides the cluster's."""
         port, ev_port, replay_port = free_port(), free_port(), free_port()
-        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ev_port}",
-                  "replay_endpoint": f"tcp://*:{replay_port}", "topic": ""}
+        block_size = block_size or self.block_size
+        args = ["--block-size", str(block_size)]
+        if dialect is not None:
+            args += ["--dialect", dialect]
+        if get_dialect(dialect or DEFAULT_DIALECT).transport == "zmq":  # TRT-LLM's pull path has none
+            config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ev_port}",
+                      "replay_endpoint": f"tcp://*:{replay_port}", "topic": ""}
+            args += ["--kv-events-config", json.dumps(config)]
+        if lora_adapters:
+            args += ["--lora-adapters", ",".join(lora_adapters)]
+        if cpu_offload_blocks:
+            args += ["--cpu-offload-blocks", str(cpu_offload_blocks)]
         engine = ManagedProcess(worker_id, kvroute_argv(
             "sim-engine", "--host", "127.0.0.1", "--port", str(port), "--model", self.model,
-            "--tokenizer", str(self.tokenizer_dir), "--block-size", str(self.block_size),
-            "--kv-events-config", json.dumps(config), *extra_engine_args), self.workdir / f"{worker_id}.log")
+            "--tokenizer", str(self.tokenizer_dir), *args, *extra_engine_args), self.workdir / f"{worker_id}.log")
         engine.start()
-        handle = EngineHandle(worker_id, f"http://127.0.0.1:{port}", ev_port, replay_port, engine)
+        handle = EngineHandle(worker_id, f"http://127.0.0.1:{port}", ev_port, replay_port, engine,
+                              dialect=dialect or DEFAULT_DIALECT, block_size=block_size)
         self.engines.append(handle)
         if start_agent:
             self.start_agent(handle, *agent_args)
         return handle
 
-    def start_sim_fleet(self, engines: int, *engine_args: str) -> list[EngineHandle]:
+    def start_sim_fleet(self, engines: int, *engine_args: str, **engine_options) -> list[EngineHandle]:
         """The usual local fleet: the control plane (unless started), then sim engines engine-0,
-        engine-1, ... each with its agent, returning once all are healthy and registered."""
+        engine-1, ... each with its agent, returning once all are healthy and registered.
+        `engine_options` go to every `add_sim_engine` (dialect, block_size, lora_adapters, ...)."""
         if self.control_plane is None:
             self.start_control_plane()
-        handles = [self.add_sim_engine(f"engine-{i}", *engine_args) for i in range(engines)]
+        handles = [self.add_sim_engine(f"engine-{i}", *engine_args, **engine_options) for i in range(engines)]
         self.wait_engines_healthy()
         self.wait_workers_registered()
         return handles
 
     def start_agent(self, handle: EngineHandle, *extra: str) -> ManagedProcess:
         agent = ManagedProcess(f"agent-{handle.worker_id}", kvroute_argv(
-            "agent", "--control-plane", self.control_plane_addr, "--engine", "vllm",
+            "agent", "--control-plane", self.control_plane_addr, "--engine", handle.engine_family,
             "--kv-events", f"tcp://127.0.0.1:{handle.kv_events_port}",
             "--replay-endpoint", f"tcp://127.0.0.1:{handle.replay_port}",
             "--engine-url", handle.url, "--worker-id", handle.worker_id, "--model", self.model,
-            "--block-size", str(self.block_size), *extra), self.workdir / f"agent-{handle.worker_id}.log")
+            "--block-size", str(handle.block_size), *extra), self.workdir / f"agent-{handle.worker_id}.log")
         agent.start()
         handle.agent = agent
         return agent
