@@ -2,8 +2,8 @@
 
 - vLLM: Prometheus text, `vllm:*` names with label `model_name` (the agent and `kvroute demo`
   read `vllm:num_requests_{running,waiting}`, `vllm:kv_cache_usage_perc` and
-  `vllm:prefix_cache_{queries,hits}_total`). With a CPU tier, hits there are vLLM's connector
-  hits: `vllm:external_prefix_cache_{queries,hits}_total`.
+  `vllm:prefix_cache_{queries,hits}_total`). With a CPU tier, the tokens the GPU cache did not
+  have are queried from it like from vLLM's KV connector: `vllm:external_prefix_cache_{queries,hits}_total`.
 - SGLang: Prometheus text, `sglang:*` names: gauges `num_running_reqs`, `num_queue_reqs`,
   `num_used_tokens`, `token_usage` (used / total KV tokens), `cache_hit_rate` (here cumulative:
   cached prompt tokens / prompt tokens), counters `prompt_tokens`, `generation_tokens`,
@@ -113,10 +113,11 @@ class VllmMetrics(_PrometheusFamily):
 
     def render(self, scheduler: Scheduler) -> tuple[bytes, str]:
         cache = scheduler.cache
+        gpu_hits = cache.hits_tokens - cache.cpu_hits_tokens  # the GPU prefix cache's own hits
         self.advance(self.queries, cache.queries_tokens)
-        self.advance(self.hits, cache.hits_tokens - cache.cpu_hits_tokens)  # the GPU prefix cache's own hits
-        if self.external is not None:
-            self.advance(self.external[0], cache.queries_tokens)
+        self.advance(self.hits, gpu_hits)
+        if self.external is not None:  # the connector is asked for what the GPU cache did not have
+            self.advance(self.external[0], cache.queries_tokens - gpu_hits)
             self.advance(self.external[1], cache.cpu_hits_tokens)
         self.running.set(len(scheduler.running))
         self.waiting.set(len(scheduler.waiting))

@@ -145,8 +145,10 @@ async def test_audit_with_a_cpu_tier_and_the_events_that_moved_blocks(start) -> 
     assert set(ka) <= set(audit["tiers"]["gpu"]) and not set(ka) & set(audit["tiers"]["cpu"])
     async with eng.http.get(eng.url + "/metrics") as r:
         text = await r.text()
-    assert 'vllm:external_prefix_cache_hits_total{model_name="tiny-llama"} 32.0' in text  # blocks 2 and 3
-    assert 'vllm:prefix_cache_hits_total{model_name="tiny-llama"} 16.0' in text
+    label = '{model_name="tiny-llama"}'
+    assert f"vllm:external_prefix_cache_hits_total{label} 32.0" in text  # blocks 2 and 3
+    assert f"vllm:prefix_cache_hits_total{label} 16.0" in text and f"vllm:prefix_cache_queries_total{label} 193.0" in text
+    assert f"vllm:external_prefix_cache_queries_total{label} {193 - 16}.0" in text
 
 
 # ---------------------------------------------------------------- LoRA adapters and cache_salt
