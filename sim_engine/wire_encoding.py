@@ -5,7 +5,7 @@ BlockRemoved / AllBlocksCleared structs are built from its field list (`Dialect`
 arrays or tagged maps (`"type"` = class name). Map structs with omit_defaults leave out fields
 at their default (None) while fields declared without one are always written (spec §2.1); a
 tagged array always has every field. The batch is positional: `[ts, events, rank]`, or vLLM
-0.9.0's `[ts, events]`.
+0.9.0's `[ts, events]` (SGLang names the rank `attn_dp_rank`; being positional, the bytes are the same).
 
 Values per field (what this engine knows to put there):
 - `lora_id`: the adapter's int id (vLLM, TRT-LLM); always nil on SGLang (§4.1).

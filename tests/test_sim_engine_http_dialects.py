@@ -18,6 +18,7 @@ from data_plane.tokenization import load_tokenizer
 from kvroute.block_keys import prompt_block_keys
 from sim_engine.cli import build_publisher
 from sim_engine.cost_model import CostModel
+from sim_engine.dialects import DIALECTS
 from sim_engine.engine import EngineConfig, SimEngine
 from sim_engine.kv_publisher import END_SEQ, KvEventPublisher
 from sim_engine.server import start_server
@@ -149,6 +150,26 @@ async def test_audit_with_a_cpu_tier_and_the_events_that_moved_blocks(start) -> 
     assert f"vllm:external_prefix_cache_hits_total{label} 32.0" in text  # blocks 2 and 3
     assert f"vllm:prefix_cache_hits_total{label} 16.0" in text and f"vllm:prefix_cache_queries_total{label} 193.0" in text
     assert f"vllm:external_prefix_cache_queries_total{label} {193 - 16}.0" in text
+
+
+@pytest.mark.parametrize("dialect", [name for name, d in DIALECTS.items() if d.transport == "zmq"])
+async def test_every_dialect_publishes_every_step_and_audits_its_namespaces(start, dialect: str) -> None:
+    d = DIALECTS[dialect]
+    eng = await start(dialect=dialect, num_blocks=8, lora_adapters=("sql",),
+                      cpu_offload_blocks=8 if d.cpu_medium else 0)
+    keys = []
+    for i, (model, salt) in enumerate([(MODEL, None), ("sql", None), (MODEL, "x"), ("sql", "y"), (MODEL, None)]):
+        p = prompt(70 + i, 2)  # 2 full blocks + 1 output token: 3 blocks reserved, 2 cached
+        assert (await eng.complete(p, model=model, **({"cache_salt": salt} if salt else {})))[0] == 200
+        keys.append(prompt_block_keys(p, 16, MODEL, "" if model == MODEL else model,
+                                      salt if d.honours_cache_salt and salt else ""))
+    batches = await eng.batches()
+    assert [seq for seq, _ in batches] == list(range(len(batches)))  # no batch failed to encode
+    # The 4th and 5th requests evict 3 blocks, least recently used first: request 1's tail and head, request 2's tail.
+    evicted = [keys[0][1], keys[0][0], keys[1][1]]
+    audit = await eng.audit()
+    assert audit["tiers"]["gpu"] == sorted([keys[1][0]] + keys[2] + keys[3] + keys[4])
+    assert audit["tiers"]["cpu"] == (sorted(evicted) if d.cpu_medium else [])
 
 
 # ---------------------------------------------------------------- LoRA adapters and cache_salt
