@@ -57,6 +57,11 @@ class Dialect:
     has_locality: bool = False
     default_block_size: int = 16
 
+    @property
+    def version(self) -> str | None:
+        """The engine version the dialect stands for (TensorRT-LLM's are transports, not versions)."""
+        return None if self.engine == "trtllm" else self.name.split("-", 1)[1]
+
     def hash_scheme(self, form: str | None = None) -> HashScheme:
         """The engine's published block hash for `form` ("int", "bytes" or "hex"; None = the default)."""
         form = form or self.hash_forms[0]

@@ -20,7 +20,6 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-
 from typing import Protocol
 
 from sim_engine.cost_model import CostModel

@@ -10,7 +10,8 @@ POST /v1/chat/completions  messages (rendered with the model's chat template), m
   (any other unknown name is a 404). `cache_salt` (vLLM's field, a non-empty string) namespaces
   the request's blocks too, unless the dialect's engine version ignores it (SGLang < 0.5.20).
 GET  /v1/models            the model, then each adapter as vLLM lists it (`parent` = the model)
-GET  /health, /version
+GET  /health
+GET  /version              {"version": the imitated engine version (null for TRT-LLM), "engine", "dialect", "server"}
 GET  /metrics              the dialect's own metrics: vLLM or SGLang Prometheus names, or
                            TRT-LLM's JSON list of iteration stats (drained by each call)
 POST /reset_prefix_cache   200 when cleared (AllBlocksCleared goes out), 409 while requests hold blocks;
@@ -263,9 +264,9 @@ class SimServer:
         return web.Response(status=200)
 
     async def handle_version(self, request: web.Request) -> web.Response:
-        dialect = self.engine.dialect.name
-        return web.json_response({"version": dialect.split("-", 1)[1], "engine": self.engine.dialect.engine,
-                                  "dialect": dialect, "server": "kvroute-sim-engine"})
+        dialect = self.engine.dialect
+        return web.json_response({"version": dialect.version, "engine": dialect.engine, "dialect": dialect.name,
+                                  "server": "kvroute-sim-engine"})
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         body, content_type = self.engine.render_metrics()

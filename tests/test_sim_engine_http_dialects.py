@@ -404,3 +404,4 @@ async def test_trtllm_metrics_are_drained_iteration_stats(start) -> None:
     assert stats[0]["inflightBatchingStats"]["numCtxTokens"] == 48 and stats[0]["numActiveRequests"] == 1
     async with eng.http.get(eng.url + "/metrics") as r:
         assert await r.json() == []
+    assert (await eng.get_json("/version"))["version"] is None  # TRT-LLM dialects are transports, not versions
