@@ -1,0 +1,166 @@
+"""What vLLM, SGLang and TensorRT-LLM's streaming publisher share on the wire (spec §1.2, §2.1):
+three ZMQ frames (topic, 8-byte big-endian unsigned sequence, msgpack batch), a batch that is a
+positional array `[ts, events(, rank)]`, and events that are tagged arrays or tagged maps.
+
+`BatchDecoder` is the decoding strategy every dialect uses: one typed msgspec decode of the whole
+batch (the fast path, one C call per batch; the variant that decoded last is tried first); if any
+event in it does not fit, the batch is decoded again event by event, so a malformed event is
+reported in `DecodedBatch.bad_events` and an unknown tag in `DecodedBatch.unknown_events` while
+the events around them are kept. Frame-level problems raise a `WireFormatError` subclass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from worker_agent.events import DecodedBatch, EngineEvent, EventError, UnknownEventError
+
+TOPIC, SEQ, PAYLOAD = 0, 1, 2  # frame positions
+
+
+class WireFormatError(ValueError):
+    """A ZMQ message that cannot be decoded at all (the whole batch is lost)."""
+
+
+class FrameCountError(WireFormatError):
+    """Not the three frames (topic, seq, payload)."""
+
+
+class SequenceFrameError(WireFormatError):
+    """The sequence frame is not 8 bytes."""
+
+
+class PayloadError(WireFormatError):
+    """The payload is not msgpack (garbage or truncated)."""
+
+
+class BatchShapeError(PayloadError):
+    """The payload is msgpack but not an EventBatch `[ts, events(, rank)]`."""
+
+
+def split_frames(frames: list[bytes]) -> tuple[bytes, int, bytes]:
+    """(topic, seq, payload) of a live message; raises FrameCountError / SequenceFrameError."""
+    if len(frames) != 3:
+        raise FrameCountError(f"expected 3 frames (topic, seq, payload), got {len(frames)}")
+    seq_frame = frames[SEQ]
+    if len(seq_frame) != 8:
+        raise SequenceFrameError(f"sequence frame must be 8 bytes, got {len(seq_frame)}")
+    return frames[TOPIC], int.from_bytes(seq_frame, "big"), frames[PAYLOAD]
+
+
+def is_msgpack_map(first_byte: int) -> bool:
+    return 0x80 <= first_byte <= 0x8F or first_byte in (0xDE, 0xDF)
+
+
+class RawArrayBatch(msgspec.Struct, array_like=True, gc=False):
+    """Any dialect's batch with its events left undecoded (the slow path)."""
+
+    ts: float
+    events: list[msgspec.Raw]
+    rank: Any = None
+
+
+_dec_any = msgspec.msgpack.Decoder()
+
+
+class BatchDecoder:
+    """One dialect's payload decoder.
+
+    `fast`: typed batch decoders (structs with fields ts, events, rank; events typed), tried in
+    move-to-front order. `array_event` / `map_event`: typed single-event decoders for the slow path.
+    `convert`: wire struct -> engine-neutral event (raises EventError). `map_batch`: a decoder for a
+    batch encoded as a map, or None if the dialect never sends one.
+    """
+
+    def __init__(self, name: str, *, fast: list[msgspec.msgpack.Decoder], array_event: msgspec.msgpack.Decoder,
+                 map_event: msgspec.msgpack.Decoder, known_tags: frozenset[str],
+                 convert: Callable[[Any], EngineEvent], map_batch: msgspec.msgpack.Decoder | None = None) -> None:
+        self.name = name
+        self._fast = list(fast)
+        self._array_event, self._map_event = array_event, map_event
+        self._known_tags, self._convert = known_tags, convert
+        self._raw_batch = msgspec.msgpack.Decoder(RawArrayBatch)
+        self._map_batch = map_batch
+
+    def decode_frames(self, frames: list[bytes]) -> DecodedBatch:
+        """One live ZMQ message (3 frames). Raises a WireFormatError subclass if the message is unusable."""
+        _, seq, payload = split_frames(frames)
+        return self.decode_payload(seq, payload)
+
+    def decode_payload(self, seq: int, payload: bytes) -> DecodedBatch:
+        """One msgpack batch. Raises PayloadError / BatchShapeError; bad events are reported, not raised."""
+        if not payload:
+            raise PayloadError("payload is not msgpack: empty")
+        if is_msgpack_map(payload[0]):
+            if self._map_batch is None:
+                raise BatchShapeError(f"payload is not a {self.name} EventBatch [ts, events, rank]: a map")
+            return self._decode_slow(seq, payload, self._map_batch)
+        fast = self._fast
+        for i, decoder in enumerate(fast):
+            try:
+                batch = decoder.decode(payload)
+            except msgspec.ValidationError:
+                continue  # another variant, a bad/unknown event, or a bad batch: find out below
+            except msgspec.DecodeError as exc:
+                raise PayloadError(f"payload is not msgpack (garbage or truncated): {exc}") from None
+            if i:
+                fast.insert(0, fast.pop(i))
+            try:
+                events = [self._convert(w) for w in batch.events]
+            except EventError:
+                break  # e.g. block_size 0: the slow path reports which event
+            return DecodedBatch(seq, batch.ts, _rank(batch.rank), events)
+        return self._decode_slow(seq, payload, self._raw_batch)
+
+    def decode_event(self, buf: bytes | msgspec.Raw) -> EngineEvent:
+        """One msgpack-encoded event (tagged array or tagged map). Raises EventError / UnknownEventError."""
+        try:
+            first = memoryview(buf)[0]
+        except IndexError:
+            raise EventError("empty event") from None
+        try:
+            wire = (self._map_event if is_msgpack_map(first) else self._array_event).decode(buf)
+        except msgspec.ValidationError as exc:
+            tag = _tag_of(buf)
+            if isinstance(tag, str) and tag not in self._known_tags:
+                raise UnknownEventError(tag) from None
+            raise EventError(str(exc)) from None
+        except msgspec.DecodeError as exc:  # pragma: no cover - a Raw slice of a decoded batch is valid msgpack
+            raise EventError(f"not msgpack: {exc}") from None
+        return self._convert(wire)
+
+    def _decode_slow(self, seq: int, payload: bytes, decoder: msgspec.msgpack.Decoder) -> DecodedBatch:
+        try:
+            batch = decoder.decode(payload)
+        except msgspec.ValidationError as exc:
+            raise BatchShapeError(f"payload is not an EventBatch [ts, events(, rank)]: {exc}") from None
+        except msgspec.DecodeError as exc:
+            raise PayloadError(f"payload is not msgpack (garbage or truncated): {exc}") from None
+        out = DecodedBatch(seq, batch.ts, _rank(batch.rank))
+        for i, raw in enumerate(batch.events):
+            try:
+                out.events.append(self.decode_event(raw))
+            except UnknownEventError as exc:
+                out.unknown_events.append(exc.tag)
+            except EventError as exc:
+                out.bad_events.append(f"event {i}: {exc}")
+        return out
+
+
+def _tag_of(buf: bytes | msgspec.Raw) -> object:
+    try:
+        raw = _dec_any.decode(buf)
+    except msgspec.DecodeError:  # pragma: no cover
+        return None
+    if isinstance(raw, dict):
+        return raw.get("type")
+    if isinstance(raw, list) and raw:
+        return raw[0]
+    return None
+
+
+def _rank(value: object) -> int | None:
+    return value if type(value) is int else None
