@@ -221,7 +221,7 @@ async def test_engine_restart_resyncs_the_control_plane(fleet) -> None:
         await engine.publish(stored([1, 2], None, TOKENS[:32], 16))
         await until(lambda: agent.counters["sequence_resets"] == 1 and agent.counters["batches"] == 4)
         await until(lambda: agent.link.counters.snapshots_sent >= 2 and agent.link.acked_seq == agent.link.last_sent_seq)
-        assert sorted(agent.resolver.snapshot()) == sorted(keys)
+        assert sorted(agent.resolver.held_keys()) == sorted(keys)
         assert await matched(stub, keys, 16) == {"gpu-0": 2}
         assert await matched(stub, prompt_block_keys([0] * 16, 16, MODEL), 16) == {"gpu-0": 0}  # old state gone
     finally:

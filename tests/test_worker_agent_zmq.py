@@ -117,7 +117,7 @@ class Agent:
         self.resolver.clear()
 
     def keys(self) -> set[int]:
-        return set(self.resolver.snapshot())
+        return set(self.resolver.held_keys())
 
     async def close(self) -> None:
         self.task.cancel()

@@ -47,7 +47,11 @@ COUNTER_HELP = {
     "duplicate_stores": "stores of a block already held (no-op)",
     "unknown_removes": "removals of a block not held (no-op)",
     "short_token_ids": "stored blocks with fewer token ids than blocks x block_size",
-    "skipped_tier_blocks": "blocks on a non-GPU medium (not indexed yet)",
+    "unkeyable_blocks": "held blocks with multimodal or embedded content (no key: a text router cannot match them)",
+    "partial_blocks": "held partial blocks, smaller than the block size (no key)",
+    "remote_blocks": "blocks of events whose locality is not LOCAL (another instance's; skipped)",
+    "unknown_medium_blocks": "blocks on a medium name the agent does not know (indexed as disk)",
+    "unnamed_lora_blocks": "blocks of a LoRA adapter the engine names only by int id (never matched)",
     "skipped_group_blocks": "blocks of a KV group other than the main full-attention one",
     "state_resets": "worker state resets (cleared and resynced)",
     "engine_metrics_failures": "failed polls of the engine's /metrics",
@@ -112,9 +116,9 @@ class WorkerAgent:
         endpoint = config.engine_url.rstrip("/")
         self.identity = WorkerIdentity(config.worker_id or default_worker_id(config.engine_url), config.model or "",
                                        config.engine, config.block_size, endpoint)
-        self.resolver = BlockResolver(config.model or "")
+        self.resolver = BlockResolver(config.model or "", config.block_size)
         self.load = EngineLoadPoller(config.engine_url, interval_s=config.engine_poll_interval_s)
-        self.link = ControlPlaneLink(config.control_plane, self.identity, self.resolver.snapshot, lambda: self.load.latest,
+        self.link = ControlPlaneLink(config.control_plane, self.identity, self.resolver.snapshot_events, lambda: self.load.latest,
                                      heartbeat_interval_s=config.heartbeat_interval_s)
         self.source = VllmZmqSource(config.kv_events, self._on_batch, self._on_reset, config.replay_endpoint,
                                     bind=config.kv_events_bind, topic=config.topic,
