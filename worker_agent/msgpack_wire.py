@@ -19,6 +19,7 @@ import msgspec
 from worker_agent.events import DecodedBatch, EngineEvent, EventError, UnknownEventError
 
 TOPIC, SEQ, PAYLOAD = 0, 1, 2  # frame positions
+EVENT_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})  # every msgpack dialect's tags
 
 
 class WireFormatError(ValueError):
@@ -55,6 +56,21 @@ def is_msgpack_map(first_byte: int) -> bool:
     return 0x80 <= first_byte <= 0x8F or first_byte in (0xDE, 0xDF)
 
 
+class ClearedArray(msgspec.Struct, array_like=True, tag="AllBlocksCleared", gc=False):
+    """AllBlocksCleared, array era: `["AllBlocksCleared"]` (no fields in any engine)."""
+
+
+class ClearedMap(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", gc=False):
+    """AllBlocksCleared, map era: `{"type": "AllBlocksCleared"}`."""
+
+
+def typed_batch_decoder(event_type: object) -> msgspec.msgpack.Decoder:
+    """Fast-path decoder of a positional batch `[ts, events, rank]` whose events are `event_type`."""
+    batch = msgspec.defstruct("TypedBatch", [("ts", float), ("events", list[event_type]), ("rank", Any, None)],
+                              array_like=True, gc=False)
+    return msgspec.msgpack.Decoder(batch)
+
+
 class RawArrayBatch(msgspec.Struct, array_like=True, gc=False):
     """Any dialect's batch with its events left undecoded (the slow path)."""
 
@@ -76,8 +92,8 @@ class BatchDecoder:
     """
 
     def __init__(self, name: str, *, fast: list[msgspec.msgpack.Decoder], array_event: msgspec.msgpack.Decoder,
-                 map_event: msgspec.msgpack.Decoder, known_tags: frozenset[str],
-                 convert: Callable[[Any], EngineEvent], map_batch: msgspec.msgpack.Decoder | None = None) -> None:
+                 map_event: msgspec.msgpack.Decoder, convert: Callable[[Any], EngineEvent],
+                 map_batch: msgspec.msgpack.Decoder | None = None, known_tags: frozenset[str] = EVENT_TAGS) -> None:
         self.name = name
         self._fast = list(fast)
         self._array_event, self._map_event = array_event, map_event

@@ -38,7 +38,7 @@ from worker_agent.events import (
     normalize_hashes,
     normalize_medium,
 )
-from worker_agent.msgpack_wire import BatchDecoder
+from worker_agent.msgpack_wire import BatchDecoder, ClearedArray, ClearedMap, typed_batch_decoder
 
 _Hash = int | bytes
 _Token = int | list[int]  # list: an EAGLE bigram pair
@@ -58,9 +58,6 @@ class _RemovedArray(msgspec.Struct, array_like=True, tag="BlockRemoved", gc=Fals
     medium: str | None = None           # 0.5.9+
 
 
-class _ClearedArray(msgspec.Struct, array_like=True, tag="AllBlocksCleared", gc=False):
-    pass
-
 
 class _StoredMap(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
     block_hashes: list[_Hash]
@@ -78,24 +75,10 @@ class _RemovedMap(msgspec.Struct, tag_field="type", tag="BlockRemoved", gc=False
     medium: str | None = None
 
 
-class _ClearedMap(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", gc=False):
-    pass
 
+_ArrayEvent = _StoredArray | _RemovedArray | ClearedArray
+_MapEvent = _StoredMap | _RemovedMap | ClearedMap
 
-_ArrayEvent = _StoredArray | _RemovedArray | _ClearedArray
-_MapEvent = _StoredMap | _RemovedMap | _ClearedMap
-
-
-class _BatchOfArrays(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[_ArrayEvent]
-    rank: Any = None  # attn_dp_rank
-
-
-class _BatchOfMaps(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[_MapEvent]
-    rank: Any = None
 
 
 def first_of_pairs(token_ids: list) -> list[int]:
@@ -130,10 +113,9 @@ def _convert(w: Any) -> EngineEvent:
 
 DECODER = BatchDecoder(
     "SGLang",
-    fast=[msgspec.msgpack.Decoder(_BatchOfMaps), msgspec.msgpack.Decoder(_BatchOfArrays)],
+    fast=[typed_batch_decoder(_MapEvent), typed_batch_decoder(_ArrayEvent)],
     array_event=msgspec.msgpack.Decoder(_ArrayEvent),
     map_event=msgspec.msgpack.Decoder(_MapEvent),
-    known_tags=frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"}),
     convert=_convert,
 )
 

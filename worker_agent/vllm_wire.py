@@ -47,11 +47,14 @@ from worker_agent.events import (  # re-exported: the simulator, bench and sim-e
 from worker_agent.msgpack_wire import (
     BatchDecoder,
     BatchShapeError,
+    ClearedArray,
+    ClearedMap,
     FrameCountError,
     PayloadError,
     SequenceFrameError,
     WireFormatError,
     split_frames,
+    typed_batch_decoder,
 )
 
 __all__ = ["U64", "AllBlocksCleared", "BatchShapeError", "BlockRemoved", "BlockStored", "DecodedBatch", "EngineEvent",
@@ -85,9 +88,6 @@ class _RemovedArray(msgspec.Struct, array_like=True, tag="BlockRemoved", gc=Fals
     group_idx: int | None = None        # 0.20+
 
 
-class _ClearedArray(msgspec.Struct, array_like=True, tag="AllBlocksCleared", gc=False):
-    pass
-
 
 class _StoredMap(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
     # Only the keys we read; every other key (ownership, session_id, lookahead_token_ids, ...) is ignored.
@@ -112,24 +112,10 @@ class _RemovedMap(msgspec.Struct, tag_field="type", tag="BlockRemoved", gc=False
     locality: str | None = None
 
 
-class _ClearedMap(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", gc=False):
-    pass
 
+_ArrayEvent = _StoredArray | _RemovedArray | ClearedArray
+_MapEvent = _StoredMap | _RemovedMap | ClearedMap
 
-_ArrayEvent = _StoredArray | _RemovedArray | _ClearedArray
-_MapEvent = _StoredMap | _RemovedMap | _ClearedMap
-
-
-class _BatchOfArrays(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[_ArrayEvent]
-    rank: Any = None
-
-
-class _BatchOfMaps(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[_MapEvent]
-    rank: Any = None
 
 
 class _MapBatchRaw(msgspec.Struct, gc=False):  # a non-release vLLM snapshot encoded the batch as a map (§2.11)
@@ -198,10 +184,9 @@ def _convert(w: Any) -> EngineEvent:
 
 DECODER = BatchDecoder(
     "vLLM",
-    fast=[msgspec.msgpack.Decoder(_BatchOfMaps), msgspec.msgpack.Decoder(_BatchOfArrays)],
+    fast=[typed_batch_decoder(_MapEvent), typed_batch_decoder(_ArrayEvent)],
     array_event=msgspec.msgpack.Decoder(_ArrayEvent),
     map_event=msgspec.msgpack.Decoder(_MapEvent),
-    known_tags=frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"}),
     convert=_convert,
     map_batch=msgspec.msgpack.Decoder(_MapBatchRaw),
 )
