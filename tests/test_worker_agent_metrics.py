@@ -1,13 +1,16 @@
-"""Engine /metrics parsing and polling (load shipped with heartbeats)."""
+"""The engine's HTTP endpoints the agent polls: /metrics (load shipped with heartbeats) and /v1/models
+(served model and LoRA adapters)."""
 
 from __future__ import annotations
 
 import aiohttp
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from kvroute.v1 import kvroute_pb2 as pb
 from worker_agent.engine_metrics import SGLANG_METRICS, EngineLoadPoller, parse_load, parse_trtllm_stats
+from worker_agent.engine_models import EngineModelsPoller, parse_models
 
 VLLM_METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -83,23 +86,26 @@ def test_parse_without_vllm_metrics_is_an_error() -> None:
         parse_load("# nothing here\nprocess_cpu_seconds_total 3\n")
 
 
-async def test_poller_keeps_last_known_load_when_the_engine_goes_away() -> None:
+async def serve(path: str, handler) -> TestServer:
+    """A real HTTP server on a loopback port answering GET `path`."""
     app = web.Application()
+    app.router.add_get(path, handler)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    return server
+
+
+async def test_poller_keeps_last_known_load_when_the_engine_goes_away() -> None:
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(text=VLLM_METRICS)
 
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    poller = EngineLoadPoller(f"http://127.0.0.1:{port}/", timeout_s=1.0)
+    server = await serve("/metrics", metrics)
+    poller = EngineLoadPoller(str(server.make_url("/")), timeout_s=1.0)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session:
         assert await poller.poll_once(session)
         assert poller.latest.running_requests == 5 and poller.failures == 0
         observed = poller.latest.observed_unix_ms
-        await runner.cleanup()  # engine gone
+        await server.close()  # engine gone
         assert not await poller.poll_once(session)
         assert not await poller.poll_once(session)
     assert poller.failures == 2
@@ -107,25 +113,61 @@ async def test_poller_keeps_last_known_load_when_the_engine_goes_away() -> None:
 
 
 async def test_trtllm_poller_reads_json() -> None:
-    app = web.Application()
-
     async def metrics(request: web.Request) -> web.Response:
         return web.json_response([{"numActiveRequests": 2, "numQueuedRequests": 1,
                                    "kvCacheStats": {"maxNumBlocks": 10, "usedNumBlocks": 5}}])
 
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    poller = EngineLoadPoller(f"http://127.0.0.1:{port}", engine="trtllm")
+    server = await serve("/metrics", metrics)
+    poller = EngineLoadPoller(str(server.make_url("")), engine="trtllm")
     try:
         async with aiohttp.ClientSession() as session:
             assert await poller.poll_once(session)
         assert (poller.latest.running_requests, poller.latest.waiting_requests) == (2, 1)
         assert poller.latest.kv_usage == pytest.approx(0.5)
     finally:
-        await runner.cleanup()
+        await server.close()
     with pytest.raises(ValueError):
         EngineLoadPoller("http://x", engine="ollama")
+
+
+VLLM_MODELS = b"""{"object": "list", "data": [
+ {"id": "llama-70b", "object": "model", "root": "/models/llama-70b", "parent": null, "max_model_len": 8192},
+ {"id": "llama", "object": "model", "root": "/models/llama-70b", "parent": null},
+ {"id": "sql-lora", "object": "model", "root": "/adapters/sql", "parent": "llama-70b"},
+ {"id": "chat-lora", "object": "model", "root": "/adapters/chat", "parent": "llama-70b"},
+ {"id": "other", "object": "model", "root": "llama-70b"},
+ {"id": "unrelated", "object": "model", "root": "/x", "parent": "another-model"}]}"""
+
+
+def test_parse_models_finds_the_base_model_and_its_adapters() -> None:
+    assert parse_models(VLLM_MODELS, None) == ("llama-70b", ["chat-lora", "other", "sql-lora"])
+    assert parse_models(VLLM_MODELS, "llama") == ("llama", [])  # another served name: no adapter names it
+    # An adapter listed first is not taken for the base model.
+    assert parse_models(b'{"data": [{"id": "a", "parent": "b"}, {"id": "b"}]}', None) == ("b", ["a"])
+    assert parse_models(b'{"data": [{"id": "trt-model", "object": "model", "owned_by": "tensorrt_llm"}]}', None) == (
+        "trt-model", [])
+    for bad in (b"{}", b'{"data": []}', b"<html>", b'{"data": [{"object": "model"}]}'):
+        with pytest.raises(ValueError):
+            parse_models(bad, None)
+
+
+async def test_models_poller_reports_changes_only() -> None:
+    body = {"data": [{"id": "m"}, {"id": "sql", "parent": "m"}]}
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response(body)
+
+    server = await serve("/v1/models", models)
+    seen: list[list[str]] = []
+    poller = EngineModelsPoller(str(server.make_url("")), None, seen.append)
+    try:
+        assert await poller.discover() == "m" and seen == [["sql"]]
+        async with aiohttp.ClientSession() as session:
+            assert await poller.poll_once(session) and seen == [["sql"]]
+            body["data"].append({"id": "chat", "parent": "m"})
+            assert await poller.poll_once(session) and seen == [["sql"], ["chat", "sql"]]
+            await server.close()
+            assert not await poller.poll_once(session)
+        assert poller.failures == 1 and poller.adapters == ["chat", "sql"]  # last known kept
+    finally:
+        await server.close()
