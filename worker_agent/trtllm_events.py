@@ -144,9 +144,8 @@ class TrtllmEventConverter:
         self._last_id: dict[int | None, int] = {}
         self.last_bad_event: str | None = None  # why the last rejected event was rejected (for the log)
 
-    def forget(self, rank: int | None) -> None:
-        """Sequence tracking for a rank starts over (the agent reset it for another reason)."""
-        self._last_id.pop(rank, None)
+    def last_event_id(self, rank: int | None) -> int | None:
+        return self._last_id.get(rank)
 
     # ------------------------------------------------------------------ decode
 
