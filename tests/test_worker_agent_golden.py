@@ -55,6 +55,7 @@ def test_msgpack_fixture_decodes_to_the_expected_events(path: Path) -> None:
     assert batch.seq == 7 and batch.dp_rank == expected["dp_rank"]
     assert batch.events == [event(e) for e in expected["events"]]
     assert batch.unknown_events == expected["unknown_events"] and len(batch.bad_events) == expected["bad_events"]
+    assert batch.unknown_fields == expected["unknown_fields"]
     resolver = BlockResolver(MODEL)
     resolver.apply(batch.events)
     check_routes(resolver, expected["routes"])

@@ -16,8 +16,8 @@ enc = msgspec.msgpack.encode
 def test_array_position_7_is_not_a_lora_name() -> None:
     # vLLM puts lora_name at position 7; SGLang arrays end at medium (6). A longer array from a future
     # release must not turn its 8th element into an adapter.
-    (event,) = decode_payload(0, enc([1.0, [["BlockStored", [-1], None, [1, 2], 2, None, "GPU", "not-a-lora"]], 0])).events
-    assert event == BlockStored([2**64 - 1], None, [1, 2], 2)
+    batch = decode_payload(0, enc([1.0, [["BlockStored", [-1], None, [1, 2], 2, None, "GPU", "not-a-lora"]], 0]))
+    assert batch.events == [BlockStored([2**64 - 1], None, [1, 2], 2)] and batch.unknown_fields == ["event 0: $[7:]"]
 
 
 def test_bad_and_unknown_events_keep_their_neighbours() -> None:

@@ -210,6 +210,7 @@ def test_unknown_tags_and_fields_are_tolerated_and_reported() -> None:
     batch = decode_payload(0, enc([1.0, events, 0]))
     assert [type(e) for e in batch.events] == [BlockStored, BlockStored, BlockRemoved]
     assert batch.unknown_events == ["FutureEvent", "BlockUpdated"] and batch.bad_events == []
+    assert batch.unknown_fields == ["event 0: $[12:]", "event 1: $.some_future_field"]  # counted, the events apply
 
 
 def test_a_bad_event_does_not_lose_its_neighbours() -> None:

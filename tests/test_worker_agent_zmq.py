@@ -182,13 +182,14 @@ async def test_malformed_and_truncated_frames_between_valid_batches(ctx, caplog)
         await engine.pub.send_multipart([b"", b"\x00\x00\x01", payload(root_store(1))])  # 3-byte sequence frame
         await engine.pub.send_multipart(frames(1, b"\xc1\xc1garbage\xc1"))       # garbage payload (seq 1 used up)
         await engine.pub.send_multipart(frames(2, payload(root_store(2))[:-7]))   # truncated payload (seq 2 used up)
-        await engine.publish(3, payload(root_store(30), ["BlockStored", "broken"], {"type": "NewEvent"}, root_store(31)))
+        await engine.publish(3, payload(root_store(30), ["BlockStored", "broken"], {"type": "NewEvent"},
+                                        {**root_store(31), "new_field": [1]}))
         await engine.publish(4, payload(root_store(40)))
         await settle(lambda: agent.applied == [0, 3, 4])
         assert agent.applied == [0, 3, 4]
         assert agent.keys() == {key(1000), key(30), key(31), key(40)}  # neighbours of the bad event applied too
         c = agent.source.counters
-        assert (c.malformed_frames, c.malformed_events, c.unknown_events) == (4, 1, 1)
+        assert (c.malformed_frames, c.malformed_events, c.unknown_events, c.unknown_fields) == (4, 1, 1, 1)
         assert c.gaps == 0 and c.sequence_resets == 0 and agent.resets == [] and agent.source.last_seq == 4
         log = caplog.text
         assert "malformed KV event frame dropped: expected 3 frames (topic, seq, payload), got 2" in log
@@ -197,6 +198,7 @@ async def test_malformed_and_truncated_frames_between_valid_batches(ctx, caplog)
         assert "seq 2 dropped" not in log  # a second payload error within 5 s: rate-limited (still counted)
         assert "KV event batch seq 3: 1 malformed events skipped" in log
         assert "unknown event types ['NewEvent'] skipped" in log
+        assert "KV event batch seq 3: fields not known to this agent dropped (event 3: $.new_field)" in log
     finally:
         await agent.close()
         await engine.close()

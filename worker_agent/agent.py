@@ -53,6 +53,7 @@ COUNTER_HELP = {
     "malformed_frames": "ZMQ messages or HTTP bodies that could not be decoded (dropped)",
     "malformed_events": "single events rejected inside otherwise good batches",
     "unknown_events": "events with an unknown type tag (skipped)",
+    "unknown_fields": "events carrying fields this agent does not know (dropped; the event applies)",
     "gaps": "sequence gaps in the engine's KV event stream",
     "unrecoverable_gaps": "gaps the replay could not fill (worker state reset)",
     "replays": "replay requests sent to the engine",

@@ -64,6 +64,8 @@ class DecodedBatch(msgspec.Struct, gc=False):
     events: list[EngineEvent] = msgspec.field(default_factory=list)
     bad_events: list[str] = msgspec.field(default_factory=list)      # "event <i>: <why>" per rejected event
     unknown_events: list[str] = msgspec.field(default_factory=list)  # tags we do not know (tolerated)
+    unknown_fields: list[str] = msgspec.field(default_factory=list)  # "event <i>: <paths>" per event with fields
+                                                                      # we do not know (dropped, event kept)
 
 
 def normalize_hash(value: int | bytes | str) -> int:

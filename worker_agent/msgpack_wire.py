@@ -3,10 +3,13 @@ three ZMQ frames (topic, 8-byte big-endian unsigned sequence, msgpack batch), a 
 positional array `[ts, events(, rank)]`, and events that are tagged arrays or tagged maps.
 
 `BatchDecoder` is the decoding strategy every dialect uses: one typed msgspec decode of the whole
-batch (the fast path, one C call per batch; the variant that decoded last is tried first); if any
+batch (the fast path, one C call per batch; the era that decoded last is tried first); if any
 event in it does not fit, the batch is decoded again event by event, so a malformed event is
-reported in `DecodedBatch.bad_events` and an unknown tag in `DecodedBatch.unknown_events` while
-the events around them are kept. Frame-level problems raise a `WireFormatError` subclass.
+reported in `DecodedBatch.bad_events`, an unknown tag in `DecodedBatch.unknown_events` and an event
+with fields the dialect does not declare (a newer release) in `DecodedBatch.unknown_fields`, while
+the events around them are kept. The wire structs forbid unknown fields, which is what sends such
+an event to the per-event path, where they are stripped and counted (`unknown_fields`).
+Frame-level problems raise a `WireFormatError` subclass.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 import msgspec
 
 from worker_agent.events import DecodedBatch, EngineEvent, EventError, UnknownEventError
+from worker_agent.unknown_fields import strip_unknown_fields
 
 TOPIC, SEQ, PAYLOAD = 0, 1, 2  # frame positions
 EVENT_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})  # every msgpack dialect's tags
@@ -56,11 +60,11 @@ def is_msgpack_map(first_byte: int) -> bool:
     return 0x80 <= first_byte <= 0x8F or first_byte in (0xDE, 0xDF)
 
 
-class ClearedArray(msgspec.Struct, array_like=True, tag="AllBlocksCleared", gc=False):
+class ClearedArray(msgspec.Struct, array_like=True, tag="AllBlocksCleared", forbid_unknown_fields=True, gc=False):
     """AllBlocksCleared, array era: `["AllBlocksCleared"]` (no fields in any engine)."""
 
 
-class ClearedMap(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", gc=False):
+class ClearedMap(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", forbid_unknown_fields=True, gc=False):
     """AllBlocksCleared, map era: `{"type": "AllBlocksCleared"}`."""
 
 
@@ -85,18 +89,19 @@ _dec_any = msgspec.msgpack.Decoder()
 class BatchDecoder:
     """One dialect's payload decoder.
 
-    `fast`: typed batch decoders (structs with fields ts, events, rank; events typed), tried in
-    move-to-front order. `array_event` / `map_event`: typed single-event decoders for the slow path.
-    `convert`: wire struct -> engine-neutral event (raises EventError). `map_batch`: a decoder for a
-    batch encoded as a map, or None if the dialect never sends one.
+    `array_events` / `map_events`: the tagged-union types of its array-era and map-era events (wire
+    structs with forbid_unknown_fields). `convert`: wire struct -> engine-neutral event (raises
+    EventError). `map_batch`: a decoder for a batch encoded as a map, or None if the dialect never
+    sends one.
     """
 
-    def __init__(self, name: str, *, fast: list[msgspec.msgpack.Decoder], array_event: msgspec.msgpack.Decoder,
-                 map_event: msgspec.msgpack.Decoder, convert: Callable[[Any], EngineEvent],
+    def __init__(self, name: str, *, array_events: Any, map_events: Any, convert: Callable[[Any], EngineEvent],
                  map_batch: msgspec.msgpack.Decoder | None = None, known_tags: frozenset[str] = EVENT_TAGS) -> None:
         self.name = name
-        self._fast = list(fast)
-        self._array_event, self._map_event = array_event, map_event
+        self._fast = [typed_batch_decoder(map_events), typed_batch_decoder(array_events)]
+        self._array_type, self._map_type = array_events, map_events
+        self._array_event = msgspec.msgpack.Decoder(array_events)
+        self._map_event = msgspec.msgpack.Decoder(map_events)
         self._known_tags, self._convert = known_tags, convert
         self._raw_batch = msgspec.msgpack.Decoder(RawArrayBatch)
         self._map_batch = map_batch
@@ -119,7 +124,7 @@ class BatchDecoder:
             try:
                 batch = decoder.decode(payload)
             except msgspec.ValidationError:
-                continue  # another variant, a bad/unknown event, or a bad batch: find out below
+                continue  # the other era, a bad/unknown event, unknown fields, or a bad batch: find out below
             except msgspec.DecodeError as exc:
                 raise PayloadError(f"payload is not msgpack (garbage or truncated): {exc}") from None
             if i:
@@ -132,21 +137,35 @@ class BatchDecoder:
         return self._decode_slow(seq, payload, self._raw_batch)
 
     def decode_event(self, buf: bytes | msgspec.Raw) -> EngineEvent:
-        """One msgpack-encoded event (tagged array or tagged map). Raises EventError / UnknownEventError."""
+        """One msgpack-encoded event (tagged array or tagged map); unknown fields are dropped.
+        Raises EventError / UnknownEventError."""
+        return self._decode_event(buf)[0]
+
+    def _decode_event(self, buf: bytes | msgspec.Raw) -> tuple[EngineEvent, list[str]]:
+        """(event, paths of the unknown fields it carried)."""
         try:
             first = memoryview(buf)[0]
         except IndexError:
             raise EventError("empty event") from None
+        is_map = is_msgpack_map(first)
         try:
-            wire = (self._map_event if is_msgpack_map(first) else self._array_event).decode(buf)
+            return self._convert((self._map_event if is_map else self._array_event).decode(buf)), []
         except msgspec.ValidationError as exc:
-            tag = _tag_of(buf)
-            if isinstance(tag, str) and tag not in self._known_tags:
-                raise UnknownEventError(tag) from None
-            raise EventError(str(exc)) from None
+            error = str(exc)
         except msgspec.DecodeError as exc:  # pragma: no cover - a Raw slice of a decoded batch is valid msgpack
             raise EventError(f"not msgpack: {exc}") from None
-        return self._convert(wire)
+        raw = _dec_any.decode(buf)
+        tag = _tag_of(raw)
+        if isinstance(tag, str) and tag not in self._known_tags:
+            raise UnknownEventError(tag)
+        union = self._map_type if is_map else self._array_type
+        cleaned, unknown = strip_unknown_fields(raw, union)
+        if not unknown:
+            raise EventError(error)
+        try:
+            return self._convert(msgspec.convert(cleaned, union)), unknown
+        except msgspec.ValidationError as exc:
+            raise EventError(str(exc)) from None
 
     def _decode_slow(self, seq: int, payload: bytes, decoder: msgspec.msgpack.Decoder) -> DecodedBatch:
         try:
@@ -158,7 +177,10 @@ class BatchDecoder:
         out = DecodedBatch(seq, batch.ts, _rank(batch.rank))
         for i, raw in enumerate(batch.events):
             try:
-                out.events.append(self.decode_event(raw))
+                event, unknown = self._decode_event(raw)
+                out.events.append(event)
+                if unknown:
+                    out.unknown_fields.append(f"event {i}: {', '.join(unknown)}")
             except UnknownEventError as exc:
                 out.unknown_events.append(exc.tag)
             except EventError as exc:
@@ -166,11 +188,7 @@ class BatchDecoder:
         return out
 
 
-def _tag_of(buf: bytes | msgspec.Raw) -> object:
-    try:
-        raw = _dec_any.decode(buf)
-    except msgspec.DecodeError:  # pragma: no cover
-        return None
+def _tag_of(raw: object) -> object:
     if isinstance(raw, dict):
         return raw.get("type")
     if isinstance(raw, list) and raw:

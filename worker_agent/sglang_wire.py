@@ -38,13 +38,13 @@ from worker_agent.events import (
     normalize_hashes,
     normalize_medium,
 )
-from worker_agent.msgpack_wire import BatchDecoder, ClearedArray, ClearedMap, typed_batch_decoder
+from worker_agent.msgpack_wire import BatchDecoder, ClearedArray, ClearedMap
 
 _Hash = int | bytes
 _Token = int | list[int]  # list: an EAGLE bigram pair
 
 
-class _StoredArray(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
+class _StoredArray(msgspec.Struct, array_like=True, tag="BlockStored", forbid_unknown_fields=True, gc=False):
     block_hashes: list[_Hash]
     parent_block_hash: _Hash | None
     token_ids: list[_Token]
@@ -53,13 +53,13 @@ class _StoredArray(msgspec.Struct, array_like=True, tag="BlockStored", gc=False)
     medium: str | None = None           # 0.5.9+
 
 
-class _RemovedArray(msgspec.Struct, array_like=True, tag="BlockRemoved", gc=False):
+class _RemovedArray(msgspec.Struct, array_like=True, tag="BlockRemoved", forbid_unknown_fields=True, gc=False):
     block_hashes: list[_Hash]
     medium: str | None = None           # 0.5.9+
 
 
 
-class _StoredMap(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
+class _StoredMap(msgspec.Struct, tag_field="type", tag="BlockStored", forbid_unknown_fields=True, gc=False):
     block_hashes: list[_Hash]
     token_ids: list[_Token]
     block_size: int
@@ -67,10 +67,11 @@ class _StoredMap(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
     lora_id: Any = None
     medium: str | None = None
     cache_salt: str | None = None       # 0.5.20+
+    session_id: Any = None              # 0.5.20+, not needed
     lora_name: str | None = None        # 0.5.22+
 
 
-class _RemovedMap(msgspec.Struct, tag_field="type", tag="BlockRemoved", gc=False):
+class _RemovedMap(msgspec.Struct, tag_field="type", tag="BlockRemoved", forbid_unknown_fields=True, gc=False):
     block_hashes: list[_Hash]
     medium: str | None = None
 
@@ -113,9 +114,8 @@ def _convert(w: Any) -> EngineEvent:
 
 DECODER = BatchDecoder(
     "SGLang",
-    fast=[typed_batch_decoder(_MapEvent), typed_batch_decoder(_ArrayEvent)],
-    array_event=msgspec.msgpack.Decoder(_ArrayEvent),
-    map_event=msgspec.msgpack.Decoder(_MapEvent),
+    array_events=_ArrayEvent,
+    map_events=_MapEvent,
     convert=_convert,
 )
 

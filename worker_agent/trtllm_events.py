@@ -6,7 +6,8 @@ The body is a JSON array drained from the engine's queue since the last call:
 `{"event_id", "data": {"type": "created" | "stored" | "removed" | "updated", ...}, "window_size",
 "attention_dp_rank"?, "layer_group_id"?, "hash_algo"?}`. Decoded with msgspec (64-bit safe: hashes
 are uint64 up to 2**64-1); one typed decode per body, per-event decoding only when something in it
-does not fit (a bad event is counted, its neighbours apply; unknown types are counted and skipped).
+does not fit (a bad event is counted, its neighbours apply; unknown types are counted and skipped;
+unknown fields are counted and dropped, the event applies).
 
 - Hashes: uint64 ints (`v1_block_key`, `v2_sha256_64`) or 64-hex strings (`v2_sha256`): opaque ids.
 - `stored`: block i's parent is block i-1, the first block's is `parent_hash`. Each block carries its
@@ -35,16 +36,18 @@ from typing import Any
 import msgspec
 
 from worker_agent.events import BlockRemoved, BlockStored, EngineEvent, EventError, normalize_hash
+from worker_agent.unknown_fields import strip_unknown_fields
 
 _Hash = int | str
 
 
-class _Token(msgspec.Struct, gc=False):
+class _Token(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     token_id: int | str
     token_extra_id: int = 0
+    type: str | None = None  # "unique_token"
 
 
-class _Block(msgspec.Struct, gc=False):
+class _Block(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     block_hash: _Hash
     tokens: list[_Token]
     lora_id: int | None = None
@@ -52,35 +55,39 @@ class _Block(msgspec.Struct, gc=False):
     priority: int = 0
     mm_keys: list[Any] | None = None
     cache_salt: str | None = None
+    type: str | None = None  # "stored_block"
 
 
-class _Created(msgspec.Struct, tag_field="type", tag="created", gc=False):
+class _Created(msgspec.Struct, tag_field="type", tag="created", forbid_unknown_fields=True, gc=False):
     num_blocks_per_cache_level: list[int] = msgspec.field(default_factory=list)
 
 
-class _Stored(msgspec.Struct, tag_field="type", tag="stored", gc=False):
+class _Stored(msgspec.Struct, tag_field="type", tag="stored", forbid_unknown_fields=True, gc=False):
     blocks: list[_Block]
     parent_hash: _Hash | None = None
 
 
-class _Removed(msgspec.Struct, tag_field="type", tag="removed", gc=False):
+class _Removed(msgspec.Struct, tag_field="type", tag="removed", forbid_unknown_fields=True, gc=False):
     block_hashes: list[_Hash]
 
 
-class _Updated(msgspec.Struct, tag_field="type", tag="updated", gc=False):
+class _Updated(msgspec.Struct, tag_field="type", tag="updated", forbid_unknown_fields=True, gc=False):
     block_hash: _Hash
+    cache_level: Any = None
+    priority: Any = None
 
 
 class _Unreadable(msgspec.Struct, gc=False):
     """Stands in for an event that could not be decoded but whose event_id could: it still counts in the sequence."""
 
 
-class _Event(msgspec.Struct, gc=False):
+class _Event(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     event_id: int
     data: _Created | _Stored | _Removed | _Updated
     window_size: int = 0
     attention_dp_rank: int | None = None
     layer_group_id: int | None = None
+    hash_algo: str | None = None
 
 
 _KNOWN_TYPES = frozenset({"created", "stored", "removed", "updated"})
@@ -99,6 +106,7 @@ class TrtllmCounters:
     malformed_frames: int = 0       # response bodies that could not be decoded
     malformed_events: int = 0       # single events rejected inside otherwise good bodies
     unknown_events: int = 0         # events with an unknown data type (skipped)
+    unknown_fields: int = 0         # events carrying fields we do not know (dropped; the event applies)
     gaps: int = 0                   # event_id jumped forward
     unrecoverable_gaps: int = 0     # every gap on the pull path: no replay -> rank state reset
     sequence_resets: int = 0        # event_id went back: engine restarted
@@ -143,6 +151,7 @@ class TrtllmEventConverter:
         self._widest_seen: int | None = None    # stand-in until a `created` event arrives
         self._last_id: dict[int | None, int] = {}
         self.last_bad_event: str | None = None  # why the last rejected event was rejected (for the log)
+        self.last_unknown_fields: list[str] | None = None  # the last event's fields we do not know (for the log)
 
     def last_event_id(self, rank: int | None) -> int | None:
         return self._last_id.get(rank)
@@ -167,8 +176,18 @@ class TrtllmEventConverter:
                 out.append(_dec_event.decode(raw))
                 continue
             except msgspec.ValidationError as exc:
-                self.last_bad_event = str(exc)
+                error = str(exc)
             generic = _dec_any.decode(raw)
+            cleaned, unknown = strip_unknown_fields(generic, _Event)
+            if unknown:
+                try:
+                    out.append(msgspec.convert(cleaned, _Event))
+                    self.counters.unknown_fields += 1
+                    self.last_unknown_fields = unknown
+                    continue
+                except msgspec.ValidationError as exc:
+                    error = str(exc)
+            self.last_bad_event = error
             if not isinstance(generic, dict):
                 generic = {}
             data = generic.get("data")

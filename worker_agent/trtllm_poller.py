@@ -71,9 +71,14 @@ class TrtllmEventPoller:
             self.converter.counters.malformed_frames += 1
             self._log.warning("body", "KV event response dropped: %s", exc)
             return True
-        if self.converter.last_bad_event:
-            self._log.warning("bad_event", "KV event skipped: %s", self.converter.last_bad_event)
-            self.converter.last_bad_event = None
+        converter = self.converter
+        if converter.last_bad_event:
+            self._log.warning("bad_event", "KV event skipped: %s", converter.last_bad_event)
+            converter.last_bad_event = None
+        if converter.last_unknown_fields:
+            self._log.warning("unknown_fields", "KV event fields not known to this agent dropped: %s",
+                              ", ".join(converter.last_unknown_fields))
+            converter.last_unknown_fields = None
         for action in actions:
             if type(action) is RankEvents:
                 self.last_event_id = action.last_id

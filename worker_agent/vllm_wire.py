@@ -54,7 +54,6 @@ from worker_agent.msgpack_wire import (
     SequenceFrameError,
     WireFormatError,
     split_frames,
-    typed_batch_decoder,
 )
 
 __all__ = ["U64", "AllBlocksCleared", "BatchShapeError", "BlockRemoved", "BlockStored", "DecodedBatch", "EngineEvent",
@@ -66,7 +65,7 @@ __all__ = ["U64", "AllBlocksCleared", "BatchShapeError", "BlockRemoved", "BlockS
 _Hash = int | bytes
 
 
-class _StoredArray(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
+class _StoredArray(msgspec.Struct, array_like=True, tag="BlockStored", forbid_unknown_fields=True, gc=False):
     # Positions of spec §2.3. Missing trailing fields (older versions) take the defaults;
     # extra trailing elements (newer versions) are ignored by msgspec.
     block_hashes: list[_Hash]
@@ -79,18 +78,18 @@ class _StoredArray(msgspec.Struct, array_like=True, tag="BlockStored", gc=False)
     extra_keys: Any = None              # 0.17+
     group_idx: int | None = None        # 0.20+
     kv_cache_spec_kind: str | None = None  # 0.22+
-    # position 11, kv_cache_spec_sliding_window (0.22+): not needed
+    kv_cache_spec_sliding_window: Any = None  # 0.22+, not needed
 
 
-class _RemovedArray(msgspec.Struct, array_like=True, tag="BlockRemoved", gc=False):
+class _RemovedArray(msgspec.Struct, array_like=True, tag="BlockRemoved", forbid_unknown_fields=True, gc=False):
     block_hashes: list[_Hash]
     medium: str | None = None           # 0.10.2+
     group_idx: int | None = None        # 0.20+
 
 
 
-class _StoredMap(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
-    # Only the keys we read; every other key (ownership, session_id, lookahead_token_ids, ...) is ignored.
+class _StoredMap(msgspec.Struct, tag_field="type", tag="BlockStored", forbid_unknown_fields=True, gc=False):
+    # Every key of spec §2.3 / §5.4 (a key not here is counted as unknown); the last four are not needed.
     block_hashes: list[_Hash]
     parent_block_hash: _Hash | None     # always written by vLLM (no default): required
     token_ids: list[int | str]          # str: a TRT-LLM multimodal token digest
@@ -103,13 +102,18 @@ class _StoredMap(msgspec.Struct, tag_field="type", tag="BlockStored", gc=False):
     kv_cache_spec_kind: str | None = None
     locality: str | None = None         # 0.26+
     mm_keys: Any = None                 # TRT-LLM streaming: per block, a list of multimodal keys
+    kv_cache_spec_sliding_window: Any = None  # 0.22+
+    ownership: Any = None               # 0.29+
+    session_id: Any = None              # 0.30+
+    lookahead_token_ids: Any = None     # 0.33+
 
 
-class _RemovedMap(msgspec.Struct, tag_field="type", tag="BlockRemoved", gc=False):
+class _RemovedMap(msgspec.Struct, tag_field="type", tag="BlockRemoved", forbid_unknown_fields=True, gc=False):
     block_hashes: list[_Hash]
     medium: str | None = None
     group_idx: int | None = None
     locality: str | None = None
+    ownership: Any = None               # 0.29+, not needed
 
 
 
@@ -184,9 +188,8 @@ def _convert(w: Any) -> EngineEvent:
 
 DECODER = BatchDecoder(
     "vLLM",
-    fast=[typed_batch_decoder(_MapEvent), typed_batch_decoder(_ArrayEvent)],
-    array_event=msgspec.msgpack.Decoder(_ArrayEvent),
-    map_event=msgspec.msgpack.Decoder(_MapEvent),
+    array_events=_ArrayEvent,
+    map_events=_MapEvent,
     convert=_convert,
     map_batch=msgspec.msgpack.Decoder(_MapBatchRaw),
 )

@@ -54,6 +54,7 @@ class SourceCounters:
     malformed_frames: int = 0     # ZMQ messages (live or replayed) that could not be decoded
     malformed_events: int = 0     # single events rejected inside otherwise good batches
     unknown_events: int = 0       # events with an unknown tag (skipped)
+    unknown_fields: int = 0       # events carrying fields we do not know (dropped; the event applies)
     gaps: int = 0                 # seq jumped forward
     unrecoverable_gaps: int = 0   # gaps the replay could not fill -> worker state reset
     replays: int = 0              # replay requests sent
@@ -218,6 +219,10 @@ class ZmqEventSource:
             c.malformed_events += len(batch.bad_events)
             self._log.warning("bad_event", "KV event batch seq %d: %d malformed events skipped (first: %s)",
                                          batch.seq, len(batch.bad_events), batch.bad_events[0])
+        if batch.unknown_fields:
+            c.unknown_fields += len(batch.unknown_fields)
+            self._log.warning("unknown_fields", "KV event batch seq %d: fields not known to this agent dropped (%s)",
+                              batch.seq, "; ".join(batch.unknown_fields[:3]))
         if batch.unknown_events:
             c.unknown_events += len(batch.unknown_events)
             self._log.warning("unknown_event", "KV event batch seq %d: unknown event types %s skipped", batch.seq,
