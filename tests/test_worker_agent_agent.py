@@ -454,7 +454,7 @@ def test_cli_defaults_and_config() -> None:
         "127.0.0.1:50051", "vllm", "tcp://127.0.0.1:5557", False, None)
     assert (args.engine_url, args.worker_id, args.model, args.block_size, args.metrics_port, args.topic) == (
         "http://127.0.0.1:8000", None, None, 16, 0, "")
-    assert (args.kv_events_transport, args.data_parallel_size, args.data_parallel_rank_start) == (None, None, 0)
+    assert (args.kv_events_transport, args.data_parallel_size, args.data_parallel_rank_start) == ("auto", None, 0)
     config = cli.config_from_args(parse("--kv-events", "tcp://0.0.0.0:5557", "--kv-events-bind", "--replay-endpoint",
                                         "tcp://10.0.0.7:5558", "--engine-url", "http://10.0.0.7:8000", "--model", "m",
                                         "--block-size", "32", "--metrics-port", "9400", "--log-level", "debug"))
@@ -485,7 +485,7 @@ def test_cli_engines_transports_and_data_parallel_ranks() -> None:
 
 @pytest.mark.parametrize("argv, message", [
     (("--engine", "ollama"), "engine 'ollama' is not supported"),
-    (("--kv-events-transport", "grpc"), "transport 'grpc' is not one of zmq, http"),
+    (("--kv-events-transport", "grpc"), "transport 'grpc' is not one of zmq, http, auto"),
     (("--block-size", "0"), "expected a positive integer"),
     (("--data-parallel-size", "0"), "expected a positive integer"),
     (("--data-parallel-size", "two"), "expected a positive integer, got 'two'"),

@@ -36,8 +36,8 @@ def _engine(value: str) -> str:
 
 
 def _transport(value: str) -> str:
-    if value not in TRANSPORTS:
-        raise argparse.ArgumentTypeError(f"transport {value!r} is not one of {', '.join(TRANSPORTS)}")
+    if value != "auto" and value not in TRANSPORTS:
+        raise argparse.ArgumentTypeError(f"transport {value!r} is not one of {', '.join(TRANSPORTS)}, auto")
     return value
 
 
@@ -82,11 +82,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control-plane", default="127.0.0.1:50051", metavar="HOST:PORT", help="control plane gRPC address")
     p.add_argument("--engine", default="vllm", type=_engine, metavar="{vllm,sglang,trtllm}",
                    help="engine kind whose KV events to read (each has its own wire format)")
-    p.add_argument("--kv-events-transport", default=None, type=_transport, metavar="{zmq,http}",
+    p.add_argument("--kv-events-transport", default="auto", type=_transport, metavar="{zmq,http,auto}",
                    help="how KV events arrive: zmq = the engine's ZMQ publisher at --kv-events (vLLM, SGLang, and "
                         "TensorRT-LLM's streaming publisher); http = TensorRT-LLM's pull path, POST /kv_cache_events on "
                         "--engine-url (trtllm-serve with kv_cache_config.event_buffer_max_size > 0; one poller per "
-                        "server). Default: http for trtllm, zmq otherwise")
+                        "server); auto = http for trtllm, zmq otherwise")
     p.add_argument("--kv-events", default="tcp://127.0.0.1:5557", metavar="ENDPOINT",
                    help="engine's ZMQ KV-event PUB endpoint (the agent connects to it); with data parallelism, "
                         "rank 0's: rank r publishes on port + r")
@@ -123,7 +123,8 @@ def config_from_args(args: argparse.Namespace):
 
     return AgentConfig(control_plane=args.control_plane, kv_events=args.kv_events, engine_url=args.engine_url,
                        worker_id=args.worker_id, model=args.model, block_size=args.block_size, engine=args.engine,
-                       kv_events_transport=args.kv_events_transport, replay_endpoint=args.replay_endpoint,
+                       kv_events_transport=None if args.kv_events_transport == "auto" else args.kv_events_transport,
+                       replay_endpoint=args.replay_endpoint,
                        kv_events_bind=args.kv_events_bind, topic=args.topic,
                        kv_events_poll_interval_s=args.kv_events_poll_interval_ms / 1000,
                        data_parallel_size=args.data_parallel_size, data_parallel_rank_start=args.data_parallel_rank_start,
