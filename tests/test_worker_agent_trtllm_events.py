@@ -68,3 +68,18 @@ def test_bodies(raw: bytes, message: str | None) -> None:
         return
     with pytest.raises(BodyError, match=message):
         c.feed(raw)
+
+
+def test_token_extra_ids_and_multimodal_keys_stop_the_chain_at_their_block() -> None:
+    def block(h: int, extra: int = 0, **more) -> dict:
+        return {"type": "stored_block", "block_hash": h, "cache_level": 0, "priority": 35, **more,
+                "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": extra} for t in (1, 2)]}
+
+    event = {"event_id": 0, "window_size": 64, "data": {"type": "stored", "parent_hash": None, "blocks": [
+        block(1), block(2), block(3, extra=7), block(4)]}}
+    ((stored,),) = [a.events for a in TrtllmEventConverter().feed(body(event))]
+    assert stored == BlockStored([1, 2, 3, 4], None, [1, 2] * 4, 2, unkeyable_from=2)
+    event["data"]["blocks"] = [block(1, mm_keys=[{"type": "mm_key", "hash": "ab" * 32, "uuid": "cd" * 8,
+                                                  "start_offset": 0}]), block(2)]
+    ((stored,),) = [a.events for a in TrtllmEventConverter().feed(body(event))]
+    assert stored.unkeyable_from == 0
