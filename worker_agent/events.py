@@ -86,6 +86,17 @@ def normalize_hash(value: int | bytes | str) -> int:
     raise EventError(f"block hash must be int, bytes or a hex string, got {type(value).__name__}")
 
 
+def normalize_parent(value: int | bytes | str | None) -> int | None:
+    """A parent hash (None: the block starts a prompt)."""
+    return None if value is None else normalize_hash(value)
+
+
+def check_block_size(block_size: int) -> int:
+    if block_size <= 0:
+        raise EventError(f"block_size must be positive, got {block_size}")
+    return block_size
+
+
 def normalize_hashes(values: list) -> list[int]:
     for h in values:  # common case (vLLM >= 0.10.2 default): already u64 ints, keep the list as decoded
         if type(h) is not int or h < 0:

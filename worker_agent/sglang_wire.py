@@ -34,9 +34,10 @@ from worker_agent.events import (
     BlockStored,
     EngineEvent,
     EventError,
-    normalize_hash,
+    check_block_size,
     normalize_hashes,
     normalize_medium,
+    normalize_parent,
 )
 from worker_agent.msgpack_wire import BatchDecoder, ClearedArray, ClearedMap
 
@@ -93,17 +94,15 @@ def first_of_pairs(token_ids: list) -> list[int]:
 def _convert(w: Any) -> EngineEvent:
     t = type(w)
     if t is _StoredMap or t is _StoredArray:
-        if w.block_size <= 0:
-            raise EventError(f"block_size must be positive, got {w.block_size}")
+        block_size = check_block_size(w.block_size)
         tokens = w.token_ids
         if tokens and type(tokens[0]) is list:
             tokens = first_of_pairs(tokens)
         hashes = normalize_hashes(w.block_hashes)
         # One hash per page means exactly n pages of tokens; more is a radix-node hash (0.4.7).
-        unkeyable = 0 if len(tokens) > len(hashes) * w.block_size else None
-        parent = w.parent_block_hash
+        unkeyable = 0 if len(tokens) > len(hashes) * block_size else None
         is_map = t is _StoredMap
-        return BlockStored(hashes, None if parent is None else normalize_hash(parent), tokens, w.block_size,
+        return BlockStored(hashes, normalize_parent(w.parent_block_hash), tokens, block_size,
                            w.lora_name if is_map else None, normalize_medium(w.medium),
                            cache_salt=w.cache_salt if is_map else None,
                            lora_id=w.lora_id if type(w.lora_id) is int else None, unkeyable_from=unkeyable)

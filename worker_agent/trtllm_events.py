@@ -35,7 +35,7 @@ from typing import Any
 
 import msgspec
 
-from worker_agent.events import BlockRemoved, BlockStored, EngineEvent, EventError, normalize_hash
+from worker_agent.events import BlockRemoved, BlockStored, EngineEvent, EventError, normalize_hash, normalize_parent
 from worker_agent.unknown_fields import strip_unknown_fields
 
 _Hash = int | str
@@ -280,7 +280,7 @@ class TrtllmEventConverter:
         if not blocks:
             return []
         out: list[EngineEvent] = []
-        parent = None if data.parent_hash is None else normalize_hash(data.parent_hash)
+        parent = normalize_parent(data.parent_hash)
         first = blocks[0]
         start = 0
         while start < len(blocks):

@@ -39,10 +39,12 @@ from worker_agent.events import (  # re-exported: the simulator, bench and sim-e
     EngineEvent,
     EventError,
     UnknownEventError,
+    check_block_size,
     is_remote,
     normalize_hash,
     normalize_hashes,
     normalize_medium,
+    normalize_parent,
 )
 from worker_agent.msgpack_wire import (
     BatchDecoder,
@@ -161,8 +163,7 @@ def _first_multimodal_block(mm_keys: object) -> int | None:
 def _convert(w: Any) -> EngineEvent:
     t = type(w)
     if t is _StoredMap or t is _StoredArray:
-        if w.block_size <= 0:
-            raise EventError(f"block_size must be positive, got {w.block_size}")
+        check_block_size(w.block_size)
         parent = w.parent_block_hash
         lora_id = w.lora_id if type(w.lora_id) is int else None
         salt = unkeyable = None
@@ -175,7 +176,7 @@ def _convert(w: Any) -> EngineEvent:
                 mm = _first_multimodal_block(w.mm_keys)
                 if mm is not None and (unkeyable is None or mm < unkeyable):
                     unkeyable = mm
-        return BlockStored(normalize_hashes(w.block_hashes), None if parent is None else normalize_hash(parent),
+        return BlockStored(normalize_hashes(w.block_hashes), normalize_parent(parent),
                            w.token_ids, w.block_size, w.lora_name, normalize_medium(w.medium), w.group_idx,
                            w.kv_cache_spec_kind, salt, lora_id, remote, unkeyable)
     if t is _RemovedMap:
