@@ -242,6 +242,7 @@ class WorkerAgent:
                                               config.engine, config.block_size, endpoint, data_parallel_rank=rank),
                        lambda: self.load.latest)
             for rank in (ranks or [None])]
+        self._by_rank = {w.rank: w for w in self.workers}
         self._zmq: zmq.asyncio.Context | None = None
         self.poller: TrtllmEventPoller | None = None
         if config.transport == "zmq":
@@ -254,7 +255,6 @@ class WorkerAgent:
                                           replay, decode=decode, expected_rank=w.rank, bind=config.kv_events_bind,
                                           topic=config.topic, replay_timeout_s=config.replay_timeout_s, context=self._zmq)
         else:
-            self._by_rank = {w.rank: w for w in self.workers}
             self.poller = TrtllmEventPoller(config.engine_url, TrtllmEventConverter(ranks), self._on_rank_batch,
                                             self._on_rank_reset, interval_s=config.kv_events_poll_interval_s)
         self.metrics_port: int | None = None  # the bound port once the metrics server runs
