@@ -93,7 +93,7 @@ class Worker:
         self.load = pb.WorkerLoad(running_requests=3, waiting_requests=1, kv_usage=0.25, observed_unix_ms=1)
         self.identity = WorkerIdentity("w1", MODEL, "vllm", 4, "http://10.0.0.7:8000", "0.32.0")
         link_options.setdefault("backoff_max_s", 0.3)
-        self.link = ControlPlaneLink(f"127.0.0.1:{port}", self.identity, self.resolver.snapshot, lambda: self.load,
+        self.link = ControlPlaneLink(f"127.0.0.1:{port}", self.identity, self.resolver.snapshot_events, lambda: self.load,
                                      **link_options)
         self.task = asyncio.create_task(self.link.run())
 
@@ -132,9 +132,32 @@ async def test_register_snapshot_batches_acks_heartbeats(fake) -> None:
         assert batches[0].snapshot and list(batches[0].events[0].stored.block_keys) == KEYS[:2]
         assert not batches[1].snapshot and list(batches[1].events[0].stored.block_keys) == [KEYS[2]]
         assert [e.WhichOneof("kind") for e in batches[2].events] == ["removed", "stored"]
-        assert cp.held_keys() == {KEYS[1], KEYS[2], KEYS[3]} == set(w.resolver.snapshot())
+        assert cp.held_keys() == {KEYS[1], KEYS[2], KEYS[3]} == set(w.resolver.held_keys())
         assert cp.heartbeats()[0].load == w.load
         assert w.link.counters.batches_acked == 3 and w.link.connected
+    finally:
+        await w.close()
+
+
+async def test_snapshot_carries_every_tier_and_identity_carries_rank_and_adapters(fake) -> None:
+    cp, port = fake
+    w = Worker(port)
+    w.identity.lora_adapters[:] = ["sql"]  # the agent updates the list in place when the engine's adapters change
+    w.apply(BlockStored([1, 2], None, TOKENS[:8], 4), BlockRemoved([2]), BlockStored([2], 1, TOKENS[4:8], 4, medium="cpu"))
+    try:
+        await w.link.connected_event.wait()
+        await until(lambda: cp.batches() and cp.heartbeats())
+        (snapshot,) = cp.batches()
+        assert [(e.stored.medium, list(e.stored.block_keys)) for e in snapshot.events] == [("gpu", KEYS[:1]),
+                                                                                           ("cpu", KEYS[1:2])]
+        assert list(cp.streams[0][0].register.lora_adapters) == ["sql"]
+        assert not cp.streams[0][0].register.HasField("data_parallel_rank")
+        assert list(cp.heartbeats()[0].lora_adapters) == ["sql"]
+        w.identity.lora_adapters[:] = []
+        w.identity.data_parallel_rank = 3
+        w.link.reregister()
+        await until(lambda: len(cp.streams) == 2 and cp.heartbeats(1))
+        assert cp.streams[1][0].register.data_parallel_rank == 3 and list(cp.heartbeats(1)[-1].lora_adapters) == []
     finally:
         await w.close()
 

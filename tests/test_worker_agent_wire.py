@@ -23,6 +23,7 @@ from worker_agent.vllm_wire import (
     decode_frames,
     decode_payload,
     normalize_hash,
+    read_extra_keys,
     split_frames,
 )
 
@@ -170,7 +171,8 @@ def test_map_era_every_version(version: str) -> None:
     assert wire_events[0]["type"] == "BlockStored" and "kv_cache_spec_sliding_window" not in wire_events[0]
     batch = decode_payload(5, enc(Batch(1.0, events, 1)))
     assert batch.dp_rank == 1
-    assert batch.events == [BlockStored([2**63 + 11, 12], None, list(range(8)), 4, None, "gpu", 0, "full_attention"),
+    assert batch.events == [BlockStored([2**63 + 11, 12], None, list(range(8)), 4, None, "gpu", 0, "full_attention",
+                                        lora_id=3),
                             BlockRemoved([12], "gpu", 0), AllBlocksCleared()]
 
 
@@ -208,6 +210,7 @@ def test_unknown_tags_and_fields_are_tolerated_and_reported() -> None:
     batch = decode_payload(0, enc([1.0, events, 0]))
     assert [type(e) for e in batch.events] == [BlockStored, BlockStored, BlockRemoved]
     assert batch.unknown_events == ["FutureEvent", "BlockUpdated"] and batch.bad_events == []
+    assert batch.unknown_fields == ["event 0: $[12:]", "event 1: $.some_future_field"]  # counted, the events apply
 
 
 def test_a_bad_event_does_not_lose_its_neighbours() -> None:
@@ -271,3 +274,45 @@ def test_split_frames_reads_big_endian_unsigned_seq() -> None:
     topic, seq, payload = split_frames([b"kv@pod", bytes.fromhex("00000000000001ff"), b"x"])
     assert (topic, seq, payload) == (b"kv@pod", 511, b"x")
     assert split_frames([b"", b"\xff" * 7 + b"\xfe", b""])[1] == 2**64 - 2
+
+
+# ----------------------------------------------------------------------------- extra_keys, locality, multimodal
+
+
+@pytest.mark.parametrize("extra_keys, lora_name, starts_prompt, expected", [
+    ([None, None], None, True, (None, None)),
+    ([["sql"], ["sql"]], "sql", True, (None, None)),                      # LoRA name only
+    ([["sql", "tenant-a"], ["sql"]], "sql", True, ("tenant-a", None)),    # LoRA, then the salt (block 0)
+    ([["tenant-a"], None], None, True, ("tenant-a", None)),
+    ([["tenant-a"], None], None, False, (None, 0)),                       # not a prompt start: a string is an mm id
+    ([None, [["img-1", 0]]], None, True, (None, 1)),                      # 0.19+: (mm id, offset) pairs
+    ([[["img-1", 3], "tenant-a"]], None, True, ("tenant-a", 0)),          # image in block 0, salted
+    ([None, None, ["img-hash"]], None, True, (None, 2)),                  # 0.17-0.18: bare mm id past block 0
+    ([["sql", b"\x01" * 32]], "sql", True, (None, 0)),                    # prompt-embeds digest
+])
+def test_extra_keys_give_the_salt_and_where_unkeyable_content_starts(extra_keys, lora_name, starts_prompt, expected) -> None:
+    assert read_extra_keys(extra_keys, lora_name, starts_prompt) == expected
+
+
+def test_bad_extra_keys_reject_only_their_event() -> None:
+    good = {"type": "BlockRemoved", "block_hashes": [1]}
+    bad = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1], "block_size": 1,
+           "extra_keys": [3]}
+    batch = decode_payload(0, enc([1.0, [good, bad, good], 0]))
+    assert batch.events == [BlockRemoved([1]), BlockRemoved([1])] and "extra_keys[0]" in batch.bad_events[0]
+
+
+def test_locality_multimodal_keys_and_string_tokens() -> None:
+    events = [
+        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2], "block_size": 2,
+         "medium": "GPU", "locality": "REMOTE"},
+        {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "locality": "REMOTE"},
+        {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "locality": "LOCAL"},
+        # TRT-LLM streaming: per-block mm_keys and a digest string in place of a multimodal token.
+        {"type": "BlockStored", "block_hashes": [-5, 6], "parent_block_hash": None, "token_ids": [1, 2, "ab" * 32, 4],
+         "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": None,
+         "mm_keys": [[], [{"type": "mm_key", "hash": "cd" * 32, "start_offset": 0, "uuid": "ef" * 8}]]},
+    ]
+    remote_store, remote_remove, local_remove, trt = decode_payload(0, enc([1.0, events, 0])).events
+    assert remote_store.remote and remote_remove.remote and not local_remove.remote
+    assert trt.block_hashes == [2**64 - 5, 6] and trt.token_ids == [1, 2, "ab" * 32, 4] and trt.unkeyable_from == 1

@@ -1,10 +1,13 @@
 """The agent's ZMQ source against real sockets: a PUB (the engine) and a ROUTER replay server written
-here; malformed frames, gaps + replay (both framings), slow-joiner catch-up, sequence resets."""
+here; malformed frames, gaps + replay (both framings, every ZMQ dialect), slow-joiner catch-up,
+sequence resets."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
 import pytest
@@ -12,9 +15,10 @@ import zmq
 import zmq.asyncio
 
 from kvroute.block_keys import prompt_block_keys
+from worker_agent import sglang_wire, vllm_wire
 from worker_agent.block_resolver import BlockResolver
 from worker_agent.vllm_wire import DecodedBatch
-from worker_agent.zmq_source import VllmZmqSource
+from worker_agent.zmq_source import ZmqEventSource
 
 END = b"\xff" * 8
 MODEL = "tiny"
@@ -25,6 +29,28 @@ def root_store(h: int) -> dict:
     """A one-block prompt whose tokens derive from h, so every batch has its own key."""
     return {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": None, "token_ids": tokens(h),
             "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None}
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """An engine release as the source sees it: its payload decoder, its store event, its replay framing."""
+
+    decode: Callable[[int, bytes], DecodedBatch]
+    store: Callable[[int], object]
+    framing: str
+
+
+DIALECTS = {
+    "vllm-0.33": Dialect(vllm_wire.decode_payload, root_store, "new"),
+    "vllm-0.23": Dialect(vllm_wire.decode_payload, lambda h: ["BlockStored", [h], None, tokens(h), BS, None, "GPU", None,
+                                                              None, 0, "full_attention", None], "old"),
+    "sglang-0.5.22": Dialect(sglang_wire.decode_payload, lambda h: {
+        "type": "BlockStored", "block_hashes": [-h], "parent_block_hash": None, "token_ids": tokens(h), "block_size": BS,
+        "lora_id": None, "medium": "GPU"}, "new"),
+    "sglang-0.5.13": Dialect(sglang_wire.decode_payload, lambda h: ["BlockStored", [-h], None, tokens(h), BS, None, "GPU"],
+                             "old"),
+    "trtllm-stream": Dialect(vllm_wire.decode_payload, lambda h: {**root_store(h), "mm_keys": [[]]}, "new"),
+}
 
 
 def tokens(h: int) -> list[int]:
@@ -100,12 +126,12 @@ class Agent:
     """The source feeding a real BlockResolver, as the agent wires it."""
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, replay_endpoint: str | None, *, bind: bool = False,
-                 replay_timeout_s: float = 0.5, topic: str = "") -> None:
+                 replay_timeout_s: float = 0.5, topic: str = "", decode=vllm_wire.decode_payload) -> None:
         self.resolver = BlockResolver(MODEL)
         self.applied: list[int] = []
         self.resets: list[str] = []
-        self.source = VllmZmqSource(endpoint, self._on_batch, self._on_reset, replay_endpoint, bind=bind, topic=topic,
-                                    replay_timeout_s=replay_timeout_s, context=ctx)
+        self.source = ZmqEventSource(endpoint, self._on_batch, self._on_reset, replay_endpoint, bind=bind, topic=topic,
+                                     replay_timeout_s=replay_timeout_s, context=ctx, decode=decode)
         self.task = asyncio.create_task(self.source.run())
 
     def _on_batch(self, batch: DecodedBatch) -> None:
@@ -117,7 +143,7 @@ class Agent:
         self.resolver.clear()
 
     def keys(self) -> set[int]:
-        return set(self.resolver.snapshot())
+        return set(self.resolver.held_keys())
 
     async def close(self) -> None:
         self.task.cancel()
@@ -137,10 +163,10 @@ async def ctx():
     context.destroy(linger=0)
 
 
-async def joined(engine: Engine, agent: Agent, seq: int = 0) -> None:
+async def joined(engine: Engine, agent: Agent, seq: int = 0, store=root_store) -> None:
     """Wait for the SUB's subscription, then publish `seq` live (a one-block store of key(1000))."""
     await engine.wait_subscribed()
-    await engine.publish(seq, payload(root_store(1000)))
+    await engine.publish(seq, payload(store(1000)))
     await settle(lambda: agent.applied == [seq])
     assert agent.applied == [seq]
 
@@ -156,13 +182,14 @@ async def test_malformed_and_truncated_frames_between_valid_batches(ctx, caplog)
         await engine.pub.send_multipart([b"", b"\x00\x00\x01", payload(root_store(1))])  # 3-byte sequence frame
         await engine.pub.send_multipart(frames(1, b"\xc1\xc1garbage\xc1"))       # garbage payload (seq 1 used up)
         await engine.pub.send_multipart(frames(2, payload(root_store(2))[:-7]))   # truncated payload (seq 2 used up)
-        await engine.publish(3, payload(root_store(30), ["BlockStored", "broken"], {"type": "NewEvent"}, root_store(31)))
+        await engine.publish(3, payload(root_store(30), ["BlockStored", "broken"], {"type": "NewEvent"},
+                                        {**root_store(31), "new_field": [1]}))
         await engine.publish(4, payload(root_store(40)))
         await settle(lambda: agent.applied == [0, 3, 4])
         assert agent.applied == [0, 3, 4]
         assert agent.keys() == {key(1000), key(30), key(31), key(40)}  # neighbours of the bad event applied too
         c = agent.source.counters
-        assert (c.malformed_frames, c.malformed_events, c.unknown_events) == (4, 1, 1)
+        assert (c.malformed_frames, c.malformed_events, c.unknown_events, c.unknown_fields) == (4, 1, 1, 1)
         assert c.gaps == 0 and c.sequence_resets == 0 and agent.resets == [] and agent.source.last_seq == 4
         log = caplog.text
         assert "malformed KV event frame dropped: expected 3 frames (topic, seq, payload), got 2" in log
@@ -171,28 +198,31 @@ async def test_malformed_and_truncated_frames_between_valid_batches(ctx, caplog)
         assert "seq 2 dropped" not in log  # a second payload error within 5 s: rate-limited (still counted)
         assert "KV event batch seq 3: 1 malformed events skipped" in log
         assert "unknown event types ['NewEvent'] skipped" in log
+        assert "KV event batch seq 3: fields not known to this agent dropped (event 3: $.new_field)" in log
     finally:
         await agent.close()
         await engine.close()
 
 
-@pytest.mark.parametrize("framing", ["new", "old"])
-async def test_gap_is_filled_by_replay(ctx, framing: str) -> None:
-    engine = Engine(ctx, framing)
+@pytest.mark.parametrize("dialect", sorted(DIALECTS))
+async def test_gap_is_filled_by_replay(ctx, dialect: str) -> None:
+    d = DIALECTS[dialect]
+    engine = Engine(ctx, d.framing)
     engine.answer = False  # no replay answers until the subscription is up
-    agent = Agent(ctx, engine.endpoint, engine.replay_endpoint, replay_timeout_s=0.2)
+    agent = Agent(ctx, engine.endpoint, engine.replay_endpoint, replay_timeout_s=0.2, decode=d.decode)
     try:
-        await joined(engine, agent)
+        await joined(engine, agent, store=d.store)
         engine.answer = True
-        await engine.publish(1, payload(root_store(10)), live=False)  # dropped on the live path (HWM), still buffered
-        await engine.publish(2, payload(root_store(20)), live=False)
-        await engine.publish(3, payload(root_store(30)))
+        await engine.publish(1, payload(d.store(10)), live=False)  # dropped on the live path (HWM), still buffered
+        await engine.publish(2, payload(d.store(20)), live=False)
+        await engine.publish(3, payload(d.store(30)))
         await settle(lambda: agent.applied[-1:] == [3])
         assert agent.applied == [0, 1, 2, 3]
         assert engine.replay_requests[-1] == 1  # asked from last + 1
         assert agent.keys() == {key(1000), key(10), key(20), key(30)}
         c = agent.source.counters
         assert c.gaps == 1 and c.unrecoverable_gaps == 0 and c.replayed_batches == 2 and agent.resets == []
+        assert c.malformed_frames == 0 and c.malformed_events == 0
     finally:
         await agent.close()
         await engine.close()
@@ -284,20 +314,22 @@ async def test_first_live_batch_after_missed_ones_catches_up_from_zero(ctx) -> N
         await engine.close()
 
 
-async def test_sequence_reset_clears_state_and_replays_the_new_engine_from_zero(ctx) -> None:
-    engine = Engine(ctx, "old")
+@pytest.mark.parametrize("dialect", sorted(DIALECTS))
+async def test_sequence_reset_clears_state_and_replays_the_new_engine_from_zero(ctx, dialect: str) -> None:
+    d = DIALECTS[dialect]
+    engine = Engine(ctx, d.framing)
     engine.answer = False
-    agent = Agent(ctx, engine.endpoint, engine.replay_endpoint, replay_timeout_s=0.2)
+    agent = Agent(ctx, engine.endpoint, engine.replay_endpoint, replay_timeout_s=0.2, decode=d.decode)
     try:
-        await joined(engine, agent)
+        await joined(engine, agent, store=d.store)
         engine.answer = True
         for seq in range(1, 5):
-            await engine.publish(seq, payload(root_store(seq * 10)))
+            await engine.publish(seq, payload(d.store(seq * 10)))
         await settle(lambda: agent.applied[-1:] == [4])
         assert agent.keys() == {key(1000), key(10), key(20), key(30), key(40)}
         engine.buffer.clear()  # the engine restarted: fresh counter, fresh replay buffer
-        await engine.publish(0, payload(root_store(7)), live=False)
-        await engine.publish(1, payload(root_store(8)))
+        await engine.publish(0, payload(d.store(7)), live=False)
+        await engine.publish(1, payload(d.store(8)))
         await settle(lambda: agent.applied[-1:] == [1] and len(agent.applied) > 6)
         assert agent.resets == ["sequence reset"] and agent.source.counters.sequence_resets == 1
         assert agent.applied == [0, 1, 2, 3, 4, 0, 1]

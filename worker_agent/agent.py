@@ -1,8 +1,16 @@
 """WorkerAgent: engine KV events -> BlockResolver -> ControlPlaneLink, plus its own /metrics and /health.
 
-Tasks (one asyncio loop): the ZMQ source (decode + resolve run inline, no I/O), the control-plane
-link (gRPC writes in its own task, so a slow or absent control plane never stalls the ZMQ
-reader), the engine /metrics poller, and the optional metrics HTTP server.
+One agent per engine. A data-parallel engine is one kvroute worker per rank (`<id>-dp<rank>`, each
+registered with its rank): each rank has its own publisher, sequence, resolver and control-plane
+stream. Event sources by engine and transport:
+- ZMQ (vLLM, SGLang, TRT-LLM's streaming publisher): one `ZmqEventSource` per rank on the rank's
+  offset endpoints, decoding the engine's dialect;
+- HTTP (TRT-LLM's pull path): one `TrtllmEventPoller` for the server, its events routed by
+  attention-DP rank.
+Tasks (one asyncio loop): the event sources (decode + resolve run inline, no I/O), one control-plane
+link per worker (gRPC writes in their own tasks, so a slow or absent control plane never stalls
+the event readers), the engine load poller, the model / LoRA adapter poller, and the optional
+metrics HTTP server.
 """
 
 from __future__ import annotations
@@ -11,46 +19,67 @@ import asyncio
 import logging
 import socket
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import aiohttp
+import zmq.asyncio
 from aiohttp import web
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvroute.v1 import kvroute_pb2 as pb
+from worker_agent import sglang_wire, vllm_wire
 from worker_agent.block_resolver import BlockResolver
 from worker_agent.control_plane_client import ControlPlaneLink, WorkerIdentity
+from worker_agent.dp_endpoints import check_no_overlap, offset_endpoint, rank_endpoints
 from worker_agent.engine_metrics import EngineLoadPoller
-from worker_agent.vllm_wire import DecodedBatch
-from worker_agent.zmq_source import VllmZmqSource
+from worker_agent.engine_models import EngineModelsPoller
+from worker_agent.events import DecodedBatch
+from worker_agent.trtllm_events import TrtllmEventConverter
+from worker_agent.trtllm_poller import TrtllmEventPoller
+from worker_agent.zmq_source import ZmqEventSource
 
 log = logging.getLogger("kvroute.agent")
 tracer = trace.get_tracer("kvroute.agent")
 
-SUPPORTED_ENGINES = ("vllm",)
+SUPPORTED_ENGINES = ("vllm", "sglang", "trtllm")
+TRANSPORTS = ("zmq", "http")
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0", "::", ""}
 
-# Counters exported as kvroute_agent_<name>_total: name -> help text.
+# Counters exported as kvroute_agent_<name>_total (summed over a data-parallel engine's ranks): name -> help text.
 COUNTER_HELP = {
     "batches": "KV event batches applied (live or replayed)",
-    "malformed_frames": "ZMQ messages that could not be decoded (dropped)",
+    "malformed_frames": "ZMQ messages or HTTP bodies that could not be decoded (dropped)",
     "malformed_events": "single events rejected inside otherwise good batches",
     "unknown_events": "events with an unknown type tag (skipped)",
+    "unknown_fields": "events carrying fields this agent does not know (dropped; the event applies)",
     "gaps": "sequence gaps in the engine's KV event stream",
     "unrecoverable_gaps": "gaps the replay could not fill (worker state reset)",
     "replays": "replay requests sent to the engine",
     "replay_timeouts": "replay requests without a complete answer in time",
     "sequence_resets": "sequence went backwards: engine restarted (worker state reset)",
     "duplicate_batches": "live copies of batches a replay already applied",
+    "incomplete_catch_ups": "starts where the engine no longer had its first events",
+    "rank_mismatches": "batches or events naming a data-parallel rank other than the socket's or the agent's",
+    "window_filtered_events": "TRT-LLM events of a sliding window, not the full-attention one (skipped)",
+    "updated_events": "TRT-LLM `updated` events (cache level / priority; ignored)",
+    "polls": "POST /kv_cache_events answered (TRT-LLM pull path)",
+    "poll_failures": "POST /kv_cache_events that failed (TRT-LLM pull path)",
     "orphan_blocks": "stored blocks whose parent block is unknown (cannot be keyed)",
     "duplicate_stores": "stores of a block already held (no-op)",
     "unknown_removes": "removals of a block not held (no-op)",
     "short_token_ids": "stored blocks with fewer token ids than blocks x block_size",
-    "skipped_tier_blocks": "blocks on a non-GPU medium (not indexed yet)",
+    "invalid_token_ids": "stored blocks with token ids outside u32",
+    "unkeyable_blocks": "held blocks with multimodal or embedded content (no key: a text router cannot match them)",
+    "partial_blocks": "held partial blocks, smaller than the block size (no key)",
+    "remote_blocks": "blocks of events whose locality is not LOCAL (another instance's; skipped)",
+    "unknown_medium_blocks": "blocks on a medium name the agent does not know (indexed as disk)",
+    "unnamed_lora_blocks": "blocks of a LoRA adapter the engine names only by int id (never matched)",
     "skipped_group_blocks": "blocks of a KV group other than the main full-attention one",
     "state_resets": "worker state resets (cleared and resynced)",
     "engine_metrics_failures": "failed polls of the engine's /metrics",
+    "engine_models_failures": "failed polls of the engine's /v1/models",
     "control_plane_sessions": "control-plane streams registered",
     "control_plane_failures": "control-plane connection attempts or sessions that failed",
     "callback_errors": "internal errors while applying a batch",
@@ -62,18 +91,59 @@ class AgentConfig:
     control_plane: str = "127.0.0.1:50051"
     kv_events: str = "tcp://127.0.0.1:5557"
     engine_url: str = "http://127.0.0.1:8000"
-    worker_id: str | None = None      # default: default_worker_id(engine_url)
+    worker_id: str | None = None      # default: default_worker_id(engine_url); "-dp<rank>" added per DP rank
     model: str | None = None          # default: asked from the engine's GET /v1/models
     block_size: int = 16
     engine: str = "vllm"
+    kv_events_transport: str | None = None  # None: "http" for trtllm (its pull path), "zmq" otherwise
     replay_endpoint: str | None = None
     kv_events_bind: bool = False
     topic: str = ""
+    data_parallel_size: int | None = None   # None: not a data-parallel engine (one worker, no rank)
+    data_parallel_rank_start: int = 0       # first global DP rank this agent serves
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0             # 0 = off
     engine_poll_interval_s: float = 0.5
+    models_poll_interval_s: float = 5.0
+    kv_events_poll_interval_s: float = 0.1  # TRT-LLM pull path
     replay_timeout_s: float = 1.0
     heartbeat_interval_s: float | None = None  # None: min(1 s, control plane's heartbeat_timeout / 3)
+
+    @property
+    def transport(self) -> str:
+        return self.kv_events_transport or ("http" if self.engine == "trtllm" else "zmq")
+
+    @property
+    def ranks(self) -> list[int] | None:
+        if self.data_parallel_size is None:
+            return None
+        return list(range(self.data_parallel_rank_start, self.data_parallel_rank_start + self.data_parallel_size))
+
+    def check(self) -> None:
+        """Raise ValueError naming what is wrong with this configuration."""
+        if self.engine not in SUPPORTED_ENGINES:
+            raise ValueError(f"unsupported engine {self.engine!r}: supported engines are {', '.join(SUPPORTED_ENGINES)}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"unknown KV event transport {self.transport!r}: choose zmq or http")
+        if self.transport == "http" and self.engine != "trtllm":
+            raise ValueError(f"{self.engine} publishes KV events over ZMQ only; the http transport is TensorRT-LLM's "
+                             "pull path (POST /kv_cache_events)")
+        if self.transport == "http" and (self.replay_endpoint or self.kv_events_bind):
+            raise ValueError("TensorRT-LLM's pull path (http) has no replay endpoint and nothing to bind: "
+                             "drop --replay-endpoint / --kv-events-bind, or use --kv-events-transport zmq")
+        if self.data_parallel_size is not None and self.data_parallel_size <= 0:
+            raise ValueError(f"data_parallel_size must be positive, got {self.data_parallel_size}")
+        if self.data_parallel_rank_start < 0:
+            raise ValueError(f"data_parallel_rank_start must be >= 0, got {self.data_parallel_rank_start}")
+        if self.data_parallel_size is None and self.data_parallel_rank_start:
+            raise ValueError("data_parallel_rank_start needs data_parallel_size (how many ranks this agent serves)")
+        if self.transport == "zmq":
+            ranks = self.ranks or [0]
+            live = rank_endpoints(self.kv_events, ranks, self.engine)
+            if self.replay_endpoint:
+                check_no_overlap(live, rank_endpoints(self.replay_endpoint, ranks, self.engine))
 
 
 def default_worker_id(engine_url: str) -> str:
@@ -86,83 +156,150 @@ def default_worker_id(engine_url: str) -> str:
     return f"{host}:{port}"
 
 
-class _AgentCollector:
-    def __init__(self, agent: WorkerAgent) -> None:
-        self.agent = agent
+class RankWorker:
+    """One kvroute worker: the whole engine, or one data-parallel rank of it (resolver + control-plane link)."""
 
-    def collect(self):
-        for name, value in self.agent.counters.items():
-            if name in COUNTER_HELP:
-                yield CounterMetricFamily(f"kvroute_agent_{name}", COUNTER_HELP[name], value=value)
-        yield GaugeMetricFamily("kvroute_agent_blocks", "distinct block keys the worker holds", value=len(self.agent.resolver))
-        yield GaugeMetricFamily("kvroute_agent_control_plane_connected", "1 while the control-plane stream is up",
-                                value=int(self.agent.link.connected))
-        last_seq = self.agent.source.last_seq
-        yield GaugeMetricFamily("kvroute_agent_last_seq", "last engine KV event sequence number applied",
-                                value=-1 if last_seq is None else last_seq)
-
-
-class WorkerAgent:
-    def __init__(self, config: AgentConfig) -> None:
-        if config.engine not in SUPPORTED_ENGINES:
-            raise ValueError(f"unsupported engine {config.engine!r}: supported engines are {', '.join(SUPPORTED_ENGINES)}")
-        if config.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {config.block_size}")
-        self.config = config
-        endpoint = config.engine_url.rstrip("/")
-        self.identity = WorkerIdentity(config.worker_id or default_worker_id(config.engine_url), config.model or "",
-                                       config.engine, config.block_size, endpoint)
-        self.resolver = BlockResolver(config.model or "")
-        self.load = EngineLoadPoller(config.engine_url, interval_s=config.engine_poll_interval_s)
-        self.link = ControlPlaneLink(config.control_plane, self.identity, self.resolver.snapshot, lambda: self.load.latest,
+    def __init__(self, config: AgentConfig, identity: WorkerIdentity, load: Callable[[], pb.WorkerLoad]) -> None:
+        self.identity = identity
+        self.rank = identity.data_parallel_rank
+        self.resolver = BlockResolver(identity.model, config.block_size)
+        self.link = ControlPlaneLink(config.control_plane, identity, self.resolver.snapshot_events, load,
                                      heartbeat_interval_s=config.heartbeat_interval_s)
-        self.source = VllmZmqSource(config.kv_events, self._on_batch, self._on_reset, config.replay_endpoint,
-                                    bind=config.kv_events_bind, topic=config.topic,
-                                    replay_timeout_s=config.replay_timeout_s)
+        self.source: ZmqEventSource | None = None  # ZMQ transports: this rank's publisher
         self.state_resets = 0
-        self.metrics_port: int | None = None  # the bound port once the metrics server runs
-        self.metrics_registry = CollectorRegistry()
-        self.metrics_registry.register(_AgentCollector(self))
-        self._metrics_runner: web.AppRunner | None = None
 
-    # ------------------------------------------------------------------ event path
+    def set_model(self, model: str) -> None:
+        self.identity.model = model
+        self.resolver.model = model
 
-    def _on_batch(self, batch: DecodedBatch) -> None:
+    def on_batch(self, batch: DecodedBatch) -> None:
         with tracer.start_as_current_span("kvroute.agent.apply_batch") as span:
             out = self.resolver.apply(batch.events)
             if out:
                 self.link.send(out)
             observed = self.resolver.observed_block_size
             if observed is not None and observed != self.identity.block_size:
-                log.warning("engine KV events carry block_size %d but the agent registered %d: re-registering",
-                            observed, self.identity.block_size)
+                log.warning("%s: engine KV events carry block_size %d but the agent registered %d: re-registering",
+                            self.identity.worker_id, observed, self.identity.block_size)
                 self.identity.block_size = observed
                 self.link.reregister()
             if span.is_recording():
+                span.set_attribute("kvroute.worker", self.identity.worker_id)
                 span.set_attribute("kvroute.seq", batch.seq)
                 span.set_attribute("kvroute.events", len(batch.events))
                 span.set_attribute("kvroute.block_events", len(out))
 
-    def _on_reset(self, reason: str) -> None:
+    def on_reset(self, reason: str) -> None:
         self.state_resets += 1
-        log.warning("worker state unknown (%s): clearing %d blocks and resyncing the control plane", reason,
-                    len(self.resolver))
+        log.warning("%s: worker state unknown (%s): clearing %d blocks and resyncing the control plane",
+                    self.identity.worker_id, reason, len(self.resolver))
         self.resolver.clear()
         self.link.resync()
 
     @property
+    def last_seq(self) -> int | None:
+        return self.source.last_seq if self.source else None
+
+
+class _AgentCollector:
+    def __init__(self, agent: WorkerAgent) -> None:
+        self.agent = agent
+
+    def collect(self):
+        agent = self.agent
+        for name, value in agent.counters.items():
+            if name in COUNTER_HELP:
+                yield CounterMetricFamily(f"kvroute_agent_{name}", COUNTER_HELP[name], value=value)
+        yield GaugeMetricFamily("kvroute_agent_blocks", "distinct GPU block keys the agent's workers hold",
+                                value=sum(len(w.resolver) for w in agent.workers))
+        yield GaugeMetricFamily("kvroute_agent_control_plane_connected", "1 while every worker's control-plane stream is up",
+                                value=int(all(w.link.connected for w in agent.workers)))
+        tiers = GaugeMetricFamily("kvroute_agent_tier_blocks", "distinct block keys held, per worker and tier",
+                                  labels=["worker", "medium"])
+        last_seq = GaugeMetricFamily("kvroute_agent_last_seq", "last engine KV event sequence number (or event_id) "
+                                     "applied, per worker (-1: none yet)", labels=["worker"])
+        for w in agent.workers:
+            for medium, count in w.resolver.tier_sizes().items():
+                tiers.add_metric([w.identity.worker_id, medium], count)
+            seq = agent.last_seq(w)
+            last_seq.add_metric([w.identity.worker_id], -1 if seq is None else seq)
+        yield tiers
+        yield last_seq
+
+
+class WorkerAgent:
+    def __init__(self, config: AgentConfig) -> None:
+        config.check()
+        self.config = config
+        ranks = config.ranks
+        base_id = config.worker_id or default_worker_id(config.engine_url)
+        endpoint = config.engine_url.rstrip("/")
+        self.load = EngineLoadPoller(config.engine_url, engine=config.engine, interval_s=config.engine_poll_interval_s)
+        self.models = EngineModelsPoller(config.engine_url, config.model, self._set_adapters,
+                                         interval_s=config.models_poll_interval_s)
+        self.workers = [
+            RankWorker(config, WorkerIdentity(base_id if rank is None else f"{base_id}-dp{rank}", config.model or "",
+                                              config.engine, config.block_size, endpoint, data_parallel_rank=rank),
+                       lambda: self.load.latest)
+            for rank in (ranks or [None])]
+        self._by_rank = {w.rank: w for w in self.workers}
+        self._zmq: zmq.asyncio.Context | None = None
+        self.poller: TrtllmEventPoller | None = None
+        if config.transport == "zmq":
+            self._zmq = zmq.asyncio.Context()
+            decode = sglang_wire.decode_payload if config.engine == "sglang" else vllm_wire.decode_payload
+            for w in self.workers:
+                rank = w.rank or 0
+                replay = offset_endpoint(config.replay_endpoint, rank, config.engine) if config.replay_endpoint else None
+                w.source = ZmqEventSource(offset_endpoint(config.kv_events, rank, config.engine), w.on_batch, w.on_reset,
+                                          replay, decode=decode, expected_rank=w.rank, bind=config.kv_events_bind,
+                                          topic=config.topic, replay_timeout_s=config.replay_timeout_s, context=self._zmq)
+        else:
+            self.poller = TrtllmEventPoller(config.engine_url, TrtllmEventConverter(ranks), self._on_rank_batch,
+                                            self._on_rank_reset, interval_s=config.kv_events_poll_interval_s)
+        self.metrics_port: int | None = None  # the bound port once the metrics server runs
+        self.metrics_registry = CollectorRegistry()
+        self.metrics_registry.register(_AgentCollector(self))
+        self._metrics_runner: web.AppRunner | None = None
+
+    # ------------------------------------------------------------------ engine state
+
+    def _on_rank_batch(self, rank: int | None, batch: DecodedBatch) -> None:
+        self._by_rank[rank].on_batch(batch)
+
+    def _on_rank_reset(self, rank: int | None, reason: str) -> None:
+        self._by_rank[rank].on_reset(reason)
+
+    def _set_adapters(self, adapters: list[str]) -> None:
+        for w in self.workers:  # in place: the links read the identity at every heartbeat
+            w.identity.lora_adapters[:] = adapters
+
+    def last_seq(self, worker: RankWorker) -> int | None:
+        if self.poller is not None:
+            return self.poller.converter.last_event_id(worker.rank)
+        return worker.last_seq
+
+    @property
     def counters(self) -> dict[str, int]:
-        """Every agent counter by name (tests and /metrics)."""
+        """Every agent counter by name, summed over the workers (tests and /metrics)."""
         out: dict[str, int] = {}
-        out.update(self.source.counters.as_dict())
-        out.update(self.resolver.counters.as_dict())
-        link = self.link.counters
-        out.update({f"control_plane_{k}": v for k, v in link.as_dict().items()})
-        out["control_plane_failures"] = link.connect_failures
+
+        def add(values: dict[str, int], prefix: str = "") -> None:
+            for k, v in values.items():
+                out[prefix + k] = out.get(prefix + k, 0) + v
+
+        for w in self.workers:
+            if w.source is not None:
+                add(w.source.counters.as_dict())
+            add(w.resolver.counters.as_dict())
+            add(w.link.counters.as_dict(), "control_plane_")
+            add({"control_plane_failures": w.link.counters.connect_failures, "state_resets": w.state_resets})
+        if self.poller is not None:
+            add(self.poller.counter_values())
         out["engine_metrics_failures"] = self.load.failures
-        out["state_resets"] = self.state_resets
-        out["blocks"] = len(self.resolver)
-        out["control_plane_connected"] = int(self.link.connected)
+        out["engine_models_failures"] = self.models.failures
+        out["blocks"] = sum(len(w.resolver) for w in self.workers)
+        out["control_plane_connected"] = int(all(w.link.connected for w in self.workers))
         return out
 
     # ------------------------------------------------------------------ lifecycle
@@ -172,44 +309,25 @@ class WorkerAgent:
             await self.start_metrics_server()
         try:
             if not self.config.model:
-                await self._discover_model()
-            log.info("agent %s: model %s, KV events %s (%s), control plane %s", self.identity.worker_id,
-                     self.identity.model, self.config.kv_events, "bind" if self.config.kv_events_bind else "connect",
-                     self.config.control_plane)
-            await asyncio.gather(self.source.run(), self.link.run(), self.load.run())
+                model = await self.models.discover()
+                log.info("engine %s serves model %s", self.config.engine_url, model)
+                for w in self.workers:
+                    w.set_model(model)
+                    w.identity.engine_version = self.models.engine_version
+            c = self.config
+            log.info("agent for %s engine %s: workers %s, model %s, KV events %s (%s), control plane %s", c.engine,
+                     c.engine_url, ", ".join(w.identity.worker_id for w in self.workers), self.workers[0].identity.model,
+                     c.engine_url + "/kv_cache_events" if self.poller else c.kv_events,
+                     c.transport if self.poller else ("bind" if c.kv_events_bind else "connect"), c.control_plane)
+            tasks = [w.link.run() for w in self.workers] + [self.load.run(), self.models.run()]
+            tasks += [w.source.run() for w in self.workers if w.source is not None]
+            if self.poller is not None:
+                tasks.append(self.poller.run())
+            await asyncio.gather(*tasks)
         finally:
-            self.source.close()
+            if self._zmq is not None:
+                self._zmq.destroy(linger=0)
             await self.stop_metrics_server()
-
-    async def _discover_model(self) -> None:
-        """GET /v1/models until the engine answers (it may start after the agent)."""
-        url = self.config.engine_url.rstrip("/")
-        delay, attempt = 0.5, 0
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
-            while True:
-                attempt += 1
-                try:
-                    async with session.get(url + "/v1/models") as resp:
-                        resp.raise_for_status()
-                        model = (await resp.json())["data"][0]["id"]
-                    if not isinstance(model, str) or not model:
-                        raise ValueError(f"bad model id {model!r}")
-                    break
-                except (TimeoutError, aiohttp.ClientError, KeyError, IndexError, TypeError, ValueError) as exc:
-                    if attempt in (1, 5) or attempt % 30 == 0:
-                        log.warning("--model not given and %s/v1/models did not name one yet (attempt %d): %s",
-                                    url, attempt, exc or type(exc).__name__)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-            try:
-                async with session.get(url + "/version") as resp:
-                    if resp.status == 200:
-                        self.identity.engine_version = str((await resp.json()).get("version", ""))
-            except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
-                pass
-        log.info("engine %s serves model %s", url, model)
-        self.identity.model = model
-        self.resolver.model = model
 
     async def start_metrics_server(self) -> int:
         app = web.Application()
@@ -235,7 +353,12 @@ class WorkerAgent:
         return web.Response(body=self.metrics_text(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _health(self, request: web.Request) -> web.Response:
+        first = self.workers[0]
         return web.json_response({
-            "status": "ok", "worker_id": self.identity.worker_id, "model": self.identity.model,
-            "block_size": self.identity.block_size, "blocks": len(self.resolver),
-            "control_plane_connected": self.link.connected, "last_seq": self.source.last_seq})
+            "status": "ok", "engine": self.config.engine, "model": first.identity.model,
+            "worker_id": first.identity.worker_id if len(self.workers) == 1 else None,
+            "block_size": first.identity.block_size, "blocks": sum(len(w.resolver) for w in self.workers),
+            "control_plane_connected": all(w.link.connected for w in self.workers), "last_seq": self.last_seq(first),
+            "lora_adapters": first.identity.lora_adapters,
+            "workers": [{"worker_id": w.identity.worker_id, "data_parallel_rank": w.rank, "blocks": w.resolver.tier_sizes(),
+                         "control_plane_connected": w.link.connected, "last_seq": self.last_seq(w)} for w in self.workers]})

@@ -1,8 +1,14 @@
 """`kvroute agent`: one per engine (GPU node); engine KV events -> kvroute block keys -> control plane.
 
-Example (vLLM binds `tcp://*:5557` / `tcp://*:5558`):
+Examples:
+  # vLLM (binds tcp://*:5557 / tcp://*:5558)
   kvroute agent --control-plane cp:50051 --engine vllm --kv-events tcp://127.0.0.1:5557 \\
       --replay-endpoint tcp://127.0.0.1:5558 --engine-url http://10.0.0.7:8000 --block-size 16 --metrics-port 9400
+  # SGLang with 4 data-parallel ranks (ranks publish on ports 5557..5560, replay on 5567..5570)
+  kvroute agent --engine sglang --kv-events tcp://127.0.0.1:5557 --replay-endpoint tcp://127.0.0.1:5567 \\
+      --data-parallel-size 4 --engine-url http://10.0.0.8:30000 --block-size 64
+  # TensorRT-LLM (trtllm-serve; KV events are pulled from POST /kv_cache_events)
+  kvroute agent --engine trtllm --engine-url http://10.0.0.9:8000 --block-size 32
 """
 
 from __future__ import annotations
@@ -11,18 +17,27 @@ import argparse
 import asyncio
 import logging
 import signal
+import sys
 
 from kvroute import aio
 from kvroute.telemetry import setup_tracing, shutdown_tracing
 
-SUPPORTED_ENGINES = ("vllm",)  # same as worker_agent.agent.SUPPORTED_ENGINES (not imported: keeps --help light)
+# Same as worker_agent.agent.SUPPORTED_ENGINES / TRANSPORTS (not imported: keeps --help light).
+SUPPORTED_ENGINES = ("vllm", "sglang", "trtllm")
+TRANSPORTS = ("zmq", "http")
 
 
 def _engine(value: str) -> str:
     if value not in SUPPORTED_ENGINES:
         raise argparse.ArgumentTypeError(
-            f"engine {value!r} is not supported yet; this agent reads vLLM's KV-event wire format "
-            f"(choose from: {', '.join(SUPPORTED_ENGINES)})")
+            f"engine {value!r} is not supported: this agent reads the KV events of "
+            f"{', '.join(SUPPORTED_ENGINES)}")
+    return value
+
+
+def _transport(value: str) -> str:
+    if value != "auto" and value not in TRANSPORTS:
+        raise argparse.ArgumentTypeError(f"transport {value!r} is not one of {', '.join(TRANSPORTS)}, auto")
     return value
 
 
@@ -36,8 +51,21 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _non_negative_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
+    return n
+
+
 def _port(value: str) -> int:
-    n = int(value)
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"port must be 0..65535, got {value!r}") from None
     if not 0 <= n <= 65535:
         raise argparse.ArgumentTypeError(f"port must be 0..65535, got {value!r}")
     return n
@@ -52,23 +80,39 @@ def _log_level(value: str) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control-plane", default="127.0.0.1:50051", metavar="HOST:PORT", help="control plane gRPC address")
-    p.add_argument("--engine", default="vllm", type=_engine, metavar="{vllm}",
-                   help="engine kind whose KV events to read (only vllm for now)")
+    p.add_argument("--engine", default="vllm", type=_engine, metavar="{vllm,sglang,trtllm}",
+                   help="engine kind whose KV events to read (each has its own wire format)")
+    p.add_argument("--kv-events-transport", default="auto", type=_transport, metavar="{zmq,http,auto}",
+                   help="how KV events arrive: zmq = the engine's ZMQ publisher at --kv-events (vLLM, SGLang, and "
+                        "TensorRT-LLM's streaming publisher); http = TensorRT-LLM's pull path, POST /kv_cache_events on "
+                        "--engine-url (trtllm-serve with kv_cache_config.event_buffer_max_size > 0; one poller per "
+                        "server); auto = http for trtllm, zmq otherwise")
     p.add_argument("--kv-events", default="tcp://127.0.0.1:5557", metavar="ENDPOINT",
-                   help="engine's ZMQ KV-event PUB endpoint (the agent connects to it)")
+                   help="engine's ZMQ KV-event PUB endpoint (the agent connects to it); with data parallelism, "
+                        "rank 0's: rank r publishes on port + r")
     p.add_argument("--kv-events-bind", action="store_true",
                    help="bind --kv-events instead of connecting (vLLM connects when its endpoint has no '*')")
     p.add_argument("--replay-endpoint", default=None, metavar="ENDPOINT",
-                   help="engine's ZMQ replay (ROUTER) endpoint: fills sequence gaps and catches up at start")
-    p.add_argument("--topic", default="", help="ZMQ topic prefix to subscribe to (vLLM's kv-events-config topic)")
+                   help="engine's ZMQ replay (ROUTER) endpoint: fills sequence gaps and catches up at start; "
+                        "with data parallelism, rank 0's (rank r: port + r)")
+    p.add_argument("--topic", default="", help="ZMQ topic prefix to subscribe to (the engine's kv-events-config topic)")
+    p.add_argument("--kv-events-poll-interval-ms", type=_positive_int, default=100, metavar="MS",
+                   help="http transport: pause between two POST /kv_cache_events")
+    p.add_argument("--data-parallel-size", type=_positive_int, default=None, metavar="N",
+                   help="the engine runs N data-parallel ranks behind --engine-url (vLLM/SGLang --dp-size, TRT-LLM "
+                        "attention DP): one kvroute worker per rank, '<worker-id>-dp<rank>', each registered with its "
+                        "rank (routers pin requests with X-data-parallel-rank). Unset: not a data-parallel engine")
+    p.add_argument("--data-parallel-rank-start", type=_non_negative_int, default=0, metavar="R",
+                   help="first global rank this agent serves (multi-node DP: ranks R..R+N-1 publish on port + rank)")
     p.add_argument("--engine-url", default="http://127.0.0.1:8000", metavar="URL",
-                   help="engine's OpenAI-compatible base URL: advertised to routers, polled for /metrics and "
-                        "asked for the model (GET /v1/models) when --model is not given")
+                   help="engine's OpenAI-compatible base URL: advertised to routers, polled for /metrics (load) and "
+                        "/v1/models (model when --model is not given, LoRA adapters every 5 s)")
     p.add_argument("--worker-id", default=None, metavar="ID",
                    help="worker id; when unset, HOST:PORT of --engine-url (a loopback host becomes this machine's hostname)")
     p.add_argument("--model", default=None, metavar="NAME", help="served model name; when unset, asked from the engine (GET /v1/models)")
     p.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
-                   help="engine KV block size in tokens (if events carry another, the agent re-registers with it)")
+                   help="engine KV block size in tokens (SGLang: page size; TRT-LLM: tokens_per_block); if events "
+                        "carry another, the agent re-registers with it")
     p.add_argument("--metrics-port", type=_port, default=0, help="serve the agent's /metrics and /health on this port (0 = off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the /metrics listener")
     p.add_argument("--log-level", type=_log_level, default="INFO", help="Python logging level")
@@ -79,7 +123,11 @@ def config_from_args(args: argparse.Namespace):
 
     return AgentConfig(control_plane=args.control_plane, kv_events=args.kv_events, engine_url=args.engine_url,
                        worker_id=args.worker_id, model=args.model, block_size=args.block_size, engine=args.engine,
-                       replay_endpoint=args.replay_endpoint, kv_events_bind=args.kv_events_bind, topic=args.topic,
+                       kv_events_transport=None if args.kv_events_transport == "auto" else args.kv_events_transport,
+                       replay_endpoint=args.replay_endpoint,
+                       kv_events_bind=args.kv_events_bind, topic=args.topic,
+                       kv_events_poll_interval_s=args.kv_events_poll_interval_ms / 1000,
+                       data_parallel_size=args.data_parallel_size, data_parallel_rank_start=args.data_parallel_rank_start,
                        metrics_host=args.metrics_host, metrics_port=args.metrics_port)
 
 
@@ -87,7 +135,11 @@ def run(args: argparse.Namespace) -> int:
     from worker_agent.agent import WorkerAgent
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    agent = WorkerAgent(config_from_args(args))
+    try:
+        agent = WorkerAgent(config_from_args(args))
+    except ValueError as exc:  # options that do not fit together (each is valid on its own)
+        print(f"kvroute agent: error: {exc}", file=sys.stderr)
+        return 2
     setup_tracing("kvroute-agent")
 
     async def main() -> int:

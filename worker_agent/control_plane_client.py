@@ -1,9 +1,9 @@
 """The agent's side of `ControlPlane.Connect`: register, snapshot, deltas, heartbeats, reconnect.
 
 One session = one gRPC stream:
-  register -> wait `Registered` -> EventBatch(seq=1, snapshot=True, all keys held) ->
+  register -> wait `Registered` -> EventBatch(seq=1, snapshot=True, one BlocksStored per tier) ->
   incremental EventBatches (seq 2, 3, ...: whatever accumulated since the last send) and
-  heartbeats carrying WorkerLoad every min(1 s, heartbeat_timeout_ms / 3).
+  heartbeats carrying WorkerLoad and the engine's LoRA adapters every min(1 s, heartbeat_timeout_ms / 3).
 Acks are read concurrently. A batch not acked within `ack_timeout_s`, a missing `Registered`,
 or any stream error ends the session; the link then reconnects with exponential backoff and
 jitter (0.1 s doubling to 5 s). Deltas produced while disconnected are not queued: the snapshot
@@ -21,7 +21,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import grpc
 
@@ -46,11 +46,14 @@ class WorkerIdentity:
     block_size: int
     endpoint: str
     engine_version: str = ""
+    data_parallel_rank: int | None = None   # set for one rank of a data-parallel engine
+    lora_adapters: list[str] = field(default_factory=list)  # what the engine serves now (updated by the agent)
 
     def register_message(self) -> pb.AgentMessage:
         return pb.AgentMessage(register=pb.RegisterWorker(
             worker_id=self.worker_id, model=self.model, engine=self.engine, block_size=self.block_size,
-            endpoint=self.endpoint, engine_version=self.engine_version))
+            endpoint=self.endpoint, engine_version=self.engine_version, lora_adapters=self.lora_adapters,
+            data_parallel_rank=self.data_parallel_rank))
 
 
 @dataclass(slots=True)
@@ -78,7 +81,7 @@ class _Reregister(Exception):
 
 
 class ControlPlaneLink:
-    def __init__(self, address: str, identity: WorkerIdentity, snapshot: Callable[[], list[int]],
+    def __init__(self, address: str, identity: WorkerIdentity, snapshot: Callable[[], list[pb.BlockEvent]],
                  load: Callable[[], pb.WorkerLoad], *, heartbeat_interval_s: float | None = None,
                  register_timeout_s: float = 5.0, ack_timeout_s: float = 15.0, backoff_initial_s: float = 0.1,
                  backoff_max_s: float = 5.0, max_pending_events: int = 100_000, stable_session_s: float = 5.0) -> None:
@@ -225,18 +228,19 @@ class ControlPlaneLink:
         # delta is either in the snapshot or queued after it.
         self._pending, self._resync, self._reregister = [], False, False
         self._wake.clear()
-        keys = self._snapshot()
+        snapshot = self._snapshot()
         self.connected = True
         self.connected_event.set()
         reader = asyncio.create_task(read_acks())
         reader.add_done_callback(lambda _: self._wake.set())
         try:
-            await write_batch(True, [pb.BlockEvent(stored=pb.BlocksStored(block_keys=keys, medium="gpu"))])
+            await write_batch(True, snapshot)
             next_heartbeat = time.monotonic()
             while True:
                 now = time.monotonic()
                 if now >= next_heartbeat:
-                    await call.write(pb.AgentMessage(heartbeat=pb.Heartbeat(load=self._load())))
+                    await call.write(pb.AgentMessage(heartbeat=pb.Heartbeat(
+                        load=self._load(), lora_adapters=self.identity.lora_adapters)))
                     self.counters.heartbeats_sent += 1
                     next_heartbeat = now + interval
                 if unacked and now - unacked[0][1] > self.ack_timeout_s:
@@ -254,8 +258,7 @@ class ControlPlaneLink:
                     raise _Reregister()
                 if self._resync:
                     self._resync, self._pending = False, []
-                    await write_batch(True, [pb.BlockEvent(stored=pb.BlocksStored(block_keys=self._snapshot(),
-                                                                                  medium="gpu"))])
+                    await write_batch(True, self._snapshot())
                 elif self._pending:
                     events, self._pending = self._pending, []
                     await write_batch(False, events)

@@ -1,12 +1,17 @@
-"""Engine load from its own Prometheus `/metrics` (vLLM metric names), shipped with heartbeats.
+"""Engine load from the engine's own metrics endpoint, shipped with heartbeats.
 
-- running / waiting: `vllm:num_requests_running`, `vllm:num_requests_waiting`, summed over
-  label sets (one per engine core / model name);
-- KV usage: `vllm:kv_cache_usage_perc` (older name `vllm:gpu_cache_usage_perc`), 0..1, averaged
-  over label sets (a sum of per-engine fractions would exceed 1).
-The parser is a tolerant line scan: lines it does not understand are skipped. When the engine is
-unreachable (or answers without any of these metrics) the load stays last-known (its
-`observed_unix_ms` ages) and `failures` rises.
+- vLLM, Prometheus `/metrics`: running / waiting = `vllm:num_requests_running`,
+  `vllm:num_requests_waiting`; KV usage = `vllm:kv_cache_usage_perc` (older `vllm:gpu_cache_usage_perc`).
+- SGLang, Prometheus `/metrics` (server started with `--enable-metrics`): `sglang:num_running_reqs`,
+  `sglang:num_queue_reqs`, `sglang:token_usage` (fraction of KV tokens in use).
+- TensorRT-LLM, `GET /metrics` on trtllm-serve: a JSON list of iteration stats since the last call;
+  the newest entry's `numActiveRequests`, `numQueuedRequests` and `kvCacheStats`
+  (`usedNumBlocks / maxNumBlocks`). Missing fields count as unknown (usage kept as last known); an
+  empty list means the executor did not step since the last poll, i.e. nothing ran.
+Prometheus counts are summed over label sets (one per engine core / DP rank / model name), usage is
+averaged (a sum of per-engine fractions would exceed 1). The text parser is a tolerant line scan:
+lines it does not understand are skipped. When the engine is unreachable (or answers without any
+of these metrics) the load stays last-known (its `observed_unix_ms` ages) and `failures` rises.
 """
 
 from __future__ import annotations
@@ -15,23 +20,41 @@ import asyncio
 import logging
 import math
 import time
+from dataclasses import dataclass
 
 import aiohttp
+import msgspec
 
 from kvroute.v1 import kvroute_pb2 as pb
 
 log = logging.getLogger("kvroute.agent.engine_metrics")
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-KV_USAGE = "vllm:kv_cache_usage_perc"
-KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"
-_WANTED = (RUNNING, WAITING, KV_USAGE, KV_USAGE_OLD)
 
 
-def _samples(text: str):
-    """(name, value) of every `vllm:` sample line; malformed lines are skipped."""
+@dataclass(frozen=True)
+class PrometheusLoadNames:
+    """The metric names an engine reports its load under."""
+
+    prefix: str               # every wanted name starts with it (cheap line filter)
+    running: str
+    waiting: str
+    usage: tuple[str, ...]    # KV usage 0..1, newest name first
+
+    @property
+    def wanted(self) -> tuple[str, ...]:
+        return (self.running, self.waiting, *self.usage)
+
+
+VLLM_METRICS = PrometheusLoadNames("vllm:", "vllm:num_requests_running", "vllm:num_requests_waiting",
+                                   ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"))
+SGLANG_METRICS = PrometheusLoadNames("sglang:", "sglang:num_running_reqs", "sglang:num_queue_reqs", ("sglang:token_usage",))
+PROMETHEUS_ENGINES = {"vllm": VLLM_METRICS, "sglang": SGLANG_METRICS}
+
+
+def _samples(text: str, names: PrometheusLoadNames):
+    """(name, value) of every wanted sample line; malformed lines are skipped."""
+    wanted = names.wanted
     for line in text.splitlines():
-        if not line.startswith("vllm:"):
+        if not line.startswith(names.prefix):
             continue
         brace = line.find("{")
         space = line.find(" ")
@@ -46,7 +69,7 @@ def _samples(text: str):
                 continue
             name = line[:space]
             rest = line[space + 1:].split()
-        if name not in _WANTED or not rest:
+        if name not in wanted or not rest:
             continue
         try:
             value = float(rest[0])
@@ -56,24 +79,62 @@ def _samples(text: str):
             yield name, value
 
 
-def parse_load(text: str, now_ms: int | None = None) -> pb.WorkerLoad:
-    """WorkerLoad from a Prometheus text exposition. Raises ValueError if it holds no vLLM load metric."""
-    sums = {name: 0.0 for name in _WANTED}
-    counts = {name: 0 for name in _WANTED}
-    for name, value in _samples(text):
+def _now_ms(now_ms: int | None) -> int:
+    return int(time.time() * 1000) if now_ms is None else now_ms
+
+
+def parse_load(text: str, names: PrometheusLoadNames = VLLM_METRICS, now_ms: int | None = None) -> pb.WorkerLoad:
+    """WorkerLoad from a Prometheus text exposition. Raises ValueError if it holds none of the engine's load metrics."""
+    sums = {name: 0.0 for name in names.wanted}
+    counts = {name: 0 for name in names.wanted}
+    for name, value in _samples(text, names):
         sums[name] += value
         counts[name] += 1
     if not any(counts.values()):
-        raise ValueError("no vllm:num_requests_* / vllm:kv_cache_usage_perc metrics in the response")
-    usage_name = KV_USAGE if counts[KV_USAGE] else KV_USAGE_OLD
-    usage = sums[usage_name] / counts[usage_name] if counts[usage_name] else 0.0
-    return pb.WorkerLoad(running_requests=max(0, int(sums[RUNNING])), waiting_requests=max(0, int(sums[WAITING])),
-                         kv_usage=min(1.0, max(0.0, usage)),
-                         observed_unix_ms=int(time.time() * 1000) if now_ms is None else now_ms)
+        raise ValueError(f"no {names.running} / {names.waiting} / {names.usage[0]} metrics in the response")
+    usage_name = next((n for n in names.usage if counts[n]), None)
+    usage = sums[usage_name] / counts[usage_name] if usage_name else 0.0
+    return pb.WorkerLoad(running_requests=max(0, int(sums[names.running])),
+                         waiting_requests=max(0, int(sums[names.waiting])),
+                         kv_usage=min(1.0, max(0.0, usage)), observed_unix_ms=_now_ms(now_ms))
+
+
+class _KvCacheStats(msgspec.Struct):
+    max_blocks: int | None = msgspec.field(default=None, name="maxNumBlocks")
+    used_blocks: int | None = msgspec.field(default=None, name="usedNumBlocks")
+
+
+class _IterationStats(msgspec.Struct):
+    active: int | None = msgspec.field(default=None, name="numActiveRequests")
+    queued: int | None = msgspec.field(default=None, name="numQueuedRequests")
+    kv_cache: _KvCacheStats | None = msgspec.field(default=None, name="kvCacheStats")
+
+
+_dec_trtllm_stats = msgspec.json.Decoder(list[_IterationStats])
+
+
+def parse_trtllm_stats(body: bytes, last: pb.WorkerLoad, now_ms: int | None = None) -> pb.WorkerLoad:
+    """WorkerLoad from trtllm-serve's `GET /metrics` JSON (iteration stats). Raises ValueError if it is not that."""
+    try:
+        stats = _dec_trtllm_stats.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(f"not a JSON list of TensorRT-LLM iteration stats: {exc}") from None
+    if not stats:
+        return pb.WorkerLoad(running_requests=0, waiting_requests=0, kv_usage=last.kv_usage, observed_unix_ms=_now_ms(now_ms))
+    newest = stats[-1]
+    usage = last.kv_usage
+    kv = newest.kv_cache
+    if kv is not None and kv.max_blocks and kv.used_blocks is not None:
+        usage = min(1.0, max(0.0, kv.used_blocks / kv.max_blocks))
+    return pb.WorkerLoad(running_requests=max(0, newest.active or 0), waiting_requests=max(0, newest.queued or 0),
+                         kv_usage=usage, observed_unix_ms=_now_ms(now_ms))
 
 
 class EngineLoadPoller:
-    def __init__(self, engine_url: str, interval_s: float = 0.5, timeout_s: float = 2.0) -> None:
+    def __init__(self, engine_url: str, engine: str = "vllm", interval_s: float = 0.5, timeout_s: float = 2.0) -> None:
+        if engine != "trtllm" and engine not in PROMETHEUS_ENGINES:
+            raise ValueError(f"no load metrics known for engine {engine!r}")
+        self.engine = engine
         self.url = engine_url.rstrip("/") + "/metrics"
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.latest = pb.WorkerLoad()
@@ -86,7 +147,10 @@ class EngineLoadPoller:
         try:
             async with session.get(self.url) as resp:
                 resp.raise_for_status()
-                self.latest = parse_load(await resp.text())
+                if self.engine == "trtllm":
+                    self.latest = parse_trtllm_stats(await resp.read(), self.latest)
+                else:
+                    self.latest = parse_load(await resp.text(), PROMETHEUS_ENGINES[self.engine])
         except (TimeoutError, aiohttp.ClientError, ValueError, UnicodeDecodeError) as exc:
             self.failures += 1
             if self._failing_since is None:

@@ -1,4 +1,6 @@
-"""Live vLLM KV events over ZMQ SUB, with sequence tracking and replay over a DEALER socket.
+"""Live KV events over ZMQ SUB, with sequence tracking and replay over a DEALER socket: the transport
+vLLM, SGLang and TensorRT-LLM's streaming publisher share (wire spec §1); the payload decoder is
+the engine's dialect (`vllm_wire` or `sglang_wire`).
 
 Sequence rules (one publisher = one counter starting at 0, +1 per batch, wire spec §1.2):
 - start, and the first batch ever: if a replay endpoint is configured, replay from seq 0 to
@@ -11,6 +13,10 @@ Sequence rules (one publisher = one counter starting at 0, +1 per batch, wire sp
 - seq <= last: the publisher restarted (its counter reset): `on_reset`, then replay from 0;
 - a live copy of a batch that a start-up replay already applied is dropped (same seq, same
   payload digest).
+Replies to a replay request come in either framing (§1.4: `[seq, payload]` from vLLM < 0.26 and
+SGLang < 0.5.22, `[topic, seq, payload]` after), told apart by frame count.
+For one rank of a data-parallel engine, a batch naming another rank is counted (`rank_mismatches`)
+and not applied: its events describe another rank's cache.
 Frames that cannot be decoded are counted and logged (rate-limited) and never stop the loop.
 A malformed payload with a readable seq still uses up its sequence number (like a malformed event
 inside a batch, its content is lost but it is not a gap), so the batches around it apply.
@@ -29,12 +35,15 @@ import xxhash
 import zmq
 import zmq.asyncio
 
-from worker_agent.vllm_wire import DecodedBatch, WireFormatError, decode_payload, split_frames
+from worker_agent import vllm_wire
+from worker_agent.events import DecodedBatch
+from worker_agent.msgpack_wire import WireFormatError, split_frames
 
 log = logging.getLogger("kvroute.agent.zmq")
 END_SEQ = b"\xff" * 8  # (-1).to_bytes(8, "big", signed=True)
 _digest = xxhash.xxh3_64_intdigest
 
+PayloadDecoder = Callable[[int, bytes], DecodedBatch]  # (seq, payload) -> batch; raises WireFormatError
 BatchCallback = Callable[[DecodedBatch], Awaitable[None] | None]
 ResetCallback = Callable[[str], Awaitable[None] | None]
 
@@ -45,6 +54,7 @@ class SourceCounters:
     malformed_frames: int = 0     # ZMQ messages (live or replayed) that could not be decoded
     malformed_events: int = 0     # single events rejected inside otherwise good batches
     unknown_events: int = 0       # events with an unknown tag (skipped)
+    unknown_fields: int = 0       # events carrying fields we do not know (dropped; the event applies)
     gaps: int = 0                 # seq jumped forward
     unrecoverable_gaps: int = 0   # gaps the replay could not fill -> worker state reset
     replays: int = 0              # replay requests sent
@@ -54,6 +64,7 @@ class SourceCounters:
     duplicate_batches: int = 0    # live copies of batches a replay already applied
     incomplete_catch_ups: int = 0  # catch-up from seq 0 found the start no longer buffered
     callback_errors: int = 0      # exceptions raised by on_batch / on_reset
+    rank_mismatches: int = 0      # batches naming another data-parallel rank than the socket's (not applied)
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -87,16 +98,20 @@ class _Replay:
     complete: bool                           # end marker seen
 
 
-class VllmZmqSource:
-    """Reads one engine publisher. `on_batch(batch)` per batch in sequence order, `on_reset(reason)`
-    when the worker's state became unknown; both may be plain functions or coroutines."""
+class ZmqEventSource:
+    """Reads one engine publisher (one rank of a data-parallel engine). `on_batch(batch)` per batch in
+    sequence order, `on_reset(reason)` when the worker's state became unknown; both may be plain
+    functions or coroutines. `decode`: the engine's payload decoder. `expected_rank`: the rank the
+    batches must name (None: not checked)."""
 
     def __init__(self, endpoint: str, on_batch: BatchCallback, on_reset: ResetCallback,
-                 replay_endpoint: str | None = None, *, bind: bool = False, topic: str = "",
+                 replay_endpoint: str | None = None, *, decode: PayloadDecoder = vllm_wire.decode_payload,
+                 expected_rank: int | None = None, bind: bool = False, topic: str = "",
                  replay_timeout_s: float = 1.0, replay_max_s: float = 30.0, rcvhwm: int = 100_000,
                  context: zmq.asyncio.Context | None = None) -> None:
         self.endpoint, self.replay_endpoint, self.bind, self.topic = endpoint, replay_endpoint, bind, topic
         self.on_batch, self.on_reset = on_batch, on_reset
+        self.decode, self.expected_rank = decode, expected_rank
         self.replay_timeout_s, self.replay_max_s, self.rcvhwm = replay_timeout_s, replay_max_s, rcvhwm
         self.counters = SourceCounters()
         self.last_seq: int | None = None
@@ -157,7 +172,7 @@ class VllmZmqSource:
             if seq > self._replayed_max:
                 self._replayed.clear()
         try:
-            batch: DecodedBatch | None = decode_payload(seq, payload)
+            batch: DecodedBatch | None = self.decode(seq, payload)
         except WireFormatError as exc:
             self.counters.malformed_frames += 1
             self._log.warning(type(exc).__name__, "malformed KV event batch seq %d dropped: %s", seq, exc)
@@ -194,11 +209,20 @@ class VllmZmqSource:
 
     async def _apply(self, batch: DecodedBatch) -> None:
         c = self.counters
+        if self.expected_rank is not None and batch.dp_rank is not None and batch.dp_rank != self.expected_rank:
+            c.rank_mismatches += 1
+            self._log.warning("rank", "KV event batch seq %d names data-parallel rank %d on rank %d's socket: "
+                              "not applied", batch.seq, batch.dp_rank, self.expected_rank)
+            return
         c.batches += 1
         if batch.bad_events:
             c.malformed_events += len(batch.bad_events)
             self._log.warning("bad_event", "KV event batch seq %d: %d malformed events skipped (first: %s)",
                                          batch.seq, len(batch.bad_events), batch.bad_events[0])
+        if batch.unknown_fields:
+            c.unknown_fields += len(batch.unknown_fields)
+            self._log.warning("unknown_fields", "KV event batch seq %d: fields not known to this agent dropped (%s)",
+                              batch.seq, "; ".join(batch.unknown_fields[:3]))
         if batch.unknown_events:
             c.unknown_events += len(batch.unknown_events)
             self._log.warning("unknown_event", "KV event batch seq %d: unknown event types %s skipped", batch.seq,
@@ -288,7 +312,7 @@ class VllmZmqSource:
                 frames = await dealer.recv_multipart()
                 if frames and frames[0] == b"":
                     frames = frames[1:]  # the DEALER-side empty delimiter
-                if len(frames) == 3:     # new framing (vLLM >= 0.26): [topic, seq8, payload]
+                if len(frames) == 3:     # new framing (vLLM >= 0.26, SGLang >= 0.5.22): [topic, seq8, payload]
                     seq8, payload = frames[1], frames[2]
                 elif len(frames) == 2:   # old framing: [seq8, payload]
                     seq8, payload = frames
@@ -307,7 +331,7 @@ class VllmZmqSource:
                 if seq < start or seq in out.batches:
                     continue  # dedupe by seq
                 try:
-                    out.batches[seq] = decode_payload(seq, payload)
+                    out.batches[seq] = self.decode(seq, payload)
                 except WireFormatError as exc:
                     self.counters.malformed_frames += 1
                     self._log.warning("replay_payload", "malformed replayed batch seq %d dropped: %s", seq, exc)

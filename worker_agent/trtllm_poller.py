@@ -1,0 +1,106 @@
+"""TensorRT-LLM pull path: `POST /kv_cache_events` on trtllm-serve every interval (wire spec §5.2).
+
+The endpoint drains the engine's event queue, so exactly one poller may run per server (a second
+one would steal events and both would see gaps). Each body goes through `TrtllmEventConverter`;
+its actions are applied in order: `on_batch(rank, batch)` for events, `on_reset(rank, reason)`
+when a rank's state became unknown. An unreachable engine is counted and retried at the same pace;
+a body that is not a JSON array of events is counted and dropped (its events are lost, the next
+event_id shows the gap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, fields
+
+import aiohttp
+
+from worker_agent.events import DecodedBatch
+from worker_agent.trtllm_events import BodyError, RankEvents, TrtllmEventConverter
+from worker_agent.zmq_source import RateLimitedLog
+
+log = logging.getLogger("kvroute.agent.trtllm")
+
+RankBatchCallback = Callable[[int | None, DecodedBatch], Awaitable[None] | None]
+RankResetCallback = Callable[[int | None, str], Awaitable[None] | None]
+
+
+@dataclass(slots=True)
+class PollerCounters:
+    polls: int = 0              # POST /kv_cache_events answered
+    poll_failures: int = 0      # requests that failed (engine unreachable, HTTP error, timeout)
+    batches: int = 0            # per-rank event batches applied
+    callback_errors: int = 0    # exceptions raised by on_batch / on_reset
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class TrtllmEventPoller:
+    def __init__(self, engine_url: str, converter: TrtllmEventConverter, on_batch: RankBatchCallback,
+                 on_reset: RankResetCallback, *, interval_s: float = 0.1, timeout_s: float = 5.0) -> None:
+        # Older servers hold the request up to 2 s when the queue is empty: the timeout must exceed that.
+        self.url = engine_url.rstrip("/") + "/kv_cache_events"
+        self.converter = converter
+        self.on_batch, self.on_reset = on_batch, on_reset
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.counters = PollerCounters()
+        self.last_event_id: int | None = None
+        self._log = RateLimitedLog(log)
+
+    def counter_values(self) -> dict[str, int]:
+        return {**self.converter.counters.as_dict(), **self.counters.as_dict()}
+
+    async def poll_once(self, session: aiohttp.ClientSession) -> bool:
+        try:
+            async with session.post(self.url) as resp:
+                resp.raise_for_status()
+                body = await resp.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            self.counters.poll_failures += 1
+            self._log.warning("poll", "POST %s failed: %s", self.url, exc or type(exc).__name__)
+            return False
+        self.counters.polls += 1
+        try:
+            actions = self.converter.feed(body)
+        except BodyError as exc:
+            self.converter.counters.malformed_frames += 1
+            self._log.warning("body", "KV event response dropped: %s", exc)
+            return True
+        converter = self.converter
+        if converter.last_bad_event:
+            self._log.warning("bad_event", "KV event skipped: %s", converter.last_bad_event)
+            converter.last_bad_event = None
+        if converter.last_unknown_fields:
+            self._log.warning("unknown_fields", "KV event fields not known to this agent dropped: %s",
+                              ", ".join(converter.last_unknown_fields))
+            converter.last_unknown_fields = None
+        for action in actions:
+            if type(action) is RankEvents:
+                self.last_event_id = action.last_id
+                self.counters.batches += 1
+                await self._call(self.on_batch, action.rank,
+                                 DecodedBatch(action.last_id, time.time(), action.rank, action.events))
+            else:
+                log.warning("TRT-LLM KV events, rank %s: %s; worker state reset", action.rank, action.reason)
+                await self._call(self.on_reset, action.rank, action.reason)
+        return True
+
+    async def _call(self, callback, *args) -> None:
+        try:
+            result = callback(*args)
+            if inspect.isawaitable(result):
+                await result
+        except Exception:  # noqa: BLE001 - one bad batch must not stop the poller
+            self.counters.callback_errors += 1
+            self._log.warning("callback", "applying TRT-LLM KV events failed", exc_info=True)
+
+    async def run(self) -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as session:
+            while True:
+                await self.poll_once(session)
+                await asyncio.sleep(self.interval_s)
