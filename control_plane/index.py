@@ -1,4 +1,4 @@
-"""Prefix indexes: which workers hold which kvroute block keys.
+"""Prefix indexes: which workers hold which kvroute block keys, on which tier.
 
 Workers are identified by small dense integers (slots) handed out by the registry, so the
 fast index can keep one int bitmask per block key. Both implementations satisfy the same
@@ -6,121 +6,317 @@ fast index can keep one int bitmask per block key. Both implementations satisfy 
 (tests/test_control_plane_index_conformance.py).
 
 Semantics (shared by all implementations):
-- store/remove are idempotent set operations per (worker, key).
+- A key is held per (worker, tier): store/remove are idempotent set operations per
+  (worker, key, tier), so dropping a key from one tier leaves it on the others. Callers that
+  know only GPU blocks (the simulator) leave `tier` at its default.
 - match(keys) walks a chained key sequence from the start and returns, per worker, how many
-  leading keys it holds without a hole: the engine's own prefix match stops at the first
-  missing block, so a hole ends the match even if later keys are present.
+  leading keys it holds on any tier without a hole: the engine's own prefix match stops at the
+  first missing block, so a hole ends the match even if later keys are present.
+- speculate/unspeculate mark a worker as an unconfirmed holder of keys (a request was just sent
+  there, its engine has not reported the blocks yet). Idempotent per (worker, key): who vouches
+  for a claim, and for how long, is the caller's business (control_plane.inflight). Speculative
+  claims are not entries: worker_keys, counts, clear and match ignore them.
+- match_tiers(keys) is the same walk as match, but speculative claims also continue it; it says
+  per worker how many matched blocks sit only on cpu, only on disk (a block on gpu and cpu counts
+  as gpu; on cpu and disk as cpu) or only speculatively (held on no tier).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Protocol
 
 
-class PrefixIndex(Protocol):
-    def store(self, worker: int, keys: Iterable[int]) -> int:
-        """Record that `worker` holds `keys`; returns how many were new."""
+class Tier(IntEnum):
+    GPU = 0
+    CPU = 1
+    DISK = 2
 
-    def remove(self, worker: int, keys: Iterable[int]) -> int:
-        """Forget `keys` on `worker`; returns how many were present."""
+    @property
+    def medium(self) -> str:
+        return self.name.lower()
+
+
+TIERS = tuple(Tier)
+_MEDIUM_TIERS = {t.medium: t for t in Tier}
+
+
+def tier_of_medium(medium: str) -> Tier | None:
+    """The tier a wire `medium` names ("" means gpu); None for a name outside the contract."""
+    if not medium:
+        return Tier.GPU
+    return _MEDIUM_TIERS.get(medium.lower())
+
+
+@dataclass(slots=True)
+class TierMatch:
+    """Per worker slot: matched depth, and how many of those blocks are cpu-only, disk-only or
+    only speculative. Workers absent from a count dict have 0 there."""
+
+    depth: dict[int, int] = field(default_factory=dict)
+    cpu_blocks: dict[int, int] = field(default_factory=dict)
+    disk_blocks: dict[int, int] = field(default_factory=dict)
+    speculative_blocks: dict[int, int] = field(default_factory=dict)
+
+
+class PrefixIndex(Protocol):
+    def store(self, worker: int, keys: Iterable[int], tier: Tier = Tier.GPU) -> int:
+        """Record that `worker` holds `keys` on `tier`; returns how many were new there."""
+
+    def remove(self, worker: int, keys: Iterable[int], tier: Tier = Tier.GPU) -> int:
+        """Forget `keys` on `worker`'s `tier`; returns how many were present there."""
 
     def clear(self, worker: int) -> int:
-        """Forget everything `worker` holds; returns how many keys it held."""
+        """Forget everything `worker` holds on every tier; returns how many entries it had."""
 
-    def replace(self, worker: int, keys: Iterable[int]) -> None:
-        """Make `keys` exactly the set `worker` holds (snapshot after a reconnect)."""
+    def replace(self, worker: int, keys: Iterable[int], tier: Tier = Tier.GPU) -> None:
+        """Make `keys` exactly the set `worker` holds on `tier`; other tiers are untouched."""
+
+    def replace_all(self, worker: int, keys_by_tier: Mapping[Tier, Iterable[int]]) -> None:
+        """Snapshot: make every tier of `worker` exactly its entry (a tier not named: empty)."""
 
     def match(self, keys: Sequence[int]) -> dict[int, int]:
-        """Per worker holding keys[0]: length of the longest held prefix of `keys`."""
+        """Per worker holding keys[0] on any tier: length of the longest held prefix of `keys`."""
 
-    def worker_block_count(self, worker: int) -> int: ...
+    def speculate(self, worker: int, keys: Iterable[int]) -> None:
+        """Mark `worker` as an unconfirmed holder of `keys`."""
+
+    def unspeculate(self, worker: int, keys: Iterable[int]) -> None:
+        """Drop `worker`'s unconfirmed claims on `keys`."""
+
+    def held_prefix(self, worker: int, keys: Iterable[int]) -> int:
+        """How many leading `keys` `worker` holds on any tier (speculation aside)."""
+
+    def match_tiers(self, keys: Sequence[int]) -> TierMatch:
+        """`match` continued by speculative claims, with per-tier and speculative counts."""
+
+    def worker_keys(self, worker: int, tier: Tier) -> set[int]:
+        """A copy of the keys `worker` holds on `tier`."""
+
+    def worker_block_count(self, worker: int, tier: Tier | None = None) -> int:
+        """Entries `worker` holds on `tier` (None: summed over tiers)."""
 
     def entry_count(self) -> int:
-        """Number of (key, worker) pairs held."""
+        """Number of (key, worker, tier) entries held."""
 
 
 class BitmaskPrefixIndex:
-    """Fast index: key -> bitmask of worker slots, plus worker -> key set for removal.
+    """Fast index: per tier, key -> bitmask of worker slots. Two derived masks keep a gpu-only
+    fleet at one lookup per block: `_below_gpu` (workers holding the key on cpu or disk but not
+    on gpu, so gpu | below-gpu is the any-tier mask) and `_aux` (below-gpu | speculative: every
+    worker for whom the key counts without being on gpu). Both are empty in a gpu-only fleet
+    with nothing in flight. Plus worker -> key set per tier, for removal and snapshots.
 
-    A match costs one dict lookup and one AND per prompt block, independent of worker count
-    until workers drop out of the match.
+    A match costs one dict lookup and one AND per prompt block (two with tiers or speculation),
+    independent of worker count until workers drop out of the match.
     """
 
-    __slots__ = ("_holders", "_worker_keys")
+    __slots__ = ("_tier_holders", "_below_gpu", "_speculative", "_aux", "_worker_keys")
 
     def __init__(self) -> None:
-        self._holders: dict[int, int] = {}
-        self._worker_keys: dict[int, set[int]] = {}
+        self._tier_holders: tuple[dict[int, int], ...] = tuple({} for _ in TIERS)
+        self._below_gpu: dict[int, int] = {}
+        self._speculative: dict[int, int] = {}
+        self._aux: dict[int, int] = {}
+        self._worker_keys: tuple[dict[int, set[int]], ...] = tuple({} for _ in TIERS)
 
-    def store(self, worker: int, keys: Iterable[int]) -> int:
-        held = self._worker_keys.setdefault(worker, set())
+    def store(self, worker: int, keys: Iterable[int], tier: Tier = Tier.GPU) -> int:
+        held = self._worker_keys[tier].setdefault(worker, set())
         bit = 1 << worker
-        holders = self._holders
+        holders, below, gpu = self._tier_holders[tier], self._below_gpu, self._tier_holders[Tier.GPU]
+        on_gpu = tier == Tier.GPU
         added = 0
         for key in keys:
-            if key not in held:
-                held.add(key)
-                holders[key] = holders.get(key, 0) | bit
-                added += 1
+            if key in held:
+                continue
+            held.add(key)
+            holders[key] = holders.get(key, 0) | bit
+            if on_gpu:
+                if below and below.get(key, 0) & bit:
+                    self._set_below(key, bit, False)
+            elif not gpu.get(key, 0) & bit:
+                self._set_below(key, bit, True)
+            added += 1
         return added
 
-    def remove(self, worker: int, keys: Iterable[int]) -> int:
-        held = self._worker_keys.get(worker)
+    def remove(self, worker: int, keys: Iterable[int], tier: Tier = Tier.GPU) -> int:
+        held = self._worker_keys[tier].get(worker)
         if not held:
             return 0
         present = [key for key in dict.fromkeys(keys) if key in held]
         held.difference_update(present)
-        self._drop_holder(worker, present)
+        self._forget(worker, present, tier)
         return len(present)
 
     def clear(self, worker: int) -> int:
-        held = self._worker_keys.pop(worker, None)
-        if not held:
-            return 0
-        self._drop_holder(worker, held)
-        return len(held)
+        dropped = 0
+        for tier in TIERS:
+            held = self._worker_keys[tier].pop(worker, None)
+            if held:
+                self._forget(worker, held, tier)
+                dropped += len(held)
+        return dropped
 
-    def _drop_holder(self, worker: int, keys: Iterable[int]) -> None:
-        clear_bit = ~(1 << worker)
-        holders = self._holders
+    def _forget(self, worker: int, keys: Iterable[int], tier: Tier) -> None:
+        """Clear `worker`'s bit for `keys` on `tier` (already gone from its key set) and keep the
+        below-gpu mask true to what the worker still holds on the other tiers."""
+        bit = 1 << worker
+        holders, below = self._tier_holders[tier], self._below_gpu
+        if tier == Tier.GPU:
+            cpu, disk = self._tier_holders[Tier.CPU], self._tier_holders[Tier.DISK]
+            for key in keys:
+                _clear_bit(holders, key, bit)
+                if (cpu and cpu.get(key, 0) & bit) or (disk and disk.get(key, 0) & bit):
+                    self._set_below(key, bit, True)  # still on cpu or disk: now only below gpu
+            return
+        other = self._tier_holders[Tier.DISK if tier == Tier.CPU else Tier.CPU]
         for key in keys:
-            mask = holders[key] & clear_bit
-            if mask:
-                holders[key] = mask
-            else:
-                del holders[key]
+            _clear_bit(holders, key, bit)
+            if not other.get(key, 0) & bit and below.get(key, 0) & bit:
+                self._set_below(key, bit, False)
 
-    def replace(self, worker: int, keys: Iterable[int]) -> None:
+    def _set_below(self, key: int, bit: int, on: bool) -> None:
+        if on:
+            self._below_gpu[key] = self._below_gpu.get(key, 0) | bit
+            self._aux[key] = self._aux.get(key, 0) | bit
+        else:
+            _clear_bit(self._below_gpu, key, bit)
+            if not self._speculative.get(key, 0) & bit:
+                _clear_bit(self._aux, key, bit)
+
+    def replace(self, worker: int, keys: Iterable[int], tier: Tier = Tier.GPU) -> None:
         wanted = set(keys)
-        held = self._worker_keys.get(worker, set())
-        self.remove(worker, [k for k in held if k not in wanted])
-        self.store(worker, wanted)
+        held = self._worker_keys[tier].get(worker, set())
+        self.remove(worker, [k for k in held if k not in wanted], tier)
+        self.store(worker, wanted, tier)
+
+    def replace_all(self, worker: int, keys_by_tier: Mapping[Tier, Iterable[int]]) -> None:
+        for tier in TIERS:
+            self.replace(worker, keys_by_tier.get(tier, ()), tier)
+
+    def speculate(self, worker: int, keys: Iterable[int]) -> None:
+        bit = 1 << worker
+        speculative, aux = self._speculative, self._aux
+        for key in keys:
+            speculative[key] = speculative.get(key, 0) | bit
+            aux[key] = aux.get(key, 0) | bit
+
+    def unspeculate(self, worker: int, keys: Iterable[int]) -> None:
+        bit = 1 << worker
+        speculative, below, aux = self._speculative, self._below_gpu, self._aux
+        for key in keys:
+            _clear_bit(speculative, key, bit)
+            if not below.get(key, 0) & bit:
+                _clear_bit(aux, key, bit)
+
+    def held_prefix(self, worker: int, keys: Iterable[int]) -> int:
+        held = [by_worker[worker] for by_worker in self._worker_keys if by_worker.get(worker)]
+        depth = 0
+        if len(held) == 1:  # the usual case: one tier (gpu) to look in
+            only = held[0]
+            for key in keys:
+                if key not in only:
+                    break
+                depth += 1
+            return depth
+        for key in keys:
+            if not any(key in tier_keys for tier_keys in held):
+                break
+            depth += 1
+        return depth
 
     def match(self, keys: Sequence[int]) -> dict[int, int]:
         if not keys:
             return {}
-        holders = self._holders
-        alive = holders.get(keys[0], 0)
+        holders = self._tier_holders[Tier.GPU]
+        below = self._below_gpu
+        alive = holders.get(keys[0], 0) | below.get(keys[0], 0)
         if not alive:
             return {}
         result: dict[int, int] = {}
         depth = 1
-        for depth in range(1, len(keys)):
-            still = holders.get(keys[depth], 0) & alive
-            if still != alive:
-                _assign(result, alive & ~still, depth)
-                alive = still
-                if not alive:
-                    return result
+        if below:  # some worker has tiers: any tier is gpu | below-gpu
+            for depth in range(1, len(keys)):
+                key = keys[depth]
+                still = (holders.get(key, 0) | below.get(key, 0)) & alive
+                if still != alive:
+                    _assign(result, alive & ~still, depth)
+                    alive = still
+                    if not alive:
+                        return result
+        else:
+            for depth in range(1, len(keys)):
+                still = holders.get(keys[depth], 0) & alive
+                if still != alive:
+                    _assign(result, alive & ~still, depth)
+                    alive = still
+                    if not alive:
+                        return result
         _assign(result, alive, len(keys))
         return result
 
-    def worker_block_count(self, worker: int) -> int:
-        return len(self._worker_keys.get(worker, ()))
+    def match_tiers(self, keys: Sequence[int]) -> TierMatch:
+        aux = self._aux
+        if not aux:
+            return TierMatch(self.match(keys))  # gpu-only fleet, nothing in flight: the plain walk
+        gpu_get, aux_get = self._tier_holders[Tier.GPU].get, aux.get
+        below_get, cpu_get = self._below_gpu.get, self._tier_holders[Tier.CPU].get
+        out = TierMatch()
+        # Counts are kept as runs: the masks of cpu-only / disk-only / speculative-only workers
+        # usually stay the same over long stretches of a chain (mostly all zero: plain gpu), so
+        # bits are walked only when a mask changes, not once per block.
+        run_cpu = run_disk = run_spec = run_any = 0
+        run_start = 0
+        alive = -1  # every bit: the first key decides who is in the walk
+        end = len(keys)
+        for pos, key in enumerate(keys):
+            on_gpu = gpu_get(key, 0)
+            off_gpu = aux_get(key, 0)
+            still = (on_gpu | off_gpu) & alive
+            if still != alive:
+                if pos:
+                    _assign(out.depth, alive & ~still, pos)
+                alive = still
+                if not alive:
+                    end = pos
+                    break
+            if off_gpu or run_any:
+                off_gpu &= alive & ~on_gpu
+                if off_gpu:
+                    low = below_get(key, 0) & off_gpu
+                    cpu_only = cpu_get(key, 0) & low if low else 0
+                    disk_only, vouched = low ^ cpu_only, off_gpu ^ low
+                else:
+                    cpu_only = disk_only = vouched = 0
+                if cpu_only != run_cpu or disk_only != run_disk or vouched != run_spec:
+                    _add_run(out, run_cpu, run_disk, run_spec, pos - run_start)
+                    run_cpu, run_disk, run_spec, run_start, run_any = cpu_only, disk_only, vouched, pos, off_gpu
+        else:
+            if end:
+                _assign(out.depth, alive, end)
+        _add_run(out, run_cpu, run_disk, run_spec, end - run_start)
+        return out
+
+    def worker_keys(self, worker: int, tier: Tier) -> set[int]:
+        return set(self._worker_keys[tier].get(worker, ()))
+
+    def worker_block_count(self, worker: int, tier: Tier | None = None) -> int:
+        if tier is not None:
+            return len(self._worker_keys[tier].get(worker, ()))
+        return sum(len(by_worker.get(worker, ())) for by_worker in self._worker_keys)
 
     def entry_count(self) -> int:
-        return sum(len(s) for s in self._worker_keys.values())
+        return sum(len(s) for by_worker in self._worker_keys for s in by_worker.values())
+
+
+def _clear_bit(holders: dict[int, int], key: int, bit: int) -> None:
+    mask = holders.get(key, 0) & ~bit
+    if mask:
+        holders[key] = mask
+    else:
+        holders.pop(key, None)
 
 
 def _assign(result: dict[int, int], mask: int, depth: int) -> None:
@@ -130,43 +326,99 @@ def _assign(result: dict[int, int], mask: int, depth: int) -> None:
         mask ^= low
 
 
+def _add_run(out: TierMatch, cpu_mask: int, disk_mask: int, spec_mask: int, length: int) -> None:
+    if length <= 0:
+        return
+    for counts, mask in ((out.cpu_blocks, cpu_mask), (out.disk_blocks, disk_mask),
+                         (out.speculative_blocks, spec_mask)):
+        while mask:
+            low = mask & -mask
+            worker = low.bit_length() - 1
+            counts[worker] = counts.get(worker, 0) + length
+            mask ^= low
+
+
 class SetPrefixIndex:
-    """Reference index: worker -> set of keys. Obviously correct, O(workers) per block;
-    kept as the oracle the conformance suite compares the fast index against."""
+    """Reference index: (worker, tier) -> set of keys, and worker -> speculative keys. Obviously
+    correct, O(workers) per block; kept as the oracle the conformance suite compares the fast
+    index against."""
 
     def __init__(self) -> None:
-        self._worker_keys: dict[int, set[int]] = {}
+        self._worker_keys: dict[int, list[set[int]]] = {}
+        self._speculative: dict[int, set[int]] = {}
 
-    def store(self, worker: int, keys: Iterable[int]) -> int:
-        held = self._worker_keys.setdefault(worker, set())
+    def _tiers(self, worker: int) -> list[set[int]]:
+        return self._worker_keys.setdefault(worker, [set() for _ in TIERS])
+
+    def store(self, worker: int, keys: Iterable[int], tier: Tier = Tier.GPU) -> int:
+        held = self._tiers(worker)[tier]
         before = len(held)
         held.update(keys)
         return len(held) - before
 
-    def remove(self, worker: int, keys: Iterable[int]) -> int:
-        held = self._worker_keys.get(worker, set())
+    def remove(self, worker: int, keys: Iterable[int], tier: Tier = Tier.GPU) -> int:
+        held = self._tiers(worker)[tier]
         before = len(held)
         held.difference_update(keys)
         return before - len(held)
 
     def clear(self, worker: int) -> int:
-        return len(self._worker_keys.pop(worker, set()))
+        return sum(len(held) for held in self._worker_keys.pop(worker, []))
 
-    def replace(self, worker: int, keys: Iterable[int]) -> None:
-        self._worker_keys[worker] = set(keys)
+    def replace(self, worker: int, keys: Iterable[int], tier: Tier = Tier.GPU) -> None:
+        self._tiers(worker)[tier] = set(keys)
+
+    def replace_all(self, worker: int, keys_by_tier: Mapping[Tier, Iterable[int]]) -> None:
+        self._worker_keys[worker] = [set(keys_by_tier.get(tier, ())) for tier in TIERS]
+
+    def speculate(self, worker: int, keys: Iterable[int]) -> None:
+        self._speculative.setdefault(worker, set()).update(keys)
+
+    def unspeculate(self, worker: int, keys: Iterable[int]) -> None:
+        self._speculative.get(worker, set()).difference_update(keys)
+
+    def held_prefix(self, worker: int, keys: Iterable[int]) -> int:
+        return self._walk(list(keys), with_speculation=False).depth.get(worker, 0)
 
     def match(self, keys: Sequence[int]) -> dict[int, int]:
-        result = {}
-        for worker, held in self._worker_keys.items():
+        return self._walk(keys, with_speculation=False).depth
+
+    def match_tiers(self, keys: Sequence[int]) -> TierMatch:
+        return self._walk(keys, with_speculation=True)
+
+    def _walk(self, keys: Sequence[int], with_speculation: bool) -> TierMatch:
+        out = TierMatch()
+        for worker in set(self._worker_keys) | (set(self._speculative) if with_speculation else set()):
+            gpu, cpu, disk = self._worker_keys.get(worker, [set(), set(), set()])
+            speculative = self._speculative.get(worker, set()) if with_speculation else set()
             depth = 0
-            while depth < len(keys) and keys[depth] in held:
+            counts = {"cpu": 0, "disk": 0, "spec": 0}
+            for key in keys:
+                if key in gpu:
+                    pass
+                elif key in cpu:
+                    counts["cpu"] += 1
+                elif key in disk:
+                    counts["disk"] += 1
+                elif key in speculative:
+                    counts["spec"] += 1
+                else:
+                    break
                 depth += 1
             if depth:
-                result[worker] = depth
-        return result
+                out.depth[worker] = depth
+                for name, target in (("cpu", out.cpu_blocks), ("disk", out.disk_blocks),
+                                     ("spec", out.speculative_blocks)):
+                    if counts[name]:
+                        target[worker] = counts[name]
+        return out
 
-    def worker_block_count(self, worker: int) -> int:
-        return len(self._worker_keys.get(worker, ()))
+    def worker_keys(self, worker: int, tier: Tier) -> set[int]:
+        return set(self._worker_keys.get(worker, [set()] * len(TIERS))[tier])
+
+    def worker_block_count(self, worker: int, tier: Tier | None = None) -> int:
+        held = self._worker_keys.get(worker, [set()] * len(TIERS))
+        return len(held[tier]) if tier is not None else sum(len(s) for s in held)
 
     def entry_count(self) -> int:
-        return sum(len(s) for s in self._worker_keys.values())
+        return sum(len(s) for tiers in self._worker_keys.values() for s in tiers)
