@@ -3,14 +3,17 @@
 Each registered worker gets a small integer slot (reused after the worker is dropped) that
 the prefix index uses as its bit position. A worker that stops heartbeating for
 `heartbeat_timeout_s` is dropped together with its blocks: a router must never send
-traffic on the belief that a dead GPU holds a prefix.
+traffic on the belief that a dead GPU holds a prefix. A `SlotWatcher` (the in-flight tracker)
+hears when a slot's blocks become meaningless or the slot is freed, so nothing keyed by slot
+outlives the worker it meant.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from control_plane.index import PrefixIndex
 
@@ -32,18 +35,32 @@ class WorkerRecord:
     block_size: int
     endpoint: str
     engine_version: str = ""
+    lora_adapters: tuple[str, ...] = ()      # adapters the engine serves now (requests name them as `model`)
+    data_parallel_rank: int | None = None    # None: not one rank of a data-parallel engine
     load: WorkerLoadState = field(default_factory=WorkerLoadState)
     last_seen: float = 0.0
     last_seq: int = 0
     # Incremented on every (re)registration so a superseded stream can tell it lost ownership.
     generation: int = 0
+    # The service's pre-built answer for this worker (a WorkerMatch without per-query fields),
+    # cached because building it per query dominated Query time; None after any change to it.
+    match_template: object | None = None
+
+
+class SlotWatcher(Protocol):
+    def slot_cleared(self, slot: int) -> None:
+        """The worker in `slot` no longer holds anything (its keys changed meaning)."""
+
+    def slot_dropped(self, slot: int) -> None:
+        """The worker in `slot` is gone; the slot may be handed to another worker."""
 
 
 class WorkerRegistry:
     def __init__(self, index: PrefixIndex, heartbeat_timeout_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, watcher: SlotWatcher | None = None) -> None:
         self.index = index
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.watcher = watcher
         self._clock = clock
         self._workers: dict[str, WorkerRecord] = {}
         self._free_slots: list[int] = []
@@ -51,7 +68,8 @@ class WorkerRegistry:
         self._generations = 0
 
     def register(self, worker_id: str, model: str, engine: str, block_size: int, endpoint: str,
-                 engine_version: str = "") -> WorkerRecord:
+                 engine_version: str = "", lora_adapters: Iterable[str] = (),
+                 data_parallel_rank: int | None = None) -> WorkerRecord:
         """(Re)register a worker. Its blocks are kept until the agent's snapshot replaces them,
         so a reconnecting agent does not blank the worker for routers in between."""
         if not worker_id:
@@ -65,26 +83,43 @@ class WorkerRegistry:
         if record is not None and (record.block_size != block_size or record.model != model):
             # Keys of another block size or model are meaningless now.
             self.index.clear(record.slot)
+            if self.watcher:
+                self.watcher.slot_cleared(record.slot)
         if record is None:
             record = WorkerRecord(worker_id=worker_id, slot=self._take_slot(), model=model, engine=engine,
                                   block_size=block_size, endpoint=endpoint)
             self._workers[worker_id] = record
         record.model, record.engine, record.block_size = model, engine, block_size
         record.endpoint, record.engine_version = endpoint, engine_version
+        record.lora_adapters = tuple(lora_adapters)
+        record.data_parallel_rank = data_parallel_rank
         record.last_seen = self._clock()
         record.last_seq = 0
         record.generation = self._generations
+        record.match_template = None
         return record
 
     def touch(self, record: WorkerRecord) -> None:
         record.last_seen = self._clock()
 
+    def update_load(self, record: WorkerRecord, running_requests: int, waiting_requests: int, kv_usage: float,
+                    observed_unix_ms: int) -> None:
+        load = record.load
+        load.running_requests, load.waiting_requests = running_requests, waiting_requests
+        load.kv_usage, load.observed_unix_ms = kv_usage, observed_unix_ms
+        record.match_template = None
+
+    def set_lora_adapters(self, record: WorkerRecord, adapters: Iterable[str]) -> None:
+        record.lora_adapters = tuple(adapters)
+        record.match_template = None
+
     def get(self, worker_id: str) -> WorkerRecord | None:
         return self._workers.get(worker_id)
 
-    def workers(self, model: str = "") -> Iterator[WorkerRecord]:
+    def workers(self, model: str = "", lora_name: str = "") -> Iterator[WorkerRecord]:
+        """Live workers of `model` ("" = every model) serving adapter `lora_name` ("" = the base model)."""
         for record in self._workers.values():
-            if not model or record.model == model:
+            if (not model or record.model == model) and (not lora_name or lora_name in record.lora_adapters):
                 yield record
 
     def __len__(self) -> int:
@@ -95,6 +130,8 @@ class WorkerRegistry:
         if record is None:
             return False
         self.index.clear(record.slot)
+        if self.watcher:
+            self.watcher.slot_dropped(record.slot)
         self._free_slots.append(record.slot)
         return True
 

@@ -1,4 +1,4 @@
-"""gRPC ControlPlane service (grpc.aio): agent streams in, router queries out."""
+"""gRPC ControlPlane service (grpc.aio): agent streams in, router queries out, audit reads."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import grpc
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from control_plane.index import TIERS, Tier, TierMatch, tier_of_medium
 from control_plane.registry import WorkerRecord, WorkerRegistry
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
@@ -37,6 +38,11 @@ class ControlPlaneMetrics:
                                     registry=registry)
         self.stream_errors = Counter("kvroute_cp_stream_errors_total", "Agent streams rejected", ["reason"],
                                      registry=registry)
+        self.unknown_media = Counter("kvroute_cp_unknown_medium_events_total",
+                                     "Block events naming a medium outside gpu/cpu/disk (applied as disk)",
+                                     registry=registry)
+        self.bad_requests = Counter("kvroute_cp_bad_requests_total", "Router requests rejected", ["rpc", "reason"],
+                                    registry=registry)
         self.expired = Counter("kvroute_cp_workers_expired_total", "Workers dropped for missing heartbeats",
                                registry=registry)
         self.query_seconds = Histogram("kvroute_cp_query_seconds", "Query handling time", registry=registry,
@@ -49,10 +55,33 @@ def load_to_pb(record: WorkerRecord) -> pb.WorkerLoad:
                          kv_usage=load.kv_usage, observed_unix_ms=load.observed_unix_ms)
 
 
+def match_template(record: WorkerRecord) -> pb.WorkerMatch:
+    """The per-worker part of every answer, built once per change of the record."""
+    template = record.match_template
+    if template is None:
+        template = pb.WorkerMatch(worker_id=record.worker_id, endpoint=record.endpoint, block_size=record.block_size,
+                                  load=load_to_pb(record), data_parallel_rank=record.data_parallel_rank)
+        record.match_template = template
+    return template  # type: ignore[return-value]
+
+
+class BadRequest(ValueError):
+    """A router request that cannot be answered as sent (INVALID_ARGUMENT)."""
+
+
+def check_query(request: pb.QueryRequest) -> None:
+    block_sizes = [chain.block_size for chain in request.chains]
+    if 0 in block_sizes:
+        raise BadRequest("every KeyChain needs a block_size (got 0)")
+    if len(set(block_sizes)) != len(block_sizes):
+        raise BadRequest(f"one KeyChain per block size, got block sizes {block_sizes}")
+
+
 class ControlPlaneService(pb_grpc.ControlPlaneServicer):
     def __init__(self, registry: WorkerRegistry, metrics: ControlPlaneMetrics) -> None:
         self.registry = registry
         self.metrics = metrics
+        self._unknown_media_seen: set[str] = set()
 
     # ------------------------------------------------------------ agent stream
 
@@ -79,12 +108,12 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                 applied = await self._apply_batch(record, message.batch, context)
                 yield pb.ControlMessage(ack=pb.Ack(seq=message.batch.seq, applied_events=applied))
             elif body == "heartbeat":
-                load = message.heartbeat.load
-                state = record.load
-                state.running_requests = load.running_requests
-                state.waiting_requests = load.waiting_requests
-                state.kv_usage = load.kv_usage
-                state.observed_unix_ms = load.observed_unix_ms or int(time.time() * 1000)
+                heartbeat = message.heartbeat
+                load = heartbeat.load
+                self.registry.update_load(record, load.running_requests, load.waiting_requests, load.kv_usage,
+                                          load.observed_unix_ms or int(time.time() * 1000))
+                if tuple(heartbeat.lora_adapters) != record.lora_adapters:
+                    self.registry.set_lora_adapters(record, heartbeat.lora_adapters)
             elif body == "register":
                 await self._reject(context, "double_register", grpc.StatusCode.FAILED_PRECONDITION,
                                    "register may only be sent once per stream")
@@ -92,12 +121,15 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
     async def _register(self, req: pb.RegisterWorker,
                         context: grpc.aio.ServicerContext) -> tuple[WorkerRecord, int]:
         try:
-            record = self.registry.register(req.worker_id, req.model, req.engine, req.block_size,
-                                            req.endpoint, req.engine_version)
+            record = self.registry.register(
+                req.worker_id, req.model, req.engine, req.block_size, req.endpoint, req.engine_version,
+                req.lora_adapters, req.data_parallel_rank if req.HasField("data_parallel_rank") else None)
         except ValueError as exc:
             await self._reject(context, "bad_register", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        log.info("worker registered: %s model=%s engine=%s block_size=%d endpoint=%s", record.worker_id,
-                 record.model, record.engine, record.block_size, record.endpoint)
+        log.info("worker registered: %s model=%s engine=%s %s block_size=%d endpoint=%s dp_rank=%s adapters=%s",
+                 record.worker_id, record.model, record.engine, record.engine_version or "-", record.block_size,
+                 record.endpoint, "-" if record.data_parallel_rank is None else record.data_parallel_rank,
+                 ",".join(record.lora_adapters) or "-")
         self.metrics.workers.set(len(self.registry))
         return record, record.generation
 
@@ -111,21 +143,22 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         index, slot = self.registry.index, record.slot
         with tracer.start_as_current_span("kvroute.cp.apply_batch") as span:
             if batch.snapshot:
-                keys: list[int] = []
+                # One BlocksStored per tier; a tier the snapshot does not name is empty now.
+                by_tier: dict[Tier, list[int]] = {}
                 for event in batch.events:
                     if event.WhichOneof("kind") == "stored":
-                        keys.extend(event.stored.block_keys)
-                index.replace(slot, keys)
+                        by_tier.setdefault(self._tier(event.stored.medium), []).extend(event.stored.block_keys)
+                index.replace_all(slot, by_tier)
                 self.metrics.batches.labels("snapshot").inc()
-                self.metrics.block_events.labels("snapshot").inc(len(keys))
+                self.metrics.block_events.labels("snapshot").inc(sum(len(keys) for keys in by_tier.values()))
             else:
                 for event in batch.events:
                     kind = event.WhichOneof("kind")
                     if kind == "stored":
-                        index.store(slot, event.stored.block_keys)
+                        index.store(slot, event.stored.block_keys, self._tier(event.stored.medium))
                         self.metrics.block_events.labels("stored").inc(len(event.stored.block_keys))
                     elif kind == "removed":
-                        index.remove(slot, event.removed.block_keys)
+                        index.remove(slot, event.removed.block_keys, self._tier(event.removed.medium))
                         self.metrics.block_events.labels("removed").inc(len(event.removed.block_keys))
                     elif kind == "cleared":
                         index.clear(slot)
@@ -137,6 +170,17 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         self.metrics.index_entries.set(index.entry_count())
         return len(batch.events)
 
+    def _tier(self, medium: str) -> Tier:
+        tier = tier_of_medium(medium)
+        if tier is not None:
+            return tier
+        # The agent normalises engine media to gpu/cpu/disk; anything else is some slower store.
+        self.metrics.unknown_media.inc()
+        if medium not in self._unknown_media_seen:
+            self._unknown_media_seen.add(medium)
+            log.warning("unknown block medium %r: indexed as disk", medium)
+        return Tier.DISK
+
     async def _reject(self, context: grpc.aio.ServicerContext, reason: str, code: grpc.StatusCode,
                       detail: str) -> None:
         self.metrics.stream_errors.labels(reason).inc()
@@ -146,27 +190,63 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
     # ------------------------------------------------------------ router side
 
     async def Query(self, request: pb.QueryRequest, context: grpc.aio.ServicerContext) -> pb.QueryResponse:
+        response = pb.QueryResponse()
+        try:
+            self.answer(request, response)
+        except BadRequest as exc:
+            self.metrics.bad_requests.labels("Query", "bad_query").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return response
+
+    def answer(self, request: pb.QueryRequest, response: pb.QueryResponse) -> None:
+        """Fill `response` for `request`: every live worker of the model (and adapter) with its match."""
         started = time.perf_counter()
+        check_query(request)
         index = self.registry.index
-        matches_by_block_size = {chain.block_size: index.match(list(chain.block_keys)) for chain in request.chains}
-        workers = []
-        for record in self.registry.workers(request.model):
-            matched = matches_by_block_size.get(record.block_size, {}).get(record.slot, 0)
-            workers.append(pb.WorkerMatch(worker_id=record.worker_id, endpoint=record.endpoint,
-                                          block_size=record.block_size, matched_blocks=matched,
-                                          load=load_to_pb(record)))
+        matches: dict[int, TierMatch] = {chain.block_size: index.match_tiers(chain.block_keys)
+                                         for chain in request.chains}
+        response.query_id = request.query_id
+        add = response.workers.add
+        for record in self.registry.workers(request.model, request.lora_name):
+            worker = add()
+            worker.CopyFrom(match_template(record))
+            match = matches.get(record.block_size)
+            if match is None:
+                continue
+            slot = record.slot
+            depth = match.depth.get(slot)
+            if depth:
+                worker.matched_blocks = depth
+                if slot in match.cpu_blocks:
+                    worker.cpu_blocks = match.cpu_blocks[slot]
+                if slot in match.disk_blocks:
+                    worker.disk_blocks = match.disk_blocks[slot]
+                if slot in match.speculative_blocks:
+                    worker.speculative_blocks = match.speculative_blocks[slot]
         self.metrics.query_seconds.observe(time.perf_counter() - started)
-        return pb.QueryResponse(workers=workers)
 
     async def ListWorkers(self, request: pb.ListWorkersRequest,
                           context: grpc.aio.ServicerContext) -> pb.ListWorkersResponse:
         index = self.registry.index
         return pb.ListWorkersResponse(workers=[
             pb.WorkerInfo(worker_id=r.worker_id, model=r.model, engine=r.engine, block_size=r.block_size,
-                          endpoint=r.endpoint, load=load_to_pb(r), cached_blocks=index.worker_block_count(r.slot),
-                          last_seq=r.last_seq)
+                          endpoint=r.endpoint, load=load_to_pb(r), last_seq=r.last_seq,
+                          cached_blocks=index.worker_block_count(r.slot, Tier.GPU),
+                          lora_adapters=r.lora_adapters, engine_version=r.engine_version,
+                          data_parallel_rank=r.data_parallel_rank)
             for r in self.registry.workers(request.model)
         ])
+
+    # ------------------------------------------------------------ audit
+
+    async def GetWorkerKeys(self, request: pb.GetWorkerKeysRequest,
+                            context: grpc.aio.ServicerContext) -> pb.GetWorkerKeysResponse:
+        record = self.registry.get(request.worker_id)
+        if record is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no live worker {request.worker_id!r}")
+        index = self.registry.index
+        return pb.GetWorkerKeysResponse(worker_id=record.worker_id, block_size=record.block_size, tiers=[
+            pb.TierKeys(medium=tier.medium, block_keys=sorted(index.worker_keys(record.slot, tier))) for tier in TIERS])
 
     # ------------------------------------------------------------ liveness
 
