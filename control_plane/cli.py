@@ -9,6 +9,17 @@ from kvroute import aio
 from kvroute.telemetry import setup_tracing, shutdown_tracing
 
 
+def positive(kind: type):
+    """argparse type: a number > 0 of `kind` (a clear usage error, not a traceback at start-up)."""
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default="127.0.0.1:50051", metavar="HOST:PORT",
                    help="gRPC address agents and routers connect to")
@@ -16,6 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="drop a worker (and its blocks) after this long without a message from its agent")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0 = off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the /metrics listener")
+    p.add_argument("--speculative-ttl-ms", type=positive(int), default=5000, metavar="MS",
+                   help="how long a RouterSession reservation's blocks count as cached on its worker when the "
+                        "router sends ttl_ms 0 (until the worker's own events confirm them)")
+    p.add_argument("--reservation-max-age-s", type=positive(float), default=600.0, metavar="SECONDS",
+                   help="drop a RouterSession reservation never released after this long")
     p.add_argument("--log-level", default="INFO", help="Python logging level")
 
 
@@ -25,7 +41,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("kvroute-control-plane")
     try:
-        return aio.run(serve(ControlPlaneConfig(listen=args.listen, heartbeat_timeout_s=args.heartbeat_timeout,
-                                                metrics_host=args.metrics_host, metrics_port=args.metrics_port)))
+        return aio.run(serve(ControlPlaneConfig(
+            listen=args.listen, heartbeat_timeout_s=args.heartbeat_timeout, metrics_host=args.metrics_host,
+            metrics_port=args.metrics_port, speculative_ttl_s=args.speculative_ttl_ms / 1000,
+            reservation_max_age_s=args.reservation_max_age_s)))
     finally:
         shutdown_tracing()

@@ -263,12 +263,14 @@ class BitmaskPrefixIndex:
             return TierMatch(self.match(keys))  # gpu-only fleet, nothing in flight: the plain walk
         gpu_get, aux_get = self._tier_holders[Tier.GPU].get, aux.get
         below_get, cpu_get = self._below_gpu.get, self._tier_holders[Tier.CPU].get
+        tiered = bool(self._below_gpu)
         out = TierMatch()
-        # Counts are kept as runs: the masks of cpu-only / disk-only / speculative-only workers
-        # usually stay the same over long stretches of a chain (mostly all zero: plain gpu), so
-        # bits are walked only when a mask changes, not once per block.
-        run_cpu = run_disk = run_spec = run_any = 0
-        run_start = 0
+        cpu_counts, disk_counts, spec_counts = out.cpu_blocks, out.disk_blocks, out.speculative_blocks
+        # The cpu-only / disk-only / speculative-only masks mostly stay the same from block to block
+        # (all zero on a plain gpu stretch), so counts follow their changes: a worker entering a
+        # mask at position p is charged -p, leaving at q credited +q. Work is per change of a bit,
+        # not per block and worker.
+        cur_cpu = cur_disk = cur_spec = cur_any = 0
         alive = -1  # every bit: the first key decides who is in the walk
         end = len(keys)
         for pos, key in enumerate(keys):
@@ -282,21 +284,33 @@ class BitmaskPrefixIndex:
                 if not alive:
                     end = pos
                     break
-            if off_gpu or run_any:
+            if off_gpu or cur_any:
                 off_gpu &= alive & ~on_gpu
-                if off_gpu:
+                if off_gpu == cur_any and not tiered:
+                    continue  # no tiers below gpu: off-gpu is speculative, and it did not change
+                if off_gpu and tiered:
                     low = below_get(key, 0) & off_gpu
                     cpu_only = cpu_get(key, 0) & low if low else 0
                     disk_only, vouched = low ^ cpu_only, off_gpu ^ low
                 else:
-                    cpu_only = disk_only = vouched = 0
-                if cpu_only != run_cpu or disk_only != run_disk or vouched != run_spec:
-                    _add_run(out, run_cpu, run_disk, run_spec, pos - run_start)
-                    run_cpu, run_disk, run_spec, run_start, run_any = cpu_only, disk_only, vouched, pos, off_gpu
+                    cpu_only, disk_only, vouched = 0, 0, off_gpu
+                if cpu_only != cur_cpu:
+                    _shift(cpu_counts, cur_cpu, cpu_only, pos)
+                    cur_cpu = cpu_only
+                if disk_only != cur_disk:
+                    _shift(disk_counts, cur_disk, disk_only, pos)
+                    cur_disk = disk_only
+                if vouched != cur_spec:
+                    _shift(spec_counts, cur_spec, vouched, pos)
+                    cur_spec = vouched
+                cur_any = off_gpu
         else:
             if end:
                 _assign(out.depth, alive, end)
-        _add_run(out, run_cpu, run_disk, run_spec, end - run_start)
+        if cur_any:
+            _shift(cpu_counts, cur_cpu, 0, end)
+            _shift(disk_counts, cur_disk, 0, end)
+            _shift(spec_counts, cur_spec, 0, end)
         return out
 
     def worker_keys(self, worker: int, tier: Tier) -> set[int]:
@@ -326,15 +340,13 @@ def _assign(result: dict[int, int], mask: int, depth: int) -> None:
         mask ^= low
 
 
-def _add_run(out: TierMatch, cpu_mask: int, disk_mask: int, spec_mask: int, length: int) -> None:
-    if length <= 0:
-        return
-    for counts, mask in ((out.cpu_blocks, cpu_mask), (out.disk_blocks, disk_mask),
-                         (out.speculative_blocks, spec_mask)):
+def _shift(counts: dict[int, int], before: int, after: int, pos: int) -> None:
+    """Workers leaving the mask at `pos` are credited pos, workers entering it charged pos."""
+    for mask, sign in ((before & ~after, pos), (after & ~before, -pos)):
         while mask:
             low = mask & -mask
             worker = low.bit_length() - 1
-            counts[worker] = counts.get(worker, 0) + length
+            counts[worker] = counts.get(worker, 0) + sign
             mask ^= low
 
 

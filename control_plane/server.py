@@ -12,8 +12,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from control_plane.index import BitmaskPrefixIndex
+from control_plane.inflight import InflightTracker
 from control_plane.registry import WorkerRegistry
-from control_plane.service import GRPC_OPTIONS, ControlPlaneMetrics, ControlPlaneService
+from control_plane.service import GRPC_OPTIONS, ControlPlaneMetrics, ControlPlaneService, InflightCollector
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvroute.control_plane")
@@ -25,14 +26,20 @@ class ControlPlaneConfig:
     heartbeat_timeout_s: float = 5.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0  # 0 = no metrics endpoint
+    speculative_ttl_s: float = 5.0       # a reservation's blocks count as cached there this long (ttl_ms = 0)
+    reservation_max_age_s: float = 600.0  # reservations never released are dropped after this
 
 
 class ControlPlaneServer:
     def __init__(self, config: ControlPlaneConfig) -> None:
         self.config = config
         self.metrics_registry = CollectorRegistry()
-        self.registry = WorkerRegistry(BitmaskPrefixIndex(), heartbeat_timeout_s=config.heartbeat_timeout_s)
-        self.service = ControlPlaneService(self.registry, ControlPlaneMetrics(self.metrics_registry))
+        index = BitmaskPrefixIndex()
+        self.inflight = InflightTracker(index, default_ttl_s=config.speculative_ttl_s,
+                                        max_age_s=config.reservation_max_age_s)
+        self.registry = WorkerRegistry(index, heartbeat_timeout_s=config.heartbeat_timeout_s, watcher=self.inflight)
+        self.service = ControlPlaneService(self.registry, self.inflight, ControlPlaneMetrics(self.metrics_registry))
+        self.metrics_registry.register(InflightCollector(self.inflight))
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None

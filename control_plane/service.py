@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -10,8 +11,10 @@ from collections.abc import AsyncIterator
 import grpc
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from control_plane.index import TIERS, Tier, TierMatch, tier_of_medium
+from control_plane.inflight import DuplicateReservation, InflightTracker, RouterSessionState, RouterTally
 from control_plane.registry import WorkerRecord, WorkerRegistry
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
@@ -49,6 +52,27 @@ class ControlPlaneMetrics:
                                        buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2))
 
 
+class InflightCollector:
+    """Exports the in-flight tracker's counters and sizes at scrape time (nothing on the hot path)."""
+
+    def __init__(self, inflight: InflightTracker) -> None:
+        self.inflight = inflight
+
+    def collect(self):
+        inflight = self.inflight
+        yield GaugeMetricFamily("kvroute_cp_router_sessions", "Open RouterSession streams", value=inflight.open_sessions)
+        yield GaugeMetricFamily("kvroute_cp_reservations", "Live in-flight reservations",
+                                value=inflight.reservation_count())
+        yield GaugeMetricFamily("kvroute_cp_speculative_claims", "(worker, block key) speculative claims",
+                                value=inflight.claim_count())
+        events = CounterMetricFamily("kvroute_cp_reservation_events_total",
+                                     "Reservation lifecycle events (see control_plane.inflight.InflightCounters)",
+                                     labels=["event"])
+        for name, value in dataclasses.asdict(inflight.counters).items():
+            events.add_metric([name], value)
+        yield events
+
+
 def load_to_pb(record: WorkerRecord) -> pb.WorkerLoad:
     load = record.load
     return pb.WorkerLoad(running_requests=load.running_requests, waiting_requests=load.waiting_requests,
@@ -78,8 +102,9 @@ def check_query(request: pb.QueryRequest) -> None:
 
 
 class ControlPlaneService(pb_grpc.ControlPlaneServicer):
-    def __init__(self, registry: WorkerRegistry, metrics: ControlPlaneMetrics) -> None:
+    def __init__(self, registry: WorkerRegistry, inflight: InflightTracker, metrics: ControlPlaneMetrics) -> None:
         self.registry = registry
+        self.inflight = inflight
         self.metrics = metrics
         self._unknown_media_seen: set[str] = set()
 
@@ -149,6 +174,8 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                     if event.WhichOneof("kind") == "stored":
                         by_tier.setdefault(self._tier(event.stored.medium), []).extend(event.stored.block_keys)
                 index.replace_all(slot, by_tier)
+                for keys in by_tier.values():
+                    self.inflight.confirm(slot, keys)
                 self.metrics.batches.labels("snapshot").inc()
                 self.metrics.block_events.labels("snapshot").inc(sum(len(keys) for keys in by_tier.values()))
             else:
@@ -156,12 +183,14 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                     kind = event.WhichOneof("kind")
                     if kind == "stored":
                         index.store(slot, event.stored.block_keys, self._tier(event.stored.medium))
+                        self.inflight.confirm(slot, event.stored.block_keys)
                         self.metrics.block_events.labels("stored").inc(len(event.stored.block_keys))
                     elif kind == "removed":
                         index.remove(slot, event.removed.block_keys, self._tier(event.removed.medium))
                         self.metrics.block_events.labels("removed").inc(len(event.removed.block_keys))
                     elif kind == "cleared":
                         index.clear(slot)
+                        self.inflight.slot_cleared(slot)
                         self.metrics.block_events.labels("cleared").inc()
                 self.metrics.batches.labels("delta").inc()
             if span.is_recording():
@@ -192,28 +221,39 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
     async def Query(self, request: pb.QueryRequest, context: grpc.aio.ServicerContext) -> pb.QueryResponse:
         response = pb.QueryResponse()
         try:
-            self.answer(request, response)
+            self.answer(request, response, asking=None)
         except BadRequest as exc:
             self.metrics.bad_requests.labels("Query", "bad_query").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return response
 
-    def answer(self, request: pb.QueryRequest, response: pb.QueryResponse) -> None:
-        """Fill `response` for `request`: every live worker of the model (and adapter) with its match."""
+    def answer(self, request: pb.QueryRequest, response: pb.QueryResponse, asking: RouterTally | None) -> None:
+        """Fill `response` for `request`: every live worker of the model (and adapter) with its match
+        (index on any tier, or speculative) and the in-flight work every router but `asking` reserved."""
         started = time.perf_counter()
         check_query(request)
+        inflight = self.inflight
+        inflight.expire()
         index = self.registry.index
         matches: dict[int, TierMatch] = {chain.block_size: index.match_tiers(chain.block_keys)
                                          for chain in request.chains}
         response.query_id = request.query_id
         add = response.workers.add
+        all_requests, all_prefill = inflight.requests, inflight.prefill_tokens
+        own_requests = asking.requests if asking is not None else {}
+        own_prefill = asking.prefill_tokens if asking is not None else {}
         for record in self.registry.workers(request.model, request.lora_name):
             worker = add()
             worker.CopyFrom(match_template(record))
+            slot = record.slot
+            if slot in all_requests:
+                reserved = all_requests[slot] - own_requests.get(slot, 0)
+                if reserved:
+                    worker.reserved_requests = reserved
+                    worker.reserved_prefill_tokens = all_prefill.get(slot, 0) - own_prefill.get(slot, 0)
             match = matches.get(record.block_size)
             if match is None:
                 continue
-            slot = record.slot
             depth = match.depth.get(slot)
             if depth:
                 worker.matched_blocks = depth
@@ -224,6 +264,74 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                 if slot in match.speculative_blocks:
                     worker.speculative_blocks = match.speculative_blocks[slot]
         self.metrics.query_seconds.observe(time.perf_counter() - started)
+
+    async def RouterSession(self, request_iterator: AsyncIterator[pb.RouterMessage],
+                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RouterReply]:
+        session: RouterSessionState | None = None
+        try:
+            async for message in request_iterator:
+                body = message.WhichOneof("body")
+                if session is None:
+                    if body != "hello":
+                        await self._reject_router(context, "not_hello", grpc.StatusCode.FAILED_PRECONDITION,
+                                                  "first message on a RouterSession stream must be `hello`")
+                    if not message.hello.router_id:
+                        await self._reject_router(context, "bad_hello", grpc.StatusCode.INVALID_ARGUMENT,
+                                                  "hello needs a router_id (unique per router process)")
+                    session = self.inflight.open_session(message.hello.router_id)
+                    yield pb.RouterReply(welcome=pb.RouterWelcome(
+                        router_id=message.hello.router_id,
+                        reservation_max_age_ms=int(self.inflight.max_age_s * 1000)))
+                elif body == "query":
+                    reply = pb.RouterReply()
+                    reply.result.SetInParent()
+                    try:
+                        self.answer(message.query, reply.result, asking=session.router)
+                    except BadRequest as exc:
+                        await self._reject_router(context, "bad_query", grpc.StatusCode.INVALID_ARGUMENT,
+                                                  f"query {message.query.query_id}: {exc}")
+                    yield reply
+                elif body == "reserve":
+                    await self._reserve(session, message.reserve, context)
+                elif body == "prefill_done":
+                    self.inflight.prefill_done(session, message.prefill_done.reservation_id)
+                elif body == "release":
+                    self.inflight.release(session, message.release.reservation_id)
+                elif body == "hello":
+                    await self._reject_router(context, "double_hello", grpc.StatusCode.FAILED_PRECONDITION,
+                                              "hello may only be sent once per stream")
+                else:
+                    await self._reject_router(context, "empty_message", grpc.StatusCode.INVALID_ARGUMENT,
+                                              "RouterMessage with no body (hello, query, reserve, prefill_done "
+                                              "or release)")
+        finally:
+            if session is not None:
+                self.inflight.close_session(session)
+
+    async def _reserve(self, session: RouterSessionState, reservation: pb.Reservation,
+                       context: grpc.aio.ServicerContext) -> None:
+        if not reservation.worker_id:
+            await self._reject_router(context, "bad_reservation", grpc.StatusCode.INVALID_ARGUMENT,
+                                      f"reservation {reservation.reservation_id} needs a worker_id")
+        record = self.registry.get(reservation.worker_id)
+        if record is None:
+            self.inflight.counters.unknown_worker += 1  # dropped meanwhile, or not yet registered
+            return
+        keys = reservation.block_keys
+        if keys and reservation.block_size != record.block_size:
+            self.inflight.counters.block_size_mismatch += 1  # the load still counts, the keys cannot
+            keys = ()
+        try:
+            self.inflight.reserve(session, reservation.reservation_id, record.slot, keys, reservation.prefill_tokens,
+                                  reservation.ttl_ms)
+        except DuplicateReservation as exc:
+            await self._reject_router(context, "duplicate_reservation", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def _reject_router(self, context: grpc.aio.ServicerContext, reason: str, code: grpc.StatusCode,
+                             detail: str) -> None:
+        self.metrics.bad_requests.labels("RouterSession", reason).inc()
+        log.warning("rejecting router stream: %s", detail)
+        await context.abort(code, detail)
 
     async def ListWorkers(self, request: pb.ListWorkersRequest,
                           context: grpc.aio.ServicerContext) -> pb.ListWorkersResponse:
@@ -257,5 +365,6 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                 log.warning("worker %s missed heartbeats for %.1fs: dropped with its blocks", worker_id,
                             self.registry.heartbeat_timeout_s)
                 self.metrics.expired.inc()
+            self.inflight.expire()  # claims and reservations time out even when no router asks
             self.metrics.workers.set(len(self.registry))
             self.metrics.index_entries.set(self.registry.index.entry_count())

@@ -182,8 +182,9 @@ def test_media_names() -> None:
 
 
 @pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("tiered", [True, False], ids=["tiers", "gpu-only"])
 @pytest.mark.parametrize("impl", [c for c in IMPLEMENTATIONS if c is not SetPrefixIndex], ids=lambda c: c.__name__)
-def test_random_operations_agree_with_reference(impl: type, seed: int) -> None:
+def test_random_operations_agree_with_reference(impl: type, tiered: bool, seed: int) -> None:
     """SetPrefixIndex is the oracle every other implementation must agree with."""
     index = impl()
     rng = random.Random(seed)
@@ -192,7 +193,7 @@ def test_random_operations_agree_with_reference(impl: type, seed: int) -> None:
     for _ in range(2000):
         op = rng.random()
         worker = rng.randrange(8)
-        tier = rng.choice(TIERS) if rng.random() < 0.4 else GPU
+        tier = rng.choice(TIERS) if tiered and rng.random() < 0.4 else GPU
         batch = rng.sample(keys, rng.randint(1, 6))
         if op < 0.5:
             assert index.store(worker, batch, tier) == reference.store(worker, batch, tier)
@@ -204,10 +205,10 @@ def test_random_operations_agree_with_reference(impl: type, seed: int) -> None:
             index.replace(worker, batch, tier)
             reference.replace(worker, batch, tier)
         else:
-            by_tier = {t: rng.sample(keys, rng.randint(0, 4)) for t in rng.sample(TIERS, rng.randint(0, 3))}
+            by_tier = {t: rng.sample(keys, rng.randint(0, 4)) for t in rng.sample(TIERS if tiered else [GPU], rng.randint(0, 1 + 2 * tiered))}
             index.replace_all(worker, by_tier)
             reference.replace_all(worker, by_tier)
-        if rng.random() < 0.1:
+        if rng.random() < 0.2:
             claims = rng.sample(keys, rng.randint(1, 6))
             claim = index.speculate if rng.random() < 0.6 else index.unspeculate
             claim(worker, claims)

@@ -26,22 +26,33 @@ async def control_plane():
     await server.stop(0)
 
 
-class AgentStream:
-    """Drives one Connect stream the way an agent does."""
+class BidiStream:
+    """One client stream of a bidi RPC, fed from a queue (None ends it)."""
 
-    def __init__(self, stub: pb_grpc.ControlPlaneStub) -> None:
-        self.outbox: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
-        self.call = stub.Connect(self._messages())
+    def __init__(self, rpc, message_type) -> None:
+        self.message_type = message_type
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.call = rpc(self._messages())
 
     async def _messages(self):
         while (message := await self.outbox.get()) is not None:
             yield message
 
     async def send(self, **body) -> None:
-        await self.outbox.put(pb.AgentMessage(**body))
+        await self.outbox.put(self.message_type(**body))
 
-    async def recv(self) -> pb.ControlMessage:
+    async def recv(self):
         return await asyncio.wait_for(self.call.read(), 5)
+
+    async def close(self) -> None:
+        await self.outbox.put(None)
+
+
+class AgentStream(BidiStream):
+    """Drives one Connect stream the way an agent does."""
+
+    def __init__(self, stub: pb_grpc.ControlPlaneStub) -> None:
+        super().__init__(stub.Connect, pb.AgentMessage)
 
     async def register(self, worker_id: str, block_size: int = 4, **fields) -> pb.ControlMessage:
         await self.send(register=pb.RegisterWorker(worker_id=worker_id, model=MODEL, engine="sim",
@@ -255,3 +266,222 @@ async def test_malformed_query_is_invalid_argument(control_plane, chains, messag
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.Query(pb.QueryRequest(model=MODEL, chains=chains))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+
+
+# ---------------------------------------------------------------- RouterSession
+
+
+class RouterStream(BidiStream):
+    """Drives one RouterSession stream the way a router does."""
+
+    def __init__(self, stub: pb_grpc.ControlPlaneStub) -> None:
+        super().__init__(stub.RouterSession, pb.RouterMessage)
+        self.query_ids = iter(range(1, 1 << 30))
+
+    async def hello(self, router_id: str) -> pb.RouterWelcome:
+        await self.send(hello=pb.RouterHello(router_id=router_id))
+        return (await self.recv()).welcome
+
+    async def query(self, keys: list[int] = (), block_size: int = 4, **fields) -> dict[str, pb.WorkerMatch]:
+        """Ask and wait for the answer (so every message sent before it has been applied)."""
+        query_id = next(self.query_ids)
+        await self.send(query=query(list(keys), block_size, query_id=query_id, **fields))
+        reply = await self.recv()
+        assert reply.WhichOneof("body") == "result" and reply.result.query_id == query_id
+        return {w.worker_id: w for w in reply.result.workers}
+
+    async def reserve(self, reservation_id: int, worker_id: str, keys: list[int] = (), prefill_tokens: int = 0,
+                      ttl_ms: int = 0, block_size: int = 4) -> None:
+        await self.send(reserve=pb.Reservation(reservation_id=reservation_id, worker_id=worker_id,
+                                               block_size=block_size, block_keys=list(keys),
+                                               prefill_tokens=prefill_tokens, ttl_ms=ttl_ms))
+
+
+async def two_routers(stub: pb_grpc.ControlPlaneStub) -> tuple[RouterStream, RouterStream]:
+    router_a, router_b = RouterStream(stub), RouterStream(stub)
+    await router_a.hello("router-a")
+    await router_b.hello("router-b")
+    return router_a, router_b
+
+
+def reserved(workers: dict[str, pb.WorkerMatch]) -> dict[str, tuple[int, int]]:
+    return {w: (m.reserved_requests, m.reserved_prefill_tokens) for w, m in workers.items()}
+
+
+def blocks(workers: dict[str, pb.WorkerMatch]) -> dict[str, tuple[int, int]]:
+    """worker -> (matched, speculative) blocks"""
+    return {w: (m.matched_blocks, m.speculative_blocks) for w, m in workers.items()}
+
+
+def reservation_events(server, event: str) -> float:
+    return server.metrics_registry.get_sample_value("kvroute_cp_reservation_events_total", {"event": event})
+
+
+async def test_router_session_first_message_must_be_hello(control_plane) -> None:
+    _, stub = control_plane
+    router = RouterStream(stub)
+    await router.send(query=query([1]))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await router.recv()
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "hello" in err.value.details()
+
+
+async def test_router_session_answers_queries_in_order(control_plane) -> None:
+    _, stub = control_plane
+    agent = AgentStream(stub)
+    await agent.register("a")
+    await agent.batch(1, stored([1, 2, 3]))
+    router = RouterStream(stub)
+    welcome = await router.hello("router-1")
+    assert welcome.router_id == "router-1" and welcome.reservation_max_age_ms == 600_000
+    chains = [[1], [1, 2, 3], [9], [1, 2]]
+    for query_id, keys in enumerate(chains, start=100):
+        await router.send(query=query(keys, query_id=query_id))
+    replies = [(await router.recv()).result for _ in chains]
+    assert [r.query_id for r in replies] == [100, 101, 102, 103]
+    assert [r.workers[0].matched_blocks for r in replies] == [1, 3, 0, 2]
+    await router.close()
+
+
+async def test_reservations_are_seen_by_other_routers_until_released(control_plane) -> None:
+    _, stub = control_plane
+    for worker_id in ("a", "b"):
+        await AgentStream(stub).register(worker_id)
+    router_a, router_b = await two_routers(stub)
+    await router_a.reserve(1, "a", prefill_tokens=100)
+    await router_a.reserve(2, "a", prefill_tokens=30)
+    await router_b.reserve(1, "b", prefill_tokens=7)
+    # Each router sees the others' reservations, never its own (it tracks those exactly itself).
+    assert reserved(await router_a.query()) == {"a": (0, 0), "b": (1, 7)}
+    assert reserved(await router_b.query()) == {"a": (2, 130), "b": (0, 0)}
+    unary = await stub.Query(query([]))
+    assert {w.worker_id: (w.reserved_requests, w.reserved_prefill_tokens) for w in unary.workers} == {
+        "a": (2, 130), "b": (1, 7)}
+    await router_a.send(prefill_done=pb.ReservationDone(reservation_id=1))  # first token: prefill no longer pending
+    await router_a.query()
+    assert reserved(await router_b.query()) == {"a": (2, 30), "b": (0, 0)}
+    await router_a.send(release=pb.ReservationDone(reservation_id=1))
+    await router_a.send(release=pb.ReservationDone(reservation_id=77))  # unknown id: counted, harmless
+    await router_a.query()
+    assert reserved(await router_b.query()) == {"a": (1, 30), "b": (0, 0)}
+    # Closing the stream drops the router's reservations.
+    await router_a.close()
+    await asyncio.sleep(0.1)
+    assert reserved(await router_b.query()) == {"a": (0, 0), "b": (0, 0)}
+    assert reserved(await router_b.query()) == reserved(await router_b.query())
+
+
+async def test_a_router_crash_drops_its_reservations(control_plane) -> None:
+    server, stub = control_plane
+    await AgentStream(stub).register("a")
+    crashed, survivor = RouterStream(stub), RouterStream(stub)
+    await crashed.hello("crashed")
+    await survivor.hello("survivor")
+    await crashed.reserve(1, "a", keys=[1, 2], prefill_tokens=50)
+    await crashed.query()
+    assert reserved(await survivor.query()) == {"a": (1, 50)}
+    crashed.call.cancel()
+    for _ in range(50):
+        if reserved(await survivor.query()) == {"a": (0, 0)}:
+            break
+        await asyncio.sleep(0.02)
+    assert reserved(await survivor.query([1, 2])) == {"a": (0, 0)}
+    assert blocks(await survivor.query([1, 2])) == {"a": (0, 0)}
+    assert reservation_events(server, "closed_with_session") == 1
+
+
+async def test_speculative_blocks_expire_by_ttl(control_plane) -> None:
+    _, stub = control_plane
+    agent = AgentStream(stub)
+    await agent.register("a")
+    await AgentStream(stub).register("b")
+    await agent.batch(1, stored([1]))
+    router_a, router_b = await two_routers(stub)
+    await router_a.reserve(1, "a", keys=[1, 2, 3, 4], prefill_tokens=16, ttl_ms=300)
+    await router_a.reserve(2, "b", keys=[1, 2], prefill_tokens=8)  # ttl 0: the control plane's default (5 s)
+    await router_a.query()
+    # Speculative holders count for every router, the one that reserved included.
+    for router in (router_a, router_b):
+        assert blocks(await router.query([1, 2, 3, 4, 5])) == {"a": (4, 3), "b": (2, 2)}
+    await asyncio.sleep(0.4)
+    assert blocks(await router_b.query([1, 2, 3, 4, 5])) == {"a": (1, 0), "b": (2, 2)}
+    assert reserved(await router_b.query()) == {"a": (1, 16), "b": (1, 8)}  # the requests still count
+
+
+async def test_events_confirming_a_block_replace_its_speculative_entry(control_plane) -> None:
+    _, stub = control_plane
+    agent = AgentStream(stub)
+    await agent.register("a")
+    router_a, router_b = await two_routers(stub)
+    await router_a.reserve(1, "a", keys=[1, 2, 3, 4], ttl_ms=60_000)
+    await router_a.query()
+    assert blocks(await router_b.query([1, 2, 3, 4])) == {"a": (4, 4)}
+    await agent.batch(1, stored([1, 2]))  # the engine cached the first two blocks
+    assert blocks(await router_b.query([1, 2, 3, 4])) == {"a": (4, 2)}
+    # From now on the index alone speaks for 1 and 2: evicting 1 ends the match there, even
+    # though the reservation that once vouched for it is still live.
+    await agent.batch(2, removed([1]))
+    assert blocks(await router_b.query([1, 2, 3, 4])) == {"a": (0, 0)}
+    assert blocks(await router_b.query([2, 3, 4])) == {"a": (3, 2)}
+    await router_a.send(release=pb.ReservationDone(reservation_id=1))
+    await router_a.query()
+    assert blocks(await router_b.query([2, 3, 4])) == {"a": (1, 0)}
+
+
+async def test_cleared_or_dropped_worker_loses_its_in_flight_state(control_plane) -> None:
+    server, stub = control_plane
+    agent = AgentStream(stub)
+    await agent.register("a")
+    router_a, router_b = await two_routers(stub)
+    await router_a.reserve(1, "a", keys=[1, 2], prefill_tokens=10, ttl_ms=60_000)
+    await router_a.query()
+    await agent.batch(1, pb.BlockEvent(cleared=pb.AllBlocksCleared()))
+    answer = await router_b.query([1, 2])
+    assert blocks(answer) == {"a": (0, 0)} and reserved(answer) == {"a": (1, 10)}
+    await router_a.reserve(2, "a", keys=[1, 2], prefill_tokens=5, ttl_ms=60_000)
+    await router_a.query()
+    assert blocks(await router_b.query([1, 2])) == {"a": (2, 2)}
+    await asyncio.sleep(1.0)  # > 0.6 s heartbeat timeout: the worker is dropped
+    assert await router_b.query([1, 2]) == {}
+    await AgentStream(stub).register("a")  # back (a new stream): nothing of the old in-flight state
+    assert blocks(await router_b.query([1, 2])) == {"a": (0, 0)} and reserved(await router_b.query()) == {"a": (0, 0)}
+    assert reservation_events(server, "dropped_with_worker") == 2
+
+
+async def test_reservations_on_unknown_workers_or_other_block_sizes(control_plane) -> None:
+    server, stub = control_plane
+    await AgentStream(stub).register("a", block_size=4)
+    router_a, router_b = await two_routers(stub)
+    await router_a.reserve(1, "ghost", keys=[1], prefill_tokens=10)
+    await router_a.reserve(2, "a", keys=[1, 2], prefill_tokens=10, block_size=16)  # not a's chain: keys ignored
+    await router_a.query()
+    answer = await router_b.query([1, 2])
+    assert blocks(answer) == {"a": (0, 0)} and reserved(answer) == {"a": (1, 10)}
+    assert reservation_events(server, "unknown_worker") == 1
+    assert reservation_events(server, "block_size_mismatch") == 1
+
+
+@pytest.mark.parametrize("bad,message", [
+    (pb.RouterMessage(), "no body"),
+    (pb.RouterMessage(hello=pb.RouterHello(router_id="again")), "only be sent once"),
+    (pb.RouterMessage(reserve=pb.Reservation(reservation_id=1, worker_id="a")), "already live"),
+    (pb.RouterMessage(reserve=pb.Reservation(reservation_id=2)), "needs a worker_id"),
+    (pb.RouterMessage(query=pb.QueryRequest(model=MODEL, chains=[pb.KeyChain(block_keys=[1])])), "block_size"),
+])
+async def test_malformed_router_message_ends_only_that_stream(control_plane, bad, message) -> None:
+    _, stub = control_plane
+    await AgentStream(stub).register("a")
+    faulty, other = RouterStream(stub), RouterStream(stub)
+    await faulty.hello("faulty")
+    await other.hello("other")
+    await faulty.reserve(1, "a", prefill_tokens=3)
+    await other.reserve(1, "a", prefill_tokens=4)
+    await faulty.query()
+    await faulty.outbox.put(bad)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await faulty.recv()
+    assert err.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+    assert message in err.value.details()
+    # The other router's stream and reservation are untouched; the faulty one's are gone with its stream.
+    assert reserved(await other.query()) == {"a": (0, 0)}
+    assert {w.worker_id: w.reserved_requests for w in (await stub.Query(query([]))).workers} == {"a": 1}
