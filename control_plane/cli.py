@@ -32,6 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "router sends ttl_ms 0 (until the worker's own events confirm them)")
     p.add_argument("--reservation-max-age-s", type=positive(float), default=600.0, metavar="SECONDS",
                    help="drop a RouterSession reservation never released after this long")
+    p.add_argument("--audit-interval-s", type=float, default=0.0, metavar="SECONDS",
+                   help="every this many seconds compare each worker's keys with its engine's GET /kvroute/blocks "
+                        "(engines without it are skipped) and export kvroute_cp_audit_* gauges; 0 = off")
+    p.add_argument("--audit-settle-ms", type=float, default=500.0, metavar="MS",
+                   help="a diverging worker is compared again after this pause; only divergence seen both times "
+                        "is exported (events in flight)")
     p.add_argument("--log-level", default="INFO", help="Python logging level")
 
 
@@ -44,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         return aio.run(serve(ControlPlaneConfig(
             listen=args.listen, heartbeat_timeout_s=args.heartbeat_timeout, metrics_host=args.metrics_host,
             metrics_port=args.metrics_port, speculative_ttl_s=args.speculative_ttl_ms / 1000,
-            reservation_max_age_s=args.reservation_max_age_s)))
+            reservation_max_age_s=args.reservation_max_age_s, audit_interval_s=args.audit_interval_s,
+            audit_settle_s=args.audit_settle_ms / 1000)))
     finally:
         shutdown_tracing()

@@ -11,6 +11,7 @@ import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from control_plane.auditor import PeriodicAuditor
 from control_plane.index import BitmaskPrefixIndex
 from control_plane.inflight import InflightTracker
 from control_plane.registry import WorkerRegistry
@@ -28,6 +29,8 @@ class ControlPlaneConfig:
     metrics_port: int = 0  # 0 = no metrics endpoint
     speculative_ttl_s: float = 5.0       # a reservation's blocks count as cached there this long (ttl_ms = 0)
     reservation_max_age_s: float = 600.0  # reservations never released are dropped after this
+    audit_interval_s: float = 0.0         # compare the index with engines serving /kvroute/blocks (0 = off)
+    audit_settle_s: float = 0.5
 
 
 class ControlPlaneServer:
@@ -40,9 +43,12 @@ class ControlPlaneServer:
         self.registry = WorkerRegistry(index, heartbeat_timeout_s=config.heartbeat_timeout_s, watcher=self.inflight)
         self.service = ControlPlaneService(self.registry, self.inflight, ControlPlaneMetrics(self.metrics_registry))
         self.metrics_registry.register(InflightCollector(self.inflight))
+        self.auditor = (PeriodicAuditor(self.registry, self.metrics_registry, config.audit_interval_s,
+                                        settle_s=config.audit_settle_s) if config.audit_interval_s > 0 else None)
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._audit_task: asyncio.Task[None] | None = None
         self._metrics_runner: web.AppRunner | None = None
 
     async def start(self) -> int:
@@ -53,6 +59,8 @@ class ControlPlaneServer:
             raise OSError(f"control plane could not listen on {self.config.listen}")
         await self._server.start()
         self._sweeper = asyncio.create_task(self.service.expire_forever(max(0.05, self.config.heartbeat_timeout_s / 5)))
+        if self.auditor:
+            self._audit_task = asyncio.create_task(self.auditor.run_forever(), name="kvroute-cp-audit")
         if self.config.metrics_port:
             app = web.Application()
             app.router.add_get("/metrics", self._metrics)
@@ -65,8 +73,9 @@ class ControlPlaneServer:
         return self.port
 
     async def stop(self, grace_s: float = 0.5) -> None:
-        if self._sweeper:
-            self._sweeper.cancel()
+        for task in (self._sweeper, self._audit_task):
+            if task:
+                task.cancel()
         if self._metrics_runner:
             await self._metrics_runner.cleanup()
         if self._server:

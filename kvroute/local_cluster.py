@@ -153,12 +153,13 @@ class LocalCluster:
 
     # -------------------------------------------------------------- control plane
 
-    def start_control_plane(self, port: int | None = None) -> str:
+    def start_control_plane(self, port: int | None = None, extra_args: tuple[str, ...] = ()) -> str:
+        """`extra_args` go to `kvroute control-plane` as they are (e.g. --audit-interval-s 1)."""
         port = port or free_port()
         self.control_plane_addr = f"127.0.0.1:{port}"
         self.control_plane = ManagedProcess("control-plane", kvroute_argv(
             "control-plane", "--listen", self.control_plane_addr,
-            "--heartbeat-timeout", str(self.heartbeat_timeout_s)), self.workdir / "control-plane.log")
+            "--heartbeat-timeout", str(self.heartbeat_timeout_s), *extra_args), self.workdir / "control-plane.log")
         self.control_plane.start()
         wait_until(lambda: _tcp_open(self.control_plane_addr), 30, "control plane", [self.control_plane])
         return self.control_plane_addr

@@ -1,0 +1,99 @@
+"""The control plane auditing itself (`--audit-interval-s`): every interval, each live worker whose
+engine serves `GET /kvroute/blocks` is compared with the index (kvroute.audit's comparison, with
+its settle pause), and the result is exported:
+
+  kvroute_cp_audit_divergent_blocks{worker_id, medium, kind}   kind = missing | extra
+  kvroute_cp_audit_last_success_timestamp_seconds{worker_id}    unix time of the last comparison
+  kvroute_cp_audit_runs_total{result}                           ok | not_auditable | error
+
+Workers whose engine lacks the endpoint are skipped (counted as not_auditable). Series of
+workers that left are removed. The key sets are copied from the index between awaits, so the
+event loop is held only for the set differences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from control_plane.index import TIERS
+from control_plane.registry import WorkerRecord, WorkerRegistry
+from kvroute.audit import AuditError, TierKeys, WorkerAudit, audit_worker
+
+log = logging.getLogger("kvroute.control_plane.audit")
+
+
+class PeriodicAuditor:
+    def __init__(self, registry: WorkerRegistry, metrics_registry: CollectorRegistry, interval_s: float,
+                 settle_s: float = 0.5, concurrency: int = 8, timeout_s: float = 10.0) -> None:
+        self.registry = registry
+        self.interval_s = interval_s
+        self.settle_s = settle_s
+        self.timeout_s = timeout_s
+        self._limit = asyncio.Semaphore(concurrency)
+        self.divergent = Gauge("kvroute_cp_audit_divergent_blocks",
+                               "Blocks where the index and the engine's own block set disagree (after settling)",
+                               ["worker_id", "medium", "kind"], registry=metrics_registry)
+        self.last_success = Gauge("kvroute_cp_audit_last_success_timestamp_seconds",
+                                  "Unix time of the last completed audit of a worker", ["worker_id"],
+                                  registry=metrics_registry)
+        self.runs = Counter("kvroute_cp_audit_runs_total", "Worker audits by result", ["result"],
+                            registry=metrics_registry)
+        self._exported: dict[str, set[str]] = {}  # worker_id -> media with divergence series
+
+    async def run_forever(self) -> None:
+        async with aiohttp.ClientSession() as http:
+            while True:
+                await asyncio.sleep(self.interval_s)
+                try:
+                    await self.audit_all(http)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # noqa: BLE001 - the auditor must never take the control plane down
+                    log.exception("audit round failed")
+
+    async def audit_all(self, http: aiohttp.ClientSession) -> list[WorkerAudit]:
+        records = list(self.registry.workers())
+        audits = await asyncio.gather(*(self._audit(record, http) for record in records))
+        for audit in audits:
+            self.runs.labels(audit.status).inc()
+            if audit.status == "ok":
+                self._export(audit)
+            elif audit.status == "error":
+                log.warning("audit of %s failed: %s", audit.worker_id, audit.detail)
+        self._forget_gone({r.worker_id for r in self.registry.workers()})
+        return list(audits)
+
+    async def _audit(self, record: WorkerRecord, http: aiohttp.ClientSession) -> WorkerAudit:
+        generation = record.generation
+
+        async def believed() -> TierKeys:
+            if self.registry.get(record.worker_id) is not record or record.generation != generation:
+                raise AuditError("the worker re-registered or left during the audit")
+            index = self.registry.index
+            return {tier.medium: index.worker_keys(record.slot, tier) for tier in TIERS}
+
+        async with self._limit:
+            return await audit_worker(record.worker_id, record.endpoint, record.block_size, believed, http,
+                                      settle_s=self.settle_s, timeout_s=self.timeout_s)
+
+    def _export(self, audit: WorkerAudit) -> None:
+        for medium, tier in audit.tiers.items():
+            self.divergent.labels(audit.worker_id, medium, "missing").set(len(tier.missing))
+            self.divergent.labels(audit.worker_id, medium, "extra").set(len(tier.extra))
+            if tier.missing or tier.extra:
+                log.warning("audit: %s %s diverges: %d missing, %d extra (e.g. %s)", audit.worker_id, medium,
+                            len(tier.missing), len(tier.extra), sorted(tier.missing | tier.extra)[:3])
+        self._exported.setdefault(audit.worker_id, set()).update(audit.tiers)
+        self.last_success.labels(audit.worker_id).set(time.time())
+
+    def _forget_gone(self, present: set[str]) -> None:
+        for worker_id in [w for w in self._exported if w not in present]:
+            for medium in self._exported.pop(worker_id):
+                for kind in ("missing", "extra"):
+                    self.divergent.remove(worker_id, medium, kind)
+            self.last_success.remove(worker_id)
