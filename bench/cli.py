@@ -1,5 +1,6 @@
-"""`kvroute bench {ingest,decision,proxy,live}`: hot-path micro-benchmarks and the live-vs-simulator
-benchmark (`bench/live.py`); the last stdout line is JSON."""
+"""`kvroute bench {ingest,decision,proxy,inflight,live}`: hot-path micro-benchmarks, the staleness of
+shared in-flight state (`bench/inflight.py`) and the live-vs-simulator benchmark (`bench/live.py`);
+the last stdout line is JSON."""
 
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     decision.add_argument("--block-size", type=int, default=16, help="worker block size")
     proxy = sub.add_parser("proxy", help="completion latency direct to an engine vs through the router")
     proxy.add_argument("--requests", type=int, default=300, help="requests per path")
-    for sp in (ingest, decision, proxy):
+    inflight = sub.add_parser("inflight", help="RouterSession: how long until one router's reserve/release is "
+                              "visible to another router's queries (p50/p99)")
+    inflight.add_argument("--trials", type=int, default=200, help="timed reserve + release pairs")
+    inflight.add_argument("--block-keys", type=int, default=64, help="block keys per reservation")
+    for sp in (ingest, decision, proxy, inflight):
         sp.add_argument("--json", action="store_true", help="print only the JSON result")
     live = sub.add_parser("live", help="a simulator workload live over HTTP (routers + sim engines as processes), "
                           "side by side with the simulator", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -71,6 +76,10 @@ def run(args: argparse.Namespace) -> int:
         from bench.decision import run_decision
 
         result = run_decision(args.prompt_tokens, args.workers, args.block_size, args.iterations)
+    elif args.bench == "inflight":
+        from bench.inflight import run_inflight
+
+        result = run_inflight(args.trials, args.block_keys)
     else:
         from bench.proxy import run_proxy
 
