@@ -43,7 +43,9 @@ class PeriodicAuditor:
                                   registry=metrics_registry)
         self.runs = Counter("kvroute_cp_audit_runs_total", "Worker audits by result", ["result"],
                             registry=metrics_registry)
-        self._exported: dict[str, set[str]] = {}  # worker_id -> media with divergence series
+        # worker_id -> medium -> (missing, extra) last exported: series to remove, changes to log
+        self._exported: dict[str, dict[str, tuple[int, int]]] = {}
+        self._last_error: dict[str, str] = {}       # worker_id -> last error logged (log changes, not every round)
 
     async def run_forever(self) -> None:
         async with aiohttp.ClientSession() as http:
@@ -63,8 +65,12 @@ class PeriodicAuditor:
             self.runs.labels(audit.status).inc()
             if audit.status == "ok":
                 self._export(audit)
-            elif audit.status == "error":
-                log.warning("audit of %s failed: %s", audit.worker_id, audit.detail)
+            if audit.status == "error":
+                if self._last_error.get(audit.worker_id) != audit.detail:
+                    log.warning("audit of %s failed: %s", audit.worker_id, audit.detail)
+                self._last_error[audit.worker_id] = audit.detail
+            else:
+                self._last_error.pop(audit.worker_id, None)
         self._forget_gone({r.worker_id for r in self.registry.workers()})
         return list(audits)
 
@@ -82,16 +88,20 @@ class PeriodicAuditor:
                                       settle_s=self.settle_s, timeout_s=self.timeout_s)
 
     def _export(self, audit: WorkerAudit) -> None:
+        exported = self._exported.setdefault(audit.worker_id, {})
         for medium, tier in audit.tiers.items():
-            self.divergent.labels(audit.worker_id, medium, "missing").set(len(tier.missing))
-            self.divergent.labels(audit.worker_id, medium, "extra").set(len(tier.extra))
-            if tier.missing or tier.extra:
-                log.warning("audit: %s %s diverges: %d missing, %d extra (e.g. %s)", audit.worker_id, medium,
-                            len(tier.missing), len(tier.extra), sorted(tier.missing | tier.extra)[:3])
-        self._exported.setdefault(audit.worker_id, set()).update(audit.tiers)
+            counts = (len(tier.missing), len(tier.extra))
+            self.divergent.labels(audit.worker_id, medium, "missing").set(counts[0])
+            self.divergent.labels(audit.worker_id, medium, "extra").set(counts[1])
+            if counts != exported.get(medium, (0, 0)):
+                log.warning("audit: %s %s: %d missing, %d extra blocks (e.g. %s)", audit.worker_id, medium,
+                            *counts, sorted(tier.missing | tier.extra)[:3])
+            exported[medium] = counts
         self.last_success.labels(audit.worker_id).set(time.time())
 
     def _forget_gone(self, present: set[str]) -> None:
+        for worker_id in [w for w in self._last_error if w not in present]:
+            del self._last_error[worker_id]
         for worker_id in [w for w in self._exported if w not in present]:
             for medium in self._exported.pop(worker_id):
                 for kind in ("missing", "extra"):
