@@ -13,10 +13,13 @@ ties, and a deterministic tie-break would send the whole cold fleet's traffic to
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Protocol
+
+import xxhash
 
 
 @dataclass(slots=True)
@@ -25,7 +28,10 @@ class Candidate:
     worker_id: str
     endpoint: str
     block_size: int
-    cached_tokens: int = 0           # prompt tokens already in this worker's KV cache (prefix match)
+    cached_tokens: int = 0           # prompt tokens already in this worker's KV cache (prefix match, any tier)
+    cpu_cached_tokens: int = 0       # of those, on the CPU tier (must be loaded back)
+    disk_cached_tokens: int = 0      # of those, on a disk/remote tier
+    worker_cached_blocks: int = 0    # blocks the worker's cache holds in all (index), for spreading new prefixes
     running_requests: int = 0        # engine-reported (heartbeat)
     waiting_requests: int = 0        # engine-reported (heartbeat)
     kv_usage: float = 0.0            # engine-reported (heartbeat), 0..1
@@ -39,6 +45,7 @@ class RoutingInput:
     prompt_tokens: int
     token_ids: Sequence[int] = ()  # the prompt itself, for policies that read it (chwbl, approx_tree)
     session_key: str = ""          # x-session-id header or OpenAI `user`; "" = none (session policy)
+    chains: Mapping[int, Sequence[int]] = field(default_factory=dict)  # block size -> the prompt's block keys
 
 
 @dataclass(slots=True)
@@ -128,35 +135,74 @@ class LeastLoaded:
 class KvAwareParams:
     """Weights of the kv_aware cost, in prefill-token equivalents (lower is better):
 
-        cost = max(0, prompt_tokens - cached_tokens)                  # prefill this request needs there
-             + pending_prefill_tokens                                  # prefill this router already queued there
-             + queue_weight * max(0, waiting_requests - inflight_requests) * mean_prompt_tokens
-                                                                       # queued there by others, size unknown
-             + decode_weight * max(running_requests, inflight_requests)
+        credited(w) = cached tokens, those on the cpu tier x cpu_tier_credit, on disk x disk_tier_credit
+        cost(w) = max(0, prompt_tokens - credited(w))                  # prefill this request needs there
+                + recompute_weight * (max_w' credited(w') - credited(w))  # of it, prefill the fleet already holds
+                + pending_prefill_tokens(w)                            # prefill routers already queued there
+                + queue_weight * max(0, waiting(w) - inflight(w)) * mean_prompt_tokens
+                                                                       # queued there by unknown senders
+                + decode_weight * max(running(w), inflight(w))         # decode pressure
 
-    The engine's waiting count includes this router's own requests, whose uncached prefill is
-    already counted exactly in pending_prefill_tokens; only the excess over this router's in-flight
-    requests is someone else's and estimated. (Counting every waiting request at
-    mean_prompt_tokens double-counted our own mostly-cached queue: on shared-prefix at 20 req/s,
-    8 workers, the simulator showed kv_aware scattering prefixes, hit rate 46% and TTFT p50 1.8 s;
-    with this term 86% and 52 ms.)
+    The first, third, fourth and fifth terms estimate this request's time to first token on w. The
+    second prices what a cache miss costs everyone else: prefill that some worker holds is computed
+    again, and its blocks evict others' on a full cache. It is what keeps a burst of one new prefix
+    on the worker that got the first of them (the followers' blocks are speculatively held there)
+    instead of scattering it, and what stops load noise from moving a prefix every few requests.
 
-    queue_weight:       how much of a waiting request's estimated prefill lands before ours
-                        (1.0 = FCFS, all of it).
-    mean_prompt_tokens: estimated uncached prefill behind each waiting request that is not this
-                        router's (the engine reports a count, not tokens). Set it near the fleet's
-                        mean uncached prompt length.
-    decode_weight:      prefill tokens one running decode is worth, i.e. how much a busy decode
-                        batch slows our prefill and the decode that follows it. The running count
-                        is max(engine-reported, this router's in-flight) because heartbeats lag.
+    Parameters (settable per router, i.e. per model: `kvroute router --kv-aware-param NAME=VALUE`,
+    and in the simulator: `kvroute simulate --kv-aware-param NAME=VALUE`):
+    queue_weight:       how much of a waiting request's estimated prefill lands before ours (1.0 = FCFS).
+    mean_prompt_tokens: estimated uncached prefill behind each waiting request no kvroute router sent
+                        (engines report a count, not tokens).
+    decode_weight:      prefill tokens one running (or in-flight) request is worth: a busy decode batch
+                        slows our prefill step and the decode that follows.
+    recompute_weight:   see above; 0 = pure TTFT greedy (scatters bursts), 1 = a recomputed token
+                        costs the fleet as much as a waited-for one.
+    cpu_tier_credit, disk_tier_credit: fraction of a prefill a block on that tier saves (loading it
+                        back is cheaper than recomputing, not free; 0.8 = host memory at ~5x prefill
+                        speed, 0.5 = local disk / remote store at ~2x).
+    load_bound, load_bound_slack_tokens: bounded load. A worker is eligible only while its pending
+                        prefill plus this request's stays within load_bound x the fleet mean (with this
+                        request) + slack, unless no worker has less. This is what moves a hot prefix
+                        to a second (and third) worker, which then caches it too, before its holder's
+                        queue explodes. 0 = off.
+    temperature:        0 = minimum cost; > 0 = softmax sampling, probability ~ exp(-(cost - best) / T),
+                        T in prefill tokens.
+
+    Defaults were chosen with `kvroute simulate` over the generated suite (README: "Choosing kv_aware's
+    weights"); they are not fitted to one workload.
     """
     queue_weight: float = 1.0
     mean_prompt_tokens: float = 2048.0
-    decode_weight: float = 64.0
+    decode_weight: float = 128.0
+    recompute_weight: float = 1.0
+    cpu_tier_credit: float = 0.8
+    disk_tier_credit: float = 0.5
+    load_bound: float = 1.25
+    load_bound_slack_tokens: float = 2048.0
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("queue_weight", "mean_prompt_tokens", "decode_weight", "recompute_weight",
+                     "load_bound_slack_tokens", "temperature"):
+            if not getattr(self, name) >= 0:  # also rejects NaN
+                raise ValueError(f"kv_aware {name} must be >= 0, got {getattr(self, name)}")
+        for name in ("cpu_tier_credit", "disk_tier_credit"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"kv_aware {name} must be in [0, 1], got {getattr(self, name)}")
+        if self.load_bound and not self.load_bound >= 1.0:
+            raise ValueError(f"kv_aware load_bound must be 0 (off) or >= 1.0, got {self.load_bound}")
 
 
 class KvAware:
-    """Minimum estimated cost (see `KvAwareParams`): the cache hit saves prefill, load adds it."""
+    """Minimum estimated cost (see `KvAwareParams`) among the workers within the load bound.
+
+    Ties (an idle fleet, a new prefix) go to the worker whose cache holds the fewest blocks, so new
+    prefixes spread the fleet's working set evenly (a random pick piles several groups on some
+    workers, which then evict each other: the simulator showed ~1.6x the misses of a balanced
+    placement); among those, rendezvous hashing on the prompt's first block no candidate holds, so
+    two routers deciding on the same new prefix at the same instant still agree; the seeded
+    `random.Random` only when the prompt has no full block. Never "always the first worker"."""
     name = "kv_aware"
 
     def __init__(self, params: KvAwareParams | None = None, seed: int | None = None,
@@ -164,21 +210,80 @@ class KvAware:
         self.params = params or KvAwareParams()
         self._rng = _rng(seed, rng)
 
-    def cost(self, request: RoutingInput, c: Candidate) -> float:
+    def credited_tokens(self, c: Candidate) -> float:
         p = self.params
-        return (max(0, request.prompt_tokens - c.cached_tokens) + c.pending_prefill_tokens
+        return (c.cached_tokens - (1.0 - p.cpu_tier_credit) * c.cpu_cached_tokens
+                - (1.0 - p.disk_tier_credit) * c.disk_cached_tokens)
+
+    def queued_work(self, c: Candidate) -> float:
+        """Work ahead of a new request on this worker, whoever sent it."""
+        p = self.params
+        return (c.pending_prefill_tokens
                 + p.queue_weight * max(0, c.waiting_requests - c.inflight_requests) * p.mean_prompt_tokens
                 + p.decode_weight * max(c.running_requests, c.inflight_requests))
 
+    def cost(self, request: RoutingInput, c: Candidate, best_credited: float = 0.0) -> float:
+        credited = self.credited_tokens(c)
+        return (max(0.0, request.prompt_tokens - credited)
+                + self.params.recompute_weight * max(0.0, best_credited - credited) + self.queued_work(c))
+
     def choose(self, request: RoutingInput, candidates: list[Candidate]) -> Choice:
         _require(candidates)
-        scores = {c.worker_id: self.cost(request, c) for c in candidates}
-        return Choice(_pick_min(scores, candidates, self._rng), scores)
+        best = max(self.credited_tokens(c) for c in candidates)
+        scores = {c.worker_id: self.cost(request, c, best) for c in candidates}
+        pool = self._within_bound(request, candidates) if self.params.load_bound and len(candidates) > 1 else candidates
+        if self.params.temperature > 0:
+            return Choice(self._sample(scores, pool), scores)
+        low = min(scores[c.worker_id] for c in pool)
+        tied = [c for c in pool if scores[c.worker_id] <= low + 1e-9 * max(1.0, abs(low))]
+        if len(tied) > 1:
+            fewest = min(c.worker_cached_blocks for c in tied)
+            tied = [c for c in tied if c.worker_cached_blocks == fewest]
+        return Choice(tied[0] if len(tied) == 1 else self._tie_break(request, tied), scores)
+
+    def _tie_break(self, request: RoutingInput, tied: list[Candidate]) -> Candidate:
+        bs = tied[0].block_size
+        chain = request.chains.get(bs)
+        if not chain:
+            return self._rng.choice(tied)
+        key = chain[min(len(chain) - 1, max(c.cached_tokens for c in tied) // bs)].to_bytes(8, "little")
+        return max(tied, key=lambda c: (xxhash.xxh3_64_intdigest(key + c.worker_id.encode()), c.worker_id))
+
+    def _within_bound(self, request: RoutingInput, candidates: list[Candidate]) -> list[Candidate]:
+        """Workers whose pending prefill with this request's stays within the bound (or is the least)."""
+        p = self.params
+        work = [c.pending_prefill_tokens + max(0.0, request.prompt_tokens - self.credited_tokens(c)) for c in candidates]
+        pending = sum(c.pending_prefill_tokens for c in candidates)
+        n = len(candidates)
+        least = min(work)
+        return [c for c, w in zip(candidates, work)
+                if w <= least or w <= p.load_bound * (pending + w - c.pending_prefill_tokens) / n + p.load_bound_slack_tokens]
+
+    def _sample(self, scores: dict[str, float], pool: list[Candidate]) -> Candidate:
+        low = min(scores[c.worker_id] for c in pool)
+        weights = [math.exp(-(scores[c.worker_id] - low) / self.params.temperature) for c in pool]
+        return self._rng.choices(pool, weights)[0]
 
 
 POLICIES: dict[str, type] = {"kv_aware": KvAware, "round_robin": RoundRobin, "random": RandomPolicy,
                              "least_loaded": LeastLoaded}
 _KV_AWARE_FIELDS = {f.name for f in fields(KvAwareParams)}
+
+
+def parse_kv_aware_params(items: Sequence[str]) -> dict[str, float]:
+    """`["recompute_weight=0.5", ...]` (CLI --kv-aware-param) -> validated KvAwareParams fields."""
+    out: dict[str, float] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in _KV_AWARE_FIELDS:
+            raise ValueError(f"--kv-aware-param {item!r}: expected NAME=VALUE with NAME one of {', '.join(sorted(_KV_AWARE_FIELDS))}")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--kv-aware-param {item!r}: {value!r} is not a number") from None
+    KvAwareParams(**out)  # validates ranges
+    return out
 
 
 def make_policy(name: str, **params) -> RoutingPolicy:

@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_generated_workload_knobs(p.add_argument_group("generated workload"))
     p.add_argument("--prefill-tokens-per-s", type=float, default=None, help="cost model: prefill rate")
     p.add_argument("--event-delay-ms", type=float, default=0.0, help="KV event propagation delay to the index")
+    p.add_argument("--kv-aware-param", action="append", default=[], metavar="NAME=VALUE",
+                   help="override one of kv_aware's weights (data_plane.policies.KvAwareParams), repeatable")
     p.add_argument("--seed", type=int, default=0, help="makes a run reproducible bit for bit")
     p.add_argument("--jobs", type=int, default=None, help="policies simulated in parallel (default: one per core)")
     p.add_argument("--report", default=None, help="also write a Markdown report to this file")
@@ -62,6 +64,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    from data_plane.policies import parse_kv_aware_params
     from sim_engine.cost_model import CostModel
     from simulator.fleet import FleetConfig, oracle_hit_rates
     from simulator.sweep import ProgressLine, default_jobs, run_policies
@@ -82,8 +85,13 @@ def run(args: argparse.Namespace) -> int:
         source = source_name = f"workload {args.workload}"
     num_blocks = args.num_blocks or max(1, 1_048_576 // block_size)
     cost = CostModel(prefill_tokens_per_s=args.prefill_tokens_per_s) if args.prefill_tokens_per_s else CostModel()
+    try:
+        kv_aware_params = parse_kv_aware_params(args.kv_aware_param)
+    except ValueError as exc:
+        print(f"kvroute simulate: error: {exc}", file=sys.stderr)
+        return 2
     config = FleetConfig(workers=args.workers, num_blocks=num_blocks, block_size=block_size, cost=cost,
-                         event_delay_s=args.event_delay_ms / 1000, seed=args.seed)
+                         event_delay_s=args.event_delay_ms / 1000, seed=args.seed, kv_aware_params=kv_aware_params)
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
     log(f"{source}: {len(workload)} requests, {args.workers} workers x {num_blocks} blocks of {block_size}")
     names = [p.strip() for p in args.policies.split(",") if p.strip()]

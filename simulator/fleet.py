@@ -39,6 +39,7 @@ class FleetConfig:
     max_num_seqs: int = 256
     event_delay_s: float = 0.0
     seed: int = 0
+    kv_aware_params: dict = field(default_factory=dict)  # KvAwareParams fields (kv_aware runs only)
 
 
 @dataclass
@@ -51,6 +52,9 @@ class PolicyRun:
     busy_s: list[float] = field(default_factory=list)
     makespan_s: float = 0.0
     rejected: int = 0
+    # Per routed request, in arrival order: (arrival_s, worker index, hit tokens the engine found,
+    # prompt tokens, ttft_s); filled only with simulate_policy(..., detail=True).
+    requests: list[tuple[float, int, int, int, float]] = field(default_factory=list)
 
     @property
     def hit_rate(self) -> float:
@@ -80,8 +84,8 @@ def _to_wire(event, block_size: int):
 
 
 def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config: FleetConfig,
-                    progress=None) -> PolicyRun:
-    policy = make_policy(policy_name, **({} if policy_name == "round_robin" else {"seed": config.seed}))
+                    progress=None, detail: bool = False) -> PolicyRun:
+    policy = make_policy(policy_name, seed=config.seed, **(config.kv_aware_params if policy_name == "kv_aware" else {}))
     workers = [_Worker(i, config) for i in range(config.workers)]
     index = BitmaskPrefixIndex()
     load = LoadTracker()
@@ -116,23 +120,27 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
             now = req.arrival_s
             keys = prompt_block_keys(req.tokens, config.block_size, MODEL)
             matched = index.match(keys)
+            speculative = load.speculative_match(keys)
             candidates = []
             for w in workers:
                 inflight, pending = load.inflight(w.worker_id)
+                blocks = max(matched.get(w.slot, 0), speculative.get(w.worker_id, 0))
                 candidates.append(Candidate(
                     worker_id=w.worker_id, endpoint="", block_size=config.block_size,
-                    cached_tokens=min(matched.get(w.slot, 0) * config.block_size, len(req.tokens)),
+                    cached_tokens=min(blocks * config.block_size, len(req.tokens)),
+                    worker_cached_blocks=index.worker_block_count(w.slot),
                     running_requests=len(w.scheduler.running), waiting_requests=len(w.scheduler.waiting),
                     inflight_requests=inflight, pending_prefill_tokens=pending))
-            choice = policy.choose(RoutingInput(MODEL, len(req.tokens), token_ids=req.tokens, session_key=req.session), candidates)
+            choice = policy.choose(RoutingInput(MODEL, len(req.tokens), token_ids=req.tokens, session_key=req.session,
+                                                chains={config.block_size: keys}), candidates)
             w = workers[int(choice.worker.worker_id[1:])]
             if -(-(len(req.tokens) + req.output_tokens) // config.block_size) > config.num_blocks:
                 run.rejected += 1  # larger than a whole engine cache: an engine would reject it too
                 continue
             sim_req = SimRequest(f"r{next(ids)}", req.tokens, req.output_tokens)
             w.scheduler.add(sim_req)
-            tickets[sim_req.request_id] = (load.start(w.worker_id, max(0, len(req.tokens) - choice.worker.cached_tokens)),
-                                           req.arrival_s)
+            tickets[sim_req.request_id] = (load.start(w.worker_id, max(0, len(req.tokens) - choice.worker.cached_tokens),
+                                                      keys), req.arrival_s)
             if not w.busy:
                 start_step(w, now)
             continue
@@ -143,6 +151,8 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
             for r in result.first_tokens:
                 ticket, arrival = tickets[r.request_id]
                 run.ttft_s.append(now - arrival)
+                if detail:
+                    run.requests.append((arrival, workers.index(w), r.hit_tokens, len(r.prompt), now - arrival))
                 load.first_token(ticket)
             for r in result.finished:
                 ticket, arrival = tickets.pop(r.request_id)
