@@ -23,8 +23,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="listen address (HTTP and gRPC)")
     p.add_argument("--port", type=int, default=8080, help="OpenAI-compatible HTTP port")
     p.add_argument("--grpc-port", type=int, default=50052, help="gRPC Route port (0 = off)")
-    p.add_argument("--query-timeout-ms", type=float, default=20.0,
+    p.add_argument("--query-timeout-ms", type=float, default=5.0,
                    help="deadline of the control-plane query; past it the router decides on load alone")
+    p.add_argument("--kv-aware-param", action="append", default=[], metavar="NAME=VALUE",
+                   help="override one of kv_aware's weights for this router's model, repeatable (names and "
+                        "meaning: data_plane.policies.KvAwareParams, e.g. recompute_weight=0.5, load_bound=1.5)")
+    p.add_argument("--router-id", default=None,
+                   help="this router's id in the control plane's shared in-flight state (default: HOST-PID)")
+    p.add_argument("--no-router-session", action="store_true",
+                   help="do not share in-flight requests with other routers (unary queries only)")
     p.add_argument("--max-prompt-tokens", type=int, default=131072, help="reject longer prompts with a 400")
     p.add_argument("--tokenizer-cache-tokens", type=int, default=4_000_000, metavar="N",
                    help="token ids of already-seen prompt segments (system prompts, earlier turns) kept for reuse; "
@@ -65,7 +72,7 @@ async def serve(args: argparse.Namespace) -> int:
     from data_plane.grpc_api import RouterGrpcService
     from data_plane.http_api import RouterHttpApi
     from data_plane.load_tracker import LoadTracker
-    from data_plane.policies import make_policy
+    from data_plane.policies import make_policy, parse_kv_aware_params
     from data_plane.routing import Router
     from data_plane.tokenization import load_tokenizer
     from data_plane.traffic_capture import TrafficCapture
@@ -74,10 +81,17 @@ async def serve(args: argparse.Namespace) -> int:
     log = logging.getLogger("kvroute.router")
     model = args.model or Path(args.tokenizer).resolve().name
     tokenizer = load_tokenizer(args.tokenizer, cache_tokens=args.tokenizer_cache_tokens)
+    try:
+        kv_params = parse_kv_aware_params(args.kv_aware_param)
+    except ValueError as exc:
+        raise SystemExit(f"kvroute router: error: {exc}") from None
+    if kv_params and args.policy != "kv_aware":
+        raise SystemExit("kvroute router: error: --kv-aware-param needs --policy kv_aware")
     control_plane = ControlPlaneClient(args.control_plane, args.query_timeout_ms / 1000,
-                                       static_workers=_parse_static(args.static_workers))
+                                       static_workers=_parse_static(args.static_workers), router_id=args.router_id,
+                                       use_session=not args.no_router_session)
     control_plane.start()
-    router = Router(control_plane, make_policy(args.policy), LoadTracker())
+    router = Router(control_plane, make_policy(args.policy, **kv_params), LoadTracker())
     capture = None
     if args.capture_trace:
         capture = TrafficCapture(args.capture_trace, args.capture_sample_rate, router.metrics)

@@ -7,7 +7,9 @@ of to errors (`data_plane.routing` does the failing open):
 - `workers_for(model)` is the latest `ListWorkers` snapshot for the model; if that is empty (a
   restarted control plane whose agents have not re-registered yet) it is the last non-empty
   snapshot; if the control plane has never answered, the `--static-workers` fleet.
-- `query()` raises on timeout or error (grpc.aio.AioRpcError); it never retries.
+- `query()` goes over the router session stream when it is open (`router_session.py`, which also
+  carries this router's in-flight reservations), else the unary Query RPC; it raises on timeout
+  or error (TimeoutError, grpc.aio.AioRpcError); it never retries.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from data_plane.router_session import RouterSessionLink, SessionUnavailable, cancel_and_wait
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
@@ -32,17 +35,22 @@ class KnownWorker:
     endpoint: str
     block_size: int
     load: pb.WorkerLoad
+    cached_blocks: int = 0
+    lora_adapters: frozenset[str] = frozenset()
+    data_parallel_rank: int | None = None
 
 
 class ControlPlaneClient:
-    def __init__(self, address: str, query_timeout_s: float = 0.02, refresh_interval_s: float = 0.5,
-                 static_workers: dict[str, str] | None = None, static_block_size: int = 16) -> None:
+    def __init__(self, address: str, query_timeout_s: float = 0.005, refresh_interval_s: float = 0.5,
+                 static_workers: dict[str, str] | None = None, static_block_size: int = 16,
+                 router_id: str | None = None, use_session: bool = True) -> None:
         self.address = address
         self.query_timeout_s = query_timeout_s
         self.refresh_interval_s = refresh_interval_s
         self._channel = grpc.aio.insecure_channel(address, options=[
             ("grpc.max_receive_message_length", 64 * 1024 * 1024)])
         self._stub = pb_grpc.ControlPlaneStub(self._channel)
+        self.session = RouterSessionLink(self._stub, router_id) if use_session else None
         self.fleet: dict[str, KnownWorker] = {}
         self.fleet_updated_at = 0.0  # monotonic time of the last successful ListWorkers; 0 = never
         self.reachable = False       # did the last ListWorkers succeed
@@ -57,15 +65,14 @@ class ControlPlaneClient:
         """Start the background refresher (first refresh immediately)."""
         if self._task is None:
             self._task = asyncio.create_task(self._refresh_forever(), name="kvroute-cp-refresh")
+        if self.session is not None:
+            self.session.start()
 
     async def close(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        if self.session is not None:
+            await self.session.close()
+        await cancel_and_wait(self._task)
+        self._task = None
         await self._channel.close()
 
     # ------------------------------------------------------------ the known fleet
@@ -74,7 +81,16 @@ class ControlPlaneClient:
     def ever_reached(self) -> bool:
         return self.fleet_updated_at > 0
 
-    def workers_for(self, model: str) -> list[KnownWorker]:
+    def workers_for(self, model: str, lora_name: str = "") -> list[KnownWorker]:
+        """Known workers of `model` (and, if given, serving the LoRA adapter `lora_name`)."""
+        known = self._workers_for(model)
+        return [w for w in known if lora_name in w.lora_adapters or not w.model] if lora_name else known
+
+    def adapters_of(self, model: str) -> set[str]:
+        """LoRA adapters some known worker of `model` serves (requests name them as `model`)."""
+        return {a for w in self._workers_for(model) for a in w.lora_adapters}
+
+    def _workers_for(self, model: str) -> list[KnownWorker]:
         current = [w for w in self.fleet.values() if w.model == model]
         if current:
             return current
@@ -90,7 +106,9 @@ class ControlPlaneClient:
 
     async def refresh(self) -> None:
         response = await self._stub.ListWorkers(pb.ListWorkersRequest(), timeout=max(1.0, self.refresh_interval_s))
-        fleet = {w.worker_id: KnownWorker(w.worker_id, w.model, w.endpoint.rstrip("/"), w.block_size, w.load)
+        fleet = {w.worker_id: KnownWorker(w.worker_id, w.model, w.endpoint.rstrip("/"), w.block_size, w.load,
+                                          w.cached_blocks, frozenset(w.lora_adapters),
+                                          w.data_parallel_rank if w.HasField("data_parallel_rank") else None)
                  for w in response.workers}
         joined, left = fleet.keys() - self.fleet.keys(), self.fleet.keys() - fleet.keys()
         if joined or left:
@@ -123,11 +141,18 @@ class ControlPlaneClient:
 
     # ------------------------------------------------------------ the index
 
-    async def query(self, model: str, chains: dict[int, list[int]]) -> list[pb.WorkerMatch]:
-        """Matched prefix + load of every live worker of `model`; `chains` maps block size -> keys.
+    async def query(self, model: str, chains: dict[int, list[int]], lora_name: str = "") -> list[pb.WorkerMatch]:
+        """Matched prefix, tiers, load and other routers' reservations of every live worker of
+        `model` (serving `lora_name` if given); `chains` maps block size -> keys.
 
-        Raises grpc.aio.AioRpcError (DEADLINE_EXCEEDED past `query_timeout_s`, UNAVAILABLE...)."""
-        request = pb.QueryRequest(model=model, chains=[pb.KeyChain(block_size=bs, block_keys=keys)
-                                                       for bs, keys in chains.items()])
+        Raises TimeoutError past `query_timeout_s` on the session, grpc.aio.AioRpcError on the
+        unary path (DEADLINE_EXCEEDED, UNAVAILABLE...)."""
+        request = pb.QueryRequest(model=model, lora_name=lora_name,
+                                  chains=[pb.KeyChain(block_size=bs, block_keys=keys) for bs, keys in chains.items()])
+        if self.session is not None and self.session.connected:
+            try:
+                return list((await self.session.query(request, self.query_timeout_s)).workers)
+            except SessionUnavailable:
+                pass  # lost just now: the unary call below still has a chance
         response = await self._stub.Query(request, timeout=self.query_timeout_s)
         return list(response.workers)

@@ -34,7 +34,8 @@ class RouterGrpcService(pb_grpc.RouterServicer):
             arrived = self.capture.sample_arrival() if self.capture else None
             if not request.model:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "'model' is required")
-            if request.model != self.model:
+            adapter = request.model != self.model
+            if adapter and request.model not in self.router.control_plane.adapters_of(self.model):
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"The model `{request.model}` does not exist.")
             try:
                 tokens = await self._tokens(request)
@@ -45,11 +46,12 @@ class RouterGrpcService(pb_grpc.RouterServicer):
                                     f"prompt has {len(tokens)} tokens, more than this router accepts "
                                     f"({self.max_prompt_tokens}; see --max-prompt-tokens)")
             try:
-                decision = await self.router.decide(request.model, tokens, request.lora_name, request.cache_salt)
+                lora_name = request.model if adapter else request.lora_name
+                decision = await self.router.decide(self.model, tokens, lora_name, request.cache_salt)
             except NoWorkersError as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             if self.capture and arrived is not None:  # RouteRequest has no output budget: output_length 0
-                self.capture.record(arrived, tokens, 0, request.model, request.lora_name, request.cache_salt)
+                self.capture.record(arrived, tokens, 0, self.model, lora_name, request.cache_salt)
             return to_route_response(decision)
 
     async def _tokens(self, request: pb.RouteRequest) -> list[int]:

@@ -95,7 +95,7 @@ class RouterHttpApi:
             arrived = self.capture.sample_arrival() if self.capture and forward_to else None
             try:
                 raw, body, tokens = await self._parse(request, kind)
-                lora_name, cache_salt = str(body.get("lora_name") or ""), str(body.get("cache_salt") or "")
+                lora_name, cache_salt = self._lora_name(body), str(body.get("cache_salt") or "")
                 decision = await self.router.decide(self.model, tokens, lora_name, cache_salt,
                                                     avoid=self.proxy.avoided(), session_key=_session_key(request, body))
             except BadRequest as exc:
@@ -113,9 +113,13 @@ class RouterHttpApi:
             return response
 
     async def handle_models(self, request: web.Request) -> web.Response:
-        served = [self.model] if self.router.control_plane.workers_for(self.model) else []
-        return web.json_response({"object": "list", "data": [{"id": m, "object": "model", "owned_by": "kvroute"}
-                                                             for m in served]})
+        cp = self.router.control_plane
+        data = []
+        if cp.workers_for(self.model):
+            data.append({"id": self.model, "object": "model", "owned_by": "kvroute"})
+            data += [{"id": a, "object": "model", "owned_by": "kvroute", "parent": self.model}
+                     for a in sorted(cp.adapters_of(self.model))]
+        return web.json_response({"object": "list", "data": data})
 
     async def handle_health(self, request: web.Request) -> web.Response:
         cp = self.router.control_plane
@@ -127,6 +131,12 @@ class RouterHttpApi:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # ------------------------------------------------------------ parsing
+
+    def _lora_name(self, body: dict) -> str:
+        """vLLM's way: the adapter is named as the request's `model`; a `lora_name` field also works."""
+        if body["model"] != self.model:
+            return body["model"]
+        return str(body.get("lora_name") or "")
 
     async def _parse(self, request: web.Request, kind: str) -> tuple[bytes, dict, list[int]]:
         """(original body bytes, parsed body, prompt token ids); kind is chat, completions or either."""
@@ -140,7 +150,7 @@ class RouterHttpApi:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise BadRequest("'model' is required (a string)")
-        if model != self.model:
+        if model != self.model and model not in self.router.control_plane.adapters_of(self.model):
             raise BadRequest(f"The model `{model}` does not exist.", 404, "model_not_found")
         if kind == "chat" or (kind == "either" and "messages" in body):
             tokens = await self._chat_tokens(body)

@@ -6,12 +6,16 @@
 - waits for the backend's first body byte, then streams the rest through chunk by chunk
   (SSE or JSON, never buffered), with `x-kvroute-worker: <worker_id>` on the response;
 - a backend that refuses the connection, returns 5xx, or fails before its first byte is retried
-  on the decision's next-best worker (`max_attempts` in all); nothing reached the client yet,
+  on the decision's next-best worker (`max_attempts` in all, default: every candidate, so no
+  error reaches the client while some worker is healthy); nothing reached the client yet,
   so that is invisible to it. A failed worker is also avoided for `cooldown_s` by later
   decisions (unless nothing else is known), so one dead engine does not cost every request a
   connect attempt. If every attempt fails the client gets the last 5xx or a 502;
-- keeps the load tracker honest: in flight from send to finish, prefill pending until the
-  first byte, always released in `finally`;
+- keeps the in-flight state honest (`SharedInflight`: this router's tracker and its reservation
+  in the control plane): in flight from send to finish with the prompt's block keys at that
+  worker's block size, prefill pending until the first byte, always released in `finally`;
+- pins the request to a data-parallel rank with `X-data-parallel-rank` when the worker is one
+  rank of a DP engine (vLLM and SGLang honour the header);
 - given a `tail` bytearray, leaves the last >= 16 KiB of the body in it (traffic capture reads
   `usage` from there instead of parsing every chunk).
 """
@@ -25,19 +29,21 @@ import aiohttp
 from aiohttp import web
 from opentelemetry import propagate, trace
 
-from data_plane.load_tracker import LoadTracker
 from data_plane.metrics import RouterMetrics
 from data_plane.policies import Candidate
 from data_plane.routing import RouteDecision
+from data_plane.shared_inflight import SharedInflight
 
 log = logging.getLogger("kvroute.router.proxy")
 tracer = trace.get_tracer("kvroute.router")
 
 WORKER_HEADER = "x-kvroute-worker"
+DP_RANK_HEADER = "X-data-parallel-rank"
 TAIL_BYTES = 16384  # enough for a response's trailing usage object / an SSE stream's last chunks
 # Not forwarded in either direction: per-connection headers, framing we redo, and trace context we replace.
 _HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                          "transfer-encoding", "upgrade", "content-length", "host", "traceparent", "tracestate"})
+                          "transfer-encoding", "upgrade", "content-length", "host", "traceparent", "tracestate",
+                          "x-data-parallel-rank"})
 
 
 class _Failed(Exception):
@@ -55,10 +61,10 @@ def error_response(message: str, status: int, error_type: str, code: str | int |
 
 
 class BackendProxy:
-    def __init__(self, load: LoadTracker, metrics: RouterMetrics, max_attempts: int = 2,
+    def __init__(self, load: SharedInflight, metrics: RouterMetrics, max_attempts: int = 0,
                  connect_timeout_s: float = 2.0, read_timeout_s: float = 1800.0, cooldown_s: float = 2.0) -> None:
         self.load, self.metrics = load, metrics
-        self.max_attempts = max(1, max_attempts)
+        self.max_attempts = max_attempts  # 0 = every candidate
         self.cooldown_s = cooldown_s
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
         self._session: aiohttp.ClientSession | None = None
@@ -82,7 +88,8 @@ class BackendProxy:
 
     async def forward(self, request: web.Request, path: str, body: bytes, decision: RouteDecision,
                       prompt_tokens: int, tail: bytearray | None = None) -> web.StreamResponse:
-        attempts = decision.ranked()[: self.max_attempts]
+        ranked = decision.ranked()
+        attempts = ranked[: self.max_attempts] if self.max_attempts > 0 else ranked
         failures = []
         for i, candidate in enumerate(attempts):
             last = i == len(attempts) - 1
@@ -115,9 +122,11 @@ class BackendProxy:
                 response.headers.add(name, value)
         response.headers[WORKER_HEADER] = worker_id
 
-    def _backend_headers(self, request: web.Request) -> dict[str, str]:
+    def _backend_headers(self, request: web.Request, dp_rank: int | None) -> dict[str, str]:
         headers = {name: value for name, value in request.headers.items() if name.lower() not in _HOP_HEADERS}
         headers.setdefault("Content-Type", "application/json")
+        if dp_rank is not None:
+            headers[DP_RANK_HEADER] = str(dp_rank)
         propagate.inject(headers)  # W3C traceparent of the current (kvroute.proxy) span
         return headers
 
@@ -127,7 +136,8 @@ class BackendProxy:
         assert self._session is not None, "BackendProxy.open() was not called"
         worker = candidate.worker_id
         url = candidate.endpoint + path
-        ticket = self.load.start(worker, prompt_tokens - candidate.cached_tokens)
+        ticket = self.load.start(worker, prompt_tokens - candidate.cached_tokens,
+                                 decision.chains.get(candidate.block_size, ()), candidate.block_size)
         with tracer.start_as_current_span("kvroute.proxy", kind=trace.SpanKind.CLIENT) as span:
             span.set_attribute("kvroute.worker_id", worker)
             span.set_attribute("kvroute.attempt", attempt)
@@ -135,7 +145,8 @@ class BackendProxy:
             upstream = None
             try:
                 try:
-                    upstream = await self._session.post(url, data=body, headers=self._backend_headers(request))
+                    upstream = await self._session.post(url, data=body, headers=self._backend_headers(
+                        request, decision.dp_ranks.get(worker)))
                     span.set_attribute("http.response.status_code", upstream.status)
                     if upstream.status >= 500:
                         raise _Failed(f"HTTP {upstream.status}", upstream, await upstream.read() if last else b"")

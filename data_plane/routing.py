@@ -1,14 +1,18 @@
 """Router core: prompt tokens -> block keys -> control-plane query -> candidates -> policy.
 
 `Router.decide(model, token_ids, lora_name, cache_salt, session_key=...)`:
-1. the known workers of the model (`ControlPlaneClient.workers_for`: last ListWorkers snapshot,
-   or the static fleet) give the distinct block sizes;
+1. the known workers of the model (and LoRA adapter, if one is asked for) from
+   `ControlPlaneClient.workers_for` (last ListWorkers snapshot, or the static fleet) give the
+   distinct block sizes;
 2. the prompt is hashed once per block size (`kvroute.block_keys.prompt_block_keys`);
-3. one `Query` with one KeyChain per block size, under the client's deadline;
-4. candidates: cached_tokens = matched_blocks x the worker's block size (capped at the prompt),
-   engine load from the query (or the last heartbeat), this router's in-flight work;
-5. the policy chooses (it also gets the prompt's token ids and the session key, for the
-   policies that hash or remember prompts or sessions instead of reading the index).
+3. one query with one KeyChain per block size, under the client's deadline, over the router
+   session stream (or the unary Query RPC while the stream is down);
+4. candidates: cached_tokens = the longer of the index's match (any tier, other routers'
+   speculative holders included) and this router's own in-flight requests' prompts on that
+   worker, x the worker's block size (capped at the prompt); cpu/disk-tier parts; engine load;
+   in-flight work = this router's own (exact, `SharedInflight`) + other routers' reservations;
+5. the policy chooses (it also gets the prompt's token ids, block keys and the session key, for
+   the policies that hash or remember prompts or sessions instead of reading the index).
 
 Failing open: if the query times out, errors, or returns no workers while some are known, the
 decision is made over the known workers on load alone (cached_tokens 0, `fail_open=True`). A
@@ -24,10 +28,11 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import trace
 
-from data_plane.control_plane_client import ControlPlaneClient
+from data_plane.control_plane_client import ControlPlaneClient, KnownWorker
 from data_plane.load_tracker import LoadTracker
 from data_plane.metrics import RouterMetrics
 from data_plane.policies import Candidate, RoutingInput, RoutingPolicy
+from data_plane.shared_inflight import SharedInflight
 from kvroute.block_keys import prompt_block_keys
 from kvroute.v1 import kvroute_pb2 as pb
 
@@ -50,6 +55,8 @@ class RouteDecision:
     candidates: list[Candidate] = field(default_factory=list)
     scores: dict[str, float] = field(default_factory=dict)
     fail_open_reason: str = ""
+    chains: dict[int, list[int]] = field(default_factory=dict)  # block size -> the prompt's block keys
+    dp_ranks: dict[str, int] = field(default_factory=dict)      # worker_id -> X-data-parallel-rank, DP workers only
 
     def ranked(self) -> list[Candidate]:
         """Candidates best first: the chosen one, then by score (the retry order)."""
@@ -74,15 +81,20 @@ class _Seen:
     worker_id: str
     endpoint: str
     block_size: int
-    matched_blocks: int
+    match: pb.WorkerMatch | None  # None when failing open
     load: pb.WorkerLoad
+    known: KnownWorker | None
 
 
 class Router:
-    def __init__(self, control_plane: ControlPlaneClient, policy: RoutingPolicy, load: LoadTracker,
-                 metrics: RouterMetrics | None = None) -> None:
+    def __init__(self, control_plane: ControlPlaneClient, policy: RoutingPolicy,
+                 load: SharedInflight | LoadTracker | None = None, metrics: RouterMetrics | None = None) -> None:
+        """`load`: this router's in-flight state; a bare LoadTracker (tests, tools) is wrapped so it
+        also reports to the control plane's router session when the client has one."""
         self.control_plane = control_plane
         self.policy = policy
+        if not isinstance(load, SharedInflight):
+            load = SharedInflight(load, getattr(control_plane, "session", None))
         self.load = load
         self.metrics = metrics or RouterMetrics()
         self.fail_open_count = 0
@@ -90,29 +102,32 @@ class Router:
     async def decide(self, model: str, token_ids: list[int], lora_name: str = "", cache_salt: str = "",
                      avoid: frozenset[str] = frozenset(), session_key: str = "") -> RouteDecision:
         """`avoid`: workers to leave out (e.g. recently failed backends) unless no other is known.
+        `lora_name`: route only among workers serving that adapter (and key the prompt in its namespace).
         `session_key`: the client's session/end-user id ("" = none), for the session policy."""
         started = time.perf_counter()
         with tracer.start_as_current_span("kvroute.route") as span:
-            known = self.control_plane.workers_for(model)
+            known = self.control_plane.workers_for(model, lora_name)
             if avoid and any(w.worker_id not in avoid for w in known):
                 known = [w for w in known if w.worker_id not in avoid]
             else:
                 avoid = frozenset()
             if not known:
-                raise NoWorkersError(f"no workers known for model {model!r} (control plane "
+                what = f"model {model!r}" + (f" with LoRA adapter {lora_name!r}" if lora_name else "")
+                raise NoWorkersError(f"no workers known for {what} (control plane "
                                      f"{'reachable' if self.control_plane.reachable else 'unreachable'}, "
                                      f"no --static-workers fallback)")
             chains = {bs: prompt_block_keys(token_ids, bs, model, lora_name, cache_salt)
                       for bs in sorted({w.block_size for w in known if w.block_size > 0})}
-            seen, reason = await self._match(model, chains, avoid)
+            seen, reason = await self._match(model, chains, lora_name, avoid, {w.worker_id: w for w in known})
             if not seen:  # failing open: load alone over the known fleet
-                seen = [_Seen(w.worker_id, w.endpoint, w.block_size, 0, w.load) for w in known]
-            candidates = [self._candidate(s, len(token_ids)) for s in seen]
-            choice = self.policy.choose(RoutingInput(model, len(token_ids), token_ids=token_ids, session_key=session_key),
-                                        candidates)
+                seen = [_Seen(w.worker_id, w.endpoint, w.block_size, None, w.load, w) for w in known]
+            candidates = [self._candidate(s, len(token_ids), chains.get(s.block_size, ())) for s in seen]
+            choice = self.policy.choose(RoutingInput(model, len(token_ids), token_ids=token_ids, session_key=session_key,
+                                                     chains=chains), candidates)
+            dp_ranks = {s.worker_id: rank for s in seen if (rank := _dp_rank(s)) is not None}
             decision = RouteDecision(choice.worker.worker_id, choice.worker.endpoint, len(token_ids),
                                      choice.worker.cached_tokens, self.policy.name, bool(reason), candidates,
-                                     choice.scores, reason)
+                                     choice.scores, reason, chains, dp_ranks)
             if reason:
                 self.fail_open_count += 1
                 self.metrics.fail_open.inc()
@@ -125,25 +140,43 @@ class Router:
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         return decision
 
-    async def _match(self, model: str, chains: dict[int, list[int]],
-                     avoid: frozenset[str]) -> tuple[list[_Seen], str]:
-        """Workers with their matched prefix, and "" — or [] and why the index could not be used."""
+    async def _match(self, model: str, chains: dict[int, list[int]], lora_name: str, avoid: frozenset[str],
+                     known: dict[str, KnownWorker]) -> tuple[list[_Seen], str]:
+        """Workers with their match, and "" — or [] and why the index could not be used."""
         try:
-            matches = await self.control_plane.query(model, chains)
+            matches = await self.control_plane.query(model, chains, lora_name)
         except grpc.aio.AioRpcError as exc:
             return [], exc.code().name
+        except TimeoutError:
+            return [], "DEADLINE_EXCEEDED"
         except Exception as exc:  # noqa: BLE001 - never fail a request for an index reason
             log.warning("control-plane query failed: %r; deciding on load alone", exc)
             return [], type(exc).__name__
         if not matches:  # e.g. a restarted control plane whose agents have not re-registered yet
             return [], "index has no workers for the model"
-        seen = [_Seen(m.worker_id, m.endpoint.rstrip("/"), m.block_size, m.matched_blocks, m.load) for m in matches]
+        seen = [_Seen(m.worker_id, m.endpoint.rstrip("/"), m.block_size, m, m.load, known.get(m.worker_id))
+                for m in matches]
         return [s for s in seen if s.worker_id not in avoid] or seen, ""
 
-    def _candidate(self, s: _Seen, prompt_tokens: int) -> Candidate:
-        inflight, pending = self.load.inflight(s.worker_id)
+    def _candidate(self, s: _Seen, prompt_tokens: int, chain: list[int]) -> Candidate:
+        own_requests, own_pending = self.load.inflight(s.worker_id)
+        own_blocks = self.load.speculative_match(chain).get(s.worker_id, 0) if chain else 0
+        m = s.match
+        blocks = max(m.matched_blocks if m else 0, own_blocks)
+        bs = s.block_size
         return Candidate(
-            worker_id=s.worker_id, endpoint=s.endpoint, block_size=s.block_size,
-            cached_tokens=min(s.matched_blocks * s.block_size, prompt_tokens),
+            worker_id=s.worker_id, endpoint=s.endpoint, block_size=bs,
+            cached_tokens=min(blocks * bs, prompt_tokens),
+            cpu_cached_tokens=min(m.cpu_blocks * bs, prompt_tokens) if m else 0,
+            disk_cached_tokens=min(m.disk_blocks * bs, prompt_tokens) if m else 0,
             running_requests=s.load.running_requests, waiting_requests=s.load.waiting_requests,
-            kv_usage=s.load.kv_usage, inflight_requests=inflight, pending_prefill_tokens=pending)
+            kv_usage=s.load.kv_usage,
+            inflight_requests=own_requests + (m.reserved_requests if m else 0),
+            pending_prefill_tokens=own_pending + (m.reserved_prefill_tokens if m else 0),
+            worker_cached_blocks=s.known.cached_blocks if s.known else 0)
+
+
+def _dp_rank(s: _Seen) -> int | None:
+    if s.match is not None and s.match.HasField("data_parallel_rank"):
+        return s.match.data_parallel_rank
+    return s.known.data_parallel_rank if s.known else None

@@ -268,11 +268,11 @@ async def test_router_passes_tokens_and_session_key_to_the_policy() -> None:
     class Workers:  # a control plane that knows two workers and whose queries fail (fail open)
         reachable = False
 
-        def workers_for(self, model):
+        def workers_for(self, model, lora_name=""):
             from data_plane.control_plane_client import KnownWorker
             return [KnownWorker(w, model, f"http://{w}", 16, pb.WorkerLoad()) for w in ("a", "b")]
 
-        async def query(self, model, chains):
+        async def query(self, model, chains, lora_name=""):
             raise RuntimeError("down")
 
     seen: list[RoutingInput] = []

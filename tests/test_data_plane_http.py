@@ -355,14 +355,14 @@ async def test_control_plane_stopped_requests_still_succeed(stack: Stack) -> Non
     assert (await stack.post("/v1/route", completion()))[2]["fail_open"] is False
     await stack.stop_control_plane()
     served = set()
-    for _ in range(12):
-        status, headers, body = await stack.post("/v1/completions", completion())
+    for i in range(12):  # prompts that differ from the first block: equal loads tie, ties spread by prefix
+        status, headers, body = await stack.post("/v1/completions", completion(prompt=f"request {i}: {PROMPT}"))
         assert status == 200, body
         served.add(headers["x-kvroute-worker"])
     status, _, d = await stack.post("/v1/route", completion())
     assert status == 200 and d["fail_open"] is True and d["cached_tokens"] == 0
     assert {w["worker_id"] for w in d["workers"]} == {"A", "B"}
-    assert served == {"A", "B"}  # load alone, ties broken at random: both workers get traffic
+    assert served == {"A", "B"}  # load alone: both workers get traffic
     await asyncio.sleep(0.3)  # a refresh or two fail
     async with stack.session.get(stack.url + "/health") as resp:
         assert (await resp.json())["control_plane"] == "unreachable"

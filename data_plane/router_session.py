@@ -1,0 +1,206 @@
+"""This router's RouterSession stream to the control plane: queries and in-flight reservations.
+
+One bidi stream per router process (`ControlPlane.RouterSession`):
+- `query()` sends a QueryRequest with a fresh `query_id` and awaits the answer with that id
+  (answers come in send order). Over an open stream a query costs one message each way, about
+  half a unary call's round trip, which matters inside a ~1 ms decision.
+- `reserve()` / `prefill_done()` / `release()` tell the control plane about a request this router
+  sent, so every other router's queries count it as load on that worker and see its prompt blocks
+  there (speculatively) before the engine's events arrive. They never block: messages go through
+  a queue to one writer task, in order, so a later query on the stream already reflects them.
+
+The control plane drops a router's reservations when its stream closes, so after a reconnect the
+link re-sends `reserve` (and `prefill_done`) for every reservation still live here. While the
+stream is down, `query()` raises `SessionUnavailable` at once (the caller falls back to the unary
+Query RPC or decides on load alone) and reservation messages are kept only as state to re-send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+import grpc
+
+from kvroute.v1 import kvroute_pb2 as pb
+from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvroute.router.session")
+
+
+class SessionUnavailable(RuntimeError):
+    """The RouterSession stream is not open (connecting, or the control plane is down)."""
+
+
+@dataclass(slots=True)
+class _Live:
+    message: pb.Reservation
+    prefill_done: bool = False
+
+
+async def cancel_and_wait(task: asyncio.Task | None) -> None:
+    """Cancel a background task and wait until it has stopped."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
+def default_router_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class RouterSessionLink:
+    def __init__(self, stub: pb_grpc.ControlPlaneStub, router_id: str | None = None,
+                 reconnect_delay_s: float = 0.2, max_reconnect_delay_s: float = 5.0) -> None:
+        self._stub = stub
+        self.router_id = router_id or default_router_id()
+        self._delays = (reconnect_delay_s, max_reconnect_delay_s)
+        self._queue: asyncio.Queue[pb.RouterMessage | None] | None = None
+        self._pending: dict[int, asyncio.Future] = {}
+        self._query_ids = itertools.count(1)
+        self._reservation_ids = itertools.count(1)
+        self._live: dict[int, _Live] = {}
+        self._task: asyncio.Task | None = None
+        self.connected = False
+        self.sessions = 0  # streams opened (1 + reconnects)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run_forever(), name="kvroute-router-session")
+
+    async def close(self) -> None:
+        await cancel_and_wait(self._task)
+        self._task = None
+        self._fail_pending(SessionUnavailable("router session closed"))
+
+    async def wait_connected(self, timeout_s: float) -> bool:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not self.connected and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        return self.connected
+
+    # ------------------------------------------------------------ queries
+
+    async def query(self, request: pb.QueryRequest, timeout_s: float) -> pb.QueryResponse:
+        """Raises SessionUnavailable (stream down or lost meanwhile) or TimeoutError."""
+        if not self.connected or self._queue is None:
+            raise SessionUnavailable("router session is not connected")
+        query_id = next(self._query_ids)
+        request.query_id = query_id
+        future = asyncio.get_running_loop().create_future()
+        self._pending[query_id] = future
+        self._queue.put_nowait(pb.RouterMessage(query=request))
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._pending.pop(query_id, None)
+
+    # ------------------------------------------------------------ reservations
+
+    def reserve(self, worker_id: str, block_size: int, block_keys, prefill_tokens: int) -> int:
+        """Announce a request just sent to `worker_id`; returns the reservation id."""
+        reservation_id = next(self._reservation_ids)
+        message = pb.Reservation(reservation_id=reservation_id, worker_id=worker_id, block_size=block_size,
+                                 block_keys=block_keys, prefill_tokens=max(0, prefill_tokens))
+        self._live[reservation_id] = _Live(message)
+        self._send(pb.RouterMessage(reserve=message))
+        return reservation_id
+
+    def prefill_done(self, reservation_id: int) -> None:
+        live = self._live.get(reservation_id)
+        if live is not None and not live.prefill_done:
+            live.prefill_done = True
+            self._send(pb.RouterMessage(prefill_done=pb.ReservationDone(reservation_id=reservation_id)))
+
+    def release(self, reservation_id: int) -> None:
+        if self._live.pop(reservation_id, None) is not None:
+            self._send(pb.RouterMessage(release=pb.ReservationDone(reservation_id=reservation_id)))
+
+    @property
+    def live_reservations(self) -> int:
+        return len(self._live)
+
+    def _send(self, message: pb.RouterMessage) -> None:
+        if self.connected and self._queue is not None:
+            self._queue.put_nowait(message)
+        # else: kept in _live, re-sent after the reconnect
+
+    # ------------------------------------------------------------ the stream
+
+    async def _run_forever(self) -> None:
+        delay = self._delays[0]
+        failures = 0
+        while True:
+            try:
+                await self._session()
+                delay = self._delays[0]
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the link must never die
+                failures = 0 if self.connected else failures + 1
+                reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
+                if failures in (0, 1) or failures % 100 == 0:
+                    log.warning("router session to the control plane failed (%s); queries go unary and "
+                                "in-flight state stays local until it is back", reason)
+            finally:
+                self.connected = False
+                self._fail_pending(SessionUnavailable("router session lost"))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self._delays[1])
+
+    async def _session(self) -> None:
+        queue: asyncio.Queue[pb.RouterMessage | None] = asyncio.Queue()
+        queue.put_nowait(pb.RouterMessage(hello=pb.RouterHello(router_id=self.router_id)))
+
+        async def outgoing():
+            while True:
+                message = await queue.get()
+                if message is None:
+                    return
+                yield message
+
+        call = self._stub.RouterSession(outgoing())
+        try:
+            first = await call.read()
+            if first is grpc.aio.EOF or first.WhichOneof("body") != "welcome":
+                raise RuntimeError("control plane did not welcome the router session")
+            # Re-announce what is still in flight (the control plane dropped it with the old stream).
+            for live in self._live.values():
+                queue.put_nowait(pb.RouterMessage(reserve=live.message))
+                if live.prefill_done:
+                    queue.put_nowait(pb.RouterMessage(
+                        prefill_done=pb.ReservationDone(reservation_id=live.message.reservation_id)))
+            self._queue = queue
+            self.connected = True
+            self.sessions += 1
+            if self.sessions > 1:
+                log.info("router session re-established (%d reservations re-sent)", len(self._live))
+            while True:
+                reply = await call.read()
+                if reply is grpc.aio.EOF:
+                    raise RuntimeError("control plane closed the router session")
+                if reply.WhichOneof("body") == "result":
+                    future = self._pending.get(reply.result.query_id)
+                    if future is not None and not future.done():
+                        future.set_result(reply.result)
+        finally:
+            self._queue = None
+            self.connected = False
+            queue.put_nowait(None)
+            call.cancel()
+
+    def _fail_pending(self, exc: Exception) -> None:
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(exc)
+        self._pending.clear()
