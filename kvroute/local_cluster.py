@@ -213,10 +213,14 @@ class LocalCluster:
         return handles
 
     def start_agent(self, handle: EngineHandle, *extra: str) -> ManagedProcess:
+        if get_dialect(handle.dialect).transport == "zmq":
+            # Named explicitly: TensorRT-LLM's default transport is its pull path even for trtllm-zmq.
+            events = ("--kv-events-transport", "zmq", "--kv-events", f"tcp://127.0.0.1:{handle.kv_events_port}",
+                      "--replay-endpoint", f"tcp://127.0.0.1:{handle.replay_port}")
+        else:  # trtllm-pull: POST /kv_cache_events, no sockets and no replay
+            events = ("--kv-events-transport", "http")
         agent = ManagedProcess(f"agent-{handle.worker_id}", kvroute_argv(
-            "agent", "--control-plane", self.control_plane_addr, "--engine", handle.engine_family,
-            "--kv-events", f"tcp://127.0.0.1:{handle.kv_events_port}",
-            "--replay-endpoint", f"tcp://127.0.0.1:{handle.replay_port}",
+            "agent", "--control-plane", self.control_plane_addr, "--engine", handle.engine_family, *events,
             "--engine-url", handle.url, "--worker-id", handle.worker_id, "--model", self.model,
             "--block-size", str(handle.block_size), *extra), self.workdir / f"agent-{handle.worker_id}.log")
         agent.start()
