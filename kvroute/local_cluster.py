@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -184,9 +184,16 @@ class LocalCluster:
         wait_until(lambda: _tcp_open(self.control_plane_addr), 30, "control plane", [self.control_plane])
         return self.control_plane_addr
 
-    def restart_control_plane(self) -> None:
+    def restart_control_plane(self, while_down: Callable[[], object] | None = None, kill: bool = False) -> None:
+        """Stop (SIGTERM, or SIGKILL with `kill`) and start the control plane on the same port,
+        calling `while_down()` in between."""
         assert self.control_plane is not None
-        self.control_plane.stop()
+        if kill:
+            self.control_plane.kill()
+        else:
+            self.control_plane.stop()
+        if while_down is not None:
+            while_down()
         self.control_plane.start()
         wait_until(lambda: _tcp_open(self.control_plane_addr), 30, "control plane restart", [self.control_plane])
 
