@@ -26,7 +26,7 @@ import argparse
 import asyncio
 import json
 import sys
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -167,47 +167,72 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def run_audit(args: argparse.Namespace) -> int:
+    result = await audit_fleet(args.control_plane, args.worker, settle_s=args.settle_ms / 1000,
+                               timeout_s=args.timeout_s, concurrency=args.concurrency)
+    return report(result.audits, result.errors, args)
+
+
+@dataclass(slots=True)
+class FleetAudit:
+    """Every audited worker, and what kept the comparison from being made (unreachable, unknown worker)."""
+
+    audits: list[WorkerAudit]
+    errors: list[str]
+
+    @property
+    def divergence(self) -> int:
+        return sum(a.divergence for a in self.audits)
+
+    def by_worker(self) -> dict[str, WorkerAudit]:
+        return {a.worker_id: a for a in self.audits}
+
+    def to_json(self) -> dict:
+        return {"divergence": self.divergence, "workers": [a.to_json() for a in self.audits], "errors": self.errors}
+
+
+async def audit_fleet(control_plane: str, workers: Sequence[str] = (), *, settle_s: float = 0.5,
+                      timeout_s: float = 10.0, concurrency: int = 8) -> FleetAudit:
+    """`kvroute audit` without the printing: compare `workers` (default: every registered worker).
+    A worker that could not be compared is an error in its WorkerAudit (status "error") and in `errors`."""
     import aiohttp
     import grpc
 
     from kvroute.v1 import kvroute_pb2 as pb
     from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
-    channel = grpc.aio.insecure_channel(args.control_plane, options=[("grpc.max_receive_message_length", 1 << 30)])
+    channel = grpc.aio.insecure_channel(control_plane, options=[("grpc.max_receive_message_length", 1 << 30)])
     stub = pb_grpc.ControlPlaneStub(channel)
     try:
         try:
-            listed = (await stub.ListWorkers(pb.ListWorkersRequest(), timeout=args.timeout_s)).workers
+            listed = (await stub.ListWorkers(pb.ListWorkersRequest(), timeout=timeout_s)).workers
         except grpc.aio.AioRpcError as exc:
-            return report([], [f"control plane {args.control_plane}: ListWorkers {exc.code().name}: {exc.details()}"],
-                          args)
+            return FleetAudit([], [f"control plane {control_plane}: ListWorkers {exc.code().name}: {exc.details()}"])
         by_id = {w.worker_id: w for w in listed}
-        wanted = args.worker or sorted(by_id)
+        wanted = list(workers) or sorted(by_id)
         errors = [f"worker {w!r} is not registered with the control plane" for w in wanted if w not in by_id]
-        limit = asyncio.Semaphore(max(1, args.concurrency))
+        limit = asyncio.Semaphore(max(1, concurrency))
 
         async def one(info) -> WorkerAudit:
             async def believed() -> TierKeys:
                 try:
-                    keys = await stub.GetWorkerKeys(pb.GetWorkerKeysRequest(worker_id=info.worker_id),
-                                                    timeout=args.timeout_s)
+                    keys = await stub.GetWorkerKeys(pb.GetWorkerKeysRequest(worker_id=info.worker_id), timeout=timeout_s)
                 except grpc.aio.AioRpcError as exc:
                     raise AuditError(f"GetWorkerKeys: {exc.code().name}: {exc.details()}") from exc
                 return {tier.medium: set(tier.block_keys) for tier in keys.tiers}
 
             async with limit:
                 return await audit_worker(info.worker_id, info.endpoint, info.block_size, believed, http,
-                                          settle_s=args.settle_ms / 1000, timeout_s=args.timeout_s)
+                                          settle_s=settle_s, timeout_s=timeout_s)
 
         async with aiohttp.ClientSession() as http:
-            audits = await asyncio.gather(*(one(by_id[w]) for w in wanted if w in by_id))
-        return report(list(audits), errors, args)
+            audits = list(await asyncio.gather(*(one(by_id[w]) for w in wanted if w in by_id)))
+        errors += [f"{a.worker_id}: {a.detail}" for a in audits if a.status == "error"]
+        return FleetAudit(audits, errors)
     finally:
         await channel.close()
 
 
 def report(audits: list[WorkerAudit], errors: list[str], args: argparse.Namespace) -> int:
-    errors = errors + [f"{a.worker_id}: {a.detail}" for a in audits if a.status == "error"]
     divergence = sum(a.divergence for a in audits)
     result = {"divergence": divergence, "workers": [a.to_json() for a in audits],
               "audited": sum(a.status == "ok" for a in audits),

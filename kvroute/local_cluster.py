@@ -7,6 +7,7 @@ own agent, and routers, talking over real gRPC/ZMQ/HTTP sockets.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -16,10 +17,22 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvroute.audit import FleetAudit, audit_fleet
 from sim_engine.dialects import DEFAULT_DIALECT, get_dialect
+
+
+_WORDS = ("cache", "token", "prefix", "router", "worker", "model", "request", "latency", "block", "memory", "engine",
+          "query", "index")
+
+
+def long_text(seed: int, n_words: int = 400) -> str:
+    """A deterministic document of about `n_words` tokens (tiny model) whose first word already differs
+    between nearby seeds, so each seed is its own prefix from the first block on."""
+    return " ".join(_WORDS[(seed * 7 + i * 3 + i // 5) % len(_WORDS)] for i in range(n_words)) + f" seed {seed}."
 
 
 def free_port() -> int:
@@ -37,13 +50,19 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
 
 
 def http_post_json(url: str, body: dict | None = None, timeout: float = 10.0) -> tuple[int, bytes]:
+    status, _, raw = http_post_json_headers(url, body, timeout)
+    return status, raw
+
+
+def http_post_json_headers(url: str, body: dict | None = None, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
+    """POST a JSON body: (status, response headers with lower-case names, body)."""
     data = json.dumps(body or {}).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, resp.read()
+            return resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read()
     except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
+        return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()
 
 
 @dataclass
@@ -121,6 +140,7 @@ class EngineHandle:
     agent: ManagedProcess | None = None
     dialect: str = DEFAULT_DIALECT
     block_size: int = 16
+    agent_metrics_url: str = ""   # the agent's own /metrics and /health (set by start_agent)
 
     @property
     def engine_family(self) -> str:
@@ -164,9 +184,16 @@ class LocalCluster:
         wait_until(lambda: _tcp_open(self.control_plane_addr), 30, "control plane", [self.control_plane])
         return self.control_plane_addr
 
-    def restart_control_plane(self) -> None:
+    def restart_control_plane(self, while_down: Callable[[], object] | None = None, kill: bool = False) -> None:
+        """Stop (SIGTERM, or SIGKILL with `kill`) and start the control plane on the same port,
+        calling `while_down()` in between."""
         assert self.control_plane is not None
-        self.control_plane.stop()
+        if kill:
+            self.control_plane.kill()
+        else:
+            self.control_plane.stop()
+        if while_down is not None:
+            while_down()
         self.control_plane.start()
         wait_until(lambda: _tcp_open(self.control_plane_addr), 30, "control plane restart", [self.control_plane])
 
@@ -213,15 +240,35 @@ class LocalCluster:
         return handles
 
     def start_agent(self, handle: EngineHandle, *extra: str) -> ManagedProcess:
+        metrics_port = free_port()
+        if get_dialect(handle.dialect).transport == "zmq":
+            # Named explicitly: TensorRT-LLM's default transport is its pull path even for trtllm-zmq.
+            events = ("--kv-events-transport", "zmq", "--kv-events", f"tcp://127.0.0.1:{handle.kv_events_port}",
+                      "--replay-endpoint", f"tcp://127.0.0.1:{handle.replay_port}")
+        else:  # trtllm-pull: POST /kv_cache_events, no sockets and no replay
+            events = ("--kv-events-transport", "http")
         agent = ManagedProcess(f"agent-{handle.worker_id}", kvroute_argv(
-            "agent", "--control-plane", self.control_plane_addr, "--engine", handle.engine_family,
-            "--kv-events", f"tcp://127.0.0.1:{handle.kv_events_port}",
-            "--replay-endpoint", f"tcp://127.0.0.1:{handle.replay_port}",
+            "agent", "--control-plane", self.control_plane_addr, "--engine", handle.engine_family, *events,
             "--engine-url", handle.url, "--worker-id", handle.worker_id, "--model", self.model,
-            "--block-size", str(handle.block_size), *extra), self.workdir / f"agent-{handle.worker_id}.log")
+            "--block-size", str(handle.block_size), "--metrics-port", str(metrics_port), *extra),
+            self.workdir / f"agent-{handle.worker_id}.log")
         agent.start()
         handle.agent = agent
+        handle.agent_metrics_url = f"http://127.0.0.1:{metrics_port}"
         return agent
+
+    def agent_counters(self, handle: EngineHandle) -> dict[str, float]:
+        """The agent's counters (`kvroute_agent_<name>_total` on its /metrics) by name; {} while it is down."""
+        try:
+            status, body = http_get(handle.agent_metrics_url + "/metrics")
+        except OSError:
+            return {}
+        counters = {}
+        for line in body.decode().splitlines() if status == 200 else ():
+            name, _, value = line.partition(" ")
+            if name.startswith("kvroute_agent_") and name.endswith("_total"):
+                counters[name[len("kvroute_agent_"):-len("_total")]] = float(value)
+        return counters
 
     def wait_engines_healthy(self, timeout: float = 60.0) -> None:
         for e in self.engines:
@@ -243,6 +290,32 @@ class LocalCluster:
                 return list(pb_grpc.ControlPlaneStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=1).workers)
         except grpc.RpcError:
             return []
+
+    # -------------------------------------------------------------- audit
+
+    def audit(self, workers: Sequence[str] = (), settle_s: float = 0.0, timeout_s: float = 2.0) -> FleetAudit:
+        """`kvroute audit` in this process (kvroute.audit.audit_fleet): the control plane's keys per
+        worker against each engine's `GET /kvroute/blocks`. One comparison unless `settle_s` > 0."""
+        return asyncio.run(audit_fleet(self.control_plane_addr, workers, settle_s=settle_s, timeout_s=timeout_s))
+
+    def wait_audit_clean(self, timeout: float = 2.0, workers: Sequence[str] = ()) -> FleetAudit:
+        """Poll the audit until every one of `workers` (default: every engine) is registered, compared
+        and without divergence; on timeout the error carries the last audit."""
+        wanted = list(workers) or [e.worker_id for e in self.engines]
+        last: FleetAudit | None = None
+
+        def clean() -> FleetAudit | None:
+            nonlocal last
+            last = self.audit(wanted)
+            ok = not last.errors and len(last.audits) == len(wanted) and all(
+                a.status == "ok" and a.divergence == 0 for a in last.audits)
+            return last if ok else None
+
+        try:
+            return wait_until(clean, timeout, f"zero audit divergence for {', '.join(wanted)}", self.all_processes(),
+                              interval=0.05)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}\nlast audit: {json.dumps(last.to_json() if last else None)}") from None
 
     # -------------------------------------------------------------- routers
 

@@ -12,14 +12,8 @@ import time
 
 import pytest
 
-from kvroute.local_cluster import LocalCluster, http_post_json, wait_until
+from kvroute.local_cluster import LocalCluster, http_post_json, long_text, wait_until
 from sim_engine.tiny_model import build_model_dir
-
-WORDS = ["cache", "token", "prefix", "router", "worker", "model", "request", "latency", "block", "memory", "engine", "query", "index"]
-
-
-def long_text(seed: int, n_words: int = 400) -> str:
-    return " ".join(WORDS[(seed * 7 + i * 3 + i // 5) % len(WORDS)] for i in range(n_words)) + f" seed {seed}."
 
 
 @pytest.fixture(scope="module")

@@ -240,6 +240,41 @@ async def test_control_plane_down_at_start_never_crashes() -> None:
         await w.close()
 
 
+async def test_a_control_plane_back_after_a_long_outage_is_reached_without_waiting_out_the_backoff() -> None:
+    """The backoff grows while the control plane is down (here to 10-30 s); its return is noticed by
+    the probe channel within about probe_interval_s."""
+    port = free_port()
+    w = Worker(port, backoff_initial_s=20.0, backoff_max_s=20.0, probe_interval_s=0.1)
+    try:
+        w.apply(BlockStored([1], None, TOKENS[:4], 4))
+        await until(lambda: w.link.counters.connect_failures >= 1)
+        cp = FakeControlPlane()
+        server, _ = await start_server(cp, port)
+        started = asyncio.get_running_loop().time()
+        await until(lambda: w.link.connected and cp.batches(), timeout=3)
+        assert asyncio.get_running_loop().time() - started < 2
+        assert list(cp.batches()[0].events[0].stored.block_keys) == KEYS[:1]
+        await server.stop(0)
+    finally:
+        await w.close()
+
+
+async def test_a_reachable_control_plane_that_ends_sessions_gets_the_full_backoff() -> None:
+    """Reachable but failing (here: no `registered` in time, as when another agent keeps taking the
+    worker over): no probe short-cut, the link waits out its backoff."""
+    servicer = FakeControlPlane()
+    servicer.register_delay_s = 5.0
+    server, port = await start_server(servicer)
+    w = Worker(port, register_timeout_s=0.1, backoff_initial_s=2.0, backoff_max_s=2.0, probe_interval_s=0.05)
+    try:
+        await until(lambda: len(servicer.streams) >= 1)
+        await asyncio.sleep(0.5)  # the first session timed out at ~0.1 s; the next starts 1-3 s after that
+        assert len(servicer.streams) == 1 and w.link.counters.connect_failures == 1
+    finally:
+        await w.close()
+        await server.stop(0)
+
+
 async def test_unacked_batches_end_the_session_and_a_snapshot_supersedes_them() -> None:
     cp = FakeControlPlane(ack=False)
     server, port = await start_server(cp)

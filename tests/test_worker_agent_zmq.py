@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -74,12 +75,16 @@ class Engine:
     also reports subscriptions: the tests use that to know the SUB has joined, instead of sleeping.)"""
 
     def __init__(self, ctx: zmq.asyncio.Context, framing: str = "new", replay: bool = True, answer: bool = True,
-                 pub_connect: str | None = None) -> None:
+                 pub_connect: str | None = None, pub_bind: str | None = None, replay_bind: str | None = None) -> None:
+        self.ctx = ctx
         self.pub = ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         if pub_connect:
             self.pub.connect(pub_connect)
             self.endpoint = pub_connect
+        elif pub_bind:
+            bind_when_free(self.pub, pub_bind)
+            self.endpoint = pub_bind
         else:
             self.endpoint = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
         self.framing, self.answer = framing, answer
@@ -90,7 +95,11 @@ class Engine:
         if replay:
             self.router = ctx.socket(zmq.ROUTER)
             self.router.setsockopt(zmq.LINGER, 0)
-            self.replay_endpoint = f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}"
+            if replay_bind:
+                bind_when_free(self.router, replay_bind)
+                self.replay_endpoint = replay_bind
+            else:
+                self.replay_endpoint = f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}"
             self._task = asyncio.create_task(self._serve_replay())
 
     async def _serve_replay(self) -> None:
@@ -120,6 +129,30 @@ class Engine:
     async def close(self) -> None:
         if self._task:
             self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self.pub.close(linger=0)
+        if self.replay_endpoint:
+            self.router.close(linger=0)
+
+    async def rebind_pub(self) -> None:
+        """Drop every subscriber and listen again on the same port (a network blip: same history)."""
+        self.pub.close(linger=0)
+        self.pub = self.ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        bind_when_free(self.pub, self.endpoint)
+
+
+def bind_when_free(socket: zmq.Socket, endpoint: str) -> None:
+    """Bind a port that a just-closed socket held (ZMQ releases it in its I/O thread, a moment later)."""
+    deadline = time.monotonic() + 2
+    while True:
+        try:
+            socket.bind(endpoint)
+            return
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 class Agent:
@@ -411,3 +444,81 @@ async def test_holes_in_a_replay_only_the_batches_after_the_last_hole_apply(ctx)
     finally:
         await agent.close()
         await engine.close()
+
+
+# ---------------------------------------------------------------- (re)connections
+
+
+async def test_agent_started_before_the_engine_catches_up_when_the_publisher_comes_up(ctx) -> None:
+    """The catch-up is asked when the SUB's connection is made, not when the socket is created: a
+    catch-up answered before the engine's first events, followed by a subscription that takes effect
+    only after them, would lose them with no later batch to reveal the gap."""
+    engine = Engine(ctx)
+    engine.pub.close(linger=0)  # nothing listens on the PUB port yet; the replay socket already answers
+    agent = Agent(ctx, engine.endpoint, engine.replay_endpoint)
+    try:
+        await agent.source.ready.wait()
+        await asyncio.sleep(0.3)  # the agent runs a while before the engine publishes
+        for seq in range(3):  # before any subscriber is connected: only the replay buffer has them
+            await engine.publish(seq, payload(root_store(seq * 10 + 3)), live=False)
+        await engine.rebind_pub()
+        await settle(lambda: agent.applied == [0, 1, 2])
+        # (The closing PUB may still take one connection, whose catch-up finds the buffer empty.)
+        assert agent.applied == [0, 1, 2] and set(engine.replay_requests) == {0}
+        assert agent.keys() == {key(3), key(13), key(23)} and agent.resets == []
+    finally:
+        await agent.close()
+        await engine.close()
+
+
+async def test_reconnect_to_the_same_publisher_replays_what_was_missed(ctx) -> None:
+    engine = Engine(ctx)
+    agent = Agent(ctx, engine.endpoint, engine.replay_endpoint)
+    try:
+        await joined(engine, agent)
+        await engine.publish(1, payload(root_store(10)))
+        await settle(lambda: agent.applied[-1:] == [1])
+        await engine.rebind_pub()  # the connection drops; meanwhile seq 2 and 3 go out to nobody
+        await engine.publish(2, payload(root_store(20)), live=False)
+        await engine.publish(3, payload(root_store(30)), live=False)
+        await settle(lambda: agent.applied[-1:] == [3])
+        assert agent.applied == [0, 1, 2, 3] and agent.resets == []
+        counters = agent.source.counters
+        assert counters.reconnects == 1 and counters.reconnect_resets == 0 and engine.replay_requests[-1] == 1
+        await engine.wait_subscribed()
+        await engine.publish(4, payload(root_store(40)))
+        await settle(lambda: agent.applied[-1:] == [4])
+        assert agent.keys() == {key(1000), key(10), key(20), key(30), key(40)}
+    finally:
+        await agent.close()
+        await engine.close()
+
+
+@pytest.mark.parametrize("published", [0, 5], ids=["silent", "counter-already-ahead"])
+async def test_reconnect_to_a_restarted_engine_resets_the_worker(ctx, published: int) -> None:
+    """A restarted engine may publish nothing at all yet, or already be past our last seq (the SUB
+    rejoined late): the sequence rules alone would keep the old blocks, the reconnect check does not."""
+    first = Engine(ctx)
+    agent = Agent(ctx, first.endpoint, first.replay_endpoint)
+    try:
+        await joined(first, agent)
+        await first.publish(1, payload(root_store(10)))
+        await settle(lambda: agent.applied[-1:] == [1])
+        endpoints = (first.endpoint, first.replay_endpoint)
+        await first.close()  # the engine process exits
+        second = Engine(ctx, pub_bind=endpoints[0], replay_bind=endpoints[1])
+        for seq in range(published):  # the new process's events from before the SUB rejoined
+            await second.publish(seq, payload(root_store(seq * 10 + 7)), live=False)
+        await settle(lambda: agent.source.counters.reconnect_resets == 1)
+        await settle(lambda: len(agent.applied) == 2 + published)
+        assert agent.resets == ["publisher restarted"] and agent.source.counters.reconnects == 1
+        assert agent.keys() == {key(seq * 10 + 7) for seq in range(published)}
+        if published:  # the next live batch continues the new history
+            await second.wait_subscribed()
+            await second.publish(published, payload(root_store(99)))
+            await settle(lambda: agent.applied[-1:] == [published])
+            assert agent.keys() == {key(seq * 10 + 7) for seq in range(published)} | {key(99)}
+            assert agent.source.counters.sequence_resets == 0 and agent.source.counters.gaps == 0
+        await second.close()
+    finally:
+        await agent.close()

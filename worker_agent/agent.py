@@ -62,6 +62,8 @@ COUNTER_HELP = {
     "duplicate_batches": "live copies of batches a replay already applied",
     "incomplete_catch_ups": "starts where the engine no longer had its first events",
     "rank_mismatches": "batches or events naming a data-parallel rank other than the socket's or the agent's",
+    "reconnects": "KV event connections to the engine's publisher re-established",
+    "reconnect_resets": "reconnects to a publisher with another history (engine restarted): worker state reset",
     "window_filtered_events": "TRT-LLM events of a sliding window, not the full-attention one (skipped)",
     "updated_events": "TRT-LLM `updated` events (cache level / priority; ignored)",
     "polls": "POST /kv_cache_events answered (TRT-LLM pull path)",

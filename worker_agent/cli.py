@@ -150,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             await agent.run()
         except asyncio.CancelledError:
-            logging.getLogger("kvroute.agent").info("agent %s stopping", agent.identity.worker_id)
+            logging.getLogger("kvroute.agent").info("agent %s stopping",
+                                                     ", ".join(w.identity.worker_id for w in agent.workers))
         return 0
 
     try:

@@ -6,7 +6,10 @@ One session = one gRPC stream:
   heartbeats carrying WorkerLoad and the engine's LoRA adapters every min(1 s, heartbeat_timeout_ms / 3).
 Acks are read concurrently. A batch not acked within `ack_timeout_s`, a missing `Registered`,
 or any stream error ends the session; the link then reconnects with exponential backoff and
-jitter (0.1 s doubling to 5 s). Deltas produced while disconnected are not queued: the snapshot
+jitter (0.1 s doubling to 5 s). While the control plane is unreachable (UNAVAILABLE) the wait
+also ends as soon as a probe channel connects to it (`probe_interval_s`, gRPC's own reconnect
+attempts), so a restarted control plane gets its snapshots within about that interval instead
+of after a backoff grown during the outage. Deltas produced while disconnected are not queued: the snapshot
 sent first on the next session is taken from the resolver, which kept applying engine events,
 so it supersedes them (and any batch sent but never acked).
 
@@ -84,7 +87,8 @@ class ControlPlaneLink:
     def __init__(self, address: str, identity: WorkerIdentity, snapshot: Callable[[], list[pb.BlockEvent]],
                  load: Callable[[], pb.WorkerLoad], *, heartbeat_interval_s: float | None = None,
                  register_timeout_s: float = 5.0, ack_timeout_s: float = 15.0, backoff_initial_s: float = 0.1,
-                 backoff_max_s: float = 5.0, max_pending_events: int = 100_000, stable_session_s: float = 5.0) -> None:
+                 backoff_max_s: float = 5.0, max_pending_events: int = 100_000, stable_session_s: float = 5.0,
+                 probe_interval_s: float = 0.25) -> None:
         self.address, self.identity = address, identity
         self._snapshot, self._load = snapshot, load
         self.heartbeat_interval_s = heartbeat_interval_s  # None: min(1 s, heartbeat_timeout_ms / 3)
@@ -94,6 +98,7 @@ class ControlPlaneLink:
         # Backoff restarts from backoff_initial_s only after a session that lasted this long (two agents
         # fighting over one worker id must not reconnect in a tight loop).
         self.stable_session_s = stable_session_s
+        self.probe_interval_s = probe_interval_s
         self.counters = LinkCounters()
         self.connected = False       # registered and the snapshot written
         self.last_sent_seq = 0
@@ -143,6 +148,7 @@ class ControlPlaneLink:
         while True:
             registered_before = self.counters.sessions
             started = time.monotonic()
+            unreachable = False
             try:
                 await self._session()
             except asyncio.CancelledError:
@@ -155,6 +161,7 @@ class ControlPlaneLink:
                 continue
             except grpc.aio.AioRpcError as exc:
                 failures += 1
+                unreachable = exc.code() == grpc.StatusCode.UNAVAILABLE
                 self._log_failure(failures, f"{exc.code().name}: {exc.details()}")
             except Exception as exc:  # noqa: BLE001 - the link must never die
                 failures += 1
@@ -164,8 +171,22 @@ class ControlPlaneLink:
             self.counters.connect_failures += 1
             if self.counters.sessions > registered_before and time.monotonic() - started > self.stable_session_s:
                 backoff, failures = self.backoff_initial_s, 0  # the session was up for a while: start over
-            await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
+            delay = backoff * random.uniform(0.5, 1.5)
+            if unreachable:
+                await self._wait_reachable(delay)
+            else:  # reachable but the session failed (e.g. superseded by another agent): back off in full
+                await asyncio.sleep(delay)
             backoff = min(backoff * 2, self.backoff_max_s)
+
+    async def _wait_reachable(self, timeout_s: float) -> None:
+        """Up to `timeout_s`, or until a fresh channel connects to the control plane."""
+        options = [*GRPC_OPTIONS, ("grpc.initial_reconnect_backoff_ms", int(self.probe_interval_s * 1000)),
+                   ("grpc.max_reconnect_backoff_ms", int(self.probe_interval_s * 1000))]
+        async with grpc.aio.insecure_channel(self.address, options=options) as channel:
+            try:
+                await asyncio.wait_for(channel.channel_ready(), timeout_s)
+            except TimeoutError:
+                pass
 
     def _log_failure(self, failures: int, why: str) -> None:
         if failures <= 3 or failures % 20 == 0:

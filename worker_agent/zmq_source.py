@@ -3,8 +3,18 @@ vLLM, SGLang and TensorRT-LLM's streaming publisher share (wire spec §1); the p
 the engine's dialect (`vllm_wire` or `sglang_wire`).
 
 Sequence rules (one publisher = one counter starting at 0, +1 per batch, wire spec §1.2):
-- start, and the first batch ever: if a replay endpoint is configured, replay from seq 0 to
-  catch up what the ZMQ slow joiner missed;
+- the SUB's first connection to the publisher (its ZMTP handshake, seen on a socket monitor),
+  and the first batch ever: if a replay endpoint is configured, replay from seq 0 to catch up
+  what the ZMQ slow joiner missed. Asking at the handshake, not when the socket is created,
+  matters when the agent starts before the engine: a catch-up sent to a publisher that is not
+  up yet answers before the engine's first events, and the ones published until the
+  subscription takes effect would be lost with nothing left to reveal the gap;
+- a later handshake is a reconnect: the publisher went away (an engine restart, or the network).
+  The replay must still hold our last batch, byte for byte: then only what was published while
+  disconnected is applied; otherwise this is another publisher's history (a restarted engine,
+  whose counter may well be past ours already, so the sequence rules alone would not see it):
+  `on_reset`, counted as `reconnect_resets`, then a catch-up from 0. With no replay answer
+  the state is unknown and reset too;
 - seq == last + 1: apply;
 - seq > last + 1: gap -> replay [last + 1, seq) from the engine's ROUTER; if the replay
   cannot deliver that range (no replay socket, no answer, or the buffer no longer holds it) the
@@ -34,6 +44,7 @@ from dataclasses import dataclass, fields
 import xxhash
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from worker_agent import vllm_wire
 from worker_agent.events import DecodedBatch
@@ -65,6 +76,8 @@ class SourceCounters:
     incomplete_catch_ups: int = 0  # catch-up from seq 0 found the start no longer buffered
     callback_errors: int = 0      # exceptions raised by on_batch / on_reset
     rank_mismatches: int = 0      # batches naming another data-parallel rank than the socket's (not applied)
+    reconnects: int = 0           # the SUB's connection to the publisher re-established
+    reconnect_resets: int = 0     # reconnects to another history (engine restarted) or an unverifiable one
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -121,6 +134,8 @@ class ZmqEventSource:
         self._ctx = context or zmq.asyncio.Context()
         self._replayed: dict[int, int] = {}    # seq -> digest of batches applied by a catch-up replay
         self._replayed_max = -1
+        self._last_digest: int | None = None   # payload digest of batch `last_seq` (reconnect check)
+        self._connections = 0                  # ZMTP handshakes with the publisher so far
         self._log = RateLimitedLog(log)
 
     # ------------------------------------------------------------------ loop
@@ -130,6 +145,7 @@ class ZmqEventSource:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.rcvhwm)  # ZMQ's default 1000 drops the bursts of a busy engine
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         try:
             if self.bind:
                 sub.bind(self.endpoint)
@@ -139,17 +155,44 @@ class ZmqEventSource:
             log.info("KV events: SUB %s %s (topic %r, replay %s)", "bound to" if self.bind else "connected to",
                      self.bound_endpoint or self.endpoint, self.topic, self.replay_endpoint or "off")
             self.ready.set()
-            if self.replay_endpoint:
-                await self._catch_up_from_zero(None)
+            poller = zmq.asyncio.Poller()
+            poller.register(sub, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
             while True:
-                frames = await sub.recv_multipart()
-                try:
-                    await self.handle_frames(frames)
-                except Exception:  # noqa: BLE001 - a bug must not stop the event stream
-                    self.counters.callback_errors += 1
-                    self._log.warning("internal", "handling a KV event message failed", exc_info=True)
+                await poller.poll()
+                while True:
+                    # A handshake is queued before any message of that connection can arrive (the
+                    # subscription goes out after it), so pending monitor events are handled first.
+                    if monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        await self._guard(self._monitor_event, await monitor.recv_multipart())
+                        continue
+                    try:
+                        frames = await sub.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    await self._guard(self.handle_frames, frames)
         finally:
+            monitor.close(linger=0)
+            sub.disable_monitor()
             sub.close(linger=0)
+
+    async def _guard(self, handler, arg) -> None:
+        try:
+            await handler(arg)
+        except Exception:  # noqa: BLE001 - a bug must not stop the event stream
+            self.counters.callback_errors += 1
+            self._log.warning("internal", "handling a KV event message failed", exc_info=True)
+
+    async def _monitor_event(self, frames: list[bytes]) -> None:
+        if parse_monitor_message(frames)["event"] != zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            return
+        self._connections += 1
+        if not self.replay_endpoint:
+            return
+        if self.last_seq is None:
+            await self._catch_up_from_zero(None)
+        elif self._connections > 1:
+            await self._check_reconnect()
 
     def close(self) -> None:
         if self._own_ctx:
@@ -165,8 +208,9 @@ class ZmqEventSource:
             self.counters.malformed_frames += 1
             self._log.warning(type(exc).__name__, "malformed KV event frame dropped: %s", exc)
             return
+        digest = _digest(payload)
         if self._replayed:
-            if seq in self._replayed and self._replayed[seq] == _digest(payload):
+            if seq in self._replayed and self._replayed[seq] == digest:
                 self.counters.duplicate_batches += 1  # a live copy of a batch the catch-up replay applied
                 return
             if seq > self._replayed_max:
@@ -179,16 +223,16 @@ class ZmqEventSource:
             if self.last_seq is not None and seq <= self.last_seq:
                 return  # a frame we cannot read is no evidence of an engine restart
             batch = None
-        await self._sequence(seq, batch)
+        await self._sequence(seq, batch, digest)
 
-    async def _sequence(self, seq: int, batch: DecodedBatch | None) -> None:
+    async def _sequence(self, seq: int, batch: DecodedBatch | None, digest: int) -> None:
         last = self.last_seq
         if last is not None and seq <= last:
             self.counters.sequence_resets += 1
             log.warning("KV event seq went back from %d to %d: engine restarted, worker state reset", last, seq)
             await self._reset("sequence reset")
-            self.last_seq = last = None
-            self._replayed.clear()
+            self._forget_position()
+            last = None
         if last is None and seq > 0:  # first batch ever, or first after a restart
             if self.replay_endpoint:
                 await self._catch_up_from_zero(seq)
@@ -199,13 +243,18 @@ class ZmqEventSource:
             self.counters.gaps += 1
             log.warning("KV event gap: expected seq %d, got %d", last + 1, seq)
             await self._fill_gap(last + 1, seq)
-        self._consume(seq)
+        self._consume(seq, digest)
         if batch is not None:
             await self._apply(batch)
 
-    def _consume(self, seq: int) -> None:
+    def _consume(self, seq: int, digest: int) -> None:
         if self.last_seq is None or seq > self.last_seq:
-            self.last_seq = seq
+            self.last_seq, self._last_digest = seq, digest
+
+    def _forget_position(self) -> None:
+        """After a reset: the next batch starts a new history."""
+        self.last_seq = self._last_digest = None
+        self._replayed.clear()
 
     async def _apply(self, batch: DecodedBatch) -> None:
         c = self.counters
@@ -265,13 +314,40 @@ class ZmqEventSource:
             log.info("KV event catch-up: replay buffer holds seq %d..%d; earlier events are not known",
                      seqs[first], seqs[-1])
         for s in seqs[first:]:
-            await self._apply_replayed(s, replay.batches[s])
+            await self._apply_replayed(s, replay.batches[s], replay.digests[s])
         if stop_before is None:  # live copies of these may already be queued on the SUB socket
-            self._replayed = {s: replay.digests[s] for s in seqs[first:]}
-            self._replayed_max = seqs[-1]
+            self._remember_replayed(replay, seqs[first:])
 
-    async def _fill_gap(self, start: int, stop_before: int) -> None:
-        replay = await self._replay(start) if self.replay_endpoint else None
+    def _remember_replayed(self, replay: _Replay, seqs: list[int]) -> None:
+        self._replayed = {s: replay.digests[s] for s in seqs}
+        self._replayed_max = seqs[-1]
+
+    async def _check_reconnect(self) -> None:
+        """The SUB reconnected: is this still the history we applied up to `last_seq`?"""
+        self.counters.reconnects += 1
+        last = self.last_seq
+        replay = await self._replay(last)
+        if replay is not None and replay.complete and replay.digests.get(last) == self._last_digest:
+            later = sorted(s for s in replay.batches if s > last)
+            if later:  # published while we were disconnected
+                log.info("KV events: reconnected to the same publisher; %d batches missed meanwhile replayed",
+                         len(later))
+                await self._fill_gap(last + 1, later[-1] + 1, replay)
+                self._remember_replayed(replay, later)
+            return
+        self.counters.reconnect_resets += 1
+        why = ("no complete replay answer" if replay is None or not replay.complete
+               else f"its replay buffer lacks our last batch (seq {last})" if last not in replay.digests
+               else f"its batch seq {last} is not the one we applied")
+        log.warning("KV events: reconnected to a publisher with another history (%s): engine restarted, "
+                    "worker state reset", why)
+        await self._reset("publisher restarted")
+        self._forget_position()
+        await self._catch_up_from_zero(None)
+
+    async def _fill_gap(self, start: int, stop_before: int, replay: _Replay | None = None) -> None:
+        if replay is None and self.replay_endpoint:
+            replay = await self._replay(start)
         batches = replay.batches if replay else {}
         missing = [s for s in range(start, stop_before) if s not in batches]
         if missing:
@@ -282,10 +358,10 @@ class ZmqEventSource:
             await self._reset("gap not recoverable")
             start = missing[-1] + 1  # batches before the last lost one apply to state we just dropped
         for s in range(start, stop_before):
-            await self._apply_replayed(s, batches[s])
+            await self._apply_replayed(s, batches[s], replay.digests[s])
 
-    async def _apply_replayed(self, seq: int, batch: DecodedBatch | None) -> None:
-        self._consume(seq)
+    async def _apply_replayed(self, seq: int, batch: DecodedBatch | None, digest: int) -> None:
+        self._consume(seq, digest)
         if batch is not None:
             self.counters.replayed_batches += 1
             await self._apply(batch)

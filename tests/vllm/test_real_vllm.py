@@ -3,8 +3,11 @@ locally trained tokenizer) publishing real KV events, an agent per server, the c
 a kv_aware router, all separate processes.
 
 Shows that requests sharing a prefix go to the vLLM that cached it and that vLLM's own
-`prefix_cache_hits_total` rises accordingly. Needs KVROUTE_VLLM_PYTHON (set by `make test-vllm`);
-it fails rather than skips without it, so CI can never pass silently.
+`prefix_cache_hits_total` rises accordingly; that agents started after the vLLMs served requests
+learn those prefixes from vLLM's replay socket; and that a restarted vLLM loses its old blocks in
+the control plane too, so nothing is routed to it for a prefix only the old process held. Needs
+KVROUTE_VLLM_PYTHON (set by `make test-vllm`); it fails rather than skips without it, so CI can
+never pass silently.
 """
 
 from __future__ import annotations
@@ -16,17 +19,20 @@ from pathlib import Path
 import pytest
 
 from kvroute.demo import engine_prefix_counters
-from kvroute.local_cluster import EngineHandle, LocalCluster, ManagedProcess, free_port, http_ok, http_post_json, wait_until
+from kvroute.local_cluster import (
+    EngineHandle, LocalCluster, ManagedProcess, free_port, http_ok, http_post_json, long_text, wait_until,
+)
 from sim_engine.tiny_model import build_model_dir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 BLOCK_SIZE = 32  # the CPU attention backend rejects 16
-WORDS = ["cache", "token", "prefix", "router", "worker", "model", "request", "latency", "block", "memory", "engine", "query", "index"]
+LATE_DOC = 50    # documents LATE_DOC + i are served by vLLM i before any agent runs
+VLLM_START_S = 240
 
 
-def document(seed: int, n_words: int = 300) -> str:
-    return " ".join(WORDS[(seed * 5 + i * 7 + i // 3) % len(WORDS)] for i in range(n_words)) + f" doc {seed}."
+def document(seed: int) -> str:
+    return long_text(seed, 300)  # ~310 prompt tokens with the chat template: 9 full blocks
 
 
 def vllm_python() -> str:
@@ -36,22 +42,47 @@ def vllm_python() -> str:
     return python
 
 
+def vllm_env(index: int) -> dict[str, str]:
+    return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_CPU_OMP_THREADS_BIND": str(index % 2)}
+
+
 def start_vllm(cluster: LocalCluster, model_dir: Path, index: int) -> EngineHandle:
     port, ev_port, replay_port = free_port(), free_port(), free_port()
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ev_port}",
               "replay_endpoint": f"tcp://*:{replay_port}", "topic": ""}
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_CPU_OMP_THREADS_BIND": str(index % 2)}
     proc = ManagedProcess(f"vllm-{index}", [
         vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--served-model-name", cluster.model, "--load-format", "dummy", "--block-size", str(BLOCK_SIZE),
         "--enable-prefix-caching", "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048",
         "--max-num-seqs", "8", "--num-gpu-blocks-override", "128", "--host", "127.0.0.1", "--port", str(port),
         "--kv-events-config", json.dumps(config)], cluster.workdir / f"vllm-{index}.log")
-    proc.start(env=env)
-    handle = EngineHandle(f"vllm-{index}", f"http://127.0.0.1:{port}", ev_port, replay_port, proc)
+    proc.start(env=vllm_env(index))
+    handle = EngineHandle(f"vllm-{index}", f"http://127.0.0.1:{port}", ev_port, replay_port, proc,
+                          block_size=BLOCK_SIZE)
     cluster.engines.append(handle)
     return handle
+
+
+def wait_vllm_healthy(engine: EngineHandle) -> None:
+    wait_until(lambda: http_ok(engine.url + "/health"), VLLM_START_S, f"{engine.worker_id} healthy", [engine.engine],
+               interval=1)
+
+
+def chat(url: str, body: dict) -> dict:
+    status, raw = http_post_json(url + "/v1/chat/completions", body, timeout=60)
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+def route(cluster: LocalCluster, body: dict) -> dict:
+    status, raw = http_post_json(cluster.router_urls["kv"] + "/v1/route", body)
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+def cached_blocks(cluster: LocalCluster, worker_id: str) -> int | None:
+    return {w.worker_id: w.cached_blocks for w in cluster.list_workers()}.get(worker_id)
 
 
 def prefix_hits(url: str) -> float:
@@ -67,7 +98,9 @@ def cluster(tmp_path_factory):
         c.start_control_plane()
         engines = [start_vllm(c, model_dir, i) for i in range(2)]
         for e in engines:
-            wait_until(lambda e=e: http_ok(e.url + "/health"), 240, f"{e.worker_id} healthy", [e.engine], interval=1)
+            wait_vllm_healthy(e)
+        for i, e in enumerate(engines):  # served before any agent runs: only vLLM's replay buffer has the events
+            chat(e.url, c.chat_request(document(LATE_DOC + i), "summarise"))
         for e in engines:
             c.start_agent(e)
         c.wait_workers_registered()
@@ -77,17 +110,31 @@ def cluster(tmp_path_factory):
         c.stop()
 
 
+def test_agents_started_late_learn_earlier_prefixes_by_replay(cluster: LocalCluster) -> None:
+    for i, engine in enumerate(cluster.engines):
+        body = cluster.chat_request(document(LATE_DOC + i), "what else does it say")
+        decision = wait_until(lambda: (d := route(cluster, body)) and d["cached_tokens"] > 0 and d, 60,
+                              f"{engine.worker_id}'s replayed events reach the router")
+        assert decision["worker_id"] == engine.worker_id, decision
+        assert decision["cached_tokens"] >= 8 * BLOCK_SIZE, decision
+        counters = cluster.agent_counters(engine)
+        assert counters["replays"] >= 1 and counters["incomplete_catch_ups"] == 0, counters
+        hits_before = prefix_hits(engine.url)
+        status, raw = http_post_json(cluster.router_urls["kv"] + "/v1/chat/completions", body, timeout=60)
+        assert status == 200, raw
+        # vLLM's own counter agrees: the prefix served before the agent existed was a hit there.
+        wait_until(lambda: prefix_hits(engine.url) - hits_before >= 8 * BLOCK_SIZE, 10,
+                   "vLLM's prefix-cache counter shows the hit")
+
+
 def test_shared_prefix_goes_to_the_vllm_that_cached_it(cluster: LocalCluster) -> None:
     router = cluster.router_urls["kv"]
     for i, engine in enumerate(cluster.engines):  # warm a distinct document on each vLLM, bypassing the router
-        status, raw = http_post_json(engine.url + "/v1/chat/completions", cluster.chat_request(document(i), "summarise"),
-                                     timeout=60)
-        assert status == 200, raw
+        chat(engine.url, cluster.chat_request(document(i), "summarise"))
     for i, engine in enumerate(cluster.engines):
         body = cluster.chat_request(document(i), "now list the key points")
-        decision = wait_until(
-            lambda: (d := json.loads(http_post_json(router + "/v1/route", body)[1])) and d["cached_tokens"] > 0 and d,
-            60, f"{engine.worker_id}'s KV events reach the router")
+        decision = wait_until(lambda: (d := route(cluster, body)) and d["cached_tokens"] > 0 and d,
+                              60, f"{engine.worker_id}'s KV events reach the router")
         assert decision["worker_id"] == engine.worker_id, decision
         assert decision["cached_tokens"] >= 8 * BLOCK_SIZE
         hits_before = [prefix_hits(e.url) for e in cluster.engines]
@@ -111,3 +158,36 @@ def test_shared_prefix_goes_to_the_vllm_that_cached_it(cluster: LocalCluster) ->
         gained = gained_now()
         assert gained[i] >= want, gained
         assert all(g == 0 for j, g in enumerate(gained) if j != i), gained
+
+
+def test_a_restarted_vllm_loses_its_old_prefixes_in_the_control_plane(cluster: LocalCluster) -> None:
+    """Stop one vLLM and start it again on the same ports. Its agent keeps running: when its SUB
+    reconnects, the new process's replay buffer lacks the last batch the agent applied, so the
+    worker is reset and its block count follows the new, empty cache. No prompt is routed there on
+    the belief that it still holds a prefix of the old process."""
+    engine = cluster.engines[1]
+    old_doc = cluster.chat_request(document(1), "one more question")
+    assert route(cluster, old_doc)["worker_id"] == engine.worker_id  # believed cached there before the restart
+    held = cached_blocks(cluster, engine.worker_id)
+    assert held and held >= 8, held
+    before = cluster.agent_counters(engine)
+
+    engine.engine.stop(timeout=30)
+    engine.engine.start(env=vllm_env(1))
+    wait_vllm_healthy(engine)
+    wait_until(lambda: cached_blocks(cluster, engine.worker_id) == 0, 30,
+               "the control plane to drop the old process's blocks", [engine.engine, engine.agent])
+    after = cluster.agent_counters(engine)
+    assert after["reconnect_resets"] + after["sequence_resets"] > before["reconnect_resets"] + before["sequence_resets"]
+
+    decision = route(cluster, old_doc)
+    assert all(w["cached_tokens"] == 0 for w in decision["workers"]), decision  # nobody holds it now
+
+    # The new process's own events are followed from its seq 0 on.
+    new_doc = cluster.chat_request(document(70), "summarise")
+    chat(engine.url, new_doc)
+    body = cluster.chat_request(document(70), "and then?")
+    decision = wait_until(lambda: (d := route(cluster, body)) and d["cached_tokens"] > 0 and d, 30,
+                          "the restarted vLLM's events reach the router")
+    assert decision["worker_id"] == engine.worker_id and decision["cached_tokens"] >= 8 * BLOCK_SIZE, decision
+    assert 0 < cached_blocks(cluster, engine.worker_id) <= 16  # one document (and its decode blocks), nothing older
