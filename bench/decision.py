@@ -25,6 +25,7 @@ from data_plane.load_tracker import LoadTracker
 from data_plane.policies import make_policy
 from data_plane.routing import Router
 from data_plane.tokenization import load_tokenizer
+from kvroute import aio
 from kvroute.block_keys import prompt_block_keys
 from kvroute.local_cluster import LocalCluster
 from kvroute.v1 import kvroute_pb2 as pb
@@ -88,6 +89,20 @@ async def measure(address: str, tokenizer_dir: Path, prompt_tokens: int, workers
     keep_alive = await populate(address, workers, block_size, prompt_block_keys(ids, block_size, MODEL), other_blocks, seed)
     client = ControlPlaneClient(address, query_timeout_s=1.0)
     await client.refresh()
+    client.start()  # the refresher and the router session stream, as the router runs them
+    if not await client.session.wait_connected(10):
+        raise RuntimeError("router session to the control plane did not open")
+    query_ms: list[float] = []
+    query = client.query
+
+    async def timed_query(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return await query(*args, **kwargs)
+        finally:
+            query_ms.append((time.perf_counter() - t0) * 1000)
+
+    client.query = timed_query  # type: ignore[method-assign]
     router = Router(client, make_policy("kv_aware", seed=seed), LoadTracker())
     result: dict = {}
     fail_open = 0
@@ -107,6 +122,7 @@ async def measure(address: str, tokenizer_dir: Path, prompt_tokens: int, workers
         result[f"{label}p50_ms"] = round(percentile(samples, 50), 3)
         result[f"{label}p99_ms"] = round(percentile(samples, 99), 3)
         result[f"{label}tokenize_p50_ms"] = round(percentile(tokenize_ms, 50), 3)
+        result[f"{label}query_p50_ms"] = round(percentile(query_ms[-iterations:], 50), 3)
     await client.close()
     await keep_alive[0].close()
     return {**result, "prompt_tokens": len(ids), "workers": workers, "iterations": iterations, "fail_open": fail_open}
@@ -119,7 +135,7 @@ def run_decision(prompt_tokens: int = 8192, workers: int = 64, block_size: int =
                            heartbeat_timeout_s=3600)
     try:
         address = cluster.start_control_plane()
-        return asyncio.run(measure(address, cluster.tokenizer_dir, prompt_tokens, workers, block_size, iterations,
+        return aio.run_value(measure(address, cluster.tokenizer_dir, prompt_tokens, workers, block_size, iterations,
                                    other_blocks, seed))
     finally:
         cluster.stop()

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from itertools import islice
 from typing import Protocol
 
 
@@ -237,24 +238,30 @@ class BitmaskPrefixIndex:
             return {}
         result: dict[int, int] = {}
         depth = 1
+        # Iterate a list, not the caller's sequence: a protobuf repeated field is several times
+        # slower to index, and this loop runs once per prompt block on every query.
+        rest = list(keys) if not isinstance(keys, list) else keys
+        get, below_get = holders.get, below.get
+        depth = 1
         if below:  # some worker has tiers: any tier is gpu | below-gpu
-            for depth in range(1, len(keys)):
-                key = keys[depth]
-                still = (holders.get(key, 0) | below.get(key, 0)) & alive
+            for key in islice(rest, 1, None):
+                still = (get(key, 0) | below_get(key, 0)) & alive
                 if still != alive:
                     _assign(result, alive & ~still, depth)
                     alive = still
                     if not alive:
                         return result
+                depth += 1
         else:
-            for depth in range(1, len(keys)):
-                still = holders.get(keys[depth], 0) & alive
+            for key in islice(rest, 1, None):
+                still = get(key, 0) & alive
                 if still != alive:
                     _assign(result, alive & ~still, depth)
                     alive = still
                     if not alive:
                         return result
-        _assign(result, alive, len(keys))
+                depth += 1
+        _assign(result, alive, len(rest))
         return result
 
     def match_tiers(self, keys: Sequence[int]) -> TierMatch:

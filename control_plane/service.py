@@ -238,10 +238,15 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         matches: dict[int, TierMatch] = {chain.block_size: index.match_tiers(chain.block_keys)
                                          for chain in request.chains}
         response.query_id = request.query_id
-        add = response.workers.add
         all_requests, all_prefill = inflight.requests, inflight.prefill_tokens
         own_requests = asking.requests if asking is not None else {}
         own_prefill = asking.prefill_tokens if asking is not None else {}
+        if request.columnar:
+            self._answer_columns(request, response.columns, matches, all_requests, all_prefill, own_requests,
+                                 own_prefill)
+            self.metrics.query_seconds.observe(time.perf_counter() - started)
+            return
+        add = response.workers.add
         for record in self.registry.workers(request.model, request.lora_name):
             worker = add()
             worker.CopyFrom(match_template(record))
@@ -264,6 +269,41 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                 if slot in match.speculative_blocks:
                     worker.speculative_blocks = match.speculative_blocks[slot]
         self.metrics.query_seconds.observe(time.perf_counter() - started)
+
+    def _answer_columns(self, request: pb.QueryRequest, columns: pb.WorkerColumns, matches: dict[int, TierMatch],
+                        all_requests: dict[int, int], all_prefill: dict[int, int], own_requests: dict[int, int],
+                        own_prefill: dict[int, int]) -> None:
+        """The same answer as one list per field, each written to the message in one C call."""
+        ids, matched, cpu, disk, spec, reserved, prefill, running, waiting, usage = ([] for _ in range(10))
+        no_match = TierMatch()
+        for record in self.registry.workers(request.model, request.lora_name):
+            slot = record.slot
+            ids.append(record.worker_id)
+            match = matches.get(record.block_size, no_match)
+            matched.append(match.depth.get(slot, 0))
+            cpu.append(match.cpu_blocks.get(slot, 0))
+            disk.append(match.disk_blocks.get(slot, 0))
+            spec.append(match.speculative_blocks.get(slot, 0))
+            if slot in all_requests:
+                reserved.append(all_requests[slot] - own_requests.get(slot, 0))
+                prefill.append(all_prefill.get(slot, 0) - own_prefill.get(slot, 0))
+            else:
+                reserved.append(0)
+                prefill.append(0)
+            load = record.load
+            running.append(load.running_requests)
+            waiting.append(load.waiting_requests)
+            usage.append(load.kv_usage)
+        columns.worker_id.extend(ids)
+        columns.matched_blocks.extend(matched)
+        columns.cpu_blocks.extend(cpu)
+        columns.disk_blocks.extend(disk)
+        columns.speculative_blocks.extend(spec)
+        columns.reserved_requests.extend(reserved)
+        columns.reserved_prefill_tokens.extend(prefill)
+        columns.running_requests.extend(running)
+        columns.waiting_requests.extend(waiting)
+        columns.kv_usage.extend(usage)
 
     async def RouterSession(self, request_iterator: AsyncIterator[pb.RouterMessage],
                             context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RouterReply]:

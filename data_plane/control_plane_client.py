@@ -141,18 +141,18 @@ class ControlPlaneClient:
 
     # ------------------------------------------------------------ the index
 
-    async def query(self, model: str, chains: dict[int, list[int]], lora_name: str = "") -> list[pb.WorkerMatch]:
+    async def query(self, model: str, chains: dict[int, list[int]], lora_name: str = "") -> pb.WorkerColumns:
         """Matched prefix, tiers, load and other routers' reservations of every live worker of
-        `model` (serving `lora_name` if given); `chains` maps block size -> keys.
+        `model` (serving `lora_name` if given), as columns; `chains` maps block size -> keys.
 
         Raises TimeoutError past `query_timeout_s` on the session, grpc.aio.AioRpcError on the
         unary path (DEADLINE_EXCEEDED, UNAVAILABLE...)."""
-        request = pb.QueryRequest(model=model, lora_name=lora_name,
+        request = pb.QueryRequest(model=model, lora_name=lora_name, columnar=True,
                                   chains=[pb.KeyChain(block_size=bs, block_keys=keys) for bs, keys in chains.items()])
         if self.session is not None and self.session.connected:
             try:
-                return list((await self.session.query(request, self.query_timeout_s)).workers)
+                return (await self.session.query(request, self.query_timeout_s)).columns
             except SessionUnavailable:
                 pass  # lost just now: the unary call below still has a chance
         response = await self._stub.Query(request, timeout=self.query_timeout_s)
-        return list(response.workers)
+        return response.columns

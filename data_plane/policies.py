@@ -31,12 +31,12 @@ class Candidate:
     cached_tokens: int = 0           # prompt tokens already in this worker's KV cache (prefix match, any tier)
     cpu_cached_tokens: int = 0       # of those, on the CPU tier (must be loaded back)
     disk_cached_tokens: int = 0      # of those, on a disk/remote tier
-    worker_cached_blocks: int = 0    # blocks the worker's cache holds in all (index), for spreading new prefixes
     running_requests: int = 0        # engine-reported (heartbeat)
     waiting_requests: int = 0        # engine-reported (heartbeat)
     kv_usage: float = 0.0            # engine-reported (heartbeat), 0..1
-    inflight_requests: int = 0       # routed by this router, not finished
-    pending_prefill_tokens: int = 0  # routed by this router, uncached tokens whose prefill is not done yet
+    inflight_requests: int = 0       # routed by kvroute routers (this one exactly, others via the control plane), not finished
+    pending_prefill_tokens: int = 0  # of those, uncached prompt tokens whose prefill is not done yet
+    worker_cached_blocks: int = 0    # blocks the worker's cache holds in all (index), for spreading new prefixes
 
 
 @dataclass(slots=True)
@@ -211,6 +211,8 @@ class KvAware:
         self._rng = _rng(seed, rng)
 
     def credited_tokens(self, c: Candidate) -> float:
+        if not (c.cpu_cached_tokens or c.disk_cached_tokens):
+            return c.cached_tokens
         p = self.params
         return (c.cached_tokens - (1.0 - p.cpu_tier_credit) * c.cpu_cached_tokens
                 - (1.0 - p.disk_tier_credit) * c.disk_cached_tokens)
@@ -229,10 +231,15 @@ class KvAware:
 
     def choose(self, request: RoutingInput, candidates: list[Candidate]) -> Choice:
         _require(candidates)
-        best = max(self.credited_tokens(c) for c in candidates)
-        scores = {c.worker_id: self.cost(request, c, best) for c in candidates}
-        pool = self._within_bound(request, candidates) if self.params.load_bound and len(candidates) > 1 else candidates
-        if self.params.temperature > 0:
+        p = self.params
+        credited = [self.credited_tokens(c) for c in candidates]
+        best = max(credited)
+        prompt = request.prompt_tokens
+        uncached = [prompt - cr if cr < prompt else 0.0 for cr in credited]
+        scores = {c.worker_id: u + p.recompute_weight * (best - cr) + self.queued_work(c)
+                  for c, u, cr in zip(candidates, uncached, credited)}
+        pool = self._within_bound(candidates, uncached) if p.load_bound and len(candidates) > 1 else candidates
+        if p.temperature > 0:
             return Choice(self._sample(scores, pool), scores)
         low = min(scores[c.worker_id] for c in pool)
         tied = [c for c in pool if scores[c.worker_id] <= low + 1e-9 * max(1.0, abs(low))]
@@ -249,15 +256,15 @@ class KvAware:
         key = chain[min(len(chain) - 1, max(c.cached_tokens for c in tied) // bs)].to_bytes(8, "little")
         return max(tied, key=lambda c: (xxhash.xxh3_64_intdigest(key + c.worker_id.encode()), c.worker_id))
 
-    def _within_bound(self, request: RoutingInput, candidates: list[Candidate]) -> list[Candidate]:
+    def _within_bound(self, candidates: list[Candidate], uncached: list[float]) -> list[Candidate]:
         """Workers whose pending prefill with this request's stays within the bound (or is the least)."""
         p = self.params
-        work = [c.pending_prefill_tokens + max(0.0, request.prompt_tokens - self.credited_tokens(c)) for c in candidates]
         pending = sum(c.pending_prefill_tokens for c in candidates)
-        n = len(candidates)
+        work = [c.pending_prefill_tokens + u for c, u in zip(candidates, uncached)]
         least = min(work)
-        return [c for c, w in zip(candidates, work)
-                if w <= least or w <= p.load_bound * (pending + w - c.pending_prefill_tokens) / n + p.load_bound_slack_tokens]
+        scale = p.load_bound / len(candidates)
+        return [c for c, w, u in zip(candidates, work, uncached)
+                if w <= least or w <= scale * (pending + u) + p.load_bound_slack_tokens]
 
     def _sample(self, scores: dict[str, float], pool: list[Candidate]) -> Candidate:
         low = min(scores[c.worker_id] for c in pool)

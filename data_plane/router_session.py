@@ -6,8 +6,10 @@ One bidi stream per router process (`ControlPlane.RouterSession`):
   half a unary call's round trip, which matters inside a ~1 ms decision.
 - `reserve()` / `prefill_done()` / `release()` tell the control plane about a request this router
   sent, so every other router's queries count it as load on that worker and see its prompt blocks
-  there (speculatively) before the engine's events arrive. They never block: messages go through
-  a queue to one writer task, in order, so a later query on the stream already reflects them.
+  there (speculatively) before the engine's events arrive. They never block: messages wait in an
+  outbox that a flusher task writes, and a query writes whatever is still in the outbox before
+  itself, so a later query on the stream always reflects them. Queries write to the stream
+  directly (no task hop on the decision path); one lock keeps writes whole and in order.
 
 The control plane drops a router's reservations when its stream closes, so after a reconnect the
 link re-sends `reserve` (and `prefill_done`) for every reservation still live here. While the
@@ -51,6 +53,8 @@ async def cancel_and_wait(task: asyncio.Task | None) -> None:
         await task
     except asyncio.CancelledError:
         pass
+    except Exception as exc:  # noqa: BLE001 - it failed before we stopped it; nothing to add
+        log.debug("background task %s had failed: %r", task.get_name(), exc)
 
 
 def default_router_id() -> str:
@@ -63,7 +67,10 @@ class RouterSessionLink:
         self._stub = stub
         self.router_id = router_id or default_router_id()
         self._delays = (reconnect_delay_s, max_reconnect_delay_s)
-        self._queue: asyncio.Queue[pb.RouterMessage | None] | None = None
+        self._call = None                       # the open stream, or None
+        self._outbox: list[pb.RouterMessage] = []
+        self._outbox_ready = asyncio.Event()
+        self._write_lock = asyncio.Lock()
         self._pending: dict[int, asyncio.Future] = {}
         self._query_ids = itertools.count(1)
         self._reservation_ids = itertools.count(1)
@@ -93,15 +100,18 @@ class RouterSessionLink:
 
     async def query(self, request: pb.QueryRequest, timeout_s: float) -> pb.QueryResponse:
         """Raises SessionUnavailable (stream down or lost meanwhile) or TimeoutError."""
-        if not self.connected or self._queue is None:
+        if not self.connected or self._call is None:
             raise SessionUnavailable("router session is not connected")
         query_id = next(self._query_ids)
         request.query_id = query_id
         future = asyncio.get_running_loop().create_future()
         self._pending[query_id] = future
-        self._queue.put_nowait(pb.RouterMessage(query=request))
         try:
-            return await asyncio.wait_for(future, timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._write(pb.RouterMessage(query=request))
+                return await future
+        except grpc.aio.AioRpcError as exc:
+            raise SessionUnavailable(f"router session lost: {exc.code().name}") from None
         finally:
             self._pending.pop(query_id, None)
 
@@ -131,9 +141,29 @@ class RouterSessionLink:
         return len(self._live)
 
     def _send(self, message: pb.RouterMessage) -> None:
-        if self.connected and self._queue is not None:
-            self._queue.put_nowait(message)
+        if self.connected:
+            self._outbox.append(message)
+            self._outbox_ready.set()
         # else: kept in _live, re-sent after the reconnect
+
+    async def _write(self, message: pb.RouterMessage | None = None) -> None:
+        """Write the outbox, then `message`, as one uninterrupted run."""
+        async with self._write_lock:
+            call = self._call
+            if call is None:
+                raise SessionUnavailable("router session is not connected")
+            while self._outbox:
+                batch, self._outbox = self._outbox, []
+                for queued in batch:
+                    await call.write(queued)
+            if message is not None:
+                await call.write(message)
+
+    async def _flush_forever(self) -> None:
+        while True:
+            await self._outbox_ready.wait()
+            self._outbox_ready.clear()
+            await self._write()
 
     # ------------------------------------------------------------ the stream
 
@@ -159,32 +189,27 @@ class RouterSessionLink:
             delay = min(delay * 2, self._delays[1])
 
     async def _session(self) -> None:
-        queue: asyncio.Queue[pb.RouterMessage | None] = asyncio.Queue()
-        queue.put_nowait(pb.RouterMessage(hello=pb.RouterHello(router_id=self.router_id)))
-
-        async def outgoing():
-            while True:
-                message = await queue.get()
-                if message is None:
-                    return
-                yield message
-
-        call = self._stub.RouterSession(outgoing())
+        call = self._stub.RouterSession()
+        flusher = None
         try:
+            await call.write(pb.RouterMessage(hello=pb.RouterHello(router_id=self.router_id)))
             first = await call.read()
             if first is grpc.aio.EOF or first.WhichOneof("body") != "welcome":
                 raise RuntimeError("control plane did not welcome the router session")
             # Re-announce what is still in flight (the control plane dropped it with the old stream).
+            self._outbox = []
             for live in self._live.values():
-                queue.put_nowait(pb.RouterMessage(reserve=live.message))
+                self._outbox.append(pb.RouterMessage(reserve=live.message))
                 if live.prefill_done:
-                    queue.put_nowait(pb.RouterMessage(
+                    self._outbox.append(pb.RouterMessage(
                         prefill_done=pb.ReservationDone(reservation_id=live.message.reservation_id)))
-            self._queue = queue
+            self._call = call
             self.connected = True
             self.sessions += 1
             if self.sessions > 1:
                 log.info("router session re-established (%d reservations re-sent)", len(self._live))
+            flusher = asyncio.create_task(self._flush_forever(), name="kvroute-router-session-flush")
+            self._outbox_ready.set()
             while True:
                 reply = await call.read()
                 if reply is grpc.aio.EOF:
@@ -194,9 +219,10 @@ class RouterSessionLink:
                     if future is not None and not future.done():
                         future.set_result(reply.result)
         finally:
-            self._queue = None
+            self._call = None
             self.connected = False
-            queue.put_nowait(None)
+            self._outbox = []
+            await cancel_and_wait(flusher)
             call.cancel()
 
     def _fail_pending(self, exc: Exception) -> None:

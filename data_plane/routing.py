@@ -4,7 +4,8 @@
 1. the known workers of the model (and LoRA adapter, if one is asked for) from
    `ControlPlaneClient.workers_for` (last ListWorkers snapshot, or the static fleet) give the
    distinct block sizes;
-2. the prompt is hashed once per block size (`kvroute.block_keys.prompt_block_keys`);
+2. the prompt is hashed once per block size (`kvroute.block_keys`; `prompt_keys.PromptKeyCache`
+   reuses the keys of an already-seen prefix);
 3. one query with one KeyChain per block size, under the client's deadline, over the router
    session stream (or the unary Query RPC while the stream is down);
 4. candidates: cached_tokens = the longer of the index's match (any tier, other routers'
@@ -32,8 +33,8 @@ from data_plane.control_plane_client import ControlPlaneClient, KnownWorker
 from data_plane.load_tracker import LoadTracker
 from data_plane.metrics import RouterMetrics
 from data_plane.policies import Candidate, RoutingInput, RoutingPolicy
+from data_plane.prompt_keys import PromptKeyCache
 from data_plane.shared_inflight import SharedInflight
-from kvroute.block_keys import prompt_block_keys
 from kvroute.v1 import kvroute_pb2 as pb
 
 log = logging.getLogger("kvroute.router")
@@ -75,17 +76,6 @@ class RouteDecision:
                             for c in self.candidates]}
 
 
-@dataclass(slots=True)
-class _Seen:
-    """A worker as this decision sees it, from the query or (failing open) the known fleet."""
-    worker_id: str
-    endpoint: str
-    block_size: int
-    match: pb.WorkerMatch | None  # None when failing open
-    load: pb.WorkerLoad
-    known: KnownWorker | None
-
-
 class Router:
     def __init__(self, control_plane: ControlPlaneClient, policy: RoutingPolicy,
                  load: SharedInflight | LoadTracker | None = None, metrics: RouterMetrics | None = None) -> None:
@@ -98,6 +88,7 @@ class Router:
         self.load = load
         self.metrics = metrics or RouterMetrics()
         self.fail_open_count = 0
+        self.prompt_keys = PromptKeyCache()
 
     async def decide(self, model: str, token_ids: list[int], lora_name: str = "", cache_salt: str = "",
                      avoid: frozenset[str] = frozenset(), session_key: str = "") -> RouteDecision:
@@ -116,15 +107,16 @@ class Router:
                 raise NoWorkersError(f"no workers known for {what} (control plane "
                                      f"{'reachable' if self.control_plane.reachable else 'unreachable'}, "
                                      f"no --static-workers fallback)")
-            chains = {bs: prompt_block_keys(token_ids, bs, model, lora_name, cache_salt)
+            chains = {bs: self.prompt_keys.keys(token_ids, bs, model, lora_name, cache_salt)
                       for bs in sorted({w.block_size for w in known if w.block_size > 0})}
-            seen, reason = await self._match(model, chains, lora_name, avoid, {w.worker_id: w for w in known})
-            if not seen:  # failing open: load alone over the known fleet
-                seen = [_Seen(w.worker_id, w.endpoint, w.block_size, None, w.load, w) for w in known]
-            candidates = [self._candidate(s, len(token_ids), chains.get(s.block_size, ())) for s in seen]
+            columns, reason = await self._query(model, chains, lora_name)
+            candidates = self._candidates_from_columns(columns, known, avoid, len(token_ids), chains) if columns else []
+            if not candidates:  # failing open: load alone over the known fleet
+                reason = reason or "index answered with no known worker"
+                candidates = self._candidates_from_known(known, len(token_ids))
             choice = self.policy.choose(RoutingInput(model, len(token_ids), token_ids=token_ids, session_key=session_key,
                                                      chains=chains), candidates)
-            dp_ranks = {s.worker_id: rank for s in seen if (rank := _dp_rank(s)) is not None}
+            dp_ranks = {w.worker_id: w.data_parallel_rank for w in known if w.data_parallel_rank is not None}
             decision = RouteDecision(choice.worker.worker_id, choice.worker.endpoint, len(token_ids),
                                      choice.worker.cached_tokens, self.policy.name, bool(reason), candidates,
                                      choice.scores, reason, chains, dp_ranks)
@@ -140,43 +132,56 @@ class Router:
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         return decision
 
-    async def _match(self, model: str, chains: dict[int, list[int]], lora_name: str, avoid: frozenset[str],
-                     known: dict[str, KnownWorker]) -> tuple[list[_Seen], str]:
-        """Workers with their match, and "" — or [] and why the index could not be used."""
+    async def _query(self, model: str, chains: dict[int, list[int]],
+                     lora_name: str) -> tuple[pb.WorkerColumns | None, str]:
+        """The index's answer and "" — or None and why the index could not be used."""
         try:
-            matches = await self.control_plane.query(model, chains, lora_name)
+            columns = await self.control_plane.query(model, chains, lora_name)
         except grpc.aio.AioRpcError as exc:
-            return [], exc.code().name
+            return None, exc.code().name
         except TimeoutError:
-            return [], "DEADLINE_EXCEEDED"
+            return None, "DEADLINE_EXCEEDED"
         except Exception as exc:  # noqa: BLE001 - never fail a request for an index reason
             log.warning("control-plane query failed: %r; deciding on load alone", exc)
-            return [], type(exc).__name__
-        if not matches:  # e.g. a restarted control plane whose agents have not re-registered yet
-            return [], "index has no workers for the model"
-        seen = [_Seen(m.worker_id, m.endpoint.rstrip("/"), m.block_size, m, m.load, known.get(m.worker_id))
-                for m in matches]
-        return [s for s in seen if s.worker_id not in avoid] or seen, ""
+            return None, type(exc).__name__
+        if not columns.worker_id:  # e.g. a restarted control plane whose agents have not re-registered yet
+            return None, "index has no workers for the model"
+        return columns, ""
 
-    def _candidate(self, s: _Seen, prompt_tokens: int, chain: list[int]) -> Candidate:
-        own_requests, own_pending = self.load.inflight(s.worker_id)
-        own_blocks = self.load.speculative_match(chain).get(s.worker_id, 0) if chain else 0
-        m = s.match
-        blocks = max(m.matched_blocks if m else 0, own_blocks)
-        bs = s.block_size
-        return Candidate(
-            worker_id=s.worker_id, endpoint=s.endpoint, block_size=bs,
-            cached_tokens=min(blocks * bs, prompt_tokens),
-            cpu_cached_tokens=min(m.cpu_blocks * bs, prompt_tokens) if m else 0,
-            disk_cached_tokens=min(m.disk_blocks * bs, prompt_tokens) if m else 0,
-            running_requests=s.load.running_requests, waiting_requests=s.load.waiting_requests,
-            kv_usage=s.load.kv_usage,
-            inflight_requests=own_requests + (m.reserved_requests if m else 0),
-            pending_prefill_tokens=own_pending + (m.reserved_prefill_tokens if m else 0),
-            worker_cached_blocks=s.known.cached_blocks if s.known else 0)
+    def _candidates_from_columns(self, columns: pb.WorkerColumns, known: list[KnownWorker], avoid: frozenset[str],
+                                 prompt_tokens: int, chains: dict[int, list[int]]) -> list[Candidate]:
+        """One Candidate per worker of the answer that this router knows (endpoint, block size and DP
+        rank come from ListWorkers; a worker that joined since the last refresh, at most
+        refresh_interval_s ago, is left out until the next one). Every column is read in one C call:
+        this runs for every worker on every decision."""
+        by_id = {w.worker_id: w for w in known}
+        own = self.load.snapshot()
+        speculative = {bs: self.load.speculative_match(chain) for bs, chain in chains.items()} if own else {}
+        out, kept = [], []
+        for wid, matched, cpu, disk, reserved, prefill, running, waiting, usage in zip(
+                columns.worker_id, list(columns.matched_blocks),
+                list(columns.cpu_blocks), list(columns.disk_blocks), list(columns.reserved_requests),
+                list(columns.reserved_prefill_tokens), list(columns.running_requests),
+                list(columns.waiting_requests), list(columns.kv_usage)):
+            w = by_id.get(wid)
+            if w is None:
+                continue
+            bs = w.block_size
+            own_requests, own_pending = own.get(wid, (0, 0))
+            if own_requests and bs in speculative:
+                matched = max(matched, speculative[bs].get(wid, 0))
+            candidate = Candidate(wid, w.endpoint, bs, min(matched * bs, prompt_tokens), min(cpu * bs, prompt_tokens),
+                                  min(disk * bs, prompt_tokens), running, waiting, usage, own_requests + reserved,
+                                  own_pending + prefill, w.cached_blocks)
+            (kept if wid in avoid else out).append(candidate)
+        return out or kept
 
-
-def _dp_rank(s: _Seen) -> int | None:
-    if s.match is not None and s.match.HasField("data_parallel_rank"):
-        return s.match.data_parallel_rank
-    return s.known.data_parallel_rank if s.known else None
+    def _candidates_from_known(self, known: list[KnownWorker], prompt_tokens: int) -> list[Candidate]:
+        """Failing open: no index, no other routers' reservations; this router's own work and the
+        last heartbeat's load."""
+        own = self.load.snapshot()
+        return [Candidate(worker_id=w.worker_id, endpoint=w.endpoint, block_size=w.block_size,
+                          running_requests=w.load.running_requests, waiting_requests=w.load.waiting_requests,
+                          kv_usage=w.load.kv_usage, inflight_requests=own.get(w.worker_id, (0, 0))[0],
+                          pending_prefill_tokens=own.get(w.worker_id, (0, 0))[1], worker_cached_blocks=w.cached_blocks)
+                for w in known]

@@ -75,11 +75,15 @@ class FakeControlPlane(pb_grpc.ControlPlaneServicer):
             await asyncio.sleep(self.query_delay_s)
         if self.empty_query:
             return pb.QueryResponse()
-        return pb.QueryResponse(workers=[
-            pb.WorkerMatch(worker_id=w.worker_id, endpoint=w.endpoint, block_size=w.block_size,
-                           matched_blocks=self.matched_blocks.get(w.worker_id, 0),
-                           load=self.loads.get(w.worker_id, pb.WorkerLoad()))
-            for w in self.workers if w.model == request.model])
+        assert request.columnar, "the router asks for the columnar answer"
+        served = [w for w in self.workers if w.model == request.model]
+        loads = [self.loads.get(w.worker_id, pb.WorkerLoad()) for w in served]
+        n = len(served)
+        return pb.QueryResponse(query_id=request.query_id, columns=pb.WorkerColumns(
+            worker_id=[w.worker_id for w in served], matched_blocks=[self.matched_blocks.get(w.worker_id, 0) for w in served],
+            cpu_blocks=[0] * n, disk_blocks=[0] * n, speculative_blocks=[0] * n, reserved_requests=[0] * n,
+            reserved_prefill_tokens=[0] * n, running_requests=[x.running_requests for x in loads],
+            waiting_requests=[x.waiting_requests for x in loads], kv_usage=[x.kv_usage for x in loads]))
 
     async def ListWorkers(self, request: pb.ListWorkersRequest, context) -> pb.ListWorkersResponse:
         return pb.ListWorkersResponse(workers=[w for w in self.workers if not request.model or w.model == request.model])

@@ -129,16 +129,18 @@ class KeyChain(_message.Message):
     def __init__(self, block_size: _Optional[int] = ..., block_keys: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class QueryRequest(_message.Message):
-    __slots__ = ("model", "chains", "query_id", "lora_name")
+    __slots__ = ("model", "chains", "query_id", "lora_name", "columnar")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CHAINS_FIELD_NUMBER: _ClassVar[int]
     QUERY_ID_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    COLUMNAR_FIELD_NUMBER: _ClassVar[int]
     model: str
     chains: _containers.RepeatedCompositeFieldContainer[KeyChain]
     query_id: int
     lora_name: str
-    def __init__(self, model: _Optional[str] = ..., chains: _Optional[_Iterable[_Union[KeyChain, _Mapping]]] = ..., query_id: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    columnar: bool
+    def __init__(self, model: _Optional[str] = ..., chains: _Optional[_Iterable[_Union[KeyChain, _Mapping]]] = ..., query_id: _Optional[int] = ..., lora_name: _Optional[str] = ..., columnar: _Optional[bool] = ...) -> None: ...
 
 class WorkerMatch(_message.Message):
     __slots__ = ("worker_id", "endpoint", "block_size", "matched_blocks", "load", "cpu_blocks", "disk_blocks", "speculative_blocks", "reserved_requests", "reserved_prefill_tokens", "data_parallel_rank")
@@ -167,12 +169,38 @@ class WorkerMatch(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., block_size: _Optional[int] = ..., matched_blocks: _Optional[int] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., cpu_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., speculative_blocks: _Optional[int] = ..., reserved_requests: _Optional[int] = ..., reserved_prefill_tokens: _Optional[int] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
 
 class QueryResponse(_message.Message):
-    __slots__ = ("workers", "query_id")
+    __slots__ = ("workers", "query_id", "columns")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     QUERY_ID_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerMatch]
     query_id: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerMatch, _Mapping]]] = ..., query_id: _Optional[int] = ...) -> None: ...
+    columns: WorkerColumns
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerMatch, _Mapping]]] = ..., query_id: _Optional[int] = ..., columns: _Optional[_Union[WorkerColumns, _Mapping]] = ...) -> None: ...
+
+class WorkerColumns(_message.Message):
+    __slots__ = ("worker_id", "matched_blocks", "cpu_blocks", "disk_blocks", "speculative_blocks", "reserved_requests", "reserved_prefill_tokens", "running_requests", "waiting_requests", "kv_usage")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: _containers.RepeatedScalarFieldContainer[str]
+    matched_blocks: _containers.RepeatedScalarFieldContainer[int]
+    cpu_blocks: _containers.RepeatedScalarFieldContainer[int]
+    disk_blocks: _containers.RepeatedScalarFieldContainer[int]
+    speculative_blocks: _containers.RepeatedScalarFieldContainer[int]
+    reserved_requests: _containers.RepeatedScalarFieldContainer[int]
+    reserved_prefill_tokens: _containers.RepeatedScalarFieldContainer[int]
+    running_requests: _containers.RepeatedScalarFieldContainer[int]
+    waiting_requests: _containers.RepeatedScalarFieldContainer[int]
+    kv_usage: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, worker_id: _Optional[_Iterable[str]] = ..., matched_blocks: _Optional[_Iterable[int]] = ..., cpu_blocks: _Optional[_Iterable[int]] = ..., disk_blocks: _Optional[_Iterable[int]] = ..., speculative_blocks: _Optional[_Iterable[int]] = ..., reserved_requests: _Optional[_Iterable[int]] = ..., reserved_prefill_tokens: _Optional[_Iterable[int]] = ..., running_requests: _Optional[_Iterable[int]] = ..., waiting_requests: _Optional[_Iterable[int]] = ..., kv_usage: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RouterMessage(_message.Message):
     __slots__ = ("hello", "query", "reserve", "prefill_done", "release")
