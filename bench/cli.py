@@ -1,4 +1,4 @@
-"""`kvroute bench {ingest,decision,proxy,inflight,live}`: hot-path micro-benchmarks, the staleness of
+"""`kvroute bench {ingest,decision,proxy,inflight,burst,live}`: hot-path micro-benchmarks, the staleness of
 shared in-flight state (`bench/inflight.py`) and the live-vs-simulator benchmark (`bench/live.py`);
 the last stdout line is JSON."""
 
@@ -25,7 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                               "visible to another router's queries (p50/p99)")
     inflight.add_argument("--trials", type=int, default=200, help="timed reserve + release pairs")
     inflight.add_argument("--block-keys", type=int, default=64, help="block keys per reservation")
-    for sp in (ingest, decision, proxy, inflight):
+    burst = sub.add_parser("burst", help="64 simultaneous requests with one new 4k-token prefix through two routers: "
+                           "workers used with and without shared in-flight state, next to what the load bound requires")
+    burst.add_argument("--workers", type=int, default=8, help="sim engines")
+    for sp in (ingest, decision, proxy, inflight, burst):
         sp.add_argument("--json", action="store_true", help="print only the JSON result")
     live = sub.add_parser("live", help="a simulator workload live over HTTP (routers + sim engines as processes), "
                           "side by side with the simulator", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -72,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
         from bench.ingest import run_ingest
 
         result = run_ingest(args.batches, args.blocks_per_event, workers=args.workers)
+    elif args.bench == "burst":
+        from bench.burst import run_burst
+
+        result = run_burst(args.workers)
     elif args.bench == "decision":
         from bench.decision import run_decision
 

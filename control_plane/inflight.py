@@ -131,11 +131,15 @@ class InflightTracker:
     # ------------------------------------------------------------ reservations
 
     def reserve(self, session: RouterSessionState, reservation_id: int, slot: int, keys: Sequence[int],
-                prefill_tokens: int, ttl_ms: int = 0) -> Reservation:
+                prefill_tokens: int, ttl_ms: int = 0, prompt_tokens: int = 0, block_size: int = 0) -> Reservation:
+        """`prompt_tokens` and `block_size` (both known): the prefill charged is at most what the
+        worker has to compute past the blocks it holds or that live claims there already cover."""
         if reservation_id in session.reservations:
             raise DuplicateReservation(f"reservation_id {reservation_id} is already live in this session "
                                        "(ids must be unique within a router session)")
         self.expire()
+        if prompt_tokens and block_size and keys and prefill_tokens:
+            prefill_tokens = min(prefill_tokens, max(0, prompt_tokens - self.covered_blocks(slot, keys) * block_size))
         now = self.clock()
         self._orders += 1
         reservation = Reservation(session, reservation_id, slot, prefill_tokens, self._orders, now + self.max_age_s)
@@ -171,6 +175,15 @@ class InflightTracker:
         if reservation is None:
             self.counters.unknown_reservation += 1  # expired, dropped with its worker, or never made
         return reservation
+
+    def covered_blocks(self, slot: int, keys: Sequence[int]) -> int:
+        """Leading blocks of `keys` the worker holds (index) or live claims there vouch for."""
+        depth = self.index.held_prefix(slot, keys)
+        claims = self._claims.get(slot)
+        if claims:
+            while depth < len(keys) and keys[depth] in claims:
+                depth += 1
+        return depth
 
     def reserved_by_others(self, slot: int, asking: RouterTally | None) -> tuple[int, int]:
         """(requests, prefill tokens) reserved on `slot` by every router but `asking`."""

@@ -363,7 +363,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
             keys = ()
         try:
             self.inflight.reserve(session, reservation.reservation_id, record.slot, keys, reservation.prefill_tokens,
-                                  reservation.ttl_ms)
+                                  reservation.ttl_ms, reservation.prompt_tokens, record.block_size)
         except DuplicateReservation as exc:
             await self._reject_router(context, "duplicate_reservation", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 

@@ -137,7 +137,7 @@ class BackendProxy:
         worker = candidate.worker_id
         url = candidate.endpoint + path
         ticket = self.load.start(worker, prompt_tokens - candidate.cached_tokens,
-                                 decision.chains.get(candidate.block_size, ()), candidate.block_size)
+                                 decision.chains.get(candidate.block_size, ()), candidate.block_size, prompt_tokens)
         with tracer.start_as_current_span("kvroute.proxy", kind=trace.SpanKind.CLIENT) as span:
             span.set_attribute("kvroute.worker_id", worker)
             span.set_attribute("kvroute.attempt", attempt)

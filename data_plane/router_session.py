@@ -117,11 +117,12 @@ class RouterSessionLink:
 
     # ------------------------------------------------------------ reservations
 
-    def reserve(self, worker_id: str, block_size: int, block_keys, prefill_tokens: int) -> int:
+    def reserve(self, worker_id: str, block_size: int, block_keys, prefill_tokens: int, prompt_tokens: int = 0) -> int:
         """Announce a request just sent to `worker_id`; returns the reservation id."""
         reservation_id = next(self._reservation_ids)
         message = pb.Reservation(reservation_id=reservation_id, worker_id=worker_id, block_size=block_size,
-                                 block_keys=block_keys, prefill_tokens=max(0, prefill_tokens))
+                                 block_keys=block_keys, prefill_tokens=max(0, prefill_tokens),
+                                 prompt_tokens=max(0, prompt_tokens))
         self._live[reservation_id] = _Live(message)
         self._send(pb.RouterMessage(reserve=message))
         return reservation_id

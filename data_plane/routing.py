@@ -113,7 +113,7 @@ class Router:
             candidates = self._candidates_from_columns(columns, known, avoid, len(token_ids), chains) if columns else []
             if not candidates:  # failing open: load alone over the known fleet
                 reason = reason or "index answered with no known worker"
-                candidates = self._candidates_from_known(known, len(token_ids))
+                candidates = self._candidates_from_known(known, len(token_ids), chains)
             choice = self.policy.choose(RoutingInput(model, len(token_ids), token_ids=token_ids, session_key=session_key,
                                                      chains=chains), candidates)
             dp_ranks = {w.worker_id: w.data_parallel_rank for w in known if w.data_parallel_rank is not None}
@@ -176,12 +176,19 @@ class Router:
             (kept if wid in avoid else out).append(candidate)
         return out or kept
 
-    def _candidates_from_known(self, known: list[KnownWorker], prompt_tokens: int) -> list[Candidate]:
-        """Failing open: no index, no other routers' reservations; this router's own work and the
-        last heartbeat's load."""
+    def _candidates_from_known(self, known: list[KnownWorker], prompt_tokens: int,
+                               chains: dict[int, list[int]]) -> list[Candidate]:
+        """Failing open: no index and no other routers' reservations, but this router's own
+        in-flight work and the prompts it has in flight (a burst of one new prefix keeps its
+        affinity within this router even while the control plane is slow), and the last
+        heartbeat's load."""
         own = self.load.snapshot()
-        return [Candidate(worker_id=w.worker_id, endpoint=w.endpoint, block_size=w.block_size,
-                          running_requests=w.load.running_requests, waiting_requests=w.load.waiting_requests,
-                          kv_usage=w.load.kv_usage, inflight_requests=own.get(w.worker_id, (0, 0))[0],
-                          pending_prefill_tokens=own.get(w.worker_id, (0, 0))[1], worker_cached_blocks=w.cached_blocks)
-                for w in known]
+        speculative = {bs: self.load.speculative_match(chain) for bs, chain in chains.items()} if own else {}
+        out = []
+        for w in known:
+            own_requests, own_pending = own.get(w.worker_id, (0, 0))
+            blocks = speculative[w.block_size].get(w.worker_id, 0) if w.block_size in speculative else 0
+            out.append(Candidate(w.worker_id, w.endpoint, w.block_size, min(blocks * w.block_size, prompt_tokens),
+                                 0, 0, w.load.running_requests, w.load.waiting_requests, w.load.kv_usage,
+                                 own_requests, own_pending, w.cached_blocks))
+        return out

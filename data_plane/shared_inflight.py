@@ -32,11 +32,11 @@ class SharedInflight:
         self.session = session
 
     def start(self, worker_id: str, uncached_tokens: int, block_keys: Sequence[int] = (),
-              block_size: int = 0) -> SharedTicket:
+              block_size: int = 0, prompt_tokens: int = 0) -> SharedTicket:
         local = self.tracker.start(worker_id, uncached_tokens, block_keys)
         reservation_id = 0
         if self.session is not None:
-            reservation_id = self.session.reserve(worker_id, block_size, block_keys, local.prefill_tokens)
+            reservation_id = self.session.reserve(worker_id, block_size, block_keys, local.prefill_tokens, prompt_tokens)
         return SharedTicket(local, reservation_id)
 
     def first_token(self, ticket: SharedTicket) -> None:

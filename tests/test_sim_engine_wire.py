@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 
 import msgspec
 import pytest
@@ -71,10 +72,12 @@ def test_bind_or_connect_per_dialect() -> None:
 
 
 def test_data_parallel_rank_offsets_ports_and_is_written_into_batches() -> None:
-    config = {"endpoint": "tcp://*:41000", "replay_endpoint": "tcp://*:41100"}
+    # Below the kernel's ephemeral range, so no port the OS hands out elsewhere can collide.
+    base = random.Random().randrange(20_000, 30_000, 200)
+    config = {"endpoint": f"tcp://*:{base}", "replay_endpoint": f"tcp://*:{base + 100}"}
     pub = KvEventPublisher(config, 16, get_dialect("vllm-0.26"), data_parallel_rank=2)
     try:
-        assert pub.last_endpoint.endswith(":41002") and pub.replay_last_endpoint.endswith(":41102")
+        assert pub.last_endpoint.endswith(f":{base + 2}") and pub.replay_last_endpoint.endswith(f":{base + 102}")
         assert msgspec.msgpack.decode(pub.encode([ClearedEvent()]))[2] == 2
     finally:
         pub.close()

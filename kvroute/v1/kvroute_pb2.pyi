@@ -223,20 +223,22 @@ class RouterHello(_message.Message):
     def __init__(self, router_id: _Optional[str] = ...) -> None: ...
 
 class Reservation(_message.Message):
-    __slots__ = ("reservation_id", "worker_id", "block_size", "block_keys", "prefill_tokens", "ttl_ms")
+    __slots__ = ("reservation_id", "worker_id", "block_size", "block_keys", "prefill_tokens", "ttl_ms", "prompt_tokens")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     worker_id: str
     block_size: int
     block_keys: _containers.RepeatedScalarFieldContainer[int]
     prefill_tokens: int
     ttl_ms: int
-    def __init__(self, reservation_id: _Optional[int] = ..., worker_id: _Optional[str] = ..., block_size: _Optional[int] = ..., block_keys: _Optional[_Iterable[int]] = ..., prefill_tokens: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    prompt_tokens: int
+    def __init__(self, reservation_id: _Optional[int] = ..., worker_id: _Optional[str] = ..., block_size: _Optional[int] = ..., block_keys: _Optional[_Iterable[int]] = ..., prefill_tokens: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ReservationDone(_message.Message):
     __slots__ = ("reservation_id",)
