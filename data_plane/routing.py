@@ -16,8 +16,9 @@
    the policies that hash or remember prompts or sessions instead of reading the index).
 
 Failing open: if the query times out, errors, or returns no workers while some are known, the
-decision is made over the known workers on load alone (cached_tokens 0, `fail_open=True`). A
-request never fails for an index reason; only "no worker known at all" raises NoWorkersError.
+decision is made over the known workers on load alone plus this router's own in-flight prompts
+(`fail_open=True`). A request never fails for an index reason; only "no worker known at all"
+raises NoWorkersError.
 """
 
 from __future__ import annotations
