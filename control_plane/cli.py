@@ -38,6 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--audit-settle-ms", type=float, default=500.0, metavar="MS",
                    help="a diverging worker is compared again after this pause; only divergence seen both times "
                         "is exported (events in flight)")
+    p.add_argument("--audit-probe", action="store_true",
+                   help="with --audit-interval-s: audit workers whose engine does not serve its block set (real vLLM, "
+                        "SGLang) by a probe prompt each interval (kvroute audit --probe), exported with kind=probe")
+    p.add_argument("--audit-probe-deadline-s", type=positive(float), default=5.0, metavar="SECONDS",
+                   help="how long a probe waits for the engine's events to reach the index")
     p.add_argument("--log-level", default="INFO", help="Python logging level")
 
 
@@ -51,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
             listen=args.listen, heartbeat_timeout_s=args.heartbeat_timeout, metrics_host=args.metrics_host,
             metrics_port=args.metrics_port, speculative_ttl_s=args.speculative_ttl_ms / 1000,
             reservation_max_age_s=args.reservation_max_age_s, audit_interval_s=args.audit_interval_s,
-            audit_settle_s=args.audit_settle_ms / 1000)))
+            audit_settle_s=args.audit_settle_ms / 1000, audit_probe=args.audit_probe,
+            audit_probe_deadline_s=args.audit_probe_deadline_s)))
     finally:
         shutdown_tracing()

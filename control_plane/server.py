@@ -31,6 +31,8 @@ class ControlPlaneConfig:
     reservation_max_age_s: float = 600.0  # reservations never released are dropped after this
     audit_interval_s: float = 0.0         # compare the index with engines serving /kvroute/blocks (0 = off)
     audit_settle_s: float = 0.5
+    audit_probe: bool = False             # ... and probe the workers whose engine does not serve it
+    audit_probe_deadline_s: float = 5.0
 
 
 class ControlPlaneServer:
@@ -44,7 +46,9 @@ class ControlPlaneServer:
         self.service = ControlPlaneService(self.registry, self.inflight, ControlPlaneMetrics(self.metrics_registry))
         self.metrics_registry.register(InflightCollector(self.inflight))
         self.auditor = (PeriodicAuditor(self.registry, self.metrics_registry, config.audit_interval_s,
-                                        settle_s=config.audit_settle_s) if config.audit_interval_s > 0 else None)
+                                        settle_s=config.audit_settle_s, probe=config.audit_probe,
+                                        probe_deadline_s=config.audit_probe_deadline_s)
+                        if config.audit_interval_s > 0 else None)
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None

@@ -20,8 +20,8 @@ the control plane is polled until it holds the prompt's blocks for that worker, 
 sent again, and the hit the engine's own prefix-cache counters (`/metrics`) count for that second
 send is compared with the hit the control plane predicts. See `Prober`.
 
-The comparison (`compare`, `settle`, `audit_worker`) is shared with the control plane's own
-periodic audit (`control_plane/auditor.py`, `--audit-interval-s`).
+The comparison (`compare`, `settle`, `audit_worker`, `Prober`) is shared with the control plane's
+own periodic audit (`control_plane/auditor.py`, `--audit-interval-s`, `--audit-probe`).
 
 Exit status: 0 no divergence, 1 divergence, 2 errors (control plane or an engine unreachable,
 unknown --worker, an engine answering garbage). The last stdout line is one JSON object.

@@ -2,7 +2,7 @@
 random prompt sent twice and the engine's own prefix-cache counters. Against real sim-engine
 processes: a vLLM-dialect engine whose agent advertises it through an HTTP front that hides
 `GET /kvroute/blocks` (as a real vLLM answers 404), and an SGLang-dialect engine; then lying fake
-agents, an engine that drops its cache silently, and engines busy with other requests."""
+agents, an engine that drops its cache silently, and the control plane's own periodic probe."""
 
 from __future__ import annotations
 
@@ -291,3 +291,47 @@ async def test_other_requests_in_the_measurement_are_not_counted_as_the_probe_s(
     audit = await probe_in_process(fleet, lambda http: NoisyProber(http, fleet.engine_url, {2, 3, 4}, False,
                                                                    force=True))
     assert audit.status == "error" and "busy" in audit.detail, audit
+
+
+async def test_control_plane_probes_periodically_and_exports_the_divergence(fleet: Fleet, tmp_path) -> None:
+    """A second control plane, auditing itself with --audit-probe, fed by a second agent of the blind engine
+    (its ZMQ publisher serves both agents) and by the lying fake agent."""
+    metrics_port = free_port()
+    second = LocalCluster(workdir=tmp_path, tokenizer_dir=fleet.cluster.tokenizer_dir, heartbeat_timeout_s=3,
+                          block_size=BLOCK_SIZE)
+    liar = None
+    try:
+        second.start_control_plane(extra_args=("--metrics-port", str(metrics_port), "--audit-interval-s", "0.3",
+                                               "--audit-probe", "--audit-probe-deadline-s", "1"))
+        blind = next(e for e in fleet.cluster.engines if e.worker_id == fleet.blind)
+        second.engines.append(dataclasses.replace(blind, url=fleet.front.url, agent=None))
+        second.start_agent(second.engines[0])
+        second.wait_workers_registered()
+        liar = FakeAgent(second.control_plane_addr)
+        await liar.claim("liar", fleet.front.url, {"gpu": [11, 12, 13]})
+        metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+        liar_series = 'kvroute_cp_audit_divergent_blocks{kind="probe",medium="any",worker_id="liar"}'
+        blind_series = f'kvroute_cp_audit_divergent_blocks{{kind="probe",medium="any",worker_id="{fleet.blind}"}}'
+
+        def exported():
+            text = http_get(metrics)[1].decode()
+            return f"{liar_series} {float(PROBE_BLOCKS)}" in text and f"{blind_series} 0.0" in text and text
+
+        text = await asyncio.to_thread(wait_until, exported, 30, "the periodic probe audit to export both workers",
+                                       second.all_processes())
+        assert f'kvroute_cp_audit_last_success_timestamp_seconds{{worker_id="{fleet.blind}"}}' in text
+        assert 'kvroute_cp_audit_runs_total{result="ok"}' in text
+        # A worker that leaves (its agent stops heartbeating) loses its series.
+        await liar.close()
+        liar = None
+        await asyncio.to_thread(wait_until, lambda: liar_series not in http_get(metrics)[1].decode(), 30,
+                                "the liar's series to go", second.all_processes())
+        assert blind_series in http_get(metrics)[1].decode()
+    finally:
+        if liar is not None:
+            await liar.close()
+        if second.control_plane is not None:
+            second.control_plane.stop()
+        for engine in second.engines:
+            if engine.agent is not None:
+                engine.agent.stop()
