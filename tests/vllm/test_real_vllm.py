@@ -4,8 +4,10 @@ a kv_aware router, all separate processes.
 
 Shows that requests sharing a prefix go to the vLLM that cached it and that vLLM's own
 `prefix_cache_hits_total` rises accordingly; that agents started after the vLLMs served requests
-learn those prefixes from vLLM's replay socket; and that a restarted vLLM loses its old blocks in
-the control plane too, so nothing is routed to it for a prefix only the old process held. Needs
+learn those prefixes from vLLM's replay socket; that a restarted vLLM loses its old blocks in
+the control plane too, so nothing is routed to it for a prefix only the old process held; and that
+the probe audit (`kvroute audit --probe`) finds the control plane in agreement with vLLM's own
+prefix-cache counters after all that. Needs
 KVROUTE_VLLM_PYTHON (set by `make test-vllm`); it fails rather than skips without it, so CI can
 never pass silently.
 """
@@ -14,13 +16,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from kvroute.demo import engine_prefix_counters
 from kvroute.local_cluster import (
-    EngineHandle, LocalCluster, ManagedProcess, free_port, http_ok, http_post_json, long_text, wait_until,
+    EngineHandle, LocalCluster, ManagedProcess, free_port, http_ok, http_post_json, kvroute_argv, long_text, wait_until,
 )
 from sim_engine.tiny_model import build_model_dir
 
@@ -191,3 +194,21 @@ def test_a_restarted_vllm_loses_its_old_prefixes_in_the_control_plane(cluster: L
                           "the restarted vLLM's events reach the router")
     assert decision["worker_id"] == engine.worker_id and decision["cached_tokens"] >= 8 * BLOCK_SIZE, decision
     assert 0 < cached_blocks(cluster, engine.worker_id) <= 16  # one document (and its decode blocks), nothing older
+
+
+def test_probe_audit_of_the_real_vllms_finds_no_divergence(cluster: LocalCluster) -> None:
+    """`kvroute audit --probe`: a real vLLM has no block-set endpoint (404), so each is audited by a probe:
+    a random 8-block prompt sent twice; the hit vLLM's own prefix-cache counters count for the second
+    send equals what the control plane predicted from the events of the first."""
+    proc = subprocess.run(kvroute_argv("audit", "--control-plane", cluster.control_plane_addr, "--probe", "--json"),
+                          capture_output=True, text=True, timeout=120)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert result["divergence"] == 0 and result["probed"] == len(cluster.engines) and result["errors"] == [], result
+    for worker in result["workers"]:
+        probe = worker["probe"]
+        assert worker["kind"] == "probe" and worker["status"] == "ok", worker
+        assert probe["events_arrived"] and probe["control_plane_blocks"] == probe["probe_blocks"] == 8, worker
+        # The last prompt token is always computed; with 8 blocks + a few tokens all 8 blocks are a hit.
+        assert probe["engine_hit_tokens"] == probe["predicted_hit_tokens"] == 8 * BLOCK_SIZE, worker
+        assert probe["source"] == "metrics", worker  # vLLM's counters (no cached_tokens without the flag)
