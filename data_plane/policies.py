@@ -284,7 +284,8 @@ def parse_kv_aware_params(items: Sequence[str]) -> dict[str, float]:
         name, sep, value = item.partition("=")
         name = name.strip().replace("-", "_")
         if not sep or name not in _KV_AWARE_FIELDS:
-            raise ValueError(f"--kv-aware-param {item!r}: expected NAME=VALUE with NAME one of {', '.join(sorted(_KV_AWARE_FIELDS))}")
+            raise ValueError(f"--kv-aware-param {item!r}: expected NAME=VALUE with NAME one of "
+                             f"{', '.join(sorted(_KV_AWARE_FIELDS))}")
         try:
             out[name] = float(value)
         except ValueError:
