@@ -225,9 +225,12 @@ class KvAware:
                 + p.decode_weight * max(c.running_requests, c.inflight_requests))
 
     def cost(self, request: RoutingInput, c: Candidate, best_credited: float = 0.0) -> float:
+        """The documented cost of one candidate; `best_credited`: the most any candidate has cached."""
         credited = self.credited_tokens(c)
-        return (max(0.0, request.prompt_tokens - credited)
-                + self.params.recompute_weight * max(0.0, best_credited - credited) + self.queued_work(c))
+        return self._cost(max(0.0, request.prompt_tokens - credited), max(0.0, best_credited - credited), c)
+
+    def _cost(self, uncached: float, recomputed: float, c: Candidate) -> float:
+        return uncached + self.params.recompute_weight * recomputed + self.queued_work(c)
 
     def choose(self, request: RoutingInput, candidates: list[Candidate]) -> Choice:
         _require(candidates)
@@ -236,8 +239,7 @@ class KvAware:
         best = max(credited)
         prompt = request.prompt_tokens
         uncached = [prompt - cr if cr < prompt else 0.0 for cr in credited]
-        scores = {c.worker_id: u + p.recompute_weight * (best - cr) + self.queued_work(c)
-                  for c, u, cr in zip(candidates, uncached, credited)}
+        scores = {c.worker_id: self._cost(u, best - cr, c) for c, u, cr in zip(candidates, uncached, credited)}
         pool = self._within_bound(candidates, uncached) if p.load_bound and len(candidates) > 1 else candidates
         if p.temperature > 0:
             return Choice(self._sample(scores, pool), scores)
