@@ -25,7 +25,7 @@ from pathlib import Path
 import aiohttp
 
 from data_plane.load_tracker import LoadTracker
-from data_plane.policies import Candidate, RoutingInput, make_policy
+from data_plane.policies import Candidate, RoutingInput, RoutingPolicy, make_policy
 from kvroute.block_keys import prompt_block_keys
 
 BURST_REQUESTS = 64
@@ -40,25 +40,31 @@ def burst_prompts(seed: int, requests: int = BURST_REQUESTS) -> list[list[int]]:
     return [prefix + [rng.randrange(3, VOCAB) for _ in range(TAIL_TOKENS)] for _ in range(requests)]
 
 
-def reference_workers(workers: int, prompts: list[list[int]], block_size: int = 16, **params) -> int:
-    """Workers kv_aware uses for `prompts` arriving at once when each decision sees all earlier ones
-    (in-flight load and speculative holders), on an empty fleet."""
-    policy = make_policy("kv_aware", seed=0, **params)
+def burst_decisions(policy: RoutingPolicy, prompts: list[list[int]], workers: int = 8, block_size: int = 16,
+                    speculative: bool = True) -> list[str]:
+    """Where `prompts` arriving at once go on an empty fleet when each decision sees all earlier ones
+    through a router's tracker (in-flight load, and speculative holders unless `speculative` is off)."""
     tracker = LoadTracker()
     ids = [f"w{i}" for i in range(workers)]
-    used = set()
+    chosen = []
     for tokens in prompts:
         keys = prompt_block_keys(tokens, block_size, "m")
-        spec = tracker.speculative_match(keys)
+        spec = tracker.speculative_match(keys) if speculative else {}
         candidates = []
         for w in ids:
             inflight, pending = tracker.inflight(w)
             candidates.append(Candidate(w, "", block_size, cached_tokens=min(spec.get(w, 0) * block_size, len(tokens)),
                                         inflight_requests=inflight, pending_prefill_tokens=pending))
-        chosen = policy.choose(RoutingInput("m", len(tokens), token_ids=tokens, chains={block_size: keys}), candidates)
-        tracker.start(chosen.worker.worker_id, len(tokens) - chosen.worker.cached_tokens, keys)
-        used.add(chosen.worker.worker_id)
-    return len(used)
+        choice = policy.choose(RoutingInput("m", len(tokens), token_ids=tokens, chains={block_size: keys}), candidates)
+        tracker.start(choice.worker.worker_id, len(tokens) - choice.worker.cached_tokens, keys)
+        chosen.append(choice.worker.worker_id)
+    return chosen
+
+
+def reference_workers(workers: int, prompts: list[list[int]], block_size: int = 16, **params) -> int:
+    """Workers kv_aware uses for `prompts` arriving at once when each decision sees all earlier ones
+    (in-flight load and speculative holders), on an empty fleet: what its load bound requires."""
+    return len(set(burst_decisions(make_policy("kv_aware", seed=0, **params), prompts, workers, block_size)))
 
 
 def send_burst(router_urls: list[str], model: str, prompts: list[list[int]], max_tokens: int = 8) -> list[str]:

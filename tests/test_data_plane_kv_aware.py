@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 
+from bench.burst import burst_decisions
 from data_plane.load_tracker import LoadTracker
 from data_plane.policies import Candidate, KvAware, KvAwareParams, RoutingInput, make_policy
 from kvroute.block_keys import prompt_block_keys
@@ -45,22 +46,8 @@ def burst_workers(policy: KvAware, speculative: bool, n: int = 64) -> list[str]:
     """Where n simultaneous requests sharing a new 4096-token prefix go when each decision sees the
     ones before it only through the router's tracker (no engine event has arrived yet)."""
     prefix = list(range(1000, 1000 + 4096))
-    tracker = LoadTracker()
-    workers = [f"w{i}" for i in range(8)]
-    chosen = []
-    for i in range(n):
-        tokens = prefix + [50_000 + i] * 64
-        req = request(tokens)
-        spec = tracker.speculative_match(req.chains[BS]) if speculative else {}
-        cands = []
-        for w in workers:
-            inflight, pending = tracker.inflight(w)
-            cands.append(cand(w, cached_tokens=spec.get(w, 0) * BS, inflight_requests=inflight,
-                              pending_prefill_tokens=pending))
-        choice = policy.choose(req, cands)
-        chosen.append(choice.worker.worker_id)
-        tracker.start(choice.worker.worker_id, len(tokens) - choice.worker.cached_tokens, req.chains[BS])
-    return chosen
+    return burst_decisions(policy, [prefix + [50_000 + i] * 64 for i in range(n)], workers=8, block_size=BS,
+                           speculative=speculative)
 
 
 def test_a_burst_of_one_new_prefix_stays_on_few_workers() -> None:
