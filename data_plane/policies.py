@@ -211,40 +211,54 @@ class KvAware:
         self._rng = _rng(seed, rng)
 
     def credited_tokens(self, c: Candidate) -> float:
-        if not (c.cpu_cached_tokens or c.disk_cached_tokens):
-            return c.cached_tokens
-        p = self.params
-        return (c.cached_tokens - (1.0 - p.cpu_tier_credit) * c.cpu_cached_tokens
-                - (1.0 - p.disk_tier_credit) * c.disk_cached_tokens)
+        return self._credited([c])[0]
 
     def queued_work(self, c: Candidate) -> float:
         """Work ahead of a new request on this worker, whoever sent it."""
-        p = self.params
-        return (c.pending_prefill_tokens
-                + p.queue_weight * max(0, c.waiting_requests - c.inflight_requests) * p.mean_prompt_tokens
-                + p.decode_weight * max(c.running_requests, c.inflight_requests))
+        return self._costs(0, [c], [0.0], 0.0)[0]
 
     def cost(self, request: RoutingInput, c: Candidate, best_credited: float = 0.0) -> float:
         """The documented cost of one candidate; `best_credited`: the most any candidate has cached."""
-        credited = self.credited_tokens(c)
-        return self._cost(max(0.0, request.prompt_tokens - credited), max(0.0, best_credited - credited), c)
+        credited = self._credited([c])
+        return self._costs(request.prompt_tokens, [c], credited, max(best_credited, credited[0]))[0]
 
-    def _cost(self, uncached: float, recomputed: float, c: Candidate) -> float:
-        return uncached + self.params.recompute_weight * recomputed + self.queued_work(c)
+    def _credited(self, candidates: list[Candidate]) -> list[float]:
+        p = self.params
+        cpu_loss, disk_loss = 1.0 - p.cpu_tier_credit, 1.0 - p.disk_tier_credit
+        return [c.cached_tokens - cpu_loss * c.cpu_cached_tokens - disk_loss * c.disk_cached_tokens
+                if c.cpu_cached_tokens or c.disk_cached_tokens else c.cached_tokens for c in candidates]
+
+    def _costs(self, prompt: int, candidates: list[Candidate], credited: list[float], best: float) -> list[float]:
+        """The one copy of the formula: uncached prefill + recompute_weight x recomputed + queued
+        work. One loop over every candidate with no call per candidate: it runs on every decision."""
+        p = self.params
+        waiting_tokens, decode, recompute = p.queue_weight * p.mean_prompt_tokens, p.decode_weight, p.recompute_weight
+        out = []
+        for c, cr in zip(candidates, credited):
+            inflight = c.inflight_requests
+            waiting = c.waiting_requests - inflight  # engine-counted waiting that kvroute did not send
+            running = c.running_requests
+            out.append((prompt - cr if cr < prompt else 0.0) + recompute * (best - cr) + c.pending_prefill_tokens
+                       + (waiting_tokens * waiting if waiting > 0 else 0.0)
+                       + decode * (running if running > inflight else inflight))
+        return out
 
     def choose(self, request: RoutingInput, candidates: list[Candidate]) -> Choice:
         _require(candidates)
         p = self.params
-        credited = [self.credited_tokens(c) for c in candidates]
-        best = max(credited)
+        credited = self._credited(candidates)
         prompt = request.prompt_tokens
-        uncached = [prompt - cr if cr < prompt else 0.0 for cr in credited]
-        scores = {c.worker_id: self._cost(u, best - cr, c) for c, u, cr in zip(candidates, uncached, credited)}
-        pool = self._within_bound(candidates, uncached) if p.load_bound and len(candidates) > 1 else candidates
+        costs = self._costs(prompt, candidates, credited, max(credited))
+        scores = dict(zip([c.worker_id for c in candidates], costs))
+        if p.load_bound and len(candidates) > 1:
+            pool, pool_costs = self._within_bound(candidates, credited, prompt, costs)
+        else:
+            pool, pool_costs = candidates, costs
         if p.temperature > 0:
-            return Choice(self._sample(scores, pool), scores)
-        low = min(scores[c.worker_id] for c in pool)
-        tied = [c for c in pool if scores[c.worker_id] <= low + 1e-9 * max(1.0, abs(low))]
+            return Choice(self._sample(pool_costs, pool), scores)
+        low = min(pool_costs)
+        limit = low + 1e-9 * max(1.0, abs(low))
+        tied = [c for c, cost in zip(pool, pool_costs) if cost <= limit]
         if len(tied) > 1:
             fewest = min(c.worker_cached_blocks for c in tied)
             tied = [c for c in tied if c.worker_cached_blocks == fewest]
@@ -258,19 +272,24 @@ class KvAware:
         key = chain[min(len(chain) - 1, max(c.cached_tokens for c in tied) // bs)].to_bytes(8, "little")
         return max(tied, key=lambda c: (xxhash.xxh3_64_intdigest(key + c.worker_id.encode()), c.worker_id))
 
-    def _within_bound(self, candidates: list[Candidate], uncached: list[float]) -> list[Candidate]:
-        """Workers whose pending prefill with this request's stays within the bound (or is the least)."""
+    def _within_bound(self, candidates: list[Candidate], credited: list[float], prompt: int,
+                      costs: list[float]) -> tuple[list[Candidate], list[float]]:
+        """Workers whose pending prefill with this request's stays within the bound (or is the
+        least), with their costs."""
         p = self.params
-        pending = sum(c.pending_prefill_tokens for c in candidates)
-        work = [c.pending_prefill_tokens + u for c, u in zip(candidates, uncached)]
+        uncached = [prompt - cr if cr < prompt else 0.0 for cr in credited]
+        pending = [c.pending_prefill_tokens for c in candidates]
+        work = [q + u for q, u in zip(pending, uncached)]
         least = min(work)
-        scale = p.load_bound / len(candidates)
-        return [c for c, w, u in zip(candidates, work, uncached)
-                if w <= least or w <= scale * (pending + u) + p.load_bound_slack_tokens]
+        scale, total, slack = p.load_bound / len(candidates), sum(pending), p.load_bound_slack_tokens
+        kept = [i for i, (w, u) in enumerate(zip(work, uncached)) if w <= least or w <= scale * (total + u) + slack]
+        if len(kept) == len(candidates):
+            return candidates, costs
+        return [candidates[i] for i in kept], [costs[i] for i in kept]
 
-    def _sample(self, scores: dict[str, float], pool: list[Candidate]) -> Candidate:
-        low = min(scores[c.worker_id] for c in pool)
-        weights = [math.exp(-(scores[c.worker_id] - low) / self.params.temperature) for c in pool]
+    def _sample(self, costs: list[float], pool: list[Candidate]) -> Candidate:
+        low = min(costs)
+        weights = [math.exp(-(cost - low) / self.params.temperature) for cost in costs]
         return self._rng.choices(pool, weights)[0]
 
 
