@@ -147,11 +147,16 @@ class ControlPlaneClient:
 
         Raises TimeoutError past `query_timeout_s` on the session, grpc.aio.AioRpcError on the
         unary path (DEADLINE_EXCEEDED, UNAVAILABLE...)."""
-        request = pb.QueryRequest(model=model, lora_name=lora_name, columnar=True,
-                                  chains=[pb.KeyChain(block_size=bs, block_keys=keys) for bs, keys in chains.items()])
+        # Filled in place inside the stream message: a message passed to a constructor is copied,
+        # and this one carries every block key of the prompt.
+        message = pb.RouterMessage()
+        request = message.query
+        request.model, request.lora_name, request.columnar = model, lora_name, True
+        for bs, keys in chains.items():
+            request.chains.add(block_size=bs, block_keys=keys)
         if self.session is not None and self.session.connected:
             try:
-                return (await self.session.query(request, self.query_timeout_s)).columns
+                return (await self.session.query(message, self.query_timeout_s)).columns
             except SessionUnavailable:
                 pass  # lost just now: the unary call below still has a chance
         response = await self._stub.Query(request, timeout=self.query_timeout_s)

@@ -98,17 +98,18 @@ class RouterSessionLink:
 
     # ------------------------------------------------------------ queries
 
-    async def query(self, request: pb.QueryRequest, timeout_s: float) -> pb.QueryResponse:
-        """Raises SessionUnavailable (stream down or lost meanwhile) or TimeoutError."""
+    async def query(self, message: pb.RouterMessage, timeout_s: float) -> pb.QueryResponse:
+        """`message.query` filled in but for its id. Raises SessionUnavailable (stream down or lost
+        meanwhile) or TimeoutError."""
         if not self.connected or self._call is None:
             raise SessionUnavailable("router session is not connected")
         query_id = next(self._query_ids)
-        request.query_id = query_id
+        message.query.query_id = query_id
         future = asyncio.get_running_loop().create_future()
         self._pending[query_id] = future
         try:
             async with asyncio.timeout(timeout_s):
-                await self._write(pb.RouterMessage(query=request))
+                await self._write(message)
                 return await future
         except grpc.aio.AioRpcError as exc:
             raise SessionUnavailable(f"router session lost: {exc.code().name}") from None

@@ -77,6 +77,9 @@ class RouteDecision:
                             for c in self.candidates]}
 
 
+_NOTHING_OWN = (0, 0)
+
+
 class Router:
     def __init__(self, control_plane: ControlPlaneClient, policy: RoutingPolicy,
                  load: SharedInflight | LoadTracker | None = None, metrics: RouterMetrics | None = None) -> None:
@@ -160,20 +163,22 @@ class Router:
         speculative = {bs: self.load.speculative_match(chain) for bs, chain in chains.items()} if own else {}
         out, kept = [], []
         for wid, matched, cpu, disk, reserved, prefill, running, waiting, usage in zip(
-                columns.worker_id, list(columns.matched_blocks),
-                list(columns.cpu_blocks), list(columns.disk_blocks), list(columns.reserved_requests),
-                list(columns.reserved_prefill_tokens), list(columns.running_requests),
-                list(columns.waiting_requests), list(columns.kv_usage)):
+                columns.worker_id, columns.matched_blocks, columns.cpu_blocks, columns.disk_blocks,
+                columns.reserved_requests, columns.reserved_prefill_tokens, columns.running_requests,
+                columns.waiting_requests, columns.kv_usage):
             w = by_id.get(wid)
             if w is None:
                 continue
             bs = w.block_size
-            own_requests, own_pending = own.get(wid, (0, 0))
+            own_requests, own_pending = own.get(wid, _NOTHING_OWN) if own else _NOTHING_OWN
             if own_requests and bs in speculative:
                 matched = max(matched, speculative[bs].get(wid, 0))
-            candidate = Candidate(wid, w.endpoint, bs, min(matched * bs, prompt_tokens), min(cpu * bs, prompt_tokens),
-                                  min(disk * bs, prompt_tokens), running, waiting, usage, own_requests + reserved,
-                                  own_pending + prefill, w.cached_blocks)
+            # Conditionals, not min(): this runs per worker per decision and tiers are mostly empty.
+            cached = matched * bs
+            candidate = Candidate(wid, w.endpoint, bs, cached if cached < prompt_tokens else prompt_tokens,
+                                  min(cpu * bs, prompt_tokens) if cpu else 0,
+                                  min(disk * bs, prompt_tokens) if disk else 0, running, waiting, usage,
+                                  own_requests + reserved, own_pending + prefill, w.cached_blocks)
             (kept if wid in avoid else out).append(candidate)
         return out or kept
 
