@@ -11,7 +11,7 @@ outlives the worker it meant.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -66,6 +66,9 @@ class WorkerRegistry:
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._generations = 0
+        # workers() per (model, adapter), answered on every query; forgotten whenever membership,
+        # model or adapters change (load changes mutate the records in place).
+        self._rosters: dict[tuple[str, str], tuple[WorkerRecord, ...]] = {}
 
     def register(self, worker_id: str, model: str, engine: str, block_size: int, endpoint: str,
                  engine_version: str = "", lora_adapters: Iterable[str] = (),
@@ -79,6 +82,7 @@ class WorkerRegistry:
         if not model:
             raise ValueError("model must not be empty")
         self._generations += 1
+        self._rosters.clear()
         record = self._workers.get(worker_id)
         if record is not None and (record.block_size != block_size or record.model != model):
             # Keys of another block size or model are meaningless now.
@@ -111,16 +115,20 @@ class WorkerRegistry:
 
     def set_lora_adapters(self, record: WorkerRecord, adapters: Iterable[str]) -> None:
         record.lora_adapters = tuple(adapters)
+        self._rosters.clear()
         record.match_template = None
 
     def get(self, worker_id: str) -> WorkerRecord | None:
         return self._workers.get(worker_id)
 
-    def workers(self, model: str = "", lora_name: str = "") -> Iterator[WorkerRecord]:
+    def workers(self, model: str = "", lora_name: str = "") -> tuple[WorkerRecord, ...]:
         """Live workers of `model` ("" = every model) serving adapter `lora_name` ("" = the base model)."""
-        for record in self._workers.values():
-            if (not model or record.model == model) and (not lora_name or lora_name in record.lora_adapters):
-                yield record
+        roster = self._rosters.get((model, lora_name))
+        if roster is None:
+            roster = self._rosters[(model, lora_name)] = tuple(
+                record for record in self._workers.values()
+                if (not model or record.model == model) and (not lora_name or lora_name in record.lora_adapters))
+        return roster
 
     def __len__(self) -> int:
         return len(self._workers)
@@ -129,6 +137,7 @@ class WorkerRegistry:
         record = self._workers.pop(worker_id, None)
         if record is None:
             return False
+        self._rosters.clear()
         self.index.clear(record.slot)
         if self.watcher:
             self.watcher.slot_dropped(record.slot)

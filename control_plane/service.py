@@ -273,37 +273,41 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
     def _answer_columns(self, request: pb.QueryRequest, columns: pb.WorkerColumns, matches: dict[int, TierMatch],
                         all_requests: dict[int, int], all_prefill: dict[int, int], own_requests: dict[int, int],
                         own_prefill: dict[int, int]) -> None:
-        """The same answer as one list per field, each written to the message in one C call."""
-        ids, matched, cpu, disk, spec, reserved, prefill, running, waiting, usage = ([] for _ in range(10))
-        no_match = TierMatch()
-        for record in self.registry.workers(request.model, request.lora_name):
-            slot = record.slot
-            ids.append(record.worker_id)
-            match = matches.get(record.block_size, no_match)
-            matched.append(match.depth.get(slot, 0))
-            cpu.append(match.cpu_blocks.get(slot, 0))
-            disk.append(match.disk_blocks.get(slot, 0))
-            spec.append(match.speculative_blocks.get(slot, 0))
-            if slot in all_requests:
-                reserved.append(all_requests[slot] - own_requests.get(slot, 0))
-                prefill.append(all_prefill.get(slot, 0) - own_prefill.get(slot, 0))
-            else:
-                reserved.append(0)
-                prefill.append(0)
-            load = record.load
-            running.append(load.running_requests)
-            waiting.append(load.waiting_requests)
-            usage.append(load.kv_usage)
-        columns.worker_id.extend(ids)
-        columns.matched_blocks.extend(matched)
-        columns.cpu_blocks.extend(cpu)
-        columns.disk_blocks.extend(disk)
-        columns.speculative_blocks.extend(spec)
-        columns.reserved_requests.extend(reserved)
-        columns.reserved_prefill_tokens.extend(prefill)
-        columns.running_requests.extend(running)
-        columns.waiting_requests.extend(waiting)
-        columns.kv_usage.extend(usage)
+        """The same answer as one list per field, each written to the message in one C call; a
+        column that is all zeros (no tiers, nothing reserved: the common case) is not computed."""
+        records = self.registry.workers(request.model, request.lora_name)
+        slots = [r.slot for r in records]
+        zeros = [0] * len(records)
+        present = matches.values()
+        single = next(iter(present)) if len(matches) == 1 else None
+        if single is None or not all(r.block_size in matches for r in records):
+            single, no_match = None, TierMatch()
+            per_worker = [matches.get(r.block_size, no_match) for r in records]
+
+        def column(field: str) -> list[int]:
+            if not any(getattr(m, field) for m in present):
+                return zeros
+            if single is not None:  # one block size in the fleet: one dict, looked up in one C loop
+                return list(map(getattr(single, field).get, slots, zeros))
+            return [getattr(m, field).get(slot, 0) for m, slot in zip(per_worker, slots)]
+
+        columns.worker_id.extend([r.worker_id for r in records])
+        columns.matched_blocks.extend(column("depth"))
+        columns.cpu_blocks.extend(column("cpu_blocks"))
+        columns.disk_blocks.extend(column("disk_blocks"))
+        columns.speculative_blocks.extend(column("speculative_blocks"))
+        if all_requests:
+            columns.reserved_requests.extend(
+                [all_requests.get(slot, 0) - own_requests.get(slot, 0) for slot in slots])
+            columns.reserved_prefill_tokens.extend(
+                [all_prefill.get(slot, 0) - own_prefill.get(slot, 0) for slot in slots])
+        else:
+            columns.reserved_requests.extend(zeros)
+            columns.reserved_prefill_tokens.extend(zeros)
+        loads = [r.load for r in records]
+        columns.running_requests.extend([load.running_requests for load in loads])
+        columns.waiting_requests.extend([load.waiting_requests for load in loads])
+        columns.kv_usage.extend([load.kv_usage for load in loads])
 
     async def RouterSession(self, request_iterator: AsyncIterator[pb.RouterMessage],
                             context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RouterReply]:
