@@ -19,6 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     decision.add_argument("--workers", type=int, default=64, help="registered workers")
     decision.add_argument("--iterations", type=int, default=300, help="timed decisions")
     decision.add_argument("--block-size", type=int, default=16, help="worker block size")
+    decision.add_argument("--pin-cores", action="store_true",
+                          help="run the router (this process) and the control plane on different cores, as on "
+                               "separate hosts; without it they share the machine's cores as the OS schedules them")
     proxy = sub.add_parser("proxy", help="completion latency direct to an engine vs through the router")
     proxy.add_argument("--requests", type=int, default=300, help="requests per path")
     inflight = sub.add_parser("inflight", help="RouterSession: how long until one router's reserve/release is "
@@ -82,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench == "decision":
         from bench.decision import run_decision
 
-        result = run_decision(args.prompt_tokens, args.workers, args.block_size, args.iterations)
+        result = run_decision(args.prompt_tokens, args.workers, args.block_size, args.iterations,
+                              pin_cores=args.pin_cores)
     elif args.bench == "inflight":
         from bench.inflight import run_inflight
 

@@ -12,6 +12,7 @@ never-seen prompt costs.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import tempfile
 import time
@@ -128,14 +129,26 @@ async def measure(address: str, tokenizer_dir: Path, prompt_tokens: int, workers
     return {**result, "prompt_tokens": len(ids), "workers": workers, "iterations": iterations, "fail_open": fail_open}
 
 
+def pin_apart(control_plane_pid: int) -> bool:
+    """This process on one core, the control plane on another (False where that is not possible)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) < 2:
+        return False
+    os.sched_setaffinity(control_plane_pid, {cores[1]})
+    os.sched_setaffinity(0, {cores[0]})
+    return True
+
+
 def run_decision(prompt_tokens: int = 8192, workers: int = 64, block_size: int = 16, iterations: int = 300,
-                 other_blocks: int = 2000, seed: int = 0) -> dict:
+                 other_blocks: int = 2000, seed: int = 0, pin_cores: bool = False) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="kvroute-bench-"))
     cluster = LocalCluster(workdir=workdir, tokenizer_dir=build_model_dir(workdir / MODEL),
                            heartbeat_timeout_s=3600)
     try:
         address = cluster.start_control_plane()
-        return aio.run_value(measure(address, cluster.tokenizer_dir, prompt_tokens, workers, block_size, iterations,
-                                   other_blocks, seed))
+        pinned = pin_apart(cluster.control_plane.popen.pid) if pin_cores else False
+        result = aio.run_value(measure(address, cluster.tokenizer_dir, prompt_tokens, workers, block_size, iterations,
+                                       other_blocks, seed))
+        return {**result, "pinned_cores": pinned}
     finally:
         cluster.stop()
