@@ -68,6 +68,10 @@ def test_unknown_prefix_spreads_by_load_and_header_names_worker(cluster: LocalCl
 
 
 def test_control_plane_down_fails_open(cluster: LocalCluster) -> None:
+    # Its own warm-up (the module's first test may not have run, e.g. under -k): engine 1 holds long_text(1).
+    engine = cluster.engines[1]
+    status, raw = http_post_json(engine.url + "/v1/chat/completions", cluster.chat_request(long_text(1), "warm up"))
+    assert status == 200, raw
     cluster.control_plane.stop()
     try:
         started = time.monotonic()
