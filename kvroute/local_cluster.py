@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -24,7 +25,6 @@ from pathlib import Path
 from kvroute.audit import FleetAudit, audit_fleet
 from sim_engine.dialects import DEFAULT_DIALECT, get_dialect
 
-
 _WORDS = ("cache", "token", "prefix", "router", "worker", "model", "request", "latency", "block", "memory", "engine",
           "query", "index")
 
@@ -35,10 +35,52 @@ def long_text(seed: int, n_words: int = 400) -> str:
     return " ".join(_WORDS[(seed * 7 + i * 3 + i // 5) % len(_WORDS)] for i in range(n_words)) + f" seed {seed}."
 
 
-def free_port() -> int:
+def _ephemeral_low(default: int = 32768) -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
+class PortAllocator:
+    """Ports for processes that bind them later. A port the kernel picked with bind(0) sits in the
+    ephemeral range, where any outgoing connection may take it before our engine binds it (seen in
+    CI: ZMQ "Address already in use"). These come from below that range, each handed out once per
+    allocator, from a random start so that two test processes rarely walk the same ports, and only
+    after a bind on every interface succeeded just now."""
+
+    def __init__(self, low: int = 20000, high: int | None = None, seed: int | None = None) -> None:
+        self.low, self.high = low, min(high or 65536, _ephemeral_low())
+        if self.high - self.low < 100:
+            raise ValueError(f"no room for ports between {self.low} and {self.high}")
+        self._next = random.Random(seed).randrange(self.low, self.high)
+        self._handed_out: set[int] = set()
+
+    def take(self) -> int:
+        for _ in range(self.high - self.low):
+            port, self._next = self._next, self._next + 1 if self._next + 1 < self.high else self.low
+            if port not in self._handed_out and _bindable(port):
+                self._handed_out.add(port)
+                return port
+        raise RuntimeError(f"no free port between {self.low} and {self.high}")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("0.0.0.0", port))  # engines bind "*" (every interface), not only loopback
+        except OSError:
+            return False
+    return True
+
+
+# One per process: ports are a process-wide resource, and two clusters in one test run must not
+# be handed the same one.
+_PORTS = PortAllocator()
+
+
+def free_port() -> int:
+    return _PORTS.take()
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import grpc
 import pytest
 
 from kvroute.block_keys import prompt_block_keys
+from kvroute.local_cluster import free_port
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 from worker_agent.block_resolver import BlockResolver
@@ -64,12 +64,6 @@ class FakeControlPlane(pb_grpc.ControlPlaneServicer):
                 else:
                     held.clear()
         return held
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def start_server(servicer: pb_grpc.ControlPlaneServicer, port: int = 0) -> tuple[grpc.aio.Server, int]:
