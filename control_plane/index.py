@@ -266,8 +266,15 @@ class BitmaskPrefixIndex:
 
     def match_tiers(self, keys: Sequence[int]) -> TierMatch:
         aux = self._aux
+        # No key of this prompt below gpu or claimed (the usual case: claims cover other prompts'
+        # new tails): the plain walk is exact. The disjointness test is one C loop over aux, which
+        # unless the fleet offloads holds only in-flight claims: small and cache-resident.
         if not aux:
-            return TierMatch(self.match(keys))  # gpu-only fleet, nothing in flight: the plain walk
+            return TierMatch(self.match(keys))
+        if not isinstance(keys, list):
+            keys = list(keys)  # once, not per pass (a protobuf repeated field is slow to iterate)
+        if aux.keys().isdisjoint(keys):
+            return TierMatch(self.match(keys))
         gpu_get, aux_get = self._tier_holders[Tier.GPU].get, aux.get
         below_get, cpu_get = self._below_gpu.get, self._tier_holders[Tier.CPU].get
         tiered = bool(self._below_gpu)

@@ -165,6 +165,17 @@ def test_speculative_claims_continue_the_walk(index: PrefixIndex) -> None:
     assert index.match_tiers([1, 2]) == TierMatch(depth={0: 2, 1: 2}, cpu_blocks={1: 1}, disk_blocks={1: 1})
 
 
+def test_claims_and_offloads_on_other_prompts_leave_this_match_alone(index: PrefixIndex) -> None:
+    index.store(0, [1, 2, 3], GPU)
+    index.store(1, [1, 2], GPU)
+    index.store(2, [50, 51], CPU)   # offloaded, another prompt
+    index.speculate(3, [60, 61])    # in flight, another prompt's tail
+    assert index.match_tiers([1, 2, 3, 4]) == TierMatch(depth={0: 3, 1: 2})
+    assert index.match_tiers((1, 2, 3)) == TierMatch(depth={0: 3, 1: 2})  # any sequence, not only lists
+    index.speculate(1, [3])         # now one key of this prompt is claimed: the tiered walk counts it
+    assert index.match_tiers([1, 2, 3, 4]) == TierMatch(depth={0: 3, 1: 3}, speculative_blocks={1: 1})
+
+
 def test_tier_counts_with_many_workers(index: PrefixIndex) -> None:
     for worker in range(130):
         index.store(worker, [1, 2], GPU)
