@@ -2,8 +2,9 @@
 
 The control plane runs as its own process; the benchmark registers `workers` fake agents over
 real Connect streams and fills the index (each worker holds part of the prompt's prefix plus
-unrelated blocks), then times the router's own decision path (chat template + tokenizer, then
-`Router.decide`) in-process. Each request is a chat with one long shared system prompt and a new
+unrelated blocks), has a second router put 128 requests in flight (speculative claims on other
+prompts' tails, as in a serving fleet), then times the router's own decision path (chat template +
+tokenizer, then `Router.decide`) in-process. Each request is a chat with one long shared system prompt and a new
 user turn. `p50_ms`/`p99_ms` use the router's tokenizer (its segment cache knows the system
 prompt after the first request); `cold_*` is the same path with the cache off, i.e. what a
 never-seen prompt costs.
@@ -81,8 +82,24 @@ def chat_messages(system_text: str, i: int) -> list[dict]:
             {"role": "user", "content": f"question {i}: which worker holds this prefix, and why?"}]
 
 
+async def in_flight_elsewhere(address: str, worker_ids: list[str], block_size: int, requests: int,
+                              seed: int) -> ControlPlaneClient:
+    """Another router with `requests` requests in flight (new 256-token tails of other prompts), as
+    in a serving fleet: the control plane then holds speculative claims while we query."""
+    rng = random.Random(seed + 1)
+    other = ControlPlaneClient(address, query_timeout_s=1.0)
+    other.start()
+    if not await other.session.wait_connected(10):
+        raise RuntimeError("second router session did not open")
+    for _ in range(requests):
+        tail = [rng.getrandbits(64) for _ in range(256 // block_size)]
+        other.session.reserve(rng.choice(worker_ids), block_size, tail, prefill_tokens=256, prompt_tokens=8192)
+    await asyncio.sleep(0.2)  # the reservations reach the control plane before the first query
+    return other
+
+
 async def measure(address: str, tokenizer_dir: Path, prompt_tokens: int, workers: int, block_size: int,
-                  iterations: int, other_blocks: int, seed: int) -> dict:
+                  iterations: int, other_blocks: int, seed: int, inflight_requests: int = 128) -> dict:
     tokenizer = load_tokenizer(tokenizer_dir)
     uncached = load_tokenizer(tokenizer_dir, cache_tokens=0)  # what a never-seen prompt costs
     system_text = prompt_text(uncached, prompt_tokens - 24, seed)
@@ -93,6 +110,8 @@ async def measure(address: str, tokenizer_dir: Path, prompt_tokens: int, workers
     client.start()  # the refresher and the router session stream, as the router runs them
     if not await client.session.wait_connected(10):
         raise RuntimeError("router session to the control plane did not open")
+    other_router = await in_flight_elsewhere(address, [f"w{w}" for w in range(workers)], block_size,
+                                             inflight_requests, seed)
     query_ms: list[float] = []
     query = client.query
 
@@ -125,8 +144,10 @@ async def measure(address: str, tokenizer_dir: Path, prompt_tokens: int, workers
         result[f"{label}tokenize_p50_ms"] = round(percentile(tokenize_ms, 50), 3)
         result[f"{label}query_p50_ms"] = round(percentile(query_ms[-iterations:], 50), 3)
     await client.close()
+    await other_router.close()
     await keep_alive[0].close()
-    return {**result, "prompt_tokens": len(ids), "workers": workers, "iterations": iterations, "fail_open": fail_open}
+    return {**result, "prompt_tokens": len(ids), "workers": workers, "iterations": iterations,
+            "inflight_elsewhere": inflight_requests, "fail_open": fail_open}
 
 
 def pin_apart(control_plane_pid: int) -> bool:
@@ -145,7 +166,8 @@ def run_decision(prompt_tokens: int = 8192, workers: int = 64, block_size: int =
     cluster = LocalCluster(workdir=workdir, tokenizer_dir=build_model_dir(workdir / MODEL),
                            heartbeat_timeout_s=3600)
     try:
-        address = cluster.start_control_plane()
+        # Claims of the other router's in-flight requests stay for the whole run (no engine confirms them).
+        address = cluster.start_control_plane(extra_args=("--speculative-ttl-ms", "3600000"))
         pinned = pin_apart(cluster.control_plane.popen.pid) if pin_cores else False
         result = aio.run_value(measure(address, cluster.tokenizer_dir, prompt_tokens, workers, block_size, iterations,
                                        other_blocks, seed))
