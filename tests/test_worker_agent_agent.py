@@ -19,6 +19,7 @@ from aiohttp.test_utils import TestServer
 
 from control_plane.server import ControlPlaneConfig, ControlPlaneServer
 from kvroute.block_keys import prompt_block_keys
+from kvroute.local_cluster import free_port
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 from worker_agent import cli
@@ -200,10 +201,7 @@ async def test_events_flow_from_engine_to_control_plane(fleet) -> None:
 
 async def test_metrics_and_health_endpoints(fleet) -> None:
     engine, _cp, port, _stub = fleet
-    metrics_port = socket.socket()
-    metrics_port.bind(("127.0.0.1", 0))
-    mport = metrics_port.getsockname()[1]
-    metrics_port.close()
+    mport = free_port()
     agent, task = await start_agent(AgentConfig(
         control_plane=f"127.0.0.1:{port}", kv_events=engine.kv_endpoint, engine_url=engine.url, model=MODEL,
         worker_id="gpu-0", metrics_port=mport))
