@@ -213,10 +213,6 @@ class KvAware:
     def credited_tokens(self, c: Candidate) -> float:
         return self._credited([c])[0]
 
-    def queued_work(self, c: Candidate) -> float:
-        """Work ahead of a new request on this worker, whoever sent it."""
-        return self._costs(0, [c], [0.0], 0.0)[0]
-
     def cost(self, request: RoutingInput, c: Candidate, best_credited: float = 0.0) -> float:
         """The documented cost of one candidate; `best_credited`: the most any candidate has cached."""
         credited = self._credited([c])
