@@ -5,6 +5,12 @@ Real code: the routing policies (data_plane.policies), the router's in-flight tr
 (worker_agent.block_resolver) and the control plane's index (control_plane.index).
 Simulated: each engine (sim_engine's PrefixCache + Scheduler + CostModel) and the clock.
 KV events reach the index when the engine step that produced them ends, plus `event_delay_s`.
+
+`ttft_oracle` (simulator only, not a router policy) is a reference: it reads every engine's exact
+state (the rest of the running step, the queue, the cache, free KV blocks) and sends each request
+where its own TTFT would be lowest if nothing else arrived. It answers "would a router that knew
+everything do better, one request at a time?"; it is not a bound on what a policy can reach, since
+it never invests in placement for the requests that follow.
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import random
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from control_plane.index import BitmaskPrefixIndex
@@ -27,6 +35,7 @@ from worker_agent.block_resolver import BlockResolver
 from worker_agent.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored
 
 MODEL = "sim-model"
+TTFT_ORACLE = "ttft_oracle"
 
 
 @dataclass
@@ -71,6 +80,43 @@ class _Worker:
         self.resolver = BlockResolver(MODEL)
         self.busy = False
         self.busy_s = 0.0
+        self.step_end = 0.0  # when the running step (or decode stretch) ends, while busy
+
+
+def true_ttft(w: _Worker, prompt: Sequence[int], max_tokens: int, now: float,
+              max_num_batched_tokens: int) -> tuple[bool, float, int]:
+    """(would wait for KV blocks or a sequence slot, TTFT in s, cached tokens) of `prompt` on `w`
+    if nothing else arrived: the rest of the running step, then FIFO steps that prefill the queue
+    ahead and this prompt's uncached tokens within the token budget, each priced by the engine's
+    cost model. Exact (tested) but for requests finishing meanwhile (their decode slots are still
+    counted) and blocks that requests ahead cache before this one is admitted (not counted as hits)."""
+    cache, sched = w.cache, w.scheduler
+    bs = cache.block_size
+    hit = min(cache.longest_cached_prefix(cache.chain_hashes(prompt)), (len(prompt) - 1) // bs) * bs
+    ahead = [len(r.prompt) - r.computed for r in sched.running if not r.prefill_done]
+    need = cache.blocks_for(len(prompt) + max_tokens) - hit // bs
+    for r in sched.waiting:
+        held = min(cache.longest_cached_prefix(r.prompt_hashes), (len(r.prompt) - 1) // bs)
+        ahead.append(len(r.prompt) - held * bs)
+        need += cache.blocks_for(len(r.prompt) + r.max_tokens) - held
+    blocked = (need > cache.free_blocks() + cache.evictable_blocks
+               or len(sched.running) + len(sched.waiting) >= sched.max_num_seqs)
+    queue = ahead + [len(prompt) - hit]
+    decoders = sum(1 for r in sched.running if r.prefill_done)
+    t = w.step_end - now if w.busy else 0.0
+    while queue:
+        budget, tokens, done = max_num_batched_tokens - decoders, 0, 0
+        while queue and budget > 0:
+            chunk = min(queue[0], budget)
+            budget -= chunk
+            tokens += chunk
+            queue[0] -= chunk
+            if queue[0] == 0:
+                queue.pop(0)
+                done += 1
+        t += sched.cost.step_seconds(tokens, decoders)
+        decoders += done
+    return blocked, t, hit
 
 
 def _to_wire(event, block_size: int):
@@ -85,7 +131,10 @@ def _to_wire(event, block_size: int):
 
 def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config: FleetConfig,
                     progress=None, detail: bool = False) -> PolicyRun:
-    policy = make_policy(policy_name, seed=config.seed, **(config.kv_aware_params if policy_name == "kv_aware" else {}))
+    oracle = policy_name == TTFT_ORACLE
+    policy = None if oracle else make_policy(policy_name, seed=config.seed,
+                                             **(config.kv_aware_params if policy_name == "kv_aware" else {}))
+    oracle_rng = random.Random(config.seed)
     workers = [_Worker(i, config) for i in range(config.workers)]
     index = BitmaskPrefixIndex()
     load = LoadTracker()
@@ -111,6 +160,7 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
             result = w.scheduler.step()
         w.busy = True
         w.busy_s += result.seconds
+        w.step_end = t + result.seconds
         heapq.heappush(heap, (t + result.seconds, next(seq), 1, (w, result)))
 
     while heap or next_arrival < len(arrivals):
@@ -119,28 +169,17 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
             next_arrival += 1
             now = req.arrival_s
             keys = prompt_block_keys(req.tokens, config.block_size, MODEL)
-            matched = index.match(keys)
-            speculative = load.speculative_match(keys)
-            candidates = []
-            for w in workers:
-                inflight, pending = load.inflight(w.worker_id)
-                blocks = max(matched.get(w.slot, 0), speculative.get(w.worker_id, 0))
-                candidates.append(Candidate(
-                    worker_id=w.worker_id, endpoint="", block_size=config.block_size,
-                    cached_tokens=min(blocks * config.block_size, len(req.tokens)),
-                    worker_cached_blocks=index.worker_block_count(w.slot),
-                    running_requests=len(w.scheduler.running), waiting_requests=len(w.scheduler.waiting),
-                    inflight_requests=inflight, pending_prefill_tokens=pending))
-            choice = policy.choose(RoutingInput(MODEL, len(req.tokens), token_ids=req.tokens, session_key=req.session,
-                                                chains={config.block_size: keys}), candidates)
-            w = workers[int(choice.worker.worker_id[1:])]
+            if oracle:
+                w, cached = _oracle_choice(workers, req, now, config, oracle_rng)
+            else:
+                w, cached = _policy_choice(policy, workers, index, load, req, keys, config)
             if -(-(len(req.tokens) + req.output_tokens) // config.block_size) > config.num_blocks:
                 run.rejected += 1  # larger than a whole engine cache: an engine would reject it too
                 continue
             sim_req = SimRequest(f"r{next(ids)}", req.tokens, req.output_tokens)
             w.scheduler.add(sim_req)
-            tickets[sim_req.request_id] = (load.start(w.worker_id, max(0, len(req.tokens) - choice.worker.cached_tokens),
-                                                      keys), req.arrival_s)
+            tickets[sim_req.request_id] = (load.start(w.worker_id, max(0, len(req.tokens) - cached), keys),
+                                           req.arrival_s)
             if not w.busy:
                 start_step(w, now)
             continue
@@ -178,6 +217,37 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
     run.hit_tokens = sum(w.cache.hits_tokens for w in workers)
     run.query_tokens = sum(w.cache.queries_tokens for w in workers)
     return run
+
+
+def _policy_choice(policy, workers: list[_Worker], index: BitmaskPrefixIndex, load: LoadTracker,
+                   req: SimWorkloadRequest, keys: list[int], config: FleetConfig) -> tuple[_Worker, int]:
+    """The router's way: candidates from the index and in-flight tracking, then the policy."""
+    matched = index.match(keys)
+    speculative = load.speculative_match(keys)
+    candidates = []
+    for w in workers:
+        inflight, pending = load.inflight(w.worker_id)
+        blocks = max(matched.get(w.slot, 0), speculative.get(w.worker_id, 0))
+        candidates.append(Candidate(
+            worker_id=w.worker_id, endpoint="", block_size=config.block_size,
+            cached_tokens=min(blocks * config.block_size, len(req.tokens)),
+            worker_cached_blocks=index.worker_block_count(w.slot),
+            running_requests=len(w.scheduler.running), waiting_requests=len(w.scheduler.waiting),
+            inflight_requests=inflight, pending_prefill_tokens=pending))
+    choice = policy.choose(RoutingInput(MODEL, len(req.tokens), token_ids=req.tokens, session_key=req.session,
+                                        chains={config.block_size: keys}), candidates)
+    return workers[int(choice.worker.worker_id[1:])], choice.worker.cached_tokens
+
+
+def _oracle_choice(workers: list[_Worker], req: SimWorkloadRequest, now: float, config: FleetConfig,
+                   rng: random.Random) -> tuple[_Worker, int]:
+    """ttft_oracle: the lowest true TTFT among workers with room, ties at random."""
+    if -(-(len(req.tokens) + req.output_tokens) // config.block_size) > config.num_blocks:
+        return workers[0], 0  # rejected by the caller before it reaches an engine
+    options = [(true_ttft(w, req.tokens, req.output_tokens, now, config.max_num_batched_tokens), w) for w in workers]
+    best = min(est[:2] for est, _ in options)
+    tied = [(w, est[2]) for est, w in options if est[:2] == best]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 
 def _apply(index: BitmaskPrefixIndex, w: _Worker, wire: list) -> None:

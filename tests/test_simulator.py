@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sim_engine.scheduler import SimRequest
 from simulator.fleet import FleetConfig, oracle_hit_rate, simulate_policy
 from simulator.workloads import GeneratedWorkload, generate, load_mooncake_trace
 
@@ -102,3 +103,64 @@ def test_report_and_plots_are_written(tmp_path: Path) -> None:
     text = report.read_text()
     assert "| kv_aware |" in text and "](plots/ttft_cdf.png)" in text
     assert "simulated 100%" in out.stderr  # progress, as plain lines when stderr is not a terminal
+
+
+def test_true_ttft_is_what_the_engine_then_takes() -> None:
+    """The oracle's estimate, mid-step, with chunked prefill, a queue ahead and a cached prefix,
+    equals the TTFT the scheduler then produces when nothing else arrives."""
+    from simulator.fleet import _Worker, true_ttft
+
+    config = FleetConfig(workers=1, num_blocks=512, block_size=16, max_num_batched_tokens=256, seed=1)
+    w = _Worker(0, config)
+    fresh = iter(range(1000, 100_000))
+    shared = [next(fresh) for _ in range(320)]
+    sched = w.scheduler
+
+    def submit(prompt: list[int], rid: str) -> SimRequest:
+        req = SimRequest(rid, prompt, 100)
+        sched.add(req)
+        return req
+
+    submit(shared, "d")  # prefilled and cached first: the prefix the measured prompt will hit
+    t = 0.0
+    while sched.waiting or any(not r.prefill_done for r in sched.running):
+        t += sched.step().seconds
+    submit([next(fresh) for _ in range(600)], "a")  # chunked over three steps at 256 tokens
+    first = sched.step()
+    w.busy, w.step_end = True, t + first.seconds
+    now = t + first.seconds / 3  # the measured prompt arrives a third into that step
+    submit([next(fresh) for _ in range(300)], "b")  # queued ahead of it
+    prompt = shared + [next(fresh) for _ in range(200)]
+
+    blocked, estimate, hit = true_ttft(w, prompt, 10, now, config.max_num_batched_tokens)
+
+    measured = submit(prompt, "c")
+    clock = w.step_end
+    while True:
+        result = sched.step()
+        clock += result.seconds
+        if measured in result.first_tokens:
+            break
+    assert not blocked and hit == 320 and measured.hit_tokens == 320
+    assert abs(estimate - (clock - now)) < 1e-9
+
+
+def test_true_ttft_flags_an_engine_without_a_free_sequence_slot() -> None:
+    from simulator.fleet import _Worker, true_ttft
+
+    config = FleetConfig(workers=1, num_blocks=256, max_num_seqs=1, seed=1)
+    w = _Worker(0, config)
+    w.scheduler.add(SimRequest("busy", list(range(100, 164)), 50))
+    w.scheduler.step()
+    assert true_ttft(w, list(range(500, 564)), 10, 0.0, config.max_num_batched_tokens)[0]
+    idle = _Worker(0, config)
+    assert not true_ttft(idle, list(range(500, 564)), 10, 0.0, config.max_num_batched_tokens)[0]
+
+
+def test_ttft_oracle_runs_as_a_simulator_reference() -> None:
+    workload = generate(GeneratedWorkload("hot-prefix", requests=200, rate_rps=12, groups=8, seed=2))
+    config = FleetConfig(workers=4, num_blocks=1024, seed=2)
+    oracle = simulate_policy("ttft_oracle", workload, config)
+    rr = simulate_policy("round_robin", workload, config)
+    assert len(oracle.e2e_s) == 200 and oracle.hit_rate > rr.hit_rate
+    assert sorted(oracle.ttft_s)[100] <= sorted(rr.ttft_s)[100]
