@@ -168,6 +168,15 @@ class KvAwareParams:
                         queue explodes. 0 = off.
     temperature:        0 = minimum cost; > 0 = softmax sampling, probability ~ exp(-(cost - best) / T),
                         T in prefill tokens.
+    spread_new_prefixes, spread_while_fill_below: where a prompt goes that no worker holds a block of,
+                        while caches are still filling (the emptiest holds less than
+                        spread_while_fill_below x the fullest's blocks): only to workers whose cache
+                        holds at most spread_new_prefixes x the prompt's length more than the emptiest,
+                        the cost deciding among them. The first sightings of long-lived prefixes then
+                        spread by cache size (approx_tree's smallest-tree rule) instead of by the load
+                        of the moment, which left some workers with twice the prefixes of others and a
+                        p99 ~10 ms worse on shared-prefix. Once caches are full, block counts differ by
+                        in-flight work, not by prefixes held, and the cost alone decides. 0 = off.
 
     Defaults were chosen with `kvroute simulate` over the generated suite (README: "Choosing kv_aware's
     weights"); they are not fitted to one workload.
@@ -181,13 +190,15 @@ class KvAwareParams:
     load_bound: float = 1.25
     load_bound_slack_tokens: float = 2048.0
     temperature: float = 0.0
+    spread_new_prefixes: float = 0.25
+    spread_while_fill_below: float = 0.9
 
     def __post_init__(self) -> None:
         for name in ("queue_weight", "mean_prompt_tokens", "decode_weight", "recompute_weight",
-                     "load_bound_slack_tokens", "temperature"):
+                     "load_bound_slack_tokens", "temperature", "spread_new_prefixes"):
             if not getattr(self, name) >= 0:  # also rejects NaN
                 raise ValueError(f"kv_aware {name} must be >= 0, got {getattr(self, name)}")
-        for name in ("cpu_tier_credit", "disk_tier_credit"):
+        for name in ("cpu_tier_credit", "disk_tier_credit", "spread_while_fill_below"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"kv_aware {name} must be in [0, 1], got {getattr(self, name)}")
         if self.load_bound and not self.load_bound >= 1.0:
@@ -250,6 +261,8 @@ class KvAware:
             pool, pool_costs = self._within_bound(candidates, credited, prompt, costs)
         else:
             pool, pool_costs = candidates, costs
+        if p.spread_new_prefixes and len(pool) > 1 and not max(credited):
+            pool, pool_costs = self._spread_new(pool, pool_costs, prompt)
         if p.temperature > 0:
             return Choice(self._sample(pool_costs, pool), scores)
         low = min(pool_costs)
@@ -282,6 +295,20 @@ class KvAware:
         if len(kept) == len(candidates):
             return candidates, costs
         return [candidates[i] for i in kept], [costs[i] for i in kept]
+
+    def _spread_new(self, pool: list[Candidate], costs: list[float], prompt: int) -> tuple[list[Candidate], list[float]]:
+        """While caches fill: the workers whose cache is within spread_new_prefixes x this prompt of
+        the emptiest (see KvAwareParams)."""
+        p = self.params
+        held = [c.worker_cached_blocks * c.block_size for c in pool]  # tokens: block sizes may differ
+        fewest = min(held)
+        if fewest > p.spread_while_fill_below * max(held):
+            return pool, costs
+        room = fewest + p.spread_new_prefixes * prompt
+        kept = [i for i, tokens in enumerate(held) if tokens <= room]
+        if len(kept) == len(pool):
+            return pool, costs
+        return [pool[i] for i in kept], [costs[i] for i in kept]
 
     def _sample(self, costs: list[float], pool: list[Candidate]) -> Candidate:
         low = min(costs)

@@ -119,9 +119,35 @@ def test_ties_go_to_the_emptiest_cache_then_agree_across_routers() -> None:
     assert set(spread) == {"b", "c"} and min(spread.values()) > 60
 
 
+def test_new_prefixes_spread_by_cache_size_while_caches_fill() -> None:
+    new = request(list(range(7000, 7000 + 2048)))  # 128 blocks nobody holds
+    # A worker holding two prefixes more than the others but a little less busy right now: while
+    # caches fill, the new prefix still goes to an emptier one (its future traffic comes along).
+    ws = [cand("full", worker_cached_blocks=400, running_requests=1),
+          cand("empty1", worker_cached_blocks=150, running_requests=2),
+          cand("empty2", worker_cached_blocks=170, running_requests=3)]
+    assert KvAware(seed=0).choose(new, ws).worker.worker_id == "empty1"
+    assert KvAware(KvAwareParams(spread_new_prefixes=0), seed=0).choose(new, ws).worker.worker_id == "full"
+    # Within spread_new_prefixes x the prompt (0.25 x 128 blocks) of the emptiest, the cost decides.
+    close = [cand("a", worker_cached_blocks=150, running_requests=2), cand("b", worker_cached_blocks=180, running_requests=1)]
+    assert KvAware(seed=0).choose(new, close).worker.worker_id == "b"
+    # Full caches (emptiest >= 0.9 x fullest): block counts now measure in-flight work, the cost decides.
+    full = [cand("busy", worker_cached_blocks=1000, running_requests=1), cand("idle", worker_cached_blocks=920,
+                                                                             running_requests=4)]
+    assert KvAware(seed=0).choose(new, full).worker.worker_id == "busy"
+    # A prompt some worker holds part of is not new: the cost (here: its cache hit) decides.
+    held = [cand("full", worker_cached_blocks=400, cached_tokens=512), cand("empty", worker_cached_blocks=100)]
+    assert KvAware(seed=0).choose(new, held).worker.worker_id == "full"
+    # Block sizes may differ: caches compare in tokens.
+    mixed = [Candidate("big", "http://big", 64, worker_cached_blocks=100, running_requests=1),
+             Candidate("small", "http://small", 16, worker_cached_blocks=200, running_requests=2)]
+    assert KvAware(seed=0).choose(new, mixed).worker.worker_id == "small"
+
+
 def test_parameters_are_validated_and_settable_flat() -> None:
     assert make_policy("kv_aware", recompute_weight=0.5, load_bound=0).params == KvAwareParams(recompute_weight=0.5,
                                                                                                  load_bound=0)
-    for bad in ({"cpu_tier_credit": 1.5}, {"decode_weight": -1}, {"load_bound": 0.5}, {"temperature": float("nan")}):
+    for bad in ({"cpu_tier_credit": 1.5}, {"decode_weight": -1}, {"load_bound": 0.5}, {"temperature": float("nan")},
+                {"spread_new_prefixes": -1}, {"spread_while_fill_below": 1.5}):
         with pytest.raises(ValueError, match="kv_aware"):
             make_policy("kv_aware", **bad)
