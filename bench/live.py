@@ -26,6 +26,7 @@ from typing import TextIO
 import aiohttp
 
 from bench.stats import percentile
+from data_plane.policies import parse_kv_aware_params
 from kvroute.demo import engine_prefix_counters
 from kvroute.local_cluster import LocalCluster, ManagedProcess, http_get, http_post_json, wait_until
 from sim_engine.cost_model import CostModel
@@ -254,7 +255,7 @@ def fleet_config(args: argparse.Namespace, engines: int) -> FleetConfig:
     engine = EngineConfig()
     return FleetConfig(workers=engines, num_blocks=args.num_blocks, block_size=args.block_size, cost=CostModel(),
                        max_num_batched_tokens=engine.max_num_batched_tokens, max_num_seqs=engine.max_num_seqs,
-                       seed=args.seed)
+                       seed=args.seed, kv_aware_params=parse_kv_aware_params(args.kv_aware_param))
 
 
 def sim_engine_args(args: argparse.Namespace) -> list[str]:
@@ -351,7 +352,8 @@ def run_local(args: argparse.Namespace, workload: list[SimWorkloadRequest], log:
     try:
         cluster.start_sim_fleet(args.engines, *sim_engine_args(args))
         for policy in _split(args.policies):
-            cluster.start_router(policy, policy)
+            weights = [a for item in args.kv_aware_param for a in ("--kv-aware-param", item)]
+            cluster.start_router(policy, policy, *(weights if policy == "kv_aware" else ()))
         engine_urls = [e.url for e in cluster.engines]
         for policy in _split(args.policies):
             log(f"live: {policy} ...")
@@ -409,6 +411,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("kvroute bench live: --engine-urls without --router-url needs --direct")
     if not args.router_url and not args.engine_urls and not _split(args.policies) and not args.direct:
         raise SystemExit("kvroute bench live: no policy to run")
+    try:
+        parse_kv_aware_params(args.kv_aware_param)
+    except ValueError as exc:
+        raise SystemExit(f"kvroute bench live: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -436,7 +442,8 @@ def run(args: argparse.Namespace) -> int:
                            "output_tokens": args.output_tokens, "seed": args.seed},
               "fleet": {"engines": engines, "num_blocks": args.num_blocks, "block_size": args.block_size,
                         "speedup": args.speedup, "loop": f"closed x{args.concurrency}" if closed else "open",
-                        "sim_arrivals": "live send times" if closed else "workload"},
+                        "sim_arrivals": "live send times" if closed else "workload",
+                        "kv_aware_params": config.kv_aware_params},
               "policies": policies, "ordering": ordering, "ordering_agrees": all(ordering.values()),
               "wall_s": round(time.monotonic() - started, 1)}
     if not args.json:

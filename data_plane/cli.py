@@ -111,9 +111,9 @@ async def serve(args: argparse.Namespace) -> int:
             if not grpc_server.add_insecure_port(f"{args.host}:{args.grpc_port}"):
                 raise OSError(f"cannot listen on {args.host}:{args.grpc_port} for gRPC")
             await grpc_server.start()
-        log.info("router ready: http://%s:%d grpc=%s policy=%s model=%s control-plane=%s query-timeout=%gms",
+        log.info("router ready: http://%s:%d grpc=%s policy=%s model=%s control-plane=%s query-timeout=%gms%s",
                  args.host, args.port, args.grpc_port or "off", args.policy, model, args.control_plane,
-                 args.query_timeout_ms)
+                 args.query_timeout_ms, "".join(f" {k}={v:g}" for k, v in kv_params.items()))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -72,10 +72,14 @@ def test_live_kv_aware_beats_round_robin_like_the_simulator(tmp_path: Path) -> N
     requests = 120
     out = subprocess.run([sys.executable, "-m", "kvroute.cli", "bench", "live", "--workload", "shared-prefix",
                           "--requests", str(requests), "--policies", "kv_aware,round_robin",
-                          "--workdir", str(tmp_path), "--json"], check=False, capture_output=True, text=True,
-                         timeout=120)
+                          "--kv-aware-param", "load_bound=1.5", "--workdir", str(tmp_path), "--json"],
+                         check=False, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
+    # The weights reach kv_aware's router and its simulation, and no other router.
+    assert result["fleet"]["kv_aware_params"] == {"load_bound": 1.5}
+    assert "load_bound=1.5" in (tmp_path / "router-kv_aware.log").read_text()
+    assert "load_bound" not in (tmp_path / "router-round_robin.log").read_text()
     kv, rr = result["policies"]["kv_aware"], result["policies"]["round_robin"]
     for p in (kv, rr):
         assert p["live"]["requests"] == requests and p["live"]["errors"] == 0, p
@@ -86,3 +90,10 @@ def test_live_kv_aware_beats_round_robin_like_the_simulator(tmp_path: Path) -> N
     assert result["ordering"]["hit_rate"] is True, result
     # Round-robin's placement does not depend on timing, so live and simulated caches see the same stream.
     assert abs(rr["live"]["hit_rate"] - rr["sim"]["hit_rate"]) < 0.08, result
+
+
+def test_bad_kv_aware_weights_fail_before_any_process_starts() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "bench", "live", "--kv-aware-param", "load_bound=0.5"],
+                         check=False, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "load_bound must be 0 (off) or >= 1.0" in out.stderr
+    assert "starting" not in out.stderr
