@@ -291,10 +291,8 @@ class KvAware:
         work = [q + u for q, u in zip(pending, uncached)]
         least = min(work)
         scale, total, slack = p.load_bound / len(candidates), sum(pending), p.load_bound_slack_tokens
-        kept = [i for i, (w, u) in enumerate(zip(work, uncached)) if w <= least or w <= scale * (total + u) + slack]
-        if len(kept) == len(candidates):
-            return candidates, costs
-        return [candidates[i] for i in kept], [costs[i] for i in kept]
+        return _keep(candidates, costs,
+                     [i for i, (w, u) in enumerate(zip(work, uncached)) if w <= least or w <= scale * (total + u) + slack])
 
     def _spread_new(self, pool: list[Candidate], costs: list[float], prompt: int) -> tuple[list[Candidate], list[float]]:
         """While caches fill: the workers whose cache is within spread_new_prefixes x this prompt of
@@ -305,15 +303,19 @@ class KvAware:
         if fewest > p.spread_while_fill_below * max(held):
             return pool, costs
         room = fewest + p.spread_new_prefixes * prompt
-        kept = [i for i, tokens in enumerate(held) if tokens <= room]
-        if len(kept) == len(pool):
-            return pool, costs
-        return [pool[i] for i in kept], [costs[i] for i in kept]
+        return _keep(pool, costs, [i for i, tokens in enumerate(held) if tokens <= room])
 
     def _sample(self, costs: list[float], pool: list[Candidate]) -> Candidate:
         low = min(costs)
         weights = [math.exp(-(cost - low) / self.params.temperature) for cost in costs]
         return self._rng.choices(pool, weights)[0]
+
+
+def _keep(pool: list[Candidate], costs: list[float], kept: list[int]) -> tuple[list[Candidate], list[float]]:
+    """The candidates at indices `kept` with their costs (the same lists when all are kept)."""
+    if len(kept) == len(pool):
+        return pool, costs
+    return [pool[i] for i in kept], [costs[i] for i in kept]
 
 
 POLICIES: dict[str, type] = {"kv_aware": KvAware, "round_robin": RoundRobin, "random": RandomPolicy,
