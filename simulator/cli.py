@@ -16,7 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="Mooncake JSONL trace (timestamp ms, input_length, output_length, hash_ids)")
     src.add_argument("--workload", choices=WORKLOAD_NAMES, help="generated workload")
-    p.add_argument("--policies", default="round_robin,random,least_loaded,kv_aware", help="comma-separated policies; ttft_oracle (simulator only) is a reference that reads the "
+    p.add_argument("--policies", default="round_robin,random,least_loaded,kv_aware",
+                   help="comma-separated policies; ttft_oracle (simulator only) is a reference that reads the "
                         "engines' exact state")
     p.add_argument("--workers", type=int, default=8, help="simulated engines")
     p.add_argument("--num-blocks", type=int, default=None,

@@ -169,11 +169,12 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
             next_arrival += 1
             now = req.arrival_s
             keys = prompt_block_keys(req.tokens, config.block_size, MODEL)
-            if oracle:
-                w, cached = _oracle_choice(workers, req, now, config, oracle_rng)
-            else:
+            too_big = -(-(len(req.tokens) + req.output_tokens) // config.block_size) > config.num_blocks
+            if not oracle:  # policies decide even on a request the engine will reject (their state moves on)
                 w, cached = _policy_choice(policy, workers, index, load, req, keys, config)
-            if -(-(len(req.tokens) + req.output_tokens) // config.block_size) > config.num_blocks:
+            elif not too_big:
+                w, cached = _oracle_choice(workers, req, now, config, oracle_rng)
+            if too_big:
                 run.rejected += 1  # larger than a whole engine cache: an engine would reject it too
                 continue
             sim_req = SimRequest(f"r{next(ids)}", req.tokens, req.output_tokens)
@@ -242,8 +243,6 @@ def _policy_choice(policy, workers: list[_Worker], index: BitmaskPrefixIndex, lo
 def _oracle_choice(workers: list[_Worker], req: SimWorkloadRequest, now: float, config: FleetConfig,
                    rng: random.Random) -> tuple[_Worker, int]:
     """ttft_oracle: the lowest true TTFT among workers with room, ties at random."""
-    if -(-(len(req.tokens) + req.output_tokens) // config.block_size) > config.num_blocks:
-        return workers[0], 0  # rejected by the caller before it reaches an engine
     options = [(true_ttft(w, req.tokens, req.output_tokens, now, config.max_num_batched_tokens), w) for w in workers]
     best = min(est[:2] for est, _ in options)
     tied = [(w, est[2]) for est, w in options if est[:2] == best]
