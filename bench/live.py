@@ -351,8 +351,8 @@ def run_local(args: argparse.Namespace, workload: list[SimWorkloadRequest], log:
     runs: dict[str, LiveRun] = {}
     try:
         cluster.start_sim_fleet(args.engines, *sim_engine_args(args))
+        weights = [a for item in args.kv_aware_param for a in ("--kv-aware-param", item)]
         for policy in _split(args.policies):
-            weights = [a for item in args.kv_aware_param for a in ("--kv-aware-param", item)]
             cluster.start_router(policy, policy, *(weights if policy == "kv_aware" else ()))
         engine_urls = [e.url for e in cluster.engines]
         for policy in _split(args.policies):
