@@ -23,7 +23,17 @@ import pytest
 
 from kvroute.demo import engine_prefix_counters
 from kvroute.local_cluster import (
-    EngineHandle, LocalCluster, ManagedProcess, free_port, http_ok, http_post_json, kvroute_argv, long_text, wait_until,
+    EngineHandle,
+    LocalCluster,
+    ManagedProcess,
+    free_port,
+    http_get,
+    http_ok,
+    http_post_json,
+    http_post_json_headers,
+    kvroute_argv,
+    long_text,
+    wait_until,
 )
 from sim_engine.tiny_model import build_model_dir
 
@@ -92,6 +102,14 @@ def prefix_hits(url: str) -> float:
     return engine_prefix_counters(url)[1]
 
 
+def router_fail_opens(router_url: str) -> float:
+    """Decisions the router made on load alone (control-plane query past its deadline or failed)."""
+    status, body = http_get(router_url + "/metrics")
+    assert status == 200, body
+    return sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines()
+               if line.startswith("kvroute_router_fail_open_total"))
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("real-vllm")
@@ -141,9 +159,13 @@ def test_shared_prefix_goes_to_the_vllm_that_cached_it(cluster: LocalCluster) ->
         assert decision["worker_id"] == engine.worker_id, decision
         assert decision["cached_tokens"] >= 8 * BLOCK_SIZE
         hits_before = [prefix_hits(e.url) for e in cluster.engines]
+        fail_opens_before = router_fail_opens(router)
+        served_by = []
         for _ in range(3):
-            status, raw = http_post_json(router + "/v1/chat/completions", body, timeout=60)
+            status, headers, raw = http_post_json_headers(router + "/v1/chat/completions", body, timeout=60)
             assert status == 200, raw
+            served_by.append(headers.get("x-kvroute-worker"))
+        why = {"served_by": served_by, "fail_opens": router_fail_opens(router) - fail_opens_before}
         # At least the hit the router predicted for one request. Three identical requests usually gain
         # ~3x that, but one run here gained 608 of 864 predicted tokens on the right vLLM (the other
         # gained 0), so only the routing-relevant part is asserted.
@@ -159,8 +181,8 @@ def test_shared_prefix_goes_to_the_vllm_that_cached_it(cluster: LocalCluster) ->
         except TimeoutError:
             pass
         gained = gained_now()
-        assert gained[i] >= want, gained
-        assert all(g == 0 for j, g in enumerate(gained) if j != i), gained
+        assert gained[i] >= want, (gained, why)
+        assert all(g == 0 for j, g in enumerate(gained) if j != i), (gained, why)
 
 
 def test_a_restarted_vllm_loses_its_old_prefixes_in_the_control_plane(cluster: LocalCluster) -> None:
