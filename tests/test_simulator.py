@@ -164,3 +164,43 @@ def test_ttft_oracle_runs_as_a_simulator_reference() -> None:
     rr = simulate_policy("round_robin", workload, config)
     assert len(oracle.e2e_s) == 200 and oracle.hit_rate > rr.hit_rate
     assert sorted(oracle.ttft_s)[100] <= sorted(rr.ttft_s)[100]
+
+
+def test_seed_summary_counts_ties_for_every_policy_and_never_the_oracle() -> None:
+    from simulator.seeds import markdown, summarize
+
+    def result(hit: float, p50: float, p99: float) -> dict:
+        return {"hit_rate": hit, "ttft_p50_ms": p50, "ttft_p99_ms": p99}
+
+    per_seed = {
+        3: {"kv_aware": result(0.8, 50.0, 76.0), "approx_tree": result(0.9, 49.0, 76.0), "ttft_oracle": result(0.9, 40.0, 70.0)},
+        4: {"kv_aware": result(0.6, 52.0, 80.0), "approx_tree": result(0.7, 53.0, 90.0), "ttft_oracle": result(0.9, 41.0, 71.0)},
+    }
+    summary = summarize(per_seed)
+    kv, tree, oracle = summary["kv_aware"], summary["approx_tree"], summary["ttft_oracle"]
+    assert kv["ttft_p99_ms"] == {"mean": 78.0, "min": 76.0, "max": 80.0}
+    assert kv["hit_rate"]["mean"] == 0.7
+    assert (kv["lowest_p50_seeds"], kv["lowest_p99_seeds"]) == (1, 2)      # seed 3's p99 is a tie: both count
+    assert (tree["lowest_p50_seeds"], tree["lowest_p99_seeds"]) == (1, 1)
+    assert (oracle["lowest_p50_seeds"], oracle["lowest_p99_seeds"]) == (0, 0)  # a reference, not a router policy
+    text = "\n".join(markdown(per_seed, summary))
+    assert "| kv_aware | 50.00 / 76.00 | 52.00 / 80.00 |" in text
+    assert "| kv_aware | 70.0% | 51.00 [50.00, 52.00] | 78.00 [76.00, 80.00] | 1 of 2 | 2 of 2 |" in text
+    assert "| ttft_oracle |" in text and "(reference)" in text
+
+
+def test_simulate_over_several_seeds(tmp_path: Path) -> None:
+    report = tmp_path / "seeds.md"
+    argv = [sys.executable, "-m", "kvroute.cli", "simulate", "--workload", "shared-prefix", "--requests", "60",
+            "--rate", "5", "--workers", "2", "--policies", "round_robin,kv_aware", "--seeds", "1,2",
+            "--report", str(report), "--json"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(result["seeds"]) == {"1", "2"} and set(result["summary"]) == {"round_robin", "kv_aware"}
+    single = subprocess.run(argv[:argv.index("--seeds")] + ["--seed", "2", "--json"], capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert json.loads(single.stdout.strip().splitlines()[-1])["policies"] == result["seeds"]["2"]  # same runs
+    assert "lowest p99" in report.read_text()
+    bad = subprocess.run(argv[:argv.index("--seeds")] + ["--seeds", "1,1"], capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 2 and "distinct seeds" in bad.stderr
