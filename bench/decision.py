@@ -7,7 +7,9 @@ prompts' tails, as in a serving fleet), then times the router's own decision pat
 tokenizer, then `Router.decide`) in-process. Each request is a chat with one long shared system prompt and a new
 user turn. `p50_ms`/`p99_ms` use the router's tokenizer (its segment cache knows the system
 prompt after the first request); `cold_*` is the same path with the cache off, i.e. what a
-never-seen prompt costs.
+never-seen prompt costs. `grpc_echo_p50_ms` is the floor under the query: a bare gRPC stream round
+trip with messages of the query's and the answer's sizes, between this process and another one in
+the control plane's place (`bench.grpc_echo`), timed after the decisions.
 """
 
 from __future__ import annotations
@@ -15,12 +17,15 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import grpc
 
+from bench.grpc_echo import round_trips_ms
 from bench.stats import percentile
 from data_plane.control_plane_client import ControlPlaneClient
 from data_plane.load_tracker import LoadTracker
@@ -29,7 +34,7 @@ from data_plane.routing import Router
 from data_plane.tokenization import load_tokenizer
 from kvroute import aio
 from kvroute.block_keys import prompt_block_keys
-from kvroute.local_cluster import LocalCluster
+from kvroute.local_cluster import LocalCluster, free_port
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 from sim_engine.tiny_model import build_model_dir
@@ -114,13 +119,17 @@ async def measure(address: str, tokenizer_dir: Path, prompt_tokens: int, workers
                                              inflight_requests, seed)
     query_ms: list[float] = []
     query = client.query
+    sizes: dict[str, int] = {}
 
-    async def timed_query(*args, **kwargs):
+    async def timed_query(model, chains, lora_name=""):
         t0 = time.perf_counter()
         try:
-            return await query(*args, **kwargs)
+            columns = await query(model, chains, lora_name)
         finally:
             query_ms.append((time.perf_counter() - t0) * 1000)
+        if not sizes:
+            sizes.update(query_message_sizes(model, chains, columns))
+        return columns
 
     client.query = timed_query  # type: ignore[method-assign]
     router = Router(client, make_policy("kv_aware", seed=seed), LoadTracker())
@@ -147,17 +156,48 @@ async def measure(address: str, tokenizer_dir: Path, prompt_tokens: int, workers
     await other_router.close()
     await keep_alive[0].close()
     return {**result, "prompt_tokens": len(ids), "workers": workers, "iterations": iterations,
-            "inflight_elsewhere": inflight_requests, "fail_open": fail_open}
+            "inflight_elsewhere": inflight_requests, "fail_open": fail_open, **sizes}
 
 
-def pin_apart(control_plane_pid: int) -> bool:
-    """This process on one core, the control plane on another (False where that is not possible)."""
+def query_message_sizes(model: str, chains: dict[int, list[int]], columns: pb.WorkerColumns) -> dict[str, int]:
+    """Bytes on the wire of one query on the router session and of its answer."""
+    message = pb.RouterMessage()
+    request = message.query
+    request.model, request.columnar, request.query_id = model, True, 1 << 20
+    for bs, keys in chains.items():
+        request.chains.add(block_size=bs, block_keys=keys)
+    reply = pb.RouterReply(result=pb.QueryResponse(query_id=1 << 20, columns=columns))
+    return {"query_bytes": message.ByteSize(), "answer_bytes": reply.ByteSize()}
+
+
+def measure_echo_floor(request_bytes: int, reply_bytes: int, iterations: int, core: int | None) -> float:
+    """p50 ms of a bare gRPC stream round trip to a `bench.grpc_echo` process (on `core` if given)."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "bench.grpc_echo", "--port", str(port), "--reply-bytes",
+                               str(reply_bytes)], stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        if core is not None:
+            os.sched_setaffinity(server.pid, {core})
+        samples = aio.run_value(round_trips_ms(f"127.0.0.1:{port}", request_bytes, iterations))
+    finally:
+        server.terminate()
+        try:
+            server.wait(5)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(5)
+    return round(percentile(samples, 50), 3)
+
+
+def pin_apart(control_plane_pid: int) -> int | None:
+    """This process on one core, the control plane on another; the control plane's core (None where
+    that is not possible)."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if len(cores) < 2:
-        return False
+        return None
     os.sched_setaffinity(control_plane_pid, {cores[1]})
     os.sched_setaffinity(0, {cores[0]})
-    return True
+    return cores[1]
 
 
 def run_decision(prompt_tokens: int = 8192, workers: int = 64, block_size: int = 16, iterations: int = 300,
@@ -168,9 +208,11 @@ def run_decision(prompt_tokens: int = 8192, workers: int = 64, block_size: int =
     try:
         # Claims of the other router's in-flight requests stay for the whole run (no engine confirms them).
         address = cluster.start_control_plane(extra_args=("--speculative-ttl-ms", "3600000"))
-        pinned = pin_apart(cluster.control_plane.popen.pid) if pin_cores else False
+        control_plane_core = pin_apart(cluster.control_plane.popen.pid) if pin_cores else None
         result = aio.run_value(measure(address, cluster.tokenizer_dir, prompt_tokens, workers, block_size, iterations,
                                        other_blocks, seed))
-        return {**result, "pinned_cores": pinned}
     finally:
         cluster.stop()
+    # After the control plane has stopped, in its place (its core when pinned).
+    echo = measure_echo_floor(result["query_bytes"], result["answer_bytes"], iterations, control_plane_core)
+    return {**result, "grpc_echo_p50_ms": echo, "pinned_cores": control_plane_core is not None}
