@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,20 @@ def prefix_hits(url: str) -> float:
     return engine_prefix_counters(url)[1]
 
 
+def settled_prefix_hits(cluster: LocalCluster, timeout_s: float = 15.0) -> list[float]:
+    """Every vLLM's prefix-hit counter once it has stopped moving. vLLM records a request's stats a
+    little after its response, so a warm-up served just before could still land in a later check's
+    window and look like a hit routed to the wrong vLLM (a clean-clone CI run once saw both gain)."""
+    last: list[float] | None = None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = [prefix_hits(e.url) for e in cluster.engines]
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
+        time.sleep(1.0)
+
+
 def router_fail_opens(router_url: str) -> float:
     """Decisions the router made on load alone (control-plane query past its deadline or failed)."""
     status, body = http_get(router_url + "/metrics")
@@ -158,7 +173,7 @@ def test_shared_prefix_goes_to_the_vllm_that_cached_it(cluster: LocalCluster) ->
                               60, f"{engine.worker_id}'s KV events reach the router")
         assert decision["worker_id"] == engine.worker_id, decision
         assert decision["cached_tokens"] >= 8 * BLOCK_SIZE
-        hits_before = [prefix_hits(e.url) for e in cluster.engines]
+        hits_before = settled_prefix_hits(cluster)
         fail_opens_before = router_fail_opens(router)
         served_by = []
         for _ in range(3):
