@@ -9,7 +9,8 @@ user turn. `p50_ms`/`p99_ms` use the router's tokenizer (its segment cache knows
 prompt after the first request); `cold_*` is the same path with the cache off, i.e. what a
 never-seen prompt costs. `grpc_echo_p50_ms` is the floor under the query: a bare gRPC stream round
 trip with messages of the query's and the answer's sizes, between this process and another one in
-the control plane's place (`bench.grpc_echo`), timed after the decisions.
+the control plane's place (`bench.grpc_echo`), timed after the decisions;
+`control_plane_answer_mean_ms` is the control plane's own time per answer (its query histogram).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from data_plane.routing import Router
 from data_plane.tokenization import load_tokenizer
 from kvroute import aio
 from kvroute.block_keys import prompt_block_keys
-from kvroute.local_cluster import LocalCluster, free_port
+from kvroute.local_cluster import LocalCluster, free_port, http_get
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 from sim_engine.tiny_model import build_model_dir
@@ -170,6 +171,21 @@ def query_message_sizes(model: str, chains: dict[int, list[int]], columns: pb.Wo
     return {"query_bytes": message.ByteSize(), "answer_bytes": reply.ByteSize()}
 
 
+def control_plane_answer_mean_ms(metrics_url: str) -> float:
+    """Mean time the control plane spent answering a query (its own histogram: the work between
+    receiving the message and handing the reply to gRPC), over every query of the run."""
+    status, body = http_get(metrics_url)
+    if status != 200:
+        raise RuntimeError(f"control plane /metrics answered {status}")
+    values = {}
+    for line in body.decode().splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("kvroute_cp_query_seconds_sum", "kvroute_cp_query_seconds_count"):
+            values[name] = float(value)
+    count = values.get("kvroute_cp_query_seconds_count", 0.0)
+    return round(values["kvroute_cp_query_seconds_sum"] / count * 1000, 3) if count else 0.0
+
+
 def measure_echo_floor(request_bytes: int, reply_bytes: int, iterations: int, core: int | None) -> float:
     """p50 ms of a bare gRPC stream round trip to a `bench.grpc_echo` process (on `core` if given)."""
     port = free_port()
@@ -207,10 +223,13 @@ def run_decision(prompt_tokens: int = 8192, workers: int = 64, block_size: int =
                            heartbeat_timeout_s=3600)
     try:
         # Claims of the other router's in-flight requests stay for the whole run (no engine confirms them).
-        address = cluster.start_control_plane(extra_args=("--speculative-ttl-ms", "3600000"))
+        metrics_port = free_port()
+        address = cluster.start_control_plane(extra_args=("--speculative-ttl-ms", "3600000",
+                                                          "--metrics-port", str(metrics_port)))
         control_plane_core = pin_apart(cluster.control_plane.popen.pid) if pin_cores else None
         result = aio.run_value(measure(address, cluster.tokenizer_dir, prompt_tokens, workers, block_size, iterations,
                                        other_blocks, seed))
+        result["control_plane_answer_mean_ms"] = control_plane_answer_mean_ms(f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
         cluster.stop()
     # After the control plane has stopped, in its place (its core when pinned).

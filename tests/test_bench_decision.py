@@ -14,6 +14,7 @@ def test_decision_bench_runs_against_a_control_plane_with_requests_in_flight() -
     # The floor under the query: a bare stream round trip with the query's and answer's sizes.
     assert result["query_bytes"] > 512 // 16 * 8 and result["answer_bytes"] > 4 * 2
     assert result["grpc_echo_p50_ms"] > 0
+    assert 0 < result["control_plane_answer_mean_ms"] < result["query_p50_ms"] * 10
 
 
 def test_grpc_echo_answers_every_message_on_one_stream() -> None:
