@@ -1,4 +1,4 @@
-"""`kvroute bench {ingest,decision,proxy,inflight,burst,live}`: hot-path micro-benchmarks, the staleness of
+"""`kvroute bench {ingest,decision,answer,proxy,inflight,burst,live}`: hot-path micro-benchmarks, the staleness of
 shared in-flight state (`bench/inflight.py`) and the live-vs-simulator benchmark (`bench/live.py`);
 the last stdout line is JSON."""
 
@@ -22,6 +22,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     decision.add_argument("--pin-cores", action="store_true",
                           help="run the router (this process) and the control plane on different cores, as on "
                                "separate hosts; without it they share the machine's cores as the OS schedules them")
+    answer = sub.add_parser("answer", help="the control plane's answer to one query, in-process: back to back, "
+                            "after an idle pause, after other memory traffic (p50 us)")
+    answer.add_argument("--workers", type=int, default=64, help="registered workers")
+    answer.add_argument("--iterations", type=int, default=2000, help="timed answers per way")
+    answer.add_argument("--pause-ms", type=float, default=1.0, help="idle time before each answer of the pause run")
     proxy = sub.add_parser("proxy", help="completion latency direct to an engine vs through the router")
     proxy.add_argument("--requests", type=int, default=300, help="requests per path")
     inflight = sub.add_parser("inflight", help="RouterSession: how long until one router's reserve/release is "
@@ -31,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     burst = sub.add_parser("burst", help="64 simultaneous requests with one new 4k-token prefix through two routers: "
                            "workers used with and without shared in-flight state, next to what the load bound requires")
     burst.add_argument("--workers", type=int, default=8, help="sim engines")
-    for sp in (ingest, decision, proxy, inflight, burst):
+    for sp in (ingest, decision, answer, proxy, inflight, burst):
         sp.add_argument("--json", action="store_true", help="print only the JSON result")
     live = sub.add_parser("live", help="a simulator workload live over HTTP (routers + sim engines as processes), "
                           "side by side with the simulator", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -90,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
 
         result = run_decision(args.prompt_tokens, args.workers, args.block_size, args.iterations,
                               pin_cores=args.pin_cores)
+    elif args.bench == "answer":
+        from bench.answer import run_answer
+
+        result = run_answer(args.workers, iterations=args.iterations, pause_ms=args.pause_ms)
     elif args.bench == "inflight":
         from bench.inflight import run_inflight
 

@@ -33,3 +33,19 @@ def test_grpc_echo_answers_every_message_on_one_stream() -> None:
         server.terminate()
         server.wait(10)
     assert len(samples) == 20 and all(s > 0 for s in samples)
+
+
+def test_answer_bench_times_the_answer_the_serving_path_gives() -> None:
+    from bench.answer import build, run_answer
+    from kvroute.v1 import kvroute_pb2 as pb
+
+    answer, query_bytes = build(workers=6, prompt_blocks=32, other_blocks=10, inflight_requests=12, block_size=16, seed=1)
+    reply = pb.RouterReply.FromString(answer())
+    columns = reply.result.columns
+    assert len(columns.worker_id) == 6 and reply.result.query_id == 1
+    assert sum(columns.reserved_requests) == 12                        # the other router's requests, all of them
+    assert sum(columns.reserved_prefill_tokens) == 12 * 256
+    assert max(columns.matched_blocks) <= 32 and any(columns.matched_blocks)
+    assert query_bytes > 32 * 8
+    result = run_answer(workers=6, prompt_tokens=512, other_blocks=10, inflight_requests=12, iterations=5, pause_ms=0.1)
+    assert all(result[k] > 0 for k in ("back_to_back_p50_us", "after_pause_p50_us", "after_traffic_p50_us"))

@@ -21,3 +21,11 @@ def test_decision_bench_cli_prints_json_last() -> None:
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["fail_open"] == 0 and result["workers"] == 4 and result["p50_ms"] > 0
+
+
+def test_answer_bench_cli_prints_json_last() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "bench", "answer", "--workers", "4", "--iterations",
+                          "10", "--pause-ms", "0.1", "--json"], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["workers"] == 4 and result["back_to_back_p50_us"] > 0 and result["pause_ms"] == 0.1
