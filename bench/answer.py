@@ -24,6 +24,7 @@ from control_plane.index import BitmaskPrefixIndex
 from control_plane.inflight import InflightTracker
 from control_plane.registry import WorkerRegistry
 from control_plane.service import ControlPlaneMetrics, ControlPlaneService
+from data_plane.control_plane_client import query_message
 from kvroute.v1 import kvroute_pb2 as pb
 
 MODEL = "bench-model"
@@ -48,10 +49,8 @@ def build(workers: int, prompt_blocks: int, other_blocks: int, inflight_requests
         inflight.reserve(other, i + 1, rng.randrange(workers), [rng.getrandbits(64) for _ in range(tail)],
                          256, 0, 8192, block_size)
     asking = inflight.open_session("this-router").router
-    message = pb.RouterMessage()
-    query = message.query
-    query.model, query.columnar, query.query_id = MODEL, True, 1
-    query.chains.add(block_size=block_size, block_keys=prompt)
+    message = query_message(MODEL, {block_size: prompt})
+    message.query.query_id = 1
     data = message.SerializeToString()
 
     def answer() -> bytes:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,14 +27,15 @@ import grpc
 
 from bench.grpc_echo import round_trips_ms
 from bench.stats import percentile
-from data_plane.control_plane_client import ControlPlaneClient
+from data_plane.control_plane_client import ControlPlaneClient, query_message
 from data_plane.load_tracker import LoadTracker
 from data_plane.policies import make_policy
 from data_plane.routing import Router
 from data_plane.tokenization import load_tokenizer
 from kvroute import aio
+from kvroute.audit import prometheus_sums
 from kvroute.block_keys import prompt_block_keys
-from kvroute.local_cluster import LocalCluster, free_port, http_get
+from kvroute.local_cluster import LocalCluster, ManagedProcess, free_port, http_get
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 from sim_engine.tiny_model import build_model_dir
@@ -162,11 +162,8 @@ async def measure(address: str, tokenizer_dir: Path, prompt_tokens: int, workers
 
 def query_message_sizes(model: str, chains: dict[int, list[int]], columns: pb.WorkerColumns) -> dict[str, int]:
     """Bytes on the wire of one query on the router session and of its answer."""
-    message = pb.RouterMessage()
-    request = message.query
-    request.model, request.columnar, request.query_id = model, True, 1 << 20
-    for bs, keys in chains.items():
-        request.chains.add(block_size=bs, block_keys=keys)
+    message = query_message(model, chains)
+    message.query.query_id = 1 << 20
     reply = pb.RouterReply(result=pb.QueryResponse(query_id=1 << 20, columns=columns))
     return {"query_bytes": message.ByteSize(), "answer_bytes": reply.ByteSize()}
 
@@ -177,31 +174,24 @@ def control_plane_answer_mean_ms(metrics_url: str) -> float:
     status, body = http_get(metrics_url)
     if status != 200:
         raise RuntimeError(f"control plane /metrics answered {status}")
-    values = {}
-    for line in body.decode().splitlines():
-        name, _, value = line.partition(" ")
-        if name in ("kvroute_cp_query_seconds_sum", "kvroute_cp_query_seconds_count"):
-            values[name] = float(value)
-    count = values.get("kvroute_cp_query_seconds_count", 0.0)
-    return round(values["kvroute_cp_query_seconds_sum"] / count * 1000, 3) if count else 0.0
+    total, count = "kvroute_cp_query_seconds_sum", "kvroute_cp_query_seconds_count"
+    values = prometheus_sums(body.decode(), {total, count})
+    return round(values[total] / values[count] * 1000, 3) if values.get(count) else 0.0
 
 
-def measure_echo_floor(request_bytes: int, reply_bytes: int, iterations: int, core: int | None) -> float:
+def measure_echo_floor(request_bytes: int, reply_bytes: int, iterations: int, core: int | None,
+                       workdir: Path) -> float:
     """p50 ms of a bare gRPC stream round trip to a `bench.grpc_echo` process (on `core` if given)."""
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "bench.grpc_echo", "--port", str(port), "--reply-bytes",
-                               str(reply_bytes)], stdin=subprocess.DEVNULL, start_new_session=True)
+    server = ManagedProcess("grpc-echo", [sys.executable, "-m", "bench.grpc_echo", "--port", str(port),
+                                          "--reply-bytes", str(reply_bytes)], workdir / "grpc-echo.log")
+    server.start()
     try:
         if core is not None:
-            os.sched_setaffinity(server.pid, {core})
+            os.sched_setaffinity(server.popen.pid, {core})
         samples = aio.run_value(round_trips_ms(f"127.0.0.1:{port}", request_bytes, iterations))
     finally:
-        server.terminate()
-        try:
-            server.wait(5)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(5)
+        server.stop()
     return round(percentile(samples, 50), 3)
 
 
@@ -233,5 +223,5 @@ def run_decision(prompt_tokens: int = 8192, workers: int = 64, block_size: int =
     finally:
         cluster.stop()
     # After the control plane has stopped, in its place (its core when pinned).
-    echo = measure_echo_floor(result["query_bytes"], result["answer_bytes"], iterations, control_plane_core)
+    echo = measure_echo_floor(result["query_bytes"], result["answer_bytes"], iterations, control_plane_core, workdir)
     return {**result, "grpc_echo_p50_ms": echo, "pinned_cores": control_plane_core is not None}

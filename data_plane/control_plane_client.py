@@ -147,17 +147,23 @@ class ControlPlaneClient:
 
         Raises TimeoutError past `query_timeout_s` on the session, grpc.aio.AioRpcError on the
         unary path (DEADLINE_EXCEEDED, UNAVAILABLE...)."""
-        # Filled in place inside the stream message: a message passed to a constructor is copied,
-        # and this one carries every block key of the prompt.
-        message = pb.RouterMessage()
-        request = message.query
-        request.model, request.lora_name, request.columnar = model, lora_name, True
-        for bs, keys in chains.items():
-            request.chains.add(block_size=bs, block_keys=keys)
+        message = query_message(model, chains, lora_name)
         if self.session is not None and self.session.connected:
             try:
                 return (await self.session.query(message, self.query_timeout_s)).columns
             except SessionUnavailable:
                 pass  # lost just now: the unary call below still has a chance
-        response = await self._stub.Query(request, timeout=self.query_timeout_s)
+        response = await self._stub.Query(message.query, timeout=self.query_timeout_s)
         return response.columns
+
+
+def query_message(model: str, chains: dict[int, list[int]], lora_name: str = "") -> pb.RouterMessage:
+    """The router-session message of a columnar query (its `query_id` is the session's to set)."""
+    # Filled in place inside the stream message: a message passed to a constructor is copied,
+    # and this one carries every block key of the prompt.
+    message = pb.RouterMessage()
+    request = message.query
+    request.model, request.lora_name, request.columnar = model, lora_name, True
+    for bs, keys in chains.items():
+        request.chains.add(block_size=bs, block_keys=keys)
+    return message
