@@ -79,9 +79,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvroute simulate: error: {exc}", file=sys.stderr)
         return 2
+    log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
     if seeds is None:
-        return _run_one_seed(args, kv_aware_params)
-    return _run_seeds(args, kv_aware_params, seeds)
+        return _run_one_seed(args, kv_aware_params, log)
+    return _run_seeds(args, kv_aware_params, seeds, log)
 
 
 def _parse_seeds(text: str) -> list[int]:
@@ -94,11 +95,10 @@ def _parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def _run_seeds(args: argparse.Namespace, kv_aware_params: dict, seeds: list[int]) -> int:
+def _run_seeds(args: argparse.Namespace, kv_aware_params: dict, seeds: list[int], log) -> int:
     from simulator.seeds import markdown, summarize
 
     started = time.monotonic()
-    log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
     per_seed: dict[int, dict] = {}
     for seed in seeds:
         args.seed = seed
@@ -107,8 +107,7 @@ def _run_seeds(args: argparse.Namespace, kv_aware_params: dict, seeds: list[int]
         log("  " + outcome["summary"])
         per_seed[seed] = outcome["policies"]
     summary = summarize(per_seed)
-    source = f"trace {args.trace}" if args.trace else f"workload {args.workload}"
-    head = f"{source}; seeds {', '.join(map(str, seeds))}; {time.monotonic() - started:.1f}s"
+    head = f"{outcome['source']}; seeds {', '.join(map(str, seeds))}; {time.monotonic() - started:.1f}s"
     lines = markdown(per_seed, summary)
     if not args.json:
         print(head)
@@ -120,8 +119,7 @@ def _run_seeds(args: argparse.Namespace, kv_aware_params: dict, seeds: list[int]
     return 0
 
 
-def _run_one_seed(args: argparse.Namespace, kv_aware_params: dict) -> int:
-    log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
+def _run_one_seed(args: argparse.Namespace, kv_aware_params: dict, log) -> int:
     outcome = _simulate(args, kv_aware_params, log)
     if not args.json:
         print(outcome["summary"])
@@ -200,4 +198,4 @@ def _simulate(args: argparse.Namespace, kv_aware_params: dict, log) -> dict:
                f"pooled-cache ceiling {oracle:.1%} (infinite cache {oracle_inf:.1%}); seed {args.seed}; "
                f"{time.monotonic() - started:.1f}s")
     return {"policies": results, "lines": lines, "summary": summary, "runs": runs, "oracle": oracle,
-            "oracle_inf": oracle_inf, "source_name": source_name}
+            "oracle_inf": oracle_inf, "source": source, "source_name": source_name}

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-NOT_A_ROUTER_POLICY = frozenset({"ttft_oracle"})
+from simulator.fleet import TTFT_ORACLE
+
+NOT_A_ROUTER_POLICY = frozenset({TTFT_ORACLE})
 METRICS = ("hit_rate", "ttft_p50_ms", "ttft_p99_ms")
 
 
