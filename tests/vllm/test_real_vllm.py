@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from kvroute.audit import prometheus_sums
 from kvroute.demo import engine_prefix_counters
 from kvroute.local_cluster import (
     EngineHandle,
@@ -121,8 +122,8 @@ def router_fail_opens(router_url: str) -> float:
     """Decisions the router made on load alone (control-plane query past its deadline or failed)."""
     status, body = http_get(router_url + "/metrics")
     assert status == 200, body
-    return sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines()
-               if line.startswith("kvroute_router_fail_open_total"))
+    name = "kvroute_router_fail_open_total"
+    return prometheus_sums(body.decode(), {name}).get(name, 0.0)
 
 
 @pytest.fixture(scope="module")
