@@ -19,7 +19,7 @@ import time
 
 import grpc
 
-from kvroute import aio
+from kvroute.listeners import GrpcListener, run_service
 
 METHOD = "/kvroute.bench.Echo/Stream"
 
@@ -35,11 +35,10 @@ def _echo_handler(reply: bytes) -> grpc.GenericRpcHandler:
 
 
 async def serve(port: int, reply_bytes: int) -> None:
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers([_echo_handler(b"\x01" * reply_bytes)])
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    await server.wait_for_termination()
+    listener = GrpcListener("--port", f"127.0.0.1:{port}")  # as every kvroute gRPC server: no SO_REUSEPORT
+    listener.server.add_generic_rpc_handlers([_echo_handler(b"\x01" * reply_bytes)])
+    await listener.start()
+    await listener.server.wait_for_termination()
 
 
 async def round_trips_ms(address: str, request_bytes: int, iterations: int, warmup: int = 50) -> list[float]:
@@ -66,7 +65,7 @@ def main() -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--reply-bytes", type=int, default=1024)
     args = p.parse_args()
-    return aio.run(serve(args.port, args.reply_bytes)) or 0
+    return run_service("bench grpc-echo", serve(args.port, args.reply_bytes))
 
 
 if __name__ == "__main__":

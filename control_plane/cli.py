@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from kvroute import aio
+from kvroute.listeners import run_service
 from kvroute.telemetry import setup_tracing, shutdown_tracing
 
 
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("kvroute-control-plane")
     try:
-        return aio.run(serve(ControlPlaneConfig(
+        return run_service("control-plane", serve(ControlPlaneConfig(
             listen=args.listen, heartbeat_timeout_s=args.heartbeat_timeout, metrics_host=args.metrics_host,
             metrics_port=args.metrics_port, speculative_ttl_s=args.speculative_ttl_ms / 1000,
             reservation_max_age_s=args.reservation_max_age_s, audit_interval_s=args.audit_interval_s,

@@ -1,4 +1,9 @@
-"""Runs the control plane: gRPC server, liveness sweeper and an optional /metrics HTTP port."""
+"""Runs the control plane: gRPC server, liveness sweeper and an optional /metrics HTTP port.
+
+Health: `grpc.health.v1.Health` on the gRPC port ("" and "kvroute.v1.ControlPlane") and, on the
+metrics port, `GET /health` (liveness) and `GET /ready` (200 while serving, 503 once stopping).
+The control plane is ready as soon as it serves: an empty registry is a normal state (agents
+register after it starts), not a fault."""
 
 from __future__ import annotations
 
@@ -7,7 +12,6 @@ import logging
 import signal
 from dataclasses import dataclass
 
-import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -16,9 +20,12 @@ from control_plane.index import BitmaskPrefixIndex
 from control_plane.inflight import InflightTracker
 from control_plane.registry import WorkerRegistry
 from control_plane.service import GRPC_OPTIONS, ControlPlaneMetrics, ControlPlaneService, InflightCollector
+from kvroute.listeners import GrpcListener, start_status_site
+from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvroute.control_plane")
+SERVICES = (pb.DESCRIPTOR.services_by_name["ControlPlane"].full_name,)  # for grpc.health.v1, besides ""
 
 
 @dataclass
@@ -50,50 +57,60 @@ class ControlPlaneServer:
                                         probe_deadline_s=config.audit_probe_deadline_s)
                         if config.audit_interval_s > 0 else None)
         self.port = 0
-        self._server: grpc.aio.Server | None = None
+        self._grpc: GrpcListener | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._audit_task: asyncio.Task[None] | None = None
         self._metrics_runner: web.AppRunner | None = None
 
     async def start(self) -> int:
-        self._server = grpc.aio.server(options=GRPC_OPTIONS)
-        pb_grpc.add_ControlPlaneServicer_to_server(self.service, self._server)
-        self.port = self._server.add_insecure_port(self.config.listen)
-        if self.port == 0:
-            raise OSError(f"control plane could not listen on {self.config.listen}")
-        await self._server.start()
+        """Listen and serve; raises ListenError (nothing left running) when a port cannot be had."""
+        self._grpc = GrpcListener("--listen", self.config.listen, SERVICES, GRPC_OPTIONS)
+        self.port = self._grpc.port
+        pb_grpc.add_ControlPlaneServicer_to_server(self.service, self._grpc.server)
+        try:
+            if self.config.metrics_port:  # before serving: a busy metrics port must not leave a half-started plane
+                self._metrics_runner, _ = await start_status_site(
+                    "--metrics-port", self.config.metrics_host, self.config.metrics_port,
+                    {"/metrics": self._metrics, "/health": self._health, "/ready": self._ready})
+            await self._grpc.start()
+        except BaseException:
+            await self.stop(0)
+            raise
         self._sweeper = asyncio.create_task(self.service.expire_forever(max(0.05, self.config.heartbeat_timeout_s / 5)))
         if self.auditor:
             self._audit_task = asyncio.create_task(self.auditor.run_forever(), name="kvroute-cp-audit")
-        if self.config.metrics_port:
-            app = web.Application()
-            app.router.add_get("/metrics", self._metrics)
-            app.router.add_get("/health", self._health)
-            self._metrics_runner = web.AppRunner(app, access_log=None)
-            await self._metrics_runner.setup()
-            await web.TCPSite(self._metrics_runner, self.config.metrics_host, self.config.metrics_port).start()
-        host = self.config.listen.rsplit(":", 1)[0]
-        log.info("control plane ready on %s:%d", host, self.port)
+        log.info("control plane ready on %s:%d", self._grpc.host, self.port)
         return self.port
 
     async def stop(self, grace_s: float = 0.5) -> None:
         for task in (self._sweeper, self._audit_task):
             if task:
                 task.cancel()
+        if self._grpc:  # health goes NOT_SERVING first, while /ready still answers 503
+            await self._grpc.stop(grace_s)
         if self._metrics_runner:
             await self._metrics_runner.cleanup()
-        if self._server:
-            await self._server.stop(grace_s)
+            self._metrics_runner = None
+
+    @property
+    def serving(self) -> bool:
+        return self._grpc is not None and self._grpc.serving
 
     async def wait(self) -> None:
-        assert self._server is not None
-        await self._server.wait_for_termination()
+        assert self._grpc is not None
+        await self._grpc.server.wait_for_termination()
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics_registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "workers": len(self.registry)})
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        if self.serving:
+            return web.json_response({"status": "ready", "serving": True, "workers": len(self.registry)})
+        return web.json_response({"status": "not_ready", "serving": False, "workers": len(self.registry),
+                                  "problems": ["the gRPC server is not serving (starting or stopping)"]}, status=503)
 
 
 async def serve(config: ControlPlaneConfig) -> int:

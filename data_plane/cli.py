@@ -8,7 +8,7 @@ import logging
 import signal
 from pathlib import Path
 
-from kvroute import aio
+from kvroute.listeners import run_service
 from kvroute.telemetry import setup_tracing, shutdown_tracing
 
 
@@ -65,7 +65,6 @@ def _parse_static(spec: str) -> dict[str, str]:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    import grpc
     from aiohttp import web
 
     from data_plane.control_plane_client import ControlPlaneClient
@@ -76,6 +75,8 @@ async def serve(args: argparse.Namespace) -> int:
     from data_plane.routing import Router
     from data_plane.tokenization import load_tokenizer
     from data_plane.traffic_capture import TrafficCapture
+    from kvroute.listeners import GrpcListener, check_port, start_http_site
+    from kvroute.v1 import kvroute_pb2 as pb
     from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
     log = logging.getLogger("kvroute.router")
@@ -90,7 +91,6 @@ async def serve(args: argparse.Namespace) -> int:
     control_plane = ControlPlaneClient(args.control_plane, args.query_timeout_ms / 1000,
                                        static_workers=_parse_static(args.static_workers), router_id=args.router_id,
                                        use_session=not args.no_router_session)
-    control_plane.start()
     router = Router(control_plane, make_policy(args.policy, **kv_params), LoadTracker())
     capture = None
     if args.capture_trace:
@@ -101,18 +101,18 @@ async def serve(args: argparse.Namespace) -> int:
     # connection, so the engine stops generating for nobody.
     runner = web.AppRunner(http.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
-    grpc_server = None
+    grpc_server: GrpcListener | None = None
     try:
-        await web.TCPSite(runner, args.host, args.port).start()
+        http_port = await start_http_site(runner, "--port", args.host, args.port)
         if args.grpc_port:
-            grpc_server = grpc.aio.server()
+            grpc_server = GrpcListener("--grpc-port", str(check_port("--grpc-port", args.host, args.grpc_port)),
+                                       (pb.DESCRIPTOR.services_by_name["Router"].full_name,))  # + "" for grpc.health
             pb_grpc.add_RouterServicer_to_server(RouterGrpcService(router, tokenizer, model, args.max_prompt_tokens,
-                                                                   capture), grpc_server)
-            if not grpc_server.add_insecure_port(f"{args.host}:{args.grpc_port}"):
-                raise OSError(f"cannot listen on {args.host}:{args.grpc_port} for gRPC")
+                                                                   capture), grpc_server.server)
             await grpc_server.start()
+        control_plane.start()  # after the listeners: a port in use is the only line printed
         log.info("router ready: http://%s:%d grpc=%s policy=%s model=%s control-plane=%s query-timeout=%gms%s",
-                 args.host, args.port, args.grpc_port or "off", args.policy, model, args.control_plane,
+                 args.host, http_port, args.grpc_port or "off", args.policy, model, args.control_plane,
                  args.query_timeout_ms, "".join(f" {k}={v:g}" for k, v in kv_params.items()))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -134,8 +134,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("kvroute-router")
     try:
-        return aio.run(serve(args))
-    except (FileNotFoundError, OSError) as exc:  # bad --tokenizer, port in use: one clear line, no traceback
+        return run_service("router", serve(args))  # a port in use: one line, exit 2
+    except (FileNotFoundError, OSError) as exc:  # bad --tokenizer: one clear line, no traceback
         logging.getLogger("kvroute.router").error("router cannot start: %s", exc)
         return 2
     finally:

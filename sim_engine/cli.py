@@ -12,7 +12,7 @@ import logging
 import signal
 import sys
 
-from kvroute import aio
+from kvroute.listeners import run_service
 from kvroute.telemetry import setup_tracing, shutdown_tracing
 
 log = logging.getLogger("kvroute.sim_engine")
@@ -117,6 +117,7 @@ def build_engine(args: argparse.Namespace):
 async def serve(args: argparse.Namespace) -> int:
     import zmq
 
+    from kvroute.listeners import ListenError
     from sim_engine.server import start_server
 
     try:
@@ -126,10 +127,9 @@ async def serve(args: argparse.Namespace) -> int:
         return 2
     try:
         runner, port = await start_server(engine, args.host, args.port)
-    except OSError as exc:
-        print(f"kvroute sim-engine: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+    except ListenError:
         await engine.stop()
-        return 2
+        raise
     log.info("sim engine ready on http://%s:%d (%s, model %s, %d blocks of %d tokens, %s)", args.host, port,
              engine.dialect.name, args.model, args.num_blocks, engine.config.block_size, _events_summary(engine))
     stop = asyncio.Event()
@@ -159,6 +159,6 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("kvroute-sim-engine")
     try:
-        return aio.run(serve(args))
+        return run_service("sim-engine", serve(args))  # a port in use: one line, exit 2
     finally:
         shutdown_tracing()

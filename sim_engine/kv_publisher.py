@@ -41,6 +41,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvroute.listeners import open_zmq
 from sim_engine.dialects import DEFAULT_DIALECT, Dialect, get_dialect
 from sim_engine.prefix_cache import CacheEvent
 from sim_engine.wire_encoding import MsgpackEventEncoder
@@ -160,7 +161,7 @@ class KvEventPublisher:
         self._pub.set_hwm(self.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         self.binds = publisher_binds(self.endpoint, dialect, config)
-        (self._pub.bind if self.binds else self._pub.connect)(self.endpoint)
+        open_zmq(self._pub, "--kv-events-config", self.endpoint, bind=self.binds)
         self._replay = None
         self._tasks: list[asyncio.Task] = []
         if self.replay_endpoint:
@@ -168,7 +169,7 @@ class KvEventPublisher:
             if dialect.replay_sndhwm_scaled:
                 self._replay.setsockopt(zmq.SNDHWM, 2 * (config["buffer_steps"] + 1))
             self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.bind(self.replay_endpoint)
+            open_zmq(self._replay, "--kv-events-config", self.replay_endpoint, bind=True)
 
     @classmethod
     def from_cli(cls, config_json: str | None, block_size: int, dialect: Dialect | None = None,

@@ -51,6 +51,8 @@ import uuid
 
 from aiohttp import web
 from opentelemetry import propagate, trace
+
+from kvroute.listeners import ListenError, start_http_site
 from sim_engine.engine import EngineConfig, RequestRejected, SimEngine, UnknownModel
 from sim_engine.prefix_cache import CPU, GPU, CacheNamespace
 from sim_engine.scheduler import SimRequest
@@ -317,7 +319,8 @@ async def start_server(engine: SimEngine, host: str = "127.0.0.1", port: int = 0
     # handler_cancellation: a client that goes away cancels its handler, which aborts the request.
     runner = web.AppRunner(SimServer(engine).app(), access_log=None, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    addresses = runner.addresses
-    return runner, (addresses[0][1] if addresses else port)
+    try:
+        return runner, await start_http_site(runner, "--port", host, port)
+    except ListenError:
+        await runner.cleanup()
+        raise

@@ -28,6 +28,7 @@ from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvroute.listeners import start_status_site
 from kvroute.v1 import kvroute_pb2 as pb
 from worker_agent import sglang_wire, vllm_wire
 from worker_agent.block_resolver import BlockResolver
@@ -307,9 +308,14 @@ class WorkerAgent:
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self) -> None:
-        if self.config.metrics_port:
-            await self.start_metrics_server()
+        """Raises ListenError (one line naming the flag) when a --kv-events-bind endpoint or the
+        metrics port cannot be had; otherwise runs until cancelled."""
         try:
+            for w in self.workers:  # sockets first: a bind that fails must fail before anything waits
+                if w.source is not None:
+                    w.source.open()
+            if self.config.metrics_port:
+                await self.start_metrics_server()
             if not self.config.model:
                 model = await self.models.discover()
                 log.info("engine %s serves model %s", self.config.engine_url, model)
@@ -332,14 +338,9 @@ class WorkerAgent:
             await self.stop_metrics_server()
 
     async def start_metrics_server(self) -> int:
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/health", self._health)
-        self._metrics_runner = web.AppRunner(app, access_log=None)
-        await self._metrics_runner.setup()
-        site = web.TCPSite(self._metrics_runner, self.config.metrics_host, self.config.metrics_port)
-        await site.start()
-        self.metrics_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._metrics_runner, self.metrics_port = await start_status_site(
+            "--metrics-port", self.config.metrics_host, self.config.metrics_port,
+            {"/metrics": self._metrics, "/health": self._health})
         log.info("agent metrics on http://%s:%d/metrics", self.config.metrics_host, self.metrics_port)
         return self.metrics_port
 

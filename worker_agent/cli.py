@@ -19,7 +19,7 @@ import logging
 import signal
 import sys
 
-from kvroute import aio
+from kvroute.listeners import run_service
 from kvroute.telemetry import setup_tracing, shutdown_tracing
 
 # Same as worker_agent.agent.SUPPORTED_ENGINES / TRANSPORTS (not imported: keeps --help light).
@@ -113,7 +113,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
                    help="engine KV block size in tokens (SGLang: page size; TRT-LLM: tokens_per_block); if events "
                         "carry another, the agent re-registers with it")
-    p.add_argument("--metrics-port", type=_port, default=0, help="serve the agent's /metrics and /health on this port (0 = off)")
+    p.add_argument("--metrics-port", type=_port, default=0,
+                   help="serve the agent's /metrics, /health (liveness) and /ready (readiness) on this port (0 = off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the /metrics listener")
     p.add_argument("--log-level", type=_log_level, default="INFO", help="Python logging level")
 
@@ -155,6 +156,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     try:
-        return aio.run(main())
+        return run_service("agent", main())  # a port or bind endpoint in use: one line, exit 2
     finally:
         shutdown_tracing()

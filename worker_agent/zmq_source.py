@@ -46,6 +46,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from kvroute.listeners import open_zmq
 from worker_agent import vllm_wire
 from worker_agent.events import DecodedBatch
 from worker_agent.msgpack_wire import WireFormatError, split_frames
@@ -136,25 +137,40 @@ class ZmqEventSource:
         self._replayed_max = -1
         self._last_digest: int | None = None   # payload digest of batch `last_seq` (reconnect check)
         self._connections = 0                  # ZMTP handshakes with the publisher so far
+        self._sub: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
         self._log = RateLimitedLog(log)
 
     # ------------------------------------------------------------------ loop
 
-    async def run(self) -> None:
+    def open(self) -> None:
+        """Create, subscribe and bind/connect the SUB socket (run() does it if not done yet). Raises
+        ListenError, one line naming the flag and endpoint, when the endpoint cannot be bound."""
+        if self._sub is not None:
+            return
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.rcvhwm)  # ZMQ's default 1000 drops the bursts of a busy engine
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         try:
-            if self.bind:
-                sub.bind(self.endpoint)
-                self.bound_endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
-            else:
-                sub.connect(self.endpoint)
-            log.info("KV events: SUB %s %s (topic %r, replay %s)", "bound to" if self.bind else "connected to",
-                     self.bound_endpoint or self.endpoint, self.topic, self.replay_endpoint or "off")
-            self.ready.set()
+            endpoint = open_zmq(sub, "--kv-events-bind" if self.bind else "--kv-events", self.endpoint, bind=self.bind)
+        except BaseException:
+            monitor.close(linger=0)
+            sub.disable_monitor()
+            sub.close(linger=0)
+            raise
+        self.bound_endpoint = endpoint if self.bind else None
+        self._sub, self._monitor = sub, monitor
+        self.ready.set()
+
+    async def run(self) -> None:
+        self.open()
+        sub, monitor = self._sub, self._monitor
+        assert sub is not None and monitor is not None
+        log.info("KV events: SUB %s %s (topic %r, replay %s)", "bound to" if self.bind else "connected to",
+                 self.bound_endpoint or self.endpoint, self.topic, self.replay_endpoint or "off")
+        try:
             poller = zmq.asyncio.Poller()
             poller.register(sub, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
@@ -172,6 +188,7 @@ class ZmqEventSource:
                         break
                     await self._guard(self.handle_frames, frames)
         finally:
+            self._sub = self._monitor = None
             monitor.close(linger=0)
             sub.disable_monitor()
             sub.close(linger=0)
