@@ -102,6 +102,7 @@ async def serve(args: argparse.Namespace) -> int:
     runner = web.AppRunner(http.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     grpc_server: GrpcListener | None = None
+    health_task = None
     try:
         http_port = await start_http_site(runner, "--port", args.host, args.port)
         if args.grpc_port:
@@ -109,7 +110,9 @@ async def serve(args: argparse.Namespace) -> int:
                                        (pb.DESCRIPTOR.services_by_name["Router"].full_name,))  # + "" for grpc.health
             pb_grpc.add_RouterServicer_to_server(RouterGrpcService(router, tokenizer, model, args.max_prompt_tokens,
                                                                    capture), grpc_server.server)
-            await grpc_server.start()
+            await grpc_server.start(serving=http.readiness().ready)
+            # grpc.health.v1 says what GET /ready says (data_plane/readiness.py)
+            health_task = asyncio.create_task(grpc_server.follow(lambda: http.readiness().ready))
         control_plane.start()  # after the listeners: a port in use is the only line printed
         log.info("router ready: http://%s:%d grpc=%s policy=%s model=%s control-plane=%s query-timeout=%gms%s",
                  args.host, http_port, args.grpc_port or "off", args.policy, model, args.control_plane,
@@ -121,6 +124,8 @@ async def serve(args: argparse.Namespace) -> int:
         await stop.wait()
         log.info("router stopping")
     finally:
+        if health_task:
+            health_task.cancel()
         if grpc_server:
             await grpc_server.stop(0.5)
         await runner.cleanup()

@@ -54,6 +54,7 @@ class ControlPlaneClient:
         self.fleet: dict[str, KnownWorker] = {}
         self.fleet_updated_at = 0.0  # monotonic time of the last successful ListWorkers; 0 = never
         self.reachable = False       # did the last ListWorkers succeed
+        self.last_error = ""         # why the last ListWorkers failed ("" after a success)
         self._last_known: dict[str, list[KnownWorker]] = {}  # model -> last non-empty snapshot
         self._static = [KnownWorker(wid, "", url.rstrip("/"), static_block_size, pb.WorkerLoad())
                         for wid, url in (static_workers or {}).items()]
@@ -91,14 +92,22 @@ class ControlPlaneClient:
         return {a for w in self._workers_for(model) for a in w.lora_adapters}
 
     def _workers_for(self, model: str) -> list[KnownWorker]:
+        return self._fleet_of(model)[1]
+
+    def fleet_source(self, model: str) -> str:
+        """Where `workers_for(model)` comes from: "control_plane" (the latest ListWorkers), "last_known"
+        (the last non-empty one), "static" (--static-workers) or "none"."""
+        return self._fleet_of(model)[0]
+
+    def _fleet_of(self, model: str) -> tuple[str, list[KnownWorker]]:
         current = [w for w in self.fleet.values() if w.model == model]
         if current:
-            return current
+            return "control_plane", current
         if model in self._last_known:
-            return list(self._last_known[model])
-        if not self.ever_reached:
-            return list(self._static)  # control plane never reached: static fallback fleet
-        return []
+            return "last_known", list(self._last_known[model])
+        if not self.ever_reached and self._static:
+            return "static", list(self._static)  # control plane never reached: static fallback fleet
+        return "none", []
 
     def models(self) -> set[str]:
         """Models with known workers (static workers serve any model, so they add none)."""
@@ -118,7 +127,7 @@ class ControlPlaneClient:
         for model in {w.model for w in fleet.values()}:
             self._last_known[model] = [w for w in fleet.values() if w.model == model]
         self.fleet_updated_at = time.monotonic()
-        self.reachable = True
+        self.reachable, self.last_error = True, ""
 
     async def _refresh_forever(self) -> None:
         failures = 0
@@ -134,6 +143,7 @@ class ControlPlaneClient:
                 self.reachable = False
                 failures += 1
                 reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
+                self.last_error = reason
                 if failures in (1, 20) or failures % 200 == 0:
                     log.warning("control plane %s unreachable (%s, %d times); routing on the last known fleet "
                                 "(%d workers)", self.address, reason, failures, len(self.fleet) or len(self._static))

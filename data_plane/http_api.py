@@ -7,7 +7,7 @@
                 (session key for the session policy: `x-session-id` header, else the body's `user`)
         BackendProxy.forward (proxy.py): the original body to the chosen engine, streamed back
     POST /v1/route      the decision alone, as JSON (same body as completions or chat)
-    GET  /v1/models, /health, /metrics
+    GET  /v1/models, /health (liveness), /ready (readiness.py), /metrics
 
 Bad input is a 400 with an OpenAI-style error (unknown model: 404); no worker known: 503.
 """
@@ -23,6 +23,7 @@ from opentelemetry import propagate, trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from data_plane.proxy import BackendProxy, error_response
+from data_plane.readiness import RouterReadiness, router_readiness
 from data_plane.routing import NoWorkersError, Router
 from data_plane.tokenization import THREAD_TOKENIZE_CHARS, PromptTokenizer, TokenizationError
 from data_plane.traffic_capture import TrafficCapture, reported_output_tokens, requested_output_tokens
@@ -71,6 +72,7 @@ class RouterHttpApi:
         app.router.add_post("/v1/route", self.handle_route)
         app.router.add_get("/v1/models", self.handle_models)
         app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/ready", self.handle_ready)
         app.router.add_get("/metrics", self.handle_metrics)
         app.on_startup.append(lambda _app: self.proxy.open())
         app.on_cleanup.append(lambda _app: self.proxy.close())
@@ -126,6 +128,13 @@ class RouterHttpApi:
         return web.json_response({"status": "ok", "model": self.model, "policy": self.router.policy.name,
                                   "workers": len(cp.workers_for(self.model)),
                                   "control_plane": "reachable" if cp.reachable else "unreachable"})
+
+    def readiness(self) -> RouterReadiness:
+        return router_readiness(self.router.control_plane, self.model, self.proxy.avoided(), self.proxy.cooldown_s)
+
+    async def handle_ready(self, request: web.Request) -> web.Response:
+        readiness = self.readiness()
+        return web.json_response(readiness.body, status=200 if readiness.ready else 503)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

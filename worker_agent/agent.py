@@ -10,7 +10,8 @@ stream. Event sources by engine and transport:
 Tasks (one asyncio loop): the event sources (decode + resolve run inline, no I/O), one control-plane
 link per worker (gRPC writes in their own tasks, so a slow or absent control plane never stalls
 the event readers), the engine load poller, the model / LoRA adapter poller, and the optional
-metrics HTTP server.
+metrics HTTP server: `/metrics`, `/health` (liveness: always 200 with the agent's state) and
+`/ready` (200 or 503 with what is wrong, `WorkerAgent.readiness`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -264,6 +266,7 @@ class WorkerAgent:
         self.metrics_registry = CollectorRegistry()
         self.metrics_registry.register(_AgentCollector(self))
         self._metrics_runner: web.AppRunner | None = None
+        self.model_known = bool(config.model)  # False until the engine's GET /v1/models answered
 
     # ------------------------------------------------------------------ engine state
 
@@ -307,6 +310,46 @@ class WorkerAgent:
 
     # ------------------------------------------------------------------ lifecycle
 
+    # ------------------------------------------------------------------ readiness
+
+    def readiness(self) -> tuple[bool, dict]:
+        """Ready: the engine's model is known, and every worker (DP rank) is registered with the control
+        plane over a live stream and follows the engine's KV events: its ZMQ SUB has a connection to
+        the publisher (a handshake and no disconnect since), or, on TRT-LLM's pull path, a poll was
+        answered within two poll timeouts. (ready, the JSON body of GET /ready)"""
+        problems: list[str] = []
+        if not self.model_known:
+            problems.append(f"engine {self.config.engine_url} has not told its model yet (GET /v1/models)")
+        workers = []
+        for w in self.workers:
+            wid = w.identity.worker_id
+            if not w.link.connected:
+                problems.append(f"{wid}: not connected to the control plane: {w.link.not_connected_reason}")
+            following = self._following(w)
+            if not following and w.source is not None:
+                where = (f"bound to {w.source.bound_endpoint or w.source.endpoint}, no engine connected" if w.source.bind
+                         else f"no connection to the engine's publisher at {w.source.endpoint}")
+                problems.append(f"{wid}: not receiving KV events ({where})")
+            workers.append({"worker_id": wid, "control_plane_connected": w.link.connected,
+                            "control_plane": w.link.not_connected_reason or "connected", "following_events": following})
+        poller = self.poller
+        if poller is not None and not self._poller_fresh():
+            fresh = 2 * poller.timeout_s
+            problems.append(f"not receiving KV events: no POST {poller.url} answered in the last {fresh:g}s"
+                            + (f" ({poller.last_error})" if poller.last_error else ""))
+        ready = not problems
+        return ready, {"status": "ready" if ready else "not_ready", "problems": problems, "workers": workers}
+
+    def _poller_fresh(self) -> bool:
+        poller = self.poller
+        return (poller is not None and poller.last_success is not None
+                and time.monotonic() - poller.last_success <= 2 * poller.timeout_s)
+
+    def _following(self, w: RankWorker) -> bool:
+        return w.source.publisher_connected if w.source is not None else self._poller_fresh()
+
+    # ------------------------------------------------------------------ lifecycle
+
     async def run(self) -> None:
         """Raises ListenError (one line naming the flag) when a --kv-events-bind endpoint or the
         metrics port cannot be had; otherwise runs until cancelled."""
@@ -322,6 +365,7 @@ class WorkerAgent:
                 for w in self.workers:
                     w.set_model(model)
                     w.identity.engine_version = self.models.engine_version
+                self.model_known = True
             c = self.config
             log.info("agent for %s engine %s: workers %s, model %s, KV events %s (%s), control plane %s", c.engine,
                      c.engine_url, ", ".join(w.identity.worker_id for w in self.workers), self.workers[0].identity.model,
@@ -340,7 +384,7 @@ class WorkerAgent:
     async def start_metrics_server(self) -> int:
         self._metrics_runner, self.metrics_port = await start_status_site(
             "--metrics-port", self.config.metrics_host, self.config.metrics_port,
-            {"/metrics": self._metrics, "/health": self._health})
+            {"/metrics": self._metrics, "/health": self._health, "/ready": self._ready})
         log.info("agent metrics on http://%s:%d/metrics", self.config.metrics_host, self.metrics_port)
         return self.metrics_port
 
@@ -354,6 +398,10 @@ class WorkerAgent:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics_text(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        ready, body = self.readiness()
+        return web.json_response(body, status=200 if ready else 503)
 
     async def _health(self, request: web.Request) -> web.Response:
         first = self.workers[0]

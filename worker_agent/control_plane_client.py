@@ -101,6 +101,7 @@ class ControlPlaneLink:
         self.probe_interval_s = probe_interval_s
         self.counters = LinkCounters()
         self.connected = False       # registered and the snapshot written
+        self.not_connected_reason = "connecting"  # while not connected: why (the agent's /ready)
         self.last_sent_seq = 0
         self.acked_seq = 0
         self.connected_event = asyncio.Event()  # set while connected (tests and /health)
@@ -162,10 +163,10 @@ class ControlPlaneLink:
             except grpc.aio.AioRpcError as exc:
                 failures += 1
                 unreachable = exc.code() == grpc.StatusCode.UNAVAILABLE
-                self._log_failure(failures, f"{exc.code().name}: {exc.details()}")
+                self._log_failure(failures, f"{exc.code().name}: {exc.details()}", unreachable)
             except Exception as exc:  # noqa: BLE001 - the link must never die
                 failures += 1
-                self._log_failure(failures, f"{type(exc).__name__}: {exc}")
+                self._log_failure(failures, f"{type(exc).__name__}: {exc}", False)
             finally:
                 self._disconnected()
             self.counters.connect_failures += 1
@@ -188,7 +189,8 @@ class ControlPlaneLink:
             except TimeoutError:
                 pass
 
-    def _log_failure(self, failures: int, why: str) -> None:
+    def _log_failure(self, failures: int, why: str, unreachable: bool) -> None:
+        self.not_connected_reason = f"control plane {self.address} {'unreachable' if unreachable else 'failed'}: {why}"
         if failures <= 3 or failures % 20 == 0:
             log.warning("control plane %s unavailable (attempt %d): %s", self.address, failures, why)
 
@@ -196,6 +198,7 @@ class ControlPlaneLink:
         if self.connected:
             log.warning("control plane %s: stream closed; reconnecting", self.address)
         self.connected = False
+        self.not_connected_reason = self.not_connected_reason or "reconnecting"
         self.connected_event.clear()
         self._pending = []
 
@@ -251,6 +254,7 @@ class ControlPlaneLink:
         self._wake.clear()
         snapshot = self._snapshot()
         self.connected = True
+        self.not_connected_reason = ""
         self.connected_event.set()
         reader = asyncio.create_task(read_acks())
         reader.add_done_callback(lambda _: self._wake.set())

@@ -50,6 +50,8 @@ class TrtllmEventPoller:
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.counters = PollerCounters()
         self.last_event_id: int | None = None
+        self.last_success: float | None = None  # monotonic time of the last answered poll (readiness)
+        self.last_error = ""                     # why the last poll failed ("" after a success)
         self._log = RateLimitedLog(log)
 
     def counter_values(self) -> dict[str, int]:
@@ -62,9 +64,11 @@ class TrtllmEventPoller:
                 body = await resp.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
             self.counters.poll_failures += 1
+            self.last_error = str(exc) or type(exc).__name__
             self._log.warning("poll", "POST %s failed: %s", self.url, exc or type(exc).__name__)
             return False
         self.counters.polls += 1
+        self.last_success, self.last_error = time.monotonic(), ""
         try:
             actions = self.converter.feed(body)
         except BodyError as exc:

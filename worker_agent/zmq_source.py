@@ -137,6 +137,7 @@ class ZmqEventSource:
         self._replayed_max = -1
         self._last_digest: int | None = None   # payload digest of batch `last_seq` (reconnect check)
         self._connections = 0                  # ZMTP handshakes with the publisher so far
+        self.publisher_connected = False       # a publisher handshake and no disconnect since (readiness)
         self._sub: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._log = RateLimitedLog(log)
@@ -152,7 +153,7 @@ class ZmqEventSource:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.rcvhwm)  # ZMQ's default 1000 drops the bursts of a busy engine
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
-        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         try:
             endpoint = open_zmq(sub, "--kv-events-bind" if self.bind else "--kv-events", self.endpoint, bind=self.bind)
         except BaseException:
@@ -189,6 +190,7 @@ class ZmqEventSource:
                     await self._guard(self.handle_frames, frames)
         finally:
             self._sub = self._monitor = None
+            self.publisher_connected = False
             monitor.close(linger=0)
             sub.disable_monitor()
             sub.close(linger=0)
@@ -201,9 +203,14 @@ class ZmqEventSource:
             self._log.warning("internal", "handling a KV event message failed", exc_info=True)
 
     async def _monitor_event(self, frames: list[bytes]) -> None:
-        if parse_monitor_message(frames)["event"] != zmq.EVENT_HANDSHAKE_SUCCEEDED:
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_DISCONNECTED:
+            self.publisher_connected = False
+            return
+        if event != zmq.EVENT_HANDSHAKE_SUCCEEDED:
             return
         self._connections += 1
+        self.publisher_connected = True
         if not self.replay_endpoint:
             return
         if self.last_seq is None:
