@@ -6,6 +6,12 @@ the prefix index uses as its bit position. A worker that stops heartbeating for
 traffic on the belief that a dead GPU holds a prefix. A `SlotWatcher` (the in-flight tracker)
 hears when a slot's blocks become meaningless or the slot is freed, so nothing keyed by slot
 outlives the worker it meant.
+
+One live agent stream per worker id: `holder()` is the record whose stream is still open and was
+heard from within the heartbeat timeout; the service refuses a second stream for that id (two
+agents started with the same --worker-id would otherwise replace each other's blocks every
+second). A stream that ended (`release()`) or went silent past the timeout no longer holds it, so
+the same agent reconnecting, or its replacement, registers as before.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ class WorkerRecord:
     last_seq: int = 0
     # Incremented on every (re)registration so a superseded stream can tell it lost ownership.
     generation: int = 0
+    # gRPC peer of the agent stream that registered it last, "" once that stream ended.
+    peer: str = ""
     # The service's pre-built answer for this worker (a WorkerMatch without per-query fields),
     # cached because building it per query dominated Query time; None after any change to it.
     match_template: object | None = None
@@ -72,7 +80,7 @@ class WorkerRegistry:
 
     def register(self, worker_id: str, model: str, engine: str, block_size: int, endpoint: str,
                  engine_version: str = "", lora_adapters: Iterable[str] = (),
-                 data_parallel_rank: int | None = None) -> WorkerRecord:
+                 data_parallel_rank: int | None = None, peer: str = "") -> WorkerRecord:
         """(Re)register a worker. Its blocks are kept until the agent's snapshot replaces them,
         so a reconnecting agent does not blank the worker for routers in between."""
         if not worker_id:
@@ -100,8 +108,22 @@ class WorkerRegistry:
         record.last_seen = self._clock()
         record.last_seq = 0
         record.generation = self._generations
+        record.peer = peer
         record.match_template = None
         return record
+
+    def holder(self, worker_id: str) -> WorkerRecord | None:
+        """The worker's record while the stream that registered it is open and heard from within the
+        heartbeat timeout (another stream must not take the id over), else None."""
+        record = self._workers.get(worker_id)
+        if record is None or not record.peer or self._clock() - record.last_seen > self.heartbeat_timeout_s:
+            return None
+        return record
+
+    def release(self, record: WorkerRecord, generation: int) -> None:
+        """The stream that registered `record` as `generation` ended (a later registration keeps the id)."""
+        if record.generation == generation:
+            record.peer = ""
 
     def touch(self, record: WorkerRecord) -> None:
         record.last_seen = self._clock()

@@ -114,41 +114,51 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ControlMessage]:
         record: WorkerRecord | None = None
         generation = 0
-        async for message in request_iterator:
-            body = message.WhichOneof("body")
-            if record is None:
-                if body != "register":
-                    await self._reject(context, "not_registered", grpc.StatusCode.FAILED_PRECONDITION,
-                                       "first message on a Connect stream must be `register`")
-                record, generation = await self._register(message.register, context)
-                yield pb.ControlMessage(registered=pb.Registered(
-                    worker_id=record.worker_id,
-                    heartbeat_timeout_ms=int(self.registry.heartbeat_timeout_s * 1000)))
-                continue
-            if record.generation != generation or self.registry.get(record.worker_id) is not record:
-                await self._reject(context, "superseded", grpc.StatusCode.ABORTED,
-                                   f"worker {record.worker_id!r} was re-registered or expired; reconnect")
-            self.registry.touch(record)
-            if body == "batch":
-                applied = await self._apply_batch(record, message.batch, context)
-                yield pb.ControlMessage(ack=pb.Ack(seq=message.batch.seq, applied_events=applied))
-            elif body == "heartbeat":
-                heartbeat = message.heartbeat
-                load = heartbeat.load
-                self.registry.update_load(record, load.running_requests, load.waiting_requests, load.kv_usage,
-                                          load.observed_unix_ms or int(time.time() * 1000))
-                if tuple(heartbeat.lora_adapters) != record.lora_adapters:
-                    self.registry.set_lora_adapters(record, heartbeat.lora_adapters)
-            elif body == "register":
-                await self._reject(context, "double_register", grpc.StatusCode.FAILED_PRECONDITION,
-                                   "register may only be sent once per stream")
+        try:
+            async for message in request_iterator:
+                body = message.WhichOneof("body")
+                if record is None:
+                    if body != "register":
+                        await self._reject(context, "not_registered", grpc.StatusCode.FAILED_PRECONDITION,
+                                           "first message on a Connect stream must be `register`")
+                    record, generation = await self._register(message.register, context)
+                    yield pb.ControlMessage(registered=pb.Registered(
+                        worker_id=record.worker_id,
+                        heartbeat_timeout_ms=int(self.registry.heartbeat_timeout_s * 1000)))
+                    continue
+                if record.generation != generation or self.registry.get(record.worker_id) is not record:
+                    await self._reject(context, "superseded", grpc.StatusCode.ABORTED,
+                                       f"worker {record.worker_id!r} was re-registered or expired; reconnect")
+                self.registry.touch(record)
+                if body == "batch":
+                    applied = await self._apply_batch(record, message.batch, context)
+                    yield pb.ControlMessage(ack=pb.Ack(seq=message.batch.seq, applied_events=applied))
+                elif body == "heartbeat":
+                    heartbeat = message.heartbeat
+                    load = heartbeat.load
+                    self.registry.update_load(record, load.running_requests, load.waiting_requests, load.kv_usage,
+                                              load.observed_unix_ms or int(time.time() * 1000))
+                    if tuple(heartbeat.lora_adapters) != record.lora_adapters:
+                        self.registry.set_lora_adapters(record, heartbeat.lora_adapters)
+                elif body == "register":
+                    await self._reject(context, "double_register", grpc.StatusCode.FAILED_PRECONDITION,
+                                       "register may only be sent once per stream")
+        finally:  # ended, failed or cancelled: the worker id is free for the next stream
+            if record is not None:
+                self.registry.release(record, generation)
 
     async def _register(self, req: pb.RegisterWorker,
                         context: grpc.aio.ServicerContext) -> tuple[WorkerRecord, int]:
+        peer = context.peer() or "unknown peer"
+        holder = self.registry.holder(req.worker_id)
+        if holder is not None:  # refused before anything changes: the live agent's state stays as it is
+            await self._reject(context, "worker_id_in_use", grpc.StatusCode.ALREADY_EXISTS,
+                               f"worker id {req.worker_id!r} is already connected from {holder.peer} (this "
+                               f"connection: {peer}); each agent needs its own --worker-id")
         try:
             record = self.registry.register(
                 req.worker_id, req.model, req.engine, req.block_size, req.endpoint, req.engine_version,
-                req.lora_adapters, req.data_parallel_rank if req.HasField("data_parallel_rank") else None)
+                req.lora_adapters, req.data_parallel_rank if req.HasField("data_parallel_rank") else None, peer)
         except ValueError as exc:
             await self._reject(context, "bad_register", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         log.info("worker registered: %s model=%s engine=%s %s block_size=%d endpoint=%s dp_rank=%s adapters=%s",

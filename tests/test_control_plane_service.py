@@ -145,21 +145,56 @@ async def test_first_message_must_register(control_plane) -> None:
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
-async def test_reconnect_snapshot_replaces_and_old_stream_is_superseded(control_plane) -> None:
+async def test_a_second_stream_for_a_live_worker_id_is_refused_and_changes_nothing(control_plane) -> None:
+    server, stub = control_plane
+    first = AgentStream(stub)
+    await first.register("a")
+    await first.batch(1, stored([1, 2, 3]))
+    generation = server.registry.get("a").generation
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as other_channel:  # another agent, another peer
+        second = AgentStream(pb_grpc.ControlPlaneStub(other_channel))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await second.register("a", block_size=8)
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    holder_peer = server.registry.get("a").peer
+    assert "'a'" in err.value.details() and holder_peer.startswith("ipv4:127.0.0.1:") and holder_peer in err.value.details()
+    # The first agent's registration, blocks and stream are as they were.
+    record = server.registry.get("a")
+    assert (record.generation, record.block_size) == (generation, 4)
+    assert (await stub.Query(query([1, 2, 3]))).workers[0].matched_blocks == 3
+    assert (await first.batch(2, stored([4]))).ack.seq == 2
+    assert (await stub.Query(query([1, 2, 3, 4]))).workers[0].matched_blocks == 4
+
+
+async def test_reconnect_after_the_stream_ended_keeps_blocks_until_the_snapshot(control_plane) -> None:
     _, stub = control_plane
     old = AgentStream(stub)
     await old.register("a")
     await old.batch(1, stored([1, 2, 3]))
+    await old.close()
+    assert await old.recv() is grpc.aio.EOF  # the control plane ended the stream: the id is free
     new = AgentStream(stub)
-    await new.register("a")
+    assert (await new.register("a")).registered.worker_id == "a"
     # Blocks are kept until the snapshot arrives, so routers never see a blank worker in between.
     assert (await stub.Query(query([1, 2, 3]))).workers[0].matched_blocks == 3
     await new.batch(1, stored([1, 9]), snapshot=True)
     assert (await stub.Query(query([1, 2, 3]))).workers[0].matched_blocks == 1
+
+
+async def test_a_stream_silent_past_the_heartbeat_timeout_is_superseded(control_plane) -> None:
+    _, stub = control_plane
+    old = AgentStream(stub)
+    await old.register("a")
+    await old.batch(1, stored([1, 2, 3]))
+    await asyncio.sleep(0.8)  # > 0.6 s heartbeat timeout, the stream still open
+    new = AgentStream(stub)
+    assert (await new.register("a")).registered.worker_id == "a"
+    await new.batch(1, stored([1, 9]), snapshot=True)
     await old.send(batch=pb.EventBatch(seq=2, events=[stored([2])]))
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await old.recv()
     assert err.value.code() == grpc.StatusCode.ABORTED
+    assert (await stub.Query(query([1, 9]))).workers[0].matched_blocks == 2
 
 
 async def test_silent_worker_is_dropped_with_its_blocks(control_plane) -> None:

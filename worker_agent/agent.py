@@ -87,6 +87,7 @@ COUNTER_HELP = {
     "engine_models_failures": "failed polls of the engine's /v1/models",
     "control_plane_sessions": "control-plane streams registered",
     "control_plane_failures": "control-plane connection attempts or sessions that failed",
+    "control_plane_refusals": "control-plane connections refused because another live agent holds the worker id",
     "callback_errors": "internal errors while applying a batch",
 }
 

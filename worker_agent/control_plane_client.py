@@ -13,6 +13,13 @@ of after a backoff grown during the outage. Deltas produced while disconnected a
 sent first on the next session is taken from the resolver, which kept applying engine events,
 so it supersedes them (and any batch sent but never acked).
 
+A control plane that refuses the worker id because another agent's stream for it is live
+(ALREADY_EXISTS: two agents started with one --worker-id) is logged once per episode, as an error
+naming the other agent's address, and retried with a backoff starting at `refused_backoff_s`; the
+link's `not_connected_reason` (the agent's /ready) says so meanwhile. A re-registration (the
+engine's block size changed) half-closes the stream and waits for the control plane to end it, so
+the id is free again before the new `register` arrives.
+
 `send()` never blocks (the ZMQ reader calls it); the gRPC writes happen in the link's own task.
 """
 
@@ -70,6 +77,7 @@ class LinkCounters:
     heartbeats_sent: int = 0
     dropped_while_disconnected: int = 0  # delta batches not sent (superseded by the next snapshot)
     overflow_resyncs: int = 0    # backlog grew past max_pending_events: replaced by a snapshot
+    refusals: int = 0            # Connect refused: the worker id is held by another live agent
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -83,12 +91,16 @@ class _Reregister(Exception):
     pass
 
 
+# The control plane's answer to a `register` for a worker id that another live stream holds.
+WORKER_ID_IN_USE = grpc.StatusCode.ALREADY_EXISTS
+
+
 class ControlPlaneLink:
     def __init__(self, address: str, identity: WorkerIdentity, snapshot: Callable[[], list[pb.BlockEvent]],
                  load: Callable[[], pb.WorkerLoad], *, heartbeat_interval_s: float | None = None,
                  register_timeout_s: float = 5.0, ack_timeout_s: float = 15.0, backoff_initial_s: float = 0.1,
                  backoff_max_s: float = 5.0, max_pending_events: int = 100_000, stable_session_s: float = 5.0,
-                 probe_interval_s: float = 0.25) -> None:
+                 probe_interval_s: float = 0.25, refused_backoff_s: float = 2.0) -> None:
         self.address, self.identity = address, identity
         self._snapshot, self._load = snapshot, load
         self.heartbeat_interval_s = heartbeat_interval_s  # None: min(1 s, heartbeat_timeout_ms / 3)
@@ -99,9 +111,12 @@ class ControlPlaneLink:
         # fighting over one worker id must not reconnect in a tight loop).
         self.stable_session_s = stable_session_s
         self.probe_interval_s = probe_interval_s
+        self.refused_backoff_s = refused_backoff_s
         self.counters = LinkCounters()
         self.connected = False       # registered and the snapshot written
         self.not_connected_reason = "connecting"  # while not connected: why (the agent's /ready)
+        self.refused: str | None = None  # the control plane's refusal while the worker id is held elsewhere
+        self._episode_refusals = 0
         self.last_sent_seq = 0
         self.acked_seq = 0
         self.connected_event = asyncio.Event()  # set while connected (tests and /health)
@@ -149,7 +164,7 @@ class ControlPlaneLink:
         while True:
             registered_before = self.counters.sessions
             started = time.monotonic()
-            unreachable = False
+            unreachable = refused = False
             try:
                 await self._session()
             except asyncio.CancelledError:
@@ -162,8 +177,12 @@ class ControlPlaneLink:
                 continue
             except grpc.aio.AioRpcError as exc:
                 failures += 1
+                refused = exc.code() == WORKER_ID_IN_USE
                 unreachable = exc.code() == grpc.StatusCode.UNAVAILABLE
-                self._log_failure(failures, f"{exc.code().name}: {exc.details()}", unreachable)
+                if refused:
+                    self._on_refused(exc.details() or "")
+                else:
+                    self._log_failure(failures, f"{exc.code().name}: {exc.details()}", unreachable)
             except Exception as exc:  # noqa: BLE001 - the link must never die
                 failures += 1
                 self._log_failure(failures, f"{type(exc).__name__}: {exc}", False)
@@ -172,6 +191,8 @@ class ControlPlaneLink:
             self.counters.connect_failures += 1
             if self.counters.sessions > registered_before and time.monotonic() - started > self.stable_session_s:
                 backoff, failures = self.backoff_initial_s, 0  # the session was up for a while: start over
+            if refused:  # the other agent will not go away in a moment: no quick retries
+                backoff = max(backoff, self.refused_backoff_s)
             delay = backoff * random.uniform(0.5, 1.5)
             if unreachable:
                 await self._wait_reachable(delay)
@@ -194,6 +215,15 @@ class ControlPlaneLink:
         if failures <= 3 or failures % 20 == 0:
             log.warning("control plane %s unavailable (attempt %d): %s", self.address, failures, why)
 
+    def _on_refused(self, details: str) -> None:
+        self.counters.refusals += 1
+        self._episode_refusals += 1
+        self.not_connected_reason = f"refused by control plane {self.address}: {details}"
+        if self.refused is None:  # once per episode; it ends when a registration succeeds
+            log.error("control plane %s refused worker id %r: %s. Retrying every few seconds until that agent "
+                      "goes away.", self.address, self.identity.worker_id, details)
+        self.refused = details
+
     def _disconnected(self) -> None:
         if self.connected:
             log.warning("control plane %s: stream closed; reconnecting", self.address)
@@ -210,12 +240,26 @@ class ControlPlaneLink:
             finally:
                 call.cancel()
 
+    async def _end_stream(self, call: grpc.aio.StreamStreamCall, reader: asyncio.Task[None],
+                          timeout_s: float = 2.0) -> None:
+        """Half-close and wait (briefly) until the control plane ended the stream: it has released the
+        worker id then, so the next `register` is not refused as a second agent's."""
+        try:
+            await call.done_writing()
+            await asyncio.wait_for(reader, timeout_s)  # reads acks until the control plane's EOF
+        except Exception as exc:  # noqa: BLE001 - EOF (_EndSession), a stream error or the timeout: all mean done
+            log.debug("stream to %s ended for re-registration: %r", self.address, exc)
+
     async def _run_stream(self, call: grpc.aio.StreamStreamCall) -> None:
         await call.write(self.identity.register_message())
         reply = await asyncio.wait_for(call.read(), self.register_timeout_s)
         if reply is grpc.aio.EOF or reply.WhichOneof("body") != "registered":
             raise _EndSession(f"expected `registered`, got {reply!r}")
         self.counters.sessions += 1
+        if self.refused is not None:
+            log.info("control plane %s accepted worker id %r after %d refusals", self.address,
+                     self.identity.worker_id, self._episode_refusals)
+            self.refused, self._episode_refusals = None, 0
         timeout_ms = reply.registered.heartbeat_timeout_ms
         interval = self.heartbeat_interval_s or (min(1.0, timeout_ms / 3000) if timeout_ms else 1.0)
         log.info("registered with control plane %s as %s (model %s, block_size %d)", self.address,
@@ -280,6 +324,7 @@ class ControlPlaneLink:
                     reader.result()  # raises why the stream ended
                     raise _EndSession("ack reader stopped")
                 if self._reregister:
+                    await self._end_stream(call, reader)
                     raise _Reregister()
                 if self._resync:
                     self._resync, self._pending = False, []
