@@ -32,7 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="this router's id in the control plane's shared in-flight state (default: HOST-PID)")
     p.add_argument("--no-router-session", action="store_true",
                    help="do not share in-flight requests with other routers (unary queries only)")
-    p.add_argument("--max-prompt-tokens", type=int, default=131072, help="reject longer prompts with a 400")
+    p.add_argument("--max-prompt-tokens", type=int, default=131072,
+                   help="reject longer prompts with a 400 (context_length_exceeded); a prompt whose text is longer "
+                        "than this many tokens of the tokenizer's longest could cover is rejected without tokenizing")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, metavar="N",
+                   help="reject larger request bodies with a 413, from their Content-Length before reading them "
+                        "(default 4 MiB: ~3x a 128k-token chat as JSON; raise it for inline base64 images)")
     p.add_argument("--tokenizer-cache-tokens", type=int, default=4_000_000, metavar="N",
                    help="token ids of already-seen prompt segments (system prompts, earlier turns) kept for reuse; "
                         "0 tokenizes every prompt whole")
@@ -69,14 +74,13 @@ async def serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from data_plane.control_plane_client import ControlPlaneClient
-    from data_plane.grpc_api import RouterGrpcService
+    from data_plane.grpc_api import RouterGrpcService, add_router_service
     from data_plane.http_api import RouterHttpApi
     from data_plane.load_tracker import LoadTracker
     from data_plane.policies import make_policy, parse_kv_aware_params
     from data_plane.routing import Router
     from data_plane.tokenization import load_tokenizer
     from data_plane.traffic_capture import TrafficCapture
-    from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
     log = logging.getLogger("kvroute.router")
     model = args.model or Path(args.tokenizer).resolve().name
@@ -96,7 +100,8 @@ async def serve(args: argparse.Namespace) -> int:
     if args.capture_trace:
         capture = TrafficCapture(args.capture_trace, args.capture_sample_rate, router.metrics)
         capture.start()
-    http = RouterHttpApi(router, tokenizer, model, args.max_prompt_tokens, capture=capture)
+    http = RouterHttpApi(router, tokenizer, model, args.max_prompt_tokens, capture=capture,
+                         max_body_bytes=args.max_body_bytes)
     # handler_cancellation: a client that goes away cancels its handler, which closes the backend
     # connection, so the engine stops generating for nobody.
     runner = web.AppRunner(http.app(), access_log=None, handler_cancellation=True)
@@ -106,8 +111,7 @@ async def serve(args: argparse.Namespace) -> int:
         await web.TCPSite(runner, args.host, args.port).start()
         if args.grpc_port:
             grpc_server = grpc.aio.server()
-            pb_grpc.add_RouterServicer_to_server(RouterGrpcService(router, tokenizer, model, args.max_prompt_tokens,
-                                                                   capture), grpc_server)
+            add_router_service(RouterGrpcService(router, tokenizer, model, args.max_prompt_tokens, capture), grpc_server)
             if not grpc_server.add_insecure_port(f"{args.host}:{args.grpc_port}"):
                 raise OSError(f"cannot listen on {args.host}:{args.grpc_port} for gRPC")
             await grpc_server.start()
