@@ -32,7 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="this router's id in the control plane's shared in-flight state (default: HOST-PID)")
     p.add_argument("--no-router-session", action="store_true",
                    help="do not share in-flight requests with other routers (unary queries only)")
-    p.add_argument("--max-prompt-tokens", type=int, default=131072, help="reject longer prompts with a 400")
+    p.add_argument("--max-prompt-tokens", type=int, default=131072,
+                   help="reject longer prompts with a 400 (context_length_exceeded); a prompt whose text is longer "
+                        "than this many tokens of the tokenizer's longest could cover is rejected without tokenizing")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, metavar="N",
+                   help="reject larger request bodies with a 413, from their Content-Length before reading them "
+                        "(default 4 MiB: ~3x a 128k-token chat as JSON; raise it for inline base64 images)")
     p.add_argument("--tokenizer-cache-tokens", type=int, default=4_000_000, metavar="N",
                    help="token ids of already-seen prompt segments (system prompts, earlier turns) kept for reuse; "
                         "0 tokenizes every prompt whole")
@@ -68,7 +73,7 @@ async def serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from data_plane.control_plane_client import ControlPlaneClient
-    from data_plane.grpc_api import RouterGrpcService
+    from data_plane.grpc_api import RouterGrpcService, add_router_service
     from data_plane.http_api import RouterHttpApi
     from data_plane.load_tracker import LoadTracker
     from data_plane.policies import make_policy, parse_kv_aware_params
@@ -77,8 +82,7 @@ async def serve(args: argparse.Namespace) -> int:
     from data_plane.traffic_capture import TrafficCapture
     from kvroute.listeners import GrpcListener, check_port, start_http_site
     from kvroute.v1 import kvroute_pb2 as pb
-    from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
-
+    
     log = logging.getLogger("kvroute.router")
     model = args.model or Path(args.tokenizer).resolve().name
     tokenizer = load_tokenizer(args.tokenizer, cache_tokens=args.tokenizer_cache_tokens)
@@ -96,7 +100,8 @@ async def serve(args: argparse.Namespace) -> int:
     if args.capture_trace:
         capture = TrafficCapture(args.capture_trace, args.capture_sample_rate, router.metrics)
         capture.start()
-    http = RouterHttpApi(router, tokenizer, model, args.max_prompt_tokens, capture=capture)
+    http = RouterHttpApi(router, tokenizer, model, args.max_prompt_tokens, capture=capture,
+                         max_body_bytes=args.max_body_bytes)
     # handler_cancellation: a client that goes away cancels its handler, which closes the backend
     # connection, so the engine stops generating for nobody.
     runner = web.AppRunner(http.app(), access_log=None, handler_cancellation=True)
@@ -108,8 +113,8 @@ async def serve(args: argparse.Namespace) -> int:
         if args.grpc_port:
             grpc_server = GrpcListener("--grpc-port", str(check_port("--grpc-port", args.host, args.grpc_port)),
                                        (pb.DESCRIPTOR.services_by_name["Router"].full_name,))  # + "" for grpc.health
-            pb_grpc.add_RouterServicer_to_server(RouterGrpcService(router, tokenizer, model, args.max_prompt_tokens,
-                                                                   capture), grpc_server.server)
+            add_router_service(RouterGrpcService(router, tokenizer, model, args.max_prompt_tokens, capture),
+                               grpc_server.server)
             await grpc_server.start(serving=http.readiness().ready)
             # grpc.health.v1 says what GET /ready says (data_plane/readiness.py)
             health_task = asyncio.create_task(grpc_server.follow(lambda: http.readiness().ready))
@@ -117,6 +122,7 @@ async def serve(args: argparse.Namespace) -> int:
         log.info("router ready: http://%s:%d grpc=%s policy=%s model=%s control-plane=%s query-timeout=%gms%s",
                  args.host, http_port, args.grpc_port or "off", args.policy, model, args.control_plane,
                  args.query_timeout_ms, "".join(f" {k}={v:g}" for k, v in kv_params.items()))
+        log.info("%s", http.prompt_bound_note)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

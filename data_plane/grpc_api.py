@@ -2,14 +2,21 @@
 
 Input is one of `prompt` (tokenized like /v1/completions), `token_ids`, or chat `messages`
 (rendered with the model's chat template, generation prompt added, like /v1/chat/completions).
-Bad input -> INVALID_ARGUMENT, unknown model -> NOT_FOUND, no worker known -> UNAVAILABLE.
+Bad input -> INVALID_ARGUMENT (also a request whose strings are not valid UTF-8, which protobuf
+refuses to parse: `add_router_service` registers a deserializer that hands that to `Route`
+instead of failing with UNKNOWN), unknown model -> NOT_FOUND, no worker known -> UNAVAILABLE, an
+unexpected exception -> INTERNAL with a generic message and the traceback in the log.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Callable
+from functools import partial
 
 import grpc
+from google.protobuf.message import DecodeError
 from opentelemetry import propagate, trace
 
 from data_plane.routing import NoWorkersError, RouteDecision, Router
@@ -19,6 +26,24 @@ from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
 tracer = trace.get_tracer("kvroute.router")
+log = logging.getLogger("kvroute.router.grpc")
+
+
+def _parse_route_request(data: bytes) -> pb.RouteRequest | DecodeError:
+    try:
+        return pb.RouteRequest.FromString(data)
+    except DecodeError as exc:  # e.g. a string field that is not valid UTF-8 (a lone surrogate)
+        return exc
+
+
+def add_router_service(service: RouterGrpcService, server: grpc.aio.Server) -> None:
+    """`add_RouterServicer_to_server`, but a request that does not parse reaches `Route` (as the
+    DecodeError) and is answered INVALID_ARGUMENT."""
+    handlers = {"Route": grpc.unary_unary_rpc_method_handler(
+        service.Route, request_deserializer=_parse_route_request,
+        response_serializer=pb.RouteResponse.SerializeToString)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvroute.v1.Router", handlers),))
+    server.add_registered_method_handlers("kvroute.v1.Router", handlers)
 
 
 class RouterGrpcService(pb_grpc.RouterServicer):
@@ -27,37 +52,53 @@ class RouterGrpcService(pb_grpc.RouterServicer):
         self.router, self.tokenizer, self.model, self.max_prompt_tokens = router, tokenizer, model, max_prompt_tokens
         self.capture = capture  # a Route call is a decision for a request served elsewhere: record it too
 
-    async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
+    async def Route(self, request: pb.RouteRequest | DecodeError,
+                    context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         carrier = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
         with tracer.start_as_current_span("kvroute.v1.Router/Route", context=propagate.extract(carrier),
                                           kind=trace.SpanKind.SERVER):
-            arrived = self.capture.sample_arrival() if self.capture else None
-            if not request.model:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "'model' is required")
-            adapter = request.model != self.model
-            if adapter and request.model not in self.router.control_plane.adapters_of(self.model):
-                await context.abort(grpc.StatusCode.NOT_FOUND, f"The model `{request.model}` does not exist.")
-            try:
-                tokens = await self._tokens(request)
-            except TokenizationError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            if len(tokens) > self.max_prompt_tokens:
+            if isinstance(request, DecodeError):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"prompt has {len(tokens)} tokens, more than this router accepts "
-                                    f"({self.max_prompt_tokens}; see --max-prompt-tokens)")
+                                    f"the RouteRequest does not parse ({request}): its strings must be valid UTF-8 "
+                                    "(no lone surrogates)")
             try:
-                lora_name = request.model if adapter else request.lora_name
-                decision = await self.router.decide(self.model, tokens, lora_name, request.cache_salt)
-            except NoWorkersError as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            if self.capture and arrived is not None:  # RouteRequest has no output budget: output_length 0
-                self.capture.record(arrived, tokens, 0, self.model, lora_name, request.cache_salt)
-            return to_route_response(decision)
+                return await self._route(request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception:
+                log.exception("unexpected error in Router/Route")
+                await context.abort(grpc.StatusCode.INTERNAL,
+                                    "the router failed to handle the request (an internal error; its log has the details)")
+
+    async def _route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
+        arrived = self.capture.sample_arrival() if self.capture else None
+        if not request.model:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "'model' is required")
+        adapter = request.model != self.model
+        if adapter and request.model not in self.router.control_plane.adapters_of(self.model):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"The model `{request.model}` does not exist.")
+        try:
+            tokens = await self._tokens(request)
+        except TokenizationError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if len(tokens) > self.max_prompt_tokens:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"prompt has {len(tokens)} tokens, more than this router accepts "
+                                f"({self.max_prompt_tokens}; see --max-prompt-tokens)")
+        try:
+            lora_name = request.model if adapter else request.lora_name
+            decision = await self.router.decide(self.model, tokens, lora_name, request.cache_salt)
+        except NoWorkersError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        if self.capture and arrived is not None:  # RouteRequest has no output budget: output_length 0
+            self.capture.record(arrived, tokens, 0, self.model, lora_name, request.cache_salt)
+        return to_route_response(decision)
 
     async def _tokens(self, request: pb.RouteRequest) -> list[int]:
         kind = request.WhichOneof("input")
         if kind == "prompt":
-            return await self._run(len(request.prompt), self.tokenizer.encode_prompt, request.prompt)
+            return await self._run(len(request.prompt), partial(
+                self.tokenizer.encode_prompt, request.prompt, max_tokens=self.max_prompt_tokens))
         if kind == "token_ids":
             if not request.token_ids.ids:
                 raise TokenizationError("'token_ids' must not be empty")
@@ -66,12 +107,13 @@ class RouterGrpcService(pb_grpc.RouterServicer):
             messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
             if not messages:
                 raise TokenizationError("'messages' must not be empty")
-            return await self._run(sum(len(m["content"]) for m in messages), self.tokenizer.encode_chat, messages)
+            return await self._run(sum(len(m["content"]) for m in messages), partial(
+                self.tokenizer.encode_chat, messages, max_tokens=self.max_prompt_tokens))
         raise TokenizationError("one of 'prompt', 'token_ids' or 'messages' is required")
 
     @staticmethod
-    async def _run(size: int, fn, *args) -> list[int]:
-        return await asyncio.to_thread(fn, *args) if size > THREAD_TOKENIZE_CHARS else fn(*args)
+    async def _run(size: int, encode: Callable[[], list[int]]) -> list[int]:
+        return await asyncio.to_thread(encode) if size > THREAD_TOKENIZE_CHARS else encode()
 
 
 def to_route_response(d: RouteDecision) -> pb.RouteResponse:

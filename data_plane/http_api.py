@@ -9,7 +9,11 @@
     POST /v1/route      the decision alone, as JSON (same body as completions or chat)
     GET  /v1/models, /health (liveness), /ready (readiness.py), /metrics
 
-Bad input is a 400 with an OpenAI-style error (unknown model: 404); no worker known: 503.
+Every error is OpenAI's error object (`http_errors.py`): bad input 400, unknown model 404, body
+over `max_body_bytes` 413 (refused from its Content-Length before it is read, or as soon as a
+chunked body passes the cap), no worker known 503. A prompt longer than `max_prompt_tokens` is a
+400 `context_length_exceeded`, from its characters alone when it is past the tokenizer's
+character bound (`char_bound.py`), so megabytes of text are never tokenized to find that out.
 """
 
 from __future__ import annotations
@@ -18,14 +22,22 @@ import asyncio
 import json
 import logging
 
+import aiohttp
 from aiohttp import web
 from opentelemetry import propagate, trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from data_plane.proxy import BackendProxy, error_response
+from data_plane.http_errors import error_response, openai_errors
+from data_plane.proxy import BackendProxy
 from data_plane.readiness import RouterReadiness, router_readiness
 from data_plane.routing import NoWorkersError, Router
-from data_plane.tokenization import THREAD_TOKENIZE_CHARS, PromptTokenizer, TokenizationError
+from data_plane.tokenization import (
+    THREAD_TOKENIZE_CHARS,
+    PromptTokenizer,
+    PromptTooLong,
+    TokenizationError,
+    lone_surrogate,
+)
 from data_plane.traffic_capture import TrafficCapture, reported_output_tokens, requested_output_tokens
 
 log = logging.getLogger("kvroute.router.http")
@@ -33,13 +45,22 @@ tracer = trace.get_tracer("kvroute.router")
 
 SESSION_HEADER = "x-session-id"
 _RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
+# 131072 tokens of chat as JSON is ~0.5 MB of English, ~1.2 MB of CJK written as \uXXXX escapes
+# (Python's json.dumps default): 4 MiB is three times the worst of those. Inline images
+# (base64 content parts, not tokenized here) may need more: --max-body-bytes.
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+_ROUTING_FIELDS = ("model", "lora_name", "cache_salt", "user")  # strings the router hashes or compares
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400, code: str | int | None = None,
-                 error_type: str = "invalid_request_error") -> None:
+    def __init__(self, message: str, status: int = 400, code: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.code, self.error_type = status, code, error_type
+        self.status, self.code, self.param = status, code, param
+
+
+def _body_too_large(size: int, limit: int) -> BadRequest:
+    return BadRequest(f"the request body ({size} bytes) is larger than this router accepts ({limit} bytes; "
+                      "see --max-body-bytes)", 413, "request_too_large")
 
 
 def _is_token_ids(value: object) -> bool:
@@ -51,6 +72,9 @@ def _session_key(request: web.Request, body: dict) -> str:
     """The session policy's key: the `x-session-id` header, else OpenAI's end-user id (`user`), else ""."""
     header = request.headers.get(SESSION_HEADER, "").strip()
     if header:
+        # aiohttp keeps undecodable header bytes as lone surrogates (surrogateescape); the key is hashed as UTF-8.
+        if lone_surrogate(header, SESSION_HEADER) is not None:
+            raise BadRequest(f"the {SESSION_HEADER} header is not valid UTF-8")
         return header
     user = body.get("user")
     return user if isinstance(user, str) else ""
@@ -58,18 +82,28 @@ def _session_key(request: web.Request, body: dict) -> str:
 
 class RouterHttpApi:
     def __init__(self, router: Router, tokenizer: PromptTokenizer, model: str, max_prompt_tokens: int = 131072,
-                 proxy: BackendProxy | None = None, capture: TrafficCapture | None = None) -> None:
+                 proxy: BackendProxy | None = None, capture: TrafficCapture | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.router, self.tokenizer, self.model = router, tokenizer, model
         self.capture = capture  # --capture-trace: proxied requests only (/v1/route is also a probe)
-        self.max_prompt_tokens = max_prompt_tokens
+        self.max_prompt_tokens, self.max_body_bytes = max_prompt_tokens, max_body_bytes
         self.metrics = router.metrics
+        self.metrics.watch_tokenizer(tokenizer)
+        bound = tokenizer.char_bound
+        # Logged by the caller once the listeners are up (a port in use must be the only line printed).
+        if bound.chars_per_token is None:
+            self.prompt_bound_note = (f"no character bound on prompts ({bound.why}): every prompt under "
+                                      "--max-body-bytes is tokenized")
+        else:
+            self.prompt_bound_note = (f"prompts over {bound.max_chars(max_prompt_tokens)} characters are rejected "
+                                      f"without tokenizing ({bound.chars_per_token} per token: {bound.why})")
         self.proxy = proxy or BackendProxy(router.load, router.metrics)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/v1/completions", self.handle_completions)
-        app.router.add_post("/v1/chat/completions", self.handle_chat)
-        app.router.add_post("/v1/route", self.handle_route)
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[openai_errors])
+        for path, handler in (("/v1/completions", self.handle_completions), ("/v1/chat/completions", self.handle_chat),
+                              ("/v1/route", self.handle_route)):
+            app.router.add_post(path, handler, expect_handler=self._expect_body)
         app.router.add_get("/v1/models", self.handle_models)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/ready", self.handle_ready)
@@ -101,9 +135,9 @@ class RouterHttpApi:
                 decision = await self.router.decide(self.model, tokens, lora_name, cache_salt,
                                                     avoid=self.proxy.avoided(), session_key=_session_key(request, body))
             except BadRequest as exc:
-                return error_response(str(exc), exc.status, exc.error_type, exc.code)
+                return error_response(str(exc), exc.status, exc.code, exc.param)
             except NoWorkersError as exc:
-                return error_response(str(exc), 503, "service_unavailable", "no_workers")
+                return error_response(str(exc), 503, "no_workers")
             if forward_to is None:
                 return web.json_response(decision.as_json())
             tail = bytearray() if arrived is not None else None  # only a captured response keeps its end
@@ -147,26 +181,59 @@ class RouterHttpApi:
             return body["model"]
         return str(body.get("lora_name") or "")
 
+    async def _expect_body(self, request: web.Request) -> web.StreamResponse | None:
+        """`Expect: 100-continue` (curl sends it for large bodies): a body over the cap is refused
+        before the client sends it; otherwise the client is told to go on."""
+        size = request.content_length
+        if size is not None and size > self.max_body_bytes:
+            exc = _body_too_large(size, self.max_body_bytes)
+            response = error_response(str(exc), exc.status, exc.code)
+            response.force_close()  # the body was never sent, so nothing is left to read on this connection
+            return response
+        if request.version != aiohttp.HttpVersion11:
+            return None
+        if request.headers.get("Expect", "").lower() != "100-continue":  # runs outside the middlewares: answer here
+            return error_response(f"Unknown Expect: {request.headers.get('Expect')}", 417)
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the interim line is not the response: errors can still be answered
+        return None
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The body, refused with 413 from its Content-Length before reading, or as soon as what has
+        arrived (decompressed, for a compressed body) passes the cap."""
+        limit = self.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise _body_too_large(request.content_length, limit)
+        body = bytearray()
+        while chunk := await request.content.readany():
+            body += chunk
+            if len(body) > limit:
+                raise _body_too_large(len(body), limit)
+        return bytes(body)
+
     async def _parse(self, request: web.Request, kind: str) -> tuple[bytes, dict, list[int]]:
         """(original body bytes, parsed body, prompt token ids); kind is chat, completions or either."""
-        raw = await request.read()
+        raw = await self._read_body(request)
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise BadRequest(f"request body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
             raise BadRequest("request body must be a JSON object")
+        for name in _ROUTING_FIELDS:
+            if (found := lone_surrogate(body.get(name), name)) is not None:
+                raise BadRequest(f"{found} contains a lone UTF-16 surrogate: text must be valid Unicode", param=name)
         model = body.get("model")
         if not isinstance(model, str) or not model:
-            raise BadRequest("'model' is required (a string)")
+            raise BadRequest("'model' is required (a string)", param="model")
         if model != self.model and model not in self.router.control_plane.adapters_of(self.model):
-            raise BadRequest(f"The model `{model}` does not exist.", 404, "model_not_found")
+            raise BadRequest(f"The model `{model}` does not exist.", 404, "model_not_found", "model")
         if kind == "chat" or (kind == "either" and "messages" in body):
             tokens = await self._chat_tokens(body)
         elif "prompt" in body:
             tokens = await self._completion_tokens(body["prompt"])
         elif kind == "completions":
-            raise BadRequest("'prompt' is required (a string, a list of token ids, or a list of those)")
+            raise BadRequest("'prompt' is required (a string, a list of token ids, or a list of those)", param="prompt")
         else:
             raise BadRequest("either 'prompt' or 'messages' is required")
         return raw, body, tokens
@@ -174,36 +241,41 @@ class RouterHttpApi:
     async def _chat_tokens(self, body: dict) -> list[int]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise BadRequest("'messages' is required (a non-empty list of messages)")
+            raise BadRequest("'messages' is required (a non-empty list of messages)", param="messages")
         tools = body.get("tools") if isinstance(body.get("tools"), list) else None
         extra = body.get("chat_template_kwargs") if isinstance(body.get("chat_template_kwargs"), dict) else {}
         extra = {k: v for k, v in extra.items() if k not in _RESERVED_TEMPLATE_VARS}
         add_generation_prompt = body.get("add_generation_prompt", True) is not False
         size = sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, dict))
         return self._check_length(await self._tokenize(
-            size, self.tokenizer.encode_chat, messages, add_generation_prompt, tools, **extra))
+            "messages", size, self.tokenizer.encode_chat, messages, add_generation_prompt, tools, extra,
+            self.max_prompt_tokens), "messages")
 
-    async def _completion_tokens(self, prompt: object) -> list[int]:
+    async def _completion_tokens(self, prompt: object, where: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
-            return self._check_length(await self._tokenize(len(prompt), self.tokenizer.encode_prompt, prompt))
+            return self._check_length(await self._tokenize(
+                "prompt", len(prompt), self.tokenizer.encode_prompt, prompt, self.max_prompt_tokens, where), "prompt")
         if _is_token_ids(prompt):
-            return self._check_length(prompt)  # type: ignore[arg-type]
+            return self._check_length(prompt, "prompt")  # type: ignore[arg-type]
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
             # A batch goes to one worker: route on its first prompt; every prompt must fit.
-            batch = [await self._completion_tokens(p) for p in prompt]
+            batch = [await self._completion_tokens(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
             return batch[0]
-        raise BadRequest("'prompt' must be a string, a non-empty list of token ids, or a list of those")
+        raise BadRequest("'prompt' must be a string, a non-empty list of token ids, or a list of those", param="prompt")
 
-    async def _tokenize(self, size: int, fn, *args, **kwargs) -> list[int]:
+    async def _tokenize(self, param: str, size: int, fn, *args) -> list[int]:
         try:
             if size > THREAD_TOKENIZE_CHARS:
-                return await asyncio.to_thread(fn, *args, **kwargs)
-            return fn(*args, **kwargs)
+                return await asyncio.to_thread(fn, *args)
+            return fn(*args)
+        except PromptTooLong as exc:
+            raise BadRequest(str(exc), code="context_length_exceeded", param=param) from exc
         except TokenizationError as exc:
-            raise BadRequest(str(exc)) from exc
+            raise BadRequest(str(exc), param=param) from exc
 
-    def _check_length(self, tokens: list[int]) -> list[int]:
+    def _check_length(self, tokens: list[int], param: str) -> list[int]:
         if len(tokens) > self.max_prompt_tokens:
             raise BadRequest(f"prompt has {len(tokens)} tokens, more than this router accepts "
-                             f"({self.max_prompt_tokens}; see --max-prompt-tokens)", code="context_length_exceeded")
+                             f"({self.max_prompt_tokens}; see --max-prompt-tokens)", code="context_length_exceeded",
+                             param=param)
         return tokens

@@ -2,7 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+
+
+class CountsTokenizedChars(Protocol):
+    tokenized_chars: int
+
+
+class _TokenizerCollector:
+    """Read at scrape time: the tokenizer counts in worker threads, with no registry of its own."""
+
+    def __init__(self, tokenizer: CountsTokenizedChars) -> None:
+        self.tokenizer = tokenizer
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("kvroute_router_tokenized_chars",
+                                  "Characters of prompt text handed to the tokenizer (segment-cache hits included; "
+                                  "prompts rejected by their length in characters are not)",
+                                  value=self.tokenizer.tokenized_chars)
 
 
 class RouterMetrics:
@@ -32,3 +53,10 @@ class RouterMetrics:
         self.capture_dropped = Counter("kvroute_capture_dropped",
                                        "Trace rows dropped by --capture-trace (buffer full or write failed)",
                                        registry=r)
+        self._tokenizer_watched = False
+
+    def watch_tokenizer(self, tokenizer: CountsTokenizedChars) -> None:
+        """Export `tokenizer.tokenized_chars` as kvroute_router_tokenized_chars_total (once per registry)."""
+        if not self._tokenizer_watched:
+            self.registry.register(_TokenizerCollector(tokenizer))
+            self._tokenizer_watched = True

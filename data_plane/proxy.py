@@ -10,7 +10,8 @@
   error reaches the client while some worker is healthy); nothing reached the client yet,
   so that is invisible to it. A failed worker is also avoided for `cooldown_s` by later
   decisions (unless nothing else is known), so one dead engine does not cost every request a
-  connect attempt. If every attempt fails the client gets the last 5xx or a 502;
+  connect attempt. If every attempt fails the client gets the last 5xx or a 502 that names no
+  engine address (those go to the log, at most one line per worker / kind every 5 s);
 - keeps the in-flight state honest (`SharedInflight`: this router's tracker and its reservation
   in the control plane): in flight from send to finish with the prompt's block keys at that
   worker's block size, prefill pending until the first byte, always released in `finally`;
@@ -29,10 +30,12 @@ import aiohttp
 from aiohttp import web
 from opentelemetry import propagate, trace
 
+from data_plane.http_errors import error_response
 from data_plane.metrics import RouterMetrics
 from data_plane.policies import Candidate
 from data_plane.routing import RouteDecision
 from data_plane.shared_inflight import SharedInflight
+from kvroute.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger("kvroute.router.proxy")
 tracer = trace.get_tracer("kvroute.router")
@@ -54,12 +57,6 @@ class _Failed(Exception):
         self.upstream, self.body = upstream, body
 
 
-def error_response(message: str, status: int, error_type: str, code: str | int | None = None) -> web.Response:
-    """An OpenAI-style error body."""
-    return web.json_response({"error": {"message": message, "type": error_type, "param": None,
-                                        "code": code if code is not None else status}}, status=status)
-
-
 class BackendProxy:
     def __init__(self, load: SharedInflight, metrics: RouterMetrics, max_attempts: int = 0,
                  connect_timeout_s: float = 2.0, read_timeout_s: float = 1800.0, cooldown_s: float = 2.0) -> None:
@@ -69,6 +66,7 @@ class BackendProxy:
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self._failed_at: dict[str, float] = {}  # worker_id -> monotonic time of its last failure
+        self._log = RateLimitedLog(log)  # every engine down = a few lines per request otherwise
 
     async def open(self) -> None:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=self._timeout,
@@ -100,14 +98,15 @@ class BackendProxy:
                 self._failed_at[candidate.worker_id] = time.monotonic()
                 failures.append(f"{candidate.worker_id}: {failed}")
                 if not last:
-                    log.warning("backend %s failed before its first byte (%s); retrying on %s", candidate.worker_id,
-                                failed, attempts[i + 1].worker_id)
+                    self._log.warning(f"retry:{candidate.worker_id}", "backend %s failed before its first byte (%s); "
+                                      "retrying on %s", candidate.worker_id, failed, attempts[i + 1].worker_id)
                 elif failed.upstream is not None:  # the last attempt's own 5xx goes to the client as is
-                    log.warning("backend %s answered %s; no attempts left", candidate.worker_id, failed)
+                    self._log.warning(f"last:{candidate.worker_id}", "backend %s answered %s; no attempts left",
+                                      candidate.worker_id, failed)
                     return self._replay_error(failed, candidate)
-        log.warning("no backend could serve the request: %s", "; ".join(failures))
-        return error_response(f"no backend could serve the request ({'; '.join(failures)})", 502,
-                              "backend_unavailable")
+        self._log.warning("exhausted", "no backend could serve the request: %s", "; ".join(failures))
+        return error_response(f"no backend could serve the request: all {len(failures)} workers tried failed "
+                              "(the router's log has the details)", 502, "backend_unavailable")
 
     def _replay_error(self, failed: _Failed, candidate: Candidate) -> web.Response:
         assert failed.upstream is not None

@@ -99,9 +99,10 @@ class SegmentTokenCache:
     def enabled(self) -> bool:
         return self._pattern is not None and self.max_tokens > 0
 
-    def encode(self, text: str, add_special_tokens: bool) -> array:
+    def encode(self, text: str, add_special_tokens: bool, max_tokens: int | None = None) -> array:
         """Exactly the tokenizer's `encode(text, add_special_tokens)` ids, packed as array('I'),
-        reusing cached segments."""
+        reusing cached segments. A prompt of more than `max_tokens` tokens will be rejected: its new
+        segments are not kept (they would evict the segments of prompts that are served)."""
         ends = [m.end() for m in self._pattern.finditer(text)] if self.enabled else []  # type: ignore[union-attr]
         if not ends:
             return array("I", self._encode([text], add_special_tokens)[0])
@@ -138,7 +139,8 @@ class SegmentTokenCache:
             if cut <= ends[-1]:
                 key = _chain(key, piece)
                 new.append((key, packed))
-        self._store(new)
+        if max_tokens is None or len(tokens) <= max_tokens:
+            self._store(new)
         return tokens
 
     def _store(self, new: list[tuple[int, array]]) -> None:

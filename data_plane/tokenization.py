@@ -10,6 +10,11 @@ will, so this mirrors what vLLM does with a Hugging Face tokenizer:
   `loopcontrols` extension, HF's `tojson` filter, `raise_exception` / `strftime_now` globals,
   the special-token strings as variables), then encodes the text *without* special tokens.
 
+Before any of that, every string of the input (messages, content parts, tools, template kwargs,
+the prompt) is checked for lone UTF-16 surrogates (JSON can carry `"\\ud800"`; the tokenizer cannot
+take it), and the text is checked against the tokenizer's character bound (`char_bound.py`): a
+prompt longer than `max_tokens` tokens can possibly be is rejected without being tokenized.
+
 OpenAI content-part lists (`[{"type": "text", "text": ...}, ...]`) are flattened to their text
 parts joined by newlines (vLLM's "string" content format); non-text parts are ignored. That is
 an approximation for routing only: the original body still goes to the engine untouched.
@@ -17,7 +22,9 @@ an approximation for routing only: the original body still goes to the engine un
 
 from __future__ import annotations
 
+import ctypes
 import json
+import threading
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,16 +37,58 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from data_plane.char_bound import CharBound, char_bound
 from data_plane.token_cache import SegmentTokenCache
 
 # Tokenizing costs a few tenths of a millisecond per 1000 characters; callers on an event loop run
 # longer inputs in a worker thread (the encode releases the GIL) so the loop keeps streaming meanwhile.
 THREAD_TOKENIZE_CHARS = 4096
+# Tokenizing peaks at ~150-170 bytes per character (the encoding's ids, offsets and token strings).
+# glibc keeps what it freed: the heap is fragmented, so free() cannot shrink it, and a router that
+# once tokenized a 10 MB prompt stayed at ~1 GB RSS. After an input this long the freed pages are
+# handed back with malloc_trim (measured: about 2 ms per 256k characters' worth, in the worker thread).
+TRIM_AFTER_CHARS = 262_144
+_malloc_trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only; elsewhere nothing to do
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
 class TokenizationError(ValueError):
-    """The request cannot be tokenized (bad messages, no or failing chat template)."""
+    """The request cannot be tokenized (bad messages, no or failing chat template, invalid text)."""
+
+
+class PromptTooLong(TokenizationError):
+    """The prompt is longer than the caller's token limit (known from its characters alone)."""
+
+
+def lone_surrogate(value: Any, where: str) -> str | None:
+    """Where the first lone UTF-16 surrogate in `value` (strings, object keys, lists, nested) is, as
+    "where[i].key (character n)", or None. Text with one cannot be UTF-8 encoded (tokenizer, hashes,
+    the engine): JSON's `\\ud800` escape without its pair produces it. ASCII strings cost nothing."""
+    pending: list[tuple[Any, str]] = [(value, where)]  # iterative: a deeply nested body cannot overflow the stack
+    while pending:
+        item, path = pending.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    return f"{path} (character {exc.start})"
+        elif isinstance(item, Mapping):
+            for key in reversed(list(item)):
+                if isinstance(key, str) and not key.isascii():
+                    pending.append((key, f"{path} (a key)"))
+                pending.append((item[key], f"{path}.{key}"))
+        elif isinstance(item, (list, tuple)):
+            pending.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(item)))
+                           if isinstance(v, (str, Mapping, list, tuple)))
+    return None
+
+
+def _check_text(value: Any, where: str) -> None:
+    found = lone_surrogate(value, where)
+    if found is not None:
+        raise TokenizationError(f"{found} contains a lone UTF-16 surrogate: text must be valid Unicode "
+                                "(a pair such as \\ud83d\\ude00 is fine, half of one is not)")
 
 
 def _raise_exception(message: str) -> None:  # templates call raise_exception(...) on bad input
@@ -115,28 +164,50 @@ class PromptTokenizer:
         self.special_tokens = {**self.special_tokens, "bos_token": self.bos_token, "eos_token": self.eos_token}
         self._template = _chat_environment().from_string(self.chat_template) if self.chat_template else None
         self.segment_cache = SegmentTokenCache(self.tokenizer, self.cache_tokens) if self.cache_tokens > 0 else None
+        self.char_bound: CharBound = char_bound(self.tokenizer)
+        self.tokenized_chars = 0  # characters handed to tokenization (segment-cache hits included)
+        self._count_lock = threading.Lock()
+
+    def _check_chars(self, chars: int, max_tokens: int | None) -> None:
+        limit = None if max_tokens is None else self.char_bound.max_chars(max_tokens)
+        if limit is not None and chars > limit:
+            raise PromptTooLong(f"prompt has {chars} characters; with this model's tokenizer (at most "
+                                f"{self.char_bound.chars_per_token} characters per token) that is more than "
+                                f"{max_tokens} tokens, the most this router accepts (see --max-prompt-tokens)")
+
+    def _encode(self, text: str, add_special_tokens: bool, max_tokens: int | None) -> array:
+        """Token ids packed as array('I'): block-key hashing takes the packed bytes as they are."""
+        with self._count_lock:
+            self.tokenized_chars += len(text)
+        try:
+            if self.segment_cache is not None:  # same ids, but a known system prompt / history is not re-tokenized
+                return self.segment_cache.encode(text, add_special_tokens, max_tokens)
+            # encode_batch releases the GIL (encode does not) at the same cost, so a long prompt
+            # tokenized in a worker thread really leaves the event loop free meanwhile.
+            return array("I", self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+        finally:
+            if len(text) >= TRIM_AFTER_CHARS and _malloc_trim is not None:
+                _malloc_trim(0)
 
     # ------------------------------------------------------------ completions
 
-    def _encode(self, text: str, add_special_tokens: bool) -> array:
-        """Token ids packed as array('I'): block-key hashing takes the packed bytes as they are."""
-        if self.segment_cache is not None:  # same ids, but a known system prompt / history is not re-tokenized
-            return self.segment_cache.encode(text, add_special_tokens)
-        # encode_batch releases the GIL (encode does not) at the same cost, so a long prompt
-        # tokenized in a worker thread really leaves the event loop free meanwhile.
-        return array("I", self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
-
-    def encode_prompt(self, text: str) -> array:
-        """HF `tokenizer.encode(text)`: only the post-processor's special tokens are added."""
-        return self._encode(text, True)
+    def encode_prompt(self, text: str, max_tokens: int | None = None, where: str = "prompt") -> array:
+        """HF `tokenizer.encode(text)`: only the post-processor's special tokens are added. With
+        `max_tokens`, text too long to fit raises PromptTooLong before any tokenizing."""
+        _check_text(text, where)
+        self._check_chars(len(text), max_tokens)
+        return self._encode(text, True, max_tokens)
 
     # ------------------------------------------------------------ chat
 
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                    tools: list | None = None, **template_kwargs: Any) -> str:
+                    tools: list | None = None, template_kwargs: Mapping[str, Any] | None = None) -> str:
         if self._template is None:
             raise TokenizationError("this model's tokenizer has no chat_template; use /v1/completions")
-        variables = {**self.special_tokens, **template_kwargs}
+        _check_text(messages, "messages")
+        _check_text(tools, "tools")
+        _check_text(template_kwargs, "chat_template_kwargs")
+        variables = {**self.special_tokens, **(template_kwargs or {})}
         try:
             return self._template.render(messages=_normalize_messages(messages), tools=tools, documents=None,
                                          add_generation_prompt=add_generation_prompt, **variables)
@@ -145,11 +216,13 @@ class PromptTokenizer:
         except Exception as exc:  # a template error is the request's fault: it becomes a clear 400
             raise TokenizationError(f"chat template failed: {exc}") from exc
 
-    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                    tools: list | None = None, **template_kwargs: Any) -> array:
-        """Render the chat template, then encode without special tokens (the template has them)."""
-        text = self.render_chat(messages, add_generation_prompt, tools, **template_kwargs)
-        return self._encode(text, False)
+    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True, tools: list | None = None,
+                    template_kwargs: Mapping[str, Any] | None = None, max_tokens: int | None = None) -> array:
+        """Render the chat template, then encode without special tokens (the template has them). The
+        character bound is checked on the rendered text: what a template leaves out cannot count."""
+        text = self.render_chat(messages, add_generation_prompt, tools, template_kwargs)
+        self._check_chars(len(text), max_tokens)
+        return self._encode(text, False, max_tokens)
 
     # ------------------------------------------------------------ misc
 

@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from data_plane.control_plane_client import ControlPlaneClient
-from data_plane.grpc_api import RouterGrpcService
+from data_plane.grpc_api import RouterGrpcService, add_router_service
 from data_plane.http_api import RouterHttpApi
 from data_plane.load_tracker import LoadTracker
 from data_plane.policies import make_policy
@@ -210,7 +210,7 @@ async def make_stack(model_dir, *, policy: str = "kv_aware", with_cp: bool = Tru
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     grpc_server = grpc.aio.server()
-    pb_grpc.add_RouterServicer_to_server(RouterGrpcService(router, tokenizer, MODEL, max_prompt_tokens), grpc_server)
+    add_router_service(RouterGrpcService(router, tokenizer, MODEL, max_prompt_tokens), grpc_server)
     grpc_port = grpc_server.add_insecure_port("127.0.0.1:0")
     await grpc_server.start()
     return Stack(cp, cp_server, a, b, client, router, runner, grpc_server,
@@ -477,7 +477,9 @@ async def test_bad_input_is_a_clear_openai_style_error(stack: Stack) -> None:
         got, _, answer = await stack.post(path, body)
         assert got == status, (path, body, answer)
         assert message in answer["error"]["message"], answer
-        assert answer["error"]["type"] and answer["error"]["code"]
+        assert set(answer["error"]) == {"message", "type", "param", "code"}
+        assert answer["error"]["type"] == "invalid_request_error"
+        assert answer["error"]["code"] is None or isinstance(answer["error"]["code"], str), answer
     assert not stack.a.received and not stack.b.received
     # Token-id prompts and a batch route fine.
     assert (await stack.post("/v1/completions", {"model": MODEL, "prompt": [5, 6, 7]}))[0] == 200
@@ -551,3 +553,135 @@ async def test_grpc_route(stack: Stack) -> None:
         await stack.stop_control_plane()
         answer = await stub.Route(pb.RouteRequest(model=MODEL, prompt=PROMPT), timeout=5)
         assert answer.fail_open and answer.worker_id in {"A", "B"}
+
+
+# ---------------------------------------------------------------- error bodies (issue 13, items 4 and 6)
+
+
+def assert_openai_error(status: int, headers: dict, body: dict, expected_status: int) -> dict:
+    """OpenAI's error object exactly: message, type, param, code; code a string or null."""
+    assert status == expected_status, body
+    assert headers["Content-Type"].startswith("application/json"), headers
+    error = body["error"]
+    assert set(body) == {"error"} and set(error) == {"message", "type", "param", "code"}, body
+    assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str), body
+    assert error["param"] is None or isinstance(error["param"], str), body
+    assert error["code"] is None or isinstance(error["code"], str), body
+    return error
+
+
+async def test_every_error_the_router_answers_is_openai_json(stack: Stack) -> None:
+    async def call(method: str, path: str, **kw) -> tuple[int, dict, dict]:
+        async with stack.session.request(method, stack.url + path, **kw) as resp:
+            return resp.status, dict(resp.headers), await resp.json(content_type=None)
+
+    error = assert_openai_error(*await call("GET", "/v1/nope"), 404)
+    assert "/v1/nope" in error["message"]
+    error = assert_openai_error(*await call("GET", "/v1/chat/completions"), 405)
+    assert "GET" in error["message"]
+    assert_openai_error(*await call("POST", "/v1/completions", data=b"{not json"), 400)
+    error = assert_openai_error(*await call("POST", "/v1/completions", json={"model": "gpt-5", "prompt": "x"}), 404)
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    error = assert_openai_error(*await call("POST", "/v1/completions",
+                                            json={"model": MODEL, "prompt": list(range(4097))}), 400)
+    assert error["code"] == "context_length_exceeded"
+    # Every engine down: the 502 says so without naming the engines' addresses.
+    await stack.a.stop()
+    await stack.b.stop()
+    error = assert_openai_error(*await call("POST", "/v1/completions", json=completion()), 502)
+    assert "127.0.0.1" not in error["message"] and "Cannot connect" not in error["message"], error
+    # No worker serves the adapter asked for: 503.
+    error = assert_openai_error(*await call("POST", "/v1/completions", json=completion(lora_name="nobody")), 503)
+    assert error["code"] == "no_workers"
+
+
+SURROGATE_BODIES = [  # raw JSON: Python's json module cannot write a lone surrogate escape by accident
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content"),
+    ("/v1/chat/completions", ('{"model": "tiny", "messages": [{"role": "user", "content": '
+                              '[{"type": "text", "text": "ok"}, {"type": "text", "text": "\\udfff"}]}]}'),
+     "messages[0].content[1].text"),
+    ("/v1/chat/completions", ('{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
+                              '"tools": [{"type": "function", "function": {"name": "f\\ud83d"}}]}'),
+     "tools[0].function.name"),
+    ("/v1/chat/completions", ('{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
+                              '"chat_template_kwargs": {"extra": "\\udc00"}}'), "chat_template_kwargs.extra"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "\\ud800"}', "prompt"),
+    ("/v1/completions", '{"model": "tiny", "prompt": ["fine", "\\ud800 not fine"]}', "prompt[1]"),
+    ("/v1/route", '{"model": "tiny", "prompt": "x", "cache_salt": "\\ud800"}', "cache_salt"),
+    ("/v1/route", '{"model": "tiny", "prompt": "x", "user": "\\ud800"}', "user"),
+]
+
+
+@pytest.mark.parametrize(("path", "raw", "where"), SURROGATE_BODIES)
+async def test_lone_surrogates_are_a_400(stack: Stack, path: str, raw: str, where: str) -> None:
+    status, headers, body = await stack.post(path, raw.encode(), headers={"Content-Type": "application/json"})
+    error = assert_openai_error(status, headers, body, 400)
+    assert "surrogate" in error["message"] and where in error["message"], error
+    assert not stack.a.received and not stack.b.received
+    # A valid surrogate *pair* is one character and routes fine.
+    fine = raw.replace("\\ud800", "\\ud83d\\ude00").replace("\\udfff", "\\ud83d\\ude00")
+    fine = fine.replace("\\ud83d\"", "\\ud83d\\ude00\"").replace("\\udc00", "\\ud83d\\ude00")
+    assert (await stack.post("/v1/route", fine.encode(), headers={"Content-Type": "application/json"}))[0] == 200
+
+
+async def test_an_unexpected_exception_is_a_logged_json_500(stack: Stack, caplog, monkeypatch) -> None:
+    async def broken_decide(*args, **kwargs):
+        raise RuntimeError("a bug in the router")
+
+    monkeypatch.setattr(stack.router, "decide", broken_decide)
+    with caplog.at_level("ERROR"):
+        status, headers, body = await stack.post("/v1/completions", completion())
+    error = assert_openai_error(status, headers, body, 500)
+    assert error["type"] == "server_error" and "a bug in the router" not in error["message"]
+    logged = [r for r in caplog.records if r.exc_info and "a bug in the router" in str(r.exc_info[1])]
+    assert logged, caplog.text
+
+
+async def test_grpc_route_rejects_lone_surrogates_and_reports_bugs(stack: Stack, monkeypatch) -> None:
+    async with grpc.aio.insecure_channel(stack.grpc_target) as channel:
+        # protobuf cannot serialize a lone surrogate, so the bytes are written by hand: field 3 of
+        # RouteRequest is `prompt`; ED A0 80 is U+D800 as (invalid) UTF-8.
+        raw_route = channel.unary_unary("/kvroute.v1.Router/Route", request_serializer=lambda b: b,
+                                        response_deserializer=pb.RouteResponse.FromString)
+        model = pb.RouteRequest(model=MODEL).SerializeToString()
+        prompt_field = pb.RouteRequest.DESCRIPTOR.fields_by_name["prompt"].number
+        bad = model + bytes([prompt_field << 3 | 2, 3]) + b"\xed\xa0\x80"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await raw_route(bad, timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in err.value.details()
+        # Past the character bound (4096 tokens of at most 13 characters): refused before tokenizing.
+        before = stack.tokenizer.tokenized_chars
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pb_grpc.RouterStub(channel).Route(pb.RouteRequest(model=MODEL, prompt="x" * 53249), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "characters" in err.value.details()
+        assert stack.tokenizer.tokenized_chars == before
+
+        async def broken_decide(*args, **kwargs):
+            raise RuntimeError("a bug in the router")
+
+        monkeypatch.setattr(stack.router, "decide", broken_decide)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await pb_grpc.RouterStub(channel).Route(pb.RouteRequest(model=MODEL, prompt=PROMPT), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INTERNAL and "a bug in the router" not in err.value.details()
+
+
+async def test_an_undecodable_session_header_is_a_400(stack: Stack) -> None:
+    """aiohttp keeps header bytes that are not UTF-8 as lone surrogates; the session key is hashed as UTF-8."""
+    body = json.dumps(completion()).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(stack.url.rsplit(":", 1)[1]))
+    writer.write(b"POST /v1/route HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                 b"x-session-id: caf\xe9\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    response = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    head, _, payload = response.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), response
+    error = json.loads(payload)["error"]
+    assert "x-session-id" in error["message"] and error["code"] is None, error
+
+
+async def test_expect_100_continue_under_the_cap_is_served(stack: Stack) -> None:
+    """The router answers Expect itself (to refuse bodies over the cap unsent); under it, the client goes on."""
+    async with stack.session.post(stack.url + "/v1/completions", json=completion(), expect100=True) as resp:
+        assert resp.status == 200 and (await resp.json())["backend"] in "AB"
+    async with stack.session.post(stack.url + "/v1/completions", data=b"{not json", expect100=True) as resp:
+        assert resp.status == 400 and (await resp.json())["error"]["type"] == "invalid_request_error"

@@ -19,9 +19,9 @@ from dataclasses import dataclass, fields
 
 import aiohttp
 
+from kvroute.rate_limited_log import RateLimitedLog
 from worker_agent.events import DecodedBatch
 from worker_agent.trtllm_events import BodyError, RankEvents, TrtllmEventConverter
-from worker_agent.zmq_source import RateLimitedLog
 
 log = logging.getLogger("kvroute.agent.trtllm")
 

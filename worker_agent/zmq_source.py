@@ -47,6 +47,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvroute.listeners import open_zmq
+from kvroute.rate_limited_log import RateLimitedLog
 from worker_agent import vllm_wire
 from worker_agent.events import DecodedBatch
 from worker_agent.msgpack_wire import WireFormatError, split_frames
@@ -82,27 +83,6 @@ class SourceCounters:
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-class RateLimitedLog:
-    """At most one warning per `period_s` per kind of problem; the rest are counted and summarised
-    in the next warning of that kind."""
-
-    def __init__(self, logger: logging.Logger, period_s: float = 5.0) -> None:
-        self.logger, self.period_s = logger, period_s
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def warning(self, kind: str, msg: str, *args: object, exc_info: bool = False) -> None:
-        now = time.monotonic()
-        if now - self._last.get(kind, -self.period_s) >= self.period_s:
-            suppressed = self._suppressed.pop(kind, 0)
-            if suppressed:
-                msg += f" ({suppressed} similar messages suppressed)"
-            self.logger.warning(msg, *args, exc_info=exc_info)
-            self._last[kind] = now
-        else:
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
 
 
 @dataclass(slots=True)
