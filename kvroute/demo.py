@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -45,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--speedup", type=float, default=2.0, help="sim engines run this many times faster than the cost model")
     p.add_argument("--seed", type=int, default=1, help="workload seed")
-    p.add_argument("--workdir", default="", help="directory for logs and the tiny model (default: a temp dir)")
+    p.add_argument("--workdir", default="", help="directory for logs and the tiny model, kept (default: a temporary "
+                                                 "directory, removed at the end unless something failed)")
 
 
 @dataclass
@@ -178,6 +180,8 @@ def print_table(results: list[PolicyResult], file=sys.stdout) -> None:
 def run(args: argparse.Namespace) -> int:
     from sim_engine.tiny_model import build_model_dir
 
+    # A directory of our own is removed at the end unless something failed (its logs say what).
+    own_workdir = not args.workdir
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvroute-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     tokenizer_dir = build_model_dir(workdir / "tiny-llama")
@@ -185,16 +189,22 @@ def run(args: argparse.Namespace) -> int:
     workload = build_workload(args)
     print(f"kvroute demo: {args.engines} sim engines x {args.num_blocks} blocks of {args.block_size} tokens, "
           f"{len(workload)} conversations x {args.turns} turns over {args.system_prompts} system prompts; "
-          f"logs in {workdir}", file=sys.stderr)
+          f"logs in {workdir}{' (removed at the end unless something fails)' if own_workdir else ''}", file=sys.stderr)
     cluster = LocalCluster(workdir=workdir, tokenizer_dir=tokenizer_dir, block_size=args.block_size)
     results = []
+    finished = False
     try:
         cluster.start_sim_fleet(args.engines, "--num-blocks", str(args.num_blocks), "--speedup", str(args.speedup))
         for policy in policies:
             print(f"running policy {policy} ...", file=sys.stderr)
             results.append(run_policy(cluster, policy, workload, args))
+        finished = True
     finally:
         cluster.stop()
+        if own_workdir and finished and all(r.errors == 0 for r in results):
+            shutil.rmtree(workdir, ignore_errors=True)
+        elif own_workdir:
+            print(f"kvroute demo: logs kept in {workdir}", file=sys.stderr)
     print()
     print_table(results)
     print()
