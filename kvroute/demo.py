@@ -250,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
     print_table(results)
     print()
     print(machine_line(disturbance))
-    warning = disturbance.warning()
+    warning = disturbance.warning("the event loops of routers, control planes and engines")
     if warning:
         print(f"warning: {warning}")
     print()

@@ -114,14 +114,15 @@ class Disturbance:
                    (last.steal_s - first.steal_s) / seconds,
                    sum(waits) / len(waits) if waits else 0.0, max(waits, default=0.0))
 
-    def warning(self) -> str | None:
-        """One line saying what disturbed the measurement and what it cost, or None."""
+    def warning(self, loops: str = "the watched processes' event loops") -> str | None:
+        """One line saying what disturbed the measurement and what it cost (`loops` names the watched
+        processes' event loops), or None."""
         if not self.disturbed:
             return None
         steal = f" (steal {self.steal_cores_mean:.2f})" if self.steal_cores_mean >= 0.05 else ""
         return (f"measurement disturbed: other processes took {self.outside_cores_mean:.2f} of this machine's "
                 f"{self.cores} CPU cores on average{steal} and {self.outside_cores_peak:.2f} at the worst moment, "
-                f"and the routers' and engines' event loops waited {self.loop_wait_ms_per_s_mean:.0f} ms per second "
+                f"and {loops} waited {self.loop_wait_ms_per_s_mean:.0f} ms per second "
                 f"for a CPU (worst loop {self.loop_wait_ms_per_s_max:.0f}): latencies include that wait; rerun on "
                 "an idle machine for figures to quote")
 
