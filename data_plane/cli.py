@@ -14,6 +14,7 @@ from kvroute.telemetry import setup_tracing, shutdown_tracing
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from data_plane.policies import POLICIES  # pure module, cheap to import for --help
+    from data_plane.traffic_capture import CAPTURE_BLOCK_TOKENS
 
     p.add_argument("--control-plane", default="127.0.0.1:50051", metavar="HOST:PORT", help="control plane gRPC address")
     p.add_argument("--policy", default="kv_aware", choices=sorted(POLICIES), help="routing policy")
@@ -45,11 +46,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fallback fleet used only while the control plane has never been reachable")
     p.add_argument("--capture-trace", default=None, metavar="PATH",
                    help="record routed requests to PATH as a Mooncake JSONL trace for `kvroute simulate --trace` "
-                        "(lengths, timestamps and dense 512-token block ids only, no prompt content; "
+                        "(lengths, timestamps and dense block ids only, no prompt content; "
                         "the file is truncated at startup)")
+    p.add_argument("--capture-block-tokens", type=_block_tokens, default=CAPTURE_BLOCK_TOKENS, metavar="N",
+                   help="tokens per captured block id, written into every row; sharing shorter than this is invisible "
+                        "in the trace (Mooncake's own traces use 512)")
     p.add_argument("--capture-sample-rate", type=_sample_rate, default=1.0, metavar="FLOAT",
                    help="fraction of requests to capture, in (0, 1]; deterministic (every 1/rate-th request)")
     p.add_argument("--log-level", default="INFO", help="Python logging level")
+
+
+def _block_tokens(value: str) -> int:
+    tokens = int(value)
+    if tokens <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return tokens
 
 
 def _sample_rate(value: str) -> float:
@@ -98,7 +109,8 @@ async def serve(args: argparse.Namespace) -> int:
     router = Router(control_plane, make_policy(args.policy, **kv_params), LoadTracker())
     capture = None
     if args.capture_trace:
-        capture = TrafficCapture(args.capture_trace, args.capture_sample_rate, router.metrics)
+        capture = TrafficCapture(args.capture_trace, args.capture_sample_rate, router.metrics,
+                                 block_tokens=args.capture_block_tokens)
         capture.start()
     http = RouterHttpApi(router, tokenizer, model, args.max_prompt_tokens, capture=capture,
                          max_body_bytes=args.max_body_bytes)

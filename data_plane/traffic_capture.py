@@ -1,11 +1,14 @@
 """Privacy-safe capture of routed traffic as a Mooncake JSONL trace (`kvroute simulate --trace`).
 
-One line per captured request, exactly the Mooncake fields:
+One line per captured request, the Mooncake fields plus the block size the ids stand for:
 
-    {"timestamp": <ms since capture start>, "input_length": N, "output_length": M, "hash_ids": [0, 1, ...]}
+    {"timestamp": <ms since capture start>, "input_length": N, "output_length": M, "hash_ids": [0, 1, ...],
+     "block_size": B}
 
-`hash_ids` has one id per 512-token block of the prompt, ceil(N / 512) of them, the last one for the
-partial tail. Each id stands for a chained `kvroute.block_keys` key (namespaced by model, LoRA
+`hash_ids` has one id per B-token block of the prompt, ceil(N / B) of them, the last one for the
+partial tail. B is 64 by default (`--capture-block-tokens`): Mooncake's own traces use 512, which
+hides any sharing shorter than 512 tokens, so a trace of short prompts would show none; the
+simulator reads B from the rows (512 when absent, as in Mooncake's). Each id stands for a chained `kvroute.block_keys` key (namespaced by model, LoRA
 adapter and cache salt), so equal ids mean equal whole prefixes up to that block; the tail is
 chained too and hashes its own length. Keys become dense ids (0, 1, 2, ... in order of first
 appearance in this file, like the public Mooncake traces), so the file holds no prompt text, no
@@ -39,11 +42,11 @@ from kvroute.block_keys import chain_block_keys, namespace_seed
 
 log = logging.getLogger("kvroute.router.capture")
 
-TRACE_BLOCK_TOKENS = 512  # Mooncake's hash_ids granularity (simulator.workloads reads it back the same way)
+CAPTURE_BLOCK_TOKENS = 64  # tokens per hash id by default; written into every row as block_size
 
 
 def trace_block_keys(token_ids: Sequence[int], model: str, lora_name: str = "", cache_salt: str = "",
-                     block_tokens: int = TRACE_BLOCK_TOKENS) -> list[int]:
+                     block_tokens: int = CAPTURE_BLOCK_TOKENS) -> list[int]:
     """Chained keys of every `block_tokens` block of the prompt, plus one for a partial tail.
 
     The tail key is chained from the last full block's key (or the namespace seed) over the tail's
@@ -100,9 +103,11 @@ class _Row:
 class TrafficCapture:
     def __init__(self, path: str | Path, sample_rate: float = 1.0, metrics: RouterMetrics | None = None, *,
                  max_ids: int = 1_000_000, max_buffered_rows: int = 100_000, flush_interval_s: float = 1.0,
-                 block_tokens: int = TRACE_BLOCK_TOKENS) -> None:
+                 block_tokens: int = CAPTURE_BLOCK_TOKENS) -> None:
         if not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"sample rate must be in (0, 1], got {sample_rate}")
+        if block_tokens <= 0:
+            raise ValueError(f"block tokens must be positive, got {block_tokens}")
         self.path = Path(path)
         self.sample_rate = sample_rate
         self.metrics = metrics or RouterMetrics()
@@ -128,7 +133,8 @@ class TrafficCapture:
         self._file = open(self.path, "wb", buffering=0)  # noqa: SIM115 - closed in aclose
         self._started_at = time.monotonic()
         self._task = asyncio.get_running_loop().create_task(self._flush_loop(), name="kvroute-capture-flush")
-        log.info("capturing traffic to %s (sample rate %g)", self.path, self.sample_rate)
+        log.info("capturing traffic to %s (sample rate %g, %d-token blocks)", self.path, self.sample_rate,
+                 self.block_tokens)
 
     async def aclose(self) -> None:
         """Writes every buffered row and closes the file."""
@@ -197,7 +203,8 @@ class TrafficCapture:
     def _write(self, batch: list[_Row]) -> Exception | None:
         batch.sort(key=lambda r: r.timestamp_ms)
         lines = [json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
-                             "output_length": r.output_length, "hash_ids": [self._id(k) for k in r.keys]})
+                             "output_length": r.output_length, "hash_ids": [self._id(k) for k in r.keys],
+                             "block_size": self.block_tokens})
                  for r in batch]
         data = memoryview(("\n".join(lines) + "\n").encode())
         if self._file is None:

@@ -1,12 +1,18 @@
 """Builds a tiny local model directory: a byte-level BPE tokenizer trained here plus a
 LlamaForCausalLM config, so the demo, the sim engines and a real vLLM (`--load-format
 dummy`) all tokenize identically without any model hub.
+
+`kvroute tiny-model DIR` writes one for running the pieces by hand (`--tokenizer DIR` of the sim
+engine and the router). Its own subcommand rather than a sim-engine flag: the directory serves the
+router and a real vLLM as much as the sim engine, and writing files is a one-off, not a server.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
+import sys
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -84,3 +90,25 @@ def build_model_dir(path: str | Path, vocab_size: int = 2048) -> Path:
         "bos_token_id": tokenizer.token_to_id("<s>"), "eos_token_id": tokenizer.token_to_id("</s>")}))
     stamp.write_text(MODEL_DIR_VERSION)
     return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", help="directory to write (its name is the model name routers default to, e.g. "
+                               "models/tiny-llama); an existing tiny model there is kept")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.dir)
+    stamp = out / ".kvroute-tiny-model"
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not stamp.exists())):
+        print(f"kvroute tiny-model: {out} exists and is not a tiny model directory; name a new or empty one",
+              file=sys.stderr)
+        return 2
+    try:
+        build_model_dir(out)
+    except OSError as exc:
+        print(f"kvroute tiny-model: cannot write {out}: {exc}", file=sys.stderr)
+        return 2
+    print(f"tiny model in {out}: tokenizer.json (vocabulary {json.loads((out / 'config.json').read_text())['vocab_size']}), "
+          f"chat template, LlamaForCausalLM config; use it as --tokenizer {out}")
+    return 0

@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV capacity per engine in blocks (default: 1M tokens' worth, about what a 70B model leaves free on 8x80 GB)")
     p.add_argument("--block-size", type=int, default=None,
-                   help="engine block size (default: 512 for traces, whose sharing is known at 512-token "
+                   help="engine block size (default for a trace: the block size its hash ids stand for, its rows' "
+                        "block_size, 512 in Mooncake's traces which name none, since sharing is known at that "
                         "granularity only; 16 for generated workloads)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N trace requests")
     p.add_argument("--time-scale", type=float, default=1.0, help="divide trace inter-arrival times by this")
@@ -76,13 +77,46 @@ def run(args: argparse.Namespace) -> int:
         seeds = _parse_seeds(args.seeds) if args.seeds else None
         if seeds and args.plots:
             raise ValueError("--plots draws one seed's runs; use it with --seed, not --seeds")
-    except ValueError as exc:
+        trace = _load_trace(args) if args.trace else None
+        if trace is None and args.requests <= 0:
+            raise ValueError(f"--requests {args.requests}: nothing to simulate")
+    except (ValueError, OSError) as exc:
         print(f"kvroute simulate: error: {exc}", file=sys.stderr)
         return 2
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
+    warnings = _trace_warnings(trace) if trace else []
+    for warning in warnings:  # printed even with --json: they say why the numbers may mislead
+        print(f"kvroute simulate: warning: {warning}", file=sys.stderr)
     if seeds is None:
-        return _run_one_seed(args, kv_aware_params, log)
-    return _run_seeds(args, kv_aware_params, seeds, log)
+        return _run_one_seed(args, trace, kv_aware_params, warnings, log)
+    return _run_seeds(args, trace, kv_aware_params, seeds, warnings, log)
+
+
+def _load_trace(args: argparse.Namespace):
+    """The trace, time-scaled; ValueError (one line) when it is malformed or has no request."""
+    from simulator.workloads import load_mooncake_trace
+
+    trace = load_mooncake_trace(args.trace, args.limit)
+    if not trace.requests:
+        raise ValueError(f"{args.trace} holds no request: nothing to simulate")
+    if args.time_scale != 1.0:
+        for r in trace.requests:
+            r.arrival_s /= args.time_scale
+    return trace
+
+
+# Above this share of prompt tokens in partial last blocks, the trace's granularity hides most sharing.
+TAIL_SHARE_WARNING = 0.25
+
+
+def _trace_warnings(trace) -> list[str]:
+    """Why this trace's numbers may mislead: sharing its block size cannot show."""
+    if trace.tail_token_share <= TAIL_SHARE_WARNING:
+        return []
+    return [(f"{trace.tail_token_share:.0%} of the trace's prompt tokens lie in partial {trace.block_size}-token "
+             "blocks, which it can only show as shared when a whole prompt repeats: hit rates are understated and "
+             "kv_aware's advantage with them (a prefix-aware policy can even trail round_robin); capture with a "
+             "smaller `kvroute router --capture-block-tokens` for prompts this short")]
 
 
 def _parse_seeds(text: str) -> list[int]:
@@ -95,7 +129,8 @@ def _parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def _run_seeds(args: argparse.Namespace, kv_aware_params: dict, seeds: list[int], log) -> int:
+def _run_seeds(args: argparse.Namespace, trace, kv_aware_params: dict, seeds: list[int], warnings: list[str],
+               log) -> int:
     from simulator.seeds import markdown, summarize
 
     started = time.monotonic()
@@ -103,7 +138,7 @@ def _run_seeds(args: argparse.Namespace, kv_aware_params: dict, seeds: list[int]
     for seed in seeds:
         args.seed = seed
         log(f"seed {seed}:")
-        outcome = _simulate(args, kv_aware_params, log)
+        outcome = _simulate(args, trace, kv_aware_params, log)
         log("  " + outcome["summary"])
         per_seed[seed] = outcome["policies"]
     summary = summarize(per_seed)
@@ -114,13 +149,18 @@ def _run_seeds(args: argparse.Namespace, kv_aware_params: dict, seeds: list[int]
         print("\n".join(lines))
     if args.report:
         with open(args.report, "w") as f:
-            f.write(f"# kvroute simulate\n\n{head}\n\n" + "\n".join(lines) + "\n")
-    print(json.dumps({"seeds": {str(s): r for s, r in per_seed.items()}, "summary": summary}))
+            f.write(f"# kvroute simulate\n\n{head}\n\n" + _warning_lines(warnings) + "\n".join(lines) + "\n")
+    print(json.dumps({"seeds": {str(s): r for s, r in per_seed.items()}, "summary": summary,
+                      "block_size": outcome["block_size"], "warnings": warnings}))
     return 0
 
 
-def _run_one_seed(args: argparse.Namespace, kv_aware_params: dict, log) -> int:
-    outcome = _simulate(args, kv_aware_params, log)
+def _warning_lines(warnings: list[str]) -> str:
+    return "".join(f"**Warning:** {w}\n\n" for w in warnings)
+
+
+def _run_one_seed(args: argparse.Namespace, trace, kv_aware_params: dict, warnings: list[str], log) -> int:
+    outcome = _simulate(args, trace, kv_aware_params, log)
     if not args.json:
         print(outcome["summary"])
         print("\n".join(outcome["lines"]))
@@ -133,30 +173,28 @@ def _run_one_seed(args: argparse.Namespace, kv_aware_params: dict, log) -> int:
         log("plots: " + ", ".join(str(p) for p in plots))
     if args.report:
         with open(args.report, "w") as f:
-            f.write(f"# kvroute simulate\n\n{outcome['summary']}\n\n" + "\n".join(outcome["lines"]) + "\n")
+            f.write(f"# kvroute simulate\n\n{outcome['summary']}\n\n" + _warning_lines(warnings)
+                    + "\n".join(outcome["lines"]) + "\n")
             for path in plots:
                 rel = os.path.relpath(path, os.path.dirname(os.path.abspath(args.report)))
                 f.write(f"\n![{path.stem}]({rel})\n")
     print(json.dumps({"oracle_hit_rate": round(outcome["oracle"], 4),
-                      "oracle_hit_rate_infinite": round(outcome["oracle_inf"], 4), "policies": outcome["policies"]}))
+                      "oracle_hit_rate_infinite": round(outcome["oracle_inf"], 4), "policies": outcome["policies"],
+                      "block_size": outcome["block_size"], "warnings": warnings}))
     return 0
 
 
-def _simulate(args: argparse.Namespace, kv_aware_params: dict, log) -> dict:
+def _simulate(args: argparse.Namespace, trace, kv_aware_params: dict, log) -> dict:
     """One seed (`args.seed`): every policy's results, the Markdown table and the summary line."""
     from sim_engine.cost_model import CostModel
     from simulator.fleet import FleetConfig, oracle_hit_rates
     from simulator.sweep import ProgressLine, default_jobs, run_policies
-    from simulator.workloads import load_mooncake_trace
 
     started = time.monotonic()
-    if args.trace:
-        workload = load_mooncake_trace(args.trace, args.limit)
-        if args.time_scale != 1.0:
-            for r in workload:
-                r.arrival_s /= args.time_scale
-        block_size = args.block_size or 512
-        source = f"trace {args.trace}"
+    if trace is not None:
+        workload = trace.requests
+        block_size = args.block_size or trace.block_size
+        source = f"trace {args.trace} ({trace.block_size}-token hash ids)"
         source_name = os.path.basename(args.trace)
     else:
         workload = generated_workload(args)
@@ -198,4 +236,4 @@ def _simulate(args: argparse.Namespace, kv_aware_params: dict, log) -> dict:
                f"pooled-cache ceiling {oracle:.1%} (infinite cache {oracle_inf:.1%}); seed {args.seed}; "
                f"{time.monotonic() - started:.1f}s")
     return {"policies": results, "lines": lines, "summary": summary, "runs": runs, "oracle": oracle,
-            "oracle_inf": oracle_inf, "source": source, "source_name": source_name}
+            "oracle_inf": oracle_inf, "source": source, "source_name": source_name, "block_size": block_size}

@@ -15,9 +15,8 @@ import msgspec
 
 from kvroute.block_keys import pack_token_ids
 
-TRACE_BLOCK_TOKENS = 512  # Mooncake hash_ids each stand for 512 tokens
+MOONCAKE_BLOCK_TOKENS = 512  # what a hash id stands for in the public Mooncake traces, which name no block size
 _TOKEN_ID_LIMIT = 1 << 32
-_TRACE_FILLER = array("I", range(1, TRACE_BLOCK_TOKENS))
 
 
 @dataclass(slots=True)
@@ -28,19 +27,34 @@ class SimWorkloadRequest:
     session: str = ""  # conversation id (multi-turn), the session policy's key; "" = no session
 
 
+@dataclass
+class Trace:
+    """A trace's requests and the block size its hash ids stand for."""
+    requests: list[SimWorkloadRequest]
+    block_size: int
+    tail_token_share: float  # of all prompt tokens, those in a partial last block (never shared)
+
+
 class _TraceRow(msgspec.Struct):
     timestamp: float
     input_length: int
     output_length: int
     hash_ids: list[int]
+    block_size: int | None = None  # written by `kvroute router --capture-trace`; absent in Mooncake's traces
 
 
-def load_mooncake_trace(path: str | Path, limit: int | None = None) -> list[SimWorkloadRequest]:
-    """`timestamp` (ms), `input_length`, `output_length`, `hash_ids` (512-token blocks) per line.
-    Equal hash ids get equal token ids, so shared blocks are shared prefixes exactly as in the trace."""
+def load_mooncake_trace(path: str | Path, limit: int | None = None) -> Trace:
+    """`timestamp` (ms), `input_length`, `output_length`, `hash_ids` per line, and optionally
+    `block_size`: the tokens each hash id stands for (every row must agree; without it, Mooncake's
+    512). Equal hash ids get equal token ids, so shared blocks are shared prefixes exactly as in the
+    trace. Raises ValueError on a malformed row."""
     decoder = msgspec.json.Decoder(_TraceRow)
     block_tokens: dict[int, array] = {}
     out: list[SimWorkloadRequest] = []
+    block_size: int | None = None
+    filler = array("I")
+    size_line = 0
+    tail_tokens = total_tokens = 0
     with open(path, "rb") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
@@ -49,20 +63,35 @@ def load_mooncake_trace(path: str | Path, limit: int | None = None) -> list[SimW
                 row = decoder.decode(line)
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 raise ValueError(f"{path}:{line_no}: not a Mooncake trace row: {exc}") from exc
+            row_block_size = MOONCAKE_BLOCK_TOKENS if row.block_size is None else row.block_size
+            if block_size is None:
+                if row_block_size <= 0:
+                    raise ValueError(f"{path}:{line_no}: block_size must be positive, got {row_block_size}")
+                block_size, size_line = row_block_size, line_no
+                # The filler after each block's id is shared, so building a block is a copy.
+                filler = array("I", range(1, block_size))
+            elif row_block_size != block_size:
+                raise ValueError(f"{path}:{line_no}: block_size {row_block_size} (a row without one means "
+                                 f"{MOONCAKE_BLOCK_TOKENS}), but line {size_line} has {block_size}: one trace, one "
+                                 "block size")
+            if len(row.hash_ids) * block_size < row.input_length:
+                raise ValueError(f"{path}:{line_no}: {len(row.hash_ids)} hash ids of {block_size} tokens cannot "
+                                 f"cover input_length {row.input_length}")
             tokens = array("I")
             for h in row.hash_ids:
                 block = block_tokens.get(h)
                 if block is None:
-                    # The id itself as the first token makes blocks with different ids differ; the
-                    # filler after it is shared, so building a block is a copy, not 512 conversions.
-                    block = block_tokens[h] = array("I", (h % _TOKEN_ID_LIMIT,)) + _TRACE_FILLER
+                    # The id itself as the first token makes blocks with different ids differ.
+                    block = block_tokens[h] = array("I", (h % _TOKEN_ID_LIMIT,)) + filler
                 tokens += block
             if row.input_length < len(tokens):
                 del tokens[row.input_length:]
+            tail_tokens += row.input_length % block_size
+            total_tokens += row.input_length
             out.append(SimWorkloadRequest(row.timestamp / 1000.0, tokens, max(1, row.output_length)))
             if limit and len(out) >= limit:
                 break
-    return out
+    return Trace(out, block_size or MOONCAKE_BLOCK_TOKENS, tail_tokens / total_tokens if total_tokens else 0.0)
 
 
 @dataclass

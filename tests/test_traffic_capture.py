@@ -27,7 +27,7 @@ from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 from sim_engine.tiny_model import build_model_dir
 
-ROW_FIELDS = {"timestamp", "input_length", "output_length", "hash_ids"}
+ROW_FIELDS = {"timestamp", "input_length", "output_length", "hash_ids", "block_size"}
 BIG = 7_000_000  # token ids in this range are easy to look for in the file
 
 
@@ -45,25 +45,27 @@ def counter(metrics: RouterMetrics, name: str) -> float:
 def test_trace_block_keys_chain_at_512_with_a_chained_tail() -> None:
     a = list(range(BIG, BIG + 1300))
     b = a[:1024] + list(range(BIG + 5000, BIG + 5276))
-    ka, kb = trace_block_keys(a, "m"), trace_block_keys(b, "m")
+    ka, kb = trace_block_keys(a, "m", block_tokens=512), trace_block_keys(b, "m", block_tokens=512)
     assert len(ka) == len(kb) == 3  # two full blocks + a 276-token tail
     assert ka[:2] == kb[:2] and ka[2] != kb[2]
     # The tail depends on its length and on everything before it.
-    assert trace_block_keys(a[:1299], "m")[2] != ka[2]
+    assert trace_block_keys(a[:1299], "m", block_tokens=512)[2] != ka[2]
     c = [BIG - 1] + a[1:]
-    assert trace_block_keys(c, "m")[2] != ka[2]
-    assert trace_block_keys(a[:1024], "m") == ka[:2]  # exact multiple: no tail key
+    assert trace_block_keys(c, "m", block_tokens=512)[2] != ka[2]
+    assert trace_block_keys(a[:1024], "m", block_tokens=512) == ka[:2]  # exact multiple: no tail key
     # Namespaces never share keys.
-    assert trace_block_keys(a, "other")[0] != ka[0]
-    assert trace_block_keys(a, "m", lora_name="x")[0] != ka[0]
-    assert trace_block_keys(a, "m", cache_salt="s")[0] != ka[0]
+    assert trace_block_keys(a, "other", block_tokens=512)[0] != ka[0]
+    assert trace_block_keys(a, "m", lora_name="x", block_tokens=512)[0] != ka[0]
+    assert trace_block_keys(a, "m", cache_salt="s", block_tokens=512)[0] != ka[0]
     assert trace_block_keys(a[:10], "m") != trace_block_keys(a[:11], "m")
+    # The default granularity is finer: 1300 tokens are 20 blocks of 64 and a 20-token tail.
+    assert len(trace_block_keys(a, "m")) == 21 and trace_block_keys(b, "m")[:16] == trace_block_keys(a, "m")[:16]
 
 
 async def test_rows_share_ids_for_shared_prefixes_dense_and_content_free(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     metrics = RouterMetrics()
-    cap = TrafficCapture(path, metrics=metrics, flush_interval_s=3600)  # only aclose writes
+    cap = TrafficCapture(path, metrics=metrics, flush_interval_s=3600, block_tokens=512)  # only aclose writes
     cap.start()
     shared = list(range(BIG, BIG + 1024))
     p1 = shared + list(range(BIG + 10_000, BIG + 10_700))    # 1724 tokens: 4 blocks, tail 188
@@ -78,6 +80,7 @@ async def test_rows_share_ids_for_shared_prefixes_dense_and_content_free(tmp_pat
 
     rows = read_rows(path)
     assert [set(r) for r in rows] == [ROW_FIELDS] * 4
+    assert {r["block_size"] for r in rows} == {512}
     assert [(r["timestamp"], r["input_length"], r["output_length"]) for r in rows] == [
         (5, 1724, 17), (9, 1124, 3), (12, 2124, 0), (15, 1724, 4)]
     assert [len(r["hash_ids"]) for r in rows] == [math.ceil(r["input_length"] / 512) for r in rows] == [4, 3, 5, 4]
@@ -97,7 +100,7 @@ async def test_rows_share_ids_for_shared_prefixes_dense_and_content_free(tmp_pat
 
 async def test_periodic_flush_sorting_and_bounded_id_map(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
-    cap = TrafficCapture(path, flush_interval_s=0.05, max_ids=2)
+    cap = TrafficCapture(path, flush_interval_s=0.05, max_ids=2, block_tokens=512)
     cap.start()
     x, y, z = [BIG] * 512, [BIG + 1] * 512, [BIG + 2] * 512
     cap.record(30, x, 1, "m")   # recorded at completion: later arrivals can finish first
@@ -172,7 +175,7 @@ async def test_a_half_written_batch_is_cut_off_and_the_trace_stays_loadable(tmp_
 
     path = tmp_path / "h.jsonl"
     metrics = RouterMetrics()
-    cap = TrafficCapture(path, metrics=metrics, flush_interval_s=3600)
+    cap = TrafficCapture(path, metrics=metrics, flush_interval_s=3600, block_tokens=512)
     cap.start()
     cap.record(1, [1] * 700, 5, "m")
     await cap.flush()
@@ -186,7 +189,7 @@ async def test_a_half_written_batch_is_cut_off_and_the_trace_stays_loadable(tmp_
     rows = read_rows(path)
     assert [r["timestamp"] for r in rows] == [1, 3]
     assert rows[1]["hash_ids"] == [4, 5]  # ids 2, 3 went to the dropped row
-    assert len(load_mooncake_trace(path)) == 2
+    assert len(load_mooncake_trace(path).requests) == 2
     assert counter(metrics, "kvroute_capture_dropped_total") == 1
     assert counter(metrics, "kvroute_capture_rows_total") == 2
 
@@ -234,7 +237,7 @@ def test_router_captures_live_traffic_that_the_simulator_replays(tmp_path: Path)
         cluster.start_sim_fleet(2, "--num-blocks", "1024", "--speedup", "50")
         grpc_port = free_port()
         url = cluster.start_router("cap", "kv_aware", "--capture-trace", str(trace_path),
-                                   "--grpc-port", str(grpc_port))
+                                   "--capture-block-tokens", "512", "--grpc-port", str(grpc_port))
         router = cluster.routers["cap"]
         wait_until(lambda: json.loads(http_get(url + "/health")[1])["workers"] == 2, 15, "router knows the fleet",
                    [router])
@@ -289,7 +292,7 @@ def test_router_captures_live_traffic_that_the_simulator_replays(tmp_path: Path)
 
     rows = read_rows(trace_path)
     assert len(rows) == 8
-    assert all(set(r) == ROW_FIELDS for r in rows)
+    assert all(set(r) == ROW_FIELDS and r["block_size"] == 512 for r in rows)
     assert [r["input_length"] for r in rows] == engine_prompt_tokens + [chat_prompt_tokens, len(prompts[1]),
                                                              len(prompts[0])]
     assert [r["output_length"] for r in rows] == [6, 5, 7, 3, 4, 2, 0, 2]
