@@ -1,9 +1,17 @@
 """What each simulated engine/version sends on the wire: one `Dialect` per name, pure data.
 
-Every fact here is from the wire spec (section numbers in the comments): field names and order
-per version (§2.3, §2.4, §4.1, §5.4), array vs map events (§2.6, §4.1), batch length (§2.2),
-hash form (§2.8, §4.2, §5.2), replay framing (§1.4), bind rule (§1.1), publisher default (§2.10,
-§4), replay SNDHWM (§1.3), data-parallel support (§1.5), CPU medium names (§2.3, §4.1).
+Every fact here is from docs/wire-formats.md:
+- field names and order per version: docs/wire-formats.md#vllm-event-fields,
+  docs/wire-formats.md#sglang-events-per-version, docs/wire-formats.md#tensorrt-llm-streaming-publisher;
+- array vs map events: docs/wire-formats.md#vllm-array-and-map-eras; batch length:
+  docs/wire-formats.md#vllm-event-batch;
+- hash form: docs/wire-formats.md#vllm-block-hashes, docs/wire-formats.md#sglang-block-hashes,
+  docs/wire-formats.md#tensorrt-llm-block-hashes;
+- replay framing: docs/wire-formats.md#replay-reply-framings; bind rule: docs/wire-formats.md#sockets-and-bind-rules;
+  publisher default and replay SNDHWM: docs/wire-formats.md#publisher-configuration; data-parallel support:
+  docs/wire-formats.md#data-parallel-endpoints;
+- CPU medium names: docs/wire-formats.md#vllm-medium-locality-and-kv-groups,
+  docs/wire-formats.md#sglang-events-per-version.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from sim_engine.engine_hashes import (
     HashScheme, SglangChainedHashes, SglangContentHashes, TrtllmV1Hashes, TrtllmV2Hashes, VllmHashes,
 )
 
-# vLLM BlockStored / BlockRemoved fields in wire order, with the version that added each (§2.3, §2.4).
+# vLLM BlockStored / BlockRemoved fields in wire order, with the version that added each (docs/wire-formats.md#vllm-event-fields).
 _VLLM_STORED = (("block_hashes", (0, 9, 0)), ("parent_block_hash", (0, 9, 0)), ("token_ids", (0, 9, 0)),
                 ("block_size", (0, 9, 0)), ("lora_id", (0, 9, 0)), ("medium", (0, 10, 2)), ("lora_name", (0, 14)),
                 ("extra_keys", (0, 17)), ("group_idx", (0, 20)), ("kv_cache_spec_kind", (0, 22)),
@@ -22,7 +30,7 @@ _VLLM_STORED = (("block_hashes", (0, 9, 0)), ("parent_block_hash", (0, 9, 0)), (
                 ("session_id", (0, 30)), ("lookahead_token_ids", (0, 33)))
 _VLLM_REMOVED = (("block_hashes", (0, 9, 0)), ("medium", (0, 10, 2)), ("group_idx", (0, 20)), ("locality", (0, 26)),
                  ("ownership", (0, 29)))
-# Fields declared without a default, so a map event always carries them (nil or not) (§2.1, §2.7).
+# Fields declared without a default, so a map event always carries them, nil or not (docs/wire-formats.md#msgspec-encoding-rules).
 _VLLM_REQUIRED = frozenset({"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
                             "lora_name"})
 
@@ -86,12 +94,13 @@ def _vllm(version: tuple[int, ...]) -> Dialect:
     since = version >= (0, 10, 2)
     return Dialect(
         name=name, engine="vllm", transport="zmq",
-        events="map" if version >= (0, 24) else "array",  # §2.6
+        events="map" if version >= (0, 24) else "array",  # docs/wire-formats.md#vllm-array-and-map-eras
         stored_fields=tuple(f for f, v in _VLLM_STORED if version >= v),
         removed_fields=tuple(f for f, v in _VLLM_REMOVED if version >= v),
         required_fields=_VLLM_REQUIRED,
         batch_has_rank=version >= (0, 9, 1),
-        # Builtin hash (signed) until 0.10.1; then the digest's last 8 bytes, or the bytes themselves (§2.8).
+        # Builtin hash (signed) until 0.10.1; then the digest's last 8 bytes, or the bytes themselves
+        # (docs/wire-formats.md#vllm-block-hashes).
         hash_kind="vllm-digest" if since else "vllm-builtin",
         hash_forms=("int", "bytes") if since else ("int",),
         lora_on_wire="lora_name" if version >= (0, 14) else "lora_id",
@@ -110,12 +119,13 @@ _SGLANG = (
     Dialect(name="sglang-0.4.8", engine="sglang", transport="zmq", events="array",
             stored_fields=_SGLANG_STORED_0_4_8, removed_fields=("block_hashes",), hash_kind="sglang-content",
             lora_on_wire=None, replay_framing="old", honours_cache_salt=False, publisher_default="null", needs_enable_flag=False, coalesce_stores=True),
-    # 0.5.9 adds medium but only ever sends "GPU" (§4.1): no CPU tier.
+    # 0.5.9 adds medium but only ever sends "GPU" (docs/wire-formats.md#sglang-events-per-version): no CPU tier.
     Dialect(name="sglang-0.5.9", engine="sglang", transport="zmq", events="array",
             stored_fields=_SGLANG_STORED_0_4_8 + ("medium",), removed_fields=("block_hashes", "medium"),
             hash_kind="sglang-sha256", lora_on_wire=None, replay_framing="old", honours_cache_salt=False, publisher_default="null", needs_enable_flag=False,
             coalesce_stores=True),
-    # Maps from 0.5.20; its structs have no omit_defaults, so every key is written (§4.1).
+    # Maps from 0.5.20; its structs have no omit_defaults, so every key is written
+    # (docs/wire-formats.md#sglang-events-per-version).
     Dialect(name="sglang-0.5.20", engine="sglang", transport="zmq", events="map",
             stored_fields=_SGLANG_STORED_0_4_8 + ("medium", "cache_salt", "session_id"),
             removed_fields=("block_hashes", "medium"), omit_defaults=False, hash_kind="sglang-sha256",
@@ -129,11 +139,13 @@ _SGLANG = (
 )
 
 _TRTLLM = (
-    # POST /kv_cache_events JSON (§5.2); the CPU tier is the secondary cache level ("updated" events).
+    # POST /kv_cache_events JSON (docs/wire-formats.md#tensorrt-llm-pull-path-json); the CPU tier is the secondary cache
+    # level ("updated" events).
     Dialect(name="trtllm-pull", engine="trtllm", transport="pull", events="json", hash_kind="trtllm-v1",
             hash_forms=("int", "hex"),
             cpu_medium="secondary", default_block_size=32),
-    # The 2026 streaming publisher (§5.4): vLLM >= 0.24-style maps plus mm_keys; medium is always "GPU".
+    # The 2026 streaming publisher (docs/wire-formats.md#tensorrt-llm-streaming-publisher): vLLM >= 0.24-style maps plus
+    # mm_keys; medium is always "GPU".
     Dialect(name="trtllm-zmq", engine="trtllm", transport="zmq", events="map",
             stored_fields=("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
                            "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",

@@ -1,26 +1,28 @@
 """The block hashes each simulated engine publishes, and the labeler that attaches them to cached blocks.
 
 The prefix cache identifies blocks by its own chained xxh3 (`PrefixCache.chain_hashes`). What an
-engine puts in its KV events is its own hash function's value, written from the wire spec
+engine puts in its KV events is its own hash function's value, written from docs/wire-formats.md
 (sections and test vectors named below; no engine code):
 
 - vLLM: the cache identity itself, as vLLM's wire form of the era: signed int64 (0.9.x builtin
   `hash`), unsigned 64-bit (>= 0.10.2: the last 8 bytes of the digest) or, with the
-  keep-bytes option, the 16-byte digest (§2.8).
-- SGLang 0.4.8-0.5.5: `hash(tuple(page_tokens))`, content only, not chained (§4.2). Python's
-  hash of a tuple of ints does not depend on PYTHONHASHSEED, so this is SGLang's exact value.
+  keep-bytes option, the 16-byte digest (docs/wire-formats.md#vllm-block-hashes).
+- SGLang 0.4.8-0.5.5: `hash(tuple(page_tokens))`, content only, not chained
+  (docs/wire-formats.md#sglang-block-hashes). Python's hash of a tuple of ints does not depend on
+  PYTHONHASHSEED, so this is SGLang's exact value.
 - SGLang >= 0.5.6: d_i = SHA256(d_{i-1} || tokens as u32 LE), no prior for the first page; the
-  wire value is the first 8 bytes of d_i, big-endian, signed (§4.2, test vector tokens 1..16).
+  wire value is the first 8 bytes of d_i, big-endian, signed (docs/wire-formats.md#sglang-block-hashes, test vector
+  tokens 1..16).
   From 0.5.20 a cache salt starts the chain at SHA256("sglang-cache-salt-v1\\0" + salt), and a
   LoRA adapter maps each published value through `sglang_namespaced_hash`.
-- TensorRT-LLM v1_block_key (§5.3, test vector tokens 1..16 parent 0): a 64-bit mix over the
-  token ids seeded by the parent hash; a LoRA task id and (first block only) a cache-salt id are
+- TensorRT-LLM v1_block_key (docs/wire-formats.md#tensorrt-llm-block-hashes, test vector tokens 1..16
+  parent 0): a 64-bit mix over the token ids seeded by the parent hash; a LoRA task id and (first block only) a cache-salt id are
   mixed in. Published as uint64 on the pull path and as signed int64 by the 2026 ZMQ publisher.
-- TensorRT-LLM v2_sha256: a 64-hex-digit SHA-256 chain (the form is the spec's; the hashed
-  layout, parent digest || u32 LE tokens || namespace, is ours).
+- TensorRT-LLM v2_sha256: a 64-hex-digit SHA-256 chain (the form is TensorRT-LLM's,
+  docs/wire-formats.md#tensorrt-llm-pull-path-json; the hashed layout, parent digest || u32 LE tokens || namespace, is ours).
 
-Two inputs are not pinned down by the spec and are ours, said so where they are used: the
-SGLang LoRA namespace seed and the TRT-LLM cache-salt id (TRT-LLM's own is blake3 or
+Two inputs are not pinned down by the sources and are ours (docs/wire-formats.md#choices-that-are-ours),
+said so where they are used: the SGLang LoRA namespace seed and the TRT-LLM cache-salt id (TRT-LLM's own is blake3 or
 std::hash depending on the build, neither portable).
 """
 
@@ -56,7 +58,7 @@ def _u32le(tokens: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-# ---------------------------------------------------------------- SGLang (§4.2)
+# ---------------------------------------------------------------- SGLang (docs/wire-formats.md#sglang-block-hashes)
 
 SGLANG_SALT_DOMAIN = b"sglang-cache-salt-v1\0"
 SGLANG_NAMESPACE_DOMAIN = b"sglang-kv-event-namespace-v1"
@@ -82,8 +84,8 @@ def sglang_salt_prior(cache_salt: str) -> bytes:
 
 
 def sglang_namespace_seed(extra_key: str) -> bytes:
-    """Seed of the LoRA namespace mapping. The spec only names the domain string; joining it to the
-    adapter name with a NUL byte is our reading."""
+    """Seed of the LoRA namespace mapping. The sources only name the domain string
+    (docs/wire-formats.md#sglang-block-hashes); joining it to the adapter name with a NUL byte is our reading."""
     return hashlib.sha256(SGLANG_NAMESPACE_DOMAIN + b"\0" + extra_key.encode()).digest()
 
 
@@ -92,7 +94,7 @@ def sglang_namespaced_hash(seed: bytes, wire_hash: int) -> int:
     return sglang_wire_hash(hashlib.sha256(seed + wire_hash.to_bytes(8, "big", signed=True)).digest())
 
 
-# ---------------------------------------------------------------- TensorRT-LLM (§5.3)
+# ---------------------------------------------------------------- TensorRT-LLM (docs/wire-formats.md#tensorrt-llm-block-hashes)
 
 _MIX64_A, _MIX64_B, _MIX32 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0x45D9F3B
 _GOLDEN32 = 0x9E3779B9

@@ -1,7 +1,7 @@
 """Publishes cache events over ZMQ as vLLM's ZmqEventPublisher does (SGLang and TRT-LLM copy it).
 
 The payload comes from a `MsgpackEventEncoder` (one dialect's schema, `wire_encoding.py`); this
-module is the transport, as in the wire spec §1:
+module is the transport, as in docs/wire-formats.md#zmq-transport:
 - PUB socket, bound or connected per the dialect (`publisher_binds`): vLLM binds wildcard
   (`*`, `::`) and ipc:// / inproc:// endpoints and connects to anything else; SGLang >= 0.5.13
   also binds 0.0.0.0, >= 0.5.22 honours an explicit `"bind"`; TRT-LLM always binds. SNDHWM = `hwm`.
@@ -16,9 +16,9 @@ module is the transport, as in the wire spec §1:
   an end marker, in the `new` framing (vLLM >= 0.26, SGLang >= 0.5.22, TRT-LLM:
   `[b"", topic, seq8, payload]`, end `[b"", b"", ff*8, b""]`) or the `old` one
   (`[b"", seq8, payload]`, end `[b"", ff*8, b""]`). Its SNDHWM is 2*(buffer_steps+1) on vLLM
-  0.33 and ZMQ's default elsewhere (§1.3).
-- Data parallelism (§1.5): rank R publishes on the endpoint's port + R (inproc: `_dp<R>`
-  suffix; ipc only on TRT-LLM) and writes R into every batch.
+  0.33 and ZMQ's default elsewhere (docs/wire-formats.md#publisher-configuration).
+- Data parallelism (docs/wire-formats.md#data-parallel-endpoints): rank R publishes on the endpoint's
+  port + R (inproc: `_dp<R>` suffix; ipc only on TRT-LLM) and writes R into every batch.
 
 Fault hooks (`inject_faults`, for end-to-end tests): drop the next N batches on the PUB socket
 (their seqs are used and they stay replayable: a real gap), or restart (seq back to 0, replay
@@ -50,7 +50,8 @@ log = logging.getLogger("kvroute.sim_engine.kv_publisher")
 END_SEQ = b"\xff" * 8  # (-1).to_bytes(8, "big", signed=True)
 REPLAY_FRAMINGS = ("new", "old")
 
-# KVEventsConfig keys and defaults (spec §2.10; SGLang §4 the same keys, publisher "null" by default).
+# KVEventsConfig keys and defaults (docs/wire-formats.md#publisher-configuration; SGLang: the same keys, publisher "null"
+# by default).
 CONFIG_DEFAULTS: dict[str, Any] = {
     "enable_kv_cache_events": False, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": None,
     "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000, "topic": "",
@@ -71,7 +72,7 @@ def publisher_binds(endpoint: str, dialect: Dialect, config: dict[str, Any]) -> 
 
 
 def offset_endpoint_port(endpoint: str | None, rank: int, dialect: Dialect) -> str | None:
-    """The endpoint data-parallel rank `rank` uses (§1.5)."""
+    """The endpoint data-parallel rank `rank` uses (docs/wire-formats.md#data-parallel-endpoints)."""
     if endpoint is None or rank == 0:
         return endpoint
     if "inproc" in endpoint:

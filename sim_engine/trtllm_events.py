@@ -1,4 +1,5 @@
-"""TensorRT-LLM's pull path for KV-cache events: `POST /kv_cache_events` drains a JSON array (spec §5.1, §5.2).
+"""TensorRT-LLM's pull path for KV-cache events: `POST /kv_cache_events` drains a JSON array
+(docs/wire-formats.md#tensorrt-llm-pull-path-json).
 
 The queue stands in for TRT-LLM's KV-cache event manager behind trtllm-serve. Each event is
 `{"event_id", "data", "window_size"}` (+ `"attention_dp_rank"` when the engine has one, +

@@ -3,20 +3,22 @@
 Our own msgspec replicas of the published schemas: for each dialect the BlockStored /
 BlockRemoved / AllBlocksCleared structs are built from its field list (`Dialect`), as tagged
 arrays or tagged maps (`"type"` = class name). Map structs with omit_defaults leave out fields
-at their default (None) while fields declared without one are always written (spec §2.1); a
-tagged array always has every field. The batch is positional: `[ts, events, rank]`, or vLLM
-0.9.0's `[ts, events]` (SGLang names the rank `attn_dp_rank`; being positional, the bytes are the same).
+at their default (None) while fields declared without one are always written
+(docs/wire-formats.md#msgspec-encoding-rules); a tagged array always has every field. The batch is
+positional: `[ts, events, rank]`, or vLLM 0.9.0's `[ts, events]` (SGLang names the rank `attn_dp_rank`;
+being positional, the bytes are the same).
 
 Values per field (what this engine knows to put there):
-- `lora_id`: the adapter's int id (vLLM, TRT-LLM); always nil on SGLang (§4.1).
+- `lora_id`: the adapter's int id (vLLM, TRT-LLM); always nil on SGLang (docs/wire-formats.md#sglang-events-per-version).
 - `lora_name`: the adapter's name where the dialect carries it by name (vLLM >= 0.14, SGLang >= 0.5.22).
 - `extra_keys` (vLLM >= 0.17): per block the untagged tuple (LoRA name, cache salt on the
-  request's first block), nil for a block with neither, nil overall when no block has any (§3.4).
+  request's first block), nil for a block with neither, nil overall when no block has any
+  (docs/wire-formats.md#vllm-extra-keys-lora-and-cache-salt).
 - `cache_salt` (SGLang maps); `group_idx` 0 and `kv_cache_spec_kind` "full_attention" (one
   full-attention KV group); `locality` "LOCAL" on CPU-tier events (the offload tier is on this
   node; GPU block-pool events leave it out); `mm_keys` one empty list per block (text only).
 SGLang coalesces: consecutive stores whose parent is the previous store's last block become one
-event (§4.1).
+event (docs/wire-formats.md#sglang-events-per-version).
 """
 
 from __future__ import annotations

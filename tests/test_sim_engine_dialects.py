@@ -1,5 +1,6 @@
-"""Every ZMQ dialect's bytes, read back with a generic msgpack decode and checked against the wire spec's
-positions and keys (§2.2-§2.7 vLLM, §4.1 SGLang, §5.4 TRT-LLM), and the hash form each engine publishes."""
+"""Every ZMQ dialect's bytes, read back with a generic msgpack decode and checked against the documented
+positions and keys (docs/wire-formats.md#vllm-event-fields, docs/wire-formats.md#sglang-events-per-version,
+docs/wire-formats.md#tensorrt-llm-streaming-publisher), and the hash form each engine publishes."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ H1, H2, H3 = 11, 12, 13
 BATCH = [StoredEvent([H1, H2], None, [1, 2, 3, 4], namespace=NS), StoredEvent([H3], H2, [5, 6], namespace=NS),
          RemovedEvent([H1]), ClearedEvent([H2, H3])]
 
-# Per dialect, from the spec's tables: batch length, the first BlockStored, the continuing one, BlockRemoved.
+# Per dialect, from the tables of docs/wire-formats.md: batch length, the first BlockStored, the continuing one,
+# BlockRemoved.
 # `None` in a map means the key is present with nil; a key that is absent is omitted on the wire.
 EXPECTED = {
     "vllm-0.9.0": (2, ["BlockStored", [H1, H2], None, [1, 2, 3, 4], 2, 1],
@@ -31,7 +33,8 @@ EXPECTED = {
                     ["BlockStored", [H3], H2, [5, 6], 2, 1, "GPU"], ["BlockRemoved", [H1], "GPU"]),
     "vllm-0.14": (3, ["BlockStored", [H1, H2], None, [1, 2, 3, 4], 2, 1, "GPU", "sql"],
                   ["BlockStored", [H3], H2, [5, 6], 2, 1, "GPU", "sql"], ["BlockRemoved", [H1], "GPU"]),
-    # extra_keys: per block (LoRA name, salt on the request's first block) (§3.4)
+    # extra_keys: per block (LoRA name, salt on the request's first block)
+    # (docs/wire-formats.md#vllm-extra-keys-lora-and-cache-salt)
     "vllm-0.17": (3, ["BlockStored", [H1, H2], None, [1, 2, 3, 4], 2, 1, "GPU", "sql", [["sql", "s"], ["sql"]]],
                   ["BlockStored", [H3], H2, [5, 6], 2, 1, "GPU", "sql", [["sql"]]], ["BlockRemoved", [H1], "GPU"]),
     "vllm-0.20": (3, ["BlockStored", [H1, H2], None, [1, 2, 3, 4], 2, 1, "GPU", "sql", [["sql", "s"], ["sql"]], 0],
@@ -80,7 +83,7 @@ def test_batch_and_event_positions_or_keys(dialect: str) -> None:
     raw = MsgpackEventEncoder(get_dialect(dialect), block_size=2).encode(BATCH, ts=1.5)
     batch = msgspec.msgpack.decode(raw)
     assert isinstance(batch, list) and len(batch) == length and batch[0] == 1.5
-    assert raw[:10] == bytes([0x90 + length]) + b"\xcb\x3f\xf8" + bytes(6)  # fixarray, float64 ts (§2.7)
+    assert raw[:10] == bytes([0x90 + length]) + b"\xcb\x3f\xf8" + bytes(6)  # fixarray, float64 ts
     if length == 3:
         assert batch[2] == 0
     events = batch[1]
@@ -93,7 +96,8 @@ def test_batch_and_event_positions_or_keys(dialect: str) -> None:
 
 
 def test_map_header_size_tracks_the_number_of_declared_fields() -> None:
-    """msgspec writes map16 once a struct could have more than 15 keys: vLLM 0.33's BlockStored (§2.7)."""
+    """msgspec writes map16 once a struct could have more than 15 keys: vLLM 0.33's BlockStored
+    (docs/wire-formats.md#msgspec-encoding-rules)."""
     stored = [StoredEvent([H1], None, [1, 2])]
     old = MsgpackEventEncoder(get_dialect("vllm-0.24"), 2).encode(stored, ts=1.5)
     new = MsgpackEventEncoder(get_dialect("vllm-0.33"), 2).encode(stored, ts=1.5)
@@ -204,5 +208,5 @@ def test_sglang_hashes_on_the_wire() -> None:
 def test_trtllm_zmq_sends_v1_block_keys_as_signed_int64() -> None:
     raw, _ = published("trtllm-zmq", ONE_TO_16 + ONE_TO_16)
     first, second = stored_hashes(raw)
-    assert first == 6052439777046529588  # the spec's vector (positive either way)
+    assert first == 6052439777046529588  # the vector of docs/wire-formats.md#tensorrt-llm-block-hashes (positive either way)
     assert -(2**63) <= second < 2**63 and second != first

@@ -1,4 +1,5 @@
-"""Engine block hashes against the wire spec's test vectors (§4.2 SGLang, §5.3 TRT-LLM) and the labeler's keys."""
+"""Engine block hashes against the test vectors of docs/wire-formats.md#sglang-block-hashes and
+docs/wire-formats.md#tensorrt-llm-block-hashes, and the labeler's keys."""
 
 from __future__ import annotations
 

@@ -333,7 +333,7 @@ async def test_trtllm_pull_events(start) -> None:
     data = stored["data"]
     assert data["type"] == "stored" and data["parent_hash"] is None and len(data["blocks"]) == 2
     first, second = data["blocks"]
-    assert first["block_hash"] == 6052439777046529588  # the spec's v1_block_key vector (tokens 1..16, parent 0)
+    assert first["block_hash"] == 6052439777046529588  # the v1_block_key vector of docs/wire-formats.md#tensorrt-llm-block-hashes
     assert first["tokens"][:2] == [{"type": "unique_token", "token_id": 1, "token_extra_id": 0},
                                    {"type": "unique_token", "token_id": 2, "token_extra_id": 0}]
     assert len(second["tokens"]) == 16 and first["cache_level"] == 0 and first["priority"] == 35

@@ -1,4 +1,4 @@
-"""The sim engine's KV-event transport (wire spec §1) over real ZMQ sockets, per dialect: bind rules,
+"""The sim engine's KV-event transport (docs/wire-formats.md#zmq-transport) over real ZMQ sockets, per dialect: bind rules,
 config defaults, data-parallel offsets, replay framings and the fault hooks. Payload shapes are in
 test_sim_engine_dialects.py."""
 
@@ -45,7 +45,8 @@ def open_publisher(dialect: str, config: str) -> KvEventPublisher | None:
 
 def test_publisher_defaults_per_engine_version() -> None:
     enable_only = '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:*"}'
-    # vLLM <= 0.11 and SGLang default to the null publisher; vLLM >= 0.12 to zmq once enabled (§2.10, §4).
+    # vLLM <= 0.11 and SGLang default to the null publisher; vLLM >= 0.12 to zmq once enabled
+    # (docs/wire-formats.md#publisher-configuration).
     assert open_publisher("vllm-0.10.2", enable_only) is None and open_publisher("sglang-0.5.9", enable_only) is None
     assert open_publisher("vllm-0.14", enable_only) is not None
     zmq_only = '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*"}'

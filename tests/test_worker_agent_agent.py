@@ -81,8 +81,8 @@ def _bind(ctx: zmq.asyncio.Context, kind: int, port: int) -> tuple[zmq.asyncio.S
 
 class FakeEngine:
     """vLLM's outside: OpenAI HTTP (/v1/models with LoRA adapters, /version, /metrics) and, per data-parallel
-    rank, a KV-event publisher. With several ranks they sit on consecutive ports (spec §1.5): live
-    base..base+n-1, replay base+n..base+2n-1."""
+    rank, a KV-event publisher. With several ranks they sit on consecutive ports
+    (docs/wire-formats.md#data-parallel-endpoints): live base..base+n-1, replay base+n..base+2n-1."""
 
     def __init__(self, ranks: int = 1) -> None:
         self.ctx = zmq.asyncio.Context()

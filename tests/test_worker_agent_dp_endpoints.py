@@ -1,4 +1,4 @@
-"""Data-parallel port offsets (wire spec §1.5)."""
+"""Data-parallel port offsets (docs/wire-formats.md#data-parallel-endpoints)."""
 
 from __future__ import annotations
 

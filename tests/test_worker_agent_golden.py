@@ -88,12 +88,14 @@ def test_trtllm_json_fixture_converts_to_the_expected_actions(path: Path) -> Non
 def test_a_fixture_per_spec_version_row() -> None:
     names = {p.stem for p in BIN} | {p.stem for p in JSON}
     vllm_rows = ["0.9.0", "0.9.1", "0.10.2", "0.14", "0.17", "0.20", "0.22", "0.24", "0.26", "0.29", "0.30", "0.33"]
-    sglang_rows = ["0.4.7", "0.5.5", "0.5.13", "0.5.20", "0.5.22", "0.5.23-eagle-bigram"]  # one per §4.1 row, + EAGLE
+    # SGLang: one per row of docs/wire-formats.md#sglang-events-per-version, + EAGLE
+    sglang_rows = ["0.4.7", "0.5.5", "0.5.13", "0.5.20", "0.5.22", "0.5.23-eagle-bigram"]
     assert {f"vllm-{v}" for v in vllm_rows} <= names and {f"sglang-{v}" for v in sglang_rows} <= names
     assert {"trtllm-stream-1.4", "trtllm-json-classic", "trtllm-json-v2-dp"} <= names
 
 
-# Array-era element counts including the tag (spec §2.6, §4.1): the replicas must match them.
+# Array-era element counts including the tag (docs/wire-formats.md#vllm-array-and-map-eras,
+# docs/wire-formats.md#sglang-events-per-version): the replicas must match them.
 ARRAY_LENGTHS = {"vllm-0.9.0": (6, 2), "vllm-0.9.1": (6, 2), "vllm-0.10.2": (7, 3), "vllm-0.10.2-bytes-hashes": (7, 3),
                  "vllm-0.14": (8, None), "vllm-0.17": (9, None), "vllm-0.20": (10, 4), "vllm-0.22": (12, 4),
                  "sglang-0.4.7": (6, 2), "sglang-0.5.5": (6, 2), "sglang-0.5.13": (7, 3)}
@@ -127,7 +129,8 @@ def test_generator_reproduces_the_committed_fixtures() -> None:
 
 
 def test_replicas_reproduce_the_spec_example_bytes() -> None:
-    """Spec §2.7 byte examples, rebuilt from the replicas: checks the replicas, not the decoder."""
+    """The byte examples of docs/wire-formats.md#vllm-example-bytes, rebuilt from the replicas: checks the
+    replicas, not the decoder."""
     gen = generator()
     s090 = gen.vllm_schema("0.9.0")
     assert s090.payload([s090.stored([-2, 3], None, [1, 2, 3, 4], 2, None)], rank=None) == bytes.fromhex(

@@ -1,5 +1,5 @@
-"""SGLang's KV-event dialect (wire spec §4): its own positions, bigram tokens, tolerance. The version
-rows themselves are golden fixtures (test_worker_agent_golden.py)."""
+"""SGLang's KV-event dialect (docs/wire-formats.md#sglang-events-per-version): its own positions, bigram
+tokens, tolerance. The version rows themselves are golden fixtures (test_worker_agent_golden.py)."""
 
 from __future__ import annotations
 

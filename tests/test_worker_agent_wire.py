@@ -1,5 +1,6 @@
-"""vLLM KV-event decoding: golden bytes from the wire spec (§2.7) and payloads encoded with our own
-replicas of every era's schema (§2.2-2.6, field names/order/options copied as data, no vLLM code)."""
+"""vLLM KV-event decoding: golden bytes (docs/wire-formats.md#vllm-example-bytes) and payloads encoded with our own
+replicas of every era's schema (docs/wire-formats.md#vllm-event-fields, field names/order/options copied as data, no vLLM
+code)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def fixstr(s: str) -> bytes:  # msgpack fixstr, written out by hand
     return bytes([0xA0 | len(s)]) + s.encode()
 
 
-# ----------------------------------------------------------------------------- golden bytes (spec §2.7)
+# ----------------------------------------------------------------------------- golden bytes
+# (docs/wire-formats.md#vllm-example-bytes)
 
 
 def test_golden_vllm_0_9_0_two_element_batch() -> None:
@@ -91,7 +93,7 @@ def _fields(*names: str) -> list[tuple]:
 
 
 STORED_V = ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id"]   # 0.9.0
-STORED_ROWS = {  # spec §2.6: array-era element count (incl. tag) -> fields
+STORED_ROWS = {  # docs/wire-formats.md#vllm-array-and-map-eras: array-era element count (incl. tag) -> fields
     6: STORED_V,
     7: STORED_V + ["medium"],                                                               # 0.10.2-0.13
     8: STORED_V + ["medium", "lora_name"],                                                  # 0.14-0.16

@@ -408,7 +408,7 @@ async def test_malformed_replay_messages_are_counted(ctx) -> None:
 
 
 async def test_bind_mode_for_a_connecting_vllm(ctx) -> None:
-    # vLLM connects its PUB when the endpoint has no '*' (spec §1.1): the agent's SUB binds.
+    # vLLM connects its PUB when the endpoint has no '*' (docs/wire-formats.md#sockets-and-bind-rules): the agent's SUB binds.
     agent = Agent(ctx, "tcp://127.0.0.1:0", None, bind=True, topic="kv@w1")
     await agent.source.ready.wait()
     assert agent.source.bound_endpoint and agent.source.bound_endpoint != "tcp://127.0.0.1:0"

@@ -45,7 +45,8 @@ log = logging.getLogger("kvroute.agent.resolver")
 PREFIX_KINDS = frozenset({"full_attention", "mla_attention"})
 GPU, CPU, DISK = "gpu", "cpu", "disk"
 TIERS = (GPU, CPU, DISK)
-# Engine medium names (lower-cased, wire spec §2.3, §4.1) -> tier.
+# Engine medium names, lower-cased (docs/wire-formats.md#vllm-medium-locality-and-kv-groups,
+# docs/wire-formats.md#sglang-events-per-version) -> tier.
 MEDIUM_TIERS = {"gpu": GPU, "cpu": CPU, "cpu_pinned": CPU, "storage": DISK, "disk": DISK, "fs": DISK, "obj": DISK,
                 "external": DISK}
 _UNKEYED = -1  # _parent_key: the parent is held but has no key (kvroute keys are u64, never negative)

@@ -1,4 +1,4 @@
-"""Where each data-parallel rank of an engine publishes its KV events (wire spec §1.5).
+"""Where each data-parallel rank of an engine publishes its KV events (docs/wire-formats.md#data-parallel-endpoints).
 
 Every rank runs its own publisher (its own sequence counter and replay buffer) on the base
 endpoint offset by its global rank: `tcp://host:P` -> `tcp://host:P+rank`, `inproc://x` ->
@@ -40,8 +40,8 @@ def rank_endpoints(endpoint: str, ranks: list[int], engine: str) -> list[str]:
 
 
 def check_no_overlap(live: list[str], replay: list[str]) -> None:
-    """A rank's replay endpoint must not be another rank's live endpoint (spec §2.10: keep the replay
-    base port at least the DP size away from the live one)."""
+    """A rank's replay endpoint must not be another rank's live endpoint: keep the replay base port at least
+    the DP size away from the live one (docs/wire-formats.md#data-parallel-endpoints)."""
     clash = sorted(set(live) & set(replay))
     if clash:
         raise ValueError(f"replay endpoints overlap KV event endpoints ({', '.join(clash)}): with data parallelism "

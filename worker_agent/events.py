@@ -70,7 +70,7 @@ class DecodedBatch(msgspec.Struct, gc=False):
 
 def normalize_hash(value: int | bytes | str) -> int:
     """An engine block hash as u64: signed/unsigned ints -> `h & (2**64 - 1)`; bytes -> last 8 bytes
-    big-endian unsigned (the number vLLM's default int form carries, wire spec §2.8); a hex string
+    big-endian unsigned (the number vLLM's default int form carries, docs/wire-formats.md#vllm-block-hashes); a hex string
     (TRT-LLM v2_sha256 JSON) -> its last 16 hex digits. Hashes are only per-worker ids, so 64 bits suffice."""
     if type(value) is int:
         return value & U64
@@ -109,5 +109,6 @@ def normalize_medium(value: str | None) -> str:
 
 
 def is_remote(locality: str | None) -> bool:
-    """vLLM 0.26+ `locality`: only LOCAL (or absent) blocks are this publisher's (spec §2.3)."""
+    """vLLM 0.26+ `locality`: only LOCAL (or absent) blocks are this publisher's
+    (docs/wire-formats.md#vllm-medium-locality-and-kv-groups)."""
     return locality is not None and locality.upper() != "LOCAL"

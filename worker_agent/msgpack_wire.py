@@ -1,6 +1,7 @@
-"""What vLLM, SGLang and TensorRT-LLM's streaming publisher share on the wire (spec §1.2, §2.1):
-three ZMQ frames (topic, 8-byte big-endian unsigned sequence, msgpack batch), a batch that is a
-positional array `[ts, events(, rank)]`, and events that are tagged arrays or tagged maps.
+"""What vLLM, SGLang and TensorRT-LLM's streaming publisher share on the wire (docs/wire-formats.md#live-message-frames,
+docs/wire-formats.md#msgspec-encoding-rules): three ZMQ frames (topic, 8-byte big-endian unsigned sequence, msgpack
+batch), a batch that is a positional array `[ts, events(, rank)]`, and events that are tagged arrays or
+tagged maps.
 
 `BatchDecoder` is the decoding strategy every dialect uses: one typed msgspec decode of the whole
 batch (the fast path, one C call per batch; the era that decoded last is tried first); if any

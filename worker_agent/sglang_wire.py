@@ -1,4 +1,4 @@
-"""Decoder of SGLang's KV-event payload, 0.4.7 -> 0.5.23 (wire-format spec §4). Pure.
+"""Decoder of SGLang's KV-event payload, 0.4.7 -> 0.5.23 (docs/wire-formats.md#sglang). Pure.
 
 Same transport, replay and batch shape as vLLM (`[ts, events, attn_dp_rank]`), but SGLang's own
 field positions, NOT vLLM's:

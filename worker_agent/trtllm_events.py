@@ -1,4 +1,4 @@
-"""TensorRT-LLM's pull-path KV events (`POST /kv_cache_events` on trtllm-serve, wire spec §5.1-5.2)
+"""TensorRT-LLM's pull-path KV events (`POST /kv_cache_events` on trtllm-serve, docs/wire-formats.md#tensorrt-llm-pull-path-json)
 -> engine-neutral events, per attention-DP rank. Pure: `TrtllmEventConverter.feed(body)` takes one
 response body and returns what to do, in order.
 

@@ -1,4 +1,5 @@
-"""TensorRT-LLM pull path: `POST /kv_cache_events` on trtllm-serve every interval (wire spec §5.2).
+"""TensorRT-LLM pull path: `POST /kv_cache_events` on trtllm-serve every interval
+(docs/wire-formats.md#tensorrt-llm-pull-path).
 
 The endpoint drains the engine's event queue, so exactly one poller may run per server (a second
 one would steal events and both would see gaps). Each body goes through `TrtllmEventConverter`;

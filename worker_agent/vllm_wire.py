@@ -1,21 +1,25 @@
-"""Decoder of vLLM's KV-event payload, every era 0.9.0 -> 0.33 (wire-format spec §2), and of
-TensorRT-LLM's 2026 streaming ZMQ publisher, which sends the same vLLM map-era shape (§5.4). Pure.
+"""Decoder of vLLM's KV-event payload, every era 0.9.0 -> 0.33 (docs/wire-formats.md#vllm), and of
+TensorRT-LLM's 2026 streaming ZMQ publisher, which sends the same vLLM map-era shape
+(docs/wire-formats.md#tensorrt-llm-streaming-publisher). Pure.
 
 The batch is a positional array `[ts, events]` (0.9.0) or `[ts, events, data_parallel_rank]`
-(0.9.1+); a map batch `{"ts", "events", "data_parallel_rank"}` is accepted defensively (§2.11).
-Events are tagged arrays `[tag, field, ...]` (0.9.0-0.23, fixed length per version: BlockStored
-6/7/8/9/10/12 elements, BlockRemoved 2/3/4) or tagged maps `{"type": tag, ...}` (0.24+; unknown
-keys ignored). Decoding strategy and errors: `msgpack_wire`.
+(0.9.1+); a map batch `{"ts", "events", "data_parallel_rank"}` is accepted defensively
+(docs/wire-formats.md#vllm-map-batch-snapshot). Events are tagged arrays `[tag, field, ...]`
+(0.9.0-0.23, fixed length per version: BlockStored 6/7/8/9/10/12 elements, BlockRemoved 2/3/4) or
+tagged maps `{"type": tag, ...}` (0.24+) (docs/wire-formats.md#vllm-array-and-map-eras). Map keys and
+trailing array elements this decoder does not declare (a newer release's) are not ignored: they are
+stripped and counted (`DecodedBatch.unknown_fields`), and the event applies. Decoding strategy and
+errors: `msgpack_wire`.
 
 What the engine-neutral event gets beyond the plain fields:
-- `extra_keys` (0.17+, one entry per block, spec §3.4): the LoRA name, multimodal identifiers,
-  the cache salt (first block of a prompt only) and a prompt-embeds digest, untagged. The salt
-  is the last string of block 0 that is not the LoRA name; any other non-LoRA entry (an
-  `[id, offset]` pair, bytes, a string past block 0) marks multimodal or embedded content, which
-  a text router cannot match: `unkeyable_from` = that block. vLLM 0.17-0.18 wrote multimodal ids
-  as bare strings too, so there a lone image id in block 0 is read as a salt: its blocks are then
-  keyed in a namespace no request uses (missed, never wrongly matched). Before 0.17 the salt is
-  not on the wire at all: salted prompts are keyed as unsalted.
+- `extra_keys` (0.17+, one entry per block, docs/wire-formats.md#vllm-extra-keys-lora-and-cache-salt):
+  the LoRA name, multimodal identifiers, the cache salt (first block of a prompt only) and a
+  prompt-embeds digest, untagged. The salt is the last string of block 0 that is not the LoRA name;
+  any other non-LoRA entry (an `[id, offset]` pair, bytes, a string past block 0) marks multimodal or
+  embedded content, which a text router cannot match: `unkeyable_from` = that block. vLLM 0.17-0.18
+  wrote multimodal ids as bare strings too, so there a lone image id in block 0 is read as a salt:
+  its blocks are then keyed in a namespace no request uses (missed, never wrongly matched). Before
+  0.17 the salt is not on the wire at all: salted prompts are keyed as unsalted.
 - `locality` (0.26+): anything but LOCAL -> `remote`.
 - TRT-LLM streaming: `mm_keys` (per block) -> `unkeyable_from`; token ids may be 64-hex strings
   (multimodal digests), which the resolver treats the same way.
@@ -68,8 +72,8 @@ _Hash = int | bytes
 
 
 class _StoredArray(msgspec.Struct, array_like=True, tag="BlockStored", forbid_unknown_fields=True, gc=False):
-    # Positions of spec §2.3. Missing trailing fields (older versions) take the defaults;
-    # extra trailing elements (newer versions) are ignored by msgspec.
+    # Positions of docs/wire-formats.md#vllm-event-fields. Missing trailing fields (older versions) take the defaults;
+    # extra trailing elements (a newer version) fail this struct and are then stripped and counted (msgpack_wire).
     block_hashes: list[_Hash]
     parent_block_hash: _Hash | None
     token_ids: list[int]
@@ -91,7 +95,8 @@ class _RemovedArray(msgspec.Struct, array_like=True, tag="BlockRemoved", forbid_
 
 
 class _StoredMap(msgspec.Struct, tag_field="type", tag="BlockStored", forbid_unknown_fields=True, gc=False):
-    # Every key of spec §2.3 / §5.4 (a key not here is counted as unknown); the last four are not needed.
+    # Every key of docs/wire-formats.md#vllm-event-fields and docs/wire-formats.md#tensorrt-llm-streaming-publisher
+    # (a key not here is stripped and counted as unknown); the last four are not needed.
     block_hashes: list[_Hash]
     parent_block_hash: _Hash | None     # always written by vLLM (no default): required
     token_ids: list[int | str]          # str: a TRT-LLM multimodal token digest
@@ -124,7 +129,8 @@ _MapEvent = _StoredMap | _RemovedMap | ClearedMap
 
 
 
-class _MapBatchRaw(msgspec.Struct, gc=False):  # a non-release vLLM snapshot encoded the batch as a map (§2.11)
+# A non-release vLLM snapshot encodes the batch as a map (docs/wire-formats.md#vllm-map-batch-snapshot).
+class _MapBatchRaw(msgspec.Struct, gc=False):
     ts: float
     events: list[msgspec.Raw]
     rank: Any = msgspec.field(default=None, name="data_parallel_rank")

@@ -1,8 +1,8 @@
 """Live KV events over ZMQ SUB, with sequence tracking and replay over a DEALER socket: the transport
-vLLM, SGLang and TensorRT-LLM's streaming publisher share (wire spec §1); the payload decoder is
-the engine's dialect (`vllm_wire` or `sglang_wire`).
+vLLM, SGLang and TensorRT-LLM's streaming publisher share (docs/wire-formats.md#zmq-transport); the
+payload decoder is the engine's dialect (`vllm_wire` or `sglang_wire`).
 
-Sequence rules (one publisher = one counter starting at 0, +1 per batch, wire spec §1.2):
+Sequence rules (one publisher = one counter starting at 0, +1 per batch, docs/wire-formats.md#sequence-numbers-and-loss):
 - the SUB's first connection to the publisher (its ZMTP handshake, seen on a socket monitor),
   and the first batch ever: if a replay endpoint is configured, replay from seq 0 to catch up
   what the ZMQ slow joiner missed. Asking at the handshake, not when the socket is created,
@@ -23,8 +23,9 @@ Sequence rules (one publisher = one counter starting at 0, +1 per batch, wire sp
 - seq <= last: the publisher restarted (its counter reset): `on_reset`, then replay from 0;
 - a live copy of a batch that a start-up replay already applied is dropped (same seq, same
   payload digest).
-Replies to a replay request come in either framing (§1.4: `[seq, payload]` from vLLM < 0.26 and
-SGLang < 0.5.22, `[topic, seq, payload]` after), told apart by frame count.
+Replies to a replay request come in either framing (docs/wire-formats.md#replay-reply-framings:
+`[seq, payload]` from vLLM < 0.26 and SGLang < 0.5.22, `[topic, seq, payload]` after), told apart by
+frame count.
 For one rank of a data-parallel engine, a batch naming another rank is counted (`rank_mismatches`)
 and not applied: its events describe another rank's cache.
 Frames that cannot be decoded are counted and logged (rate-limited) and never stop the loop.
