@@ -14,7 +14,7 @@ Semantics (shared by all implementations):
   first missing block, so a hole ends the match even if later keys are present.
 - speculate/unspeculate mark a worker as an unconfirmed holder of keys (a request was just sent
   there, its engine has not reported the blocks yet). Idempotent per (worker, key): who vouches
-  for a claim, and for how long, is the caller's business (control_plane.inflight). Speculative
+  for a claim, and for how long, is the caller's business (kvroute.control_plane.inflight). Speculative
   claims are not entries: worker_keys, counts, clear and match ignore them.
 - match_tiers(keys) is the same walk as match, but speculative claims also continue it; it says
   per worker how many matched blocks sit only on cpu, only on disk (a block on gpu and cpu counts

@@ -13,15 +13,15 @@ import sys
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "control-plane": ("control_plane.cli", "run the control plane (global prefix index + worker registry, gRPC)"),
-    "agent": ("worker_agent.cli", "run a worker agent: engine KV events -> control plane"),
-    "router": ("data_plane.cli", "run a stateless router (OpenAI-compatible HTTP + gRPC Route)"),
-    "sim-engine": ("sim_engine.cli", "run a GPU-free vLLM stand-in (OpenAI API, real vLLM KV events)"),
-    "tiny-model": ("sim_engine.tiny_model", "write the demo's tiny local model (tokenizer + config) for --tokenizer"),
-    "audit": ("kvroute.audit", "compare the control plane's block keys per worker with what each engine caches"),
-    "demo": ("kvroute.demo", "compare kv_aware with round_robin live: a local fleet per policy, all at once"),
-    "simulate": ("simulator.cli", "simulate a fleet on a trace or generated workload under several policies"),
-    "bench": ("bench.cli", "hot-path micro-benchmarks (ingest, decision, proxy) and the live workload bench (live)"),
+    "control-plane": ("kvroute.control_plane.cli", "run the control plane (global prefix index + worker registry, gRPC)"),
+    "agent": ("kvroute.worker_agent.cli", "run a worker agent: engine KV events -> control plane"),
+    "router": ("kvroute.data_plane.cli", "run a stateless router (OpenAI-compatible HTTP + gRPC Route)"),
+    "sim-engine": ("kvroute.tools.sim_engine.cli", "run a GPU-free vLLM stand-in (OpenAI API, real vLLM KV events)"),
+    "tiny-model": ("kvroute.tools.tiny_model", "write the demo's tiny local model (tokenizer + config) for --tokenizer"),
+    "audit": ("kvroute.control_plane.audit", "compare the control plane's block keys per worker with what each engine caches"),
+    "demo": ("kvroute.tools.demo", "compare kv_aware with round_robin live: a local fleet per policy, all at once"),
+    "simulate": ("kvroute.tools.simulator.cli", "simulate a fleet on a trace or generated workload under several policies"),
+    "bench": ("kvroute.tools.bench.cli", "hot-path micro-benchmarks (ingest, decision, proxy) and the live workload bench (live)"),
 }
 
 

@@ -11,8 +11,8 @@ from collections import Counter
 
 import pytest
 
-from data_plane.affinity_policies import ApproxTree, PrefixHashBoundedLoad, PromptTree, SessionAffinity
-from data_plane.policies import POLICIES, Candidate, RoutingInput, make_policy
+from kvroute.data_plane.affinity_policies import ApproxTree, PrefixHashBoundedLoad, PromptTree, SessionAffinity
+from kvroute.data_plane.policies import POLICIES, Candidate, RoutingInput, make_policy
 
 ALL_POLICIES = ("round_robin", "random", "least_loaded", "session", "chwbl", "approx_tree", "kv_aware")
 
@@ -261,15 +261,15 @@ def test_tree_evicts_leaves_before_the_prefix_they_hang_from() -> None:
 
 
 async def test_router_passes_tokens_and_session_key_to_the_policy() -> None:
-    from data_plane.load_tracker import LoadTracker
-    from data_plane.routing import Router
+    from kvroute.data_plane.load_tracker import LoadTracker
+    from kvroute.data_plane.routing import Router
     from kvroute.v1 import kvroute_pb2 as pb
 
     class Workers:  # a control plane that knows two workers and whose queries fail (fail open)
         reachable = False
 
         def workers_for(self, model, lora_name=""):
-            from data_plane.control_plane_client import KnownWorker
+            from kvroute.data_plane.control_plane_client import KnownWorker
             return [KnownWorker(w, model, f"http://{w}", 16, pb.WorkerLoad()) for w in ("a", "b")]
 
         async def query(self, model, chains, lora_name=""):
@@ -294,7 +294,7 @@ async def test_router_passes_tokens_and_session_key_to_the_policy() -> None:
 def test_http_session_key_is_the_header_then_the_openai_user() -> None:
     from aiohttp.test_utils import make_mocked_request
 
-    from data_plane.http_api import _session_key
+    from kvroute.data_plane.http_api import _session_key
 
     with_header = make_mocked_request("POST", "/v1/chat/completions", headers={"x-session-id": "s-1"})
     bare = make_mocked_request("POST", "/v1/chat/completions")
@@ -307,7 +307,7 @@ def test_http_session_key_is_the_header_then_the_openai_user() -> None:
 
 
 def test_hot_prefix_workload_puts_one_prompt_on_most_of_the_traffic() -> None:
-    from simulator.workloads import WORKLOAD_NAMES, GeneratedWorkload, generate
+    from kvroute.tools.simulator.workloads import WORKLOAD_NAMES, GeneratedWorkload, generate
 
     assert "hot-prefix" in WORKLOAD_NAMES
     workload = generate(GeneratedWorkload("hot-prefix", requests=1000, groups=8, seed=1))
@@ -327,9 +327,9 @@ def test_hot_prefix_workload_puts_one_prompt_on_most_of_the_traffic() -> None:
 
 
 def test_all_seven_policies_run_in_the_simulator_and_session_beats_round_robin_on_multi_turn() -> None:
-    from simulator.fleet import FleetConfig
-    from simulator.sweep import run_policies
-    from simulator.workloads import GeneratedWorkload, generate
+    from kvroute.tools.simulator.fleet import FleetConfig
+    from kvroute.tools.simulator.sweep import run_policies
+    from kvroute.tools.simulator.workloads import GeneratedWorkload, generate
 
     config = FleetConfig(workers=4, num_blocks=512, block_size=16, seed=2)
     for name in ("hot-prefix", "multi-turn"):

@@ -16,12 +16,12 @@ import pytest
 from aiohttp import web
 from test_control_plane_audit import FakeAgent, run_audit
 
-from kvroute import audit as audit_module
-from kvroute.audit import PROBE_BLOCKS, Prober, ProbeTarget, WorkerAudit, probe_target, prometheus_sums
-from kvroute.local_cluster import LocalCluster, free_port, http_get, http_post_json, wait_until
+from kvroute.control_plane import audit as audit_module
+from kvroute.control_plane.audit import PROBE_BLOCKS, Prober, ProbeTarget, WorkerAudit, probe_target, prometheus_sums
+from kvroute.tools.local_cluster import LocalCluster, free_port, http_get, http_post_json, wait_until
+from kvroute.tools.tiny_model import build_model_dir
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
-from sim_engine.tiny_model import build_model_dir
 
 BLOCK_SIZE = 16  # FakeAgent registers this block size
 PROBE_HIT = PROBE_BLOCKS * BLOCK_SIZE

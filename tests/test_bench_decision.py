@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.decision import run_decision
+from kvroute.tools.bench.decision import run_decision
 
 
 def test_decision_bench_runs_against_a_control_plane_with_requests_in_flight() -> None:
@@ -21,12 +21,12 @@ def test_grpc_echo_answers_every_message_on_one_stream() -> None:
     import subprocess
     import sys
 
-    from bench.grpc_echo import round_trips_ms
     from kvroute import aio
-    from kvroute.local_cluster import free_port
+    from kvroute.tools.bench.grpc_echo import round_trips_ms
+    from kvroute.tools.local_cluster import free_port
 
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "bench.grpc_echo", "--port", str(port), "--reply-bytes", "300"])
+    server = subprocess.Popen([sys.executable, "-m", "kvroute.tools.bench.grpc_echo", "--port", str(port), "--reply-bytes", "300"])
     try:
         samples = aio.run_value(round_trips_ms(f"127.0.0.1:{port}", 4000, iterations=20, warmup=2))
     finally:
@@ -36,7 +36,7 @@ def test_grpc_echo_answers_every_message_on_one_stream() -> None:
 
 
 def test_answer_bench_times_the_answer_the_serving_path_gives() -> None:
-    from bench.answer import build, run_answer
+    from kvroute.tools.bench.answer import build, run_answer
     from kvroute.v1 import kvroute_pb2 as pb
 
     answer, query_bytes = build(workers=6, prompt_blocks=32, other_blocks=10, inflight_requests=12, block_size=16, seed=1)

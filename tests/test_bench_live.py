@@ -9,9 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.live import FIRST_PLAIN_TOKEN, map_token_ids, pairwise_agree
 from kvroute.block_keys import prompt_block_keys
-from simulator.workloads import GeneratedWorkload, generate
+from kvroute.tools.bench.live import FIRST_PLAIN_TOKEN, map_token_ids, pairwise_agree
+from kvroute.tools.simulator.workloads import GeneratedWorkload, generate
 
 
 def sharing_preserved(workload_name: str, vocab_size: int, block_size: int = 16) -> bool:
@@ -48,7 +48,7 @@ def test_folding_keeps_the_block_sharing_structure() -> None:
 
 
 def test_sessions_reach_the_router_and_the_closed_loop_simulation() -> None:
-    from bench.live import LiveRun, request_bodies, sim_workload
+    from kvroute.tools.bench.live import LiveRun, request_bodies, sim_workload
 
     workload = generate(GeneratedWorkload("multi-turn", requests=12, rate_rps=5, seed=1))
     assert any(r.session for r in workload)

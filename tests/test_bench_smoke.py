@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from bench.ingest import run_ingest
+from kvroute.tools.bench.ingest import run_ingest
 
 
 def test_ingest_counts_every_block_event() -> None:

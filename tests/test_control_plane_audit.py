@@ -9,11 +9,11 @@ import json
 import grpc
 import pytest
 
-from kvroute.audit import TierDivergence, compare, settle
-from kvroute.local_cluster import LocalCluster, free_port, http_get, http_post_json, kvroute_argv, wait_until
+from kvroute.control_plane.audit import TierDivergence, compare, settle
+from kvroute.tools.local_cluster import LocalCluster, free_port, http_get, http_post_json, kvroute_argv, wait_until
+from kvroute.tools.tiny_model import build_model_dir
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
-from sim_engine.tiny_model import build_model_dir
 
 
 def test_compare_reports_missing_and_extra_per_tier() -> None:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from control_plane.index import TIERS, BitmaskPrefixIndex, PrefixIndex, SetPrefixIndex, Tier, TierMatch, tier_of_medium
+from kvroute.control_plane.index import TIERS, BitmaskPrefixIndex, PrefixIndex, SetPrefixIndex, Tier, TierMatch, tier_of_medium
 
 IMPLEMENTATIONS = [BitmaskPrefixIndex, SetPrefixIndex]
 GPU, CPU, DISK = Tier.GPU, Tier.CPU, Tier.DISK

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from control_plane.index import BitmaskPrefixIndex, SetPrefixIndex, TierMatch
-from control_plane.inflight import DuplicateReservation, InflightTracker
+from kvroute.control_plane.index import BitmaskPrefixIndex, SetPrefixIndex, TierMatch
+from kvroute.control_plane.inflight import DuplicateReservation, InflightTracker
 
 
 class ManualClock:

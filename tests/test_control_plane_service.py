@@ -8,8 +8,8 @@ import asyncio
 import grpc
 import pytest
 
-from control_plane.server import ControlPlaneConfig, ControlPlaneServer
 from kvroute.block_keys import prompt_block_keys
+from kvroute.control_plane.server import ControlPlaneConfig, ControlPlaneServer
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 

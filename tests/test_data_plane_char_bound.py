@@ -11,9 +11,9 @@ import unicodedata
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
-from data_plane.char_bound import CANONICAL_DECOMPOSITION_MAX, char_bound
-from data_plane.tokenization import PromptTokenizer, PromptTooLong, load_tokenizer
-from sim_engine.tiny_model import CHAT_TEMPLATE, build_model_dir
+from kvroute.data_plane.char_bound import CANONICAL_DECOMPOSITION_MAX, char_bound
+from kvroute.data_plane.tokenization import PromptTokenizer, PromptTooLong, load_tokenizer
+from kvroute.tools.tiny_model import CHAT_TEMPLATE, build_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -19,18 +19,18 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from data_plane.control_plane_client import ControlPlaneClient
-from data_plane.grpc_api import RouterGrpcService, add_router_service
-from data_plane.http_api import RouterHttpApi
-from data_plane.load_tracker import LoadTracker
-from data_plane.policies import make_policy
-from data_plane.routing import Router
-from data_plane.tokenization import PromptTokenizer, load_tokenizer
 from kvroute.block_keys import prompt_block_keys
-from kvroute.local_cluster import free_port
+from kvroute.data_plane.control_plane_client import ControlPlaneClient
+from kvroute.data_plane.grpc_api import RouterGrpcService, add_router_service
+from kvroute.data_plane.http_api import RouterHttpApi
+from kvroute.data_plane.load_tracker import LoadTracker
+from kvroute.data_plane.policies import make_policy
+from kvroute.data_plane.routing import Router
+from kvroute.data_plane.tokenization import PromptTokenizer, load_tokenizer
+from kvroute.tools.local_cluster import free_port
+from kvroute.tools.tiny_model import build_model_dir
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
-from sim_engine.tiny_model import build_model_dir
 
 MODEL = "tiny"
 PROMPT = " ".join(["the cache router sends each prompt to the worker that holds its prefix"] * 8)
@@ -205,7 +205,7 @@ async def make_stack(model_dir, *, policy: str = "kv_aware", with_cp: bool = Tru
     tokenizer = load_tokenizer(model_dir)
     router = Router(client, make_policy(policy, seed=0), LoadTracker())
     http = RouterHttpApi(router, tokenizer, MODEL, max_prompt_tokens)
-    runner = web.AppRunner(http.app(), handler_cancellation=True)  # as data_plane.cli runs it
+    runner = web.AppRunner(http.app(), handler_cancellation=True)  # as kvroute.data_plane.cli runs it
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

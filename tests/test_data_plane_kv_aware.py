@@ -8,10 +8,10 @@ from collections import Counter
 
 import pytest
 
-from bench.burst import burst_decisions
-from data_plane.load_tracker import LoadTracker
-from data_plane.policies import Candidate, KvAware, KvAwareParams, RoutingInput, make_policy
 from kvroute.block_keys import prompt_block_keys
+from kvroute.data_plane.load_tracker import LoadTracker
+from kvroute.data_plane.policies import Candidate, KvAware, KvAwareParams, RoutingInput, make_policy
+from kvroute.tools.bench.burst import burst_decisions
 
 BS = 16
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from data_plane.token_cache import SegmentTokenCache, safe_boundary_tokens
-from data_plane.tokenization import load_tokenizer
-from sim_engine.tiny_model import build_model_dir
+from kvroute.data_plane.token_cache import SegmentTokenCache, safe_boundary_tokens
+from kvroute.data_plane.tokenization import load_tokenizer
+from kvroute.tools.tiny_model import build_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
-from data_plane.tokenization import TokenizationError, load_tokenizer
-from sim_engine.tiny_model import build_model_dir
+from kvroute.data_plane.tokenization import TokenizationError, load_tokenizer
+from kvroute.tools.tiny_model import build_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_missing_tokenizer_is_clear(tmp_path) -> None:
 def test_encode_prompt_is_hf_encode_and_chat_adds_no_special_tokens(model_dir) -> None:
     from tokenizers.processors import TemplateProcessing
 
-    from data_plane.tokenization import PromptTokenizer
+    from kvroute.data_plane.tokenization import PromptTokenizer
 
     raw = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     bos = raw.token_to_id("<s>")
@@ -55,7 +55,7 @@ def test_encode_prompt_is_hf_encode_and_chat_adds_no_special_tokens(model_dir) -
 
 
 def test_template_environment_matches_hf(model_dir) -> None:
-    from data_plane.tokenization import PromptTokenizer
+    from kvroute.data_plane.tokenization import PromptTokenizer
 
     raw = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     template = (

@@ -8,10 +8,10 @@ import asyncio
 import grpc
 from aiohttp import web
 
-from kvroute.local_cluster import LocalCluster, free_port
+from kvroute.tools.local_cluster import LocalCluster, free_port
+from kvroute.tools.tiny_model import build_model_dir
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
-from sim_engine.tiny_model import build_model_dir
 
 
 async def test_traceparent_reaches_backend_and_grpc_route_fails_open(tmp_path) -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.demo import machine_line
-from kvroute.disturbance import CpuSnapshot, Disturbance, DisturbanceMonitor, read_snapshot
+from kvroute.tools.demo import machine_line
+from kvroute.tools.disturbance import CpuSnapshot, Disturbance, DisturbanceMonitor, read_snapshot
 
 SHORT = ("--engines", "2", "--conversations", "6", "--turns", "2", "--system-prompts", "2",
          "--system-prompt-words", "200", "--arrival-rate", "20", "--think-time", "0.05")

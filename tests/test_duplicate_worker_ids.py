@@ -11,13 +11,13 @@ import time
 
 import pytest
 
-from control_plane.server import ControlPlaneConfig, ControlPlaneServer
-from kvroute.local_cluster import LocalCluster, http_get, http_post_json, long_text, wait_until
+from kvroute.control_plane.server import ControlPlaneConfig, ControlPlaneServer
+from kvroute.tools.local_cluster import LocalCluster, http_get, http_post_json, long_text, wait_until
+from kvroute.tools.tiny_model import build_model_dir
 from kvroute.v1 import kvroute_pb2 as pb
-from sim_engine.tiny_model import build_model_dir
-from worker_agent.block_resolver import BlockResolver
-from worker_agent.control_plane_client import ControlPlaneLink, WorkerIdentity
-from worker_agent.vllm_wire import BlockStored
+from kvroute.worker_agent.block_resolver import BlockResolver
+from kvroute.worker_agent.control_plane_client import ControlPlaneLink, WorkerIdentity
+from kvroute.worker_agent.vllm_wire import BlockStored
 
 MODEL = "tiny"
 

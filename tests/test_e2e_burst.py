@@ -13,9 +13,9 @@ from collections import Counter
 
 import pytest
 
-from bench.burst import BURST_REQUESTS, burst_prompts, reference_workers, send_burst
-from kvroute.local_cluster import LocalCluster
-from sim_engine.tiny_model import build_model_dir
+from kvroute.tools.bench.burst import BURST_REQUESTS, burst_prompts, reference_workers, send_burst
+from kvroute.tools.local_cluster import LocalCluster
+from kvroute.tools.tiny_model import build_model_dir
 
 WORKERS = 8
 

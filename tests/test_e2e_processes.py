@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from kvroute.local_cluster import LocalCluster, http_post_json, long_text, wait_until
-from sim_engine.tiny_model import build_model_dir
+from kvroute.tools.local_cluster import LocalCluster, http_post_json, long_text, wait_until
+from kvroute.tools.tiny_model import build_model_dir
 
 
 @pytest.fixture(scope="module")

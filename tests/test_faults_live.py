@@ -22,8 +22,8 @@ import time
 
 import pytest
 
-from kvroute.local_cluster import EngineHandle, LocalCluster, http_ok, http_post_json, long_text, wait_until
-from sim_engine.tiny_model import build_model_dir
+from kvroute.tools.local_cluster import EngineHandle, LocalCluster, http_ok, http_post_json, long_text, wait_until
+from kvroute.tools.tiny_model import build_model_dir
 
 FLEET = (("old", "vllm-0.22", 16), ("new", "sglang-0.5.22", 32), ("pull", "trtllm-pull", 64))
 ZMQ = ["old", "new"]  # replayable: gaps and late agents are healed

@@ -14,9 +14,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from control_plane.server import ControlPlaneConfig, ControlPlaneServer
-from kvroute.local_cluster import LocalCluster, free_port, http_get, http_post_json
-from sim_engine.tiny_model import build_model_dir
+from kvroute.control_plane.server import ControlPlaneConfig, ControlPlaneServer
+from kvroute.tools.local_cluster import LocalCluster, free_port, http_get, http_post_json
+from kvroute.tools.tiny_model import build_model_dir
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -56,7 +56,7 @@ async def test_a_trtllm_agent_is_ready_only_while_its_polls_are_answered() -> No
     """The pull path has no connection to watch: the agent is following while POST /kv_cache_events answers."""
     from aiohttp import web
 
-    from worker_agent.agent import AgentConfig, WorkerAgent
+    from kvroute.worker_agent.agent import AgentConfig, WorkerAgent
 
     async def events(request: web.Request) -> web.Response:
         return web.json_response([])

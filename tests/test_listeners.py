@@ -13,8 +13,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvroute.local_cluster import ManagedProcess, _tcp_open, free_port, kvroute_argv, wait_until
-from sim_engine.tiny_model import build_model_dir
+from kvroute.tools.local_cluster import ManagedProcess, _tcp_open, free_port, kvroute_argv, wait_until
+from kvroute.tools.tiny_model import build_model_dir
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -118,7 +118,7 @@ async def test_no_grpc_server_can_share_a_kvroute_grpc_port() -> None:
 def test_every_grpc_server_in_the_product_is_a_grpc_listener() -> None:
     """grpc.aio.server() is made in kvroute/listeners.py only (tests make their own fakes)."""
     made_elsewhere = []
-    for package in ("kvroute", "control_plane", "data_plane", "worker_agent", "sim_engine", "bench", "simulator"):
+    for package in ("kvroute", "control_plane", "data_plane", "worker_agent", "tools"):
         for path in (REPO / package).rglob("*.py"):
             if path.name != "listeners.py" and re.search(r"\bgrpc\.(aio\.)?server\(", path.read_text()):
                 made_elsewhere.append(str(path.relative_to(REPO)))

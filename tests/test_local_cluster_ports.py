@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from kvroute.local_cluster import PortAllocator, _ephemeral_low
+from kvroute.tools.local_cluster import PortAllocator, _ephemeral_low
 
 
 def test_ports_stay_below_the_ephemeral_range_and_are_never_repeated() -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.local_cluster import free_port
+from kvroute.tools.local_cluster import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 README_PORTS = (50051, 50052, 8000, 8080, 5557, 5558)

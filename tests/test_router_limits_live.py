@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.audit import prometheus_sums
-from kvroute.local_cluster import ManagedProcess, free_port, http_get, http_ok, http_post_json, kvroute_argv, wait_until
-from sim_engine.tiny_model import build_model_dir
+from kvroute.control_plane.audit import prometheus_sums
+from kvroute.tools.local_cluster import ManagedProcess, free_port, http_get, http_ok, http_post_json, kvroute_argv, wait_until
+from kvroute.tools.tiny_model import build_model_dir
 
 MODEL = "tiny"
 MAX_BODY = 1024 * 1024

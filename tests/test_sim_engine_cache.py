@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from sim_engine.cost_model import CostModel
-from sim_engine.prefix_cache import ClearedEvent, PrefixCache, RemovedEvent, StoredEvent
-from sim_engine.scheduler import Scheduler, SimRequest
+from kvroute.tools.sim_engine.cost_model import CostModel
+from kvroute.tools.sim_engine.prefix_cache import ClearedEvent, PrefixCache, RemovedEvent, StoredEvent
+from kvroute.tools.sim_engine.scheduler import Scheduler, SimRequest
 
 
 def run_to_first_token(sched: Scheduler, req: SimRequest) -> float:
@@ -143,7 +143,7 @@ def test_a_request_that_cannot_fit_changes_nothing() -> None:
     cache.release(pinned)
     import pytest
 
-    from sim_engine.prefix_cache import CacheFullError
+    from kvroute.tools.sim_engine.prefix_cache import CacheFullError
 
     with pytest.raises(CacheFullError, match="needs 5 KV blocks"):
         cache.allocate(cache.chain_hashes(list(range(20))), 20, 20)

@@ -7,11 +7,18 @@ from array import array
 
 import pytest
 
-from sim_engine.cost_model import CostModel
-from sim_engine.prefix_cache import (
-    BASE_NAMESPACE, CPU, GPU, CacheNamespace, ClearedEvent, PrefixCache, RemovedEvent, StoredEvent,
+from kvroute.tools.sim_engine.cost_model import CostModel
+from kvroute.tools.sim_engine.prefix_cache import (
+    BASE_NAMESPACE,
+    CPU,
+    GPU,
+    CacheNamespace,
+    ClearedEvent,
+    PrefixCache,
+    RemovedEvent,
+    StoredEvent,
 )
-from sim_engine.scheduler import Scheduler, SimRequest
+from kvroute.tools.sim_engine.scheduler import Scheduler, SimRequest
 
 
 def drain(sched: Scheduler) -> list:

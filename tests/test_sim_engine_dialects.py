@@ -9,11 +9,11 @@ import struct
 import msgspec
 import pytest
 
-from sim_engine.dialects import DEFAULT_DIALECT, DIALECTS, get_dialect
-from sim_engine.engine import EngineConfig
-from sim_engine.engine_hashes import DialectLabeler
-from sim_engine.prefix_cache import CPU, CacheNamespace, ClearedEvent, PrefixCache, RemovedEvent, StoredEvent
-from sim_engine.wire_encoding import MsgpackEventEncoder
+from kvroute.tools.sim_engine.dialects import DEFAULT_DIALECT, DIALECTS, get_dialect
+from kvroute.tools.sim_engine.engine import EngineConfig
+from kvroute.tools.sim_engine.engine_hashes import DialectLabeler
+from kvroute.tools.sim_engine.prefix_cache import CPU, CacheNamespace, ClearedEvent, PrefixCache, RemovedEvent, StoredEvent
+from kvroute.tools.sim_engine.wire_encoding import MsgpackEventEncoder
 
 NS = CacheNamespace(lora_name="sql", lora_id=1, cache_salt="s")
 H1, H2, H3 = 11, 12, 13

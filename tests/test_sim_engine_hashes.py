@@ -8,11 +8,19 @@ import struct
 import pytest
 
 from kvroute.block_keys import prompt_block_keys
-from sim_engine.engine_hashes import (
-    DialectLabeler, SglangChainedHashes, SglangContentHashes, TrtllmV1Hashes, TrtllmV2Hashes, VllmHashes,
-    sglang_namespaced_hash, sglang_namespace_seed, signed64, trtllm_v1_block_hash,
+from kvroute.tools.sim_engine.engine_hashes import (
+    DialectLabeler,
+    SglangChainedHashes,
+    SglangContentHashes,
+    TrtllmV1Hashes,
+    TrtllmV2Hashes,
+    VllmHashes,
+    sglang_namespace_seed,
+    sglang_namespaced_hash,
+    signed64,
+    trtllm_v1_block_hash,
 )
-from sim_engine.prefix_cache import BASE_NAMESPACE, CacheNamespace, PrefixCache, StoredEvent
+from kvroute.tools.sim_engine.prefix_cache import BASE_NAMESPACE, CacheNamespace, PrefixCache, StoredEvent
 
 ONE_TO_16 = list(range(1, 17))
 

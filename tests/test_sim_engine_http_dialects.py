@@ -14,15 +14,15 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from data_plane.tokenization import load_tokenizer
 from kvroute.block_keys import prompt_block_keys
-from sim_engine.cli import build_publisher
-from sim_engine.cost_model import CostModel
-from sim_engine.dialects import DIALECTS
-from sim_engine.engine import EngineConfig, SimEngine
-from sim_engine.kv_publisher import END_SEQ, KvEventPublisher
-from sim_engine.server import start_server
-from sim_engine.tiny_model import build_model_dir
+from kvroute.data_plane.tokenization import load_tokenizer
+from kvroute.tools.sim_engine.cli import build_publisher
+from kvroute.tools.sim_engine.cost_model import CostModel
+from kvroute.tools.sim_engine.dialects import DIALECTS
+from kvroute.tools.sim_engine.engine import EngineConfig, SimEngine
+from kvroute.tools.sim_engine.kv_publisher import END_SEQ, KvEventPublisher
+from kvroute.tools.sim_engine.server import start_server
+from kvroute.tools.tiny_model import build_model_dir
 
 MODEL = "tiny-llama"
 ZMQ_EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",

@@ -11,8 +11,8 @@ import pytest
 import zmq
 
 from kvroute.block_keys import prompt_block_keys
-from kvroute.local_cluster import LocalCluster, http_get, http_post_json, kvroute_argv
-from sim_engine.tiny_model import build_model_dir
+from kvroute.tools.local_cluster import LocalCluster, http_get, http_post_json, kvroute_argv
+from kvroute.tools.tiny_model import build_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_a_trtllm_pull_process_serves_its_event_queue(cluster: LocalCluster) -> 
 @pytest.mark.parametrize("args,block_size", [([], 16), (["--dialect", "trtllm-pull"], 32),
                                              (["--dialect", "sglang-0.5.9", "--page-size", "64"], 64)])
 def test_block_size_defaults_per_engine(cluster: LocalCluster, args, block_size: int) -> None:
-    from sim_engine.cli import add_arguments, build_engine
+    from kvroute.tools.sim_engine.cli import add_arguments, build_engine
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

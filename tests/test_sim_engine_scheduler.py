@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 
-from sim_engine.cost_model import CostModel
-from sim_engine.prefix_cache import CacheFullError, PrefixCache, StoredEvent
-from sim_engine.scheduler import Scheduler, SimRequest
+from kvroute.tools.sim_engine.cost_model import CostModel
+from kvroute.tools.sim_engine.prefix_cache import CacheFullError, PrefixCache, StoredEvent
+from kvroute.tools.sim_engine.scheduler import Scheduler, SimRequest
 
 COST = CostModel()
 

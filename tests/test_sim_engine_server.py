@@ -8,12 +8,12 @@ import json
 import aiohttp
 import pytest
 
-from data_plane.tokenization import load_tokenizer
-from sim_engine.cost_model import CostModel
-from sim_engine.engine import EngineConfig, SimEngine
-from sim_engine.kv_publisher import KvEventPublisher
-from sim_engine.server import start_server
-from sim_engine.tiny_model import build_model_dir
+from kvroute.data_plane.tokenization import load_tokenizer
+from kvroute.tools.sim_engine.cost_model import CostModel
+from kvroute.tools.sim_engine.engine import EngineConfig, SimEngine
+from kvroute.tools.sim_engine.kv_publisher import KvEventPublisher
+from kvroute.tools.sim_engine.server import start_server
+from kvroute.tools.tiny_model import build_model_dir
 
 LONG_SYSTEM = " ".join(["the cache router keeps every prefix block of the system prompt warm"] * 12)
 
@@ -139,7 +139,7 @@ async def test_incoming_traceparent_parents_the_server_span(engine, monkeypatch)
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from sim_engine import server
+    from kvroute.tools.sim_engine import server
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()

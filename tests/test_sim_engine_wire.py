@@ -13,9 +13,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from sim_engine.dialects import get_dialect
-from sim_engine.kv_publisher import END_SEQ, KvEventPublisher, parse_kv_events_config, pub_binds
-from sim_engine.prefix_cache import ClearedEvent, RemovedEvent, StoredEvent
+from kvroute.tools.sim_engine.dialects import get_dialect
+from kvroute.tools.sim_engine.kv_publisher import END_SEQ, KvEventPublisher, parse_kv_events_config, pub_binds
+from kvroute.tools.sim_engine.prefix_cache import ClearedEvent, RemovedEvent, StoredEvent
 
 EVENTS = [StoredEvent([2**63 + 1], None, [1, 2]), RemovedEvent([2**63 + 1]), ClearedEvent()]
 

@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sim_engine.scheduler import SimRequest
-from simulator.fleet import FleetConfig, oracle_hit_rate, simulate_policy
-from simulator.workloads import GeneratedWorkload, generate, load_mooncake_trace
+from kvroute.tools.sim_engine.scheduler import SimRequest
+from kvroute.tools.simulator.fleet import FleetConfig, oracle_hit_rate, simulate_policy
+from kvroute.tools.simulator.workloads import GeneratedWorkload, generate, load_mooncake_trace
 
 
 def test_kv_aware_near_ceiling_where_round_robin_thrashes() -> None:
@@ -68,7 +68,7 @@ def test_mooncake_trace_rows_map_to_shared_token_blocks(tmp_path: Path) -> None:
 
 
 def test_parallel_sweep_gives_the_sequential_numbers() -> None:
-    from simulator.sweep import run_policies
+    from kvroute.tools.simulator.sweep import run_policies
 
     workload = generate(GeneratedWorkload("multi-turn", requests=120, rate_rps=6, seed=4))
     config = FleetConfig(workers=4, num_blocks=512, seed=4)
@@ -85,7 +85,7 @@ def test_parallel_sweep_gives_the_sequential_numbers() -> None:
 def test_a_failing_policy_fails_the_sweep_instead_of_hanging() -> None:
     import pytest
 
-    from simulator.sweep import run_policies
+    from kvroute.tools.simulator.sweep import run_policies
 
     workload = generate(GeneratedWorkload("one-shot", requests=10, rate_rps=5, seed=1))
     with pytest.raises((RuntimeError, ValueError), match="no_such_policy"):
@@ -110,7 +110,7 @@ def test_report_and_plots_are_written(tmp_path: Path) -> None:
 def test_true_ttft_is_what_the_engine_then_takes() -> None:
     """The oracle's estimate, mid-step, with chunked prefill, a queue ahead and a cached prefix,
     equals the TTFT the scheduler then produces when nothing else arrives."""
-    from simulator.fleet import _Worker, true_ttft
+    from kvroute.tools.simulator.fleet import _Worker, true_ttft
 
     config = FleetConfig(workers=1, num_blocks=512, block_size=16, max_num_batched_tokens=256, seed=1)
     w = _Worker(0, config)
@@ -148,7 +148,7 @@ def test_true_ttft_is_what_the_engine_then_takes() -> None:
 
 
 def test_true_ttft_flags_an_engine_without_a_free_sequence_slot() -> None:
-    from simulator.fleet import _Worker, true_ttft
+    from kvroute.tools.simulator.fleet import _Worker, true_ttft
 
     config = FleetConfig(workers=1, num_blocks=256, max_num_seqs=1, seed=1)
     w = _Worker(0, config)
@@ -169,7 +169,7 @@ def test_ttft_oracle_runs_as_a_simulator_reference() -> None:
 
 
 def test_seed_summary_counts_ties_for_every_policy_and_never_the_oracle() -> None:
-    from simulator.seeds import markdown, summarize
+    from kvroute.tools.simulator.seeds import markdown, summarize
 
     def result(hit: float, p50: float, p99: float) -> dict:
         return {"hit_rate": hit, "ttft_p50_ms": p50, "ttft_p99_ms": p99}

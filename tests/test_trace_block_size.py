@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from data_plane.traffic_capture import CAPTURE_BLOCK_TOKENS, TrafficCapture
-from simulator.workloads import load_mooncake_trace
+from kvroute.data_plane.traffic_capture import CAPTURE_BLOCK_TOKENS, TrafficCapture
+from kvroute.tools.simulator.workloads import load_mooncake_trace
 
 
 def simulate(*args: str) -> subprocess.CompletedProcess:

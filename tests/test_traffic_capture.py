@@ -20,12 +20,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from data_plane.metrics import RouterMetrics
-from data_plane.traffic_capture import TrafficCapture, reported_output_tokens, requested_output_tokens, trace_block_keys
-from kvroute.local_cluster import LocalCluster, free_port, http_get, http_post_json, wait_until
+from kvroute.data_plane.metrics import RouterMetrics
+from kvroute.data_plane.traffic_capture import TrafficCapture, reported_output_tokens, requested_output_tokens, trace_block_keys
+from kvroute.tools.local_cluster import LocalCluster, free_port, http_get, http_post_json, wait_until
+from kvroute.tools.tiny_model import build_model_dir
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
-from sim_engine.tiny_model import build_model_dir
 
 ROW_FIELDS = {"timestamp", "input_length", "output_length", "hash_ids", "block_size"}
 BIG = 7_000_000  # token ids in this range are easy to look for in the file
@@ -171,7 +171,7 @@ class _FillsUpMidLine:
 
 
 async def test_a_half_written_batch_is_cut_off_and_the_trace_stays_loadable(tmp_path: Path) -> None:
-    from simulator.workloads import load_mooncake_trace
+    from kvroute.tools.simulator.workloads import load_mooncake_trace
 
     path = tmp_path / "h.jsonl"
     metrics = RouterMetrics()

@@ -73,7 +73,7 @@ _CHECK = textwrap.dedent("""
     import google.protobuf
     print(json.dumps({"grpcio": grpc.__version__, "protobuf": google.protobuf.__version__}), flush=True)
     from kvroute.v1 import kvroute_pb2 as pb, kvroute_pb2_grpc as pb_grpc
-    import control_plane.server, data_plane.cli, worker_agent.cli  # noqa: F401
+    import kvroute.control_plane.server, kvroute.data_plane.cli, kvroute.worker_agent.cli  # noqa: F401
     addr = sys.argv[1]
     cp = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "control-plane", "--listen", addr])
     try:
@@ -117,16 +117,18 @@ def floor_venv(deps: list[str], floors: dict[str, str]) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_floor_versions_install_import_and_serve(tmp_path):
-    from kvroute.local_cluster import free_port
+def test_floor_versions_install_import_and_serve(tmp_path, kvroute_wheel):
+    from kvroute.tools.local_cluster import free_port
 
     project = pyproject()["project"]
     deps = requirements(project["dependencies"])
     floors = {name: floor(deps[name]) for name in ("grpcio", "protobuf")}
     venv = floor_venv(project["dependencies"], floors)
-    # The source tree on PYTHONPATH rather than installed: the test is about the dependencies.
+    # This tree's kvroute over the cached dependencies (--no-deps: the test is about those).
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                    "--no-deps", "--force-reinstall", str(kvroute_wheel)], check=True, timeout=120)
     check = subprocess.run([str(venv / "bin" / "python"), "-c", _CHECK, f"127.0.0.1:{free_port()}"],
-                           check=False, cwd=tmp_path, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+                           check=False, cwd=tmp_path, env={"PATH": "/usr/bin:/bin"},
                            capture_output=True, text=True, timeout=120)
     installed = json.loads(check.stdout.splitlines()[0])
     assert {n: Version(v) for n, v in installed.items()} == {n: Version(v) for n, v in floors.items()}

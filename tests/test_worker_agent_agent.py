@@ -17,13 +17,13 @@ import zmq.asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from control_plane.server import ControlPlaneConfig, ControlPlaneServer
 from kvroute.block_keys import prompt_block_keys
-from kvroute.local_cluster import free_port
+from kvroute.control_plane.server import ControlPlaneConfig, ControlPlaneServer
+from kvroute.tools.local_cluster import free_port
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
-from worker_agent import cli
-from worker_agent.agent import AgentConfig, WorkerAgent, default_worker_id
+from kvroute.worker_agent import cli
+from kvroute.worker_agent.agent import AgentConfig, WorkerAgent, default_worker_id
 
 MODEL = "tiny-llama"
 TOKENS = list(range(1, 129))

@@ -8,12 +8,12 @@ import grpc
 import pytest
 
 from kvroute.block_keys import prompt_block_keys
-from kvroute.local_cluster import free_port
+from kvroute.tools.local_cluster import free_port
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
-from worker_agent.block_resolver import BlockResolver
-from worker_agent.control_plane_client import ControlPlaneLink, WorkerIdentity
-from worker_agent.vllm_wire import BlockRemoved, BlockStored
+from kvroute.worker_agent.block_resolver import BlockResolver
+from kvroute.worker_agent.control_plane_client import ControlPlaneLink, WorkerIdentity
+from kvroute.worker_agent.vllm_wire import BlockRemoved, BlockStored
 
 MODEL = "tiny"
 TOKENS = list(range(1, 33))
@@ -312,7 +312,7 @@ async def test_reregister_opens_a_new_stream_with_the_new_identity(fake) -> None
 
 
 async def test_against_the_real_control_plane() -> None:
-    from control_plane.server import ControlPlaneConfig, ControlPlaneServer
+    from kvroute.control_plane.server import ControlPlaneConfig, ControlPlaneServer
 
     server = ControlPlaneServer(ControlPlaneConfig(listen="127.0.0.1:0", heartbeat_timeout_s=0.6))
     port = await server.start()

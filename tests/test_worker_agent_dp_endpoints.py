@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker_agent.dp_endpoints import check_no_overlap, offset_endpoint, rank_endpoints
+from kvroute.worker_agent.dp_endpoints import check_no_overlap, offset_endpoint, rank_endpoints
 
 
 @pytest.mark.parametrize("endpoint, rank, engine, expected", [

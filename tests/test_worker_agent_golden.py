@@ -12,10 +12,10 @@ import msgspec
 import pytest
 
 from kvroute.block_keys import prompt_block_keys
-from worker_agent import sglang_wire, vllm_wire
-from worker_agent.block_resolver import BlockResolver
-from worker_agent.events import AllBlocksCleared, BlockRemoved, BlockStored
-from worker_agent.trtllm_events import RankEvents, RankReset, TrtllmEventConverter
+from kvroute.worker_agent import sglang_wire, vllm_wire
+from kvroute.worker_agent.block_resolver import BlockResolver
+from kvroute.worker_agent.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvroute.worker_agent.trtllm_events import RankEvents, RankReset, TrtllmEventConverter
 
 FIXTURES = Path(__file__).parent / "fixtures" / "wire"
 MODEL = "fixture-model"

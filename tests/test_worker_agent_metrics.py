@@ -9,8 +9,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from kvroute.v1 import kvroute_pb2 as pb
-from worker_agent.engine_metrics import SGLANG_METRICS, EngineLoadPoller, parse_load, parse_trtllm_stats
-from worker_agent.engine_models import EngineModelsPoller, parse_models
+from kvroute.worker_agent.engine_metrics import SGLANG_METRICS, EngineLoadPoller, parse_load, parse_trtllm_stats
+from kvroute.worker_agent.engine_models import EngineModelsPoller, parse_models
 
 VLLM_METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

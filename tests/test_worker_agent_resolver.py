@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from kvroute.block_keys import namespace_seed, prompt_block_keys
 from kvroute.v1 import kvroute_pb2 as pb
-from worker_agent.block_resolver import BlockResolver
-from worker_agent.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored
+from kvroute.worker_agent.block_resolver import BlockResolver
+from kvroute.worker_agent.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored
 
 MODEL = "tiny"
 TOKENS = list(range(1, 65))  # 4 blocks of 16

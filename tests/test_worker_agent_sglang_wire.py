@@ -6,9 +6,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from worker_agent.events import BlockRemoved, BlockStored
-from worker_agent.msgpack_wire import BatchShapeError
-from worker_agent.sglang_wire import decode_payload, first_of_pairs
+from kvroute.worker_agent.events import BlockRemoved, BlockStored
+from kvroute.worker_agent.msgpack_wire import BatchShapeError
+from kvroute.worker_agent.sglang_wire import decode_payload, first_of_pairs
 
 enc = msgspec.msgpack.encode
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from worker_agent.events import BlockRemoved, BlockStored
-from worker_agent.trtllm_events import BodyError, RankEvents, RankReset, TrtllmEventConverter
+from kvroute.worker_agent.events import BlockRemoved, BlockStored
+from kvroute.worker_agent.trtllm_events import BodyError, RankEvents, RankReset, TrtllmEventConverter
 
 
 def body(*events: dict) -> bytes:

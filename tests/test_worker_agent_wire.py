@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from worker_agent.vllm_wire import (
+from kvroute.worker_agent.vllm_wire import (
     AllBlocksCleared,
     BatchShapeError,
     BlockRemoved,

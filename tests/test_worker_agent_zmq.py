@@ -16,10 +16,10 @@ import zmq
 import zmq.asyncio
 
 from kvroute.block_keys import prompt_block_keys
-from worker_agent import sglang_wire, vllm_wire
-from worker_agent.block_resolver import BlockResolver
-from worker_agent.vllm_wire import DecodedBatch
-from worker_agent.zmq_source import ZmqEventSource
+from kvroute.worker_agent import sglang_wire, vllm_wire
+from kvroute.worker_agent.block_resolver import BlockResolver
+from kvroute.worker_agent.vllm_wire import DecodedBatch
+from kvroute.worker_agent.zmq_source import ZmqEventSource
 
 END = b"\xff" * 8
 MODEL = "tiny"

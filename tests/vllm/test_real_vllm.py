@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.audit import prometheus_sums
-from kvroute.demo import engine_prefix_counters
-from kvroute.local_cluster import (
+from kvroute.control_plane.audit import prometheus_sums
+from kvroute.tools.demo import engine_prefix_counters
+from kvroute.tools.local_cluster import (
     EngineHandle,
     LocalCluster,
     ManagedProcess,
@@ -37,7 +37,7 @@ from kvroute.local_cluster import (
     long_text,
     wait_until,
 )
-from sim_engine.tiny_model import build_model_dir
+from kvroute.tools.tiny_model import build_model_dir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import aiohttp
 
-from data_plane.load_tracker import LoadTracker
-from data_plane.policies import Candidate, RoutingInput, RoutingPolicy, make_policy
 from kvroute.block_keys import prompt_block_keys
+from kvroute.data_plane.load_tracker import LoadTracker
+from kvroute.data_plane.policies import Candidate, RoutingInput, RoutingPolicy, make_policy
 
 BURST_REQUESTS = 64
 PREFIX_TOKENS = 4096
@@ -83,8 +83,8 @@ def send_burst(router_urls: list[str], model: str, prompts: list[list[int]], max
 
 
 def run_burst(workers: int = 8, seed: int = 11) -> dict:
-    from kvroute.local_cluster import LocalCluster
-    from sim_engine.tiny_model import build_model_dir
+    from kvroute.tools.local_cluster import LocalCluster
+    from kvroute.tools.tiny_model import build_model_dir
 
     workdir = Path(tempfile.mkdtemp(prefix="kvroute-burst-"))
     cluster = LocalCluster(workdir=workdir, tokenizer_dir=build_model_dir(workdir / "tiny-llama"))

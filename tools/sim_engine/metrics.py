@@ -24,7 +24,7 @@ from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from sim_engine.scheduler import Scheduler, StepResult
+from kvroute.tools.sim_engine.scheduler import Scheduler, StepResult
 
 # vLLM's bucket boundaries for vllm:time_to_first_token_seconds and vllm:e2e_request_latency_seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

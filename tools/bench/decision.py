@@ -9,7 +9,7 @@ user turn. `p50_ms`/`p99_ms` use the router's tokenizer (its segment cache knows
 prompt after the first request); `cold_*` is the same path with the cache off, i.e. what a
 never-seen prompt costs. `grpc_echo_p50_ms` is the floor under the query: a bare gRPC stream round
 trip with messages of the query's and the answer's sizes, between this process and another one in
-the control plane's place (`bench.grpc_echo`), timed after the decisions;
+the control plane's place (`kvroute.tools.bench.grpc_echo`), timed after the decisions;
 `control_plane_answer_mean_ms` is the control plane's own time per answer (its query histogram).
 """
 
@@ -25,20 +25,20 @@ from pathlib import Path
 
 import grpc
 
-from bench.grpc_echo import round_trips_ms
-from bench.stats import percentile
-from data_plane.control_plane_client import ControlPlaneClient, query_message
-from data_plane.load_tracker import LoadTracker
-from data_plane.policies import make_policy
-from data_plane.routing import Router
-from data_plane.tokenization import load_tokenizer
 from kvroute import aio
-from kvroute.audit import prometheus_sums
 from kvroute.block_keys import prompt_block_keys
-from kvroute.local_cluster import LocalCluster, ManagedProcess, free_port, http_get
+from kvroute.control_plane.audit import prometheus_sums
+from kvroute.data_plane.control_plane_client import ControlPlaneClient, query_message
+from kvroute.data_plane.load_tracker import LoadTracker
+from kvroute.data_plane.policies import make_policy
+from kvroute.data_plane.routing import Router
+from kvroute.data_plane.tokenization import load_tokenizer
+from kvroute.tools.bench.grpc_echo import round_trips_ms
+from kvroute.tools.local_cluster import LocalCluster, ManagedProcess, free_port, http_get
+from kvroute.tools.stats import percentile
+from kvroute.tools.tiny_model import build_model_dir
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
-from sim_engine.tiny_model import build_model_dir
 
 MODEL = "tiny-llama"
 WORDS = ["cache", "token", "prefix", "router", "worker", "model", "request", "latency", "block", "memory", "engine", "query", "index", "policy"]
@@ -181,9 +181,9 @@ def control_plane_answer_mean_ms(metrics_url: str) -> float:
 
 def measure_echo_floor(request_bytes: int, reply_bytes: int, iterations: int, core: int | None,
                        workdir: Path) -> float:
-    """p50 ms of a bare gRPC stream round trip to a `bench.grpc_echo` process (on `core` if given)."""
+    """p50 ms of a bare gRPC stream round trip to a `kvroute.tools.bench.grpc_echo` process (on `core` if given)."""
     port = free_port()
-    server = ManagedProcess("grpc-echo", [sys.executable, "-m", "bench.grpc_echo", "--port", str(port),
+    server = ManagedProcess("grpc-echo", [sys.executable, "-m", "kvroute.tools.bench.grpc_echo", "--port", str(port),
                                           "--reply-bytes", str(reply_bytes)], workdir / "grpc-echo.log")
     server.start()
     try:

@@ -8,7 +8,7 @@ of the query's size and times the round trip, in the same processes' places (pin
 cores), so `query_p50_ms - grpc_echo_p50_ms` is what the control plane's work and kvroute's own code
 add to the query.
 
-    python -m bench.grpc_echo --port 23456 --reply-bytes 1500
+    python -m kvroute.tools.bench.grpc_echo --port 23456 --reply-bytes 1500
 """
 
 from __future__ import annotations

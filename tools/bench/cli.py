@@ -46,8 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def add_live_arguments(p: argparse.ArgumentParser) -> None:
     """Defaults: a load where round-robin thrashes 640-block caches (8 x 2048-token prefixes = 1024
     blocks, more than one engine holds, less than the fleet's 2560) and queues; ~35 s on 2 cores."""
-    from simulator.cli import add_generated_workload_knobs
-    from simulator.workloads import WORKLOAD_NAMES  # light; keeps `kvroute --help` from importing aiohttp
+    from kvroute.tools.simulator.cli import add_generated_workload_knobs
+    from kvroute.tools.simulator.workloads import WORKLOAD_NAMES  # light; keeps `kvroute --help` from importing aiohttp
 
     w = p.add_argument_group("workload (the knobs of `kvroute simulate`)")
     w.add_argument("--workload", choices=WORKLOAD_NAMES, default="shared-prefix", help="generated workload")
@@ -56,7 +56,7 @@ def add_live_arguments(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("local fleet (started unless --router-url / --engine-urls are given)")
     f.add_argument("--policies", default="kv_aware,round_robin", help="comma-separated policies, one router each")
     f.add_argument("--kv-aware-param", action="append", default=[], metavar="NAME=VALUE",
-                   help="one of kv_aware's weights (data_plane.policies.KvAwareParams) for its router and its "
+                   help="one of kv_aware's weights (kvroute.data_plane.policies.KvAwareParams) for its router and its "
                         "simulation, repeatable; with --router-url, pass the router's own")
     f.add_argument("--engines", type=int, default=4, help="sim engines, each with its own agent")
     f.add_argument("--num-blocks", type=int, default=640, help="KV cache capacity of each engine, in blocks")
@@ -79,32 +79,32 @@ def add_live_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.bench == "live":
-        from bench.live import run as run_live
+        from kvroute.tools.bench.live import run as run_live
 
         return run_live(args)  # prints its own table and JSON
     if args.bench == "ingest":
-        from bench.ingest import run_ingest
+        from kvroute.tools.bench.ingest import run_ingest
 
         result = run_ingest(args.batches, args.blocks_per_event, workers=args.workers)
     elif args.bench == "burst":
-        from bench.burst import run_burst
+        from kvroute.tools.bench.burst import run_burst
 
         result = run_burst(args.workers)
     elif args.bench == "decision":
-        from bench.decision import run_decision
+        from kvroute.tools.bench.decision import run_decision
 
         result = run_decision(args.prompt_tokens, args.workers, args.block_size, args.iterations,
                               pin_cores=args.pin_cores)
     elif args.bench == "answer":
-        from bench.answer import run_answer
+        from kvroute.tools.bench.answer import run_answer
 
         result = run_answer(args.workers, iterations=args.iterations, pause_ms=args.pause_ms)
     elif args.bench == "inflight":
-        from bench.inflight import run_inflight
+        from kvroute.tools.bench.inflight import run_inflight
 
         result = run_inflight(args.trials, args.block_keys)
     else:
-        from bench.proxy import run_proxy
+        from kvroute.tools.bench.proxy import run_proxy
 
         result = run_proxy(args.requests)
     if not args.json:

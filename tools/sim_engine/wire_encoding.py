@@ -27,8 +27,8 @@ from typing import Any
 
 import msgspec
 
-from sim_engine.dialects import Dialect
-from sim_engine.prefix_cache import GPU, CacheEvent, ClearedEvent, RemovedEvent, StoredEvent
+from kvroute.tools.sim_engine.dialects import Dialect
+from kvroute.tools.sim_engine.prefix_cache import GPU, CacheEvent, ClearedEvent, RemovedEvent, StoredEvent
 
 
 class EventBatch(msgspec.Struct, array_like=True):

@@ -36,7 +36,7 @@ from typing import Protocol
 import xxhash
 
 from kvroute.block_keys import chain_block_keys, namespace_seed, pack_token_ids
-from sim_engine.prefix_cache import BlockHash, BlockRecord, CacheNamespace
+from kvroute.tools.sim_engine.prefix_cache import BlockHash, BlockRecord, CacheNamespace
 
 _U64 = (1 << 64) - 1
 _U32 = (1 << 32) - 1

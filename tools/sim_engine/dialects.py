@@ -10,8 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sim_engine.engine_hashes import (
-    HashScheme, SglangChainedHashes, SglangContentHashes, TrtllmV1Hashes, TrtllmV2Hashes, VllmHashes,
+from kvroute.tools.sim_engine.engine_hashes import (
+    HashScheme,
+    SglangChainedHashes,
+    SglangContentHashes,
+    TrtllmV1Hashes,
+    TrtllmV2Hashes,
+    VllmHashes,
 )
 
 # vLLM BlockStored / BlockRemoved fields in wire order, with the version that added each (§2.3, §2.4).

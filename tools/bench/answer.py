@@ -19,12 +19,12 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
-from bench.stats import percentile
-from control_plane.index import BitmaskPrefixIndex
-from control_plane.inflight import InflightTracker
-from control_plane.registry import WorkerRegistry
-from control_plane.service import ControlPlaneMetrics, ControlPlaneService
-from data_plane.control_plane_client import query_message
+from kvroute.control_plane.index import BitmaskPrefixIndex
+from kvroute.control_plane.inflight import InflightTracker
+from kvroute.control_plane.registry import WorkerRegistry
+from kvroute.control_plane.service import ControlPlaneMetrics, ControlPlaneService
+from kvroute.data_plane.control_plane_client import query_message
+from kvroute.tools.stats import percentile
 from kvroute.v1 import kvroute_pb2 as pb
 
 MODEL = "bench-model"

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 
-from simulator.fleet import FleetConfig, PolicyRun, simulate_policy
-from simulator.workloads import SimWorkloadRequest
+from kvroute.tools.simulator.fleet import FleetConfig, PolicyRun, simulate_policy
+from kvroute.tools.simulator.workloads import SimWorkloadRequest
 
 ProgressFn = Callable[[dict[str, int]], None]
 

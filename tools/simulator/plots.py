@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from simulator.fleet import PolicyRun
+from kvroute.tools.simulator.fleet import PolicyRun
 
 
 def write_plots(runs: dict[str, PolicyRun], oracle: float, oracle_infinite: float, out_dir: str | Path,

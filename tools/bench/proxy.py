@@ -11,9 +11,9 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.stats import percentile
-from kvroute.local_cluster import LocalCluster, http_post_json, wait_until
-from sim_engine.tiny_model import build_model_dir
+from kvroute.tools.local_cluster import LocalCluster, http_post_json, wait_until
+from kvroute.tools.stats import percentile
+from kvroute.tools.tiny_model import build_model_dir
 
 
 async def measure(direct_url: str, router_url: str, model: str, requests: int) -> dict:

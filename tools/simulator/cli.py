@@ -11,7 +11,7 @@ import time
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from simulator.workloads import WORKLOAD_NAMES
+    from kvroute.tools.simulator.workloads import WORKLOAD_NAMES
 
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="Mooncake JSONL trace (timestamp ms, input_length, output_length, hash_ids)")
@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tokens-per-s", type=float, default=None, help="cost model: prefill rate")
     p.add_argument("--event-delay-ms", type=float, default=0.0, help="KV event propagation delay to the index")
     p.add_argument("--kv-aware-param", action="append", default=[], metavar="NAME=VALUE",
-                   help="override one of kv_aware's weights (data_plane.policies.KvAwareParams), repeatable")
+                   help="override one of kv_aware's weights (kvroute.data_plane.policies.KvAwareParams), repeatable")
     p.add_argument("--seed", type=int, default=0, help="makes a run reproducible bit for bit")
     p.add_argument("--seeds", default=None, metavar="S1,S2,...",
                    help="run the comparison once per seed and summarise it per policy (mean, min, max; on how "
@@ -56,7 +56,7 @@ def add_generated_workload_knobs(g, requests: int = 2000, rate: float = 20.0, ou
 
 def generated_workload(args: argparse.Namespace) -> list:
     """The generated workload those knobs (and --workload, --seed) describe."""
-    from simulator.workloads import GeneratedWorkload, generate
+    from kvroute.tools.simulator.workloads import GeneratedWorkload, generate
 
     return generate(GeneratedWorkload(args.workload, requests=args.requests, rate_rps=args.rate, arrival=args.arrival,
                                       seed=args.seed, groups=args.groups, system_prompt_tokens=args.system_prompt_tokens,
@@ -64,13 +64,13 @@ def generated_workload(args: argparse.Namespace) -> list:
 
 
 def _pct(values: list[float], q: float) -> float:
-    from bench.stats import percentile
+    from kvroute.tools.stats import percentile
 
     return percentile(values, q)
 
 
 def run(args: argparse.Namespace) -> int:
-    from data_plane.policies import parse_kv_aware_params
+    from kvroute.data_plane.policies import parse_kv_aware_params
 
     try:
         kv_aware_params = parse_kv_aware_params(args.kv_aware_param)
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _load_trace(args: argparse.Namespace):
     """The trace, time-scaled; ValueError (one line) when it is malformed or has no request."""
-    from simulator.workloads import load_mooncake_trace
+    from kvroute.tools.simulator.workloads import load_mooncake_trace
 
     trace = load_mooncake_trace(args.trace, args.limit)
     if not trace.requests:
@@ -131,7 +131,7 @@ def _parse_seeds(text: str) -> list[int]:
 
 def _run_seeds(args: argparse.Namespace, trace, kv_aware_params: dict, seeds: list[int], warnings: list[str],
                log) -> int:
-    from simulator.seeds import markdown, summarize
+    from kvroute.tools.simulator.seeds import markdown, summarize
 
     started = time.monotonic()
     per_seed: dict[int, dict] = {}
@@ -166,7 +166,7 @@ def _run_one_seed(args: argparse.Namespace, trace, kv_aware_params: dict, warnin
         print("\n".join(outcome["lines"]))
     plots = []
     if args.plots:
-        from simulator.plots import write_plots
+        from kvroute.tools.simulator.plots import write_plots
 
         plots = write_plots(outcome["runs"], outcome["oracle"], outcome["oracle_inf"], args.plots,
                             f"{outcome['source_name']}, {args.workers} workers")
@@ -186,9 +186,9 @@ def _run_one_seed(args: argparse.Namespace, trace, kv_aware_params: dict, warnin
 
 def _simulate(args: argparse.Namespace, trace, kv_aware_params: dict, log) -> dict:
     """One seed (`args.seed`): every policy's results, the Markdown table and the summary line."""
-    from sim_engine.cost_model import CostModel
-    from simulator.fleet import FleetConfig, oracle_hit_rates
-    from simulator.sweep import ProgressLine, default_jobs, run_policies
+    from kvroute.tools.sim_engine.cost_model import CostModel
+    from kvroute.tools.simulator.fleet import FleetConfig, oracle_hit_rates
+    from kvroute.tools.simulator.sweep import ProgressLine, default_jobs, run_policies
 
     started = time.monotonic()
     if trace is not None:

@@ -1,6 +1,6 @@
 """`kvroute bench live`: a simulator workload driven live over HTTP, next to the simulator's answer.
 
-The same generated workload (simulator.workloads) goes, once per policy, through a real router to
+The same generated workload (kvroute.tools.simulator.workloads) goes, once per policy, through a real router to
 real sim-engine processes (or to an already running fleet), and through `simulate_policy` with a
 FleetConfig that matches those engines. Live hit rate comes from the engines' own prefix-cache
 counters; live TTFT is client-side, scaled back to cost-model time (x speedup) so both columns are
@@ -25,16 +25,16 @@ from typing import TextIO
 
 import aiohttp
 
-from bench.stats import percentile
-from data_plane.policies import parse_kv_aware_params
-from kvroute.demo import engine_prefix_counters
-from kvroute.local_cluster import LocalCluster, ManagedProcess, http_get, http_post_json, wait_until
-from sim_engine.cost_model import CostModel
-from sim_engine.engine import EngineConfig
-from sim_engine.tiny_model import SPECIAL_TOKENS, build_model_dir
-from simulator.cli import generated_workload
-from simulator.fleet import FleetConfig, simulate_policy
-from simulator.workloads import SimWorkloadRequest
+from kvroute.data_plane.policies import parse_kv_aware_params
+from kvroute.tools.demo import engine_prefix_counters
+from kvroute.tools.local_cluster import LocalCluster, ManagedProcess, http_get, http_post_json, wait_until
+from kvroute.tools.sim_engine.cost_model import CostModel
+from kvroute.tools.sim_engine.engine import EngineConfig
+from kvroute.tools.simulator.cli import generated_workload
+from kvroute.tools.simulator.fleet import FleetConfig, simulate_policy
+from kvroute.tools.simulator.workloads import SimWorkloadRequest
+from kvroute.tools.stats import percentile
+from kvroute.tools.tiny_model import SPECIAL_TOKENS, build_model_dir
 
 DIRECT = "direct"  # the no-router baseline: round-robin straight to the engines
 FIRST_PLAIN_TOKEN = len(SPECIAL_TOKENS)  # the tiny model's special tokens come first; prompts avoid them

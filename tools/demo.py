@@ -25,9 +25,9 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.stats import percentile
-from kvroute.disturbance import Disturbance, DisturbanceMonitor
-from kvroute.local_cluster import LocalCluster, http_get, http_post_json, wait_until
+from kvroute.tools.disturbance import Disturbance, DisturbanceMonitor
+from kvroute.tools.local_cluster import LocalCluster, http_get, http_post_json, wait_until
+from kvroute.tools.stats import percentile
 
 PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits_total"
@@ -214,7 +214,7 @@ def print_table(results: list[PolicyResult], file=sys.stdout) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim_engine.tiny_model import build_model_dir
+    from kvroute.tools.tiny_model import build_model_dir
 
     # A directory of our own is removed at the end unless something failed (its logs say what).
     own_workdir = not args.workdir

@@ -42,9 +42,9 @@ import zmq
 import zmq.asyncio
 
 from kvroute.listeners import open_zmq
-from sim_engine.dialects import DEFAULT_DIALECT, Dialect, get_dialect
-from sim_engine.prefix_cache import CacheEvent
-from sim_engine.wire_encoding import MsgpackEventEncoder
+from kvroute.tools.sim_engine.dialects import DEFAULT_DIALECT, Dialect, get_dialect
+from kvroute.tools.sim_engine.prefix_cache import CacheEvent
+from kvroute.tools.sim_engine.wire_encoding import MsgpackEventEncoder
 
 log = logging.getLogger("kvroute.sim_engine.kv_publisher")
 END_SEQ = b"\xff" * 8  # (-1).to_bytes(8, "big", signed=True)

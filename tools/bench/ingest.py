@@ -13,9 +13,9 @@ import tracemalloc
 
 import msgspec
 
-from control_plane.index import BitmaskPrefixIndex
-from worker_agent.block_resolver import BlockResolver
-from worker_agent.vllm_wire import decode_payload
+from kvroute.control_plane.index import BitmaskPrefixIndex
+from kvroute.worker_agent.block_resolver import BlockResolver
+from kvroute.worker_agent.vllm_wire import decode_payload
 
 
 def make_payloads(n_batches: int, blocks_per_event: int, block_size: int, seed: int) -> list[bytes]:

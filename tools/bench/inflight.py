@@ -19,8 +19,8 @@ from pathlib import Path
 
 import grpc
 
-from bench.stats import percentile
-from kvroute.local_cluster import LocalCluster
+from kvroute.tools.local_cluster import LocalCluster
+from kvroute.tools.stats import percentile
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 

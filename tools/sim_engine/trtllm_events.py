@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from sim_engine.kv_publisher import FaultState
-from sim_engine.prefix_cache import GPU, CacheEvent, ClearedEvent, RemovedEvent, StoredEvent
+from kvroute.tools.sim_engine.kv_publisher import FaultState
+from kvroute.tools.sim_engine.prefix_cache import GPU, CacheEvent, ClearedEvent, RemovedEvent, StoredEvent
 
 DEFAULT_PRIORITY = 35
 CACHE_LEVELS = {GPU: 0, "CPU": 1}  # primary, secondary

@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvroute.block_keys import pack_token_ids
-from sim_engine.cost_model import CostModel
-from sim_engine.prefix_cache import BASE_NAMESPACE, Allocation, CacheNamespace, PrefixCache
+from kvroute.tools.sim_engine.cost_model import CostModel
+from kvroute.tools.sim_engine.prefix_cache import BASE_NAMESPACE, Allocation, CacheNamespace, PrefixCache
 
 
 @dataclass(slots=True)

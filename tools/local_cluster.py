@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvroute.audit import FleetAudit, audit_fleet
-from sim_engine.dialects import DEFAULT_DIALECT, get_dialect
+from kvroute.control_plane.audit import FleetAudit, audit_fleet
+from kvroute.tools.sim_engine.dialects import DEFAULT_DIALECT, get_dialect
 
 _WORDS = ("cache", "token", "prefix", "router", "worker", "model", "request", "latency", "block", "memory", "engine",
           "query", "index")
@@ -245,7 +245,7 @@ class LocalCluster:
                        agent_args: tuple[str, ...] = (), dialect: str | None = None, block_size: int | None = None,
                        lora_adapters: tuple[str, ...] = (), cpu_offload_blocks: int = 0) -> EngineHandle:
         """A sim engine process (and its agent). `dialect` picks the engine/version it imitates
-        (sim_engine.dialects; None = its default); `block_size` overrides the cluster's."""
+        (kvroute.tools.sim_engine.dialects; None = its default); `block_size` overrides the cluster's."""
         port, ev_port, replay_port = free_port(), free_port(), free_port()
         block_size = block_size or self.block_size
         args = ["--block-size", str(block_size)]
@@ -336,7 +336,7 @@ class LocalCluster:
     # -------------------------------------------------------------- audit
 
     def audit(self, workers: Sequence[str] = (), settle_s: float = 0.0, timeout_s: float = 2.0) -> FleetAudit:
-        """`kvroute audit` in this process (kvroute.audit.audit_fleet): the control plane's keys per
+        """`kvroute audit` in this process (kvroute.control_plane.audit.audit_fleet): the control plane's keys per
         worker against each engine's `GET /kvroute/blocks`. One comparison unless `settle_s` > 0."""
         return asyncio.run(audit_fleet(self.control_plane_addr, workers, settle_s=settle_s, timeout_s=timeout_s))
 

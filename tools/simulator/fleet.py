@@ -1,8 +1,8 @@
 """Discrete-event simulation of a fleet behind one router.
 
-Real code: the routing policies (data_plane.policies), the router's in-flight tracking
-(data_plane.load_tracker), the agent's engine-hash -> block-key resolution
-(worker_agent.block_resolver) and the control plane's index (control_plane.index).
+Real code: the routing policies (kvroute.data_plane.policies), the router's in-flight tracking
+(kvroute.data_plane.load_tracker), the agent's engine-hash -> block-key resolution
+(kvroute.worker_agent.block_resolver) and the control plane's index (kvroute.control_plane.index).
 Simulated: each engine (sim_engine's PrefixCache + Scheduler + CostModel) and the clock.
 KV events reach the index when the engine step that produced them ends, plus `event_delay_s`.
 
@@ -23,16 +23,16 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from control_plane.index import BitmaskPrefixIndex
-from data_plane.load_tracker import InflightTicket, LoadTracker
-from data_plane.policies import Candidate, RoutingInput, make_policy
 from kvroute.block_keys import prompt_block_keys
-from sim_engine.cost_model import CostModel
-from sim_engine.prefix_cache import ClearedEvent, PrefixCache, RemovedEvent, StoredEvent
-from sim_engine.scheduler import Scheduler, SimRequest
-from simulator.workloads import SimWorkloadRequest
-from worker_agent.block_resolver import BlockResolver
-from worker_agent.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored
+from kvroute.control_plane.index import BitmaskPrefixIndex
+from kvroute.data_plane.load_tracker import InflightTicket, LoadTracker
+from kvroute.data_plane.policies import Candidate, RoutingInput, make_policy
+from kvroute.tools.sim_engine.cost_model import CostModel
+from kvroute.tools.sim_engine.prefix_cache import ClearedEvent, PrefixCache, RemovedEvent, StoredEvent
+from kvroute.tools.sim_engine.scheduler import Scheduler, SimRequest
+from kvroute.tools.simulator.workloads import SimWorkloadRequest
+from kvroute.worker_agent.block_resolver import BlockResolver
+from kvroute.worker_agent.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored
 
 MODEL = "sim-model"
 TTFT_ORACLE = "ttft_oracle"

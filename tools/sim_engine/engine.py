@@ -22,12 +22,12 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from sim_engine.cost_model import CostModel
-from sim_engine.dialects import DEFAULT_DIALECT, Dialect, get_dialect
-from sim_engine.engine_hashes import DialectLabeler
-from sim_engine.metrics import EngineMetricsFamily, SglangMetrics, TrtllmIterationStats, VllmMetrics
-from sim_engine.prefix_cache import BASE_NAMESPACE, CacheEvent, CacheFullError, CacheNamespace, PrefixCache
-from sim_engine.scheduler import Scheduler, SimRequest
+from kvroute.tools.sim_engine.cost_model import CostModel
+from kvroute.tools.sim_engine.dialects import DEFAULT_DIALECT, Dialect, get_dialect
+from kvroute.tools.sim_engine.engine_hashes import DialectLabeler
+from kvroute.tools.sim_engine.metrics import EngineMetricsFamily, SglangMetrics, TrtllmIterationStats, VllmMetrics
+from kvroute.tools.sim_engine.prefix_cache import BASE_NAMESPACE, CacheEvent, CacheFullError, CacheNamespace, PrefixCache
+from kvroute.tools.sim_engine.scheduler import Scheduler, SimRequest
 
 log = logging.getLogger("kvroute.sim_engine")
 _LATE_RESET_S = 0.05  # behind the deadline by more than this: restart the deadline instead of catching up

@@ -53,15 +53,15 @@ from aiohttp import web
 from opentelemetry import propagate, trace
 
 from kvroute.listeners import ListenError, start_http_site
-from sim_engine.engine import EngineConfig, RequestRejected, SimEngine, UnknownModel
-from sim_engine.prefix_cache import CPU, GPU, CacheNamespace
-from sim_engine.scheduler import SimRequest
-from sim_engine.trtllm_events import TrtllmEventQueue
+from kvroute.tools.sim_engine.engine import EngineConfig, RequestRejected, SimEngine, UnknownModel
+from kvroute.tools.sim_engine.prefix_cache import CPU, GPU, CacheNamespace
+from kvroute.tools.sim_engine.scheduler import SimRequest
+from kvroute.tools.sim_engine.trtllm_events import TrtllmEventQueue
 
 tracer = trace.get_tracer("kvroute.sim_engine")
 
 try:  # the tokenizer module's own error type, when present
-    from data_plane.tokenization import TokenizationError
+    from kvroute.data_plane.tokenization import TokenizationError
 except ImportError:  # pragma: no cover
     class TokenizationError(ValueError):  # type: ignore[no-redef]
         pass

@@ -23,8 +23,8 @@ def _adapter_names(text: str) -> tuple[str, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from sim_engine.cost_model import CostModel
-    from sim_engine.dialects import DEFAULT_DIALECT, DIALECTS
+    from kvroute.tools.sim_engine.cost_model import CostModel
+    from kvroute.tools.sim_engine.dialects import DEFAULT_DIALECT, DIALECTS
 
     d = CostModel()
     p.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
@@ -73,9 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_publisher(args: argparse.Namespace, config):
     """The dialect's event publisher: ZMQ (None when the config leaves it off) or TRT-LLM's pull queue."""
-    from sim_engine.dialects import get_dialect
-    from sim_engine.kv_publisher import KvEventPublisher
-    from sim_engine.trtllm_events import TrtllmEventQueue
+    from kvroute.tools.sim_engine.dialects import get_dialect
+    from kvroute.tools.sim_engine.kv_publisher import KvEventPublisher
+    from kvroute.tools.sim_engine.trtllm_events import TrtllmEventQueue
 
     dialect = get_dialect(config.dialect)
     if args.data_parallel_rank < 0:
@@ -92,10 +92,10 @@ def build_publisher(args: argparse.Namespace, config):
 
 def build_engine(args: argparse.Namespace):
     """Engine + (optional) KV-event publisher from parsed arguments. Raises ValueError/OSError on bad input."""
-    from data_plane.tokenization import load_tokenizer
-    from sim_engine.cost_model import CostModel
-    from sim_engine.dialects import get_dialect
-    from sim_engine.engine import EngineConfig, SimEngine
+    from kvroute.data_plane.tokenization import load_tokenizer
+    from kvroute.tools.sim_engine.cost_model import CostModel
+    from kvroute.tools.sim_engine.dialects import get_dialect
+    from kvroute.tools.sim_engine.engine import EngineConfig, SimEngine
 
     block_size = args.block_size or get_dialect(args.dialect).default_block_size
     if block_size <= 0:
@@ -118,7 +118,7 @@ async def serve(args: argparse.Namespace) -> int:
     import zmq
 
     from kvroute.listeners import ListenError
-    from sim_engine.server import start_server
+    from kvroute.tools.sim_engine.server import start_server
 
     try:
         engine = build_engine(args)
@@ -144,7 +144,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def _events_summary(engine) -> str:
-    from sim_engine.kv_publisher import KvEventPublisher
+    from kvroute.tools.sim_engine.kv_publisher import KvEventPublisher
 
     pub = engine.publisher
     if pub is None:

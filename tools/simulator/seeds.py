@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from simulator.fleet import TTFT_ORACLE
+from kvroute.tools.simulator.fleet import TTFT_ORACLE
 
 NOT_A_ROUTER_POLICY = frozenset({TTFT_ORACLE})
 METRICS = ("hit_rate", "ttft_p50_ms", "ttft_p99_ms")
