@@ -19,6 +19,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	PYTHON=$(BIN)/python scripts/gen_protos.sh --check
+	$(BIN)/ruff check
 	$(BIN)/pytest
 
 # Real vLLM (CPU build) in its own cached virtualenv; see tests/vllm/.

@@ -162,7 +162,7 @@ async def engine_request(http, method: str, url: str, timeout_s: float, not_audi
     try:
         async with http.request(method, url, timeout=aiohttp.ClientTimeout(total=timeout_s), **kwargs) as response:
             body = await response.read()
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (aiohttp.ClientError, TimeoutError) as exc:
         raise AuditError(f"{method} {url}: {type(exc).__name__} {exc}") from exc
     if not_auditable and response.status in NOT_AUDITABLE_STATUSES:
         raise NotAuditable(f"{method} {url}: {response.status} ({not_auditable})")

@@ -63,7 +63,7 @@ class PeriodicAuditor:
                     await self.audit_all(http)
                 except asyncio.CancelledError:
                     raise
-                except Exception:  # noqa: BLE001 - the auditor must never take the control plane down
+                except Exception:  # the auditor must never take the control plane down
                     log.exception("audit round failed")
 
     async def audit_all(self, http: aiohttp.ClientSession) -> list[WorkerAudit]:

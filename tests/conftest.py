@@ -5,11 +5,15 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from kvroute.tools.local_cluster import LocalCluster
+from kvroute.tools.tiny_model import build_model_dir
+from tests.helpers import REPO
+
 # What building the distribution reads: pyproject's package folders, and its readme.
 DIST_SOURCES = ("pyproject.toml", "README.md", "kvroute", "control_plane", "data_plane", "worker_agent", "tools")
 
@@ -31,3 +35,39 @@ def kvroute_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert build.returncode == 0, f"the wheel does not build:\n{build.stdout[-2000:]}\n{build.stderr[-3000:]}"
     (wheel,) = out.glob("kvroute-*.whl")
     return wheel
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny local model (tokenizer, chat template, config), built once per run; its name is the
+    model name routers default to."""
+    return build_model_dir(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+def _fleets(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[Callable[..., LocalCluster]]:
+    made: list[LocalCluster] = []
+
+    def make(name: str = "fleet", **options) -> LocalCluster:
+        cluster = LocalCluster(workdir=tmp_path_factory.mktemp(name), tokenizer_dir=model_dir, **options)
+        made.append(cluster)
+        return cluster
+
+    try:
+        yield make
+    finally:
+        for cluster in made:
+            cluster.stop()
+
+
+@pytest.fixture
+def local_fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Callable[..., LocalCluster]]:
+    """`local_fleet(name, **LocalCluster options)`: a local fleet (processes start as the test asks) on
+    the tiny model, in a directory of its own, stopped when the test ends."""
+    yield from _fleets(tmp_path_factory, tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def module_local_fleet(tmp_path_factory: pytest.TempPathFactory,
+                       tiny_model_dir: Path) -> Iterator[Callable[..., LocalCluster]]:
+    """`local_fleet` for a module's tests to share: stopped when the module's last test ends."""
+    yield from _fleets(tmp_path_factory, tiny_model_dir)

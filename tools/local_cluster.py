@@ -116,10 +116,9 @@ class ManagedProcess:
 
     def start(self, env: dict[str, str] | None = None) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env={**os.environ, **(env or {})}, start_new_session=True)
-        log.close()
+        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
+            self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          env={**os.environ, **(env or {})}, start_new_session=True)
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
