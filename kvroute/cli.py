@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "router": ("kvroute.data_plane.cli", "run a stateless router (OpenAI-compatible HTTP + gRPC Route)"),
     "sim-engine": ("kvroute.tools.sim_engine.cli", "run a GPU-free vLLM stand-in (OpenAI API, real vLLM KV events)"),
     "tiny-model": ("kvroute.tools.tiny_model", "write the demo's tiny local model (tokenizer + config) for --tokenizer"),
-    "audit": ("kvroute.control_plane.audit", "compare the control plane's block keys per worker with what each engine caches"),
+    "audit": ("kvroute.control_plane.audit_cli", "compare the control plane's block keys per worker with what each engine caches"),
     "demo": ("kvroute.tools.demo", "compare kv_aware with round_robin live: a local fleet per policy, all at once"),
     "simulate": ("kvroute.tools.simulator.cli", "simulate a fleet on a trace or generated workload under several policies"),
     "bench": ("kvroute.tools.bench.cli", "hot-path micro-benchmarks (ingest, decision, proxy) and the live workload bench (live)"),

@@ -26,11 +26,8 @@ from pathlib import Path
 import aiohttp
 
 from kvroute.tools.disturbance import Disturbance, DisturbanceMonitor
-from kvroute.tools.local_cluster import LocalCluster, http_get, http_post_json, wait_until
+from kvroute.tools.local_cluster import LocalCluster, engine_prefix_counters, http_post_json, wait_until
 from kvroute.tools.stats import percentile
-
-PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries_total"
-PREFIX_CACHE_HITS = "vllm:prefix_cache_hits_total"
 
 _WORDS = ["cache", "token", "prefix", "router", "worker", "model", "request", "latency", "block", "memory", "engine", "query", "index", "policy", "load", "queue", "system", "user", "assistant", "document", "answer", "question", "tool", "schema", "function", "value", "result", "error", "time", "first", "compute", "prefill", "decode", "batch", "stream", "event", "key", "hash", "store", "remove", "update", "graph", "kernel", "tensor", "layer", "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "this", "are", "or", "from", "at", "which"]
 
@@ -91,19 +88,6 @@ def build_workload(args: argparse.Namespace) -> list[Conversation]:
         t += rng.expovariate(args.arrival_rate)
         conversations.append(Conversation(rng.choice(systems), [text(args.user_words) for _ in range(args.turns)], t))
     return conversations
-
-
-def engine_prefix_counters(url: str) -> tuple[float, float]:
-    status, body = http_get(url + "/metrics")
-    if status != 200:
-        raise RuntimeError(f"{url}/metrics answered {status}")
-    queries = hits = 0.0
-    for line in body.decode().splitlines():
-        if line.startswith(PREFIX_CACHE_QUERIES):
-            queries += float(line.rsplit(" ", 1)[1])
-        elif line.startswith(PREFIX_CACHE_HITS):
-            hits += float(line.rsplit(" ", 1)[1])
-    return queries, hits
 
 
 async def run_conversation(session: aiohttp.ClientSession, router_url: str, model: str, conv: Conversation,

@@ -91,6 +91,24 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
+PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits_total"
+
+
+def engine_prefix_counters(url: str) -> tuple[float, float]:
+    """An engine's vLLM prefix-cache counters (queries, hits), summed over label sets."""
+    status, body = http_get(url + "/metrics")
+    if status != 200:
+        raise RuntimeError(f"{url}/metrics answered {status}")
+    queries = hits = 0.0
+    for line in body.decode().splitlines():
+        if line.startswith(PREFIX_CACHE_QUERIES):
+            queries += float(line.rsplit(" ", 1)[1])
+        elif line.startswith(PREFIX_CACHE_HITS):
+            hits += float(line.rsplit(" ", 1)[1])
+    return queries, hits
+
+
 def http_post_json(url: str, body: dict | None = None, timeout: float = 10.0) -> tuple[int, bytes]:
     status, _, raw = http_post_json_headers(url, body, timeout)
     return status, raw

@@ -1,13 +1,15 @@
-"""Small latency helpers shared by the benchmarks."""
+"""Latency percentiles for the tools' reports, shared by the simulator, the benches and the demo."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
+import numpy as np
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) of `values` by linear interpolation between the closest ranks
+    (numpy's default method); 0.0 for no values."""
+    if len(values) == 0:
         return 0.0
-    ordered = sorted(values)
-    rank = q / 100 * (len(ordered) - 1)
-    lo = int(rank)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+    return float(np.percentile(values, q))

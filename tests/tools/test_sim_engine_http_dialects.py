@@ -15,13 +15,13 @@ import zmq
 import zmq.asyncio
 
 from kvroute.block_keys import prompt_block_keys
-from kvroute.data_plane.tokenization import load_tokenizer
 from kvroute.tools.sim_engine.cli import build_publisher
 from kvroute.tools.sim_engine.cost_model import CostModel
 from kvroute.tools.sim_engine.dialects import DIALECTS
 from kvroute.tools.sim_engine.engine import EngineConfig, SimEngine
 from kvroute.tools.sim_engine.kv_publisher import END_SEQ, KvEventPublisher
 from kvroute.tools.sim_engine.server import start_server
+from kvroute.tools.sim_engine.tokenizer import load_engine_tokenizer
 
 MODEL = "tiny-llama"
 ZMQ_EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
@@ -30,7 +30,7 @@ ZMQ_EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "en
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
-    return load_tokenizer(tiny_model_dir)
+    return load_engine_tokenizer(tiny_model_dir)
 
 
 class Engine:

@@ -8,18 +8,18 @@ import json
 import aiohttp
 import pytest
 
-from kvroute.data_plane.tokenization import load_tokenizer
 from kvroute.tools.sim_engine.cost_model import CostModel
 from kvroute.tools.sim_engine.engine import EngineConfig, SimEngine
 from kvroute.tools.sim_engine.kv_publisher import KvEventPublisher
 from kvroute.tools.sim_engine.server import start_server
+from kvroute.tools.sim_engine.tokenizer import load_engine_tokenizer
 
 LONG_SYSTEM = " ".join(["the cache router keeps every prefix block of the system prompt warm"] * 12)
 
 
 @pytest.fixture
 async def engine(tiny_model_dir):
-    tokenizer = load_tokenizer(tiny_model_dir)
+    tokenizer = load_engine_tokenizer(tiny_model_dir)
     publisher = KvEventPublisher({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*",
                                   "replay_endpoint": "tcp://127.0.0.1:*"}, block_size=16)
     eng = SimEngine(EngineConfig(num_blocks=256, max_model_len=1024, speedup=20), tokenizer, CostModel(), publisher)

@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 
 from kvroute.control_plane.audit import prometheus_sums
-from kvroute.tools.demo import engine_prefix_counters
 from kvroute.tools.local_cluster import (
     EngineHandle,
     LocalCluster,
     ManagedProcess,
+    engine_prefix_counters,
     free_port,
     http_get,
     http_ok,

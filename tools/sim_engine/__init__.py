@@ -13,5 +13,6 @@ Runtime parts:
   trtllm_events.TrtllmEventQueue TensorRT-LLM's POST /kv_cache_events queue
   metrics                    vLLM / SGLang Prometheus names, TensorRT-LLM iteration stats
   engine.SimEngine           asyncio driver (scaled real time), adapters and salts, request streams
+  tokenizer                  the model's tokenizer and chat template, rendered as vLLM renders them
   server                     aiohttp OpenAI-compatible HTTP API, audit and fault endpoints; cli = `kvroute sim-engine`
 """

@@ -92,10 +92,10 @@ def build_publisher(args: argparse.Namespace, config):
 
 def build_engine(args: argparse.Namespace):
     """Engine + (optional) KV-event publisher from parsed arguments. Raises ValueError/OSError on bad input."""
-    from kvroute.data_plane.tokenization import load_tokenizer
     from kvroute.tools.sim_engine.cost_model import CostModel
     from kvroute.tools.sim_engine.dialects import get_dialect
     from kvroute.tools.sim_engine.engine import EngineConfig, SimEngine
+    from kvroute.tools.sim_engine.tokenizer import load_engine_tokenizer
 
     block_size = args.block_size or get_dialect(args.dialect).default_block_size
     if block_size <= 0:
@@ -110,7 +110,7 @@ def build_engine(args: argparse.Namespace):
                      decode_per_seq_s=args.decode_per_seq_ms / 1000,
                      decode_per_context_token_s=args.decode_per_context_token_ns / 1e9,
                      step_overhead_s=args.step_overhead_ms / 1000, cpu_load_tokens_per_s=args.cpu_load_tokens_per_s)
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = load_engine_tokenizer(args.tokenizer)
     return SimEngine(config, tokenizer, cost, build_publisher(args, config))
 
 

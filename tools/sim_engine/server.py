@@ -56,16 +56,10 @@ from kvroute.listeners import ListenError, start_http_site
 from kvroute.tools.sim_engine.engine import EngineConfig, RequestRejected, SimEngine, UnknownModel
 from kvroute.tools.sim_engine.prefix_cache import CPU, GPU, CacheNamespace
 from kvroute.tools.sim_engine.scheduler import SimRequest
+from kvroute.tools.sim_engine.tokenizer import PromptError
 from kvroute.tools.sim_engine.trtllm_events import TrtllmEventQueue
 
 tracer = trace.get_tracer("kvroute.sim_engine")
-
-try:  # the tokenizer module's own error type, when present
-    from kvroute.data_plane.tokenization import TokenizationError
-except ImportError:  # pragma: no cover
-    class TokenizationError(ValueError):  # type: ignore[no-redef]
-        pass
-
 
 class ApiError(Exception):
     def __init__(self, message: str, status: int = 400, err_type: str = "BadRequestError", param: str | None = None):
@@ -155,7 +149,7 @@ class SimServer:
             if isinstance(raw, list) and len(raw) > 1 and all(isinstance(p, (str, list)) for p in raw):
                 raise ApiError("the sim engine serves one prompt per request", param="prompt")
             raise ApiError("'prompt' must be a string or a non-empty list of token ids", param="prompt")
-        except TokenizationError as exc:
+        except PromptError as exc:
             raise ApiError(str(exc)) from exc
 
     # ------------------------------------------------------------------ generation
