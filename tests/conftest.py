@@ -12,7 +12,7 @@ import pytest
 
 from kvroute.tools.local_cluster import LocalCluster
 from kvroute.tools.tiny_model import build_model_dir
-from tests.helpers import REPO
+from tests.helpers import REPO, InstalledKvroute, floor, floor_venv, pyproject, requirements
 
 # What building the distribution reads: pyproject's package folders, and its readme.
 DIST_SOURCES = ("pyproject.toml", "README.md", "kvroute", "control_plane", "data_plane", "worker_agent", "tools")
@@ -35,6 +35,28 @@ def kvroute_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert build.returncode == 0, f"the wheel does not build:\n{build.stdout[-2000:]}\n{build.stderr[-3000:]}"
     (wheel,) = out.glob("kvroute-*.whl")
     return wheel
+
+
+@pytest.fixture(scope="session")
+def installed_kvroute(kvroute_wheel: Path) -> InstalledKvroute:
+    """This tree installed as `pip install .` installs it (its wheel, not editable) into a virtualenv that
+    holds the runtime dependencies and nothing else, grpcio and protobuf at their floors (built once per
+    pyproject and interpreter under .kvroute-cache/). No package index is used: an install that needed
+    anything more than the runtime dependencies fails here."""
+    project = pyproject()["project"]
+    deps = requirements(project["dependencies"])
+    venv = floor_venv(project["dependencies"], {name: floor(deps[name]) for name in ("grpcio", "protobuf")})
+    python = str(venv / "bin" / "python")
+    pip = [python, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "uninstall", "-y", "kvroute"], check=True, capture_output=True, timeout=120)  # a previous run's
+    site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    before = {p.name for p in site.iterdir()}
+    install = subprocess.run([*pip, "install", "--no-index", str(kvroute_wheel)], check=False, capture_output=True,
+                             text=True, timeout=300)
+    assert install.returncode == 0, f"pip install . needs more than the runtime dependencies:\n{install.stderr[-3000:]}"
+    after = {p.name for p in site.iterdir()}
+    return InstalledKvroute(venv, site, frozenset(after - before), frozenset(before - after))
 
 
 @pytest.fixture(scope="session")

@@ -1,20 +1,32 @@
-"""Who may import whom. Read from the source (every import statement of every packaged module, those
-inside functions included): the planes never import one another, the shared core (`kvroute.*` outside
-the planes and tools) imports no plane, the product imports nothing of `kvroute.tools` nor any
-package only the tools extra installs, the sim engine (an engine's stand-in) imports no plane, every first-party
+"""Who may import whom, and what a process loads.
+
+Read from the source (every import statement of every packaged module, those inside functions
+included): the planes never import one another, the shared core (`kvroute.*` outside the planes and
+tools) imports no plane, the product imports nothing of `kvroute.tools` nor any package only the
+tools extra installs, the sim engine (an engine's stand-in) imports no plane, every first-party
 import is spelled `kvroute.*`, and the components (core, each plane, each tool) import one another
-without a cycle."""
+without a cycle.
+
+Run: `kvroute --help` imports no subcommand, and `kvroute router` (its help, and a router serving)
+loads nothing of the tools, of matplotlib or numpy, or of another plane."""
 
 from __future__ import annotations
 
 import ast
 import functools
+import json
 import re
+import signal
+import subprocess
+import sys
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
+from kvroute.tools.local_cluster import ManagedProcess, free_port, http_ok, http_post_json, wait_until
 from tests.helpers import REPO
 
 PLANES = ("kvroute.control_plane", "kvroute.data_plane", "kvroute.worker_agent")
@@ -153,3 +165,63 @@ def test_the_graph_sees_the_imports_it_judges() -> None:
     assert ("kvroute.control_plane.auditor", "kvroute.control_plane.audit") in found
     assert ("kvroute.data_plane.cli", "kvroute.data_plane.tokenization") in found  # an import inside a function
     assert {"kvroute.cli", "kvroute.v1.kvroute_pb2", "kvroute.tools.sim_engine.tokenizer"} <= set(modules())
+
+
+# ---------------------------------------------------------------- what a process loads
+
+_LOADED = """
+import atexit, json, sys
+atexit.register(lambda: open(sys.argv[1], "w").write(json.dumps(sorted(sys.modules))))
+from kvroute.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def loaded_by(tmp_path: Path, *argv: str) -> tuple[int, set[str]]:
+    """Run `kvroute ARGV` in a fresh interpreter: its exit code and every module it had loaded at exit."""
+    dump = tmp_path / "modules.json"
+    proc = subprocess.run([sys.executable, "-c", _LOADED, str(dump), *argv], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60, check=False)
+    return proc.returncode, set(json.loads(dump.read_text()))
+
+
+def foreign(modules: set[str], plane: str | None) -> list[str]:
+    """What a product process must not have loaded: tools, tools-only packages, another plane."""
+    return sorted(m for m in modules
+                  if component(m).startswith(TOOLS) or m.split(".")[0] in ("matplotlib", "numpy")
+                  or (component(m) in PLANES and component(m) != plane))
+
+
+def test_kvroute_help_imports_no_subcommand(tmp_path: Path) -> None:
+    code, modules = loaded_by(tmp_path, "--help")
+    assert code == 0
+    assert {m for m in modules if m.startswith("kvroute")} == {"kvroute", "kvroute.cli"}
+
+
+def test_kvroute_router_help_loads_the_router_and_the_core_only(tmp_path: Path) -> None:
+    code, modules = loaded_by(tmp_path, "router", "--help")
+    assert code == 0 and "kvroute.data_plane.cli" in modules
+    assert foreign(modules, "kvroute.data_plane") == []
+
+
+@pytest.mark.e2e
+def test_a_running_router_loads_no_tool_and_no_other_plane(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The router started and asked to route (no control plane: it fails open; no fleet: 503), then
+    stopped with SIGTERM; what it had loaded by then."""
+    dump, port = tmp_path / "modules.json", free_port()
+    proc = subprocess.Popen([sys.executable, "-c", _LOADED, str(dump), "router", "--tokenizer", str(tiny_model_dir),
+                             "--control-plane", f"127.0.0.1:{free_port()}", "--port", str(port)],
+                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/health"), 30, "the router",
+                   [ManagedProcess("router", [], tmp_path / "none.log", proc)])
+        status, _ = http_post_json(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                   {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 503
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        stderr = proc.communicate(timeout=30)[1]
+    assert proc.returncode == 0, stderr[-2000:]
+    modules = set(json.loads(dump.read_text()))
+    assert {"kvroute.data_plane.http_api", "kvroute.data_plane.tokenization", "grpc"} <= modules
+    assert foreign(modules, "kvroute.data_plane") == []

@@ -9,23 +9,17 @@ the stubs and the control plane there and asks a control plane started from it o
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
-import shutil
 import subprocess
-import sys
 import textwrap
-import tomllib
-from pathlib import Path
 
 import pytest
-from packaging.requirements import Requirement
 from packaging.version import Version
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO, floor, pyproject, requirements
+
 STUBS = REPO / "kvroute" / "v1"
-CACHE = REPO / ".kvroute-cache"
 
 
 def stub_requirements() -> dict[str, str]:
@@ -36,21 +30,6 @@ def stub_requirements() -> dict[str, str]:
     grpc_ = re.search(r"^GRPC_GENERATED_VERSION = '([^']+)'$", (STUBS / "kvroute_pb2_grpc.py").read_text(), re.MULTILINE)
     assert proto and grpc_, "the generated stubs no longer state their versions where this test looks"
     return {"protobuf": ".".join(proto.groups()), "grpcio": grpc_.group(1)}
-
-
-def pyproject() -> dict:
-    return tomllib.loads((REPO / "pyproject.toml").read_text())
-
-
-def requirements(lines: list[str]) -> dict[str, Requirement]:
-    return {r.name.lower(): r for r in map(Requirement, lines)}
-
-
-def floor(req: Requirement) -> str:
-    """The version of the requirement's `>=` (or `==`) clause."""
-    bounds = [s.version for s in req.specifier if s.operator in (">=", "==")]
-    assert len(bounds) == 1, f"{req}: expected one lower bound"
-    return bounds[0]
 
 
 def test_floors_are_what_the_stubs_require():
@@ -94,40 +73,16 @@ _CHECK = textwrap.dedent("""
 """)
 
 
-def floor_venv(deps: list[str], floors: dict[str, str]) -> Path:
-    """A virtualenv with the declared dependencies and exactly `floors`, built once per pyproject
-    and interpreter under .kvroute-cache/ (pip's own cache keeps the wheels)."""
-    key = hashlib.sha256(f"{sys.version}\n{deps}\n{floors}".encode()).hexdigest()[:12]
-    venv = CACHE / f"floor-venv-{key}"
-    ready = venv / ".kvroute-ready"
-    if ready.exists():
-        return venv
-    for stale in CACHE.glob("floor-venv-*"):  # built for another pyproject or interpreter
-        shutil.rmtree(stale, ignore_errors=True)
-    venv.parent.mkdir(exist_ok=True)
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    constraints = venv / "floors.txt"
-    constraints.write_text("".join(f"{name}=={version}\n" for name, version in floors.items()))
-    install = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                              "-c", str(constraints), *deps], check=False, capture_output=True, text=True, timeout=800)
-    assert install.returncode == 0, f"the floors do not install with the other dependencies:\n{install.stderr[-3000:]}"
-    ready.touch()
-    return venv
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_floor_versions_install_import_and_serve(tmp_path, kvroute_wheel):
+def test_floor_versions_install_import_and_serve(tmp_path, installed_kvroute):
     from kvroute.tools.local_cluster import free_port
 
     project = pyproject()["project"]
     deps = requirements(project["dependencies"])
     floors = {name: floor(deps[name]) for name in ("grpcio", "protobuf")}
-    venv = floor_venv(project["dependencies"], floors)
-    # This tree's kvroute over the cached dependencies (--no-deps: the test is about those).
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                    "--no-deps", "--force-reinstall", str(kvroute_wheel)], check=True, timeout=120)
-    check = subprocess.run([str(venv / "bin" / "python"), "-c", _CHECK, f"127.0.0.1:{free_port()}"],
+    # installed_kvroute: this tree's kvroute in a virtualenv of the runtime dependencies with exactly the floors.
+    check = subprocess.run([str(installed_kvroute.python), "-c", _CHECK, f"127.0.0.1:{free_port()}"],
                            check=False, cwd=tmp_path, env={"PATH": "/usr/bin:/bin"},
                            capture_output=True, text=True, timeout=120)
     installed = json.loads(check.stdout.splitlines()[0])

@@ -523,7 +523,7 @@ def test_default_worker_id() -> None:
 
 
 def test_kvroute_agent_subcommand_is_wired() -> None:
-    from kvroute.cli import build_parser
+    from kvroute.cli import parse_args
 
-    args = build_parser().parse_args(["agent", "--engine", "vllm", "--model", "m"])
+    args = parse_args(["agent", "--engine", "vllm", "--model", "m"])
     assert args._run is cli.run and args.model == "m"
