@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.control_plane.index import BitmaskPrefixIndex, SetPrefixIndex, TierMatch
+from kvroute.control_plane.index import TierMatch
 from kvroute.control_plane.inflight import DuplicateReservation, InflightTracker
 
 
@@ -15,11 +15,6 @@ class ManualClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture(params=[BitmaskPrefixIndex, SetPrefixIndex], ids=lambda c: c.__name__)
-def index(request):
-    return request.param()
 
 
 @pytest.fixture
