@@ -11,7 +11,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[tools,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -19,6 +19,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	PYTHON=$(BIN)/python scripts/gen_protos.sh --check
+	$(BIN)/ruff check
 	$(BIN)/pytest
 
 # Real vLLM (CPU build) in its own cached virtualenv; see tests/vllm/.

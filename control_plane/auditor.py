@@ -1,5 +1,5 @@
 """The control plane auditing itself (`--audit-interval-s`): every interval, each live worker whose
-engine serves `GET /kvroute/blocks` is compared with the index (kvroute.audit's comparison, with
+engine serves `GET /kvroute/blocks` is compared with the index (kvroute.control_plane.audit's comparison, with
 its settle pause), and the result is exported:
 
   kvroute_cp_audit_divergent_blocks{worker_id, medium, kind}   kind = missing | extra, per tier;
@@ -8,7 +8,7 @@ its settle pause), and the result is exported:
   kvroute_cp_audit_runs_total{result}                           ok | not_auditable | error
 
 Workers whose engine lacks the endpoint are skipped (counted as not_auditable), unless
-`--audit-probe` is set: then they are audited by kvroute.audit's probe (a random prompt sent to
+`--audit-probe` is set: then they are audited by kvroute.control_plane.audit's probe (a random prompt sent to
 the engine twice; the index's prediction for the second send against the engine's prefix-cache
 counters), with the index itself answering what the worker holds. Series of workers that left
 are removed. The key sets are copied from the index between awaits, so the event loop is held
@@ -24,9 +24,9 @@ import time
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from control_plane.index import TIERS
-from control_plane.registry import WorkerRecord, WorkerRegistry
-from kvroute.audit import AuditError, Prober, ProbeTarget, TierKeys, WorkerAudit, audit_worker
+from kvroute.control_plane.audit import AuditError, Prober, ProbeTarget, TierKeys, WorkerAudit, audit_worker
+from kvroute.control_plane.index import TIERS
+from kvroute.control_plane.registry import WorkerRecord, WorkerRegistry
 
 log = logging.getLogger("kvroute.control_plane.audit")
 PROBE_MEDIUM = "any"  # the probe compares a prefix hit, whatever tier the engine found it on
@@ -63,7 +63,7 @@ class PeriodicAuditor:
                     await self.audit_all(http)
                 except asyncio.CancelledError:
                     raise
-                except Exception:  # noqa: BLE001 - the auditor must never take the control plane down
+                except Exception:  # the auditor must never take the control plane down
                     log.exception("audit round failed")
 
     async def audit_all(self, http: aiohttp.ClientSession) -> list[WorkerAudit]:

@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from control_plane.server import ControlPlaneConfig, serve
+    from kvroute.control_plane.server import ControlPlaneConfig, serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing("kvroute-control-plane")

@@ -3,7 +3,7 @@
 Workers are identified by small dense integers (slots) handed out by the registry, so the
 fast index can keep one int bitmask per block key. Both implementations satisfy the same
 `PrefixIndex` protocol and are checked by one conformance suite
-(tests/test_control_plane_index_conformance.py).
+(tests/control_plane/test_index_conformance.py).
 
 Semantics (shared by all implementations):
 - A key is held per (worker, tier): store/remove are idempotent set operations per
@@ -14,7 +14,7 @@ Semantics (shared by all implementations):
   first missing block, so a hole ends the match even if later keys are present.
 - speculate/unspeculate mark a worker as an unconfirmed holder of keys (a request was just sent
   there, its engine has not reported the blocks yet). Idempotent per (worker, key): who vouches
-  for a claim, and for how long, is the caller's business (control_plane.inflight). Speculative
+  for a claim, and for how long, is the caller's business (kvroute.control_plane.inflight). Speculative
   claims are not entries: worker_keys, counts, clear and match ignore them.
 - match_tiers(keys) is the same walk as match, but speculative claims also continue it; it says
   per worker how many matched blocks sit only on cpu, only on disk (a block on gpu and cpu counts
@@ -114,7 +114,7 @@ class BitmaskPrefixIndex:
     independent of worker count until workers drop out of the match.
     """
 
-    __slots__ = ("_tier_holders", "_below_gpu", "_speculative", "_aux", "_worker_keys")
+    __slots__ = ("_aux", "_below_gpu", "_speculative", "_tier_holders", "_worker_keys")
 
     def __init__(self) -> None:
         self._tier_holders: tuple[dict[int, int], ...] = tuple({} for _ in TIERS)

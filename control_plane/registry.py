@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from control_plane.index import PrefixIndex
+from kvroute.control_plane.index import PrefixIndex
 
 
 @dataclass(slots=True)

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from control_plane.auditor import PeriodicAuditor
-from control_plane.index import BitmaskPrefixIndex
-from control_plane.inflight import InflightTracker
-from control_plane.registry import WorkerRegistry
-from control_plane.service import GRPC_OPTIONS, ControlPlaneMetrics, ControlPlaneService, InflightCollector
+from kvroute.control_plane.auditor import PeriodicAuditor
+from kvroute.control_plane.index import BitmaskPrefixIndex
+from kvroute.control_plane.inflight import InflightTracker
+from kvroute.control_plane.registry import WorkerRegistry
+from kvroute.control_plane.service import GRPC_OPTIONS, ControlPlaneMetrics, ControlPlaneService, InflightCollector
 from kvroute.listeners import GrpcListener, start_status_site
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc

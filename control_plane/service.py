@@ -13,9 +13,9 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from control_plane.index import TIERS, Tier, TierMatch, tier_of_medium
-from control_plane.inflight import DuplicateReservation, InflightTracker, RouterSessionState, RouterTally
-from control_plane.registry import WorkerRecord, WorkerRegistry
+from kvroute.control_plane.index import TIERS, Tier, TierMatch, tier_of_medium
+from kvroute.control_plane.inflight import DuplicateReservation, InflightTracker, RouterSessionState, RouterTally
+from kvroute.control_plane.registry import WorkerRecord, WorkerRegistry
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
@@ -66,7 +66,7 @@ class InflightCollector:
         yield GaugeMetricFamily("kvroute_cp_speculative_claims", "(worker, block key) speculative claims",
                                 value=inflight.claim_count())
         events = CounterMetricFamily("kvroute_cp_reservation_events_total",
-                                     "Reservation lifecycle events (see control_plane.inflight.InflightCounters)",
+                                     "Reservation lifecycle events (see kvroute.control_plane.inflight.InflightCounters)",
                                      labels=["event"])
         for name, value in dataclasses.asdict(inflight.counters).items():
             events.add_metric([name], value)

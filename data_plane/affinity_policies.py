@@ -24,8 +24,18 @@ from collections.abc import Collection, Sequence
 
 import xxhash
 
-from data_plane.policies import POLICIES, Candidate, Choice, LeastLoaded, RoutingInput, _pick_one, _require, _rng, request_load
 from kvroute.block_keys import pack_token_ids
+from kvroute.data_plane.policies import (
+    POLICIES,
+    Candidate,
+    Choice,
+    LeastLoaded,
+    RoutingInput,
+    _pick_one,
+    _require,
+    _rng,
+    request_load,
+)
 
 
 def _others_by_load(chosen: Candidate, candidates: list[Candidate]) -> dict[str, float]:

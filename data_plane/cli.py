@@ -13,8 +13,8 @@ from kvroute.telemetry import setup_tracing, shutdown_tracing
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from data_plane.policies import POLICIES  # pure module, cheap to import for --help
-    from data_plane.traffic_capture import CAPTURE_BLOCK_TOKENS
+    from kvroute.data_plane.policies import POLICIES  # pure module, cheap to import for --help
+    from kvroute.data_plane.traffic_capture import CAPTURE_BLOCK_TOKENS
 
     p.add_argument("--control-plane", default="127.0.0.1:50051", metavar="HOST:PORT", help="control plane gRPC address")
     p.add_argument("--policy", default="kv_aware", choices=sorted(POLICIES), help="routing policy")
@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="deadline of the control-plane query; past it the router decides on load alone")
     p.add_argument("--kv-aware-param", action="append", default=[], metavar="NAME=VALUE",
                    help="override one of kv_aware's weights for this router's model, repeatable (names and "
-                        "meaning: data_plane.policies.KvAwareParams, e.g. recompute_weight=0.5, load_bound=1.5)")
+                        "meaning: kvroute.data_plane.policies.KvAwareParams, e.g. recompute_weight=0.5, load_bound=1.5)")
     p.add_argument("--router-id", default=None,
                    help="this router's id in the control plane's shared in-flight state (default: HOST-PID)")
     p.add_argument("--no-router-session", action="store_true",
@@ -83,14 +83,14 @@ def _parse_static(spec: str) -> dict[str, str]:
 async def serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from data_plane.control_plane_client import ControlPlaneClient
-    from data_plane.grpc_api import RouterGrpcService, add_router_service
-    from data_plane.http_api import RouterHttpApi
-    from data_plane.load_tracker import LoadTracker
-    from data_plane.policies import make_policy, parse_kv_aware_params
-    from data_plane.routing import Router
-    from data_plane.tokenization import load_tokenizer
-    from data_plane.traffic_capture import TrafficCapture
+    from kvroute.data_plane.control_plane_client import ControlPlaneClient
+    from kvroute.data_plane.grpc_api import RouterGrpcService, add_router_service
+    from kvroute.data_plane.http_api import RouterHttpApi
+    from kvroute.data_plane.load_tracker import LoadTracker
+    from kvroute.data_plane.policies import make_policy, parse_kv_aware_params
+    from kvroute.data_plane.routing import Router
+    from kvroute.data_plane.tokenization import load_tokenizer
+    from kvroute.data_plane.traffic_capture import TrafficCapture
     from kvroute.listeners import GrpcListener, check_port, start_http_site
     from kvroute.v1 import kvroute_pb2 as pb
     

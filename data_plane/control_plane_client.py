@@ -2,7 +2,7 @@
 `ListWorkers` refresher that keeps the known fleet (ids, endpoints, block sizes, load).
 
 The known fleet is what lets a slow or dead control plane degrade routing to load-only instead
-of to errors (`data_plane.routing` does the failing open):
+of to errors (`kvroute.data_plane.routing` does the failing open):
 
 - `workers_for(model)` is the latest `ListWorkers` snapshot for the model; if that is empty (a
   restarted control plane whose agents have not re-registered yet) it is the last non-empty
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from data_plane.router_session import RouterSessionLink, SessionUnavailable, cancel_and_wait
+from kvroute.data_plane.router_session import RouterSessionLink, SessionUnavailable, cancel_and_wait
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 

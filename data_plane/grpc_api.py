@@ -19,9 +19,9 @@ import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import propagate, trace
 
-from data_plane.routing import NoWorkersError, RouteDecision, Router
-from data_plane.tokenization import THREAD_TOKENIZE_CHARS, PromptTokenizer, TokenizationError
-from data_plane.traffic_capture import TrafficCapture
+from kvroute.data_plane.routing import NoWorkersError, RouteDecision, Router
+from kvroute.data_plane.tokenization import THREAD_TOKENIZE_CHARS, PromptTokenizer, TokenizationError
+from kvroute.data_plane.traffic_capture import TrafficCapture
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 

@@ -27,18 +27,18 @@ from aiohttp import web
 from opentelemetry import propagate, trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from data_plane.http_errors import error_response, openai_errors
-from data_plane.proxy import BackendProxy
-from data_plane.readiness import RouterReadiness, router_readiness
-from data_plane.routing import NoWorkersError, Router
-from data_plane.tokenization import (
+from kvroute.data_plane.http_errors import error_response, openai_errors
+from kvroute.data_plane.proxy import BackendProxy
+from kvroute.data_plane.readiness import RouterReadiness, router_readiness
+from kvroute.data_plane.routing import NoWorkersError, Router
+from kvroute.data_plane.tokenization import (
     THREAD_TOKENIZE_CHARS,
     PromptTokenizer,
     PromptTooLong,
     TokenizationError,
     lone_surrogate,
 )
-from data_plane.traffic_capture import TrafficCapture, reported_output_tokens, requested_output_tokens
+from kvroute.data_plane.traffic_capture import TrafficCapture, reported_output_tokens, requested_output_tokens
 
 log = logging.getLogger("kvroute.router.http")
 tracer = trace.get_tracer("kvroute.router")

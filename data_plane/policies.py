@@ -362,4 +362,4 @@ def make_policy(name: str, **params) -> RoutingPolicy:
 
 # session, chwbl and approx_tree live in affinity_policies, which imports this module and adds
 # itself to POLICIES; a module import (not `from ... import`) works whichever of the two loads first.
-import data_plane.affinity_policies  # noqa: F401
+import kvroute.data_plane.affinity_policies  # noqa: F401

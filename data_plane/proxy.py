@@ -30,11 +30,11 @@ import aiohttp
 from aiohttp import web
 from opentelemetry import propagate, trace
 
-from data_plane.http_errors import error_response
-from data_plane.metrics import RouterMetrics
-from data_plane.policies import Candidate
-from data_plane.routing import RouteDecision
-from data_plane.shared_inflight import SharedInflight
+from kvroute.data_plane.http_errors import error_response
+from kvroute.data_plane.metrics import RouterMetrics
+from kvroute.data_plane.policies import Candidate
+from kvroute.data_plane.routing import RouteDecision
+from kvroute.data_plane.shared_inflight import SharedInflight
 from kvroute.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger("kvroute.router.proxy")

@@ -16,7 +16,7 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from data_plane.control_plane_client import ControlPlaneClient
+from kvroute.data_plane.control_plane_client import ControlPlaneClient
 
 
 @dataclass(frozen=True, slots=True)

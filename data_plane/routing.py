@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import trace
 
-from data_plane.control_plane_client import ControlPlaneClient, KnownWorker
-from data_plane.load_tracker import LoadTracker
-from data_plane.metrics import RouterMetrics
-from data_plane.policies import Candidate, RoutingInput, RoutingPolicy
-from data_plane.prompt_keys import PromptKeyCache
-from data_plane.shared_inflight import SharedInflight
+from kvroute.data_plane.control_plane_client import ControlPlaneClient, KnownWorker
+from kvroute.data_plane.load_tracker import LoadTracker
+from kvroute.data_plane.metrics import RouterMetrics
+from kvroute.data_plane.policies import Candidate, RoutingInput, RoutingPolicy
+from kvroute.data_plane.prompt_keys import PromptKeyCache
+from kvroute.data_plane.shared_inflight import SharedInflight
 from kvroute.v1 import kvroute_pb2 as pb
 
 log = logging.getLogger("kvroute.router")

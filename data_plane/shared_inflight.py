@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from data_plane.load_tracker import InflightTicket, LoadTracker
-from data_plane.router_session import RouterSessionLink
+from kvroute.data_plane.load_tracker import InflightTicket, LoadTracker
+from kvroute.data_plane.router_session import RouterSessionLink
 
 
 @dataclass(slots=True)

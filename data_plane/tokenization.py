@@ -37,8 +37,8 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from data_plane.char_bound import CharBound, char_bound
-from data_plane.token_cache import SegmentTokenCache
+from kvroute.data_plane.char_bound import CharBound, char_bound
+from kvroute.data_plane.token_cache import SegmentTokenCache
 
 # Tokenizing costs a few tenths of a millisecond per 1000 characters; callers on an event loop run
 # longer inputs in a worker thread (the encode releases the GIL) so the loop keeps streaming meanwhile.

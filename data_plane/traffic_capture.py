@@ -37,8 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from data_plane.metrics import RouterMetrics
 from kvroute.block_keys import chain_block_keys, namespace_seed
+from kvroute.data_plane.metrics import RouterMetrics
 
 log = logging.getLogger("kvroute.router.capture")
 

@@ -1,44 +1,105 @@
-"""`kvroute` console script: one subcommand per process kind.
+"""`kvroute` console script: one subcommand per process kind or tool.
 
-Each subcommand lives in the module that owns it and exposes
-`add_arguments(parser)` and `run(args) -> int`; this file only dispatches, so no plane
-imports another.
+The table below is static: `kvroute --help` lists every subcommand without importing one, and
+`kvroute NAME ...` imports only NAME's module, which exposes `add_arguments(parser)` and
+`run(args) -> int`. So a router process loads nothing of the tools or the other planes. A tool
+subcommand needs the `kvroute[tools]` extra; without it, it says in one line what to install
+(exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import metadata
 
-# subcommand -> (module, one-line help)
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "control-plane": ("control_plane.cli", "run the control plane (global prefix index + worker registry, gRPC)"),
-    "agent": ("worker_agent.cli", "run a worker agent: engine KV events -> control plane"),
-    "router": ("data_plane.cli", "run a stateless router (OpenAI-compatible HTTP + gRPC Route)"),
-    "sim-engine": ("sim_engine.cli", "run a GPU-free vLLM stand-in (OpenAI API, real vLLM KV events)"),
-    "tiny-model": ("sim_engine.tiny_model", "write the demo's tiny local model (tokenizer + config) for --tokenizer"),
-    "audit": ("kvroute.audit", "compare the control plane's block keys per worker with what each engine caches"),
-    "demo": ("kvroute.demo", "compare kv_aware with round_robin live: a local fleet per policy, all at once"),
-    "simulate": ("simulator.cli", "simulate a fleet on a trace or generated workload under several policies"),
-    "bench": ("bench.cli", "hot-path micro-benchmarks (ingest, decision, proxy) and the live workload bench (live)"),
+DISTRIBUTION = "kvroute"
+EXIT_USAGE = 2
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    module: str
+    help: str
+    extra: str = ""  # the optional-dependency group it needs beyond the runtime dependencies
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "control-plane": Subcommand("kvroute.control_plane.cli",
+                                "run the control plane (global prefix index + worker registry, gRPC)"),
+    "agent": Subcommand("kvroute.worker_agent.cli", "run a worker agent: engine KV events -> control plane"),
+    "router": Subcommand("kvroute.data_plane.cli", "run a stateless router (OpenAI-compatible HTTP + gRPC Route)"),
+    "sim-engine": Subcommand("kvroute.tools.sim_engine.cli",
+                             "run a GPU-free vLLM stand-in (OpenAI API, real vLLM KV events)", "tools"),
+    "tiny-model": Subcommand("kvroute.tools.tiny_model",
+                             "write the demo's tiny local model (tokenizer + config) for --tokenizer", "tools"),
+    "audit": Subcommand("kvroute.control_plane.audit_cli",
+                        "compare the control plane's block keys per worker with what each engine caches"),
+    "demo": Subcommand("kvroute.tools.demo",
+                       "compare kv_aware with round_robin live: a local fleet per policy, all at once", "tools"),
+    "simulate": Subcommand("kvroute.tools.simulator.cli",
+                           "simulate a fleet on a trace or generated workload under several policies", "tools"),
+    "bench": Subcommand("kvroute.tools.bench.cli",
+                        "hot-path micro-benchmarks (ingest, decision, proxy) and the live workload bench (live)", "tools"),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser: every subcommand with its help line (each one's own flags load with it)."""
     parser = argparse.ArgumentParser(prog="kvroute", description="KV-cache-aware routing for LLM inference fleets.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (module_name, help_text) in SUBCOMMANDS.items():
-        module = importlib.import_module(module_name)
-        p = sub.add_parser(name, help=help_text, description=help_text,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+    for name, command in SUBCOMMANDS.items():
+        sub.add_parser(name, help=command.help, add_help=False)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def missing_requirements(extra: str) -> list[str]:
+    """The distributions `extra` names that are not installed ([] when kvroute itself is not installed,
+    e.g. run from a source tree: then an import error will say what is missing)."""
+    try:
+        requires = metadata.requires(DISTRIBUTION) or []
+    except metadata.PackageNotFoundError:
+        return []
+    missing = []
+    for requirement in requires:
+        name, _, marker = requirement.partition(";")
+        if not re.search(rf"""extra\s*==\s*["']{re.escape(extra)}["']""", marker):
+            continue
+        project = re.match(r"[A-Za-z0-9._-]+", name.strip())
+        try:
+            metadata.version(project.group(0) if project else name.strip())
+        except metadata.PackageNotFoundError:
+            missing.append(name.strip())
+    return missing
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """`kvroute ARGV`, importing only the named subcommand's module; `args._run` is its `run`.
+    Exits (argparse's way) on --help, on a usage error and when a tool's extra is missing."""
+    argv = list(argv)
+    if not argv or argv[0] not in SUBCOMMANDS:
+        build_parser().parse_args(argv)  # prints the help, or says what is wrong
+        raise SystemExit(EXIT_USAGE)     # not reached: a bare flag or an unknown name is an error there
+    name, command = argv[0], SUBCOMMANDS[argv[0]]
+    if command.extra and (missing := missing_requirements(command.extra)):
+        print(f"kvroute {name}: error: needs the {command.extra} extra: pip install 'kvroute[{command.extra}]' "
+              f"(missing: {', '.join(missing)})", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+    module = importlib.import_module(command.module)
+    parser = argparse.ArgumentParser(prog=f"kvroute {name}", description=command.help,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    module.add_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    args.command, args._run = name, module.run
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:

@@ -20,8 +20,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvroute.local_cluster import free_port, http_ok, kvroute_argv, wait_until
-from sim_engine.tiny_model import build_model_dir
+from kvroute.tools.local_cluster import free_port, http_ok, kvroute_argv, wait_until
+from kvroute.tools.tiny_model import build_model_dir
 
 
 def proc_status_mb(pid: int, key: str) -> float:

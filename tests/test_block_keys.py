@@ -37,7 +37,7 @@ def test_key_depends_on_whole_prefix() -> None:
 
 @pytest.mark.parametrize("field", ["model", "lora_name", "cache_salt", "block_size"])
 def test_namespaces_never_share_keys(field: str) -> None:
-    base = dict(model="m", block_size=16, lora_name="", cache_salt="")
+    base = {"model": "m", "block_size": 16, "lora_name": "", "cache_salt": ""}
     other = dict(base, **{field: 32 if field == "block_size" else "x"})
     assert namespace_seed(**base) != namespace_seed(**other)
 

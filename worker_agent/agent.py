@@ -32,16 +32,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvroute.listeners import start_status_site
 from kvroute.v1 import kvroute_pb2 as pb
-from worker_agent import sglang_wire, vllm_wire
-from worker_agent.block_resolver import BlockResolver
-from worker_agent.control_plane_client import ControlPlaneLink, WorkerIdentity
-from worker_agent.dp_endpoints import check_no_overlap, offset_endpoint, rank_endpoints
-from worker_agent.engine_metrics import EngineLoadPoller
-from worker_agent.engine_models import EngineModelsPoller
-from worker_agent.events import DecodedBatch
-from worker_agent.trtllm_events import TrtllmEventConverter
-from worker_agent.trtllm_poller import TrtllmEventPoller
-from worker_agent.zmq_source import ZmqEventSource
+from kvroute.worker_agent import sglang_wire, vllm_wire
+from kvroute.worker_agent.block_resolver import BlockResolver
+from kvroute.worker_agent.control_plane_client import ControlPlaneLink, WorkerIdentity
+from kvroute.worker_agent.dp_endpoints import check_no_overlap, offset_endpoint, rank_endpoints
+from kvroute.worker_agent.engine_metrics import EngineLoadPoller
+from kvroute.worker_agent.engine_models import EngineModelsPoller
+from kvroute.worker_agent.events import DecodedBatch
+from kvroute.worker_agent.trtllm_events import TrtllmEventConverter
+from kvroute.worker_agent.trtllm_poller import TrtllmEventPoller
+from kvroute.worker_agent.zmq_source import ZmqEventSource
 
 log = logging.getLogger("kvroute.agent")
 tracer = trace.get_tracer("kvroute.agent")

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, fields
 
 from kvroute.block_keys import chain_block_keys, namespace_seed
 from kvroute.v1 import kvroute_pb2 as pb
-from worker_agent.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent
+from kvroute.worker_agent.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent
 
 log = logging.getLogger("kvroute.agent.resolver")
 

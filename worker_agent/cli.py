@@ -22,7 +22,7 @@ import sys
 from kvroute.listeners import run_service
 from kvroute.telemetry import setup_tracing, shutdown_tracing
 
-# Same as worker_agent.agent.SUPPORTED_ENGINES / TRANSPORTS (not imported: keeps --help light).
+# Same as kvroute.worker_agent.agent.SUPPORTED_ENGINES / TRANSPORTS (not imported: keeps --help light).
 SUPPORTED_ENGINES = ("vllm", "sglang", "trtllm")
 TRANSPORTS = ("zmq", "http")
 
@@ -120,7 +120,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    from worker_agent.agent import AgentConfig
+    from kvroute.worker_agent.agent import AgentConfig
 
     return AgentConfig(control_plane=args.control_plane, kv_events=args.kv_events, engine_url=args.engine_url,
                        worker_id=args.worker_id, model=args.model, block_size=args.block_size, engine=args.engine,
@@ -133,7 +133,7 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from worker_agent.agent import WorkerAgent
+    from kvroute.worker_agent.agent import WorkerAgent
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

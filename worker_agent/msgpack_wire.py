@@ -20,8 +20,8 @@ from typing import Any
 
 import msgspec
 
-from worker_agent.events import DecodedBatch, EngineEvent, EventError, UnknownEventError
-from worker_agent.unknown_fields import strip_unknown_fields
+from kvroute.worker_agent.events import DecodedBatch, EngineEvent, EventError, UnknownEventError
+from kvroute.worker_agent.unknown_fields import strip_unknown_fields
 
 TOPIC, SEQ, PAYLOAD = 0, 1, 2  # frame positions
 EVENT_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})  # every msgpack dialect's tags

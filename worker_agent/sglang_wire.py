@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from worker_agent.events import (
+from kvroute.worker_agent.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -39,7 +39,7 @@ from worker_agent.events import (
     normalize_medium,
     normalize_parent,
 )
-from worker_agent.msgpack_wire import BatchDecoder, ClearedArray, ClearedMap
+from kvroute.worker_agent.msgpack_wire import BatchDecoder, ClearedArray, ClearedMap
 
 _Hash = int | bytes
 _Token = int | list[int]  # list: an EAGLE bigram pair

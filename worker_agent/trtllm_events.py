@@ -35,8 +35,8 @@ from typing import Any
 
 import msgspec
 
-from worker_agent.events import BlockRemoved, BlockStored, EngineEvent, EventError, normalize_hash, normalize_parent
-from worker_agent.unknown_fields import strip_unknown_fields
+from kvroute.worker_agent.events import BlockRemoved, BlockStored, EngineEvent, EventError, normalize_hash, normalize_parent
+from kvroute.worker_agent.unknown_fields import strip_unknown_fields
 
 _Hash = int | str
 

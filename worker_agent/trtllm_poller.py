@@ -21,8 +21,8 @@ from dataclasses import dataclass, fields
 import aiohttp
 
 from kvroute.rate_limited_log import RateLimitedLog
-from worker_agent.events import DecodedBatch
-from worker_agent.trtllm_events import BodyError, RankEvents, TrtllmEventConverter
+from kvroute.worker_agent.events import DecodedBatch
+from kvroute.worker_agent.trtllm_events import BodyError, RankEvents, TrtllmEventConverter
 
 log = logging.getLogger("kvroute.agent.trtllm")
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import msgspec
 
-from worker_agent.events import (  # re-exported: the simulator, bench and sim-engine tests import them from here
+from kvroute.worker_agent.events import (  # re-exported: the simulator, bench and sim-engine tests import them from here
     U64,
     AllBlocksCleared,
     BlockRemoved,
@@ -50,7 +50,7 @@ from worker_agent.events import (  # re-exported: the simulator, bench and sim-e
     normalize_medium,
     normalize_parent,
 )
-from worker_agent.msgpack_wire import (
+from kvroute.worker_agent.msgpack_wire import (
     BatchDecoder,
     BatchShapeError,
     ClearedArray,

@@ -49,9 +49,9 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvroute.listeners import open_zmq
 from kvroute.rate_limited_log import RateLimitedLog
-from worker_agent import vllm_wire
-from worker_agent.events import DecodedBatch
-from worker_agent.msgpack_wire import WireFormatError, split_frames
+from kvroute.worker_agent import vllm_wire
+from kvroute.worker_agent.events import DecodedBatch
+from kvroute.worker_agent.msgpack_wire import WireFormatError, split_frames
 
 log = logging.getLogger("kvroute.agent.zmq")
 END_SEQ = b"\xff" * 8  # (-1).to_bytes(8, "big", signed=True)

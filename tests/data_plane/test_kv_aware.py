@@ -1,0 +1,153 @@
+"""kv_aware's cost model beyond the basic formula: recompute penalty, tiers, load bound,
+temperature, tie-breaks, and the router's speculative holders (LoadTracker)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from kvroute.block_keys import prompt_block_keys
+from kvroute.data_plane.load_tracker import LoadTracker
+from kvroute.data_plane.policies import Candidate, KvAware, KvAwareParams, RoutingInput, make_policy
+from kvroute.tools.bench.burst import burst_decisions
+
+BS = 16
+
+
+def cand(worker_id: str, **kw) -> Candidate:
+    return Candidate(worker_id=worker_id, endpoint=f"http://{worker_id}", block_size=BS, **kw)
+
+
+def request(tokens: list[int]) -> RoutingInput:
+    return RoutingInput("m", len(tokens), token_ids=tokens, chains={BS: prompt_block_keys(tokens, BS, "m")})
+
+
+def test_speculative_holders_live_from_start_to_finish() -> None:
+    tracker = LoadTracker()
+    a = tracker.start("w1", 100, [1, 2, 3])
+    b = tracker.start("w2", 50, [1, 2, 4])
+    c = tracker.start("w1", 10, [1])
+    assert tracker.speculative_match([1, 2, 3, 9]) == {"w1": 3, "w2": 2}
+    assert tracker.speculative_match([1, 2, 4]) == {"w1": 2, "w2": 3}
+    assert tracker.speculative_match([7]) == {} and tracker.speculative_match([]) == {}
+    tracker.first_token(a)  # prefill done: load drops, the blocks are still held
+    assert tracker.inflight("w1") == (2, 10) and tracker.speculative_match([1, 2, 3])["w1"] == 3
+    tracker.finish(a)
+    tracker.finish(a)  # idempotent
+    assert tracker.speculative_match([1, 2, 3]) == {"w1": 1, "w2": 2}
+    tracker.finish(b)
+    tracker.finish(c)
+    assert tracker.speculative_match([1]) == {} and tracker.snapshot() == {}
+
+
+def burst_workers(policy: KvAware, speculative: bool, n: int = 64) -> list[str]:
+    """Where n simultaneous requests sharing a new 4096-token prefix go when each decision sees the
+    ones before it only through the router's tracker (no engine event has arrived yet)."""
+    prefix = list(range(1000, 1000 + 4096))
+    return burst_decisions(policy, [prefix + [50_000 + i] * 64 for i in range(n)], workers=8, block_size=BS,
+                           speculative=speculative)
+
+
+def test_a_burst_of_one_new_prefix_stays_on_few_workers() -> None:
+    with_spec = burst_workers(KvAware(seed=0), speculative=True)
+    without = burst_workers(KvAware(seed=0), speculative=False)
+    assert len(set(without)) == 8  # blind to the burst, every idle worker computes the prefix
+    # The load bound (a 4k prefill pending on one worker is over 1.25 x the mean + 2048) spreads it
+    # over a few workers, each then serving its share from cache.
+    assert len(set(with_spec)) <= 4
+    assert max(Counter(with_spec).values()) - min(Counter(with_spec).values()) <= 1
+    # Unbounded, followers join the first request (its blocks are speculatively held there) until
+    # the decode pressure there outweighs a second prefill...
+    unbounded = burst_workers(make_policy("kv_aware", load_bound=0.0, seed=0), speculative=True)
+    assert unbounded[:16] == [unbounded[0]] * 16
+    # ... and without the recompute penalty as well (pure TTFT greedy) the second already goes elsewhere.
+    greedy = burst_workers(make_policy("kv_aware", recompute_weight=0.0, load_bound=0.0, seed=0), speculative=True, n=2)
+    assert greedy[0] != greedy[1]
+
+
+def test_tier_credits_rank_gpu_over_cpu_over_disk_over_nothing() -> None:
+    req = RoutingInput("m", 4096)
+    policy = KvAware(seed=0)
+    gpu = cand("gpu", cached_tokens=4000)
+    cpu = cand("cpu", cached_tokens=4000, cpu_cached_tokens=4000)
+    disk = cand("disk", cached_tokens=4000, disk_cached_tokens=4000)
+    none = cand("none")
+    scores = policy.choose(req, [gpu, cpu, disk, none]).scores
+    assert scores["gpu"] < scores["cpu"] < scores["disk"] < scores["none"]
+    p = policy.params
+    assert policy.credited_tokens(cpu) == pytest.approx(4000 * p.cpu_tier_credit)
+    # A longer prefix on the cpu tier can beat a short one on gpu.
+    assert policy.choose(req, [cand("short_gpu", cached_tokens=1000), cpu]).worker.worker_id == "cpu"
+
+
+def test_load_bound_moves_a_hot_prefix_off_a_swamped_holder() -> None:
+    req = RoutingInput("m", 2304)
+    holder = cand("hot", cached_tokens=2048, pending_prefill_tokens=12_000)
+    others = [cand(f"w{i}", pending_prefill_tokens=500) for i in range(7)]
+    # Unbounded, the recompute penalty keeps it on the holder despite the queue...
+    unbounded = make_policy("kv_aware", load_bound=0.0, seed=0, decode_weight=0.0, recompute_weight=10.0)
+    assert unbounded.choose(req, [holder, *others]).worker.worker_id == "hot"
+    # ...bounded, the holder is over 1.25 x mean + slack and a second worker takes it (and caches it).
+    bounded = make_policy("kv_aware", load_bound=1.25, seed=0, decode_weight=0.0, recompute_weight=10.0)
+    assert bounded.choose(req, [holder, *others]).worker.worker_id != "hot"
+    # The least loaded worker is always eligible, even over the bound.
+    lone = [cand("a", pending_prefill_tokens=90_000), cand("b", pending_prefill_tokens=100_000)]
+    assert bounded.choose(req, lone).worker.worker_id == "a"
+
+
+def test_temperature_samples_by_cost_and_zero_is_the_minimum() -> None:
+    req = RoutingInput("m", 4096)
+    ws = [cand("best", cached_tokens=3000), cand("close", cached_tokens=2900), cand("far")]
+    hot = make_policy("kv_aware", temperature=200.0, rng=random.Random(3))
+    picks = Counter(hot.choose(req, ws).worker.worker_id for _ in range(600))
+    assert picks["best"] > picks["close"] > picks["far"] and picks["close"] > 60
+    cold = make_policy("kv_aware", seed=3)
+    assert {cold.choose(req, ws).worker.worker_id for _ in range(50)} == {"best"}
+
+
+def test_ties_go_to_the_emptiest_cache_then_agree_across_routers() -> None:
+    req = request(list(range(5000, 5000 + 512)))
+    ws = [cand("a", worker_cached_blocks=900), cand("b", worker_cached_blocks=100), cand("c", worker_cached_blocks=100)]
+    # Two routers with different seeds pick the same worker for the same new prefix...
+    picks = {KvAware(seed=s).choose(req, ws).worker.worker_id for s in range(10)}
+    assert len(picks) == 1 and picks <= {"b", "c"}
+    # ...and different new prefixes spread over the equally empty workers, never "always the first".
+    spread = Counter(KvAware(seed=0).choose(request(list(range(i * 1000, i * 1000 + 64))), ws).worker.worker_id
+                     for i in range(200))
+    assert set(spread) == {"b", "c"} and min(spread.values()) > 60
+
+
+def test_new_prefixes_spread_by_cache_size_while_caches_fill() -> None:
+    new = request(list(range(7000, 7000 + 2048)))  # 128 blocks nobody holds
+    # A worker holding two prefixes more than the others but a little less busy right now: while
+    # caches fill, the new prefix still goes to an emptier one (its future traffic comes along).
+    ws = [cand("full", worker_cached_blocks=400, running_requests=1),
+          cand("empty1", worker_cached_blocks=150, running_requests=2),
+          cand("empty2", worker_cached_blocks=170, running_requests=3)]
+    assert KvAware(seed=0).choose(new, ws).worker.worker_id == "empty1"
+    assert KvAware(KvAwareParams(spread_new_prefixes=0), seed=0).choose(new, ws).worker.worker_id == "full"
+    # Within spread_new_prefixes x the prompt (0.25 x 128 blocks) of the emptiest, the cost decides.
+    close = [cand("a", worker_cached_blocks=150, running_requests=2), cand("b", worker_cached_blocks=180, running_requests=1)]
+    assert KvAware(seed=0).choose(new, close).worker.worker_id == "b"
+    # Full caches (emptiest >= 0.9 x fullest): block counts now measure in-flight work, the cost decides.
+    full = [cand("busy", worker_cached_blocks=1000, running_requests=1), cand("idle", worker_cached_blocks=920,
+                                                                             running_requests=4)]
+    assert KvAware(seed=0).choose(new, full).worker.worker_id == "busy"
+    # A prompt some worker holds part of is not new: the cost (here: its cache hit) decides.
+    held = [cand("full", worker_cached_blocks=400, cached_tokens=512), cand("empty", worker_cached_blocks=100)]
+    assert KvAware(seed=0).choose(new, held).worker.worker_id == "full"
+    # Block sizes may differ: caches compare in tokens.
+    mixed = [Candidate("big", "http://big", 64, worker_cached_blocks=100, running_requests=1),
+             Candidate("small", "http://small", 16, worker_cached_blocks=200, running_requests=2)]
+    assert KvAware(seed=0).choose(new, mixed).worker.worker_id == "small"
+
+
+def test_parameters_are_validated_and_settable_flat() -> None:
+    assert make_policy("kv_aware", recompute_weight=0.5, load_bound=0).params == KvAwareParams(recompute_weight=0.5,
+                                                                                                 load_bound=0)
+    for bad in ({"cpu_tier_credit": 1.5}, {"decode_weight": -1}, {"load_bound": 0.5}, {"temperature": float("nan")},
+                {"spread_new_prefixes": -1}, {"spread_while_fill_below": 1.5}):
+        with pytest.raises(ValueError, match="kv_aware"):
+            make_policy("kv_aware", **bad)

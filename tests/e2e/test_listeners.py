@@ -1,0 +1,118 @@
+"""Every listener of every kvroute process refuses a port in use, and a malformed address, with one
+line on stderr naming the flag and the address and exit code 2 (kvroute/listeners.py)."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvroute.tools.local_cluster import ManagedProcess, _tcp_open, free_port, kvroute_argv, wait_until
+from tests.helpers import REPO
+
+
+@pytest.fixture(scope="module")
+def control_plane_port(tmp_path_factory) -> Iterator[int]:
+    """A real control plane process: its gRPC port is the one others must not share."""
+    port = free_port()
+    proc = ManagedProcess("control-plane", kvroute_argv("control-plane", "--listen", f"127.0.0.1:{port}"),
+                          tmp_path_factory.mktemp("cp") / "control-plane.log")
+    proc.start()
+    try:
+        wait_until(lambda: _tcp_open(f"127.0.0.1:{port}"), 30, "control plane", [proc])
+        yield port
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def busy_port() -> Iterator[int]:
+    """A plain listening socket (SO_REUSEADDR, no SO_REUSEPORT)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def refused(argv: list[str], flag: str, address: str, reason: str) -> None:
+    proc = subprocess.run(kvroute_argv(*argv), check=False, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1, proc.stderr  # no traceback, no log lines before it
+    assert lines[0].startswith(f"kvroute {argv[0]}: error: {flag} {address}: ") and reason in lines[0], lines[0]
+
+
+def test_a_second_control_plane_on_the_same_port_exits_2(control_plane_port: int) -> None:
+    address = f"127.0.0.1:{control_plane_port}"
+    refused(["control-plane", "--listen", address], "--listen", address, "address already in use")
+
+
+def test_a_router_grpc_port_taken_by_a_control_plane_exits_2(control_plane_port: int, tiny_model_dir: Path) -> None:
+    refused(["router", "--tokenizer", str(tiny_model_dir), "--port", str(free_port()), "--grpc-port",
+             str(control_plane_port)], "--grpc-port", f"127.0.0.1:{control_plane_port}", "address already in use")
+
+
+@pytest.mark.parametrize("process", ["control-plane", "agent", "agent-kv-events-bind", "router", "sim-engine"])
+def test_http_and_zmq_ports_in_use_exit_2(process: str, busy_port: int, tiny_model_dir: Path) -> None:
+    agent = ["agent", "--model", "tiny", "--engine-url", "http://127.0.0.1:9", "--control-plane",
+             f"127.0.0.1:{free_port()}"]
+    argv, flag, address = {
+        "control-plane": (["control-plane", "--listen", f"127.0.0.1:{free_port()}", "--metrics-port", str(busy_port)],
+                          "--metrics-port", f"127.0.0.1:{busy_port}"),
+        "agent": ([*agent, "--metrics-port", str(busy_port)], "--metrics-port", f"127.0.0.1:{busy_port}"),
+        "agent-kv-events-bind": ([*agent, "--kv-events-bind", "--kv-events", f"tcp://127.0.0.1:{busy_port}"],
+                                 "--kv-events-bind", f"tcp://127.0.0.1:{busy_port}"),
+        "router": (["router", "--tokenizer", str(tiny_model_dir), "--port", str(busy_port), "--grpc-port", "0"],
+                   "--port", f"127.0.0.1:{busy_port}"),
+        "sim-engine": (["sim-engine", "--tokenizer", str(tiny_model_dir), "--port", str(busy_port)],
+                       "--port", f"127.0.0.1:{busy_port}"),
+    }[process]
+    refused(argv, flag, address, "address already in use")
+
+
+@pytest.mark.parametrize("address,reason", [("notaport", "not HOST:PORT"), ("127.0.0.1:99999", "port must be 0..65535"),
+                                            ("no-such-host.invalid:50051", "cannot resolve the host")])
+def test_a_malformed_listen_address_exits_2(address: str, reason: str) -> None:
+    refused(["control-plane", "--listen", address], "--listen", address, reason)
+
+
+def test_a_router_grpc_port_out_of_range_exits_2(tiny_model_dir: Path) -> None:
+    refused(["router", "--tokenizer", str(tiny_model_dir), "--port", str(free_port()), "--grpc-port", "70000"],
+            "--grpc-port", "127.0.0.1:70000", "port must be 0..65535")
+
+
+async def test_no_grpc_server_can_share_a_kvroute_grpc_port() -> None:
+    from kvroute.listeners import GrpcListener, ListenError
+
+    listener = GrpcListener("--listen", "127.0.0.1:0", ("kvroute.v1.Test",))
+    await listener.start()
+    try:
+        # gRPC's default (SO_REUSEPORT) would let this one bind too if ours had it set.
+        with pytest.raises(RuntimeError):
+            grpc.aio.server().add_insecure_port(f"127.0.0.1:{listener.port}")
+        with pytest.raises(ListenError, match=f"--listen 127.0.0.1:{listener.port}: address already in use"):
+            GrpcListener("--listen", f"127.0.0.1:{listener.port}")
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{listener.port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            for service in ("", "kvroute.v1.Test"):
+                answer = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                assert answer.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await listener.stop(0)
+
+
+def test_every_grpc_server_in_the_product_is_a_grpc_listener() -> None:
+    """grpc.aio.server() is made in kvroute/listeners.py only (tests make their own fakes)."""
+    made_elsewhere = []
+    for package in ("kvroute", "control_plane", "data_plane", "worker_agent", "tools"):
+        for path in (REPO / package).rglob("*.py"):
+            if path.name != "listeners.py" and re.search(r"\bgrpc\.(aio\.)?server\(", path.read_text()):
+                made_elsewhere.append(str(path.relative_to(REPO)))
+    assert made_elsewhere == []

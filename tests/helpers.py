@@ -1,0 +1,127 @@
+"""Helpers shared by test modules (fixtures live in the conftest.py files; test modules never import
+one another)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from packaging.requirements import Requirement
+
+from kvroute.tools.local_cluster import LocalCluster, kvroute_argv
+from kvroute.v1 import kvroute_pb2 as pb
+from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = REPO / ".kvroute-cache"  # what tests build once and keep (git ignores it)
+FAKE_AGENT_BLOCK_SIZE = 16
+
+
+async def eventually(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.01,
+                     what: str = "condition") -> None:
+    """Poll `predicate()` on the running event loop until it is truthy; fail after `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, f"{what} not reached in time"
+        await asyncio.sleep(interval)
+
+
+def pyproject() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def requirements(lines: list[str]) -> dict[str, Requirement]:
+    return {r.name.lower(): r for r in map(Requirement, lines)}
+
+
+def floor(req: Requirement) -> str:
+    """The version of the requirement's `>=` (or `==`) clause."""
+    bounds = [s.version for s in req.specifier if s.operator in (">=", "==")]
+    assert len(bounds) == 1, f"{req}: expected one lower bound"
+    return bounds[0]
+
+
+def floor_venv(deps: list[str], floors: dict[str, str]) -> Path:
+    """A virtualenv with the declared dependencies and exactly `floors`, built once per pyproject
+    and interpreter under .kvroute-cache/ (pip's own cache keeps the wheels)."""
+    key = hashlib.sha256(f"{sys.version}\n{deps}\n{floors}".encode()).hexdigest()[:12]
+    venv = CACHE / f"floor-venv-{key}"
+    ready = venv / ".kvroute-ready"
+    if ready.exists():
+        return venv
+    for stale in CACHE.glob("floor-venv-*"):  # built for another pyproject or interpreter
+        shutil.rmtree(stale, ignore_errors=True)
+    venv.parent.mkdir(exist_ok=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    constraints = venv / "floors.txt"
+    constraints.write_text("".join(f"{name}=={version}\n" for name, version in floors.items()))
+    install = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                              "-c", str(constraints), *deps], check=False, capture_output=True, text=True, timeout=800)
+    assert install.returncode == 0, f"the floors do not install with the other dependencies:\n{install.stderr[-3000:]}"
+    ready.touch()
+    return venv
+
+
+@dataclass(frozen=True)
+class InstalledKvroute:
+    venv: Path
+    site_packages: Path
+    added: frozenset[str]    # top-level site-packages entries the install added
+    removed: frozenset[str]  # ... and took away
+
+    @property
+    def python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+
+async def run_audit(cluster: LocalCluster, *args: str) -> tuple[int, dict, str]:
+    proc = await asyncio.create_subprocess_exec(
+        *kvroute_argv("audit", "--control-plane", cluster.control_plane_addr, *args),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    lines = out.decode().strip().splitlines()
+    return proc.returncode, json.loads(lines[-1]), out.decode() + err.decode()
+
+
+class FakeAgent:
+    """A Connect stream that tells the control plane whatever the test wants, heartbeating meanwhile."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.aio.insecure_channel(address)
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.call = pb_grpc.ControlPlaneStub(self.channel).Connect(self._messages())
+        self.heartbeats: asyncio.Task | None = None
+
+    async def _messages(self):
+        while (message := await self.outbox.get()) is not None:
+            yield message
+
+    async def claim(self, worker_id: str, endpoint: str, tiers: dict[str, list[int]]) -> None:
+        await self.outbox.put(pb.AgentMessage(register=pb.RegisterWorker(
+            worker_id=worker_id, model="tiny-llama", engine="sim", block_size=FAKE_AGENT_BLOCK_SIZE, endpoint=endpoint)))
+        await self.call.read()
+        await self.outbox.put(pb.AgentMessage(batch=pb.EventBatch(seq=1, snapshot=True, events=[
+            pb.BlockEvent(stored=pb.BlocksStored(block_keys=keys, medium=medium)) for medium, keys in tiers.items()])))
+        await self.call.read()
+        self.heartbeats = asyncio.create_task(self._heartbeat())
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await self.outbox.put(pb.AgentMessage(heartbeat=pb.Heartbeat(load=pb.WorkerLoad())))
+            await asyncio.sleep(0.5)
+
+    async def close(self) -> None:
+        if self.heartbeats:
+            self.heartbeats.cancel()
+        await self.outbox.put(None)
+        await self.channel.close()

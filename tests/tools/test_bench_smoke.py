@@ -1,0 +1,36 @@
+"""The micro-benchmarks run and report sane figures (their speed is measured by `kvroute bench`, not here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvroute.tools.bench.ingest import run_ingest
+
+pytestmark = pytest.mark.e2e  # starts kvroute processes
+
+
+def test_ingest_counts_every_block_event() -> None:
+    result = run_ingest(n_batches=40, blocks_per_event=4, block_size=16, workers=4)
+    assert result["block_events"] == 40 * (4 + 2)  # each batch stores 4 blocks and removes 2
+    assert result["block_events_per_s"] > 0 and 20 < result["bytes_per_block_entry"] < 2000
+
+
+def test_decision_bench_cli_prints_json_last() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "bench", "decision", "--prompt-tokens", "512",
+                          "--workers", "4", "--iterations", "10", "--json"], capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["fail_open"] == 0 and result["workers"] == 4 and result["p50_ms"] > 0
+
+
+def test_answer_bench_cli_prints_json_last() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "bench", "answer", "--workers", "4", "--iterations",
+                          "10", "--pause-ms", "0.1", "--json"], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["workers"] == 4 and result["back_to_back_p50_us"] > 0 and result["pause_ms"] == 0.1

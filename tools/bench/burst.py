@@ -1,0 +1,109 @@
+"""`kvroute bench burst`: one new prefix arriving all at once, through two routers.
+
+64 requests share a new 4096-token prefix (each with its own 64-token tail) and are sent at
+the same instant, alternating between two router processes. No engine event about the prefix
+exists yet, so where the burst lands is decided by the routers' in-flight state alone. Three
+numbers, side by side:
+
+- `reference_workers`: how many workers kv_aware picks when ONE decision sequence sees every
+  earlier decision (what the load bound requires: the bound, not affinity, decides when to add
+  a worker);
+- `shared`: workers used by two routers sharing in-flight state through the control plane
+  (RouterSession reservations; the default);
+- `unshared`: the same with `--no-router-session` (each router sees only its own requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import aiohttp
+
+from kvroute.block_keys import prompt_block_keys
+from kvroute.data_plane.load_tracker import LoadTracker
+from kvroute.data_plane.policies import Candidate, RoutingInput, RoutingPolicy, make_policy
+
+BURST_REQUESTS = 64
+PREFIX_TOKENS = 4096
+TAIL_TOKENS = 64
+VOCAB = 2000  # the tiny sim model's vocabulary is 2048
+
+
+def burst_prompts(seed: int, requests: int = BURST_REQUESTS) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, VOCAB) for _ in range(PREFIX_TOKENS)]
+    return [prefix + [rng.randrange(3, VOCAB) for _ in range(TAIL_TOKENS)] for _ in range(requests)]
+
+
+def burst_decisions(policy: RoutingPolicy, prompts: list[list[int]], workers: int = 8, block_size: int = 16,
+                    speculative: bool = True) -> list[str]:
+    """Where `prompts` arriving at once go on an empty fleet when each decision sees all earlier ones
+    through a router's tracker (in-flight load, and speculative holders unless `speculative` is off)."""
+    tracker = LoadTracker()
+    ids = [f"w{i}" for i in range(workers)]
+    chosen = []
+    for tokens in prompts:
+        keys = prompt_block_keys(tokens, block_size, "m")
+        spec = tracker.speculative_match(keys) if speculative else {}
+        candidates = []
+        for w in ids:
+            inflight, pending = tracker.inflight(w)
+            candidates.append(Candidate(w, "", block_size, cached_tokens=min(spec.get(w, 0) * block_size, len(tokens)),
+                                        inflight_requests=inflight, pending_prefill_tokens=pending))
+        choice = policy.choose(RoutingInput("m", len(tokens), token_ids=tokens, chains={block_size: keys}), candidates)
+        tracker.start(choice.worker.worker_id, len(tokens) - choice.worker.cached_tokens, keys)
+        chosen.append(choice.worker.worker_id)
+    return chosen
+
+
+def reference_workers(workers: int, prompts: list[list[int]], block_size: int = 16, **params) -> int:
+    """Workers kv_aware uses for `prompts` arriving at once when each decision sees all earlier ones
+    (in-flight load and speculative holders), on an empty fleet: what its load bound requires."""
+    return len(set(burst_decisions(make_policy("kv_aware", seed=0, **params), prompts, workers, block_size)))
+
+
+def send_burst(router_urls: list[str], model: str, prompts: list[list[int]], max_tokens: int = 8) -> list[str]:
+    """POST every prompt at once (round-robin over the routers); the worker that served each one."""
+
+    async def main() -> list[str]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            async def one(i: int, tokens: list[int]) -> str:
+                body = {"model": model, "prompt": tokens, "max_tokens": max_tokens}
+                async with session.post(router_urls[i % len(router_urls)] + "/v1/completions", json=body) as resp:
+                    await resp.read()
+                    return resp.headers.get("x-kvroute-worker", "") if resp.status == 200 else ""
+            return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    return asyncio.run(main())
+
+
+def run_burst(workers: int = 8, seed: int = 11) -> dict:
+    from kvroute.tools.local_cluster import LocalCluster
+    from kvroute.tools.tiny_model import build_model_dir
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvroute-burst-"))
+    cluster = LocalCluster(workdir=workdir, tokenizer_dir=build_model_dir(workdir / "tiny-llama"))
+    result: dict = {"workers": workers, "requests": BURST_REQUESTS, "prefix_tokens": PREFIX_TOKENS}
+    try:
+        cluster.start_sim_fleet(workers, "--num-blocks", "4096", "--speedup", "2")
+        cluster.start_router("a", "kv_aware")
+        cluster.start_router("b", "kv_aware")
+        cluster.start_router("a-unshared", "kv_aware", "--no-router-session")
+        cluster.start_router("b-unshared", "kv_aware", "--no-router-session")
+        for label, names, seed_offset in (("shared", ("a", "b"), 0), ("unshared", ("a-unshared", "b-unshared"), 1)):
+            prompts = burst_prompts(seed + seed_offset)  # a new prefix for each run
+            started = time.perf_counter()
+            served = send_burst([cluster.router_urls[n] for n in names], cluster.model, prompts)
+            used = Counter(served)
+            result[label] = {"workers_used": len(used), "per_worker": dict(sorted(used.items())),
+                             "failed": served.count(""), "wall_s": round(time.perf_counter() - started, 2)}
+            time.sleep(1.0)  # let the engines finish before the next burst
+        result["reference_workers"] = reference_workers(workers, burst_prompts(seed))
+    finally:
+        cluster.stop()
+    return result

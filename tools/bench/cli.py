@@ -1,0 +1,114 @@
+"""`kvroute bench {ingest,decision,answer,proxy,inflight,burst,live}`: hot-path micro-benchmarks, the staleness of
+shared in-flight state (`bench/inflight.py`) and the live-vs-simulator benchmark (`bench/live.py`);
+the last stdout line is JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    ingest = sub.add_parser("ingest", help="event decode -> key resolution -> index update (block events/s, bytes/entry)")
+    ingest.add_argument("--batches", type=int, default=4000, help="vLLM event batches to ingest")
+    ingest.add_argument("--blocks-per-event", type=int, default=16, help="blocks per BlockStored")
+    ingest.add_argument("--workers", type=int, default=8, help="workers the batches are spread over")
+    decision = sub.add_parser("decision", help="tokenize + hash + control-plane query over gRPC + score (p50/p99)")
+    decision.add_argument("--prompt-tokens", type=int, default=8192, help="prompt length")
+    decision.add_argument("--workers", type=int, default=64, help="registered workers")
+    decision.add_argument("--iterations", type=int, default=300, help="timed decisions")
+    decision.add_argument("--block-size", type=int, default=16, help="worker block size")
+    decision.add_argument("--pin-cores", action="store_true",
+                          help="run the router (this process) and the control plane on different cores, as on "
+                               "separate hosts; without it they share the machine's cores as the OS schedules them")
+    answer = sub.add_parser("answer", help="the control plane's answer to one query, in-process: back to back, "
+                            "after an idle pause, after other memory traffic (p50 us)")
+    answer.add_argument("--workers", type=int, default=64, help="registered workers")
+    answer.add_argument("--iterations", type=int, default=2000, help="timed answers per way")
+    answer.add_argument("--pause-ms", type=float, default=1.0, help="idle time before each answer of the pause run")
+    proxy = sub.add_parser("proxy", help="completion latency direct to an engine vs through the router")
+    proxy.add_argument("--requests", type=int, default=300, help="requests per path")
+    inflight = sub.add_parser("inflight", help="RouterSession: how long until one router's reserve/release is "
+                              "visible to another router's queries (p50/p99)")
+    inflight.add_argument("--trials", type=int, default=200, help="timed reserve + release pairs")
+    inflight.add_argument("--block-keys", type=int, default=64, help="block keys per reservation")
+    burst = sub.add_parser("burst", help="64 simultaneous requests with one new 4k-token prefix through two routers: "
+                           "workers used with and without shared in-flight state, next to what the load bound requires")
+    burst.add_argument("--workers", type=int, default=8, help="sim engines")
+    for sp in (ingest, decision, answer, proxy, inflight, burst):
+        sp.add_argument("--json", action="store_true", help="print only the JSON result")
+    live = sub.add_parser("live", help="a simulator workload live over HTTP (routers + sim engines as processes), "
+                          "side by side with the simulator", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_live_arguments(live)
+
+
+def add_live_arguments(p: argparse.ArgumentParser) -> None:
+    """Defaults: a load where round-robin thrashes 640-block caches (8 x 2048-token prefixes = 1024
+    blocks, more than one engine holds, less than the fleet's 2560) and queues; ~35 s on 2 cores."""
+    from kvroute.tools.simulator.cli import add_generated_workload_knobs
+    from kvroute.tools.simulator.workloads import WORKLOAD_NAMES  # light; keeps `kvroute --help` from importing aiohttp
+
+    w = p.add_argument_group("workload (the knobs of `kvroute simulate`)")
+    w.add_argument("--workload", choices=WORKLOAD_NAMES, default="shared-prefix", help="generated workload")
+    add_generated_workload_knobs(w, requests=600, rate=20.0, output_tokens=16)
+    w.add_argument("--seed", type=int, default=0, help="workload and simulator seed")
+    f = p.add_argument_group("local fleet (started unless --router-url / --engine-urls are given)")
+    f.add_argument("--policies", default="kv_aware,round_robin", help="comma-separated policies, one router each")
+    f.add_argument("--kv-aware-param", action="append", default=[], metavar="NAME=VALUE",
+                   help="one of kv_aware's weights (kvroute.data_plane.policies.KvAwareParams) for its router and its "
+                        "simulation, repeatable; with --router-url, pass the router's own")
+    f.add_argument("--engines", type=int, default=4, help="sim engines, each with its own agent")
+    f.add_argument("--num-blocks", type=int, default=640, help="KV cache capacity of each engine, in blocks")
+    f.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    f.add_argument("--speedup", type=float, default=2.0,
+                   help="engines run this many times faster than the cost model (arrivals are divided by it, "
+                        "latencies multiplied back)")
+    f.add_argument("--workdir", default="", help="directory for logs and the tiny model (empty: a temp dir)")
+    t = p.add_argument_group("an already running fleet (--num-blocks, --block-size, --speedup must describe it)")
+    t.add_argument("--router-url", default="", help="bench this router (its own policy) instead of a local fleet")
+    t.add_argument("--engine-urls", default="", help="comma-separated engine URLs: /metrics hit rate, cache reset, --direct")
+    t.add_argument("--model", default="tiny-llama", help="served model name")
+    t.add_argument("--vocab-size", type=int, default=2048,
+                   help="vocabulary the workload's token ids are folded into (a local fleet uses the tiny model's own)")
+    p.add_argument("--direct", action="store_true", help="also run a no-router baseline: round-robin to the engines")
+    p.add_argument("--concurrency", type=int, default=0,
+                   help="closed loop with this many requests in flight (0: open loop at the arrival times)")
+    p.add_argument("--json", action="store_true", help="print only the JSON result")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench == "live":
+        from kvroute.tools.bench.live import run as run_live
+
+        return run_live(args)  # prints its own table and JSON
+    if args.bench == "ingest":
+        from kvroute.tools.bench.ingest import run_ingest
+
+        result = run_ingest(args.batches, args.blocks_per_event, workers=args.workers)
+    elif args.bench == "burst":
+        from kvroute.tools.bench.burst import run_burst
+
+        result = run_burst(args.workers)
+    elif args.bench == "decision":
+        from kvroute.tools.bench.decision import run_decision
+
+        result = run_decision(args.prompt_tokens, args.workers, args.block_size, args.iterations,
+                              pin_cores=args.pin_cores)
+    elif args.bench == "answer":
+        from kvroute.tools.bench.answer import run_answer
+
+        result = run_answer(args.workers, iterations=args.iterations, pause_ms=args.pause_ms)
+    elif args.bench == "inflight":
+        from kvroute.tools.bench.inflight import run_inflight
+
+        result = run_inflight(args.trials, args.block_keys)
+    else:
+        from kvroute.tools.bench.proxy import run_proxy
+
+        result = run_proxy(args.requests)
+    if not args.json:
+        for key, value in result.items():
+            print(f"{key:>24}: {value}")
+    print(json.dumps(result))
+    return 0

@@ -1,0 +1,415 @@
+"""Starts a local kvroute fleet as separate OS processes on loopback ports.
+
+Used by `kvroute demo`, the end-to-end tests and the live benchmarks, so all three exercise
+exactly what a user deploys: one control plane, N engines (sim or real vLLM) each with its
+own agent, and routers, talking over real gRPC/ZMQ/HTTP sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvroute.control_plane.audit import FleetAudit, audit_fleet
+from kvroute.tools.sim_engine.dialects import DEFAULT_DIALECT, get_dialect
+
+_WORDS = ("cache", "token", "prefix", "router", "worker", "model", "request", "latency", "block", "memory", "engine",
+          "query", "index")
+
+
+def long_text(seed: int, n_words: int = 400) -> str:
+    """A deterministic document of about `n_words` tokens (tiny model) whose first word already differs
+    between nearby seeds, so each seed is its own prefix from the first block on."""
+    return " ".join(_WORDS[(seed * 7 + i * 3 + i // 5) % len(_WORDS)] for i in range(n_words)) + f" seed {seed}."
+
+
+def _ephemeral_low(default: int = 32768) -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
+class PortAllocator:
+    """Ports for processes that bind them later. A port the kernel picked with bind(0) sits in the
+    ephemeral range, where any outgoing connection may take it before our engine binds it (seen in
+    CI: ZMQ "Address already in use"). These come from below that range, each handed out once per
+    allocator, from a random start so that two test processes rarely walk the same ports, and only
+    after a bind on every interface succeeded just now."""
+
+    def __init__(self, low: int = 20000, high: int | None = None, seed: int | None = None) -> None:
+        self.low, self.high = low, min(high or 65536, _ephemeral_low())
+        if self.high - self.low < 100:
+            raise ValueError(f"no room for ports between {self.low} and {self.high}")
+        self._next = random.Random(seed).randrange(self.low, self.high)
+        self._handed_out: set[int] = set()
+
+    def take(self) -> int:
+        for _ in range(self.high - self.low):
+            port, self._next = self._next, self._next + 1 if self._next + 1 < self.high else self.low
+            if port not in self._handed_out and _bindable(port):
+                self._handed_out.add(port)
+                return port
+        raise RuntimeError(f"no free port between {self.low} and {self.high}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("0.0.0.0", port))  # engines bind "*" (every interface), not only loopback
+        except OSError:
+            return False
+    return True
+
+
+# One per process: ports are a process-wide resource, and two clusters in one test run must not
+# be handed the same one.
+_PORTS = PortAllocator()
+
+
+def free_port() -> int:
+    return _PORTS.take()
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits_total"
+
+
+def engine_prefix_counters(url: str) -> tuple[float, float]:
+    """An engine's vLLM prefix-cache counters (queries, hits), summed over label sets."""
+    status, body = http_get(url + "/metrics")
+    if status != 200:
+        raise RuntimeError(f"{url}/metrics answered {status}")
+    queries = hits = 0.0
+    for line in body.decode().splitlines():
+        if line.startswith(PREFIX_CACHE_QUERIES):
+            queries += float(line.rsplit(" ", 1)[1])
+        elif line.startswith(PREFIX_CACHE_HITS):
+            hits += float(line.rsplit(" ", 1)[1])
+    return queries, hits
+
+
+def http_post_json(url: str, body: dict | None = None, timeout: float = 10.0) -> tuple[int, bytes]:
+    status, _, raw = http_post_json_headers(url, body, timeout)
+    return status, raw
+
+
+def http_post_json_headers(url: str, body: dict | None = None, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
+    """POST a JSON body: (status, response headers with lower-case names, body)."""
+    data = json.dumps(body or {}).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    argv: list[str]
+    log_path: Path
+    popen: subprocess.Popen | None = None
+
+    def start(self, env: dict[str, str] | None = None) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
+            self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          env={**os.environ, **(env or {})}, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, timeout: float = 5.0, sig: int = signal.SIGTERM) -> None:
+        if not self.popen or self.popen.poll() is not None:
+            return
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(5)
+
+    def kill(self) -> None:
+        self.stop(sig=signal.SIGKILL)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+
+def kvroute_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvroute.cli", *args]
+
+
+def wait_until(predicate, timeout: float, what: str, procs: list[ManagedProcess] = (), interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = predicate()
+        if result:
+            return result
+        for proc in procs:
+            if not proc.alive():
+                raise RuntimeError(f"{proc.name} exited while waiting for {what}:\n{proc.log_tail()}")
+        time.sleep(interval)
+    tails = "\n".join(f"--- {p.name}\n{p.log_tail(15)}" for p in procs)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}\n{tails}")
+
+
+def http_ok(url: str) -> bool:
+    try:
+        return http_get(url, timeout=1.0)[0] == 200
+    except OSError:
+        return False
+
+
+@dataclass
+class EngineHandle:
+    worker_id: str
+    url: str
+    kv_events_port: int
+    replay_port: int
+    engine: ManagedProcess
+    agent: ManagedProcess | None = None
+    dialect: str = DEFAULT_DIALECT
+    block_size: int = 16
+    agent_metrics_url: str = ""   # the agent's own /metrics and /health (set by start_agent)
+
+    @property
+    def engine_family(self) -> str:
+        """vllm, sglang or trtllm: the dialect's engine."""
+        return get_dialect(self.dialect).engine
+
+
+@dataclass
+class LocalCluster:
+    """A control plane, sim engines with agents, and routers, each its own process."""
+
+    workdir: Path
+    tokenizer_dir: Path
+    model: str = "tiny-llama"
+    block_size: int = 16
+    heartbeat_timeout_s: float = 3.0
+    control_plane: ManagedProcess | None = None
+    control_plane_addr: str = ""
+    engines: list[EngineHandle] = field(default_factory=list)
+    routers: dict[str, ManagedProcess] = field(default_factory=dict)
+    router_urls: dict[str, str] = field(default_factory=dict)
+
+    def all_processes(self) -> list[ManagedProcess]:
+        procs = [self.control_plane] if self.control_plane else []
+        for e in self.engines:
+            procs.append(e.engine)
+            if e.agent:
+                procs.append(e.agent)
+        return procs + list(self.routers.values())
+
+    # -------------------------------------------------------------- control plane
+
+    def start_control_plane(self, port: int | None = None, extra_args: tuple[str, ...] = ()) -> str:
+        """`extra_args` go to `kvroute control-plane` as they are (e.g. --audit-interval-s 1)."""
+        port = port or free_port()
+        self.control_plane_addr = f"127.0.0.1:{port}"
+        self.control_plane = ManagedProcess("control-plane", kvroute_argv(
+            "control-plane", "--listen", self.control_plane_addr,
+            "--heartbeat-timeout", str(self.heartbeat_timeout_s), *extra_args), self.workdir / "control-plane.log")
+        self.control_plane.start()
+        wait_until(lambda: _tcp_open(self.control_plane_addr), 30, "control plane", [self.control_plane])
+        return self.control_plane_addr
+
+    def restart_control_plane(self, while_down: Callable[[], object] | None = None, kill: bool = False) -> None:
+        """Stop (SIGTERM, or SIGKILL with `kill`) and start the control plane on the same port,
+        calling `while_down()` in between."""
+        assert self.control_plane is not None
+        if kill:
+            self.control_plane.kill()
+        else:
+            self.control_plane.stop()
+        if while_down is not None:
+            while_down()
+        self.control_plane.start()
+        wait_until(lambda: _tcp_open(self.control_plane_addr), 30, "control plane restart", [self.control_plane])
+
+    # -------------------------------------------------------------- engines + agents
+
+    def add_sim_engine(self, worker_id: str, *extra_engine_args: str, start_agent: bool = True,
+                       agent_args: tuple[str, ...] = (), dialect: str | None = None, block_size: int | None = None,
+                       lora_adapters: tuple[str, ...] = (), cpu_offload_blocks: int = 0) -> EngineHandle:
+        """A sim engine process (and its agent). `dialect` picks the engine/version it imitates
+        (kvroute.tools.sim_engine.dialects; None = its default); `block_size` overrides the cluster's."""
+        port, ev_port, replay_port = free_port(), free_port(), free_port()
+        block_size = block_size or self.block_size
+        args = ["--block-size", str(block_size)]
+        if dialect is not None:
+            args += ["--dialect", dialect]
+        if get_dialect(dialect or DEFAULT_DIALECT).transport == "zmq":  # TRT-LLM's pull path has none
+            config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ev_port}",
+                      "replay_endpoint": f"tcp://*:{replay_port}", "topic": ""}
+            args += ["--kv-events-config", json.dumps(config)]
+        if lora_adapters:
+            args += ["--lora-adapters", ",".join(lora_adapters)]
+        if cpu_offload_blocks:
+            args += ["--cpu-offload-blocks", str(cpu_offload_blocks)]
+        engine = ManagedProcess(worker_id, kvroute_argv(
+            "sim-engine", "--host", "127.0.0.1", "--port", str(port), "--model", self.model,
+            "--tokenizer", str(self.tokenizer_dir), *args, *extra_engine_args), self.workdir / f"{worker_id}.log")
+        engine.start()
+        handle = EngineHandle(worker_id, f"http://127.0.0.1:{port}", ev_port, replay_port, engine,
+                              dialect=dialect or DEFAULT_DIALECT, block_size=block_size)
+        self.engines.append(handle)
+        if start_agent:
+            self.start_agent(handle, *agent_args)
+        return handle
+
+    def start_sim_fleet(self, engines: int, *engine_args: str, **engine_options) -> list[EngineHandle]:
+        """The usual local fleet: the control plane (unless started), then sim engines engine-0,
+        engine-1, ... each with its agent, returning once all are healthy and registered.
+        `engine_options` go to every `add_sim_engine` (dialect, block_size, lora_adapters, ...)."""
+        if self.control_plane is None:
+            self.start_control_plane()
+        handles = [self.add_sim_engine(f"engine-{i}", *engine_args, **engine_options) for i in range(engines)]
+        self.wait_engines_healthy()
+        self.wait_workers_registered()
+        return handles
+
+    def start_agent(self, handle: EngineHandle, *extra: str) -> ManagedProcess:
+        metrics_port = free_port()
+        if get_dialect(handle.dialect).transport == "zmq":
+            # Named explicitly: TensorRT-LLM's default transport is its pull path even for trtllm-zmq.
+            events = ("--kv-events-transport", "zmq", "--kv-events", f"tcp://127.0.0.1:{handle.kv_events_port}",
+                      "--replay-endpoint", f"tcp://127.0.0.1:{handle.replay_port}")
+        else:  # trtllm-pull: POST /kv_cache_events, no sockets and no replay
+            events = ("--kv-events-transport", "http")
+        agent = ManagedProcess(f"agent-{handle.worker_id}", kvroute_argv(
+            "agent", "--control-plane", self.control_plane_addr, "--engine", handle.engine_family, *events,
+            "--engine-url", handle.url, "--worker-id", handle.worker_id, "--model", self.model,
+            "--block-size", str(handle.block_size), "--metrics-port", str(metrics_port), *extra),
+            self.workdir / f"agent-{handle.worker_id}.log")
+        agent.start()
+        handle.agent = agent
+        handle.agent_metrics_url = f"http://127.0.0.1:{metrics_port}"
+        return agent
+
+    def agent_counters(self, handle: EngineHandle) -> dict[str, float]:
+        """The agent's counters (`kvroute_agent_<name>_total` on its /metrics) by name; {} while it is down."""
+        try:
+            status, body = http_get(handle.agent_metrics_url + "/metrics")
+        except OSError:
+            return {}
+        counters = {}
+        for line in body.decode().splitlines() if status == 200 else ():
+            name, _, value = line.partition(" ")
+            if name.startswith("kvroute_agent_") and name.endswith("_total"):
+                counters[name[len("kvroute_agent_"):-len("_total")]] = float(value)
+        return counters
+
+    def wait_engines_healthy(self, timeout: float = 60.0) -> None:
+        for e in self.engines:
+            wait_until(lambda e=e: http_ok(e.url + "/health"), timeout, f"{e.worker_id} /health", [e.engine])
+
+    def wait_workers_registered(self, count: int | None = None, timeout: float = 30.0) -> None:
+        want = len(self.engines) if count is None else count
+        wait_until(lambda: len(self.list_workers()) >= want, timeout, f"{want} workers registered",
+                   self.all_processes())
+
+    def list_workers(self) -> list:
+        import grpc
+
+        from kvroute.v1 import kvroute_pb2 as pb
+        from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
+
+        try:
+            with grpc.insecure_channel(self.control_plane_addr) as channel:
+                return list(pb_grpc.ControlPlaneStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=1).workers)
+        except grpc.RpcError:
+            return []
+
+    # -------------------------------------------------------------- audit
+
+    def audit(self, workers: Sequence[str] = (), settle_s: float = 0.0, timeout_s: float = 2.0) -> FleetAudit:
+        """`kvroute audit` in this process (kvroute.control_plane.audit.audit_fleet): the control plane's keys per
+        worker against each engine's `GET /kvroute/blocks`. One comparison unless `settle_s` > 0."""
+        return asyncio.run(audit_fleet(self.control_plane_addr, workers, settle_s=settle_s, timeout_s=timeout_s))
+
+    def wait_audit_clean(self, timeout: float = 2.0, workers: Sequence[str] = ()) -> FleetAudit:
+        """Poll the audit until every one of `workers` (default: every engine) is registered, compared
+        and without divergence; on timeout the error carries the last audit."""
+        wanted = list(workers) or [e.worker_id for e in self.engines]
+        last: FleetAudit | None = None
+
+        def clean() -> FleetAudit | None:
+            nonlocal last
+            last = self.audit(wanted)
+            ok = not last.errors and len(last.audits) == len(wanted) and all(
+                a.status == "ok" and a.divergence == 0 for a in last.audits)
+            return last if ok else None
+
+        try:
+            return wait_until(clean, timeout, f"zero audit divergence for {', '.join(wanted)}", self.all_processes(),
+                              interval=0.05)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}\nlast audit: {json.dumps(last.to_json() if last else None)}") from None
+
+    # -------------------------------------------------------------- routers
+
+    def start_router(self, name: str, policy: str, *extra: str, env: dict[str, str] | None = None) -> str:
+        port = free_port()
+        router = ManagedProcess(f"router-{name}", kvroute_argv(
+            "router", "--control-plane", self.control_plane_addr, "--policy", policy,
+            "--tokenizer", str(self.tokenizer_dir), "--model", self.model,
+            "--host", "127.0.0.1", "--port", str(port), "--grpc-port", "0", *extra),
+            self.workdir / f"router-{name}.log")
+        router.start(env=env)
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: http_ok(url + "/health"), 30, f"router {name}", [router])
+        self.routers[name] = router
+        self.router_urls[name] = url
+        return url
+
+    def chat_request(self, system: str, user: str, max_tokens: int = 4) -> dict:
+        """An OpenAI chat body for the cluster's model: one system and one user message."""
+        return {"model": self.model, "max_tokens": max_tokens,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+
+    def stop_router(self, name: str) -> None:
+        self.routers.pop(name).stop()
+        self.router_urls.pop(name, None)
+
+    def stop(self) -> None:
+        for proc in reversed(self.all_processes()):
+            proc.stop()
+
+
+def _tcp_open(addr: str) -> bool:
+    host, port = addr.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=0.5):
+            return True
+    except OSError:
+        return False

@@ -1,0 +1,239 @@
+"""`kvroute simulate`: replay a trace or a generated workload against a simulated fleet under
+several policies, side by side, next to the pooled-cache ceiling. Last stdout line: JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvroute.tools.simulator.workloads import WORKLOAD_NAMES
+
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", help="Mooncake JSONL trace (timestamp ms, input_length, output_length, hash_ids)")
+    src.add_argument("--workload", choices=WORKLOAD_NAMES, help="generated workload")
+    p.add_argument("--policies", default="round_robin,random,least_loaded,kv_aware",
+                   help="comma-separated policies; ttft_oracle (simulator only) is a reference that reads the "
+                        "engines' exact state")
+    p.add_argument("--workers", type=int, default=8, help="simulated engines")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV capacity per engine in blocks (default: 1M tokens' worth, about what a 70B model leaves free on 8x80 GB)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="engine block size (default for a trace: the block size its hash ids stand for, its rows' "
+                        "block_size, 512 in Mooncake's traces which name none, since sharing is known at that "
+                        "granularity only; 16 for generated workloads)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N trace requests")
+    p.add_argument("--time-scale", type=float, default=1.0, help="divide trace inter-arrival times by this")
+    add_generated_workload_knobs(p.add_argument_group("generated workload"))
+    p.add_argument("--prefill-tokens-per-s", type=float, default=None, help="cost model: prefill rate")
+    p.add_argument("--event-delay-ms", type=float, default=0.0, help="KV event propagation delay to the index")
+    p.add_argument("--kv-aware-param", action="append", default=[], metavar="NAME=VALUE",
+                   help="override one of kv_aware's weights (kvroute.data_plane.policies.KvAwareParams), repeatable")
+    p.add_argument("--seed", type=int, default=0, help="makes a run reproducible bit for bit")
+    p.add_argument("--seeds", default=None, metavar="S1,S2,...",
+                   help="run the comparison once per seed and summarise it per policy (mean, min, max; on how "
+                        "many seeds each had the lowest p50 and p99): tells a win from a tie (replaces --seed)")
+    p.add_argument("--jobs", type=int, default=None, help="policies simulated in parallel (default: one per core)")
+    p.add_argument("--report", default=None, help="also write a Markdown report to this file")
+    p.add_argument("--plots", default=None, metavar="DIR",
+                   help="also write PNG plots (ttft_cdf.png, hit_rate.png) to DIR; the report links them")
+    p.add_argument("--json", action="store_true", help="print only the JSON result")
+
+
+def add_generated_workload_knobs(g, requests: int = 2000, rate: float = 20.0, output_tokens: int = 128) -> None:
+    """The generated suite's knobs, shared with `kvroute bench live` so both build the same workload."""
+    g.add_argument("--requests", type=int, default=requests, help="number of requests")
+    g.add_argument("--rate", type=float, default=rate, help="mean arrival rate (req/s of cost-model time)")
+    g.add_argument("--arrival", choices=["poisson", "bursty"], default="poisson", help="arrival process")
+    g.add_argument("--groups", type=int, default=8, help="distinct shared prompts / documents / agents")
+    g.add_argument("--system-prompt-tokens", type=int, default=2048, help="shared prefix length")
+    g.add_argument("--output-tokens", type=int, default=output_tokens, help="output tokens per request")
+
+
+def generated_workload(args: argparse.Namespace) -> list:
+    """The generated workload those knobs (and --workload, --seed) describe."""
+    from kvroute.tools.simulator.workloads import GeneratedWorkload, generate
+
+    return generate(GeneratedWorkload(args.workload, requests=args.requests, rate_rps=args.rate, arrival=args.arrival,
+                                      seed=args.seed, groups=args.groups, system_prompt_tokens=args.system_prompt_tokens,
+                                      output_tokens=args.output_tokens))
+
+
+def _pct(values: list[float], q: float) -> float:
+    from kvroute.tools.stats import percentile
+
+    return percentile(values, q)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvroute.data_plane.policies import parse_kv_aware_params
+
+    try:
+        kv_aware_params = parse_kv_aware_params(args.kv_aware_param)
+        seeds = _parse_seeds(args.seeds) if args.seeds else None
+        if seeds and args.plots:
+            raise ValueError("--plots draws one seed's runs; use it with --seed, not --seeds")
+        trace = _load_trace(args) if args.trace else None
+        if trace is None and args.requests <= 0:
+            raise ValueError(f"--requests {args.requests}: nothing to simulate")
+    except (ValueError, OSError) as exc:
+        print(f"kvroute simulate: error: {exc}", file=sys.stderr)
+        return 2
+    log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
+    warnings = _trace_warnings(trace) if trace else []
+    for warning in warnings:  # printed even with --json: they say why the numbers may mislead
+        print(f"kvroute simulate: warning: {warning}", file=sys.stderr)
+    if seeds is None:
+        return _run_one_seed(args, trace, kv_aware_params, warnings, log)
+    return _run_seeds(args, trace, kv_aware_params, seeds, warnings, log)
+
+
+def _load_trace(args: argparse.Namespace):
+    """The trace, time-scaled; ValueError (one line) when it is malformed or has no request."""
+    from kvroute.tools.simulator.workloads import load_mooncake_trace
+
+    trace = load_mooncake_trace(args.trace, args.limit)
+    if not trace.requests:
+        raise ValueError(f"{args.trace} holds no request: nothing to simulate")
+    if args.time_scale != 1.0:
+        for r in trace.requests:
+            r.arrival_s /= args.time_scale
+    return trace
+
+
+# Above this share of prompt tokens in partial last blocks, the trace's granularity hides most sharing.
+TAIL_SHARE_WARNING = 0.25
+
+
+def _trace_warnings(trace) -> list[str]:
+    """Why this trace's numbers may mislead: sharing its block size cannot show."""
+    if trace.tail_token_share <= TAIL_SHARE_WARNING:
+        return []
+    return [(f"{trace.tail_token_share:.0%} of the trace's prompt tokens lie in partial {trace.block_size}-token "
+             "blocks, which it can only show as shared when a whole prompt repeats: hit rates are understated and "
+             "kv_aware's advantage with them (a prefix-aware policy can even trail round_robin); capture with a "
+             "smaller `kvroute router --capture-block-tokens` for prompts this short")]
+
+
+def _parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds {text!r}: expected comma-separated integers") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds {text!r}: expected distinct seeds")
+    return seeds
+
+
+def _run_seeds(args: argparse.Namespace, trace, kv_aware_params: dict, seeds: list[int], warnings: list[str],
+               log) -> int:
+    from kvroute.tools.simulator.seeds import markdown, summarize
+
+    started = time.monotonic()
+    per_seed: dict[int, dict] = {}
+    for seed in seeds:
+        args.seed = seed
+        log(f"seed {seed}:")
+        outcome = _simulate(args, trace, kv_aware_params, log)
+        log("  " + outcome["summary"])
+        per_seed[seed] = outcome["policies"]
+    summary = summarize(per_seed)
+    head = f"{outcome['source']}; seeds {', '.join(map(str, seeds))}; {time.monotonic() - started:.1f}s"
+    lines = markdown(per_seed, summary)
+    if not args.json:
+        print(head)
+        print("\n".join(lines))
+    if args.report:
+        with open(args.report, "w") as f:
+            f.write(f"# kvroute simulate\n\n{head}\n\n" + _warning_lines(warnings) + "\n".join(lines) + "\n")
+    print(json.dumps({"seeds": {str(s): r for s, r in per_seed.items()}, "summary": summary,
+                      "block_size": outcome["block_size"], "warnings": warnings}))
+    return 0
+
+
+def _warning_lines(warnings: list[str]) -> str:
+    return "".join(f"**Warning:** {w}\n\n" for w in warnings)
+
+
+def _run_one_seed(args: argparse.Namespace, trace, kv_aware_params: dict, warnings: list[str], log) -> int:
+    outcome = _simulate(args, trace, kv_aware_params, log)
+    if not args.json:
+        print(outcome["summary"])
+        print("\n".join(outcome["lines"]))
+    plots = []
+    if args.plots:
+        from kvroute.tools.simulator.plots import write_plots
+
+        plots = write_plots(outcome["runs"], outcome["oracle"], outcome["oracle_inf"], args.plots,
+                            f"{outcome['source_name']}, {args.workers} workers")
+        log("plots: " + ", ".join(str(p) for p in plots))
+    if args.report:
+        with open(args.report, "w") as f:
+            f.write(f"# kvroute simulate\n\n{outcome['summary']}\n\n" + _warning_lines(warnings)
+                    + "\n".join(outcome["lines"]) + "\n")
+            for path in plots:
+                rel = os.path.relpath(path, os.path.dirname(os.path.abspath(args.report)))
+                f.write(f"\n![{path.stem}]({rel})\n")
+    print(json.dumps({"oracle_hit_rate": round(outcome["oracle"], 4),
+                      "oracle_hit_rate_infinite": round(outcome["oracle_inf"], 4), "policies": outcome["policies"],
+                      "block_size": outcome["block_size"], "warnings": warnings}))
+    return 0
+
+
+def _simulate(args: argparse.Namespace, trace, kv_aware_params: dict, log) -> dict:
+    """One seed (`args.seed`): every policy's results, the Markdown table and the summary line."""
+    from kvroute.tools.sim_engine.cost_model import CostModel
+    from kvroute.tools.simulator.fleet import FleetConfig, oracle_hit_rates
+    from kvroute.tools.simulator.sweep import ProgressLine, default_jobs, run_policies
+
+    started = time.monotonic()
+    if trace is not None:
+        workload = trace.requests
+        block_size = args.block_size or trace.block_size
+        source = f"trace {args.trace} ({trace.block_size}-token hash ids)"
+        source_name = os.path.basename(args.trace)
+    else:
+        workload = generated_workload(args)
+        block_size = args.block_size or 16
+        source = source_name = f"workload {args.workload}"
+    num_blocks = args.num_blocks or max(1, 1_048_576 // block_size)
+    cost = CostModel(prefill_tokens_per_s=args.prefill_tokens_per_s) if args.prefill_tokens_per_s else CostModel()
+    config = FleetConfig(workers=args.workers, num_blocks=num_blocks, block_size=block_size, cost=cost,
+                         event_delay_s=args.event_delay_ms / 1000, seed=args.seed, kv_aware_params=kv_aware_params)
+    log(f"{source}: {len(workload)} requests, {args.workers} workers x {num_blocks} blocks of {block_size}")
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    t0 = time.monotonic()
+    runs = run_policies(names, workload, config, jobs=args.jobs or default_jobs(len(names)),
+                        progress=None if args.json else ProgressLine(len(workload), len(names)))
+    log(f"  {len(names)} policies simulated in {time.monotonic() - t0:.1f}s")
+    results = {}
+    for name, run_ in runs.items():
+        busy = run_.busy_s
+        results[name] = {
+            "hit_rate": round(run_.hit_rate, 4),
+            "ttft_p50_ms": round(_pct(run_.ttft_s, 50) * 1000, 2),
+            "ttft_p90_ms": round(_pct(run_.ttft_s, 90) * 1000, 2),
+            "ttft_p99_ms": round(_pct(run_.ttft_s, 99) * 1000, 2),
+            "e2e_p50_ms": round(_pct(run_.e2e_s, 50) * 1000, 2),
+            "e2e_p99_ms": round(_pct(run_.e2e_s, 99) * 1000, 2),
+            "throughput_rps": round(len(run_.e2e_s) / run_.makespan_s, 3) if run_.makespan_s else 0.0,
+            "imbalance": round(max(busy) / (sum(busy) / len(busy)), 3) if sum(busy) else 1.0,
+            "rejected": run_.rejected,
+        }
+    total_blocks = num_blocks * args.workers
+    oracle, oracle_inf = oracle_hit_rates(workload, block_size, [total_blocks, None])
+    lines = ["| policy | hit rate | % of ceiling | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms | req/s | imbalance |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        share = r["hit_rate"] / oracle if oracle else 0.0
+        lines.append(f"| {name} | {r['hit_rate']:.1%} | {share:.0%} | {r['ttft_p50_ms']:.1f} | {r['ttft_p90_ms']:.1f} | "
+                     f"{r['ttft_p99_ms']:.1f} | {r['e2e_p50_ms']:.1f} | {r['e2e_p99_ms']:.1f} | {r['throughput_rps']:.2f} | {r['imbalance']:.2f} |")
+    summary = (f"{source}; {len(workload)} requests; {args.workers} workers x {num_blocks} blocks of {block_size}; "
+               f"pooled-cache ceiling {oracle:.1%} (infinite cache {oracle_inf:.1%}); seed {args.seed}; "
+               f"{time.monotonic() - started:.1f}s")
+    return {"policies": results, "lines": lines, "summary": summary, "runs": runs, "oracle": oracle,
+            "oracle_inf": oracle_inf, "source": source, "source_name": source_name, "block_size": block_size}

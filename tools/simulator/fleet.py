@@ -1,0 +1,290 @@
+"""Discrete-event simulation of a fleet behind one router.
+
+Real code: the routing policies (kvroute.data_plane.policies), the router's in-flight tracking
+(kvroute.data_plane.load_tracker), the agent's engine-hash -> block-key resolution
+(kvroute.worker_agent.block_resolver) and the control plane's index (kvroute.control_plane.index).
+Simulated: each engine (sim_engine's PrefixCache + Scheduler + CostModel) and the clock.
+KV events reach the index when the engine step that produced them ends, plus `event_delay_s`.
+
+`ttft_oracle` (simulator only, not a router policy) is a reference: it reads every engine's exact
+state (the rest of the running step, the queue, the cache, free KV blocks) and sends each request
+where its own TTFT would be lowest if nothing else arrived. It answers "would a router that knew
+everything do better, one request at a time?"; it is not a bound on what a policy can reach, since
+it never invests in placement for the requests that follow.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvroute.block_keys import prompt_block_keys
+from kvroute.control_plane.index import BitmaskPrefixIndex
+from kvroute.data_plane.load_tracker import InflightTicket, LoadTracker
+from kvroute.data_plane.policies import Candidate, RoutingInput, make_policy
+from kvroute.tools.sim_engine.cost_model import CostModel
+from kvroute.tools.sim_engine.prefix_cache import ClearedEvent, PrefixCache, RemovedEvent, StoredEvent
+from kvroute.tools.sim_engine.scheduler import Scheduler, SimRequest
+from kvroute.tools.simulator.workloads import SimWorkloadRequest
+from kvroute.worker_agent.block_resolver import BlockResolver
+from kvroute.worker_agent.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored
+
+MODEL = "sim-model"
+TTFT_ORACLE = "ttft_oracle"
+
+
+@dataclass
+class FleetConfig:
+    workers: int = 8
+    num_blocks: int = 8192
+    block_size: int = 16
+    cost: CostModel = field(default_factory=CostModel)
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    event_delay_s: float = 0.0
+    seed: int = 0
+    kv_aware_params: dict = field(default_factory=dict)  # KvAwareParams fields (kv_aware runs only)
+
+
+@dataclass
+class PolicyRun:
+    policy: str
+    ttft_s: list[float] = field(default_factory=list)
+    e2e_s: list[float] = field(default_factory=list)
+    hit_tokens: int = 0
+    query_tokens: int = 0
+    busy_s: list[float] = field(default_factory=list)
+    makespan_s: float = 0.0
+    rejected: int = 0
+    # Per routed request, in arrival order: (arrival_s, worker index, hit tokens the engine found,
+    # prompt tokens, ttft_s); filled only with simulate_policy(..., detail=True).
+    requests: list[tuple[float, int, int, int, float]] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+class _Worker:
+    def __init__(self, i: int, config: FleetConfig) -> None:
+        self.worker_id = f"w{i}"
+        self.slot = i
+        self.cache = PrefixCache(config.num_blocks, config.block_size, hash_seed=f"sim-{config.seed}-{i}")
+        self.scheduler = Scheduler(self.cache, config.cost, config.max_num_batched_tokens, config.max_num_seqs,
+                                   vocab_size=50_000, seed=config.seed * 1000 + i)
+        self.resolver = BlockResolver(MODEL)
+        self.busy = False
+        self.busy_s = 0.0
+        self.step_end = 0.0  # when the running step (or decode stretch) ends, while busy
+
+
+def true_ttft(w: _Worker, prompt: Sequence[int], max_tokens: int, now: float,
+              max_num_batched_tokens: int) -> tuple[bool, float, int]:
+    """(would wait for KV blocks or a sequence slot, TTFT in s, cached tokens) of `prompt` on `w`
+    if nothing else arrived: the rest of the running step, then FIFO steps that prefill the queue
+    ahead and this prompt's uncached tokens within the token budget, each priced by the engine's
+    cost model. Exact (tested) but for requests finishing meanwhile (their decode slots are still
+    counted) and blocks that requests ahead cache before this one is admitted (not counted as hits)."""
+    cache, sched = w.cache, w.scheduler
+    bs = cache.block_size
+    hit = min(cache.longest_cached_prefix(cache.chain_hashes(prompt)), (len(prompt) - 1) // bs) * bs
+    ahead = [len(r.prompt) - r.computed for r in sched.running if not r.prefill_done]
+    need = cache.blocks_for(len(prompt) + max_tokens) - hit // bs
+    for r in sched.waiting:
+        held = min(cache.longest_cached_prefix(r.prompt_hashes), (len(r.prompt) - 1) // bs)
+        ahead.append(len(r.prompt) - held * bs)
+        need += cache.blocks_for(len(r.prompt) + r.max_tokens) - held
+    blocked = (need > cache.free_blocks() + cache.evictable_blocks
+               or len(sched.running) + len(sched.waiting) >= sched.max_num_seqs)
+    queue = ahead + [len(prompt) - hit]
+    decoders = sum(1 for r in sched.running if r.prefill_done)
+    t = w.step_end - now if w.busy else 0.0
+    while queue:
+        budget, tokens, done = max_num_batched_tokens - decoders, 0, 0
+        while queue and budget > 0:
+            chunk = min(queue[0], budget)
+            budget -= chunk
+            tokens += chunk
+            queue[0] -= chunk
+            if queue[0] == 0:
+                queue.pop(0)
+                done += 1
+        t += sched.cost.step_seconds(tokens, decoders)
+        decoders += done
+    return blocked, t, hit
+
+
+def _to_wire(event, block_size: int):
+    if isinstance(event, StoredEvent):
+        return BlockStored(event.block_hashes, event.parent_block_hash, event.token_ids, block_size)
+    if isinstance(event, RemovedEvent):
+        return BlockRemoved(event.block_hashes)
+    if isinstance(event, ClearedEvent):
+        return AllBlocksCleared()
+    raise TypeError(event)
+
+
+def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config: FleetConfig,
+                    progress=None, detail: bool = False) -> PolicyRun:
+    oracle = policy_name == TTFT_ORACLE
+    policy = None if oracle else make_policy(policy_name, seed=config.seed,
+                                             **(config.kv_aware_params if policy_name == "kv_aware" else {}))
+    oracle_rng = random.Random(config.seed)
+    workers = [_Worker(i, config) for i in range(config.workers)]
+    index = BitmaskPrefixIndex()
+    load = LoadTracker()
+    run = PolicyRun(policy_name)
+    seq = itertools.count()
+    arrivals = sorted(workload, key=lambda r: r.arrival_s)
+    next_arrival = 0
+    # (time, order, kind, payload): kind 1 = step done, 2 = events reach the index
+    heap: list[tuple[float, int, int, object]] = []
+    tickets: dict[str, tuple[InflightTicket, float]] = {}
+    ids = itertools.count()
+    now = 0.0
+    done = 0
+
+    def start_step(w: _Worker, t: float) -> None:
+        result = None
+        step_s = w.scheduler.decode_step_seconds()
+        if step_s > 0:
+            # Decode-only stretches run in one event, up to the step boundary after the next arrival.
+            horizon = arrivals[next_arrival].arrival_s - t if next_arrival < len(arrivals) else float("inf")
+            result = w.scheduler.fast_forward(max(1, math.ceil(horizon / step_s)) if horizon != float("inf") else 1 << 30)
+        if result is None:
+            result = w.scheduler.step()
+        w.busy = True
+        w.busy_s += result.seconds
+        w.step_end = t + result.seconds
+        heapq.heappush(heap, (t + result.seconds, next(seq), 1, (w, result)))
+
+    while heap or next_arrival < len(arrivals):
+        if next_arrival < len(arrivals) and (not heap or arrivals[next_arrival].arrival_s <= heap[0][0]):
+            req: SimWorkloadRequest = arrivals[next_arrival]
+            next_arrival += 1
+            now = req.arrival_s
+            keys = prompt_block_keys(req.tokens, config.block_size, MODEL)
+            too_big = -(-(len(req.tokens) + req.output_tokens) // config.block_size) > config.num_blocks
+            if not oracle:  # policies decide even on a request the engine will reject (their state moves on)
+                w, cached = _policy_choice(policy, workers, index, load, req, keys, config)
+            elif not too_big:
+                w, cached = _oracle_choice(workers, req, now, config, oracle_rng)
+            if too_big:
+                run.rejected += 1  # larger than a whole engine cache: an engine would reject it too
+                continue
+            sim_req = SimRequest(f"r{next(ids)}", req.tokens, req.output_tokens)
+            w.scheduler.add(sim_req)
+            tickets[sim_req.request_id] = (load.start(w.worker_id, max(0, len(req.tokens) - cached), keys),
+                                           req.arrival_s)
+            if not w.busy:
+                start_step(w, now)
+            continue
+        now, _, kind, payload = heapq.heappop(heap)
+        if kind == 1:
+            w, result = payload
+            w.busy = False
+            for r in result.first_tokens:
+                ticket, arrival = tickets[r.request_id]
+                run.ttft_s.append(now - arrival)
+                if detail:
+                    run.requests.append((arrival, workers.index(w), r.hit_tokens, len(r.prompt), now - arrival))
+                load.first_token(ticket)
+            for r in result.finished:
+                ticket, arrival = tickets.pop(r.request_id)
+                run.e2e_s.append(now - arrival)
+                load.finish(ticket)
+                done += 1
+                if progress and done % 500 == 0:
+                    progress(done)
+            events = w.cache.take_events()
+            if events:
+                wire = [_to_wire(e, config.block_size) for e in events]
+                if config.event_delay_s > 0:
+                    heapq.heappush(heap, (now + config.event_delay_s, next(seq), 2, (w, wire)))
+                else:
+                    _apply(index, w, wire)
+            if w.scheduler.has_work():
+                start_step(w, now)
+        else:
+            w, wire = payload
+            _apply(index, w, wire)
+    run.makespan_s = now
+    run.busy_s = [w.busy_s for w in workers]
+    run.hit_tokens = sum(w.cache.hits_tokens for w in workers)
+    run.query_tokens = sum(w.cache.queries_tokens for w in workers)
+    return run
+
+
+def _policy_choice(policy, workers: list[_Worker], index: BitmaskPrefixIndex, load: LoadTracker,
+                   req: SimWorkloadRequest, keys: list[int], config: FleetConfig) -> tuple[_Worker, int]:
+    """The router's way: candidates from the index and in-flight tracking, then the policy."""
+    matched = index.match(keys)
+    speculative = load.speculative_match(keys)
+    candidates = []
+    for w in workers:
+        inflight, pending = load.inflight(w.worker_id)
+        blocks = max(matched.get(w.slot, 0), speculative.get(w.worker_id, 0))
+        candidates.append(Candidate(
+            worker_id=w.worker_id, endpoint="", block_size=config.block_size,
+            cached_tokens=min(blocks * config.block_size, len(req.tokens)),
+            worker_cached_blocks=index.worker_block_count(w.slot),
+            running_requests=len(w.scheduler.running), waiting_requests=len(w.scheduler.waiting),
+            inflight_requests=inflight, pending_prefill_tokens=pending))
+    choice = policy.choose(RoutingInput(MODEL, len(req.tokens), token_ids=req.tokens, session_key=req.session,
+                                        chains={config.block_size: keys}), candidates)
+    return workers[int(choice.worker.worker_id[1:])], choice.worker.cached_tokens
+
+
+def _oracle_choice(workers: list[_Worker], req: SimWorkloadRequest, now: float, config: FleetConfig,
+                   rng: random.Random) -> tuple[_Worker, int]:
+    """ttft_oracle: the lowest true TTFT among workers with room, ties at random."""
+    options = [(true_ttft(w, req.tokens, req.output_tokens, now, config.max_num_batched_tokens), w) for w in workers]
+    best = min(est[:2] for est, _ in options)
+    tied = [(w, est[2]) for est, w in options if est[:2] == best]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
+def _apply(index: BitmaskPrefixIndex, w: _Worker, wire: list) -> None:
+    for event in w.resolver.apply(wire):
+        k = event.WhichOneof("kind")
+        if k == "stored":
+            index.store(w.slot, event.stored.block_keys)
+        elif k == "removed":
+            index.remove(w.slot, event.removed.block_keys)
+        else:
+            index.clear(w.slot)
+
+
+def oracle_hit_rate(workload: list[SimWorkloadRequest], block_size: int, capacity_blocks: int | None) -> float:
+    """Token hit rate of one pooled LRU prefix cache (None = infinite), requests in arrival order."""
+    return oracle_hit_rates(workload, block_size, [capacity_blocks])[0]
+
+
+def oracle_hit_rates(workload: list[SimWorkloadRequest], block_size: int,
+                     capacities_blocks: list[int | None]) -> list[float]:
+    """`oracle_hit_rate` for several capacities in one pass (each prompt is hashed once)."""
+    lrus: list[OrderedDict[int, None]] = [OrderedDict() for _ in capacities_blocks]
+    hits = [0] * len(capacities_blocks)
+    queries = 0
+    for req in sorted(workload, key=lambda r: r.arrival_s):
+        keys = prompt_block_keys(req.tokens, block_size, MODEL)
+        queries += len(req.tokens)
+        for c, (lru, capacity) in enumerate(zip(lrus, capacities_blocks)):
+            n = 0
+            for k in keys:
+                if k not in lru:
+                    break
+                n += 1
+            hits[c] += min(n, (len(req.tokens) - 1) // block_size) * block_size  # the last token is always computed
+            for k in keys:
+                lru[k] = None
+                lru.move_to_end(k)
+            if capacity is not None:
+                while len(lru) > capacity:
+                    lru.popitem(last=False)
+    return [h / queries if queries else 0.0 for h in hits]
