@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from opentelemetry import trace
@@ -111,9 +111,17 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         self.inflight = inflight
         self.metrics = metrics
         self.applier = LogApplier(registry, inflight, metrics)
+        self._unknown_media_seen: set[str] = set()
         # Where agents' messages go: applied at once (embedded), or through Redis (replicas).
         self.log: EventLog = event_log or LocalEventLog(self.applier)
-        self._unknown_media_seen: set[str] = set()
+        # Why routers must ask another replica now (a replica still catching up), or None.
+        self.refuse_routers: Callable[[], str | None] = lambda: None
+
+    async def _check_serving(self, context: grpc.aio.ServicerContext, rpc: str) -> None:
+        why = self.refuse_routers()
+        if why is not None:
+            self.metrics.bad_requests.labels(rpc, "not_ready").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, why)
 
     # ------------------------------------------------------------ agent stream
 
@@ -198,6 +206,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
     # ------------------------------------------------------------ router side
 
     async def Query(self, request: pb.QueryRequest, context: grpc.aio.ServicerContext) -> pb.QueryResponse:
+        await self._check_serving(context, "Query")
         response = pb.QueryResponse()
         try:
             self.answer(request, response, asking=None)
@@ -295,6 +304,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
             async for message in request_iterator:
                 body = message.WhichOneof("body")
                 if session is None:
+                    await self._check_serving(context, "RouterSession")
                     if body != "hello":
                         await self._reject_router(context, "not_hello", grpc.StatusCode.FAILED_PRECONDITION,
                                                   "first message on a RouterSession stream must be `hello`")
@@ -358,6 +368,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
 
     async def ListWorkers(self, request: pb.ListWorkersRequest,
                           context: grpc.aio.ServicerContext) -> pb.ListWorkersResponse:
+        await self._check_serving(context, "ListWorkers")
         index = self.registry.index
         return pb.ListWorkersResponse(workers=[
             pb.WorkerInfo(worker_id=r.worker_id, model=r.model, engine=r.engine, block_size=r.block_size,
@@ -372,6 +383,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
 
     async def GetWorkerKeys(self, request: pb.GetWorkerKeysRequest,
                             context: grpc.aio.ServicerContext) -> pb.GetWorkerKeysResponse:
+        await self._check_serving(context, "GetWorkerKeys")
         record = self.registry.get(request.worker_id)
         if record is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no live worker {request.worker_id!r}")

@@ -41,6 +41,7 @@ class AgentSession:
     last_seq: int            # the log's last seq from this agent at registration (0 without resume)
     peer: str
     record: WorkerRecord | None = None  # LocalEventLog: the record it registered
+    owner: str = ""                     # RedisEventLog: the owner key's value this stream holds
 
 
 def register_body(req: pb.RegisterWorker, peer: str) -> RegisterBody:

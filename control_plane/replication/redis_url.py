@@ -114,10 +114,15 @@ def connect(target: RedisTarget, *, socket_timeout_s: float = 3.0, connect_timeo
     """A redis.asyncio client (Redis or RedisCluster) for `target`; bytes in, bytes out."""
     import redis.asyncio as aioredis
     from redis.asyncio.cluster import ClusterNode, RedisCluster
+    from redis.asyncio.retry import Retry
     from redis.asyncio.sentinel import Sentinel
+    from redis.backoff import NoBackoff
 
+    # No retries inside the client: kvroute's own loops retry (and an agent's append should fail fast,
+    # so it moves to another replica), and a client-side retry swallowed cancellations of blocking reads.
     common = {"username": target.username, "password": target.password, "socket_timeout": socket_timeout_s,
-              "socket_connect_timeout": connect_timeout_s, "decode_responses": False}
+              "socket_connect_timeout": connect_timeout_s, "decode_responses": False,
+              "retry": Retry(NoBackoff(), 0)}
     tls = {"ssl": True} if target.tls else {}
     if target.kind == "cluster":
         return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.hosts], max_connections=max_connections,
