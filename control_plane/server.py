@@ -23,6 +23,7 @@ from control_plane.auditor import PeriodicAuditor
 from control_plane.index import BitmaskPrefixIndex
 from control_plane.inflight import InflightTracker
 from control_plane.registry import WorkerRegistry
+from control_plane.replication.inflight_sync import InflightSync
 from control_plane.replication.metrics import RedisLogCollector
 from control_plane.replication.redis_log import RedisEventLog, RedisLogConfig
 from control_plane.replication.redis_url import connect, parse_redis_url
@@ -64,11 +65,14 @@ class ControlPlaneServer:
         self.service = ControlPlaneService(self.registry, self.inflight, ControlPlaneMetrics(self.metrics_registry))
         self.replica_id = config.replica_id or f"{socket.gethostname()}-{os.getpid()}"
         self.redis_log: RedisEventLog | None = None
+        self.inflight_sync: InflightSync | None = None
         if config.redis_url:
             self.redis_log = RedisEventLog(self.service.applier, connect(parse_redis_url(config.redis_url)),
                                            RedisLogConfig(shards=config.redis_shards, replica_id=self.replica_id,
                                                           snapshot_interval_s=config.snapshot_interval_s))
             self.service.log = self.redis_log
+            self.inflight_sync = InflightSync(self.redis_log.redis, self.inflight, self.registry, self.replica_id)
+            self.service.router_events = self.inflight_sync
             self.service.refuse_routers = self._refuse_routers
             self.metrics_registry.register(RedisLogCollector(self.redis_log))
         self.metrics_registry.register(InflightCollector(self.inflight))
@@ -109,6 +113,7 @@ class ControlPlaneServer:
             raise
         if self.redis_log is not None:
             await self.redis_log.start()
+            await self.inflight_sync.start()
             self._health_task = asyncio.create_task(self._grpc.follow(lambda: self.ready, 0.05),
                                                     name="kvroute-cp-health")
         self._sweeper = asyncio.create_task(self.service.expire_forever(max(0.05, self.config.heartbeat_timeout_s / 5)))
@@ -123,6 +128,8 @@ class ControlPlaneServer:
                 task.cancel()
         if self._grpc:  # health goes NOT_SERVING first, while /ready still answers 503
             await self._grpc.stop(grace_s)
+        if self.inflight_sync is not None:
+            await self.inflight_sync.stop()
         if self.redis_log is not None:
             await self.redis_log.stop()
         if self._metrics_runner:

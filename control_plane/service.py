@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry import trace
@@ -19,6 +20,9 @@ from control_plane.registry import WorkerRecord, WorkerRegistry
 from control_plane.replication.apply import LogApplier
 from control_plane.replication.entries import BlockOp, HeartbeatBody, Op
 from control_plane.replication.event_log import AgentSession, EventLog, LocalEventLog, LogRefusal
+
+if TYPE_CHECKING:
+    from control_plane.replication.inflight_sync import InflightSync
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
@@ -116,6 +120,8 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         self.log: EventLog = event_log or LocalEventLog(self.applier)
         # Why routers must ask another replica now (a replica still catching up), or None.
         self.refuse_routers: Callable[[], str | None] = lambda: None
+        # Replicas: tells the other replicas what this one's router sessions do (None: embedded).
+        self.router_events: InflightSync | None = None
 
     async def _check_serving(self, context: grpc.aio.ServicerContext, rpc: str) -> None:
         why = self.refuse_routers()
@@ -312,6 +318,8 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                         await self._reject_router(context, "bad_hello", grpc.StatusCode.INVALID_ARGUMENT,
                                                   "hello needs a router_id (unique per router process)")
                     session = self.inflight.open_session(message.hello.router_id)
+                    if self.router_events is not None:
+                        self.router_events.opened(session)
                     yield pb.RouterReply(welcome=pb.RouterWelcome(
                         router_id=message.hello.router_id,
                         reservation_max_age_ms=int(self.inflight.max_age_s * 1000)))
@@ -328,8 +336,12 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                     await self._reserve(session, message.reserve, context)
                 elif body == "prefill_done":
                     self.inflight.prefill_done(session, message.prefill_done.reservation_id)
+                    if self.router_events is not None:
+                        self.router_events.prefill_done(session, message.prefill_done.reservation_id)
                 elif body == "release":
                     self.inflight.release(session, message.release.reservation_id)
+                    if self.router_events is not None:
+                        self.router_events.released(session, message.release.reservation_id)
                 elif body == "hello":
                     await self._reject_router(context, "double_hello", grpc.StatusCode.FAILED_PRECONDITION,
                                               "hello may only be sent once per stream")
@@ -340,6 +352,8 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         finally:
             if session is not None:
                 self.inflight.close_session(session)
+                if self.router_events is not None:
+                    self.router_events.closed(session)
 
     async def _reserve(self, session: RouterSessionState, reservation: pb.Reservation,
                        context: grpc.aio.ServicerContext) -> None:
@@ -359,6 +373,9 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                                   reservation.ttl_ms, reservation.prompt_tokens, record.block_size)
         except DuplicateReservation as exc:
             await self._reject_router(context, "duplicate_reservation", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if self.router_events is not None:
+            self.router_events.reserved(session, reservation.reservation_id, record.worker_id, record.block_size, keys,
+                                        reservation.prefill_tokens, reservation.ttl_ms, reservation.prompt_tokens)
 
     async def _reject_router(self, context: grpc.aio.ServicerContext, reason: str, code: grpc.StatusCode,
                              detail: str) -> None:
