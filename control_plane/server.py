@@ -86,6 +86,7 @@ class ControlPlaneServer:
         self._audit_task: asyncio.Task[None] | None = None
         self._metrics_runner: web.AppRunner | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._accepting = False  # the gRPC server has started and is not stopping
 
     def _refuse_routers(self) -> str | None:
         if self.redis_log is not None and not self.redis_log.ready:
@@ -95,7 +96,8 @@ class ControlPlaneServer:
 
     @property
     def ready(self) -> bool:
-        return self.serving and (self.redis_log is None or self.redis_log.ready)
+        """Serving (between start and stop) and, for a replica, caught up with the log."""
+        return self._accepting and (self.redis_log is None or self.redis_log.ready)
 
     async def start(self) -> int:
         """Listen and serve; raises ListenError (nothing left running) when a port cannot be had."""
@@ -108,6 +110,7 @@ class ControlPlaneServer:
                     "--metrics-port", self.config.metrics_host, self.config.metrics_port,
                     {"/metrics": self._metrics, "/health": self._health, "/ready": self._ready})
             await self._grpc.start(serving=self.redis_log is None)
+            self._accepting = True
         except BaseException:
             await self.stop(0)
             raise
@@ -123,6 +126,7 @@ class ControlPlaneServer:
         return self.port
 
     async def stop(self, grace_s: float = 0.5) -> None:
+        self._accepting = False
         for task in (self._sweeper, self._audit_task, self._health_task):
             if task:
                 task.cancel()
@@ -151,10 +155,10 @@ class ControlPlaneServer:
         return web.json_response({"status": "ok", "workers": len(self.registry)})
 
     async def _ready(self, request: web.Request) -> web.Response:
-        problems = [] if self.serving else ["the gRPC server is not serving (starting or stopping)"]
+        problems = [] if self._accepting else ["the gRPC server is not serving (starting or stopping)"]
         if self.redis_log is not None:
             problems += self.redis_log.problems()
-        body = {"serving": self.serving, "workers": len(self.registry)}
+        body = {"serving": self.ready, "workers": len(self.registry)}
         if self.redis_log is not None:
             body["replica_id"] = self.replica_id
         if self.ready:  # a replica cut off from Redis serves its last state: degraded, still ready
