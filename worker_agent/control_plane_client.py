@@ -403,6 +403,11 @@ class ControlPlaneLink:
                         await asyncio.wait_for(self._wake.wait(), max(0.0, next_heartbeat - time.monotonic()))
                     except TimeoutError:
                         continue
+                    finally:
+                        # Python 3.11's wait_for returns the result, not CancelledError, when the event is set
+                        # in the same turn as the cancellation (the reader's done callback sets it): stop anyway.
+                        if (task := asyncio.current_task()) is not None and task.cancelling():
+                            raise asyncio.CancelledError()
                 self._wake.clear()
                 if reader.done():
                     reader.result()  # raises why the stream ended
