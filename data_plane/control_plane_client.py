@@ -15,7 +15,9 @@ Several replicas (`--control-plane A,B,C`, or a name resolving to several: `kvro
 client keeps a channel to each and uses one, `address`. When it fails (session lost, a refresh or a
 unary query answered UNAVAILABLE or not at all) the client moves to the next at once: the session
 reconnects there without a pause, and a unary query tries the next replicas within what is left of
-its deadline, so a dead replica costs at most one query deadline of load-only routing.
+its deadline, so a dead replica costs at most one query deadline of load-only routing. A replica that
+failed is skipped by failovers for `DOWN_S` unless every replica failed; a query that is merely late
+(DEADLINE_EXCEEDED) moves nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvroute.router.cp")
+DOWN_S = 2.0  # a replica that failed is not picked again by a failover for this long (unless all failed)
 
 
 @dataclass(slots=True)
@@ -57,6 +60,7 @@ class ControlPlaneClient:
         self.refresh_interval_s = refresh_interval_s
         self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.ControlPlaneStub]] = {}
         self.failovers = 0           # moves to another replica
+        self._down_until: dict[str, float] = {}  # replicas that failed lately: skipped by a failover until then
         self._session_address = ""
         self._session_losses = 0     # in a row, since the last session that opened
         self._sessions_seen = 0
@@ -86,18 +90,28 @@ class ControlPlaneClient:
 
     def _failover(self, failed: str) -> bool:
         """`failed` did not answer: use the next replica (if `failed` is still the one in use and there
-        is another). True when the client now uses another address than `failed`."""
+        is another), skipping replicas that failed in the last `DOWN_S` unless every one did. True
+        when the client now uses another address than `failed`."""
         if not self.addresses.several:
             return False
+        now = time.monotonic()
+        self._down_until[failed] = now + DOWN_S
         if self.address == failed:
-            nxt = self.addresses.next()[0]
-            if nxt == failed:
+            candidates = self.addresses.round_addresses()
+            count = len(candidates)
+            picked = None
+            for _ in range(2 * count):  # two rounds at most: the rotation may start a new one meanwhile
                 nxt = self.addresses.next()[0]
-            if nxt == failed:
+                if nxt != failed and self._down_until.get(nxt, 0.0) <= now:
+                    picked = nxt
+                    break
+                if picked is None and nxt != failed:
+                    picked = nxt  # every other one failed lately: still better than the one that just did
+            if picked is None:
                 return False
-            self.address = nxt
+            self.address = picked
             self.failovers += 1
-            log.warning("control plane %s failed: using %s", failed, nxt)
+            log.warning("control plane %s failed: using %s", failed, picked)
         return self.address != failed
 
     def _session_stub(self) -> pb_grpc.ControlPlaneStub:
@@ -236,8 +250,8 @@ class ControlPlaneClient:
                 response = await self._stub_for(address).Query(message.query, timeout=max(1e-4, deadline - loop.time()))
                 return response.columns
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise  # a slow answer (DEADLINE_EXCEEDED) is a busy replica, not a gone one: stay
                 if not self._failover(address) or self.address in tried or loop.time() >= deadline:
                     raise
 

@@ -118,6 +118,8 @@ class RouterSessionLink:
                 return await future
         except grpc.aio.AioRpcError as exc:
             raise SessionUnavailable(f"router session lost: {exc.code().name}") from None
+        except asyncio.InvalidStateError:  # grpc: the call ended between our check and the write
+            raise SessionUnavailable("router session lost: the stream had ended") from None
         finally:
             self._pending.pop(query_id, None)
 
