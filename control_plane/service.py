@@ -18,7 +18,7 @@ from control_plane.index import TIERS, Tier, TierMatch, tier_of_medium
 from control_plane.inflight import DuplicateReservation, InflightTracker, RouterSessionState, RouterTally
 from control_plane.registry import WorkerRecord, WorkerRegistry
 from control_plane.replication.apply import LogApplier
-from control_plane.replication.entries import BlockOp, HeartbeatBody, Op
+from control_plane.replication.entries import BlockOp, HeartbeatBody, ops_from_events
 from control_plane.replication.event_log import AgentSession, EventLog, LocalEventLog, LogRefusal
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                         batch = message.batch
                         ops = self._ops(batch)
                         with tracer.start_as_current_span("kvroute.cp.apply_batch") as span:
-                            await self.log.append_batch(session, batch.seq, batch.snapshot, ops)
+                            await self.log.append_batch(session, batch.seq, batch.snapshot, ops, source=batch)
                             if span.is_recording():
                                 span.set_attribute("kvroute.worker_id", session.worker_id)
                                 span.set_attribute("kvroute.events", len(ops))
@@ -181,16 +181,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
 
     def _ops(self, batch: pb.EventBatch) -> list[BlockOp]:
         """The batch as the log's block ops (keys stay the message's own containers)."""
-        ops = []
-        for event in batch.events:
-            kind = event.WhichOneof("kind")
-            if kind == "stored":
-                ops.append(BlockOp(Op.STORED, self._tier(event.stored.medium), event.stored.block_keys))
-            elif kind == "removed":
-                ops.append(BlockOp(Op.REMOVED, self._tier(event.removed.medium), event.removed.block_keys))
-            elif kind == "cleared":
-                ops.append(BlockOp(Op.CLEARED, Tier.GPU))
-        return ops
+        return ops_from_events(batch.events, self._tier)
 
     def _tier(self, medium: str) -> Tier:
         tier = tier_of_medium(medium)

@@ -2,8 +2,10 @@
 
 An agent's batch becomes a list of `BlockOp`s (op, tier, keys); both logs hand these to
 `LogApplier`, so the embedded control plane and the replicas apply the same thing. In Redis a
-batch is one stream entry whose body is msgpack, each op's keys one bytes field of 8-byte
-little-endian words (a 16-block event is 128 bytes of keys, not 16 msgpack integers).
+batch from an agent is one stream entry whose body is the agent's own EventBatch, serialized again
+by protobuf's C code (its keys are packed fixed64: 8 bytes each); a batch written without one (tests,
+benches) is msgpack, each op's keys one bytes field of 8-byte little-endian words. Snapshots use the
+latter. Both decode to the same ops.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from enum import IntEnum
 
 import msgspec
 
-from control_plane.index import Tier
+from control_plane.index import Tier, tier_of_medium
 
 
 class Op(IntEnum):
@@ -96,6 +98,27 @@ def pack_ops(ops: Iterable[BlockOp]) -> list[PackedOp]:
 
 def unpack_ops(ops: Iterable[PackedOp]) -> list[BlockOp]:
     return [BlockOp(o.op, o.tier, unpack_keys(o.keys)) for o in ops]
+
+
+def ops_from_events(events, tier_of) -> list[BlockOp]:
+    """A protobuf EventBatch's events as block ops; `tier_of(medium)` names the tier. The keys stay the
+    message's own repeated fields (no copy)."""
+    ops = []
+    for event in events:
+        kind = event.WhichOneof("kind")
+        if kind == "stored":
+            ops.append(BlockOp(Op.STORED, tier_of(event.stored.medium), event.stored.block_keys))
+        elif kind == "removed":
+            ops.append(BlockOp(Op.REMOVED, tier_of(event.removed.medium), event.removed.block_keys))
+        elif kind == "cleared":
+            ops.append(BlockOp(Op.CLEARED, Tier.GPU))
+    return ops
+
+
+def tier_or_disk(medium: str) -> Tier:
+    """The tier of a medium; anything outside the contract is some slower store (the writer counted it)."""
+    tier = tier_of_medium(medium)
+    return Tier.DISK if tier is None else tier
 
 
 def tier_ops(keys_by_tier: dict[Tier, Iterable[int]]) -> list[BlockOp]:

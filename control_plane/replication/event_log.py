@@ -71,7 +71,9 @@ class EventLog(Protocol):
 
     async def register(self, req: pb.RegisterWorker, peer: str) -> AgentSession: ...
 
-    async def append_batch(self, session: AgentSession, seq: int, snapshot: bool, ops: list[BlockOp]) -> None: ...
+    async def append_batch(self, session: AgentSession, seq: int, snapshot: bool, ops: list[BlockOp],
+                           source: pb.EventBatch | None = None) -> None:
+        """`ops` is the batch; `source` the agent's message it came from, when there is one."""
 
     async def heartbeat(self, session: AgentSession, body: HeartbeatBody) -> None: ...
 
@@ -116,7 +118,8 @@ class LocalEventLog:
         self.registry.touch(record)
         return record
 
-    async def append_batch(self, session: AgentSession, seq: int, snapshot: bool, ops: list[BlockOp]) -> None:
+    async def append_batch(self, session: AgentSession, seq: int, snapshot: bool, ops: list[BlockOp],
+                           source: pb.EventBatch | None = None) -> None:
         record = self._current(session)
         if seq != record.last_seq + 1:
             raise LogRefusal(grpc.StatusCode.FAILED_PRECONDITION, "sequence",

@@ -30,7 +30,9 @@ from control_plane.replication.entries import (
     BatchBody,
     BlockOp,
     HeartbeatBody,
+    ops_from_events,
     pack_ops,
+    tier_or_disk,
     unpack_ops,
 )
 from control_plane.replication.event_log import (
@@ -45,6 +47,7 @@ from kvroute.v1 import kvroute_pb2 as pb
 log = logging.getLogger("kvroute.control_plane.redis")
 
 KIND_REGISTER, KIND_BATCH, KIND_HEARTBEAT, KIND_EXPIRE = b"r", b"b", b"h", b"x"
+KIND_PB_BATCH = b"p"  # a batch whose body is the agent's EventBatch, serialized again
 META = "kvroute:{kvroute:meta}"
 NO_ID = b"0-0"
 
@@ -71,12 +74,12 @@ redis.call('XADD', KEYS[1], '*', 't', 'r', 'w', ARGV[1], 'e', epoch, 's', seq, '
 return {'ok', epoch, seq, resume}
 """
 
-# KEYS as REGISTER. ARGV: worker id, epoch, kind ('b' batch, 'h' heartbeat), seq, owner value, TTL ms, body.
+# KEYS as REGISTER. ARGV: worker id, epoch, kind ('b' or 'p' batch, 'h' heartbeat), seq, owner value, TTL ms, body.
 APPEND = """
 local epoch = redis.call('HGET', KEYS[3], 'epoch')
 if epoch ~= ARGV[2] then return {'stale', epoch or '0'} end
 local seq = 0
-if ARGV[3] == 'b' then
+if ARGV[3] ~= 'h' then
   local last = tonumber(redis.call('HGET', KEYS[3], 'seq') or '0')
   seq = tonumber(ARGV[4])
   if seq ~= last + 1 then return {'sequence', last} end
@@ -450,13 +453,17 @@ class RedisEventLog:
         if record is None or self.epochs.get(worker_id) != epoch:
             self.counters.stale_entries += 1
             return
-        if kind == KIND_BATCH:
+        if kind == KIND_BATCH or kind == KIND_PB_BATCH:
             seq = int(fields[b"s"])
             if seq != record.last_seq + 1:
                 self.counters.out_of_sequence += 1
                 return
-            body = BATCH_DECODER.decode(fields[b"d"])
-            self.applier.apply_batch(record, seq, body.snapshot, unpack_ops(body.ops))
+            if kind == KIND_PB_BATCH:
+                batch = pb.EventBatch.FromString(fields[b"d"])
+                self.applier.apply_batch(record, seq, batch.snapshot, ops_from_events(batch.events, tier_or_disk))
+            else:
+                body = BATCH_DECODER.decode(fields[b"d"])
+                self.applier.apply_batch(record, seq, body.snapshot, unpack_ops(body.ops))
             self.registry.touch(record)
         elif kind == KIND_HEARTBEAT:
             self.applier.heartbeat(record, HEARTBEAT_DECODER.decode(fields[b"d"]))
@@ -514,8 +521,12 @@ class RedisEventLog:
                              "reconnect and send a snapshot")
         self.counters.appended += 1
 
-    async def append_batch(self, session: AgentSession, seq: int, snapshot: bool, ops: list[BlockOp]) -> None:
-        await self._append_entry(session, KIND_BATCH, seq, ENCODER.encode(BatchBody(snapshot, pack_ops(ops))))
+    async def append_batch(self, session: AgentSession, seq: int, snapshot: bool, ops: list[BlockOp],
+                           source: pb.EventBatch | None = None) -> None:
+        if source is not None:  # protobuf's C serializer: no Python loop over the keys
+            await self._append_entry(session, KIND_PB_BATCH, seq, source.SerializeToString())
+        else:
+            await self._append_entry(session, KIND_BATCH, seq, ENCODER.encode(BatchBody(snapshot, pack_ops(ops))))
 
     async def heartbeat(self, session: AgentSession, body: HeartbeatBody) -> None:
         await self._append_entry(session, KIND_HEARTBEAT, 0, ENCODER.encode(body))

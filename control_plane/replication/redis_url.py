@@ -110,7 +110,7 @@ def _host_port(url: str, part: str, default_port: int) -> tuple[str, int]:
 
 
 def connect(target: RedisTarget, *, socket_timeout_s: float = 3.0, connect_timeout_s: float = 2.0,
-            max_connections: int = 64):
+            max_connections: int = 256):
     """A redis.asyncio client (Redis or RedisCluster) for `target`; bytes in, bytes out."""
     import redis.asyncio as aioredis
     from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -132,4 +132,9 @@ def connect(target: RedisTarget, *, socket_timeout_s: float = 3.0, connect_timeo
         sentinel = Sentinel(list(target.hosts), sentinel_kwargs=sentinel_kwargs, socket_timeout=socket_timeout_s)
         return sentinel.master_for(target.service, db=target.db, max_connections=max_connections, **common, **tls)
     host, port = target.hosts[0]
-    return aioredis.Redis(host=host, port=port, db=target.db, max_connections=max_connections, **common, **tls)
+    # A blocking pool: a burst of agents registering at once waits for a connection instead of failing
+    # (each shard's tail holds one for its blocking XREAD).
+    pool = aioredis.BlockingConnectionPool(host=host, port=port, db=target.db, max_connections=max_connections,
+                                           timeout=connect_timeout_s, **common,
+                                           **({"connection_class": aioredis.SSLConnection} if target.tls else {}))
+    return aioredis.Redis(connection_pool=pool)
