@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     replicas.add_argument("--chaos-s", type=float, default=0.0, metavar="SECONDS",
                           help="also run the chaos scenario (kill -9, Redis cut, restart under 100 req/s) with phases "
                                "this long; 0 = skip")
+    replicas.add_argument("--answer-step-s", type=float, default=3.0, metavar="SECONDS",
+                          help="how long each offered query rate is held")
     replicas.add_argument("--workdir", default="", help="logs and Redis files (empty: a temp dir)")
     for sp in (ingest, decision, answer, proxy, inflight, burst, replicas):
         sp.add_argument("--json", action="store_true", help="print only the JSON result")
@@ -113,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         from bench.replicas import run_replicas
 
         result = run_replicas(args.batches, args.trials, tuple(int(n) for n in args.catchup_blocks.split(",")),
-                              args.workdir, args.chaos_s)
+                              args.workdir, args.chaos_s, args.answer_step_s)
     elif args.bench == "inflight":
         from bench.inflight import run_inflight
 

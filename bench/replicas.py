@@ -207,7 +207,7 @@ async def catch_up(redis: RedisServer, workdir: Path, sizes: tuple[int, ...]) ->
             try:
                 out[f"catchup_s_{label}"] = round(await asyncio.to_thread(fresh.start), 3)
                 out[f"catchup_entries_{label}"] = int(fresh.metric("kvroute_cp_index_entries"))
-                if blocks >= 1_000_000:
+                if blocks == max(sizes):  # memory per entry: against an empty replica, at the largest log
                     empty = ReplicaProcess(workdir, f"{redis.url}/1", "empty")  # same code, an empty db
                     await asyncio.to_thread(empty.start)
                     baseline_rss = empty.rss_bytes()
@@ -300,7 +300,7 @@ async def prepare_answer_fleet(a: ReplicaProcess, workers: int, chain: int = 256
 # ------------------------------------------------------------------ the whole bench
 
 
-async def run_async(batches: int, trials: int, sizes: tuple[int, ...], workdir: Path) -> dict:
+async def run_async(batches: int, trials: int, sizes: tuple[int, ...], workdir: Path, step_s: float = 3.0) -> dict:
     redis = RedisServer(workdir).start()
     result: dict = {}
     try:
@@ -316,8 +316,8 @@ async def run_async(batches: int, trials: int, sizes: tuple[int, ...], workdir: 
             result.update(await freshness(a, b, trials))
             await prepare_answer_fleet(a, 64)
             await _until(lambda: b.metric("kvroute_cp_workers") >= 64 + 8 + 1, 30)
-            one = await answers([a], redis)
-            two = await answers([a, b], redis)
+            one = await answers([a], redis, step_s=step_s)
+            two = await answers([a, b], redis, step_s=step_s)
             result["answers_per_s_1_replica"] = one["answers_per_s"]
             result["answers_per_s_2_replicas"] = two["answers_per_s"]
             result["answers_steps_1_replica"] = one["steps"]
@@ -332,9 +332,9 @@ async def run_async(batches: int, trials: int, sizes: tuple[int, ...], workdir: 
 
 
 def run_replicas(batches: int = 4000, trials: int = 200, sizes: tuple[int, ...] = (100_000, 1_000_000),
-                 workdir: str = "", chaos_s: float = 0.0) -> dict:
+                 workdir: str = "", chaos_s: float = 0.0, step_s: float = 3.0) -> dict:
     path = Path(workdir) if workdir else temp_workdir("kvroute-bench-replicas-")
-    result = asyncio.run(run_async(batches, trials, sizes, path))
+    result = asyncio.run(run_async(batches, trials, sizes, path, step_s))
     if chaos_s > 0:
         result.update(run_chaos_bench(path, chaos_s))
     return result
