@@ -74,7 +74,7 @@ class ControlPlaneServer:
             self.inflight_sync = InflightSync(self.redis_log.redis, self.inflight, self.registry, self.replica_id)
             self.service.router_events = self.inflight_sync
             self.service.refuse_routers = self._refuse_routers
-            self.metrics_registry.register(RedisLogCollector(self.redis_log))
+            self.metrics_registry.register(RedisLogCollector(self.redis_log, self.inflight_sync))
         self.metrics_registry.register(InflightCollector(self.inflight))
         self.auditor = (PeriodicAuditor(self.registry, self.metrics_registry, config.audit_interval_s,
                                         settle_s=config.audit_settle_s, probe=config.audit_probe,

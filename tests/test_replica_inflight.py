@@ -68,6 +68,9 @@ async def test_reservations_cross_replicas(redis_any) -> None:
         await a.inflight_sync.stop()  # a stops publishing (its beats too), as if cut off
         await wait_b(lambda w: w.reserved_requests == 0)
         assert b.inflight_sync.counters.dropped_silent_replicas == 1
+        assert b.metrics_registry.get_sample_value("kvroute_cp_inflight_sync_events_total",
+                                                   {"event": "dropped_silent_replicas"}) == 1
+        assert b.metrics_registry.get_sample_value("kvroute_cp_redis_ready") == 1
     finally:
         await link.close()
         await agent.close()

@@ -6,12 +6,14 @@ import dataclasses
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from control_plane.replication.inflight_sync import InflightSync
 from control_plane.replication.redis_log import RedisEventLog
 
 
 class RedisLogCollector:
-    def __init__(self, redis_log: RedisEventLog) -> None:
+    def __init__(self, redis_log: RedisEventLog, inflight_sync: InflightSync | None = None) -> None:
         self.redis_log = redis_log
+        self.inflight_sync = inflight_sync
 
     def collect(self):
         rlog = self.redis_log
@@ -29,3 +31,10 @@ class RedisLogCollector:
         for tail in rlog.shards:
             applied.add_metric([str(tail.keys.shard)], tail.n)
         yield applied
+        if self.inflight_sync is not None:
+            sync = CounterMetricFamily("kvroute_cp_inflight_sync_events_total",
+                                       "Reservations shared with other replicas (see control_plane.replication."
+                                       "inflight_sync.SyncCounters)", labels=["event"])
+            for name, value in dataclasses.asdict(self.inflight_sync.counters).items():
+                sync.add_metric([name], value)
+            yield sync
