@@ -36,7 +36,7 @@ class Replica:
     name: str
     address: str
     metrics_port: int
-    proxy: TcpProxy
+    proxy: TcpProxy | None  # None: the replica talks to Redis directly (a Cluster) and cannot be cut off
     process: ManagedProcess
     down: bool = False  # killed on purpose
 
@@ -50,14 +50,17 @@ class ReplicaCluster(LocalCluster):
 
     # -------------------------------------------------------------- replicas
 
-    def start_replicas(self, redis_port: int, count: int = 3, *extra: str) -> str:
+    def start_replicas(self, redis_port: int, count: int = 3, *extra: str, redis_url: str = "") -> str:
+        """`count` replicas, each through a proxy of its own to the Redis on `redis_port`; or, with
+        `redis_url` (e.g. a Cluster's), straight to it."""
         self.redis_port = redis_port
         for i in range(count):
-            proxy = TcpProxy(redis_port).start()
+            proxy = None if redis_url else TcpProxy(redis_port).start()
             port, metrics = free_port(), free_port()
             name = f"r{i}"
             process = ManagedProcess(f"replica-{name}", kvroute_argv(
-                "control-plane", "--listen", f"127.0.0.1:{port}", "--metrics-port", str(metrics), "--redis", proxy.url,
+                "control-plane", "--listen", f"127.0.0.1:{port}", "--metrics-port", str(metrics), "--redis",
+                redis_url or proxy.url,
                 "--redis-shards", str(self.redis_shards), "--replica-id", name,
                 "--heartbeat-timeout", str(self.heartbeat_timeout_s), *extra), self.workdir / f"replica-{name}.log")
             self.replicas.append(Replica(name, f"127.0.0.1:{port}", metrics, proxy, process))
@@ -89,10 +92,15 @@ class ReplicaCluster(LocalCluster):
         self.replicas[i].process.start()
 
     def cut_redis(self, i: int) -> None:
-        self.replicas[i].proxy.cut()
+        proxy = self.replicas[i].proxy
+        if proxy is None:
+            raise RuntimeError(f"replica {self.replicas[i].name} talks to Redis directly: it cannot be cut off")
+        proxy.cut()
 
     def restore_redis(self, i: int) -> None:
-        self.replicas[i].proxy.restore()
+        proxy = self.replicas[i].proxy
+        if proxy is not None:
+            proxy.restore()
 
     def live_replicas(self) -> list[int]:
         return [i for i, r in enumerate(self.replicas) if not r.down]
@@ -171,7 +179,8 @@ class ReplicaCluster(LocalCluster):
         super().stop()
         for replica in self.replicas:
             replica.process.stop()
-            replica.proxy.stop()
+            if replica.proxy is not None:
+                replica.proxy.stop()
 
 
 # ------------------------------------------------------------------ load and the chaos scenario
@@ -317,7 +326,7 @@ class ChaosResult:
         return {k: v for k, v in self.__dict__.items() if k != "errors"} | {"errors": self.errors[:5]}
 
 
-def run_chaos(cluster: ReplicaCluster, router_urls: list[str], *, faults: bool, rate: float = 100.0,
+def run_chaos(cluster: ReplicaCluster, router_urls: list[str], *, faults: bool, cut: bool = True, rate: float = 100.0,
               warm_s: float = 4.0, cut_s: float = 5.0, gap_s: float = 4.0, tail_s: float = 3.0,
               query_deadline_s: float = 0.005, poll_s: float = 0.02, seed: int = 0,
               audit_within_s: float = 2.0) -> ChaosResult:
@@ -343,21 +352,22 @@ def run_chaos(cluster: ReplicaCluster, router_urls: list[str], *, faults: bool, 
             result.audit_clean_s["kill"] = cluster.wait_replicas_audit_clean(cluster.live_replicas(),
                                                                              audit_within_s)[0]
             time.sleep(max(0.0, gap_s - result.audit_clean_s["kill"]))
-            result.fault_times["cut"] = time.monotonic() - started
-            cluster.cut_redis(1)
-            time.sleep(cut_s)
-            cluster.restore_redis(1)
-            result.fault_times["cut_end"] = time.monotonic() - started
-            result.audit_clean_s["cut_end"] = cluster.wait_replicas_audit_clean(cluster.live_replicas(),
-                                                                                audit_within_s)[0]
-            time.sleep(max(0.0, gap_s - result.audit_clean_s["cut_end"]))
+            if cut:
+                result.fault_times["cut"] = time.monotonic() - started
+                cluster.cut_redis(1)
+                time.sleep(cut_s)
+                cluster.restore_redis(1)
+                result.fault_times["cut_end"] = time.monotonic() - started
+                result.audit_clean_s["cut_end"] = cluster.wait_replicas_audit_clean(cluster.live_replicas(),
+                                                                                    audit_within_s)[0]
+                time.sleep(max(0.0, gap_s - result.audit_clean_s["cut_end"]))
             result.fault_times["restart"] = time.monotonic() - started
             cluster.restart_replica(0)
             result.restart_ready_s = cluster.wait_replica_ready(0, 30)
             result.audit_clean_s["restart"] = cluster.wait_replicas_audit_clean(cluster.live_replicas(),
                                                                                 audit_within_s)[0]
         else:
-            time.sleep(2 * gap_s + cut_s)
+            time.sleep(2 * gap_s + (cut_s if cut else 0.0))
         time.sleep(tail_s)
     finally:
         records = load.stop()
