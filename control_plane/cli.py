@@ -20,6 +20,18 @@ def positive(kind: type):
     return parse
 
 
+def redis_url(text: str) -> str:
+    """argparse type: a --redis URL this control plane can use (checked now, not at the first connect)."""
+    from kvroute.control_plane.replication.redis_url import parse_redis_url
+
+    if text:
+        try:
+            parse_redis_url(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--redis {text!r}: ")) from None
+    return text
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default="127.0.0.1:50051", metavar="HOST:PORT",
                    help="gRPC address agents and routers connect to")
@@ -43,6 +55,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "SGLang) by a probe prompt each interval (kvroute audit --probe), exported with kind=probe")
     p.add_argument("--audit-probe-deadline-s", type=positive(float), default=5.0, metavar="SECONDS",
                    help="how long a probe waits for the engine's events to reach the index")
+    p.add_argument("--redis", default="", metavar="URL", type=redis_url,
+                   help="run as one of several active replicas sharing this Redis (event log, snapshots, epochs, "
+                        "in-flight state): redis://[[USER]:PASSWORD@]HOST[:PORT][/DB], rediss://... (TLS), "
+                        "redis+sentinel://[[USER]:PASSWORD@]HOST[:PORT][,HOST[:PORT]...]/SERVICE[/DB], "
+                        "redis+cluster://HOST[:PORT][,HOST[:PORT]...]; empty = one in-memory process (no Redis)")
+    p.add_argument("--redis-shards", type=positive(int), default=16, metavar="N",
+                   help="with --redis: streams the event log is split over (every replica must use the same N)")
+    p.add_argument("--snapshot-interval-s", type=positive(float), default=10.0, metavar="SECONDS",
+                   help="with --redis: how often the replica holding the snapshot lease writes snapshots and trims "
+                        "the log behind them")
+    p.add_argument("--replica-id", default="", metavar="NAME",
+                   help="with --redis: this replica's name in logs, errors and the snapshot lease (default HOST-PID)")
     p.add_argument("--log-level", default="INFO", help="Python logging level")
 
 
@@ -57,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port, speculative_ttl_s=args.speculative_ttl_ms / 1000,
             reservation_max_age_s=args.reservation_max_age_s, audit_interval_s=args.audit_interval_s,
             audit_settle_s=args.audit_settle_ms / 1000, audit_probe=args.audit_probe,
-            audit_probe_deadline_s=args.audit_probe_deadline_s)))
+            audit_probe_deadline_s=args.audit_probe_deadline_s, redis_url=args.redis,
+            redis_shards=args.redis_shards, snapshot_interval_s=args.snapshot_interval_s,
+            replica_id=args.replica_id)))
     finally:
         shutdown_tracing()

@@ -50,6 +50,9 @@ class WorkerRecord:
     generation: int = 0
     # gRPC peer of the agent stream that registered it last, "" once that stream ended.
     peer: str = ""
+    # The registering agent's random per-process id (RegisterWorker.agent_instance): the same agent
+    # coming back may resume its sequence; "" = unknown.
+    agent_instance: str = ""
     # The service's pre-built answer for this worker (a WorkerMatch without per-query fields),
     # cached because building it per query dominated Query time; None after any change to it.
     match_template: object | None = None

@@ -3,13 +3,17 @@
 Health: `grpc.health.v1.Health` on the gRPC port ("" and "kvroute.v1.ControlPlane") and, on the
 metrics port, `GET /health` (liveness) and `GET /ready` (200 while serving, 503 once stopping).
 The control plane is ready as soon as it serves: an empty registry is a normal state (agents
-register after it starts), not a fault."""
+register after it starts), not a fault. A replica (--redis) is ready once it has loaded the log's
+snapshots and caught up with the heads it saw at start; until then it refuses agents and routers
+with UNAVAILABLE so they ask another replica."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import socket
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -19,6 +23,10 @@ from kvroute.control_plane.auditor import PeriodicAuditor
 from kvroute.control_plane.index import BitmaskPrefixIndex
 from kvroute.control_plane.inflight import InflightTracker
 from kvroute.control_plane.registry import WorkerRegistry
+from kvroute.control_plane.replication.inflight_sync import InflightSync
+from kvroute.control_plane.replication.metrics import RedisLogCollector
+from kvroute.control_plane.replication.redis_log import RedisEventLog, RedisLogConfig
+from kvroute.control_plane.replication.redis_url import connect, parse_redis_url
 from kvroute.control_plane.service import GRPC_OPTIONS, ControlPlaneMetrics, ControlPlaneService, InflightCollector
 from kvroute.listeners import GrpcListener, start_status_site
 from kvroute.v1 import kvroute_pb2 as pb
@@ -40,6 +48,10 @@ class ControlPlaneConfig:
     audit_settle_s: float = 0.5
     audit_probe: bool = False             # ... and probe the workers whose engine does not serve it
     audit_probe_deadline_s: float = 5.0
+    redis_url: str = ""                   # "" = embedded (one in-memory process); else a replica over Redis
+    redis_shards: int = 16
+    snapshot_interval_s: float = 10.0
+    replica_id: str = ""                  # "" = HOST-PID
 
 
 class ControlPlaneServer:
@@ -51,6 +63,18 @@ class ControlPlaneServer:
                                         max_age_s=config.reservation_max_age_s)
         self.registry = WorkerRegistry(index, heartbeat_timeout_s=config.heartbeat_timeout_s, watcher=self.inflight)
         self.service = ControlPlaneService(self.registry, self.inflight, ControlPlaneMetrics(self.metrics_registry))
+        self.replica_id = config.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.redis_log: RedisEventLog | None = None
+        self.inflight_sync: InflightSync | None = None
+        if config.redis_url:
+            self.redis_log = RedisEventLog(self.service.applier, connect(parse_redis_url(config.redis_url)),
+                                           RedisLogConfig(shards=config.redis_shards, replica_id=self.replica_id,
+                                                          snapshot_interval_s=config.snapshot_interval_s))
+            self.service.log = self.redis_log
+            self.inflight_sync = InflightSync(self.redis_log.redis, self.inflight, self.registry, self.replica_id)
+            self.service.router_events = self.inflight_sync
+            self.service.refuse_routers = self._refuse_routers
+            self.metrics_registry.register(RedisLogCollector(self.redis_log, self.inflight_sync))
         self.metrics_registry.register(InflightCollector(self.inflight))
         self.auditor = (PeriodicAuditor(self.registry, self.metrics_registry, config.audit_interval_s,
                                         settle_s=config.audit_settle_s, probe=config.audit_probe,
@@ -61,6 +85,19 @@ class ControlPlaneServer:
         self._sweeper: asyncio.Task[None] | None = None
         self._audit_task: asyncio.Task[None] | None = None
         self._metrics_runner: web.AppRunner | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self._accepting = False  # the gRPC server has started and is not stopping
+
+    def _refuse_routers(self) -> str | None:
+        if self.redis_log is not None and not self.redis_log.ready:
+            return (f"control plane replica {self.replica_id} is catching up with the log; "
+                    "try another replica")
+        return None
+
+    @property
+    def ready(self) -> bool:
+        """Serving (between start and stop) and, for a replica, caught up with the log."""
+        return self._accepting and (self.redis_log is None or self.redis_log.ready)
 
     async def start(self) -> int:
         """Listen and serve; raises ListenError (nothing left running) when a port cannot be had."""
@@ -72,10 +109,16 @@ class ControlPlaneServer:
                 self._metrics_runner, _ = await start_status_site(
                     "--metrics-port", self.config.metrics_host, self.config.metrics_port,
                     {"/metrics": self._metrics, "/health": self._health, "/ready": self._ready})
-            await self._grpc.start()
+            await self._grpc.start(serving=self.redis_log is None)
+            self._accepting = True
         except BaseException:
             await self.stop(0)
             raise
+        if self.redis_log is not None:
+            await self.redis_log.start()
+            await self.inflight_sync.start()
+            self._health_task = asyncio.create_task(self._grpc.follow(lambda: self.ready, 0.05),
+                                                    name="kvroute-cp-health")
         self._sweeper = asyncio.create_task(self.service.expire_forever(max(0.05, self.config.heartbeat_timeout_s / 5)))
         if self.auditor:
             self._audit_task = asyncio.create_task(self.auditor.run_forever(), name="kvroute-cp-audit")
@@ -83,11 +126,16 @@ class ControlPlaneServer:
         return self.port
 
     async def stop(self, grace_s: float = 0.5) -> None:
-        for task in (self._sweeper, self._audit_task):
+        self._accepting = False
+        for task in (self._sweeper, self._audit_task, self._health_task):
             if task:
                 task.cancel()
         if self._grpc:  # health goes NOT_SERVING first, while /ready still answers 503
             await self._grpc.stop(grace_s)
+        if self.inflight_sync is not None:
+            await self.inflight_sync.stop()
+        if self.redis_log is not None:
+            await self.redis_log.stop()
         if self._metrics_runner:
             await self._metrics_runner.cleanup()
             self._metrics_runner = None
@@ -107,10 +155,16 @@ class ControlPlaneServer:
         return web.json_response({"status": "ok", "workers": len(self.registry)})
 
     async def _ready(self, request: web.Request) -> web.Response:
-        if self.serving:
-            return web.json_response({"status": "ready", "serving": True, "workers": len(self.registry)})
-        return web.json_response({"status": "not_ready", "serving": False, "workers": len(self.registry),
-                                  "problems": ["the gRPC server is not serving (starting or stopping)"]}, status=503)
+        problems = [] if self._accepting else ["the gRPC server is not serving (starting or stopping)"]
+        if self.redis_log is not None:
+            problems += self.redis_log.problems()
+        body = {"serving": self.ready, "workers": len(self.registry)}
+        if self.redis_log is not None:
+            body["replica_id"] = self.replica_id
+        if self.ready:  # a replica cut off from Redis serves its last state: degraded, still ready
+            return web.json_response({"status": "degraded" if problems else "ready", **body,
+                                      **({"problems": problems} if problems else {})})
+        return web.json_response({"status": "not_ready", **body, "problems": problems}, status=503)
 
 
 async def serve(config: ControlPlaneConfig) -> int:

@@ -6,7 +6,8 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry import trace
@@ -16,6 +17,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvroute.control_plane.index import TIERS, Tier, TierMatch, tier_of_medium
 from kvroute.control_plane.inflight import DuplicateReservation, InflightTracker, RouterSessionState, RouterTally
 from kvroute.control_plane.registry import WorkerRecord, WorkerRegistry
+from kvroute.control_plane.replication.apply import LogApplier
+from kvroute.control_plane.replication.entries import BlockOp, HeartbeatBody, ops_from_events
+from kvroute.control_plane.replication.event_log import AgentSession, EventLog, LocalEventLog, LogRefusal
+
+if TYPE_CHECKING:
+    from kvroute.control_plane.replication.inflight_sync import InflightSync
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
@@ -102,112 +109,79 @@ def check_query(request: pb.QueryRequest) -> None:
 
 
 class ControlPlaneService(pb_grpc.ControlPlaneServicer):
-    def __init__(self, registry: WorkerRegistry, inflight: InflightTracker, metrics: ControlPlaneMetrics) -> None:
+    def __init__(self, registry: WorkerRegistry, inflight: InflightTracker, metrics: ControlPlaneMetrics,
+                 event_log: EventLog | None = None) -> None:
         self.registry = registry
         self.inflight = inflight
         self.metrics = metrics
+        self.applier = LogApplier(registry, inflight, metrics)
         self._unknown_media_seen: set[str] = set()
+        # Where agents' messages go: applied at once (embedded), or through Redis (replicas).
+        self.log: EventLog = event_log or LocalEventLog(self.applier)
+        # Why routers must ask another replica now (a replica still catching up), or None.
+        self.refuse_routers: Callable[[], str | None] = lambda: None
+        # Replicas: tells the other replicas what this one's router sessions do (None: embedded).
+        self.router_events: InflightSync | None = None
+
+    async def _check_serving(self, context: grpc.aio.ServicerContext, rpc: str) -> None:
+        why = self.refuse_routers()
+        if why is not None:
+            self.metrics.bad_requests.labels(rpc, "not_ready").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, why)
 
     # ------------------------------------------------------------ agent stream
 
     async def Connect(self, request_iterator: AsyncIterator[pb.AgentMessage],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ControlMessage]:
-        record: WorkerRecord | None = None
-        generation = 0
+        session: AgentSession | None = None
         try:
             async for message in request_iterator:
                 body = message.WhichOneof("body")
-                if record is None:
-                    if body != "register":
-                        await self._reject(context, "not_registered", grpc.StatusCode.FAILED_PRECONDITION,
-                                           "first message on a Connect stream must be `register`")
-                    record, generation = await self._register(message.register, context)
-                    yield pb.ControlMessage(registered=pb.Registered(
-                        worker_id=record.worker_id,
-                        heartbeat_timeout_ms=int(self.registry.heartbeat_timeout_s * 1000)))
-                    continue
-                if record.generation != generation or self.registry.get(record.worker_id) is not record:
-                    await self._reject(context, "superseded", grpc.StatusCode.ABORTED,
-                                       f"worker {record.worker_id!r} was re-registered or expired; reconnect")
-                self.registry.touch(record)
-                if body == "batch":
-                    applied = await self._apply_batch(record, message.batch, context)
-                    yield pb.ControlMessage(ack=pb.Ack(seq=message.batch.seq, applied_events=applied))
-                elif body == "heartbeat":
-                    heartbeat = message.heartbeat
-                    load = heartbeat.load
-                    self.registry.update_load(record, load.running_requests, load.waiting_requests, load.kv_usage,
-                                              load.observed_unix_ms or int(time.time() * 1000))
-                    if tuple(heartbeat.lora_adapters) != record.lora_adapters:
-                        self.registry.set_lora_adapters(record, heartbeat.lora_adapters)
-                elif body == "register":
-                    await self._reject(context, "double_register", grpc.StatusCode.FAILED_PRECONDITION,
-                                       "register may only be sent once per stream")
+                try:
+                    if session is None:
+                        if body != "register":
+                            raise LogRefusal(grpc.StatusCode.FAILED_PRECONDITION, "not_registered",
+                                             "first message on a Connect stream must be `register`")
+                        session = await self._register(message.register, context)
+                        yield pb.ControlMessage(registered=pb.Registered(
+                            worker_id=session.worker_id, heartbeat_timeout_ms=int(self.log.heartbeat_timeout_s * 1000),
+                            epoch=session.epoch, resume=session.resume, last_seq=session.last_seq))
+                    elif body == "batch":
+                        batch = message.batch
+                        ops = self._ops(batch)
+                        with tracer.start_as_current_span("kvroute.cp.apply_batch") as span:
+                            await self.log.append_batch(session, batch.seq, batch.snapshot, ops, source=batch)
+                            if span.is_recording():
+                                span.set_attribute("kvroute.worker_id", session.worker_id)
+                                span.set_attribute("kvroute.events", len(ops))
+                        yield pb.ControlMessage(ack=pb.Ack(seq=batch.seq, applied_events=len(ops)))
+                    elif body == "heartbeat":
+                        heartbeat = message.heartbeat
+                        load = heartbeat.load
+                        await self.log.heartbeat(session, HeartbeatBody(
+                            load.running_requests, load.waiting_requests, load.kv_usage,
+                            load.observed_unix_ms or int(time.time() * 1000), list(heartbeat.lora_adapters)))
+                    elif body == "register":
+                        raise LogRefusal(grpc.StatusCode.FAILED_PRECONDITION, "double_register",
+                                         "register may only be sent once per stream")
+                except LogRefusal as refusal:
+                    await self._reject(context, refusal.reason, refusal.code, refusal.detail)
         finally:  # ended, failed or cancelled: the worker id is free for the next stream
-            if record is not None:
-                self.registry.release(record, generation)
+            if session is not None:
+                await self.log.release(session)
 
-    async def _register(self, req: pb.RegisterWorker,
-                        context: grpc.aio.ServicerContext) -> tuple[WorkerRecord, int]:
-        peer = context.peer() or "unknown peer"
-        holder = self.registry.holder(req.worker_id)
-        if holder is not None:  # refused before anything changes: the live agent's state stays as it is
-            await self._reject(context, "worker_id_in_use", grpc.StatusCode.ALREADY_EXISTS,
-                               f"worker id {req.worker_id!r} is already connected from {holder.peer} (this "
-                               f"connection: {peer}); each agent needs its own --worker-id")
-        try:
-            record = self.registry.register(
-                req.worker_id, req.model, req.engine, req.block_size, req.endpoint, req.engine_version,
-                req.lora_adapters, req.data_parallel_rank if req.HasField("data_parallel_rank") else None, peer)
-        except ValueError as exc:
-            await self._reject(context, "bad_register", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        log.info("worker registered: %s model=%s engine=%s %s block_size=%d endpoint=%s dp_rank=%s adapters=%s",
-                 record.worker_id, record.model, record.engine, record.engine_version or "-", record.block_size,
-                 record.endpoint, "-" if record.data_parallel_rank is None else record.data_parallel_rank,
-                 ",".join(record.lora_adapters) or "-")
-        self.metrics.workers.set(len(self.registry))
-        return record, record.generation
+    async def _register(self, req: pb.RegisterWorker, context: grpc.aio.ServicerContext) -> AgentSession:
+        session = await self.log.register(req, context.peer() or "unknown peer")
+        log.info("worker registered: %s model=%s engine=%s %s block_size=%d endpoint=%s dp_rank=%s adapters=%s "
+                 "epoch=%d%s", req.worker_id, req.model, req.engine, req.engine_version or "-", req.block_size,
+                 req.endpoint, req.data_parallel_rank if req.HasField("data_parallel_rank") else "-",
+                 ",".join(req.lora_adapters) or "-", session.epoch,
+                 f" resuming after seq {session.last_seq}" if session.resume else "")
+        return session
 
-    async def _apply_batch(self, record: WorkerRecord, batch: pb.EventBatch,
-                           context: grpc.aio.ServicerContext) -> int:
-        if batch.seq != record.last_seq + 1:
-            await self._reject(context, "sequence", grpc.StatusCode.FAILED_PRECONDITION,
-                               f"worker {record.worker_id!r}: expected batch seq {record.last_seq + 1}, "
-                               f"got {batch.seq}; reconnect and send a snapshot")
-        record.last_seq = batch.seq
-        index, slot = self.registry.index, record.slot
-        with tracer.start_as_current_span("kvroute.cp.apply_batch") as span:
-            if batch.snapshot:
-                # One BlocksStored per tier; a tier the snapshot does not name is empty now.
-                by_tier: dict[Tier, list[int]] = {}
-                for event in batch.events:
-                    if event.WhichOneof("kind") == "stored":
-                        by_tier.setdefault(self._tier(event.stored.medium), []).extend(event.stored.block_keys)
-                index.replace_all(slot, by_tier)
-                for keys in by_tier.values():
-                    self.inflight.confirm(slot, keys)
-                self.metrics.batches.labels("snapshot").inc()
-                self.metrics.block_events.labels("snapshot").inc(sum(len(keys) for keys in by_tier.values()))
-            else:
-                for event in batch.events:
-                    kind = event.WhichOneof("kind")
-                    if kind == "stored":
-                        index.store(slot, event.stored.block_keys, self._tier(event.stored.medium))
-                        self.inflight.confirm(slot, event.stored.block_keys)
-                        self.metrics.block_events.labels("stored").inc(len(event.stored.block_keys))
-                    elif kind == "removed":
-                        index.remove(slot, event.removed.block_keys, self._tier(event.removed.medium))
-                        self.metrics.block_events.labels("removed").inc(len(event.removed.block_keys))
-                    elif kind == "cleared":
-                        index.clear(slot)
-                        self.inflight.slot_cleared(slot)
-                        self.metrics.block_events.labels("cleared").inc()
-                self.metrics.batches.labels("delta").inc()
-            if span.is_recording():
-                span.set_attribute("kvroute.worker_id", record.worker_id)
-                span.set_attribute("kvroute.events", len(batch.events))
-        self.metrics.index_entries.set(index.entry_count())
-        return len(batch.events)
+    def _ops(self, batch: pb.EventBatch) -> list[BlockOp]:
+        """The batch as the log's block ops (keys stay the message's own containers)."""
+        return ops_from_events(batch.events, self._tier)
 
     def _tier(self, medium: str) -> Tier:
         tier = tier_of_medium(medium)
@@ -229,6 +203,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
     # ------------------------------------------------------------ router side
 
     async def Query(self, request: pb.QueryRequest, context: grpc.aio.ServicerContext) -> pb.QueryResponse:
+        await self._check_serving(context, "Query")
         response = pb.QueryResponse()
         try:
             self.answer(request, response, asking=None)
@@ -326,6 +301,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
             async for message in request_iterator:
                 body = message.WhichOneof("body")
                 if session is None:
+                    await self._check_serving(context, "RouterSession")
                     if body != "hello":
                         await self._reject_router(context, "not_hello", grpc.StatusCode.FAILED_PRECONDITION,
                                                   "first message on a RouterSession stream must be `hello`")
@@ -333,6 +309,8 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                         await self._reject_router(context, "bad_hello", grpc.StatusCode.INVALID_ARGUMENT,
                                                   "hello needs a router_id (unique per router process)")
                     session = self.inflight.open_session(message.hello.router_id)
+                    if self.router_events is not None:
+                        self.router_events.opened(session)
                     yield pb.RouterReply(welcome=pb.RouterWelcome(
                         router_id=message.hello.router_id,
                         reservation_max_age_ms=int(self.inflight.max_age_s * 1000)))
@@ -349,8 +327,12 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                     await self._reserve(session, message.reserve, context)
                 elif body == "prefill_done":
                     self.inflight.prefill_done(session, message.prefill_done.reservation_id)
+                    if self.router_events is not None:
+                        self.router_events.prefill_done(session, message.prefill_done.reservation_id)
                 elif body == "release":
                     self.inflight.release(session, message.release.reservation_id)
+                    if self.router_events is not None:
+                        self.router_events.released(session, message.release.reservation_id)
                 elif body == "hello":
                     await self._reject_router(context, "double_hello", grpc.StatusCode.FAILED_PRECONDITION,
                                               "hello may only be sent once per stream")
@@ -361,6 +343,8 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         finally:
             if session is not None:
                 self.inflight.close_session(session)
+                if self.router_events is not None:
+                    self.router_events.closed(session)
 
     async def _reserve(self, session: RouterSessionState, reservation: pb.Reservation,
                        context: grpc.aio.ServicerContext) -> None:
@@ -380,6 +364,9 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                                   reservation.ttl_ms, reservation.prompt_tokens, record.block_size)
         except DuplicateReservation as exc:
             await self._reject_router(context, "duplicate_reservation", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if self.router_events is not None:
+            self.router_events.reserved(session, reservation.reservation_id, record.worker_id, record.block_size, keys,
+                                        reservation.prefill_tokens, reservation.ttl_ms, reservation.prompt_tokens)
 
     async def _reject_router(self, context: grpc.aio.ServicerContext, reason: str, code: grpc.StatusCode,
                              detail: str) -> None:
@@ -389,6 +376,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
 
     async def ListWorkers(self, request: pb.ListWorkersRequest,
                           context: grpc.aio.ServicerContext) -> pb.ListWorkersResponse:
+        await self._check_serving(context, "ListWorkers")
         index = self.registry.index
         return pb.ListWorkersResponse(workers=[
             pb.WorkerInfo(worker_id=r.worker_id, model=r.model, engine=r.engine, block_size=r.block_size,
@@ -403,6 +391,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
 
     async def GetWorkerKeys(self, request: pb.GetWorkerKeysRequest,
                             context: grpc.aio.ServicerContext) -> pb.GetWorkerKeysResponse:
+        await self._check_serving(context, "GetWorkerKeys")
         record = self.registry.get(request.worker_id)
         if record is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no live worker {request.worker_id!r}")
@@ -415,7 +404,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
     async def expire_forever(self, period_s: float) -> None:
         while True:
             await asyncio.sleep(period_s)
-            for worker_id in self.registry.expire():
+            for worker_id in await self.log.expire_silent():
                 log.warning("worker %s missed heartbeats for %.1fs: dropped with its blocks", worker_id,
                             self.registry.heartbeat_timeout_s)
                 self.metrics.expired.inc()

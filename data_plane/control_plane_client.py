@@ -9,7 +9,15 @@ of to errors (`kvroute.data_plane.routing` does the failing open):
   snapshot; if the control plane has never answered, the `--static-workers` fleet.
 - `query()` goes over the router session stream when it is open (`router_session.py`, which also
   carries this router's in-flight reservations), else the unary Query RPC; it raises on timeout
-  or error (TimeoutError, grpc.aio.AioRpcError); it never retries.
+  or error (TimeoutError, grpc.aio.AioRpcError).
+
+Several replicas (`--control-plane A,B,C`, or a name resolving to several: `kvroute.addresses`): the
+client keeps a channel to each and uses one, `address`. When it fails (session lost, a refresh or a
+unary query answered UNAVAILABLE or not at all) the client moves to the next at once: the session
+reconnects there without a pause, and a unary query tries the next replicas within what is left of
+its deadline, so a dead replica costs at most one query deadline of load-only routing. A replica that
+failed is skipped by failovers for `DOWN_S` unless every replica failed; a query that is merely late
+(DEADLINE_EXCEEDED) moves nothing.
 """
 
 from __future__ import annotations
@@ -21,11 +29,13 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvroute.addresses import AddressRotation
 from kvroute.data_plane.router_session import RouterSessionLink, SessionUnavailable, cancel_and_wait
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvroute.router.cp")
+DOWN_S = 2.0  # a replica that failed is not picked again by a failover for this long (unless all failed)
 
 
 @dataclass(slots=True)
@@ -44,13 +54,18 @@ class ControlPlaneClient:
     def __init__(self, address: str, query_timeout_s: float = 0.005, refresh_interval_s: float = 0.5,
                  static_workers: dict[str, str] | None = None, static_block_size: int = 16,
                  router_id: str | None = None, use_session: bool = True) -> None:
-        self.address = address
+        self.addresses = AddressRotation(address)
+        self.address = self.addresses.next()[0]  # the replica in use
         self.query_timeout_s = query_timeout_s
         self.refresh_interval_s = refresh_interval_s
-        self._channel = grpc.aio.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024)])
-        self._stub = pb_grpc.ControlPlaneStub(self._channel)
-        self.session = RouterSessionLink(self._stub, router_id) if use_session else None
+        self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.ControlPlaneStub]] = {}
+        self.failovers = 0           # moves to another replica
+        self._down_until: dict[str, float] = {}  # replicas that failed lately: skipped by a failover until then
+        self._session_address = ""
+        self._session_losses = 0     # in a row, since the last session that opened
+        self._sessions_seen = 0
+        self.session = RouterSessionLink(self._session_stub, router_id, on_lost=self._session_lost) \
+            if use_session else None
         self.fleet: dict[str, KnownWorker] = {}
         self.fleet_updated_at = 0.0  # monotonic time of the last successful ListWorkers; 0 = never
         self.reachable = False       # did the last ListWorkers succeed
@@ -62,8 +77,63 @@ class ControlPlaneClient:
 
     # ------------------------------------------------------------ lifecycle
 
+    @property
+    def _stub(self) -> pb_grpc.ControlPlaneStub:
+        return self._stub_for(self.address)
+
+    def _stub_for(self, address: str) -> pb_grpc.ControlPlaneStub:
+        entry = self._channels.get(address)
+        if entry is None:
+            channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
+            entry = self._channels[address] = (channel, pb_grpc.ControlPlaneStub(channel))
+        return entry[1]
+
+    def _failover(self, failed: str) -> bool:
+        """`failed` did not answer: use the next replica (if `failed` is still the one in use and there
+        is another), skipping replicas that failed in the last `DOWN_S` unless every one did. True
+        when the client now uses another address than `failed`."""
+        if not self.addresses.several:
+            return False
+        now = time.monotonic()
+        self._down_until[failed] = now + DOWN_S
+        if self.address == failed:
+            candidates = self.addresses.round_addresses()
+            count = len(candidates)
+            picked = None
+            for _ in range(2 * count):  # two rounds at most: the rotation may start a new one meanwhile
+                nxt = self.addresses.next()[0]
+                if nxt != failed and self._down_until.get(nxt, 0.0) <= now:
+                    picked = nxt
+                    break
+                if picked is None and nxt != failed:
+                    picked = nxt  # every other one failed lately: still better than the one that just did
+            if picked is None:
+                return False
+            self.address = picked
+            self.failovers += 1
+            log.warning("control plane %s failed: using %s", failed, picked)
+        return self.address != failed
+
+    def _session_stub(self) -> pb_grpc.ControlPlaneStub:
+        self._session_address = self.address
+        return self._stub
+
+    def _session_lost(self) -> bool:
+        """The router session failed: move on; reconnect at once unless every replica failed in a row."""
+        if self.session is not None and self.session.sessions != self._sessions_seen:
+            self._sessions_seen, self._session_losses = self.session.sessions, 0
+        self._session_losses += 1
+        moved = self._failover(self._session_address)
+        return moved and self._session_losses < len(self.addresses.round_addresses())
+
     def start(self) -> None:
-        """Start the background refresher (first refresh immediately)."""
+        """Start the background refresher (first refresh immediately); open a channel to every replica
+        now, so a failover does not wait for a TCP and HTTP/2 handshake."""
+        if self.addresses.several:
+            for address in self.addresses.round_addresses():
+                self._stub_for(address)
+                channel = self._channels[address][0]
+                channel.get_state(try_to_connect=True)
         if self._task is None:
             self._task = asyncio.create_task(self._refresh_forever(), name="kvroute-cp-refresh")
         if self.session is not None:
@@ -74,7 +144,8 @@ class ControlPlaneClient:
             await self.session.close()
         await cancel_and_wait(self._task)
         self._task = None
-        await self._channel.close()
+        for channel, _ in self._channels.values():
+            await channel.close()
 
     # ------------------------------------------------------------ the known fleet
 
@@ -114,7 +185,13 @@ class ControlPlaneClient:
         return {w.model for w in self.fleet.values()} | set(self._last_known)
 
     async def refresh(self) -> None:
-        response = await self._stub.ListWorkers(pb.ListWorkersRequest(), timeout=max(1.0, self.refresh_interval_s))
+        address = self.address
+        try:
+            response = await self._stub_for(address).ListWorkers(pb.ListWorkersRequest(),
+                                                                 timeout=max(1.0, self.refresh_interval_s))
+        except grpc.aio.AioRpcError:
+            self._failover(address)
+            raise
         fleet = {w.worker_id: KnownWorker(w.worker_id, w.model, w.endpoint.rstrip("/"), w.block_size, w.load,
                                           w.cached_blocks, frozenset(w.lora_adapters),
                                           w.data_parallel_rank if w.HasField("data_parallel_rank") else None)
@@ -163,8 +240,20 @@ class ControlPlaneClient:
                 return (await self.session.query(message, self.query_timeout_s)).columns
             except SessionUnavailable:
                 pass  # lost just now: the unary call below still has a chance
-        response = await self._stub.Query(message.query, timeout=self.query_timeout_s)
-        return response.columns
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.query_timeout_s
+        tried: set[str] = set()
+        while True:  # the next replicas, within what is left of the deadline
+            address = self.address
+            tried.add(address)
+            try:
+                response = await self._stub_for(address).Query(message.query, timeout=max(1e-4, deadline - loop.time()))
+                return response.columns
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise  # a slow answer (DEADLINE_EXCEEDED) is a busy replica, not a gone one: stay
+                if not self._failover(address) or self.address in tried or loop.time() >= deadline:
+                    raise
 
 
 def query_message(model: str, chains: dict[int, list[int]], lora_name: str = "") -> pb.RouterMessage:

@@ -36,6 +36,11 @@ class RouterMetrics:
             registry=r, buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25))
         self.fail_open = Counter("kvroute_router_fail_open", "Decisions made on load alone, without the index",
                                  registry=r)
+        # The same decisions by why: `deadline` (the index answered too late: a slow or overloaded control
+        # plane), `unavailable` (it did not answer: a replica gone, every replica gone), `empty` (it knows
+        # no worker of the model), `error` (anything else).
+        self.fail_open_reasons = Counter("kvroute_router_fail_open_reasons", "Decisions made on load alone, by why",
+                                         ["reason"], registry=r)
         # Proxied requests, counted on the worker that served them.
         self.requests = Counter("kvroute_router_requests", "Requests proxied to a worker", ["policy", "worker"],
                                 registry=r)

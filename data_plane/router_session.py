@@ -24,6 +24,7 @@ import itertools
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -62,9 +63,13 @@ def default_router_id() -> str:
 
 
 class RouterSessionLink:
-    def __init__(self, stub: pb_grpc.ControlPlaneStub, router_id: str | None = None,
-                 reconnect_delay_s: float = 0.2, max_reconnect_delay_s: float = 5.0) -> None:
-        self._stub = stub
+    def __init__(self, stub: pb_grpc.ControlPlaneStub | Callable[[], pb_grpc.ControlPlaneStub],
+                 router_id: str | None = None, reconnect_delay_s: float = 0.2, max_reconnect_delay_s: float = 5.0,
+                 on_lost: Callable[[], bool] | None = None) -> None:
+        # A stub, or a function giving the stub of the replica to use now (several replicas).
+        self._stub_of = stub if callable(stub) else (lambda: stub)
+        # Called when a session fails; True = another replica was picked, reconnect without a pause.
+        self._on_lost = on_lost
         self.router_id = router_id or default_router_id()
         self._delays = (reconnect_delay_s, max_reconnect_delay_s)
         self._call = None                       # the open stream, or None
@@ -113,6 +118,8 @@ class RouterSessionLink:
                 return await future
         except grpc.aio.AioRpcError as exc:
             raise SessionUnavailable(f"router session lost: {exc.code().name}") from None
+        except asyncio.InvalidStateError:  # grpc: the call ended between our check and the write
+            raise SessionUnavailable("router session lost: the stream had ended") from None
         finally:
             self._pending.pop(query_id, None)
 
@@ -187,11 +194,13 @@ class RouterSessionLink:
             finally:
                 self.connected = False
                 self._fail_pending(SessionUnavailable("router session lost"))
+            if self._on_lost is not None and self._on_lost():
+                continue  # another replica: reconnect there at once
             await asyncio.sleep(delay)
             delay = min(delay * 2, self._delays[1])
 
     async def _session(self) -> None:
-        call = self._stub.RouterSession()
+        call = self._stub_of().RouterSession()
         flusher = None
         try:
             await call.write(pb.RouterMessage(hello=pb.RouterHello(router_id=self.router_id)))

@@ -46,6 +46,17 @@ class NoWorkersError(RuntimeError):
     """No worker is known for the model (not an index problem: there is nowhere to route)."""
 
 
+def fail_open_kind(reason: str) -> str:
+    """The `reason` label of kvroute_router_fail_open_reasons_total for a fail-open reason."""
+    if reason == "DEADLINE_EXCEEDED":
+        return "deadline"
+    if reason in ("UNAVAILABLE", "SessionUnavailable", "CANCELLED"):
+        return "unavailable"
+    if reason.startswith(("index has no workers", "index answered with no known")):
+        return "empty"
+    return "error"
+
+
 @dataclass(slots=True)
 class RouteDecision:
     worker_id: str
@@ -127,6 +138,7 @@ class Router:
             if reason:
                 self.fail_open_count += 1
                 self.metrics.fail_open.inc()
+                self.metrics.fail_open_reasons.labels(fail_open_kind(reason)).inc()
                 span.set_attribute("kvroute.fail_open_reason", reason)
             span.set_attribute("kvroute.policy", self.policy.name)
             span.set_attribute("kvroute.prompt_tokens", len(token_ids))

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvroute.tools.local_cluster import LocalCluster
+from kvroute.tools.redis_harness import RedisClusterHarness, RedisServer, temp_workdir
 from kvroute.tools.tiny_model import build_model_dir
 from tests.helpers import REPO, InstalledKvroute, floor, floor_venv, pyproject, requirements
 
@@ -93,3 +94,41 @@ def module_local_fleet(tmp_path_factory: pytest.TempPathFactory,
                        tiny_model_dir: Path) -> Iterator[Callable[..., LocalCluster]]:
     """`local_fleet` for a module's tests to share: stopped when the module's last test ends."""
     yield from _fleets(tmp_path_factory, tiny_model_dir)
+
+
+# Real Redis servers for the replica tests (tools/redis_harness.py): one single server and one
+# 3-master Cluster per test session (a cluster takes ~1-2 s to start), flushed before each test
+# that asks for them. `redis_any` runs a test against both.
+@pytest.fixture(scope="session")
+def _redis_single():
+    server = RedisServer(temp_workdir()).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def _redis_cluster():
+    cluster = RedisClusterHarness(temp_workdir()).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def redis_single(_redis_single) -> RedisServer:
+    _redis_single.cli("flushall")
+    return _redis_single
+
+
+@pytest.fixture
+def redis_cluster(_redis_cluster) -> RedisClusterHarness:
+    for node in _redis_cluster.nodes:
+        node.cli("flushall")
+    return _redis_cluster
+
+
+@pytest.fixture(params=["single", "cluster"])
+def redis_any(request) -> str:
+    """The URL of a flushed Redis: a single server, then a 3-master Cluster."""
+    if request.param == "single":
+        return request.getfixturevalue("redis_single").url
+    return request.getfixturevalue("redis_cluster").url

@@ -17,7 +17,7 @@ class AgentMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[RegisterWorker, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
 
 class RegisterWorker(_message.Message):
-    __slots__ = ("worker_id", "model", "engine", "block_size", "endpoint", "engine_version", "lora_adapters", "data_parallel_rank")
+    __slots__ = ("worker_id", "model", "engine", "block_size", "endpoint", "engine_version", "lora_adapters", "data_parallel_rank", "agent_instance", "acked_seq")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,8 @@ class RegisterWorker(_message.Message):
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
+    AGENT_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    ACKED_SEQ_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     engine: str
@@ -34,7 +36,9 @@ class RegisterWorker(_message.Message):
     engine_version: str
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     data_parallel_rank: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., block_size: _Optional[int] = ..., endpoint: _Optional[str] = ..., engine_version: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
+    agent_instance: str
+    acked_seq: int
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., block_size: _Optional[int] = ..., endpoint: _Optional[str] = ..., engine_version: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., data_parallel_rank: _Optional[int] = ..., agent_instance: _Optional[str] = ..., acked_seq: _Optional[int] = ...) -> None: ...
 
 class EventBatch(_message.Message):
     __slots__ = ("seq", "snapshot", "events")
@@ -105,12 +109,18 @@ class ControlMessage(_message.Message):
     def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., ack: _Optional[_Union[Ack, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
-    __slots__ = ("worker_id", "heartbeat_timeout_ms")
+    __slots__ = ("worker_id", "heartbeat_timeout_ms", "epoch", "resume", "last_seq")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     heartbeat_timeout_ms: int
-    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_timeout_ms: _Optional[int] = ...) -> None: ...
+    epoch: int
+    resume: bool
+    last_seq: int
+    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_timeout_ms: _Optional[int] = ..., epoch: _Optional[int] = ..., resume: _Optional[bool] = ..., last_seq: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("seq", "applied_events")

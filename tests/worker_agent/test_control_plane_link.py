@@ -116,7 +116,8 @@ async def test_register_snapshot_batches_acks_heartbeats(fake) -> None:
         first = cp.streams[0][0]
         assert first.WhichOneof("body") == "register"
         assert first.register == pb.RegisterWorker(worker_id="w1", model=MODEL, engine="vllm", block_size=4,
-                                                   endpoint="http://10.0.0.7:8000", engine_version="0.32.0")
+                                                   endpoint="http://10.0.0.7:8000", engine_version="0.32.0",
+                                                   agent_instance=w.link.instance)
         batches = cp.batches()
         assert [b.seq for b in batches] == [1, 2, 3]
         assert batches[0].snapshot and list(batches[0].events[0].stored.block_keys) == KEYS[:2]
@@ -195,7 +196,8 @@ async def test_reconnects_after_restart_and_resends_a_current_snapshot() -> None
         await eventually(lambda: w.link.acked_seq >= 2)
         await server.stop(0)  # control plane killed
         await eventually(lambda: not w.link.connected)
-        # Engine events keep arriving while it is down: applied to the resolver, not queued.
+        # Engine events keep arriving while it is down: held, then superseded by the snapshot (the
+        # restarted control plane does not know this agent: no resume).
         w.apply(BlockRemoved([1]), BlockStored([4, 5], 3, TOKENS[12:20], 4))
         await asyncio.sleep(0.5)  # a few failed reconnect attempts
         assert w.link.counters.connect_failures >= 2

@@ -1,4 +1,4 @@
-"""`kvroute bench {ingest,decision,answer,proxy,inflight,burst,live}`: hot-path micro-benchmarks, the staleness of
+"""`kvroute bench {ingest,decision,answer,proxy,inflight,burst,live,replicas}`: hot-path micro-benchmarks, the staleness of
 shared in-flight state (`bench/inflight.py`) and the live-vs-simulator benchmark (`bench/live.py`);
 the last stdout line is JSON."""
 
@@ -36,7 +36,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     burst = sub.add_parser("burst", help="64 simultaneous requests with one new 4k-token prefix through two routers: "
                            "workers used with and without shared in-flight state, next to what the load bound requires")
     burst.add_argument("--workers", type=int, default=8, help="sim engines")
-    for sp in (ingest, decision, answer, proxy, inflight, burst):
+    replicas = sub.add_parser("replicas", help="control-plane replicas over Redis, real processes: ingest through "
+                              "Redis vs in-process, freshness, catch-up of a restarted replica, answers/s at p99 <= 5 ms")
+    replicas.add_argument("--batches", type=int, default=4000, help="vLLM event batches for the ingest figures")
+    replicas.add_argument("--trials", type=int, default=200, help="freshness samples")
+    replicas.add_argument("--catchup-blocks", default="100000,1000000", metavar="N,N",
+                          help="log sizes the catch-up is measured at")
+    replicas.add_argument("--chaos-s", type=float, default=0.0, metavar="SECONDS",
+                          help="also run the chaos scenario (kill -9, Redis cut, restart under 100 req/s) with phases "
+                               "this long; 0 = skip")
+    replicas.add_argument("--answer-step-s", type=float, default=3.0, metavar="SECONDS",
+                          help="how long each offered query rate is held")
+    replicas.add_argument("--workdir", default="", help="logs and Redis files (empty: a temp dir)")
+    for sp in (ingest, decision, answer, proxy, inflight, burst, replicas):
         sp.add_argument("--json", action="store_true", help="print only the JSON result")
     live = sub.add_parser("live", help="a simulator workload live over HTTP (routers + sim engines as processes), "
                           "side by side with the simulator", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -99,6 +111,11 @@ def run(args: argparse.Namespace) -> int:
         from kvroute.tools.bench.answer import run_answer
 
         result = run_answer(args.workers, iterations=args.iterations, pause_ms=args.pause_ms)
+    elif args.bench == "replicas":
+        from kvroute.tools.bench.replicas import run_replicas
+
+        result = run_replicas(args.batches, args.trials, tuple(int(n) for n in args.catchup_blocks.split(",")),
+                              args.workdir, args.chaos_s, args.answer_step_s)
     elif args.bench == "inflight":
         from kvroute.tools.bench.inflight import run_inflight
 

@@ -1,0 +1,119 @@
+"""LogApplier: the one place that changes registry, index and speculative claims for an agent's
+messages, in both modes (the embedded control plane applies each accepted message at once; a
+replica applies each log entry when its tail reaches it). Replicas that apply the same entries in
+the same order hold the same state, which is what makes the index a function of the log."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from kvroute.control_plane.index import TIERS, Tier
+from kvroute.control_plane.inflight import InflightTracker
+from kvroute.control_plane.registry import WorkerRecord, WorkerRegistry
+from kvroute.control_plane.replication.entries import (
+    BlockOp,
+    HeartbeatBody,
+    Op,
+    PackedOp,
+    RegisterBody,
+    WorkerSnapshot,
+    pack_keys,
+    unpack_keys,
+)
+
+if TYPE_CHECKING:
+    from kvroute.control_plane.service import ControlPlaneMetrics
+
+
+class LogApplier:
+    def __init__(self, registry: WorkerRegistry, inflight: InflightTracker, metrics: ControlPlaneMetrics) -> None:
+        self.registry = registry
+        self.inflight = inflight
+        self.metrics = metrics
+
+    def register(self, worker_id: str, body: RegisterBody, resume: bool) -> WorkerRecord:
+        """(Re)register; with `resume` the worker's sequence runs on (the same agent instance
+        continues), else it starts over and the agent's next batch is a snapshot."""
+        old = self.registry.get(worker_id)
+        last_seq = old.last_seq if resume and old is not None else 0
+        record = self.registry.register(worker_id, body.model, body.engine, body.block_size, body.endpoint,
+                                        body.engine_version, body.lora_adapters, body.data_parallel_rank, body.peer)
+        record.agent_instance = body.instance
+        record.last_seq = last_seq
+        self.metrics.workers.set(len(self.registry))
+        return record
+
+    def apply_batch(self, record: WorkerRecord, seq: int, snapshot: bool, ops: Iterable[BlockOp]) -> int:
+        """Apply one accepted batch (its sequence already checked); returns how many ops it had."""
+        record.last_seq = seq
+        index, slot, inflight = self.registry.index, record.slot, self.inflight
+        block_events = self.metrics.block_events
+        count = 0
+        if snapshot:
+            # One STORED op per tier; a tier the snapshot does not name is empty now.
+            by_tier: dict[Tier, list[int]] = {}
+            for op in ops:
+                count += 1
+                if op.op == Op.STORED:
+                    by_tier.setdefault(Tier(op.tier), []).extend(op.keys)
+            index.replace_all(slot, by_tier)
+            for keys in by_tier.values():
+                inflight.confirm(slot, keys)
+            self.metrics.batches.labels("snapshot").inc()
+            block_events.labels("snapshot").inc(sum(len(keys) for keys in by_tier.values()))
+        else:
+            for op in ops:
+                count += 1
+                if op.op == Op.STORED:
+                    index.store(slot, op.keys, Tier(op.tier))
+                    inflight.confirm(slot, op.keys)
+                    block_events.labels("stored").inc(len(op.keys))
+                elif op.op == Op.REMOVED:
+                    index.remove(slot, op.keys, Tier(op.tier))
+                    block_events.labels("removed").inc(len(op.keys))
+                elif op.op == Op.CLEARED:
+                    index.clear(slot)
+                    inflight.slot_cleared(slot)
+                    block_events.labels("cleared").inc()
+            self.metrics.batches.labels("delta").inc()
+        self.metrics.index_entries.set(index.entry_count())
+        return count
+
+    def heartbeat(self, record: WorkerRecord, body: HeartbeatBody) -> None:
+        self.registry.touch(record)
+        self.registry.update_load(record, body.running_requests, body.waiting_requests, body.kv_usage,
+                                  body.observed_unix_ms)
+        if tuple(body.lora_adapters) != record.lora_adapters:
+            self.registry.set_lora_adapters(record, body.lora_adapters)
+
+    def drop(self, worker_id: str) -> bool:
+        dropped = self.registry.drop(worker_id)
+        if dropped:
+            self.metrics.workers.set(len(self.registry))
+            self.metrics.index_entries.set(self.registry.index.entry_count())
+        return dropped
+
+    # ------------------------------------------------------------ snapshots
+
+    def snapshot_of(self, record: WorkerRecord, epoch: int) -> WorkerSnapshot:
+        index, load = self.registry.index, record.load
+        tiers = []
+        for tier in TIERS:
+            keys = index.worker_keys(record.slot, tier)
+            if keys:
+                tiers.append(PackedOp(Op.STORED, tier, pack_keys(keys)))
+        register = RegisterBody(record.model, record.engine, record.block_size, record.endpoint,
+                                record.engine_version, list(record.lora_adapters), record.data_parallel_rank,
+                                record.agent_instance, record.peer)
+        heartbeat = HeartbeatBody(load.running_requests, load.waiting_requests, load.kv_usage, load.observed_unix_ms,
+                                  list(record.lora_adapters))
+        return WorkerSnapshot(record.worker_id, epoch, record.last_seq, register, heartbeat, tiers)
+
+    def restore(self, snap: WorkerSnapshot) -> WorkerRecord:
+        """Make the worker exactly what the snapshot says (identity, sequence, load, keys)."""
+        record = self.register(snap.worker_id, snap.register, resume=False)
+        self.apply_batch(record, snap.last_seq, True,
+                         [BlockOp(t.op, t.tier, unpack_keys(t.keys)) for t in snap.tiers])
+        self.heartbeat(record, snap.load)
+        return record
