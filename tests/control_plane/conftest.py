@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.control_plane.index import BitmaskPrefixIndex, PrefixIndex, SetPrefixIndex
+from kvroute.control_plane.index import BitmaskPrefixIndex, BoundedPrefixIndex, PrefixIndex, SetPrefixIndex
 
-# The index the control plane serves, and the plain reference it is checked against.
-INDEX_IMPLEMENTATIONS = [BitmaskPrefixIndex, SetPrefixIndex]
+
+def BoundedPrefixIndexUnreached() -> BoundedPrefixIndex:
+    """The index --max-index-entries serves, with a bound these tests never reach: it must behave
+    exactly as the unbounded one (test_bounded_index.py covers what happens past the bound)."""
+    return BoundedPrefixIndex(1 << 40)
+
+
+# The index the control plane serves (unbounded, or bounded) and the plain reference they are checked against.
+INDEX_IMPLEMENTATIONS = [BitmaskPrefixIndex, BoundedPrefixIndexUnreached, SetPrefixIndex]
 
 
 @pytest.fixture(params=INDEX_IMPLEMENTATIONS, ids=lambda c: c.__name__)

@@ -7,7 +7,16 @@ import random
 
 import pytest
 
-from kvroute.control_plane.index import TIERS, BitmaskPrefixIndex, PrefixIndex, SetPrefixIndex, Tier, TierMatch, tier_of_medium
+from kvroute.control_plane.index import (
+    TIERS,
+    BitmaskPrefixIndex,
+    BoundedPrefixIndex,
+    PrefixIndex,
+    SetPrefixIndex,
+    Tier,
+    TierMatch,
+    tier_of_medium,
+)
 
 GPU, CPU, DISK = Tier.GPU, Tier.CPU, Tier.DISK
 
@@ -188,7 +197,8 @@ def test_media_names() -> None:
 
 @pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("tiered", [True, False], ids=["tiers", "gpu-only"])
-@pytest.mark.parametrize("impl", [BitmaskPrefixIndex], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("impl", [BitmaskPrefixIndex, lambda: BoundedPrefixIndex(1 << 40)],
+                         ids=["BitmaskPrefixIndex", "BoundedPrefixIndexUnreached"])
 def test_random_operations_agree_with_reference(impl: type, tiered: bool, seed: int) -> None:
     """SetPrefixIndex is the oracle every other implementation must agree with."""
     index = impl()
