@@ -43,7 +43,8 @@ def test_answer_bench_times_the_answer_the_serving_path_gives() -> None:
     from kvroute.tools.bench.answer import build, run_answer
     from kvroute.v1 import kvroute_pb2 as pb
 
-    answer, query_bytes = build(workers=6, prompt_blocks=32, other_blocks=10, inflight_requests=12, block_size=16, seed=1)
+    answer, query_bytes, _ = build(workers=6, prompt_blocks=32, other_blocks=10, inflight_requests=12, block_size=16,
+                                   seed=1)
     reply = pb.RouterReply.FromString(answer())
     columns = reply.result.columns
     assert len(columns.worker_id) == 6 and reply.result.query_id == 1
@@ -53,3 +54,10 @@ def test_answer_bench_times_the_answer_the_serving_path_gives() -> None:
     assert query_bytes > 32 * 8
     result = run_answer(workers=6, prompt_tokens=512, other_blocks=10, inflight_requests=12, iterations=5, pause_ms=0.1)
     assert all(result[k] > 0 for k in ("back_to_back_p50_us", "after_pause_p50_us", "after_traffic_p50_us"))
+    assert result["back_to_back_p99_us"] >= result["back_to_back_p50_us"] and "unmarked_p50_us" not in result
+    bounded = run_answer(workers=6, prompt_tokens=512, other_blocks=10, inflight_requests=12, iterations=5,
+                         pause_ms=0.1, max_index_entries=10_000)
+    assert bounded["unmarked_p50_us"] > 0 and bounded["index_entries"] == result["index_entries"] < 10_000
+    with pytest.raises(ValueError, match="must exceed"):
+        run_answer(workers=6, prompt_tokens=512, other_blocks=10, inflight_requests=12, iterations=5,
+                   max_index_entries=10)

@@ -23,10 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           help="run the router (this process) and the control plane on different cores, as on "
                                "separate hosts; without it they share the machine's cores as the OS schedules them")
     answer = sub.add_parser("answer", help="the control plane's answer to one query, in-process: back to back, "
-                            "after an idle pause, after other memory traffic (p50 us)")
+                            "after an idle pause, after other memory traffic (p50/p99 us)")
     answer.add_argument("--workers", type=int, default=64, help="registered workers")
     answer.add_argument("--iterations", type=int, default=2000, help="timed answers per way")
     answer.add_argument("--pause-ms", type=float, default=1.0, help="idle time before each answer of the pause run")
+    answer.add_argument("--max-index-entries", type=int, default=0, metavar="N",
+                        help="serve from the bounded index (control-plane --max-index-entries), N above the fleet's "
+                             "entries: walks mark what they match; adds unmarked_* (marks cleared before each answer)")
     proxy = sub.add_parser("proxy", help="completion latency direct to an engine vs through the router")
     proxy.add_argument("--requests", type=int, default=300, help="requests per path")
     inflight = sub.add_parser("inflight", help="RouterSession: how long until one router's reserve/release is "
@@ -110,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench == "answer":
         from kvroute.tools.bench.answer import run_answer
 
-        result = run_answer(args.workers, iterations=args.iterations, pause_ms=args.pause_ms)
+        result = run_answer(args.workers, iterations=args.iterations, pause_ms=args.pause_ms,
+                            max_index_entries=args.max_index_entries)
     elif args.bench == "replicas":
         from kvroute.tools.bench.replicas import run_replicas
 
