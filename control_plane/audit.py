@@ -10,6 +10,12 @@ not an error. Per worker and tier the audit reports `missing` (the engine has it
 plane does not: routers under-estimate that worker) and `extra` (the control plane has it, the
 engine does not: routers send prompts there for a cache hit that will not happen).
 
+A control plane with a bound (`--max-index-entries`) drops entries on purpose. GetWorkerKeys then
+says, in its initial metadata (`kvroute-evicted-entries-<medium>`, see `eviction_metadata`), how many
+entries of the worker it dropped per tier since the worker's last snapshot: up to that many
+`missing` keys on a tier are explained by the bound (`TierDivergence.evicted`) and are not
+divergence; missing keys beyond it, and every `extra` key (the bound never adds one), are.
+
 Events are in flight between engine, agent and control plane, so one comparison can show
 divergence that resolves itself a few milliseconds later. With `settle_s` > 0 a worker that
 diverges is compared again after that pause, and only keys divergent both times (in the same
@@ -41,6 +47,7 @@ import msgspec
 from kvroute.block_keys import prompt_block_keys
 
 TierKeys = dict[str, set[int]]  # medium -> keys
+EVICTED_METADATA_PREFIX = "kvroute-evicted-entries-"  # + medium: GetWorkerKeys' initial metadata
 SAMPLE_KEYS = 5                 # divergent keys shown per tier and kind (for grepping logs and events)
 NOT_AUDITABLE_STATUSES = (404, 405)
 
@@ -61,16 +68,49 @@ class EngineBlocks(msgspec.Struct):
     model: str = ""
 
 
+@dataclass
+class ControlPlaneView:
+    """What the control plane believes a worker holds, and how many of its entries per tier it dropped
+    for its bound since the worker's last snapshot (keys it may hold that the control plane forgot)."""
+
+    keys: TierKeys
+    evicted: dict[str, int] = field(default_factory=dict)  # medium -> entries
+
+
+def eviction_metadata(evicted: Mapping[str, int]) -> tuple[tuple[str, str], ...]:
+    """GetWorkerKeys' initial metadata for a worker's evicted entries per medium (none when none)."""
+    return tuple((EVICTED_METADATA_PREFIX + medium, str(count)) for medium, count in evicted.items() if count)
+
+
+def evictions_from_metadata(metadata) -> dict[str, int]:
+    """The inverse of `eviction_metadata` (gRPC metadata: (key, value) pairs; other keys ignored)."""
+    out: dict[str, int] = {}
+    for key, value in metadata or ():
+        if key.startswith(EVICTED_METADATA_PREFIX):
+            try:
+                out[key.removeprefix(EVICTED_METADATA_PREFIX)] = int(value)
+            except ValueError:
+                raise AuditError(f"GetWorkerKeys: malformed metadata {key}: {value!r}") from None
+    return out
+
+
 @dataclass(slots=True)
 class TierDivergence:
     missing: set[int] = field(default_factory=set)  # engine has it, the control plane does not
     extra: set[int] = field(default_factory=set)    # the control plane has it, the engine does not
     control_plane_blocks: int = 0
     engine_blocks: int = 0
+    evicted: int = 0  # entries the control plane dropped for its bound: explain up to that many missing keys
+
+    @property
+    def unexplained_missing(self) -> int:
+        """Missing keys the control plane's evictions cannot account for."""
+        return max(0, len(self.missing) - self.evicted)
 
     def to_json(self) -> dict:
         return {"control_plane": self.control_plane_blocks, "engine": self.engine_blocks,
-                "missing": len(self.missing), "extra": len(self.extra),
+                "missing": len(self.missing), "extra": len(self.extra), "evicted": self.evicted,
+                "missing_beyond_evicted": self.unexplained_missing,
                 "missing_sample": sorted(self.missing)[:SAMPLE_KEYS], "extra_sample": sorted(self.extra)[:SAMPLE_KEYS]}
 
 
@@ -120,9 +160,10 @@ class WorkerAudit:
 
     @property
     def divergence(self) -> int:
+        """Blocks where the control plane is wrong: missing ones its bound does not explain, and extra ones."""
         if self.probe is not None:
             return self.probe.missing + self.probe.extra
-        return sum(len(t.missing) + len(t.extra) for t in self.tiers.values())
+        return sum(t.unexplained_missing + len(t.extra) for t in self.tiers.values())
 
     def to_json(self) -> dict:
         out = {"worker_id": self.worker_id, "status": self.status, "kind": self.kind, "divergence": self.divergence,
@@ -132,12 +173,16 @@ class WorkerAudit:
         return out
 
 
-def compare(control_plane: Mapping[str, set[int]], engine: Mapping[str, set[int]]) -> dict[str, TierDivergence]:
-    """Per tier (either side's): what the control plane lacks and what it holds in excess."""
+def compare(control_plane: Mapping[str, set[int]], engine: Mapping[str, set[int]],
+            evicted: Mapping[str, int] | None = None) -> dict[str, TierDivergence]:
+    """Per tier (either side's): what the control plane lacks and what it holds in excess (`evicted`:
+    per medium, entries its bound dropped, see ControlPlaneView)."""
     result = {}
+    evicted = evicted or {}
     for medium in sorted(set(control_plane) | set(engine)):
         cp_keys, engine_keys = control_plane.get(medium, set()), engine.get(medium, set())
-        result[medium] = TierDivergence(engine_keys - cp_keys, cp_keys - engine_keys, len(cp_keys), len(engine_keys))
+        result[medium] = TierDivergence(engine_keys - cp_keys, cp_keys - engine_keys, len(cp_keys), len(engine_keys),
+                                        evicted.get(medium, 0))
     return result
 
 
@@ -147,7 +192,7 @@ def settle(first: Mapping[str, TierDivergence], second: Mapping[str, TierDiverge
     for medium, later in second.items():
         earlier = first.get(medium, TierDivergence())
         result[medium] = TierDivergence(earlier.missing & later.missing, earlier.extra & later.extra,
-                                        later.control_plane_blocks, later.engine_blocks)
+                                        later.control_plane_blocks, later.engine_blocks, later.evicted)
     return result
 
 
@@ -180,7 +225,8 @@ async def fetch_engine_blocks(http, endpoint: str, timeout_s: float = 10.0) -> t
     return blocks, {medium: set(keys) for medium, keys in blocks.tiers.items()}
 
 
-async def audit_worker(worker_id: str, endpoint: str, block_size: int, control_plane_keys: Callable[[], Awaitable[TierKeys]],
+async def audit_worker(worker_id: str, endpoint: str, block_size: int,
+                       control_plane_keys: Callable[[], Awaitable[ControlPlaneView]],
                        http, settle_s: float = 0.0, timeout_s: float = 10.0, prober: Prober | None = None,
                        probe_target: ProbeTarget | None = None) -> WorkerAudit:
     """Compare one worker (twice, `settle_s` apart, if the first comparison diverges). With a `prober`
@@ -195,7 +241,7 @@ async def audit_worker(worker_id: str, endpoint: str, block_size: int, control_p
         if engine.block_size != block_size:
             raise AuditError(f"engine block size {engine.block_size} != the control plane's {block_size}: "
                              "keys are not comparable")
-        return compare(believed, truth)
+        return compare(believed.keys, truth, believed.evicted)
 
     try:
         tiers = await once()
@@ -459,12 +505,15 @@ async def audit_fleet(control_plane: str, workers: Sequence[str] = (), *, settle
         limit = asyncio.Semaphore(max(1, concurrency))
 
         async def one(info) -> WorkerAudit:
-            async def believed() -> TierKeys:
+            async def believed() -> ControlPlaneView:
+                call = stub.GetWorkerKeys(pb.GetWorkerKeysRequest(worker_id=info.worker_id), timeout=timeout_s)
                 try:
-                    keys = await stub.GetWorkerKeys(pb.GetWorkerKeysRequest(worker_id=info.worker_id), timeout=timeout_s)
+                    keys = await call
+                    metadata = await call.initial_metadata()
                 except grpc.aio.AioRpcError as exc:
                     raise AuditError(f"GetWorkerKeys: {exc.code().name}: {exc.details()}") from exc
-                return {tier.medium: set(tier.block_keys) for tier in keys.tiers}
+                return ControlPlaneView({tier.medium: set(tier.block_keys) for tier in keys.tiers},
+                                        evictions_from_metadata(metadata))
 
             async with limit:
                 return await audit_worker(info.worker_id, info.endpoint, info.block_size, believed, http,

@@ -3,6 +3,8 @@ logic is `audit.py`'s; this is its arguments and printing).
 
 Exit status: 0 no divergence, 1 divergence, 2 errors (control plane or an engine unreachable,
 unknown --worker, an engine answering garbage). The last stdout line is one JSON object.
+Missing blocks that a control plane with --max-index-entries dropped on purpose (its `evicted`
+count for that worker and tier) are shown but are not divergence.
 """
 
 from __future__ import annotations
@@ -52,14 +54,17 @@ async def run_audit(args: argparse.Namespace) -> int:
 
 def report(audits: list[WorkerAudit], errors: list[str], args: argparse.Namespace) -> int:
     divergence = sum(a.divergence for a in audits)
-    result = {"divergence": divergence, "workers": [a.to_json() for a in audits],
+    explained = sum(len(t.missing) - t.unexplained_missing for a in audits for t in a.tiers.values())
+    result = {"divergence": divergence, "missing_explained_by_eviction": explained,
+              "workers": [a.to_json() for a in audits],
               "audited": sum(a.status == "ok" for a in audits),
               "probed": sum(a.status == "ok" and a.kind == "probe" for a in audits),
               "not_auditable": sum(a.status == "not_auditable" for a in audits),
               "errors": errors, "settle_ms": args.settle_ms}
     if not args.json:
         if any(audit.tiers for audit in audits):
-            print(f"{'worker':<24} {'tier':<5} {'control plane':>13} {'engine':>9} {'missing':>8} {'extra':>8}")
+            print(f"{'worker':<24} {'tier':<5} {'control plane':>13} {'engine':>9} {'missing':>8} {'extra':>8} "
+                  f"{'evicted':>8}")
         for audit in audits:
             if audit.status != "ok":
                 print(f"{audit.worker_id:<24} {audit.status.replace('_', ' ')}: {audit.detail}")
@@ -71,10 +76,13 @@ def report(audits: list[WorkerAudit], errors: list[str], args: argparse.Namespac
                       f"{audit.detail}")
             for medium, tier in sorted(audit.tiers.items()):
                 print(f"{audit.worker_id:<24} {medium:<5} {tier.control_plane_blocks:>13} {tier.engine_blocks:>9} "
-                      f"{len(tier.missing):>8} {len(tier.extra):>8}")
+                      f"{len(tier.missing):>8} {len(tier.extra):>8} {tier.evicted:>8}")
         for error in errors:
             print(f"error: {error}", file=sys.stderr)
         print(f"divergence: {divergence} blocks over {result['audited']} audited workers "
               f"({result['probed']} by probe, {result['not_auditable']} not auditable, {len(errors)} errors)")
+        if explained:
+            print(f"{explained} missing blocks not counted: the control plane dropped at least as many entries of "
+                  "those workers and tiers for its --max-index-entries since their last snapshot (column evicted)")
     print(json.dumps(result))
     return 2 if errors else 1 if divergence else 0

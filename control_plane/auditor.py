@@ -3,7 +3,10 @@ engine serves `GET /kvroute/blocks` is compared with the index (kvroute.control_
 its settle pause), and the result is exported:
 
   kvroute_cp_audit_divergent_blocks{worker_id, medium, kind}   kind = missing | extra, per tier;
-                                                                kind = probe, medium = any (--audit-probe)
+                                                                kind = probe, medium = any (--audit-probe);
+                                                                kind = missing_evicted: missing blocks the
+                                                                index's bound explains (--max-index-entries),
+                                                                not counted in kind = missing
   kvroute_cp_audit_last_success_timestamp_seconds{worker_id}    unix time of the last comparison
   kvroute_cp_audit_runs_total{result}                           ok | not_auditable | error
 
@@ -24,7 +27,7 @@ import time
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from kvroute.control_plane.audit import AuditError, Prober, ProbeTarget, TierKeys, WorkerAudit, audit_worker
+from kvroute.control_plane.audit import AuditError, ControlPlaneView, Prober, ProbeTarget, WorkerAudit, audit_worker
 from kvroute.control_plane.index import TIERS
 from kvroute.control_plane.registry import WorkerRecord, WorkerRegistry
 
@@ -90,10 +93,11 @@ class PeriodicAuditor:
             if self.registry.get(record.worker_id) is not record or record.generation != generation:
                 raise AuditError("the worker re-registered or left during the audit")
 
-        async def believed() -> TierKeys:
+        async def believed() -> ControlPlaneView:
             still_there()
             index = self.registry.index
-            return {tier.medium: index.worker_keys(record.slot, tier) for tier in TIERS}
+            return ControlPlaneView({tier.medium: index.worker_keys(record.slot, tier) for tier in TIERS},
+                                    {tier.medium: n for tier, n in index.evicted_entries(record.slot).items()})
 
         async def held(keys: list[int]) -> int:
             still_there()
@@ -110,8 +114,12 @@ class PeriodicAuditor:
         if audit.probe is not None:
             series = {(PROBE_MEDIUM, "probe"): audit.divergence}
         else:
-            series = {(medium, kind): len(getattr(tier, kind)) for medium, tier in audit.tiers.items()
-                      for kind in ("missing", "extra")}
+            series = {}
+            for medium, tier in audit.tiers.items():
+                series[(medium, "missing")] = tier.unexplained_missing
+                series[(medium, "extra")] = len(tier.extra)
+                if tier.evicted:
+                    series[(medium, "missing_evicted")] = len(tier.missing) - tier.unexplained_missing
         exported = self._exported.setdefault(audit.worker_id, {})
         for labels in [labels for labels in exported if labels not in series]:  # the worker changed audit kind
             self.divergent.remove(audit.worker_id, *labels)
@@ -119,7 +127,8 @@ class PeriodicAuditor:
         changed = False
         for (medium, kind), blocks in series.items():
             self.divergent.labels(audit.worker_id, medium, kind).set(blocks)
-            changed |= exported.get((medium, kind), 0) != blocks
+            if kind != "missing_evicted":  # the bound's own doing moves all the time: not worth a warning
+                changed |= exported.get((medium, kind), 0) != blocks
             exported[(medium, kind)] = blocks
         if changed:
             log.warning("audit: %s: %s", audit.worker_id, _summary(audit))
@@ -139,5 +148,6 @@ def _summary(audit: WorkerAudit) -> str:
         probe = audit.probe
         return (f"probe: the index predicted a {probe.predicted_hit_tokens}-token hit, the engine hit "
                 f"{probe.engine_hit_tokens}: {probe.missing} missing, {probe.extra} extra blocks {audit.detail}")
-    return "; ".join(f"{medium}: {len(tier.missing)} missing, {len(tier.extra)} extra blocks "
-                     f"(e.g. {sorted(tier.missing | tier.extra)[:3]})" for medium, tier in sorted(audit.tiers.items()))
+    return "; ".join(f"{medium}: {len(tier.missing)} missing ({tier.evicted} entries evicted), {len(tier.extra)} "
+                     f"extra blocks (e.g. {sorted(tier.missing | tier.extra)[:3]})"
+                     for medium, tier in sorted(audit.tiers.items()))

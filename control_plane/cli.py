@@ -20,6 +20,13 @@ def positive(kind: type):
     return parse
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def redis_url(text: str) -> str:
     """argparse type: a --redis URL this control plane can use (checked now, not at the first connect)."""
     from kvroute.control_plane.replication.redis_url import parse_redis_url
@@ -44,6 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "router sends ttl_ms 0 (until the worker's own events confirm them)")
     p.add_argument("--reservation-max-age-s", type=positive(float), default=600.0, metavar="SECONDS",
                    help="drop a RouterSession reservation never released after this long")
+    p.add_argument("--max-index-entries", type=non_negative_int, default=0, metavar="N",
+                   help="hold at most N (block key, worker, tier) entries in the prefix index: past it, keys no query "
+                        "matched recently are dropped (routers then under-estimate those workers' caches, never "
+                        "over-estimate). An entry costs ~150 bytes (kvroute_cp_index_bytes_per_entry), so N = memory "
+                        "budget / 150; 0 = unbounded")
     p.add_argument("--audit-interval-s", type=float, default=0.0, metavar="SECONDS",
                    help="every this many seconds compare each worker's keys with its engine's GET /kvroute/blocks "
                         "(engines without it are skipped) and export kvroute_cp_audit_* gauges; 0 = off")
@@ -83,6 +95,6 @@ def run(args: argparse.Namespace) -> int:
             audit_settle_s=args.audit_settle_ms / 1000, audit_probe=args.audit_probe,
             audit_probe_deadline_s=args.audit_probe_deadline_s, redis_url=args.redis,
             redis_shards=args.redis_shards, snapshot_interval_s=args.snapshot_interval_s,
-            replica_id=args.replica_id)))
+            replica_id=args.replica_id, max_index_entries=args.max_index_entries)))
     finally:
         shutdown_tracing()

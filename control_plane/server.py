@@ -20,14 +20,20 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvroute.control_plane.auditor import PeriodicAuditor
-from kvroute.control_plane.index import BitmaskPrefixIndex
+from kvroute.control_plane.index import BitmaskPrefixIndex, BoundedPrefixIndex
 from kvroute.control_plane.inflight import InflightTracker
 from kvroute.control_plane.registry import WorkerRegistry
 from kvroute.control_plane.replication.inflight_sync import InflightSync
 from kvroute.control_plane.replication.metrics import RedisLogCollector
 from kvroute.control_plane.replication.redis_log import RedisEventLog, RedisLogConfig
 from kvroute.control_plane.replication.redis_url import connect, parse_redis_url
-from kvroute.control_plane.service import GRPC_OPTIONS, ControlPlaneMetrics, ControlPlaneService, InflightCollector
+from kvroute.control_plane.service import (
+    GRPC_OPTIONS,
+    ControlPlaneMetrics,
+    ControlPlaneService,
+    IndexCollector,
+    InflightCollector,
+)
 from kvroute.listeners import GrpcListener, start_status_site
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
@@ -52,13 +58,14 @@ class ControlPlaneConfig:
     redis_shards: int = 16
     snapshot_interval_s: float = 10.0
     replica_id: str = ""                  # "" = HOST-PID
+    max_index_entries: int = 0            # 0 = unbounded; else drop keys not matched recently past this many entries
 
 
 class ControlPlaneServer:
     def __init__(self, config: ControlPlaneConfig) -> None:
         self.config = config
         self.metrics_registry = CollectorRegistry()
-        index = BitmaskPrefixIndex()
+        index = BoundedPrefixIndex(config.max_index_entries) if config.max_index_entries else BitmaskPrefixIndex()
         self.inflight = InflightTracker(index, default_ttl_s=config.speculative_ttl_s,
                                         max_age_s=config.reservation_max_age_s)
         self.registry = WorkerRegistry(index, heartbeat_timeout_s=config.heartbeat_timeout_s, watcher=self.inflight)
@@ -76,6 +83,7 @@ class ControlPlaneServer:
             self.service.refuse_routers = self._refuse_routers
             self.metrics_registry.register(RedisLogCollector(self.redis_log, self.inflight_sync))
         self.metrics_registry.register(InflightCollector(self.inflight))
+        self.metrics_registry.register(IndexCollector(index))
         self.auditor = (PeriodicAuditor(self.registry, self.metrics_registry, config.audit_interval_s,
                                         settle_s=config.audit_settle_s, probe=config.audit_probe,
                                         probe_deadline_s=config.audit_probe_deadline_s)

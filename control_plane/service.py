@@ -14,7 +14,8 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from kvroute.control_plane.index import TIERS, Tier, TierMatch, tier_of_medium
+from kvroute.control_plane.audit import eviction_metadata
+from kvroute.control_plane.index import TIERS, BitmaskPrefixIndex, BoundedPrefixIndex, Tier, TierMatch, tier_of_medium
 from kvroute.control_plane.inflight import DuplicateReservation, InflightTracker, RouterSessionState, RouterTally
 from kvroute.control_plane.registry import WorkerRecord, WorkerRegistry
 from kvroute.control_plane.replication.apply import LogApplier
@@ -80,6 +81,39 @@ class InflightCollector:
         yield events
 
 
+class IndexCollector:
+    """The index's memory and, with a bound (--max-index-entries), its evictions, at scrape time (the
+    byte figures are `estimated_bytes()`: O(workers) per scrape, nothing on the hot path).
+    `kvroute_cp_index_entries` itself is a gauge of ControlPlaneMetrics, set as batches apply."""
+
+    def __init__(self, index: BitmaskPrefixIndex) -> None:
+        self.index = index
+
+    def collect(self):
+        index = self.index
+        bounded = isinstance(index, BoundedPrefixIndex)
+        entries, size = index.entry_count(), index.estimated_bytes()
+        yield GaugeMetricFamily("kvroute_cp_index_max_entries", "The index's bound (--max-index-entries); 0 = unbounded",
+                                value=index.max_entries if bounded else 0)
+        yield GaugeMetricFamily("kvroute_cp_index_bytes", "Memory the prefix index holds (estimated from its "
+                                "containers' sizes; kvroute bench ingest measures it)", value=size)
+        yield GaugeMetricFamily("kvroute_cp_index_bytes_per_entry", "kvroute_cp_index_bytes / kvroute_cp_index_entries "
+                                "(0 while empty): size --max-index-entries by it", value=size / entries if entries else 0)
+        evicted = CounterMetricFamily("kvroute_cp_index_evicted_entries_total",
+                                      "(block key, worker, tier) entries dropped for --max-index-entries; "
+                                      "recently_matched=true: the bound is below the working set",
+                                      labels=["recently_matched"])
+        counters = index.counters if bounded else None
+        recent = counters.recently_matched_entries if counters else 0
+        evicted.add_metric(["false"], (counters.entries if counters else 0) - recent)
+        evicted.add_metric(["true"], recent)
+        yield evicted
+        yield GaugeMetricFamily("kvroute_cp_index_workers_with_evictions",
+                                "Workers with entries dropped for the bound since their last snapshot (the index may "
+                                "lack blocks they hold; a replica holding such workers writes no snapshots)",
+                                value=index.workers_with_evictions() if bounded else 0)
+
+
 def load_to_pb(record: WorkerRecord) -> pb.WorkerLoad:
     load = record.load
     return pb.WorkerLoad(running_requests=load.running_requests, waiting_requests=load.waiting_requests,
@@ -122,6 +156,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         self.refuse_routers: Callable[[], str | None] = lambda: None
         # Replicas: tells the other replicas what this one's router sessions do (None: embedded).
         self.router_events: InflightSync | None = None
+        self._bound_reached = False  # logged once
 
     async def _check_serving(self, context: grpc.aio.ServicerContext, rpc: str) -> None:
         why = self.refuse_routers()
@@ -396,8 +431,12 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         if record is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no live worker {request.worker_id!r}")
         index = self.registry.index
-        return pb.GetWorkerKeysResponse(worker_id=record.worker_id, block_size=record.block_size, tiers=[
+        evicted = index.evicted_entries(record.slot)  # keys it may hold that a bounded index forgot: the audit's due
+        response = pb.GetWorkerKeysResponse(worker_id=record.worker_id, block_size=record.block_size, tiers=[
             pb.TierKeys(medium=tier.medium, block_keys=sorted(index.worker_keys(record.slot, tier))) for tier in TIERS])
+        if evicted:
+            await context.send_initial_metadata(eviction_metadata({tier.medium: n for tier, n in evicted.items()}))
+        return response
 
     # ------------------------------------------------------------ liveness
 
@@ -411,3 +450,11 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
             self.inflight.expire()  # claims and reservations time out even when no router asks
             self.metrics.workers.set(len(self.registry))
             self.metrics.index_entries.set(self.registry.index.entry_count())
+            self._note_bound_reached()
+
+    def _note_bound_reached(self) -> None:
+        index = self.registry.index
+        if isinstance(index, BoundedPrefixIndex) and index.counters.entries and not self._bound_reached:
+            self._bound_reached = True
+            log.warning("the index reached --max-index-entries %d: dropping keys not matched recently (routers "
+                        "under-estimate those caches; kvroute_cp_index_evicted_entries_total)", index.max_entries)
