@@ -20,6 +20,7 @@ import grpc
 import xxhash
 from redis.exceptions import RedisError
 
+from kvroute.control_plane.registry import WorkerRecord
 from kvroute.control_plane.replication.apply import LogApplier
 from kvroute.control_plane.replication.entries import (
     BATCH_DECODER,
@@ -131,6 +132,12 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[
 return 0
 """
 
+# KEYS: lease. ARGV: holder. Give the lease up (if still ours) so another replica takes it now.
+RELEASE_LEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 
 def raise_if_cancelled() -> None:
     """A cancellation that lands inside a redis-py read can come out as a Redis TimeoutError (Python
@@ -209,6 +216,7 @@ class RedisLogCounters:
     expiries: int = 0            # expire entries this replica appended
     snapshots_written: int = 0
     snapshot_refusals: int = 0   # snapshot writes refused (an older token or an older position)
+    snapshot_skips: int = 0      # shards not written: a worker there lost entries to --max-index-entries
     snapshots_loaded: int = 0    # worker snapshots applied at start or on a reload
 
 
@@ -251,6 +259,7 @@ class RedisEventLog:
         self._release = redis.register_script(RELEASE)
         self._write_snapshot = redis.register_script(WRITE_SNAPSHOT)
         self._renew_lease = redis.register_script(RENEW_LEASE)
+        self._release_lease = redis.register_script(RELEASE_LEASE)
         self._tasks: list[asyncio.Task] = []
         self._lease_token = 0
         self._caught_up = asyncio.Event()
@@ -559,17 +568,35 @@ class RedisEventLog:
 
     # ------------------------------------------------------------ snapshots
 
+    def _evicted(self, record: WorkerRecord) -> bool:
+        """The worker lost entries to this replica's bound (--max-index-entries) since its last snapshot:
+        this replica no longer knows its whole state, so it must not write a snapshot of it (the log
+        behind it would be trimmed, and every replica that loads it would lose what this one dropped)."""
+        return bool(self.registry.index.evicted_entries(record.slot))
+
     async def _snapshot_forever(self) -> None:
         lease_key, token_key = f"{META}:snapshot-lease", f"{META}:snapshot-token"
         ttl_ms = int(self.config.lease_ttl_s * 1000)
         renew_every = self.config.lease_ttl_s / 5
         next_snapshot = self.clock() + self.config.snapshot_interval_s
-        holding = False
+        holding = evicted = False
         while True:
             await asyncio.sleep(min(renew_every, self.config.snapshot_interval_s))
             if not self.ready:
                 continue
             try:
+                now_evicted = any(self._evicted(r) for r in self.registry.workers())
+                if now_evicted != evicted:
+                    evicted = now_evicted
+                    log.warning("this replica's index dropped entries for --max-index-entries: it leaves snapshots "
+                                "to replicas without evictions (if none, the log is not trimmed)" if evicted else
+                                "no worker lacks entries here any more (each sent a snapshot or left): this replica "
+                                "may write snapshots again")
+                if evicted:  # leave snapshots to a replica that knows every worker's whole state
+                    if holding:
+                        holding = False
+                        await self._release_lease(keys=[lease_key], args=[self.config.replica_id])
+                    continue
                 if holding:
                     holding = bool(await self._renew_lease(keys=[lease_key], args=[self.config.replica_id, ttl_ms]))
                     if not holding:
@@ -590,7 +617,8 @@ class RedisEventLog:
 
     async def write_snapshots(self, token: int | None = None) -> int:
         """Write every shard's snapshot at the position applied here and trim behind it; returns how
-        many shards were written (a shard refused: a newer token or position is already there)."""
+        many shards were written (a shard refused: a newer token or position is already there; skipped:
+        one of its workers lost entries to this replica's bound)."""
         token = self._lease_token if token is None else token
         written = 0
         for tail in self.shards:
@@ -598,10 +626,13 @@ class RedisEventLog:
                 continue
             # Built without an await in between: exactly the state at tail.position.
             shard, args = tail.keys.shard, [token, tail.position, tail.n]
-            for record in self.registry.workers():
-                if shard_of(record.worker_id, len(self.shards)) == shard:
-                    args += [record.worker_id, ENCODER.encode(self.applier.snapshot_of(
-                        record, self.epochs.get(record.worker_id, 0)))]
+            records = [r for r in self.registry.workers() if shard_of(r.worker_id, len(self.shards)) == shard]
+            if any(self._evicted(record) for record in records):
+                self.counters.snapshot_skips += 1
+                continue
+            for record in records:
+                args += [record.worker_id, ENCODER.encode(self.applier.snapshot_of(
+                    record, self.epochs.get(record.worker_id, 0)))]
             keys = [tail.keys.snapshot, tail.keys.token, tail.keys.stream]
             if await self._write_snapshot(keys=keys, args=args):
                 written += 1
