@@ -17,6 +17,10 @@ def test_ingest_counts_every_block_event() -> None:
     result = run_ingest(n_batches=40, blocks_per_event=4, block_size=16, workers=4)
     assert result["block_events"] == 40 * (4 + 2)  # each batch stores 4 blocks and removes 2
     assert result["block_events_per_s"] > 0 and 20 < result["bytes_per_block_entry"] < 2000
+    assert 0.8 < result["estimated_bytes_per_entry"] / result["bytes_per_block_entry"] < 1.2
+    bounded = run_ingest(n_batches=40, blocks_per_event=4, block_size=16, workers=4, max_index_entries=50)
+    assert bounded["block_events"] == result["block_events"]  # what was applied; the bound drops afterwards
+    assert bounded["index_entries"] <= 50 < result["index_entries"] and bounded["evicted_entries"] > 0
 
 
 def test_decision_bench_cli_prints_json_last() -> None:

@@ -14,6 +14,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ingest.add_argument("--batches", type=int, default=4000, help="vLLM event batches to ingest")
     ingest.add_argument("--blocks-per-event", type=int, default=16, help="blocks per BlockStored")
     ingest.add_argument("--workers", type=int, default=8, help="workers the batches are spread over")
+    ingest.add_argument("--max-index-entries", type=int, default=0, metavar="N",
+                        help="ingest into the bounded index (control-plane --max-index-entries); below what the "
+                             "batches leave, the ingest evicts as it stores")
     decision = sub.add_parser("decision", help="tokenize + hash + control-plane query over gRPC + score (p50/p99)")
     decision.add_argument("--prompt-tokens", type=int, default=8192, help="prompt length")
     decision.add_argument("--workers", type=int, default=64, help="registered workers")
@@ -22,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     decision.add_argument("--pin-cores", action="store_true",
                           help="run the router (this process) and the control plane on different cores, as on "
                                "separate hosts; without it they share the machine's cores as the OS schedules them")
+    decision.add_argument("--max-index-entries", type=int, default=0, metavar="N",
+                          help="start the control plane with --max-index-entries N (0: unbounded)")
     answer = sub.add_parser("answer", help="the control plane's answer to one query, in-process: back to back, "
                             "after an idle pause, after other memory traffic (p50/p99 us)")
     answer.add_argument("--workers", type=int, default=64, help="registered workers")
@@ -100,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     if args.bench == "ingest":
         from kvroute.tools.bench.ingest import run_ingest
 
-        result = run_ingest(args.batches, args.blocks_per_event, workers=args.workers)
+        result = run_ingest(args.batches, args.blocks_per_event, workers=args.workers,
+                            max_index_entries=args.max_index_entries)
     elif args.bench == "burst":
         from kvroute.tools.bench.burst import run_burst
 
@@ -109,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         from kvroute.tools.bench.decision import run_decision
 
         result = run_decision(args.prompt_tokens, args.workers, args.block_size, args.iterations,
-                              pin_cores=args.pin_cores)
+                              pin_cores=args.pin_cores, max_index_entries=args.max_index_entries)
     elif args.bench == "answer":
         from kvroute.tools.bench.answer import run_answer
 

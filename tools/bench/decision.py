@@ -207,15 +207,16 @@ def pin_apart(control_plane_pid: int) -> int | None:
 
 
 def run_decision(prompt_tokens: int = 8192, workers: int = 64, block_size: int = 16, iterations: int = 300,
-                 other_blocks: int = 2000, seed: int = 0, pin_cores: bool = False) -> dict:
+                 other_blocks: int = 2000, seed: int = 0, pin_cores: bool = False, max_index_entries: int = 0) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="kvroute-bench-"))
     cluster = LocalCluster(workdir=workdir, tokenizer_dir=build_model_dir(workdir / MODEL),
                            heartbeat_timeout_s=3600)
     try:
         # Claims of the other router's in-flight requests stay for the whole run (no engine confirms them).
         metrics_port = free_port()
+        bound = ("--max-index-entries", str(max_index_entries)) if max_index_entries else ()
         address = cluster.start_control_plane(extra_args=("--speculative-ttl-ms", "3600000",
-                                                          "--metrics-port", str(metrics_port)))
+                                                          "--metrics-port", str(metrics_port), *bound))
         control_plane_core = pin_apart(cluster.control_plane.popen.pid) if pin_cores else None
         result = aio.run_value(measure(address, cluster.tokenizer_dir, prompt_tokens, workers, block_size, iterations,
                                        other_blocks, seed))
@@ -224,4 +225,5 @@ def run_decision(prompt_tokens: int = 8192, workers: int = 64, block_size: int =
         cluster.stop()
     # After the control plane has stopped, in its place (its core when pinned).
     echo = measure_echo_floor(result["query_bytes"], result["answer_bytes"], iterations, control_plane_core, workdir)
-    return {**result, "grpc_echo_p50_ms": echo, "pinned_cores": control_plane_core is not None}
+    return {**result, "grpc_echo_p50_ms": echo, "pinned_cores": control_plane_core is not None,
+            "max_index_entries": max_index_entries}
