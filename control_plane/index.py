@@ -123,12 +123,14 @@ class BitmaskPrefixIndex:
     with nothing in flight. Plus worker -> key set per tier, for removal and snapshots.
 
     A match costs one dict lookup and one AND per prompt block (two with tiers or speculation),
-    independent of worker count until workers drop out of the match.
+    independent of worker count until workers drop out of the match. Each walk leaves the deepest
+    depth it reached in `_deepest` (what BoundedPrefixIndex marks, without a pass over the result).
     """
 
-    __slots__ = ("_aux", "_below_gpu", "_speculative", "_tier_holders", "_worker_keys")
+    __slots__ = ("_aux", "_below_gpu", "_deepest", "_speculative", "_tier_holders", "_worker_keys")
 
     def __init__(self) -> None:
+        self._deepest = 0
         self._tier_holders: tuple[dict[int, int], ...] = tuple({} for _ in TIERS)
         self._below_gpu: dict[int, int] = {}
         self._speculative: dict[int, int] = {}
@@ -241,6 +243,7 @@ class BitmaskPrefixIndex:
         return depth
 
     def match(self, keys: Sequence[int]) -> dict[int, int]:
+        self._deepest = 0
         if not keys:
             return {}
         holders = self._tier_holders[Tier.GPU]
@@ -262,6 +265,7 @@ class BitmaskPrefixIndex:
                     _assign(result, alive & ~still, depth)
                     alive = still
                     if not alive:
+                        self._deepest = depth
                         return result
                 depth += 1
         else:
@@ -271,9 +275,11 @@ class BitmaskPrefixIndex:
                     _assign(result, alive & ~still, depth)
                     alive = still
                     if not alive:
+                        self._deepest = depth
                         return result
                 depth += 1
         _assign(result, alive, len(rest))
+        self._deepest = len(rest)
         return result
 
     def match_tiers(self, keys: Sequence[int]) -> TierMatch:
@@ -337,6 +343,7 @@ class BitmaskPrefixIndex:
             _shift(cpu_counts, cur_cpu, 0, end)
             _shift(disk_counts, cur_disk, 0, end)
             _shift(spec_counts, cur_spec, 0, end)
+        self._deepest = end
         return out
 
     def worker_keys(self, worker: int, tier: Tier) -> set[int]:
@@ -509,24 +516,24 @@ class BoundedPrefixIndex(BitmaskPrefixIndex):
     def match(self, keys: Sequence[int]) -> dict[int, int]:
         if not isinstance(keys, list):
             keys = list(keys)
-        result = super().match(keys)
-        if result:
-            self._mark(keys, max(result.values()))
+        result = BitmaskPrefixIndex.match(self, keys)
+        deepest = self._deepest
+        if deepest and keys[deepest - 1] not in self._marked_now:
+            self._mark(keys, deepest)
         return result
 
     def match_tiers(self, keys: Sequence[int]) -> TierMatch:
         if not isinstance(keys, list):
             keys = list(keys)
-        out = super().match_tiers(keys)
-        if out.depth:
-            self._mark(keys, max(out.depth.values()))
+        out = BitmaskPrefixIndex.match_tiers(self, keys)
+        deepest = self._deepest
+        if deepest and keys[deepest - 1] not in self._marked_now:  # else: all of it marked this lap already
+            self._mark(keys, deepest)
         return out
 
     def _mark(self, keys: list[int], depth: int) -> None:
-        """Mark keys[:depth] recently matched: the part not yet marked this lap is a suffix of it."""
+        """Mark keys[:depth] recently matched (keys[depth - 1] is not yet): what is unmarked is a suffix."""
         marked = self._marked_now
-        if keys[depth - 1] in marked:
-            return
         lo, hi = 0, depth - 1  # keys[hi] is not marked; find the first key that is not
         while lo < hi:
             mid = (lo + hi) >> 1
