@@ -234,6 +234,31 @@ async def test_regression_garbage_does_not_make_the_agent_forget_what_a_replay_a
         ctx.destroy(linger=0)
 
 
+async def test_regression_a_gap_decodes_only_the_batches_it_lacks() -> None:
+    """Found by the live fuzz at 100,000 messages: a replay for a gap decoded every batch the engine's buffer
+    held after it, so an agent running behind its engine decoded thousands of batches per gap and fell
+    further behind with every gap."""
+    ctx = zmq.asyncio.Context()
+    peer = ReplayPeer(ctx, "new", [])
+    rec = Recorder(peer.endpoint, ctx)
+    decoded: list[int] = []
+
+    def counting_decode(seq: int, payload: bytes):
+        decoded.append(seq)
+        return vllm_wire.decode_payload(seq, payload)
+
+    rec.source.decode = counting_decode
+    try:
+        peer.buffer.update({s: batch(100 + s) for s in range(3000)})  # the engine is far ahead of the agent
+        await rec.source.handle_frames([b"", (0).to_bytes(8, "big"), peer.buffer[0]])
+        await rec.source.handle_frames([b"", (2).to_bytes(8, "big"), peer.buffer[2]])  # gap: seq 1
+        assert rec.applied == [0, 1, 2] and rec.resets == []
+        assert len(decoded) <= 4, f"{len(decoded)} batches decoded for a one-batch gap"
+    finally:
+        await peer.close()
+        ctx.destroy(linger=0)
+
+
 LIVE_FATES = st.sampled_from(("live", "live", "live", "lost", "corrupted"))
 
 

@@ -352,7 +352,7 @@ class ZmqEventSource:
         """Start / first batch ever / after a restart: apply what the replay buffer holds before
         `stop_before`. The worker's state is empty here, so a buffer that no longer starts at 0 (or has
         holes) just means we know less than the engine: only the batches after the last hole apply."""
-        replay = await self._replay(0)
+        replay = await self._replay(0, stop_before)
         if replay is None:
             return
         seqs = sorted(s for s in replay.batches if stop_before is None or s < stop_before)
@@ -400,7 +400,7 @@ class ZmqEventSource:
 
     async def _fill_gap(self, start: int, stop_before: int, replay: _Replay | None = None) -> None:
         if replay is None and self.replay_endpoint:
-            replay = await self._replay(start)
+            replay = await self._replay(start, stop_before)
         batches = replay.batches if replay else {}
         missing = _missing_range(start, stop_before, batches)  # the gap's size is the peer's to choose: not listed
         if missing:
@@ -420,8 +420,10 @@ class ZmqEventSource:
         self.counters.replayed_batches += 1
         await self._apply(batch)
 
-    async def _replay(self, start: int) -> _Replay | None:
-        """Ask the engine's ROUTER for every buffered batch with seq >= start. None = no usable answer."""
+    async def _replay(self, start: int, stop_before: int | None = None) -> _Replay | None:
+        """Ask the engine's ROUTER for every buffered batch with seq >= start; with `stop_before`, the answer
+        is complete at the first batch at or past it (the engine answers in order, and an agent running
+        behind would otherwise decode the engine's whole buffer for every gap). None = no usable answer."""
         assert self.replay_endpoint
         self.counters.replays += 1
         dealer = self._ctx.socket(zmq.DEALER)  # not REQ: a REQ socket only delivers the first reply message
@@ -454,6 +456,9 @@ class ZmqEventSource:
                     out.complete = True
                     return out
                 seq = int.from_bytes(seq8, "big")
+                if stop_before is not None and seq >= stop_before:
+                    out.complete = True
+                    return out
                 if seq < start or seq in out.batches:
                     continue  # dedupe by seq
                 try:
