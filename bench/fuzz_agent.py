@@ -119,6 +119,7 @@ class HostileEngine:
         self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.SNDHWM, 0)  # a long answer whole (ZMQ's 1000 cut vLLM's short before 0.33)
         self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
         self.buffer: dict[int, bytes] = {}
         self.junk_sent = 0
