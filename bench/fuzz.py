@@ -69,14 +69,20 @@ def run_target(target: str, messages: int, seed: int = 0, workdir: Path | None =
 def add_arguments(p) -> None:
     p.add_argument("--target", choices=sorted(TARGETS), default="agent",
                    help="; ".join(f"{name}: {desc}" for name, (_, desc) in sorted(TARGETS.items())))
-    p.add_argument("--messages", type=int, default=10_000, help="bad messages to send (valid ones come on top)")
+    p.add_argument("--messages", type=int, default=10_000,
+                   help="bad messages to send (valid batches, and corrupted copies of some, come on top)")
     p.add_argument("--seed", type=int, default=0, help="seed of the traffic")
     p.add_argument("--workdir", default="", help="directory for the processes' logs (empty: a temp dir, removed)")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
 
 
 def run(args) -> int:
-    report = run_target(args.target, args.messages, args.seed, Path(args.workdir) if args.workdir else None)
+    try:
+        report = run_target(args.target, args.messages, args.seed, Path(args.workdir) if args.workdir else None)
+    except Exception as exc:  # noqa: BLE001 - the target could not even be driven (e.g. it stopped answering)
+        print(f"target {args.target}: the run failed: {type(exc).__name__}: {exc}")
+        print(json.dumps({"target": args.target, "ok": False, "error": f"{type(exc).__name__}: {exc}"}))
+        return 1
     result = {**asdict(report), "ok": report.ok}
     if not args.json:
         print(f"target {report.target}: {report.messages} messages ({report.bad_messages} bad, {report.valid_messages} "
