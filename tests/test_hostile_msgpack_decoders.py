@@ -138,6 +138,18 @@ def test_every_dialects_batches_decode_to_the_events_the_field_tables_say(batch,
     assert decoded.bad_events == [] and decoded.unknown_events == [] and decoded.unknown_fields == []
 
 
+@given(engine_batches().filter(lambda b: b[0].engine == "vllm"))
+def test_a_vllm_batch_written_as_a_map_decodes_the_same(batch) -> None:
+    """The batch shape of a non-release vLLM snapshot, `{"ts", "events", "data_parallel_rank"}`
+    (docs/wire-formats.md#vllm-map-batch-snapshot): the same batch, re-encoded as that map, is the same events."""
+    *_, payload = batch
+    fields = msgspec.msgpack.decode(payload)
+    as_map = {"ts": fields[0], "events": fields[1]}
+    if len(fields) > 2:
+        as_map["data_parallel_rank"] = fields[2]
+    assert vllm_wire.decode_payload(5, msgspec.msgpack.encode(as_map)) == vllm_wire.decode_payload(5, payload)
+
+
 @given(engine_batches(), st.binary(max_size=16), st.integers(0, 2**64 - 1))
 def test_three_frames_give_the_batch_whatever_the_topic(batch, topic: bytes, seq: int) -> None:
     d, _, _, _, payload = batch
