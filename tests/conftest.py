@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from kvroute.tools.local_cluster import LocalCluster
 from kvroute.tools.redis_harness import RedisClusterHarness, RedisServer, temp_workdir
@@ -132,3 +134,12 @@ def redis_any(request) -> str:
     if request.param == "single":
         return request.getfixturevalue("redis_single").url
     return request.getfixturevalue("redis_cluster").url
+
+# Hypothesis profiles for the property-based tests (tests/worker_agent/test_hostile_*.py): `ci`
+# (default, what `make test` runs: ~200 examples per property, no deadline, since this machine's speed
+# varies) and `fuzz` (many more, for a long hand run, without the 120 s test timeout):
+# `HYPOTHESIS_PROFILE=fuzz .venv/bin/pytest --timeout 0 tests/worker_agent/test_hostile_*.py`.
+_SLOW_DATA = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile("ci", max_examples=200, deadline=None, print_blob=True, suppress_health_check=_SLOW_DATA)
+settings.register_profile("fuzz", max_examples=20_000, deadline=None, print_blob=True, suppress_health_check=_SLOW_DATA)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

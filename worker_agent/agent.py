@@ -17,6 +17,7 @@ metrics HTTP server: `/metrics`, `/health` (liveness: always 200 with the agent'
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import time
@@ -39,6 +40,7 @@ from kvroute.worker_agent.dp_endpoints import check_no_overlap, offset_endpoint,
 from kvroute.worker_agent.engine_metrics import EngineLoadPoller
 from kvroute.worker_agent.engine_models import EngineModelsPoller
 from kvroute.worker_agent.events import DecodedBatch
+from kvroute.worker_agent.limits import DEFAULT_MAX_BATCH_EVENTS, DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_POLL_BYTES
 from kvroute.worker_agent.trtllm_events import TrtllmEventConverter
 from kvroute.worker_agent.trtllm_poller import TrtllmEventPoller
 from kvroute.worker_agent.zmq_source import ZmqEventSource
@@ -89,6 +91,9 @@ COUNTER_HELP = {
     "control_plane_failures": "control-plane connection attempts or sessions that failed",
     "control_plane_refusals": "control-plane connections refused because another live agent holds the worker id",
     "callback_errors": "internal errors while applying a batch",
+    "oversize_frames": "KV-event connections ZMQ closed for a frame over --kv-events-max-frame-bytes (reconnected)",
+    "oversize_batches": "KV event batches with more events than --kv-events-max-batch-events (dropped undecoded)",
+    "oversize_bodies": "POST /kv_cache_events bodies over --kv-events-max-poll-bytes or the event limit (dropped)",
 }
 
 
@@ -112,6 +117,9 @@ class AgentConfig:
     engine_poll_interval_s: float = 0.5
     models_poll_interval_s: float = 5.0
     kv_events_poll_interval_s: float = 0.1  # TRT-LLM pull path
+    kv_events_max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES    # worker_agent/limits.py: why these defaults
+    kv_events_max_batch_events: int = DEFAULT_MAX_BATCH_EVENTS
+    kv_events_max_poll_bytes: int = DEFAULT_MAX_POLL_BYTES
     replay_timeout_s: float = 1.0
     heartbeat_interval_s: float | None = None  # None: min(1 s, control plane's heartbeat_timeout / 3)
 
@@ -253,16 +261,21 @@ class WorkerAgent:
         self.poller: TrtllmEventPoller | None = None
         if config.transport == "zmq":
             self._zmq = zmq.asyncio.Context()
-            decode = sglang_wire.decode_payload if config.engine == "sglang" else vllm_wire.decode_payload
+            decoder = sglang_wire.DECODER if config.engine == "sglang" else vllm_wire.DECODER
+            decode = functools.partial(decoder.decode_payload, max_events=config.kv_events_max_batch_events)
             for w in self.workers:
                 rank = w.rank or 0
                 replay = offset_endpoint(config.replay_endpoint, rank, config.engine) if config.replay_endpoint else None
                 w.source = ZmqEventSource(offset_endpoint(config.kv_events, rank, config.engine), w.on_batch, w.on_reset,
                                           replay, decode=decode, expected_rank=w.rank, bind=config.kv_events_bind,
-                                          topic=config.topic, replay_timeout_s=config.replay_timeout_s, context=self._zmq)
+                                          topic=config.topic, replay_timeout_s=config.replay_timeout_s,
+                                          max_frame_bytes=config.kv_events_max_frame_bytes, context=self._zmq)
         else:
-            self.poller = TrtllmEventPoller(config.engine_url, TrtllmEventConverter(ranks), self._on_rank_batch,
-                                            self._on_rank_reset, interval_s=config.kv_events_poll_interval_s)
+            self.poller = TrtllmEventPoller(config.engine_url,
+                                            TrtllmEventConverter(ranks, max_events=config.kv_events_max_batch_events),
+                                            self._on_rank_batch, self._on_rank_reset,
+                                            interval_s=config.kv_events_poll_interval_s,
+                                            max_body_bytes=config.kv_events_max_poll_bytes)
         self.metrics_port: int | None = None  # the bound port once the metrics server runs
         self.metrics_registry = CollectorRegistry()
         self.metrics_registry.register(_AgentCollector(self))

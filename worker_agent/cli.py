@@ -21,6 +21,7 @@ import sys
 
 from kvroute.listeners import run_service
 from kvroute.telemetry import setup_tracing, shutdown_tracing
+from kvroute.worker_agent.limits import DEFAULT_MAX_BATCH_EVENTS, DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_POLL_BYTES
 
 # Same as kvroute.worker_agent.agent.SUPPORTED_ENGINES / TRANSPORTS (not imported: keeps --help light).
 SUPPORTED_ENGINES = ("vllm", "sglang", "trtllm")
@@ -98,6 +99,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topic", default="", help="ZMQ topic prefix to subscribe to (the engine's kv-events-config topic)")
     p.add_argument("--kv-events-poll-interval-ms", type=_positive_int, default=100, metavar="MS",
                    help="http transport: pause between two POST /kv_cache_events")
+    p.add_argument("--kv-events-max-frame-bytes", type=_positive_int, default=DEFAULT_MAX_FRAME_BYTES, metavar="N",
+                   help="zmq transport: largest frame the KV-event SUB and replay sockets accept (ZMQ_MAXMSGSIZE; the "
+                        "default holds a whole 8-GPU node's KV cache as one batch); ZMQ drops the connection that "
+                        "carried a larger one, the agent connects again and replays or resets what was lost")
+    p.add_argument("--kv-events-max-batch-events", type=_positive_int, default=DEFAULT_MAX_BATCH_EVENTS, metavar="N",
+                   help="most events one batch (ZMQ) or response body (http) may hold; a larger one is dropped "
+                        "before it is decoded and handled as a lost batch")
+    p.add_argument("--kv-events-max-poll-bytes", type=_positive_int, default=DEFAULT_MAX_POLL_BYTES, metavar="N",
+                   help="http transport: largest POST /kv_cache_events response body read; a larger one is dropped "
+                        "(its events are lost: the rank is reset)")
     p.add_argument("--data-parallel-size", type=_positive_int, default=None, metavar="N",
                    help="the engine runs N data-parallel ranks behind --engine-url (vLLM/SGLang --dp-size, TRT-LLM "
                         "attention DP): one kvroute worker per rank, '<worker-id>-dp<rank>', each registered with its "
@@ -128,6 +139,9 @@ def config_from_args(args: argparse.Namespace):
                        replay_endpoint=args.replay_endpoint,
                        kv_events_bind=args.kv_events_bind, topic=args.topic,
                        kv_events_poll_interval_s=args.kv_events_poll_interval_ms / 1000,
+                       kv_events_max_frame_bytes=args.kv_events_max_frame_bytes,
+                       kv_events_max_batch_events=args.kv_events_max_batch_events,
+                       kv_events_max_poll_bytes=args.kv_events_max_poll_bytes,
                        data_parallel_size=args.data_parallel_size, data_parallel_rank_start=args.data_parallel_rank_start,
                        metrics_host=args.metrics_host, metrics_port=args.metrics_port)
 

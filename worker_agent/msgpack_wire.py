@@ -9,8 +9,12 @@ event in it does not fit, the batch is decoded again event by event, so a malfor
 reported in `DecodedBatch.bad_events`, an unknown tag in `DecodedBatch.unknown_events` and an event
 with fields the dialect does not declare (a newer release) in `DecodedBatch.unknown_fields`, while
 the events around them are kept. The wire structs forbid unknown fields, which is what sends such
-an event to the per-event path, where they are stripped and counted (`unknown_fields`).
-Frame-level problems raise a `WireFormatError` subclass.
+an event to the per-event path, where they are stripped and counted (`unknown_fields`). An event
+that is not msgpack msgspec can read (a string that is not UTF-8, nesting past the recursion limit)
+is a bad event too: its neighbours are found without it (`msgpack_scan`).
+Frame-level problems raise a `WireFormatError` subclass, and so does a batch claiming more events
+than `max_events` (`OversizeBatchError`, before anything is allocated for them): nothing else
+escapes a decode, whatever the bytes.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from typing import Any
 
 import msgspec
 
+from kvroute.worker_agent import msgpack_scan
 from kvroute.worker_agent.events import DecodedBatch, EngineEvent, EventError, UnknownEventError
+from kvroute.worker_agent.limits import DEFAULT_MAX_BATCH_EVENTS, SCAN_MAX_BYTES
 from kvroute.worker_agent.unknown_fields import strip_unknown_fields
 
 TOPIC, SEQ, PAYLOAD = 0, 1, 2  # frame positions
@@ -45,6 +51,10 @@ class PayloadError(WireFormatError):
 
 class BatchShapeError(PayloadError):
     """The payload is msgpack but not an EventBatch `[ts, events(, rank)]`."""
+
+
+class OversizeBatchError(PayloadError):
+    """The batch claims more events than the decoder's limit (dropped before they are taken apart)."""
 
 
 def split_frames(frames: list[bytes]) -> tuple[bytes, int, bytes]:
@@ -85,6 +95,7 @@ class RawArrayBatch(msgspec.Struct, array_like=True, gc=False):
 
 
 _dec_any = msgspec.msgpack.Decoder()
+_dec_ts = msgspec.msgpack.Decoder(float)
 
 
 class BatchDecoder:
@@ -107,15 +118,20 @@ class BatchDecoder:
         self._raw_batch = msgspec.msgpack.Decoder(RawArrayBatch)
         self._map_batch = map_batch
 
-    def decode_frames(self, frames: list[bytes]) -> DecodedBatch:
+    def decode_frames(self, frames: list[bytes], max_events: int = DEFAULT_MAX_BATCH_EVENTS) -> DecodedBatch:
         """One live ZMQ message (3 frames). Raises a WireFormatError subclass if the message is unusable."""
         _, seq, payload = split_frames(frames)
-        return self.decode_payload(seq, payload)
+        return self.decode_payload(seq, payload, max_events)
 
-    def decode_payload(self, seq: int, payload: bytes) -> DecodedBatch:
-        """One msgpack batch. Raises PayloadError / BatchShapeError; bad events are reported, not raised."""
+    def decode_payload(self, seq: int, payload: bytes, max_events: int = DEFAULT_MAX_BATCH_EVENTS) -> DecodedBatch:
+        """One msgpack batch. Raises PayloadError / BatchShapeError / OversizeBatchError; bad events are
+        reported, not raised."""
         if not payload:
             raise PayloadError("payload is not msgpack: empty")
+        if len(payload) > max_events:  # every event takes a byte at least: only a longer payload can hold more
+            claimed = msgpack_scan.claimed_events(payload)
+            if claimed is not None and claimed > max_events:
+                raise OversizeBatchError(f"batch claims {claimed} events, over the limit of {max_events}")
         if is_msgpack_map(payload[0]):
             if self._map_batch is None:
                 raise BatchShapeError(f"payload is not a {self.name} EventBatch [ts, events, rank]: a map")
@@ -126,8 +142,8 @@ class BatchDecoder:
                 batch = decoder.decode(payload)
             except msgspec.ValidationError:
                 continue  # the other era, a bad/unknown event, unknown fields, or a bad batch: find out below
-            except msgspec.DecodeError as exc:
-                raise PayloadError(f"payload is not msgpack (garbage or truncated): {exc}") from None
+            except (msgspec.DecodeError, RecursionError):
+                break  # garbage, or one event msgspec cannot read (not UTF-8, too deep): find out below
             if i:
                 fast.insert(0, fast.pop(i))
             try:
@@ -153,9 +169,16 @@ class BatchDecoder:
             return self._convert((self._map_event if is_map else self._array_event).decode(buf)), []
         except msgspec.ValidationError as exc:
             error = str(exc)
-        except msgspec.DecodeError as exc:  # pragma: no cover - a Raw slice of a decoded batch is valid msgpack
+        except msgspec.DecodeError as exc:  # e.g. a string that is not UTF-8 (a Raw slice is not checked)
             raise EventError(f"not msgpack: {exc}") from None
-        raw = _dec_any.decode(buf)
+        except RecursionError:
+            raise EventError("nested too deeply") from None
+        try:
+            raw = _dec_any.decode(buf)
+        except msgspec.DecodeError as exc:
+            raise EventError(f"not msgpack: {exc}") from None
+        except RecursionError:
+            raise EventError(f"nested too deeply ({error})") from None
         tag = _tag_of(raw)
         if isinstance(tag, str) and tag not in self._known_tags:
             raise UnknownEventError(tag)
@@ -167,6 +190,8 @@ class BatchDecoder:
             return self._convert(msgspec.convert(cleaned, union)), unknown
         except msgspec.ValidationError as exc:
             raise EventError(str(exc)) from None
+        except RecursionError:
+            raise EventError("nested too deeply") from None
 
     def _decode_slow(self, seq: int, payload: bytes, decoder: msgspec.msgpack.Decoder) -> DecodedBatch:
         try:
@@ -175,6 +200,8 @@ class BatchDecoder:
             raise BatchShapeError(f"payload is not an EventBatch [ts, events(, rank)]: {exc}") from None
         except msgspec.DecodeError as exc:
             raise PayloadError(f"payload is not msgpack (garbage or truncated): {exc}") from None
+        except RecursionError:
+            batch = self._scan(payload)
         out = DecodedBatch(seq, batch.ts, _rank(batch.rank))
         for i, raw in enumerate(batch.events):
             try:
@@ -187,6 +214,19 @@ class BatchDecoder:
             except EventError as exc:
                 out.bad_events.append(f"event {i}: {exc}")
         return out
+
+    def _scan(self, payload: bytes) -> RawArrayBatch:
+        """The batch's events as slices, found without msgspec (something in it nests past the recursion limit)."""
+        if len(payload) > SCAN_MAX_BYTES:
+            raise PayloadError(f"payload nests too deeply to decode ({len(payload)} bytes)")
+        try:
+            ts, events, rank = msgpack_scan.split_batch(payload)
+            return RawArrayBatch(_dec_ts.decode(ts), [msgspec.Raw(e) for e in events],
+                                 _dec_any.decode(rank) if rank is not None else None)
+        except msgpack_scan.ScanError as exc:
+            raise PayloadError(f"payload is not msgpack (garbage or truncated): {exc}") from None
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
+            raise BatchShapeError(f"payload is not an EventBatch [ts, events(, rank)]: {exc}") from None
 
 
 def _tag_of(raw: object) -> object:

@@ -7,7 +7,10 @@ The body is a JSON array drained from the engine's queue since the last call:
 "attention_dp_rank"?, "layer_group_id"?, "hash_algo"?}`. Decoded with msgspec (64-bit safe: hashes
 are uint64 up to 2**64-1); one typed decode per body, per-event decoding only when something in it
 does not fit (a bad event is counted, its neighbours apply; unknown types are counted and skipped;
-unknown fields are counted and dropped, the event applies).
+unknown fields are counted and dropped, the event applies). Elements msgspec cannot take apart (a
+lone surrogate escape, nesting past the recursion limit) are found by `json_scan`. `feed` raises
+`BodyError` and nothing else; a body with more events than `max_events` is refused before they are
+decoded (`OversizeBodyError`).
 
 - Hashes: uint64 ints (`v1_block_key`, `v2_sha256_64`) or 64-hex strings (`v2_sha256`): opaque ids.
 - `stored`: block i's parent is block i-1, the first block's is `parent_hash`. Each block carries its
@@ -31,14 +34,16 @@ unknown fields are counted and dropped, the event applies).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
-from kvroute.worker_agent.events import BlockRemoved, BlockStored, EngineEvent, EventError, normalize_hash, normalize_parent
+from kvroute.worker_agent import json_scan
+from kvroute.worker_agent.events import U64, BlockRemoved, BlockStored, EngineEvent, EventError, normalize_hash
+from kvroute.worker_agent.limits import DEFAULT_MAX_BATCH_EVENTS, SCAN_MAX_BYTES
 from kvroute.worker_agent.unknown_fields import strip_unknown_fields
 
-_Hash = int | str
+_Hash = int | str  # uint64 (checked in `_hash`: msgspec bounds stop at int64) or 64 hex digits
 
 
 class _Token(msgspec.Struct, forbid_unknown_fields=True, gc=False):
@@ -82,7 +87,7 @@ class _Unreadable(msgspec.Struct, gc=False):
 
 
 class _Event(msgspec.Struct, forbid_unknown_fields=True, gc=False):
-    event_id: int
+    event_id: Annotated[int, msgspec.Meta(ge=0)]
     data: _Created | _Stored | _Removed | _Updated
     window_size: int = 0
     attention_dp_rank: int | None = None
@@ -101,9 +106,14 @@ class BodyError(ValueError):
     """A response body that is not a JSON array of events (the whole poll is lost)."""
 
 
+class OversizeBodyError(BodyError):
+    """A body with more events than the converter's limit (dropped before they are taken apart)."""
+
+
 @dataclass(slots=True)
 class TrtllmCounters:
     malformed_frames: int = 0       # response bodies that could not be decoded
+    oversize_bodies: int = 0        # response bodies over the byte or event limit (dropped)
     malformed_events: int = 0       # single events rejected inside otherwise good bodies
     unknown_events: int = 0         # events with an unknown data type (skipped)
     unknown_fields: int = 0         # events carrying fields we do not know (dropped; the event applies)
@@ -142,10 +152,11 @@ Action = RankEvents | RankReset
 
 class TrtllmEventConverter:
     """`ranks`: the attention-DP ranks this agent serves (None: an engine without attention DP, whose
-    events carry no rank or rank 0)."""
+    events carry no rank or rank 0). `max_events`: a body with more events is refused whole."""
 
-    def __init__(self, ranks: list[int] | None = None) -> None:
+    def __init__(self, ranks: list[int] | None = None, max_events: int = DEFAULT_MAX_BATCH_EVENTS) -> None:
         self.ranks = None if ranks is None else frozenset(ranks)
+        self.max_events = max_events
         self.counters = TrtllmCounters()
         self.full_window: int | None = None     # widest window of the `created` events
         self._widest_seen: int | None = None    # stand-in until a `created` event arrives
@@ -159,47 +170,75 @@ class TrtllmEventConverter:
     # ------------------------------------------------------------------ decode
 
     def decode(self, body: bytes) -> list[_Event]:
-        """Events of one body; bad / unknown events are counted and skipped (their ids still count)."""
+        """Events of one body; bad / unknown events are counted and skipped (their ids still count).
+        Raises BodyError (OversizeBodyError: more events than `max_events`) and nothing else."""
+        if body.count(b'"event_id"') > self.max_events:  # every decodable event names one: refused before decoding
+            raise OversizeBodyError(f"KV event body holds over {self.max_events} events")
         try:
-            return _dec_body.decode(body)
+            events = _dec_body.decode(body)
         except msgspec.ValidationError:
             pass
-        except msgspec.DecodeError as exc:
-            raise BodyError(f"KV event body is not JSON (garbage or truncated): {exc}") from None
+        except (msgspec.DecodeError, RecursionError):
+            pass  # garbage, or one event msgspec cannot read (a lone surrogate, nested too deeply): find out below
+        else:
+            if len(events) > self.max_events:
+                raise OversizeBodyError(f"KV event body holds {len(events)} events, over the limit of {self.max_events}")
+            return events
+        return [e for e in map(self._decode_one, self._elements(body)) if e is not None]
+
+    def _elements(self, body: bytes) -> list[msgspec.Raw] | list[bytes]:
+        """The body's top-level elements, for a body that does not decode in one call."""
+        if body.count(b",") >= self.max_events:  # more elements would be possible: not taken apart one by one
+            raise OversizeBodyError(f"KV event body of {len(body)} bytes does not decode as a whole and has too many "
+                                    f"elements to decode one by one (limit {self.max_events})")
         try:
-            raws = _dec_raw_body.decode(body)
+            return _dec_raw_body.decode(body)
         except msgspec.ValidationError as exc:
             raise BodyError(f"KV event body is not a JSON array of events: {exc}") from None
-        out = []
-        for raw in raws:
+        except (msgspec.DecodeError, RecursionError) as exc:
+            if len(body) > SCAN_MAX_BYTES:
+                raise BodyError(f"KV event body is not JSON msgspec can read as a whole: {exc}") from None
             try:
-                out.append(_dec_event.decode(raw))
-                continue
-            except msgspec.ValidationError as exc:
-                error = str(exc)
+                return json_scan.split_array(body)  # find the elements without msgspec: the readable ones apply
+            except json_scan.ScanError as scan:
+                raise BodyError(f"KV event body is not JSON (garbage or truncated): {exc}; {scan}") from None
+
+    def _decode_one(self, raw: msgspec.Raw | bytes) -> _Event | None:
+        """One element: the event, a stand-in keeping the id of an unreadable event, or None."""
+        try:
+            return _dec_event.decode(raw)
+        except msgspec.ValidationError as exc:
+            error = str(exc)
+        except (msgspec.DecodeError, RecursionError) as exc:
+            error = str(exc) or "nested too deeply"
+        try:
             generic = _dec_any.decode(raw)
+        except (msgspec.MsgspecError, RecursionError):  # out-of-range numbers too: ValidationError
+            generic = None
+        if generic is not None:
             cleaned, unknown = strip_unknown_fields(generic, _Event)
             if unknown:
                 try:
-                    out.append(msgspec.convert(cleaned, _Event))
+                    event = msgspec.convert(cleaned, _Event)
+                except (msgspec.ValidationError, RecursionError) as exc:
+                    error = str(exc)
+                else:
                     self.counters.unknown_fields += 1
                     self.last_unknown_fields = unknown
-                    continue
-                except msgspec.ValidationError as exc:
-                    error = str(exc)
-            self.last_bad_event = error
-            if not isinstance(generic, dict):
-                generic = {}
-            data = generic.get("data")
-            kind = data.get("type") if isinstance(data, dict) else None
-            if isinstance(kind, str) and kind not in _KNOWN_TYPES:
-                self.counters.unknown_events += 1
-            else:
-                self.counters.malformed_events += 1
-            event_id, rank = generic.get("event_id"), generic.get("attention_dp_rank")
-            if type(event_id) is int and event_id >= 0:  # keep its id in the sequence: an unreadable event is not a gap
-                out.append(_Event(event_id, _Unreadable(), attention_dp_rank=rank if type(rank) is int else None))
-        return out
+                    return event
+        self.last_bad_event = error
+        if not isinstance(generic, dict):
+            generic = {}
+        data = generic.get("data")
+        kind = data.get("type") if isinstance(data, dict) else None
+        if isinstance(kind, str) and kind not in _KNOWN_TYPES:
+            self.counters.unknown_events += 1
+        else:
+            self.counters.malformed_events += 1
+        event_id, rank = generic.get("event_id"), generic.get("attention_dp_rank")
+        if type(event_id) is int and event_id >= 0:  # keep its id in the sequence: an unreadable event is not a gap
+            return _Event(event_id, _Unreadable(), attention_dp_rank=rank if type(rank) is int else None)
+        return None
 
     # ------------------------------------------------------------------ convert
 
@@ -237,7 +276,7 @@ class TrtllmEventConverter:
                 continue
             try:
                 converted = (self._stored(data, ev.layer_group_id) if type(data) is _Stored
-                             else [BlockRemoved([normalize_hash(h) for h in data.block_hashes],
+                             else [BlockRemoved([_hash(h) for h in data.block_hashes],
                                                 group_idx=ev.layer_group_id)])
             except EventError:
                 c.malformed_events += 1
@@ -280,7 +319,7 @@ class TrtllmEventConverter:
         if not blocks:
             return []
         out: list[EngineEvent] = []
-        parent = normalize_parent(data.parent_hash)
+        parent = None if data.parent_hash is None else _hash(data.parent_hash)
         first = blocks[0]
         start = 0
         while start < len(blocks):
@@ -289,7 +328,7 @@ class TrtllmEventConverter:
             while end < len(blocks) and len(blocks[end].tokens) == size:
                 end += 1
             run = blocks[start:end]
-            hashes = [normalize_hash(b.block_hash) for b in run]
+            hashes = [_hash(b.block_hash) for b in run]
             tokens: list = []
             unkeyable = None
             for i, block in enumerate(run):
@@ -303,3 +342,11 @@ class TrtllmEventConverter:
             parent = hashes[-1]
             start = end
         return out
+
+
+def _hash(value: int | str) -> int:
+    """A pull-path hash as an id: uint64 ints as they are (no wrapping: anything outside is malformed), hex strings
+    by their last 16 digits."""
+    if type(value) is int and not 0 <= value <= U64:
+        raise EventError(f"block hash {value} is not a uint64")
+    return normalize_hash(value)

@@ -6,7 +6,9 @@ one would steal events and both would see gaps). Each body goes through `TrtllmE
 its actions are applied in order: `on_batch(rank, batch)` for events, `on_reset(rank, reason)`
 when a rank's state became unknown. An unreachable engine is counted and retried at the same pace;
 a body that is not a JSON array of events is counted and dropped (its events are lost, the next
-event_id shows the gap).
+event_id shows the gap). So is a body over `max_body_bytes` (`Content-Length` checked before
+reading, the body itself counted as it arrives, after decompression) or with more events than the
+converter's limit: `oversize_bodies`. Nothing a body holds stops the poll loop.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import aiohttp
 
 from kvroute.rate_limited_log import RateLimitedLog
 from kvroute.worker_agent.events import DecodedBatch
-from kvroute.worker_agent.trtllm_events import BodyError, RankEvents, TrtllmEventConverter
+from kvroute.worker_agent.limits import DEFAULT_MAX_POLL_BYTES
+from kvroute.worker_agent.trtllm_events import BodyError, OversizeBodyError, RankEvents, TrtllmEventConverter
 
 log = logging.getLogger("kvroute.agent.trtllm")
 
@@ -35,7 +38,7 @@ class PollerCounters:
     polls: int = 0              # POST /kv_cache_events answered
     poll_failures: int = 0      # requests that failed (engine unreachable, HTTP error, timeout)
     batches: int = 0            # per-rank event batches applied
-    callback_errors: int = 0    # exceptions raised by on_batch / on_reset
+    callback_errors: int = 0    # exceptions raised by on_batch / on_reset (or, a bug, by a poll)
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -43,12 +46,13 @@ class PollerCounters:
 
 class TrtllmEventPoller:
     def __init__(self, engine_url: str, converter: TrtllmEventConverter, on_batch: RankBatchCallback,
-                 on_reset: RankResetCallback, *, interval_s: float = 0.1, timeout_s: float = 5.0) -> None:
+                 on_reset: RankResetCallback, *, interval_s: float = 0.1, timeout_s: float = 5.0,
+                 max_body_bytes: int = DEFAULT_MAX_POLL_BYTES) -> None:
         # Older servers hold the request up to 2 s when the queue is empty: the timeout must exceed that.
         self.url = engine_url.rstrip("/") + "/kv_cache_events"
         self.converter = converter
         self.on_batch, self.on_reset = on_batch, on_reset
-        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.interval_s, self.timeout_s, self.max_body_bytes = interval_s, timeout_s, max_body_bytes
         self.counters = PollerCounters()
         self.last_event_id: int | None = None
         self.last_success: float | None = None  # monotonic time of the last answered poll (readiness)
@@ -62,7 +66,7 @@ class TrtllmEventPoller:
         try:
             async with session.post(self.url) as resp:
                 resp.raise_for_status()
-                body = await resp.read()
+                body = await self._read_body(resp)
         except (TimeoutError, aiohttp.ClientError) as exc:
             self.counters.poll_failures += 1
             self.last_error = str(exc) or type(exc).__name__
@@ -71,10 +75,15 @@ class TrtllmEventPoller:
         self.counters.polls += 1
         self.last_success, self.last_error = time.monotonic(), ""
         try:
+            if body is None:
+                raise OversizeBodyError(f"response body over {self.max_body_bytes} bytes")
             actions = self.converter.feed(body)
         except BodyError as exc:
-            self.converter.counters.malformed_frames += 1
-            self._log.warning("body", "KV event response dropped: %s", exc)
+            if isinstance(exc, OversizeBodyError):
+                self.converter.counters.oversize_bodies += 1
+            else:
+                self.converter.counters.malformed_frames += 1
+            self._log.warning(type(exc).__name__, "KV event response dropped: %s", exc)
             return True
         converter = self.converter
         if converter.last_bad_event:
@@ -95,6 +104,18 @@ class TrtllmEventPoller:
                 await self._call(self.on_reset, action.rank, action.reason)
         return True
 
+    async def _read_body(self, resp: aiohttp.ClientResponse) -> bytes | None:
+        """The body, or None when it is over max_body_bytes (then not read further)."""
+        if resp.content_length is not None and resp.content_length > self.max_body_bytes:
+            return None
+        chunks, size = [], 0
+        async for chunk in resp.content.iter_chunked(1 << 16):
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def _call(self, callback, *args) -> None:
         try:
             result = callback(*args)
@@ -107,5 +128,9 @@ class TrtllmEventPoller:
     async def run(self) -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as session:
             while True:
-                await self.poll_once(session)
+                try:
+                    await self.poll_once(session)
+                except Exception:  # noqa: BLE001 - a bug must not stop the event stream
+                    self.counters.callback_errors += 1
+                    self._log.warning("internal", "polling KV events failed", exc_info=True)
                 await asyncio.sleep(self.interval_s)

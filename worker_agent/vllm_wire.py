@@ -149,10 +149,12 @@ def read_extra_keys(extra_keys: object, lora_name: str | None, starts_prompt: bo
             continue
         if not isinstance(block_keys, list):
             raise EventError(f"extra_keys[{i}] must be a list or nil, got {type(block_keys).__name__}")
-        strings = [k for k in block_keys if type(k) is str and k != lora_name]
+        # The LoRA name leads the entry; only that one is the adapter's (a salt may be spelled the same).
+        keys = block_keys[1:] if lora_name is not None and block_keys and block_keys[0] == lora_name else block_keys
+        strings = [k for k in keys if type(k) is str]
         if i == 0 and starts_prompt and strings:
             salt = strings.pop()  # the salt follows the LoRA name and multimodal ids
-        if strings or any(type(k) is not str for k in block_keys):
+        if strings or any(type(k) is not str for k in keys):
             return salt, i
     return salt, None
 

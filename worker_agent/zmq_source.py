@@ -29,8 +29,20 @@ frame count.
 For one rank of a data-parallel engine, a batch naming another rank is counted (`rank_mismatches`)
 and not applied: its events describe another rank's cache.
 Frames that cannot be decoded are counted and logged (rate-limited) and never stop the loop.
-A malformed payload with a readable seq still uses up its sequence number (like a malformed event
-inside a batch, its content is lost but it is not a gap), so the batches around it apply.
+A message whose payload cannot be decoded carries no sequence number the agent trusts: it is
+dropped as if it never arrived, so garbage never looks like a gap or a restart, and if it was the
+engine's batch the next one reveals the gap, which the replay fills (or, when it cannot deliver a
+readable copy either, a reset). A replayed batch that cannot be decoded is missing in the same way.
+
+Limits (`worker_agent/limits.py`): the SUB and every replay DEALER accept frames up to
+`max_frame_bytes` (ZMQ_MAXMSGSIZE). ZMQ cannot skip an oversize frame: it closes the connection
+that carried it and, on a socket that connected, never reconnects it. The source sees that on its
+socket monitor (a disconnect not followed by ZMQ's reconnect attempt), counts it in
+`oversize_frames` and connects again, and the reconnect rules above replay what was lost. A bound
+SUB (`--kv-events-bind`) needs no help, the publisher reconnects; there ZMQ's monitor cannot tell
+an oversize frame from a publisher going away, so only the replay's own drop is counted. A batch
+claiming more than `max_batch_events` events is dropped before it is decoded (`oversize_batches`),
+and a replay answer stops after `MAX_REPLAY_BATCHES` batches.
 """
 
 from __future__ import annotations
@@ -51,11 +63,15 @@ from kvroute.listeners import open_zmq
 from kvroute.rate_limited_log import RateLimitedLog
 from kvroute.worker_agent import vllm_wire
 from kvroute.worker_agent.events import DecodedBatch
-from kvroute.worker_agent.msgpack_wire import WireFormatError, split_frames
+from kvroute.worker_agent.limits import DEFAULT_MAX_FRAME_BYTES, MAX_REPLAY_BATCHES
+from kvroute.worker_agent.msgpack_wire import OversizeBatchError, WireFormatError, split_frames
 
 log = logging.getLogger("kvroute.agent.zmq")
 END_SEQ = b"\xff" * 8  # (-1).to_bytes(8, "big", signed=True)
 _digest = xxhash.xxh3_64_intdigest
+# After ZMQ reports a lost connection it schedules its reconnect at once (CONNECT_RETRIED follows within
+# microseconds); a connection it closed itself for a protocol error (an oversize frame) gets none.
+RECONNECT_GRACE_S = 0.25
 
 PayloadDecoder = Callable[[int, bytes], DecodedBatch]  # (seq, payload) -> batch; raises WireFormatError
 BatchCallback = Callable[[DecodedBatch], Awaitable[None] | None]
@@ -81,6 +97,8 @@ class SourceCounters:
     rank_mismatches: int = 0      # batches naming another data-parallel rank than the socket's (not applied)
     reconnects: int = 0           # the SUB's connection to the publisher re-established
     reconnect_resets: int = 0     # reconnects to another history (engine restarted) or an unverifiable one
+    oversize_frames: int = 0      # connections ZMQ closed for a frame over max_frame_bytes (SUB or replay)
+    oversize_batches: int = 0     # batches claiming more events than max_batch_events (dropped undecoded)
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -88,7 +106,7 @@ class SourceCounters:
 
 @dataclass(slots=True)
 class _Replay:
-    batches: dict[int, DecodedBatch | None]  # seq -> batch (None = malformed payload)
+    batches: dict[int, DecodedBatch]         # seq -> batch (a payload that cannot be decoded is missing)
     digests: dict[int, int]                  # seq -> payload digest
     complete: bool                           # end marker seen
 
@@ -103,11 +121,12 @@ class ZmqEventSource:
                  replay_endpoint: str | None = None, *, decode: PayloadDecoder = vllm_wire.decode_payload,
                  expected_rank: int | None = None, bind: bool = False, topic: str = "",
                  replay_timeout_s: float = 1.0, replay_max_s: float = 30.0, rcvhwm: int = 100_000,
-                 context: zmq.asyncio.Context | None = None) -> None:
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, context: zmq.asyncio.Context | None = None) -> None:
         self.endpoint, self.replay_endpoint, self.bind, self.topic = endpoint, replay_endpoint, bind, topic
         self.on_batch, self.on_reset = on_batch, on_reset
         self.decode, self.expected_rank = decode, expected_rank
         self.replay_timeout_s, self.replay_max_s, self.rcvhwm = replay_timeout_s, replay_max_s, rcvhwm
+        self.max_frame_bytes = max_frame_bytes
         self.counters = SourceCounters()
         self.last_seq: int | None = None
         self.bound_endpoint: str | None = None  # the SUB's resolved address when bind=True (e.g. port 0)
@@ -119,6 +138,7 @@ class ZmqEventSource:
         self._last_digest: int | None = None   # payload digest of batch `last_seq` (reconnect check)
         self._connections = 0                  # ZMTP handshakes with the publisher so far
         self.publisher_connected = False       # a publisher handshake and no disconnect since (readiness)
+        self._lost_at: float | None = None     # when a connected SUB lost its publisher, until ZMQ retries
         self._sub: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._log = RateLimitedLog(log)
@@ -133,14 +153,14 @@ class ZmqEventSource:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.rcvhwm)  # ZMQ's default 1000 drops the bursts of a busy engine
+        sub.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
-        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                                         | zmq.EVENT_CONNECT_RETRIED)
         try:
             endpoint = open_zmq(sub, "--kv-events-bind" if self.bind else "--kv-events", self.endpoint, bind=self.bind)
         except BaseException:
-            monitor.close(linger=0)
-            sub.disable_monitor()
-            sub.close(linger=0)
+            _close_monitored(sub, monitor)
             raise
         self.bound_endpoint = endpoint if self.bind else None
         self._sub, self._monitor = sub, monitor
@@ -157,7 +177,7 @@ class ZmqEventSource:
             poller.register(sub, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
             while True:
-                await poller.poll()
+                await poller.poll(self._poll_timeout_ms())
                 while True:
                     # A handshake is queued before any message of that connection can arrive (the
                     # subscription goes out after it), so pending monitor events are handled first.
@@ -169,12 +189,11 @@ class ZmqEventSource:
                     except zmq.Again:
                         break
                     await self._guard(self.handle_frames, frames)
+                self._reconnect_if_dropped(sub)
         finally:
             self._sub = self._monitor = None
             self.publisher_connected = False
-            monitor.close(linger=0)
-            sub.disable_monitor()
-            sub.close(linger=0)
+            _close_monitored(sub, monitor)
 
     async def _guard(self, handler, arg) -> None:
         try:
@@ -187,7 +206,10 @@ class ZmqEventSource:
         event = parse_monitor_message(frames)["event"]
         if event == zmq.EVENT_DISCONNECTED:
             self.publisher_connected = False
+            if not self.bind:
+                self._lost_at = time.monotonic()
             return
+        self._lost_at = None  # ZMQ is reconnecting (CONNECT_RETRIED), or has (a handshake)
         if event != zmq.EVENT_HANDSHAKE_SUCCEEDED:
             return
         self._connections += 1
@@ -198,6 +220,30 @@ class ZmqEventSource:
             await self._catch_up_from_zero(None)
         elif self._connections > 1:
             await self._check_reconnect()
+
+    def _poll_timeout_ms(self) -> int | None:
+        if self._lost_at is None:
+            return None
+        return max(0, int((self._lost_at + RECONNECT_GRACE_S - time.monotonic()) * 1000))
+
+    def _reconnect_if_dropped(self, sub: zmq.asyncio.Socket) -> None:
+        """A connected SUB that lost its publisher and saw no reconnect attempt within the grace: ZMQ
+        closed the connection itself (a frame over max_frame_bytes) and will never retry. Connect again."""
+        if self._lost_at is None or time.monotonic() < self._lost_at + RECONNECT_GRACE_S:
+            return
+        self._lost_at = None
+        self.counters.oversize_frames += 1
+        self._log.warning("oversize_frame", "KV events: ZMQ closed the connection to %s without reconnecting (a frame "
+                          "over %d bytes, or one that broke ZMTP framing): connecting again", self.endpoint,
+                          self.max_frame_bytes)
+        try:
+            sub.disconnect(self.endpoint)
+        except zmq.ZMQError:
+            pass  # already gone with the closed connection
+        try:
+            sub.connect(self.endpoint)
+        except zmq.ZMQError as exc:  # it connected before: not expected, but the loop must go on
+            self._log.warning("reconnect", "KV events: connecting to %s again failed: %s", self.endpoint, exc)
 
     def close(self) -> None:
         if self._own_ctx:
@@ -214,23 +260,26 @@ class ZmqEventSource:
             self._log.warning(type(exc).__name__, "malformed KV event frame dropped: %s", exc)
             return
         digest = _digest(payload)
-        if self._replayed:
-            if seq in self._replayed and self._replayed[seq] == digest:
-                self.counters.duplicate_batches += 1  # a live copy of a batch the catch-up replay applied
-                return
-            if seq > self._replayed_max:
-                self._replayed.clear()
+        if self._replayed and seq in self._replayed and self._replayed[seq] == digest:
+            self.counters.duplicate_batches += 1  # a live copy of a batch the catch-up replay applied
+            return
         try:
-            batch: DecodedBatch | None = self.decode(seq, payload)
+            batch = self.decode(seq, payload)
         except WireFormatError as exc:
-            self.counters.malformed_frames += 1
-            self._log.warning(type(exc).__name__, "malformed KV event batch seq %d dropped: %s", seq, exc)
-            if self.last_seq is not None and seq <= self.last_seq:
-                return  # a frame we cannot read is no evidence of an engine restart
-            batch = None
+            self._count_undecodable(exc)
+            self._log.warning(type(exc).__name__, "malformed KV event batch (seq frame %d) dropped: %s", seq, exc)
+            return  # its seq is not trusted: a gap the next batch shows, if it was the engine's, is replayed
+        if self._replayed and seq > self._replayed_max:
+            self._replayed.clear()  # past the replayed batches (garbage's seq frame says nothing: checked after decoding)
         await self._sequence(seq, batch, digest)
 
-    async def _sequence(self, seq: int, batch: DecodedBatch | None, digest: int) -> None:
+    def _count_undecodable(self, exc: WireFormatError) -> None:
+        if isinstance(exc, OversizeBatchError):
+            self.counters.oversize_batches += 1
+        else:
+            self.counters.malformed_frames += 1
+
+    async def _sequence(self, seq: int, batch: DecodedBatch, digest: int) -> None:
         last = self.last_seq
         if last is not None and seq <= last:
             self.counters.sequence_resets += 1
@@ -249,8 +298,7 @@ class ZmqEventSource:
             log.warning("KV event gap: expected seq %d, got %d", last + 1, seq)
             await self._fill_gap(last + 1, seq)
         self._consume(seq, digest)
-        if batch is not None:
-            await self._apply(batch)
+        await self._apply(batch)
 
     def _consume(self, seq: int, digest: int) -> None:
         if self.last_seq is None or seq > self.last_seq:
@@ -304,7 +352,7 @@ class ZmqEventSource:
         """Start / first batch ever / after a restart: apply what the replay buffer holds before
         `stop_before`. The worker's state is empty here, so a buffer that no longer starts at 0 (or has
         holes) just means we know less than the engine: only the batches after the last hole apply."""
-        replay = await self._replay(0)
+        replay = await self._replay(0, stop_before)
         if replay is None:
             return
         seqs = sorted(s for s in replay.batches if stop_before is None or s < stop_before)
@@ -352,32 +400,37 @@ class ZmqEventSource:
 
     async def _fill_gap(self, start: int, stop_before: int, replay: _Replay | None = None) -> None:
         if replay is None and self.replay_endpoint:
-            replay = await self._replay(start)
+            replay = await self._replay(start, stop_before)
         batches = replay.batches if replay else {}
-        missing = [s for s in range(start, stop_before) if s not in batches]
+        missing = _missing_range(start, stop_before, batches)  # the gap's size is the peer's to choose: not listed
         if missing:
+            first, last = missing
             self.counters.unrecoverable_gaps += 1
             why = ("no replay endpoint" if not self.replay_endpoint else "no replay answer" if replay is None
-                   else f"replay buffer lacks seq {missing[0]}" + (f"..{missing[-1]}" if len(missing) > 1 else ""))
+                   else f"replay buffer lacks seq {first}" + (f"..{last}" if last > first else "") + " (or has no "
+                   "readable copy)")
             log.warning("KV event gap [%d, %d) not recoverable (%s): worker state reset", start, stop_before, why)
             await self._reset("gap not recoverable")
-            start = missing[-1] + 1  # batches before the last lost one apply to state we just dropped
+            start = last + 1  # batches before the last lost one apply to state we just dropped
         for s in range(start, stop_before):
             await self._apply_replayed(s, batches[s], replay.digests[s])
 
-    async def _apply_replayed(self, seq: int, batch: DecodedBatch | None, digest: int) -> None:
+    async def _apply_replayed(self, seq: int, batch: DecodedBatch, digest: int) -> None:
         self._consume(seq, digest)
-        if batch is not None:
-            self.counters.replayed_batches += 1
-            await self._apply(batch)
+        self.counters.replayed_batches += 1
+        await self._apply(batch)
 
-    async def _replay(self, start: int) -> _Replay | None:
-        """Ask the engine's ROUTER for every buffered batch with seq >= start. None = no usable answer."""
+    async def _replay(self, start: int, stop_before: int | None = None) -> _Replay | None:
+        """Ask the engine's ROUTER for every buffered batch with seq >= start; with `stop_before`, the answer
+        is complete at the first batch at or past it (the engine answers in order, and an agent running
+        behind would otherwise decode the engine's whole buffer for every gap). None = no usable answer."""
         assert self.replay_endpoint
         self.counters.replays += 1
         dealer = self._ctx.socket(zmq.DEALER)  # not REQ: a REQ socket only delivers the first reply message
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.RCVHWM, 0)  # the reply can be the whole buffer (10000 batches by default)
+        dealer.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+        monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
         out = _Replay({}, {}, False)
         deadline = time.monotonic() + self.replay_max_s
         try:
@@ -387,37 +440,38 @@ class ZmqEventSource:
                 timeout = min(self.replay_timeout_s, deadline - time.monotonic())
                 if timeout <= 0 or not await dealer.poll(int(timeout * 1000)):
                     self.counters.replay_timeouts += 1
-                    log.warning("replay from seq %d (%s): no %s within %.1fs", start, self.replay_endpoint,
-                                "end marker" if out.batches else "answer", self.replay_timeout_s)
+                    dropped = await self._dropped_for_a_protocol_error(monitor)
+                    log.warning("replay from seq %d (%s): no %s within %.1fs%s", start, self.replay_endpoint,
+                                "end marker" if out.batches else "answer", self.replay_timeout_s,
+                                f" (ZMQ closed the connection: a frame over {self.max_frame_bytes} bytes)" if dropped
+                                else "")
                     return out if out.batches else None
-                frames = await dealer.recv_multipart()
-                if frames and frames[0] == b"":
-                    frames = frames[1:]  # the DEALER-side empty delimiter
-                if len(frames) == 3:     # new framing (vLLM >= 0.26, SGLang >= 0.5.22): [topic, seq8, payload]
-                    seq8, payload = frames[1], frames[2]
-                elif len(frames) == 2:   # old framing: [seq8, payload]
-                    seq8, payload = frames
-                else:
+                message = read_replay_reply(await dealer.recv_multipart())
+                if isinstance(message, str):
                     self.counters.malformed_frames += 1
-                    self._log.warning("replay_frames", "malformed replay message dropped: %d frames", len(frames))
+                    self._log.warning("replay_frames", "malformed replay message dropped: %s", message)
                     continue
+                seq8, payload = message
                 if seq8 == END_SEQ:
                     out.complete = True
                     return out
-                if len(seq8) != 8:
-                    self.counters.malformed_frames += 1
-                    self._log.warning("replay_seq", "malformed replay message dropped: %d-byte seq", len(seq8))
-                    continue
                 seq = int.from_bytes(seq8, "big")
+                if stop_before is not None and seq >= stop_before:
+                    out.complete = True
+                    return out
                 if seq < start or seq in out.batches:
                     continue  # dedupe by seq
                 try:
                     out.batches[seq] = self.decode(seq, payload)
                 except WireFormatError as exc:
-                    self.counters.malformed_frames += 1
+                    self._count_undecodable(exc)
                     self._log.warning("replay_payload", "malformed replayed batch seq %d dropped: %s", seq, exc)
-                    out.batches[seq] = None
+                    continue  # missing: a later readable copy of it may still come
                 out.digests[seq] = _digest(payload)
+                if len(out.batches) >= MAX_REPLAY_BATCHES:
+                    self._log.warning("replay_size", "replay from seq %d (%s): stopped after %d batches",
+                                      start, self.replay_endpoint, len(out.batches))
+                    return out
         except TimeoutError:
             self.counters.replay_timeouts += 1
             log.warning("replay from seq %d (%s): request could not be sent", start, self.replay_endpoint)
@@ -426,4 +480,54 @@ class ZmqEventSource:
             log.warning("replay from seq %d (%s) failed: %s", start, self.replay_endpoint, exc)
             return None
         finally:
-            dealer.close(linger=0)
+            _close_monitored(dealer, monitor)
+
+    async def _dropped_for_a_protocol_error(self, monitor: zmq.asyncio.Socket) -> bool:
+        """Whether the replay DEALER's connection was closed by ZMQ with no reconnect after it (an oversize
+        frame): counted in oversize_frames."""
+        dropped = False
+        while await monitor.poll(0):
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            dropped = event == zmq.EVENT_DISCONNECTED
+        if dropped:
+            self.counters.oversize_frames += 1
+        return dropped
+
+
+def _close_monitored(socket: zmq.Socket, monitor: zmq.Socket) -> None:
+    """Close a socket and its monitor, the monitor disabled first: ZMQ's I/O thread sends each event while
+    holding the lock `disable_monitor` takes, and a send to a monitor whose reading end is already closed
+    blocks for good (the agent hung on stop, or in the middle of a replay)."""
+    socket.disable_monitor()
+    monitor.close(linger=0)
+    socket.close(linger=0)
+
+
+def read_replay_reply(frames: list[bytes]) -> tuple[bytes, bytes] | str:
+    """(seq8, payload) of one message a DEALER received from the replay ROUTER, in either framing
+    (docs/wire-formats.md#replay-reply-framings), or why it is not one. The end marker's seq8 is END_SEQ."""
+    if frames and frames[0] == b"":
+        frames = frames[1:]  # the DEALER-side empty delimiter
+    if len(frames) == 3:     # new framing (vLLM >= 0.26, SGLang >= 0.5.22): [topic, seq8, payload]
+        seq8, payload = frames[1], frames[2]
+    elif len(frames) == 2:   # old framing: [seq8, payload]
+        seq8, payload = frames
+    else:
+        return f"{len(frames)} frames"
+    if len(seq8) != 8:
+        return f"{len(seq8)}-byte seq"
+    return seq8, payload
+
+
+def _missing_range(start: int, stop: int, have: dict[int, object]) -> tuple[int, int] | None:
+    """(first, last) seq in [start, stop) that `have` lacks, or None: in steps bounded by len(have), however
+    wide the range."""
+    first = start
+    while first < stop and first in have:
+        first += 1
+    if first >= stop:
+        return None
+    last = stop - 1
+    while last in have:
+        last -= 1
+    return first, last

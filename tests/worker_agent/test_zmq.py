@@ -205,7 +205,8 @@ async def joined(engine: Engine, agent: Agent, seq: int = 0, store=root_store) -
 
 
 async def test_malformed_and_truncated_frames_between_valid_batches(ctx, caplog) -> None:
-    """Done-when criterion: bad frames are counted and logged; the valid events around them apply."""
+    """Done-when criterion: bad frames are counted and logged; the valid events around them apply. A payload
+    that cannot be decoded carries no sequence number the agent trusts, wherever its seq frame points."""
     caplog.set_level(logging.WARNING, "kvroute.agent.zmq")
     engine = Engine(ctx, replay=False)
     agent = Agent(ctx, engine.endpoint, None)
@@ -213,25 +214,25 @@ async def test_malformed_and_truncated_frames_between_valid_batches(ctx, caplog)
         await joined(engine, agent)                                             # seq 0: key(1000)
         await engine.pub.send_multipart([b"", (1).to_bytes(8, "big")])           # truncated: 2 frames
         await engine.pub.send_multipart([b"", b"\x00\x00\x01", payload(root_store(1))])  # 3-byte sequence frame
-        await engine.pub.send_multipart(frames(1, b"\xc1\xc1garbage\xc1"))       # garbage payload (seq 1 used up)
-        await engine.pub.send_multipart(frames(2, payload(root_store(2))[:-7]))   # truncated payload (seq 2 used up)
-        await engine.publish(3, payload(root_store(30), ["BlockStored", "broken"], {"type": "NewEvent"},
+        await engine.pub.send_multipart(frames(1, b"\xc1\xc1garbage\xc1"))       # garbage payload (seq 1 not used up)
+        await engine.pub.send_multipart(frames(7, payload(root_store(2))[:-7]))   # truncated payload: no gap to 7
+        await engine.publish(1, payload(root_store(30), ["BlockStored", "broken"], {"type": "NewEvent"},
                                         {**root_store(31), "new_field": [1]}))
-        await engine.publish(4, payload(root_store(40)))
-        await settle(lambda: agent.applied == [0, 3, 4])
-        assert agent.applied == [0, 3, 4]
+        await engine.publish(2, payload(root_store(40)))
+        await settle(lambda: agent.applied == [0, 1, 2])
+        assert agent.applied == [0, 1, 2]
         assert agent.keys() == {key(1000), key(30), key(31), key(40)}  # neighbours of the bad event applied too
         c = agent.source.counters
         assert (c.malformed_frames, c.malformed_events, c.unknown_events, c.unknown_fields) == (4, 1, 1, 1)
-        assert c.gaps == 0 and c.sequence_resets == 0 and agent.resets == [] and agent.source.last_seq == 4
+        assert c.gaps == 0 and c.sequence_resets == 0 and agent.resets == [] and agent.source.last_seq == 2
         log = caplog.text
         assert "malformed KV event frame dropped: expected 3 frames (topic, seq, payload), got 2" in log
         assert "malformed KV event frame dropped: sequence frame must be 8 bytes, got 3" in log
-        assert "malformed KV event batch seq 1 dropped: payload is not msgpack" in log
-        assert "seq 2 dropped" not in log  # a second payload error within 5 s: rate-limited (still counted)
-        assert "KV event batch seq 3: 1 malformed events skipped" in log
+        assert "malformed KV event batch (seq frame 1) dropped: payload is not msgpack" in log
+        assert "(seq frame 7) dropped" not in log  # a second payload error within 5 s: rate-limited (still counted)
+        assert "KV event batch seq 1: 1 malformed events skipped" in log
         assert "unknown event types ['NewEvent'] skipped" in log
-        assert "KV event batch seq 3: fields not known to this agent dropped (event 3: $.new_field)" in log
+        assert "KV event batch seq 1: fields not known to this agent dropped (event 3: $.new_field)" in log
     finally:
         await agent.close()
         await engine.close()
@@ -389,7 +390,8 @@ async def test_malformed_replay_messages_are_counted(ctx) -> None:
             await router.send_multipart([identity, b"", b"\x01", good])               # short seq
             await router.send_multipart([identity, b"", (1).to_bytes(8, "big"), good])
             await router.send_multipart([identity, b"", (1).to_bytes(8, "big"), good])  # duplicate: deduped
-            await router.send_multipart([identity, b"", (2).to_bytes(8, "big"), b"\xc1"])  # garbage: seq used up
+            await router.send_multipart([identity, b"", (2).to_bytes(8, "big"), b"\xc1"])  # garbage: not seq 2
+            await router.send_multipart([identity, b"", (2).to_bytes(8, "big"), payload(root_store(20))])  # seq 2
             await router.send_multipart([identity, b"", END, b""])
 
     task = asyncio.create_task(serve())
@@ -398,9 +400,9 @@ async def test_malformed_replay_messages_are_counted(ctx) -> None:
         await joined(engine, agent)
         await engine.publish(3, payload(root_store(30)))
         await settle(lambda: agent.applied[-1:] == [3])
-        assert agent.applied == [0, 1, 3] and agent.resets == []
+        assert agent.applied == [0, 1, 2, 3] and agent.resets == []  # the readable copy of seq 2 filled the gap
         assert agent.source.counters.malformed_frames == 3
-        assert agent.keys() == {key(1000), key(10), key(30)}
+        assert agent.keys() == {key(1000), key(10), key(20), key(30)}
     finally:
         task.cancel()
         await agent.close()

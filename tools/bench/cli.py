@@ -1,6 +1,6 @@
-"""`kvroute bench {ingest,decision,answer,proxy,inflight,burst,live,replicas}`: hot-path micro-benchmarks, the staleness of
-shared in-flight state (`bench/inflight.py`) and the live-vs-simulator benchmark (`bench/live.py`);
-the last stdout line is JSON."""
+"""`kvroute bench {ingest,decision,answer,proxy,inflight,burst,live,replicas,fuzz}`: hot-path micro-benchmarks, the
+staleness of shared in-flight state (`bench/inflight.py`), the live-vs-simulator benchmark (`bench/live.py`), control-plane
+replicas over Redis (`bench/replicas.py`) and hostile input at live processes (`bench/fuzz.py`); the last stdout line is JSON."""
 
 from __future__ import annotations
 
@@ -61,6 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     live = sub.add_parser("live", help="a simulator workload live over HTTP (routers + sim engines as processes), "
                           "side by side with the simulator", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_live_arguments(live)
+    from kvroute.tools.bench.fuzz import add_arguments as add_fuzz_arguments  # light: targets are imported when run
+
+    fuzz = sub.add_parser("fuzz", help="malformed, random and oversize input at a live process's socket between "
+                          "valid traffic: alive, answering, every valid message applied, every bad one counted",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_fuzz_arguments(fuzz)
 
 
 def add_live_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,6 +108,10 @@ def run(args: argparse.Namespace) -> int:
         from kvroute.tools.bench.live import run as run_live
 
         return run_live(args)  # prints its own table and JSON
+    if args.bench == "fuzz":
+        from kvroute.tools.bench.fuzz import run as run_fuzz
+
+        return run_fuzz(args)  # prints its own table and JSON; exit 1 when the target failed
     if args.bench == "ingest":
         from kvroute.tools.bench.ingest import run_ingest
 
