@@ -11,8 +11,16 @@ from collections import Counter
 
 import pytest
 
-from kvroute.data_plane.affinity_policies import ApproxTree, PrefixHashBoundedLoad, PromptTree, SessionAffinity
-from kvroute.data_plane.policies import POLICIES, Candidate, RoutingInput, make_policy
+from kvroute.data_plane.policies import (
+    POLICIES,
+    ApproxTree,
+    Candidate,
+    PrefixHashBoundedLoad,
+    PromptTree,
+    RoutingInput,
+    SessionAffinity,
+    make_policy,
+)
 
 ALL_POLICIES = ("round_robin", "random", "least_loaded", "session", "chwbl", "approx_tree", "kv_aware")
 
