@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import trace
 
-from kvroute.data_plane.control_plane_client import ControlPlaneClient, KnownWorker
+from kvroute.data_plane.candidates import build_candidates
+from kvroute.data_plane.control_plane_client import ControlPlaneClient
 from kvroute.data_plane.load_tracker import LoadTracker
 from kvroute.data_plane.metrics import RouterMetrics
 from kvroute.data_plane.policies import Candidate, RoutingInput, RoutingPolicy
@@ -77,9 +78,6 @@ class RouteDecision:
                             for c in self.candidates]}
 
 
-_NOTHING_OWN = (0, 0)
-
-
 class Router:
     def __init__(self, control_plane: ControlPlaneClient, policy: RoutingPolicy,
                  load: SharedInflight | LoadTracker | None = None, metrics: RouterMetrics | None = None) -> None:
@@ -102,10 +100,6 @@ class Router:
         started = time.perf_counter()
         with tracer.start_as_current_span("kvroute.route") as span:
             known = self.control_plane.workers_for(model, lora_name)
-            if avoid and any(w.worker_id not in avoid for w in known):
-                known = [w for w in known if w.worker_id not in avoid]
-            else:
-                avoid = frozenset()
             if not known:
                 what = f"model {model!r}" + (f" with LoRA adapter {lora_name!r}" if lora_name else "")
                 raise NoWorkersError(f"no workers known for {what} (control plane "
@@ -114,10 +108,10 @@ class Router:
             chains = {bs: self.prompt_keys.keys(token_ids, bs, model, lora_name, cache_salt)
                       for bs in sorted({w.block_size for w in known if w.block_size > 0})}
             columns, reason = await self._query(model, chains, lora_name)
-            candidates = self._candidates_from_columns(columns, known, avoid, len(token_ids), chains) if columns else []
+            candidates = build_candidates(known, self.load, chains, len(token_ids), columns, avoid) if columns else []
             if not candidates:  # failing open: load alone over the known fleet
                 reason = reason or "index answered with no known worker"
-                candidates = self._candidates_from_known(known, len(token_ids), chains)
+                candidates = build_candidates(known, self.load, chains, len(token_ids), None, avoid)
             choice = self.policy.choose(RoutingInput(model, len(token_ids), token_ids=token_ids, session_key=session_key,
                                                      chains=chains), candidates)
             dp_ranks = {w.worker_id: w.data_parallel_rank for w in known if w.data_parallel_rank is not None}
@@ -151,50 +145,3 @@ class Router:
         if not columns.worker_id:  # e.g. a restarted control plane whose agents have not re-registered yet
             return None, "index has no workers for the model"
         return columns, ""
-
-    def _candidates_from_columns(self, columns: pb.WorkerColumns, known: list[KnownWorker], avoid: frozenset[str],
-                                 prompt_tokens: int, chains: dict[int, list[int]]) -> list[Candidate]:
-        """One Candidate per worker of the answer that this router knows (endpoint, block size and DP
-        rank come from ListWorkers; a worker that joined since the last refresh, at most
-        refresh_interval_s ago, is left out until the next one). Every column is read in one C call:
-        this runs for every worker on every decision."""
-        by_id = {w.worker_id: w for w in known}
-        own = self.load.snapshot()
-        speculative = {bs: self.load.speculative_match(chain) for bs, chain in chains.items()} if own else {}
-        out, kept = [], []
-        for wid, matched, cpu, disk, reserved, prefill, running, waiting, usage in zip(
-                columns.worker_id, columns.matched_blocks, columns.cpu_blocks, columns.disk_blocks,
-                columns.reserved_requests, columns.reserved_prefill_tokens, columns.running_requests,
-                columns.waiting_requests, columns.kv_usage):
-            w = by_id.get(wid)
-            if w is None:
-                continue
-            bs = w.block_size
-            own_requests, own_pending = own.get(wid, _NOTHING_OWN) if own else _NOTHING_OWN
-            if own_requests and bs in speculative:
-                matched = max(matched, speculative[bs].get(wid, 0))
-            # Conditionals, not min(): this runs per worker per decision and tiers are mostly empty.
-            cached = matched * bs
-            candidate = Candidate(wid, w.endpoint, bs, cached if cached < prompt_tokens else prompt_tokens,
-                                  min(cpu * bs, prompt_tokens) if cpu else 0,
-                                  min(disk * bs, prompt_tokens) if disk else 0, running, waiting, usage,
-                                  own_requests + reserved, own_pending + prefill, w.cached_blocks)
-            (kept if wid in avoid else out).append(candidate)
-        return out or kept
-
-    def _candidates_from_known(self, known: list[KnownWorker], prompt_tokens: int,
-                               chains: dict[int, list[int]]) -> list[Candidate]:
-        """Failing open: no index and no other routers' reservations, but this router's own
-        in-flight work and the prompts it has in flight (a burst of one new prefix keeps its
-        affinity within this router even while the control plane is slow), and the last
-        heartbeat's load."""
-        own = self.load.snapshot()
-        speculative = {bs: self.load.speculative_match(chain) for bs, chain in chains.items()} if own else {}
-        out = []
-        for w in known:
-            own_requests, own_pending = own.get(w.worker_id, (0, 0))
-            blocks = speculative[w.block_size].get(w.worker_id, 0) if w.block_size in speculative else 0
-            out.append(Candidate(w.worker_id, w.endpoint, w.block_size, min(blocks * w.block_size, prompt_tokens),
-                                 0, 0, w.load.running_requests, w.load.waiting_requests, w.load.kv_usage,
-                                 own_requests, own_pending, w.cached_blocks))
-        return out
