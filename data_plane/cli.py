@@ -83,12 +83,16 @@ def _parse_static(spec: str) -> dict[str, str]:
 async def serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
+    from kvroute.data_plane.backend_health import BackendHealth
     from kvroute.data_plane.control_plane_client import ControlPlaneClient
     from kvroute.data_plane.grpc_api import RouterGrpcService, add_router_service
     from kvroute.data_plane.http_api import RouterHttpApi
     from kvroute.data_plane.load_tracker import LoadTracker
+    from kvroute.data_plane.metrics import RouterMetrics
     from kvroute.data_plane.policies import make_policy, parse_kv_aware_params
+    from kvroute.data_plane.proxy import BackendProxy
     from kvroute.data_plane.routing import Router
+    from kvroute.data_plane.shared_inflight import SharedInflight
     from kvroute.data_plane.tokenization import load_tokenizer
     from kvroute.data_plane.traffic_capture import TrafficCapture
     from kvroute.listeners import GrpcListener, check_port, start_http_site
@@ -106,13 +110,18 @@ async def serve(args: argparse.Namespace) -> int:
     control_plane = ControlPlaneClient(args.control_plane, args.query_timeout_ms / 1000,
                                        static_workers=_parse_static(args.static_workers), router_id=args.router_id,
                                        use_session=not args.no_router_session)
-    router = Router(control_plane, make_policy(args.policy, **kv_params), LoadTracker())
+    # Built once: the proxy writes in-flight state and backend failures, decisions read them.
+    inflight = SharedInflight(LoadTracker(), control_plane.session)
+    health = BackendHealth()
+    metrics = RouterMetrics()
+    router = Router(control_plane, make_policy(args.policy, **kv_params), inflight, health, metrics)
+    proxy = BackendProxy(inflight, health, metrics)
     capture = None
     if args.capture_trace:
-        capture = TrafficCapture(args.capture_trace, args.capture_sample_rate, router.metrics,
+        capture = TrafficCapture(args.capture_trace, args.capture_sample_rate, metrics,
                                  block_tokens=args.capture_block_tokens)
         capture.start()
-    http = RouterHttpApi(router, tokenizer, model, args.max_prompt_tokens, capture=capture,
+    http = RouterHttpApi(router, proxy, tokenizer, model, args.max_prompt_tokens, capture=capture,
                          max_body_bytes=args.max_body_bytes)
     # handler_cancellation: a client that goes away cancels its handler, which closes the backend
     # connection, so the engine stops generating for nobody.

@@ -81,10 +81,10 @@ def _session_key(request: web.Request, body: dict) -> str:
 
 
 class RouterHttpApi:
-    def __init__(self, router: Router, tokenizer: PromptTokenizer, model: str, max_prompt_tokens: int = 131072,
-                 proxy: BackendProxy | None = None, capture: TrafficCapture | None = None,
+    def __init__(self, router: Router, proxy: BackendProxy, tokenizer: PromptTokenizer, model: str,
+                 max_prompt_tokens: int = 131072, capture: TrafficCapture | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
-        self.router, self.tokenizer, self.model = router, tokenizer, model
+        self.router, self.proxy, self.tokenizer, self.model = router, proxy, tokenizer, model
         self.capture = capture  # --capture-trace: proxied requests only (/v1/route is also a probe)
         self.max_prompt_tokens, self.max_body_bytes = max_prompt_tokens, max_body_bytes
         self.metrics = router.metrics
@@ -97,7 +97,6 @@ class RouterHttpApi:
         else:
             self.prompt_bound_note = (f"prompts over {bound.max_chars(max_prompt_tokens)} characters are rejected "
                                       f"without tokenizing ({bound.chars_per_token} per token: {bound.why})")
-        self.proxy = proxy or BackendProxy(router.load, router.metrics)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[openai_errors])
@@ -133,7 +132,7 @@ class RouterHttpApi:
                 raw, body, tokens = await self._parse(request, kind)
                 lora_name, cache_salt = self._lora_name(body), str(body.get("cache_salt") or "")
                 decision = await self.router.decide(self.model, tokens, lora_name, cache_salt,
-                                                    avoid=self.proxy.avoided(), session_key=_session_key(request, body))
+                                                    session_key=_session_key(request, body))
             except BadRequest as exc:
                 return error_response(str(exc), exc.status, exc.code, exc.param)
             except NoWorkersError as exc:
@@ -164,7 +163,7 @@ class RouterHttpApi:
                                   "control_plane": "reachable" if cp.reachable else "unreachable"})
 
     def readiness(self) -> RouterReadiness:
-        return router_readiness(self.router.control_plane, self.model, self.proxy.avoided(), self.proxy.cooldown_s)
+        return router_readiness(self.router.control_plane, self.model, self.router.health)
 
     async def handle_ready(self, request: web.Request) -> web.Response:
         readiness = self.readiness()

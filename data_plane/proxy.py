@@ -8,9 +8,8 @@
 - a backend that refuses the connection, returns 5xx, or fails before its first byte is retried
   on the decision's next-best worker (`max_attempts` in all, default: every candidate, so no
   error reaches the client while some worker is healthy); nothing reached the client yet,
-  so that is invisible to it. A failed worker is also avoided for `cooldown_s` by later
-  decisions (unless nothing else is known), so one dead engine does not cost every request a
-  connect attempt. If every attempt fails the client gets the last 5xx or a 502 that names no
+  so that is invisible to it. A failed worker is reported to `BackendHealth`, which later
+  decisions read (it sits out a cooldown unless nothing else is known). If every attempt fails the client gets the last 5xx or a 502 that names no
   engine address (those go to the log, at most one line per worker / kind every 5 s);
 - keeps the in-flight state honest (`SharedInflight`: this router's tracker and its reservation
   in the control plane): in flight from send to finish with the prompt's block keys at that
@@ -24,12 +23,12 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import aiohttp
 from aiohttp import web
 from opentelemetry import propagate, trace
 
+from kvroute.data_plane.backend_health import BackendHealth
 from kvroute.data_plane.http_errors import error_response
 from kvroute.data_plane.metrics import RouterMetrics
 from kvroute.data_plane.policies import Candidate
@@ -58,14 +57,12 @@ class _Failed(Exception):
 
 
 class BackendProxy:
-    def __init__(self, load: SharedInflight, metrics: RouterMetrics, max_attempts: int = 0,
-                 connect_timeout_s: float = 2.0, read_timeout_s: float = 1800.0, cooldown_s: float = 2.0) -> None:
-        self.load, self.metrics = load, metrics
+    def __init__(self, inflight: SharedInflight, health: BackendHealth, metrics: RouterMetrics, max_attempts: int = 0,
+                 connect_timeout_s: float = 2.0, read_timeout_s: float = 1800.0) -> None:
+        self.inflight, self.health, self.metrics = inflight, health, metrics
         self.max_attempts = max_attempts  # 0 = every candidate
-        self.cooldown_s = cooldown_s
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
         self._session: aiohttp.ClientSession | None = None
-        self._failed_at: dict[str, float] = {}  # worker_id -> monotonic time of its last failure
         self._log = RateLimitedLog(log)  # every engine down = a few lines per request otherwise
 
     async def open(self) -> None:
@@ -76,13 +73,6 @@ class BackendProxy:
         if self._session:
             await self._session.close()
             self._session = None
-
-    def avoided(self) -> frozenset[str]:
-        """Workers that failed within the last `cooldown_s` (a soft exclusion for decisions)."""
-        now = time.monotonic()
-        for wid in [w for w, t in self._failed_at.items() if now - t > self.cooldown_s]:
-            del self._failed_at[wid]
-        return frozenset(self._failed_at)
 
     async def forward(self, request: web.Request, path: str, body: bytes, decision: RouteDecision,
                       prompt_tokens: int, tail: bytearray | None = None) -> web.StreamResponse:
@@ -95,7 +85,7 @@ class BackendProxy:
                 return await self._attempt(request, path, body, decision, candidate, prompt_tokens, i, last, tail)
             except _Failed as failed:
                 self.metrics.backend_errors.labels(candidate.worker_id).inc()
-                self._failed_at[candidate.worker_id] = time.monotonic()
+                self.health.failed(candidate.worker_id)
                 failures.append(f"{candidate.worker_id}: {failed}")
                 if not last:
                     self._log.warning(f"retry:{candidate.worker_id}", "backend %s failed before its first byte (%s); "
@@ -135,7 +125,7 @@ class BackendProxy:
         assert self._session is not None, "BackendProxy.open() was not called"
         worker = candidate.worker_id
         url = candidate.endpoint + path
-        ticket = self.load.start(worker, prompt_tokens - candidate.cached_tokens,
+        ticket = self.inflight.start(worker, prompt_tokens - candidate.cached_tokens,
                                  decision.chains.get(candidate.block_size, ()), candidate.block_size, prompt_tokens)
         with tracer.start_as_current_span("kvroute.proxy", kind=trace.SpanKind.CLIENT) as span:
             span.set_attribute("kvroute.worker_id", worker)
@@ -153,7 +143,7 @@ class BackendProxy:
                 except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                     span.record_exception(exc)
                     raise _Failed(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
-                self.load.first_token(ticket)
+                self.inflight.first_token(ticket)
                 response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
                 self._copy_headers(upstream, response, worker)
                 self.metrics.requests.labels(decision.policy, worker).inc()
@@ -185,4 +175,4 @@ class BackendProxy:
             finally:
                 if upstream is not None:
                     upstream.release()
-                self.load.finish(ticket)
+                self.inflight.finish(ticket)

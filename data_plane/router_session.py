@@ -138,10 +138,6 @@ class RouterSessionLink:
         if self._live.pop(reservation_id, None) is not None:
             self._send(pb.RouterMessage(release=pb.ReservationDone(reservation_id=reservation_id)))
 
-    @property
-    def live_reservations(self) -> int:
-        return len(self._live)
-
     def _send(self, message: pb.RouterMessage) -> None:
         if self.connected:
             self._outbox.append(message)

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import trace
 
+from kvroute.data_plane.backend_health import BackendHealth
 from kvroute.data_plane.candidates import build_candidates
 from kvroute.data_plane.control_plane_client import ControlPlaneClient
-from kvroute.data_plane.load_tracker import LoadTracker
 from kvroute.data_plane.metrics import RouterMetrics
 from kvroute.data_plane.policies import Candidate, RoutingInput, RoutingPolicy
 from kvroute.data_plane.prompt_keys import PromptKeyCache
@@ -79,22 +79,20 @@ class RouteDecision:
 
 
 class Router:
-    def __init__(self, control_plane: ControlPlaneClient, policy: RoutingPolicy,
-                 load: SharedInflight | LoadTracker | None = None, metrics: RouterMetrics | None = None) -> None:
-        """`load`: this router's in-flight state; a bare LoadTracker (tests, tools) is wrapped so it
-        also reports to the control plane's router session when the client has one."""
+    def __init__(self, control_plane: ControlPlaneClient, policy: RoutingPolicy, inflight: SharedInflight,
+                 health: BackendHealth | None = None, metrics: RouterMetrics | None = None) -> None:
+        """`inflight` and `health` are built once at start-up and shared with the proxy, which writes
+        them (requests sent and finished, backends that failed); decisions only read them."""
         self.control_plane = control_plane
         self.policy = policy
-        if not isinstance(load, SharedInflight):
-            load = SharedInflight(load, getattr(control_plane, "session", None))
-        self.load = load
+        self.inflight = inflight
+        self.health = health or BackendHealth()
         self.metrics = metrics or RouterMetrics()
-        self.fail_open_count = 0
         self.prompt_keys = PromptKeyCache()
 
     async def decide(self, model: str, token_ids: list[int], lora_name: str = "", cache_salt: str = "",
-                     avoid: frozenset[str] = frozenset(), session_key: str = "") -> RouteDecision:
-        """`avoid`: workers to leave out (e.g. recently failed backends) unless no other is known.
+                     session_key: str = "") -> RouteDecision:
+        """Workers cooling down after a failure (`health`) are left out unless no other is known.
         `lora_name`: route only among workers serving that adapter (and key the prompt in its namespace).
         `session_key`: the client's session/end-user id ("" = none), for the session policy."""
         started = time.perf_counter()
@@ -108,10 +106,11 @@ class Router:
             chains = {bs: self.prompt_keys.keys(token_ids, bs, model, lora_name, cache_salt)
                       for bs in sorted({w.block_size for w in known if w.block_size > 0})}
             columns, reason = await self._query(model, chains, lora_name)
-            candidates = build_candidates(known, self.load, chains, len(token_ids), columns, avoid) if columns else []
+            avoid = self.health.cooling_down()
+            candidates = build_candidates(known, self.inflight, chains, len(token_ids), columns, avoid) if columns else []
             if not candidates:  # failing open: load alone over the known fleet
                 reason = reason or "index answered with no known worker"
-                candidates = build_candidates(known, self.load, chains, len(token_ids), None, avoid)
+                candidates = build_candidates(known, self.inflight, chains, len(token_ids), None, avoid)
             choice = self.policy.choose(RoutingInput(model, len(token_ids), token_ids=token_ids, session_key=session_key,
                                                      chains=chains), candidates)
             dp_ranks = {w.worker_id: w.data_parallel_rank for w in known if w.data_parallel_rank is not None}
@@ -119,7 +118,6 @@ class Router:
                                      choice.worker.cached_tokens, self.policy.name, bool(reason), candidates,
                                      choice.scores, reason, chains, dp_ranks)
             if reason:
-                self.fail_open_count += 1
                 self.metrics.fail_open.inc()
                 span.set_attribute("kvroute.fail_open_reason", reason)
             span.set_attribute("kvroute.policy", self.policy.name)

@@ -20,12 +20,15 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvroute.block_keys import prompt_block_keys
+from kvroute.data_plane.backend_health import BackendHealth
 from kvroute.data_plane.control_plane_client import ControlPlaneClient
 from kvroute.data_plane.grpc_api import RouterGrpcService, add_router_service
 from kvroute.data_plane.http_api import RouterHttpApi
 from kvroute.data_plane.load_tracker import LoadTracker
 from kvroute.data_plane.policies import make_policy
+from kvroute.data_plane.proxy import BackendProxy
 from kvroute.data_plane.routing import Router
+from kvroute.data_plane.shared_inflight import SharedInflight
 from kvroute.data_plane.tokenization import PromptTokenizer, load_tokenizer
 from kvroute.tools.local_cluster import free_port
 from kvroute.v1 import kvroute_pb2 as pb
@@ -197,8 +200,9 @@ async def make_stack(tiny_model_dir, *, policy: str = "kv_aware", with_cp: bool 
         await client.refresh()
     client.start()
     tokenizer = load_tokenizer(tiny_model_dir)
-    router = Router(client, make_policy(policy, seed=0), LoadTracker())
-    http = RouterHttpApi(router, tokenizer, MODEL, max_prompt_tokens)
+    inflight, health = SharedInflight(LoadTracker(), client.session), BackendHealth()
+    router = Router(client, make_policy(policy, seed=0), inflight, health)
+    http = RouterHttpApi(router, BackendProxy(inflight, health, router.metrics), tokenizer, MODEL, max_prompt_tokens)
     runner = web.AppRunner(http.app(), handler_cancellation=True)  # as kvroute.data_plane.cli runs it
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -253,7 +257,7 @@ async def test_choice_follows_the_index_and_response_names_the_worker(stack: Sta
     chain = stack.cp.queries[-1].chains
     assert [c.block_size for c in chain] == [16]
     assert list(chain[0].block_keys) == prompt_block_keys(tokens, 16, MODEL)
-    assert stack.router.load.snapshot() == {}  # every in-flight entry released
+    assert stack.router.inflight.snapshot() == {}  # every in-flight entry released
 
 
 async def test_route_endpoint_shape_and_cached_tokens(stack: Stack) -> None:
@@ -306,12 +310,12 @@ async def test_sse_is_streamed_through_unbuffered(stack: Stack) -> None:
         # The first event arrives while the backend is still holding the rest back: nothing is buffered.
         first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
         assert json.loads(first[len(b"data: "):]) == {"backend": "A", "n": 0}
-        assert stack.router.load.inflight("A") == (1, 0)  # in flight; prefill done at the first byte
+        assert stack.router.inflight.inflight("A") == (1, 0)  # in flight; prefill done at the first byte
         stack.a.gate.set()
         rest = await asyncio.wait_for(resp.content.read(), 5)
     assert rest.endswith(b"data: [DONE]\n\n") and b'"n": 1' in rest
     assert stack.a.received[-1][0] == "/v1/chat/completions"
-    assert stack.router.load.snapshot() == {}
+    assert stack.router.inflight.snapshot() == {}
 
 
 async def test_backend_dying_mid_stream_truncates_the_client_stream(stack: Stack) -> None:
@@ -324,7 +328,7 @@ async def test_backend_dying_mid_stream_truncates_the_client_stream(stack: Stack
         with pytest.raises(aiohttp.ClientPayloadError):  # not a clean end: the truncation is visible
             await asyncio.wait_for(resp.content.read(), 5)
     assert len(stack.b.received) == 0  # bytes were already sent: no retry
-    assert stack.router.load.snapshot() == {}
+    assert stack.router.inflight.snapshot() == {}
 
 
 async def test_client_going_away_releases_the_backend(stack: Stack) -> None:
@@ -332,15 +336,15 @@ async def test_client_going_away_releases_the_backend(stack: Stack) -> None:
     stack.a.gate = asyncio.Event()  # the backend holds its stream open
     resp = await stack.session.post(stack.url + "/v1/completions", json=completion(stream=True))
     await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
-    assert stack.router.load.inflight("A") == (1, 0)
+    assert stack.router.inflight.inflight("A") == (1, 0)
     resp.close()  # the client disconnects mid-stream
     for _ in range(100):
         backend_request = stack.a.requests[-1]
-        if stack.router.load.snapshot() == {} and (backend_request.transport is None
+        if stack.router.inflight.snapshot() == {} and (backend_request.transport is None
                                                    or backend_request.transport.is_closing()):
             break
         await asyncio.sleep(0.02)
-    assert stack.router.load.snapshot() == {}
+    assert stack.router.inflight.snapshot() == {}
     assert backend_request.transport is None or backend_request.transport.is_closing()
     stack.a.gate.set()
 
@@ -425,7 +429,7 @@ async def test_refused_backend_is_retried_on_the_next_best(stack: Stack) -> None
         metrics = await resp.text()
     assert 'kvroute_router_backend_errors_total{worker="A"} 1.0' in metrics
     assert 'kvroute_router_requests_total{policy="kv_aware",worker="B"} 2.0' in metrics
-    assert stack.router.load.snapshot() == {}
+    assert stack.router.inflight.snapshot() == {}
 
 
 @pytest.mark.parametrize("mode", ["http500", "drop"])
@@ -445,7 +449,7 @@ async def test_every_backend_failing_surfaces_the_last_error(stack: Stack) -> No
     await stack.b.stop()
     status, _, body = await stack.post("/v1/completions", completion())
     assert status == 502 and "no backend could serve the request" in body["error"]["message"]
-    assert stack.router.load.snapshot() == {}
+    assert stack.router.inflight.snapshot() == {}
 
 
 # ---------------------------------------------------------------- bad input

@@ -32,6 +32,7 @@ from kvroute.data_plane.control_plane_client import ControlPlaneClient, query_me
 from kvroute.data_plane.load_tracker import LoadTracker
 from kvroute.data_plane.policies import make_policy
 from kvroute.data_plane.routing import Router
+from kvroute.data_plane.shared_inflight import SharedInflight
 from kvroute.data_plane.tokenization import load_tokenizer
 from kvroute.tools.bench.grpc_echo import round_trips_ms
 from kvroute.tools.local_cluster import LocalCluster, ManagedProcess, free_port, http_get
@@ -133,7 +134,7 @@ async def measure(address: str, tokenizer_dir: Path, prompt_tokens: int, workers
         return columns
 
     client.query = timed_query  # type: ignore[method-assign]
-    router = Router(client, make_policy("kv_aware", seed=seed), LoadTracker())
+    router = Router(client, make_policy("kv_aware", seed=seed), SharedInflight(LoadTracker(), client.session))
     result: dict = {}
     fail_open = 0
     for label, tok in (("", tokenizer), ("cold_", uncached)):
