@@ -91,6 +91,7 @@ async def serve(args: argparse.Namespace) -> int:
     from kvroute.data_plane.metrics import RouterMetrics
     from kvroute.data_plane.policies import make_policy, parse_kv_aware_params
     from kvroute.data_plane.proxy import BackendProxy
+    from kvroute.data_plane.request_prep import RequestPreparer
     from kvroute.data_plane.routing import Router
     from kvroute.data_plane.shared_inflight import SharedInflight
     from kvroute.data_plane.tokenization import load_tokenizer
@@ -121,8 +122,8 @@ async def serve(args: argparse.Namespace) -> int:
         capture = TrafficCapture(args.capture_trace, args.capture_sample_rate, metrics,
                                  block_tokens=args.capture_block_tokens)
         capture.start()
-    http = RouterHttpApi(router, proxy, tokenizer, model, args.max_prompt_tokens, capture=capture,
-                         max_body_bytes=args.max_body_bytes)
+    preparer = RequestPreparer(tokenizer, model, control_plane.adapters_of, args.max_prompt_tokens)
+    http = RouterHttpApi(router, proxy, preparer, capture=capture, max_body_bytes=args.max_body_bytes)
     # handler_cancellation: a client that goes away cancels its handler, which closes the backend
     # connection, so the engine stops generating for nobody.
     runner = web.AppRunner(http.app(), access_log=None, handler_cancellation=True)
@@ -134,7 +135,7 @@ async def serve(args: argparse.Namespace) -> int:
         if args.grpc_port:
             grpc_server = GrpcListener("--grpc-port", str(check_port("--grpc-port", args.host, args.grpc_port)),
                                        (pb.DESCRIPTOR.services_by_name["Router"].full_name,))  # + "" for grpc.health
-            add_router_service(RouterGrpcService(router, tokenizer, model, args.max_prompt_tokens, capture),
+            add_router_service(RouterGrpcService(router, preparer, capture),
                                grpc_server.server)
             await grpc_server.start(serving=http.readiness().ready)
             # grpc.health.v1 says what GET /ready says (data_plane/readiness.py)

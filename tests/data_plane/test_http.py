@@ -27,6 +27,7 @@ from kvroute.data_plane.http_api import RouterHttpApi
 from kvroute.data_plane.load_tracker import LoadTracker
 from kvroute.data_plane.policies import make_policy
 from kvroute.data_plane.proxy import BackendProxy
+from kvroute.data_plane.request_prep import RequestPreparer
 from kvroute.data_plane.routing import Router
 from kvroute.data_plane.shared_inflight import SharedInflight
 from kvroute.data_plane.tokenization import PromptTokenizer, load_tokenizer
@@ -202,13 +203,14 @@ async def make_stack(tiny_model_dir, *, policy: str = "kv_aware", with_cp: bool 
     tokenizer = load_tokenizer(tiny_model_dir)
     inflight, health = SharedInflight(LoadTracker(), client.session), BackendHealth()
     router = Router(client, make_policy(policy, seed=0), inflight, health)
-    http = RouterHttpApi(router, BackendProxy(inflight, health, router.metrics), tokenizer, MODEL, max_prompt_tokens)
+    preparer = RequestPreparer(tokenizer, MODEL, client.adapters_of, max_prompt_tokens)
+    http = RouterHttpApi(router, BackendProxy(inflight, health, router.metrics), preparer)
     runner = web.AppRunner(http.app(), handler_cancellation=True)  # as kvroute.data_plane.cli runs it
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     grpc_server = grpc.aio.server()
-    add_router_service(RouterGrpcService(router, tokenizer, MODEL, max_prompt_tokens), grpc_server)
+    add_router_service(RouterGrpcService(router, preparer), grpc_server)
     grpc_port = grpc_server.add_insecure_port("127.0.0.1:0")
     await grpc_server.start()
     return Stack(cp, cp_server, a, b, client, router, runner, grpc_server,
