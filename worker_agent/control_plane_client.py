@@ -37,6 +37,7 @@ import grpc
 
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
+from kvroute.worker_agent.block_deltas import BlockDelta, to_block_events
 
 log = logging.getLogger("kvroute.agent.cp")
 GRPC_OPTIONS = [
@@ -96,7 +97,7 @@ WORKER_ID_IN_USE = grpc.StatusCode.ALREADY_EXISTS
 
 
 class ControlPlaneLink:
-    def __init__(self, address: str, identity: WorkerIdentity, snapshot: Callable[[], list[pb.BlockEvent]],
+    def __init__(self, address: str, identity: WorkerIdentity, snapshot: Callable[[], list[BlockDelta]],
                  load: Callable[[], pb.WorkerLoad], *, heartbeat_interval_s: float | None = None,
                  register_timeout_s: float = 5.0, ack_timeout_s: float = 15.0, backoff_initial_s: float = 0.1,
                  backoff_max_s: float = 5.0, max_pending_events: int = 100_000, stable_session_s: float = 5.0,
@@ -127,16 +128,16 @@ class ControlPlaneLink:
 
     # ------------------------------------------------------------------ producer side (never blocks)
 
-    def send(self, events: list[pb.BlockEvent]) -> None:
+    def send(self, deltas: list[BlockDelta]) -> None:
         """Queue deltas for the next batch; dropped while disconnected (the next snapshot covers them)."""
-        if not events:
+        if not deltas:
             return
         if not self.connected:
             self.counters.dropped_while_disconnected += 1
             return
         if self._resync:
             return  # a snapshot is due anyway
-        self._pending.extend(events)
+        self._pending.extend(to_block_events(deltas))
         if len(self._pending) > self.max_pending_events:
             self.counters.overflow_resyncs += 1
             log.warning("control plane backlog of %d events: sending a snapshot instead", len(self._pending))
@@ -296,7 +297,7 @@ class ControlPlaneLink:
         # delta is either in the snapshot or queued after it.
         self._pending, self._resync, self._reregister = [], False, False
         self._wake.clear()
-        snapshot = self._snapshot()
+        snapshot = to_block_events(self._snapshot())
         self.connected = True
         self.not_connected_reason = ""
         self.connected_event.set()
@@ -328,7 +329,7 @@ class ControlPlaneLink:
                     raise _Reregister()
                 if self._resync:
                     self._resync, self._pending = False, []
-                    await write_batch(True, self._snapshot())
+                    await write_batch(True, to_block_events(self._snapshot()))
                 elif self._pending:
                     events, self._pending = self._pending, []
                     await write_batch(False, events)

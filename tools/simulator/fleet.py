@@ -35,6 +35,7 @@ from kvroute.tools.sim_engine.prefix_cache import ClearedEvent, PrefixCache, Rem
 from kvroute.tools.sim_engine.scheduler import Scheduler, SimRequest
 from kvroute.tools.simulator.workloads import SimWorkloadRequest
 from kvroute.v1 import kvroute_pb2 as pb
+from kvroute.worker_agent.block_deltas import KeysRemoved, KeysStored
 from kvroute.worker_agent.block_resolver import BlockResolver
 from kvroute.worker_agent.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -268,12 +269,11 @@ def _oracle_choice(workers: list[_Worker], req: SimWorkloadRequest, now: float, 
 
 
 def _apply(index: BitmaskPrefixIndex, w: _Worker, wire: list) -> None:
-    for event in w.resolver.apply(wire):
-        k = event.WhichOneof("kind")
-        if k == "stored":
-            index.store(w.slot, event.stored.block_keys)
-        elif k == "removed":
-            index.remove(w.slot, event.removed.block_keys)
+    for delta in w.resolver.apply(wire):
+        if type(delta) is KeysStored:
+            index.store(w.slot, delta.keys)
+        elif type(delta) is KeysRemoved:
+            index.remove(w.slot, delta.keys)
         else:
             index.clear(w.slot)
 
