@@ -87,13 +87,12 @@ async def serve(args: argparse.Namespace) -> int:
     from kvroute.data_plane.control_plane_client import ControlPlaneClient
     from kvroute.data_plane.grpc_api import RouterGrpcService, add_router_service
     from kvroute.data_plane.http_api import RouterHttpApi
-    from kvroute.data_plane.load_tracker import LoadTracker
+    from kvroute.data_plane.inflight import RouterInflight
     from kvroute.data_plane.metrics import RouterMetrics
     from kvroute.data_plane.policies import make_policy, parse_kv_aware_params
     from kvroute.data_plane.proxy import BackendProxy
     from kvroute.data_plane.request_prep import RequestPreparer
     from kvroute.data_plane.routing import Router
-    from kvroute.data_plane.shared_inflight import SharedInflight
     from kvroute.data_plane.tokenization import load_tokenizer
     from kvroute.data_plane.traffic_capture import TrafficCapture
     from kvroute.listeners import GrpcListener, check_port, start_http_site
@@ -112,7 +111,7 @@ async def serve(args: argparse.Namespace) -> int:
                                        static_workers=_parse_static(args.static_workers), router_id=args.router_id,
                                        use_session=not args.no_router_session)
     # Built once: the proxy writes in-flight state and backend failures, decisions read them.
-    inflight = SharedInflight(LoadTracker(), control_plane.session)
+    inflight = RouterInflight(control_plane.session)
     health = BackendHealth()
     metrics = RouterMetrics()
     router = Router(control_plane, make_policy(args.policy, **kv_params), inflight, health, metrics)

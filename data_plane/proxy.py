@@ -9,9 +9,9 @@
   on the decision's next-best worker (`max_attempts` in all, default: every candidate, so no
   error reaches the client while some worker is healthy); nothing reached the client yet,
   so that is invisible to it. A failed worker is reported to `BackendHealth`, which later
-  decisions read (it sits out a cooldown unless nothing else is known). If every attempt fails the client gets the last 5xx or a 502 that names no
-  engine address (those go to the log, at most one line per worker / kind every 5 s);
-- keeps the in-flight state honest (`SharedInflight`: this router's tracker and its reservation
+  decisions read (it sits out a cooldown unless nothing else is known). If every attempt fails
+  the client gets the last 5xx or a 502 that names no engine address (those go to the log, at most one line per worker / kind every 5 s);
+- keeps the in-flight state honest (`RouterInflight`: this router's own count and its reservation
   in the control plane): in flight from send to finish with the prompt's block keys at that
   worker's block size, prefill pending until the first byte, always released in `finally`;
 - pins the request to a data-parallel rank with `X-data-parallel-rank` when the worker is one
@@ -30,10 +30,10 @@ from opentelemetry import propagate, trace
 
 from kvroute.data_plane.backend_health import BackendHealth
 from kvroute.data_plane.http_errors import error_response
+from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.metrics import RouterMetrics
 from kvroute.data_plane.policies import Candidate
 from kvroute.data_plane.routing import RouteDecision
-from kvroute.data_plane.shared_inflight import SharedInflight
 from kvroute.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger("kvroute.router.proxy")
@@ -57,7 +57,7 @@ class _Failed(Exception):
 
 
 class BackendProxy:
-    def __init__(self, inflight: SharedInflight, health: BackendHealth, metrics: RouterMetrics, max_attempts: int = 0,
+    def __init__(self, inflight: RouterInflight, health: BackendHealth, metrics: RouterMetrics, max_attempts: int = 0,
                  connect_timeout_s: float = 2.0, read_timeout_s: float = 1800.0) -> None:
         self.inflight, self.health, self.metrics = inflight, health, metrics
         self.max_attempts = max_attempts  # 0 = every candidate

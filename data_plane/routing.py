@@ -11,7 +11,7 @@
 4. candidates: cached_tokens = the longer of the index's match (any tier, other routers'
    speculative holders included) and this router's own in-flight requests' prompts on that
    worker, x the worker's block size (capped at the prompt); cpu/disk-tier parts; engine load;
-   in-flight work = this router's own (exact, `SharedInflight`) + other routers' reservations;
+   in-flight work = this router's own (exact, `RouterInflight`) + other routers' reservations;
 5. the policy chooses (it also gets the prompt's token ids, block keys and the session key, for
    the policies that hash or remember prompts or sessions instead of reading the index).
 
@@ -33,10 +33,10 @@ from opentelemetry import trace
 from kvroute.data_plane.backend_health import BackendHealth
 from kvroute.data_plane.candidates import build_candidates
 from kvroute.data_plane.control_plane_client import ControlPlaneClient
+from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.metrics import RouterMetrics
 from kvroute.data_plane.policies import Candidate, RoutingInput, RoutingPolicy
 from kvroute.data_plane.prompt_keys import PromptKeyCache
-from kvroute.data_plane.shared_inflight import SharedInflight
 from kvroute.v1 import kvroute_pb2 as pb
 
 log = logging.getLogger("kvroute.router")
@@ -79,7 +79,7 @@ class RouteDecision:
 
 
 class Router:
-    def __init__(self, control_plane: ControlPlaneClient, policy: RoutingPolicy, inflight: SharedInflight,
+    def __init__(self, control_plane: ControlPlaneClient, policy: RoutingPolicy, inflight: RouterInflight,
                  health: BackendHealth | None = None, metrics: RouterMetrics | None = None) -> None:
         """`inflight` and `health` are built once at start-up and shared with the proxy, which writes
         them (requests sent and finished, backends that failed); decisions only read them."""

@@ -269,9 +269,8 @@ def test_tree_evicts_leaves_before_the_prefix_they_hang_from() -> None:
 
 
 async def test_router_passes_tokens_and_session_key_to_the_policy() -> None:
-    from kvroute.data_plane.load_tracker import LoadTracker
+    from kvroute.data_plane.inflight import RouterInflight
     from kvroute.data_plane.routing import Router
-    from kvroute.data_plane.shared_inflight import SharedInflight
     from kvroute.v1 import kvroute_pb2 as pb
 
     class Workers:  # a control plane that knows two workers and whose queries fail (fail open)
@@ -293,7 +292,7 @@ async def test_router_passes_tokens_and_session_key_to_the_policy() -> None:
             seen.append(request)
             return make_policy("least_loaded", seed=0).choose(request, candidates)
 
-    router = Router(Workers(), Recording(), SharedInflight(LoadTracker()))
+    router = Router(Workers(), Recording(), RouterInflight())
     await router.decide("m", [5, 6, 7], session_key="conv-1")
     await router.decide("m", [5])
     assert (list(seen[0].token_ids), seen[0].session_key, seen[0].prompt_tokens) == ([5, 6, 7], "conv-1", 3)

@@ -6,9 +6,9 @@ import asyncio
 
 from kvroute.data_plane.backend_health import BackendHealth
 from kvroute.data_plane.control_plane_client import KnownWorker
+from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.policies import make_policy
 from kvroute.data_plane.routing import Router
-from kvroute.data_plane.shared_inflight import SharedInflight
 from kvroute.v1 import kvroute_pb2 as pb
 
 
@@ -39,7 +39,7 @@ class _Fleet:
 
 def test_decisions_leave_out_workers_the_health_reports_unless_none_is_left() -> None:
     health = BackendHealth()
-    router = Router(_Fleet(), make_policy("round_robin"), SharedInflight(), health)
+    router = Router(_Fleet(), make_policy("round_robin"), RouterInflight(), health)
 
     async def workers(n: int) -> set[str]:
         return {(await router.decide("m", [1, 2, 3])).worker_id for _ in range(n)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvroute.block_keys import prompt_block_keys
 from kvroute.data_plane.candidates import IndexColumns, build_candidates
 from kvroute.data_plane.control_plane_client import KnownWorker
-from kvroute.data_plane.load_tracker import LoadTracker
+from kvroute.data_plane.inflight import RouterInflight
 from kvroute.v1 import kvroute_pb2 as pb
 
 BS = 16
@@ -26,7 +26,7 @@ def _columns(ids: list[str], matched: list[int], **extra: list) -> IndexColumns:
 def test_columns_give_the_index_match_tiers_and_reservations_plus_own_inflight() -> None:
     tokens = list(range(100, 164))  # 4 blocks
     keys = prompt_block_keys(tokens, BS, "m")
-    own = LoadTracker()
+    own = RouterInflight()
     own.start("b", 40, keys[:3])  # this router has 3 of the prompt's blocks in flight at b
     cols = _columns(["a", "b", "z"], [4, 1, 9], cpu=[1, 0, 0], reserved=[2, 0, 0], prefill=[100, 0, 0],
                     running=[3, 4, 5], waiting=[0, 1, 0], usage=[0.5, 0.25, 0.0])
@@ -42,7 +42,7 @@ def test_columns_give_the_index_match_tiers_and_reservations_plus_own_inflight()
 def test_without_columns_it_fails_open_over_the_known_fleet_on_load_and_own_prompts() -> None:
     tokens = list(range(200, 232))
     keys = prompt_block_keys(tokens, BS, "m")
-    own = LoadTracker()
+    own = RouterInflight()
     own.start("a", 32, keys)
     out = build_candidates(_known("a", "b"), own, {BS: keys}, len(tokens))
     assert [(c.worker_id, c.cached_tokens, c.inflight_requests, c.running_requests) for c in out] == [
@@ -52,12 +52,12 @@ def test_without_columns_it_fails_open_over_the_known_fleet_on_load_and_own_prom
 def test_avoided_workers_are_left_out_unless_every_known_worker_is_avoided() -> None:
     known = _known("a", "b")
     cols = _columns(["a", "b"], [0, 0])
-    assert [c.worker_id for c in build_candidates(known, LoadTracker(), {}, 10, cols, frozenset({"a"}))] == ["b"]
-    assert [c.worker_id for c in build_candidates(known, LoadTracker(), {}, 10, None, frozenset({"a"}))] == ["b"]
+    assert [c.worker_id for c in build_candidates(known, RouterInflight(), {}, 10, cols, frozenset({"a"}))] == ["b"]
+    assert [c.worker_id for c in build_candidates(known, RouterInflight(), {}, 10, None, frozenset({"a"}))] == ["b"]
     both = frozenset({"a", "b"})
-    assert [c.worker_id for c in build_candidates(known, LoadTracker(), {}, 10, cols, both)] == ["a", "b"]
+    assert [c.worker_id for c in build_candidates(known, RouterInflight(), {}, 10, cols, both)] == ["a", "b"]
     # An answer naming only avoided workers leaves nothing: the router then fails open over the rest.
-    assert build_candidates(known, LoadTracker(), {}, 10, _columns(["a"], [3]), frozenset({"a"})) == []
+    assert build_candidates(known, RouterInflight(), {}, 10, _columns(["a"], [3]), frozenset({"a"})) == []
 
 
 def test_a_pb_answer_reads_the_same_as_plain_columns() -> None:
@@ -66,4 +66,4 @@ def test_a_pb_answer_reads_the_same_as_plain_columns() -> None:
                             waiting_requests=[3], kv_usage=[0.5])
     plain = _columns(["a"], [2], disk=[1], reserved=[1], prefill=[7], running=[2], waiting=[3], usage=[0.5])
     known = _known("a")
-    assert build_candidates(known, LoadTracker(), {}, 100, cols) == build_candidates(known, LoadTracker(), {}, 100, plain)
+    assert build_candidates(known, RouterInflight(), {}, 100, cols) == build_candidates(known, RouterInflight(), {}, 100, plain)

@@ -24,12 +24,11 @@ from kvroute.data_plane.backend_health import BackendHealth
 from kvroute.data_plane.control_plane_client import ControlPlaneClient
 from kvroute.data_plane.grpc_api import RouterGrpcService, add_router_service
 from kvroute.data_plane.http_api import RouterHttpApi
-from kvroute.data_plane.load_tracker import LoadTracker
+from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.policies import make_policy
 from kvroute.data_plane.proxy import BackendProxy
 from kvroute.data_plane.request_prep import RequestPreparer
 from kvroute.data_plane.routing import Router
-from kvroute.data_plane.shared_inflight import SharedInflight
 from kvroute.data_plane.tokenization import PromptTokenizer, load_tokenizer
 from kvroute.tools.local_cluster import free_port
 from kvroute.v1 import kvroute_pb2 as pb
@@ -201,7 +200,7 @@ async def make_stack(tiny_model_dir, *, policy: str = "kv_aware", with_cp: bool 
         await client.refresh()
     client.start()
     tokenizer = load_tokenizer(tiny_model_dir)
-    inflight, health = SharedInflight(LoadTracker(), client.session), BackendHealth()
+    inflight, health = RouterInflight(client.session), BackendHealth()
     router = Router(client, make_policy(policy, seed=0), inflight, health)
     preparer = RequestPreparer(tokenizer, MODEL, client.adapters_of, max_prompt_tokens)
     http = RouterHttpApi(router, BackendProxy(inflight, health, router.metrics), preparer)

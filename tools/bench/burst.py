@@ -27,7 +27,7 @@ import aiohttp
 from kvroute.block_keys import prompt_block_keys
 from kvroute.data_plane.candidates import build_candidates
 from kvroute.data_plane.control_plane_client import KnownWorker
-from kvroute.data_plane.load_tracker import LoadTracker
+from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.policies import RoutingInput, RoutingPolicy, make_policy
 from kvroute.v1 import kvroute_pb2 as pb
 
@@ -47,7 +47,7 @@ def burst_decisions(policy: RoutingPolicy, prompts: list[list[int]], workers: in
                     speculative: bool = True) -> list[str]:
     """Where `prompts` arriving at once go on an empty fleet when each decision sees all earlier ones
     through a router's tracker (in-flight load, and speculative holders unless `speculative` is off)."""
-    tracker = LoadTracker()
+    tracker = RouterInflight()
     known = [KnownWorker(f"w{i}", "m", "", block_size, pb.WorkerLoad()) for i in range(workers)]
     chosen = []
     for tokens in prompts:

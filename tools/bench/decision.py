@@ -29,10 +29,9 @@ from kvroute import aio
 from kvroute.block_keys import prompt_block_keys
 from kvroute.control_plane.audit import prometheus_sums
 from kvroute.data_plane.control_plane_client import ControlPlaneClient, query_message
-from kvroute.data_plane.load_tracker import LoadTracker
+from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.policies import make_policy
 from kvroute.data_plane.routing import Router
-from kvroute.data_plane.shared_inflight import SharedInflight
 from kvroute.data_plane.tokenization import load_tokenizer
 from kvroute.tools.bench.grpc_echo import round_trips_ms
 from kvroute.tools.local_cluster import LocalCluster, ManagedProcess, free_port, http_get
@@ -134,7 +133,7 @@ async def measure(address: str, tokenizer_dir: Path, prompt_tokens: int, workers
         return columns
 
     client.query = timed_query  # type: ignore[method-assign]
-    router = Router(client, make_policy("kv_aware", seed=seed), SharedInflight(LoadTracker(), client.session))
+    router = Router(client, make_policy("kv_aware", seed=seed), RouterInflight(client.session))
     result: dict = {}
     fail_open = 0
     for label, tok in (("", tokenizer), ("cold_", uncached)):

@@ -1,7 +1,7 @@
 """Discrete-event simulation of a fleet behind one router.
 
 Real code: the routing policies (kvroute.data_plane.policies), the router's candidate builder
-(kvroute.data_plane.candidates), the router's in-flight tracking (kvroute.data_plane.load_tracker),
+(kvroute.data_plane.candidates), the router's in-flight tracking (kvroute.data_plane.inflight),
 the agent's engine-hash -> block-key resolution (kvroute.worker_agent.block_resolver) and the
 control plane's index (kvroute.control_plane.index).
 Simulated: each engine (sim_engine's PrefixCache + Scheduler + CostModel) and the clock.
@@ -28,7 +28,7 @@ from kvroute.block_keys import prompt_block_keys
 from kvroute.control_plane.index import BitmaskPrefixIndex
 from kvroute.data_plane.candidates import IndexColumns, build_candidates
 from kvroute.data_plane.control_plane_client import KnownWorker
-from kvroute.data_plane.load_tracker import InflightTicket, LoadTracker
+from kvroute.data_plane.inflight import InflightTicket, RouterInflight
 from kvroute.data_plane.policies import RoutingInput, make_policy
 from kvroute.tools.sim_engine.cost_model import CostModel
 from kvroute.tools.sim_engine.prefix_cache import ClearedEvent, PrefixCache, RemovedEvent, StoredEvent
@@ -165,7 +165,7 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
     workers = [_Worker(i, config) for i in range(config.workers)]
     router_view = _RouterView(workers, config.block_size)
     index = BitmaskPrefixIndex()
-    load = LoadTracker()
+    load = RouterInflight()
     run = PolicyRun(policy_name)
     seq = itertools.count()
     arrivals = sorted(workload, key=lambda r: r.arrival_s)
@@ -248,7 +248,7 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
     return run
 
 
-def _policy_choice(policy, fleet: _RouterView, index: BitmaskPrefixIndex, load: LoadTracker,
+def _policy_choice(policy, fleet: _RouterView, index: BitmaskPrefixIndex, load: RouterInflight,
                    req: SimWorkloadRequest, keys: list[int], config: FleetConfig) -> tuple[_Worker, int]:
     """The router's way: the index's answer and this router's in-flight tracking through the router's
     own `build_candidates`, then the policy."""
