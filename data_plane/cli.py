@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "in the trace (Mooncake's own traces use 512)")
     p.add_argument("--capture-sample-rate", type=_sample_rate, default=1.0, metavar="FLOAT",
                    help="fraction of requests to capture, in (0, 1]; deterministic (every 1/rate-th request)")
+    p.add_argument("--stage-timing", action="store_true",
+                   help="keep per-stage timings of proxied requests (parse, prepare, keys, query, score, connect, "
+                        "first_byte) and serve them at GET /debug/stages (kvroute bench proxy turns this on)")
     p.add_argument("--log-level", default="INFO", help="Python logging level")
 
 
@@ -93,6 +96,7 @@ async def serve(args: argparse.Namespace) -> int:
     from kvroute.data_plane.proxy import BackendProxy
     from kvroute.data_plane.request_prep import RequestPreparer
     from kvroute.data_plane.routing import Router
+    from kvroute.data_plane.stage_timing import StageSamples
     from kvroute.data_plane.tokenization import load_tokenizer
     from kvroute.data_plane.traffic_capture import TrafficCapture
     from kvroute.listeners import GrpcListener, check_port, start_http_site
@@ -122,7 +126,8 @@ async def serve(args: argparse.Namespace) -> int:
                                  block_tokens=args.capture_block_tokens)
         capture.start()
     preparer = RequestPreparer(tokenizer, model, control_plane.adapters_of, args.max_prompt_tokens)
-    http = RouterHttpApi(router, proxy, preparer, capture=capture, max_body_bytes=args.max_body_bytes)
+    http = RouterHttpApi(router, proxy, preparer, capture=capture, max_body_bytes=args.max_body_bytes,
+                         stages=StageSamples() if args.stage_timing else None)
     # handler_cancellation: a client that goes away cancels its handler, which closes the backend
     # connection, so the engine stops generating for nobody.
     runner = web.AppRunner(http.app(), access_log=None, handler_cancellation=True)

@@ -33,6 +33,7 @@ from kvroute.data_plane.proxy import BackendProxy
 from kvroute.data_plane.readiness import RouterReadiness, router_readiness
 from kvroute.data_plane.request_prep import PrepareError, RequestPreparer, RouteInput
 from kvroute.data_plane.routing import NoWorkersError, Router
+from kvroute.data_plane.stage_timing import StageSamples
 from kvroute.data_plane.tokenization import lone_surrogate
 from kvroute.data_plane.traffic_capture import TrafficCapture, reported_output_tokens, requested_output_tokens
 
@@ -75,8 +76,10 @@ def _session_key(request: web.Request, body: dict) -> str:
 
 class RouterHttpApi:
     def __init__(self, router: Router, proxy: BackendProxy, preparer: RequestPreparer,
-                 capture: TrafficCapture | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 capture: TrafficCapture | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 stages: StageSamples | None = None) -> None:
         self.router, self.proxy, self.preparer = router, proxy, preparer
+        self.stages = stages  # --stage-timing: per-stage samples at GET /debug/stages
         self.model, max_prompt_tokens = preparer.model, preparer.max_prompt_tokens
         self.capture = capture  # --capture-trace: proxied requests only (/v1/route is also a probe)
         self.max_body_bytes = max_body_bytes
@@ -100,6 +103,8 @@ class RouterHttpApi:
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/ready", self.handle_ready)
         app.router.add_get("/metrics", self.handle_metrics)
+        if self.stages is not None:
+            app.router.add_get("/debug/stages", self.handle_stages)
         app.on_startup.append(lambda _app: self.proxy.open())
         app.on_cleanup.append(lambda _app: self.proxy.close())
         return app
@@ -120,12 +125,18 @@ class RouterHttpApi:
         joined to the caller's trace (W3C traceparent)."""
         with tracer.start_as_current_span(f"POST {request.path}", context=propagate.extract(request.headers),
                                           kind=trace.SpanKind.SERVER):
+            clock = self.stages.start() if self.stages is not None else None
             arrived = self.capture.sample_arrival() if self.capture and forward_to else None
             try:
                 raw, body, parsed = await self._parse(request, kind)
+                if clock is not None:
+                    clock.mark("parse")
                 prepared = await self.preparer.prepare(parsed)
+                if clock is not None:
+                    clock.mark("prepare")
                 decision = await self.router.decide(self.model, prepared.token_ids, prepared.lora_name,
-                                                    prepared.cache_salt, session_key=prepared.session_key)
+                                                    prepared.cache_salt, session_key=prepared.session_key,
+                                                    clock=clock)
             except BadRequest as exc:
                 return error_response(str(exc), exc.status, exc.code, exc.param)
             except PrepareError as exc:
@@ -136,7 +147,10 @@ class RouterHttpApi:
             if forward_to is None:
                 return web.json_response(decision.as_json())
             tail = bytearray() if arrived is not None else None  # only a captured response keeps its end
-            response = await self.proxy.forward(request, forward_to, raw, decision, prepared.prompt_tokens, tail)
+            response = await self.proxy.forward(request, forward_to, raw, decision, prepared.prompt_tokens, tail,
+                                                clock)
+            if clock is not None:
+                self.stages.record(clock)
             if tail is not None and response.status < 400:  # the engine did the work; errors are not worth replaying
                 output = reported_output_tokens(tail)
                 self.capture.record(arrived, prepared.token_ids,
@@ -165,6 +179,10 @@ class RouterHttpApi:
     async def handle_ready(self, request: web.Request) -> web.Response:
         readiness = self.readiness()
         return web.json_response(readiness.body, status=200 if readiness.ready else 503)
+
+    async def handle_stages(self, request: web.Request) -> web.Response:
+        """Per-stage samples in ms (`?reset=1`: and start over)."""
+        return web.json_response(self.stages.as_json(reset=request.query.get("reset") == "1"))
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -34,6 +34,7 @@ from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.metrics import RouterMetrics
 from kvroute.data_plane.policies import Candidate
 from kvroute.data_plane.routing import RouteDecision
+from kvroute.data_plane.stage_timing import StageClock
 from kvroute.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger("kvroute.router.proxy")
@@ -75,14 +76,16 @@ class BackendProxy:
             self._session = None
 
     async def forward(self, request: web.Request, path: str, body: bytes, decision: RouteDecision,
-                      prompt_tokens: int, tail: bytearray | None = None) -> web.StreamResponse:
+                      prompt_tokens: int, tail: bytearray | None = None,
+                      clock: StageClock | None = None) -> web.StreamResponse:
         ranked = decision.ranked()
         attempts = ranked[: self.max_attempts] if self.max_attempts > 0 else ranked
         failures = []
         for i, candidate in enumerate(attempts):
             last = i == len(attempts) - 1
             try:
-                return await self._attempt(request, path, body, decision, candidate, prompt_tokens, i, last, tail)
+                return await self._attempt(request, path, body, decision, candidate, prompt_tokens, i, last, tail,
+                                           clock)
             except _Failed as failed:
                 self.metrics.backend_errors.labels(candidate.worker_id).inc()
                 self.health.failed(candidate.worker_id)
@@ -121,7 +124,7 @@ class BackendProxy:
 
     async def _attempt(self, request: web.Request, path: str, body: bytes, decision: RouteDecision,
                        candidate: Candidate, prompt_tokens: int, attempt: int, last: bool,
-                       tail: bytearray | None = None) -> web.StreamResponse:
+                       tail: bytearray | None = None, clock: StageClock | None = None) -> web.StreamResponse:
         assert self._session is not None, "BackendProxy.open() was not called"
         worker = candidate.worker_id
         url = candidate.endpoint + path
@@ -136,6 +139,8 @@ class BackendProxy:
                 try:
                     upstream = await self._session.post(url, data=body, headers=self._backend_headers(
                         request, decision.dp_ranks.get(worker)))
+                    if clock is not None:
+                        clock.mark("connect")
                     span.set_attribute("http.response.status_code", upstream.status)
                     if upstream.status >= 500:
                         raise _Failed(f"HTTP {upstream.status}", upstream, await upstream.read() if last else b"")
@@ -153,6 +158,8 @@ class BackendProxy:
                 chunk = first
                 while chunk:
                     await response.write(chunk)
+                    if clock is not None and chunk is first:
+                        clock.mark("first_byte")
                     if tail is not None:  # amortized O(chunk): trimmed only once it doubles
                         tail += chunk
                         if len(tail) > 2 * TAIL_BYTES:

@@ -37,6 +37,7 @@ from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.metrics import RouterMetrics
 from kvroute.data_plane.policies import Candidate, RoutingInput, RoutingPolicy
 from kvroute.data_plane.prompt_keys import PromptKeyCache
+from kvroute.data_plane.stage_timing import StageClock
 from kvroute.v1 import kvroute_pb2 as pb
 
 log = logging.getLogger("kvroute.router")
@@ -91,7 +92,7 @@ class Router:
         self.prompt_keys = PromptKeyCache()
 
     async def decide(self, model: str, token_ids: list[int], lora_name: str = "", cache_salt: str = "",
-                     session_key: str = "") -> RouteDecision:
+                     session_key: str = "", clock: StageClock | None = None) -> RouteDecision:
         """Workers cooling down after a failure (`health`) are left out unless no other is known.
         `lora_name`: route only among workers serving that adapter (and key the prompt in its namespace).
         `session_key`: the client's session/end-user id ("" = none), for the session policy."""
@@ -105,7 +106,11 @@ class Router:
                                      f"no --static-workers fallback)")
             chains = {bs: self.prompt_keys.keys(token_ids, bs, model, lora_name, cache_salt)
                       for bs in sorted({w.block_size for w in known if w.block_size > 0})}
+            if clock is not None:
+                clock.mark("keys")
             columns, reason = await self._query(model, chains, lora_name)
+            if clock is not None:
+                clock.mark("query")
             avoid = self.health.cooling_down()
             candidates = build_candidates(known, self.inflight, chains, len(token_ids), columns, avoid) if columns else []
             if not candidates:  # failing open: load alone over the known fleet
@@ -117,6 +122,8 @@ class Router:
             decision = RouteDecision(choice.worker.worker_id, choice.worker.endpoint, len(token_ids),
                                      choice.worker.cached_tokens, self.policy.name, bool(reason), candidates,
                                      choice.scores, reason, chains, dp_ranks)
+            if clock is not None:
+                clock.mark("score")
             if reason:
                 self.metrics.fail_open.inc()
                 span.set_attribute("kvroute.fail_open_reason", reason)
