@@ -20,6 +20,7 @@ from opentelemetry import propagate, trace
 from kvroute.data_plane.request_prep import PrepareError, RequestPreparer, RouteInput
 from kvroute.data_plane.routing import NoWorkersError, RouteDecision, Router
 from kvroute.data_plane.traffic_capture import TrafficCapture
+from kvroute.telemetry import span, tracing_active
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
@@ -54,9 +55,9 @@ class RouterGrpcService(pb_grpc.RouterServicer):
 
     async def Route(self, request: pb.RouteRequest | DecodeError,
                     context: grpc.aio.ServicerContext) -> pb.RouteResponse:
-        carrier = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-        with tracer.start_as_current_span("kvroute.v1.Router/Route", context=propagate.extract(carrier),
-                                          kind=trace.SpanKind.SERVER):
+        carrier = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)} \
+            if tracing_active() else {}
+        with span(tracer, "kvroute.v1.Router/Route", context=propagate.extract(carrier), kind=trace.SpanKind.SERVER):
             if isinstance(request, DecodeError):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"the RouteRequest does not parse ({request}): its strings must be valid UTF-8 "

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 import aiohttp
+import msgspec
 from aiohttp import web
 from opentelemetry import propagate, trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -36,6 +38,7 @@ from kvroute.data_plane.routing import NoWorkersError, Router
 from kvroute.data_plane.stage_timing import StageSamples
 from kvroute.data_plane.tokenization import lone_surrogate
 from kvroute.data_plane.traffic_capture import TrafficCapture, reported_output_tokens, requested_output_tokens
+from kvroute.telemetry import tracing_active
 
 log = logging.getLogger("kvroute.router.http")
 tracer = trace.get_tracer("kvroute.router")
@@ -49,6 +52,43 @@ _ROUTING_FIELDS = ("model", "lora_name", "cache_salt", "user")  # strings the ro
 # PrepareError.kind -> (HTTP status, OpenAI error code)
 _PREPARE_STATUS = {"invalid": (400, None), "model_not_found": (404, "model_not_found"),
                    "too_long": (400, "context_length_exceeded")}
+
+
+class RoutingFields(msgspec.Struct):
+    """The body fields the router reads; everything else goes to the engine untouched."""
+    model: Any = None
+    messages: Any = msgspec.UNSET  # UNSET: absent (for /v1/route, which takes either kind)
+    prompt: Any = None
+    lora_name: Any = None
+    cache_salt: Any = None
+    user: Any = None
+    tools: Any = None
+    chat_template_kwargs: Any = None
+    add_generation_prompt: Any = True
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
+
+    def requested_output_tokens(self) -> int:
+        return requested_output_tokens({"max_tokens": self.max_tokens,
+                                        "max_completion_tokens": self.max_completion_tokens})
+
+
+_FIELDS_DECODER = msgspec.json.Decoder(RoutingFields)
+_FIELD_NAMES = RoutingFields.__struct_fields__
+
+
+def _fields_from_json(raw: bytes) -> RoutingFields:
+    """The slow path: Python's json (it keeps lone surrogates, so they can be named) and its errors."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    for name in _ROUTING_FIELDS:
+        if (found := lone_surrogate(body.get(name), name)) is not None:
+            raise BadRequest(f"{found} contains a lone UTF-16 surrogate: text must be valid Unicode", param=name)
+    return RoutingFields(**{name: body[name] for name in _FIELD_NAMES if name in body})
 
 
 class BadRequest(Exception):
@@ -80,6 +120,7 @@ class RouterHttpApi:
                  stages: StageSamples | None = None) -> None:
         self.router, self.proxy, self.preparer = router, proxy, preparer
         self.stages = stages  # --stage-timing: per-stage samples at GET /debug/stages
+        self._policy_reads_tokens = router.policy.needs.tokens
         self.model, max_prompt_tokens = preparer.model, preparer.max_prompt_tokens
         self.capture = capture  # --capture-trace: proxied requests only (/v1/route is also a probe)
         self.max_body_bytes = max_body_bytes
@@ -121,42 +162,48 @@ class RouterHttpApi:
         return await self._handle(request, "either", forward_to=None)
 
     async def _handle(self, request: web.Request, kind: str, forward_to: str | None) -> web.StreamResponse:
-        """parse -> decide -> proxy (or, for /v1/route, the decision as JSON), in a server span
-        joined to the caller's trace (W3C traceparent)."""
+        """parse -> prepare -> decide -> proxy (or, for /v1/route, the decision as JSON), in a server
+        span joined to the caller's trace (W3C traceparent) while tracing is active."""
+        if not tracing_active():
+            return await self._serve(request, kind, forward_to)
         with tracer.start_as_current_span(f"POST {request.path}", context=propagate.extract(request.headers),
                                           kind=trace.SpanKind.SERVER):
-            clock = self.stages.start() if self.stages is not None else None
-            arrived = self.capture.sample_arrival() if self.capture and forward_to else None
-            try:
-                raw, body, parsed = await self._parse(request, kind)
-                if clock is not None:
-                    clock.mark("parse")
-                prepared = await self.preparer.prepare(parsed)
-                if clock is not None:
-                    clock.mark("prepare")
-                decision = await self.router.decide(self.model, prepared.token_ids, prepared.lora_name,
-                                                    prepared.cache_salt, session_key=prepared.session_key,
-                                                    clock=clock)
-            except BadRequest as exc:
-                return error_response(str(exc), exc.status, exc.code, exc.param)
-            except PrepareError as exc:
-                status, code = _PREPARE_STATUS[exc.kind]
-                return error_response(str(exc), status, code, exc.param)
-            except NoWorkersError as exc:
-                return error_response(str(exc), 503, "no_workers")
-            if forward_to is None:
-                return web.json_response(decision.as_json())
-            tail = bytearray() if arrived is not None else None  # only a captured response keeps its end
-            response = await self.proxy.forward(request, forward_to, raw, decision, prepared.prompt_tokens, tail,
-                                                clock)
+            return await self._serve(request, kind, forward_to)
+
+    async def _serve(self, request: web.Request, kind: str, forward_to: str | None) -> web.StreamResponse:
+        clock = self.stages.start() if self.stages is not None else None
+        arrived = self.capture.sample_arrival() if self.capture and forward_to else None
+        try:
+            raw, fields, parsed = await self._parse(request, kind)
             if clock is not None:
-                self.stages.record(clock)
-            if tail is not None and response.status < 400:  # the engine did the work; errors are not worth replaying
-                output = reported_output_tokens(tail)
-                self.capture.record(arrived, prepared.token_ids,
-                                    requested_output_tokens(body) if output is None else output,
-                                    self.model, prepared.lora_name, prepared.cache_salt)
-            return response
+                clock.mark("parse")
+            # A proxied request is tokenized only for a policy that reads tokens (or a trace that records
+            # them); /v1/route always is: its answer reports the prompt's length.
+            tokenize = forward_to is None or self._policy_reads_tokens or arrived is not None
+            prepared = await self.preparer.prepare(parsed, tokenize=tokenize)
+            if clock is not None:
+                clock.mark("prepare")
+            decision = await self.router.decide(self.model, prepared.token_ids, prepared.lora_name,
+                                                prepared.cache_salt, session_key=prepared.session_key, clock=clock)
+        except BadRequest as exc:
+            return error_response(str(exc), exc.status, exc.code, exc.param)
+        except PrepareError as exc:
+            status, code = _PREPARE_STATUS[exc.kind]
+            return error_response(str(exc), status, code, exc.param)
+        except NoWorkersError as exc:
+            return error_response(str(exc), 503, "no_workers")
+        if forward_to is None:
+            return web.json_response(decision.as_json())
+        tail = bytearray() if arrived is not None else None  # only a captured response keeps its end
+        response = await self.proxy.forward(request, forward_to, raw, decision, prepared.prompt_tokens, tail, clock)
+        if clock is not None:
+            self.stages.record(clock)
+        if tail is not None and response.status < 400:  # the engine did the work; errors are not worth replaying
+            output = reported_output_tokens(tail)
+            self.capture.record(arrived, prepared.token_ids,
+                                fields.requested_output_tokens() if output is None else output,
+                                self.model, prepared.lora_name, prepared.cache_salt)
+        return response
 
     async def handle_models(self, request: web.Request) -> web.Response:
         cp = self.router.control_plane
@@ -219,24 +266,23 @@ class RouterHttpApi:
                 raise _body_too_large(len(body), limit)
         return bytes(body)
 
-    async def _parse(self, request: web.Request, kind: str) -> tuple[bytes, dict, RouteInput]:
-        """(original body bytes, parsed body, what request preparation takes); kind is chat,
-        completions or either."""
+    async def _parse(self, request: web.Request, kind: str) -> tuple[bytes, RoutingFields, RouteInput]:
+        """(original body bytes, the fields routing reads, what request preparation takes); kind is
+        chat, completions or either. Only those fields are decoded (msgspec skips the rest); a body
+        msgspec refuses (malformed, or text with a lone UTF-16 surrogate, which Python's json
+        accepts) is parsed again by json, for the precise error."""
         raw = await self._read_body(request)
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise BadRequest("request body must be a JSON object")
-        for name in _ROUTING_FIELDS:
-            if (found := lone_surrogate(body.get(name), name)) is not None:
-                raise BadRequest(f"{found} contains a lone UTF-16 surrogate: text must be valid Unicode", param=name)
-        if kind == "either" and "messages" in body:
+            fields = _FIELDS_DECODER.decode(raw)
+        except msgspec.ValidationError:
+            raise BadRequest("request body must be a JSON object") from None
+        except msgspec.DecodeError:
+            fields = _fields_from_json(raw)
+        if kind == "either" and fields.messages is not msgspec.UNSET:
             kind = "chat"
-        return raw, body, RouteInput(
-            body.get("model"), kind, body.get("messages"), body.get("prompt"),
-            lora_name=str(body.get("lora_name") or ""), cache_salt=str(body.get("cache_salt") or ""),
-            session_key=_session_key(request, body), tools=body.get("tools"),
-            template_kwargs=body.get("chat_template_kwargs"),
-            add_generation_prompt=body.get("add_generation_prompt", True) is not False)
+        session_key = _session_key(request, {"user": fields.user})
+        return raw, fields, RouteInput(
+            fields.model, kind, None if fields.messages is msgspec.UNSET else fields.messages, fields.prompt,
+            lora_name=str(fields.lora_name or ""), cache_salt=str(fields.cache_salt or ""), session_key=session_key,
+            tools=fields.tools, template_kwargs=fields.chat_template_kwargs,
+            add_generation_prompt=fields.add_generation_prompt is not False)

@@ -3,8 +3,10 @@
 `BackendProxy.forward(request, path, body, decision, prompt_tokens)`:
 - sends the client's *original* body bytes to `<endpoint><path>` with the client's headers
   (minus hop-by-hop ones) and a W3C `traceparent` injected inside a `kvroute.proxy` client span;
-- waits for the backend's first body byte, then streams the rest through chunk by chunk
-  (SSE or JSON, never buffered), with `x-kvroute-worker: <worker_id>` on the response;
+- waits for the backend's first body byte, then streams the rest through chunk by chunk (SSE, or
+  any body without a Content-Length), or, for a body with a Content-Length up to 1 MiB (a
+  non-streamed completion), reads it whole and relays it in one write; `x-kvroute-worker:
+  <worker_id>` on the response;
 - a backend that refuses the connection, returns 5xx, or fails before its first byte is retried
   on the decision's next-best worker (`max_attempts` in all, default: every candidate, so no
   error reaches the client while some worker is healthy); nothing reached the client yet,
@@ -27,6 +29,7 @@ import logging
 import aiohttp
 from aiohttp import web
 from opentelemetry import propagate, trace
+from prometheus_client import Counter
 
 from kvroute.data_plane.backend_health import BackendHealth
 from kvroute.data_plane.http_errors import error_response
@@ -36,12 +39,16 @@ from kvroute.data_plane.policies import Candidate
 from kvroute.data_plane.routing import RouteDecision
 from kvroute.data_plane.stage_timing import StageClock
 from kvroute.rate_limited_log import RateLimitedLog
+from kvroute.telemetry import span, tracing_active
 
 log = logging.getLogger("kvroute.router.proxy")
 tracer = trace.get_tracer("kvroute.router")
 
 WORKER_HEADER = "x-kvroute-worker"
 DP_RANK_HEADER = "X-data-parallel-rank"
+# A response with a Content-Length up to this is read whole before it is relayed (a non-streamed
+# completion): one write instead of a chunk loop, measured ~0.1 ms less per request.
+WHOLE_BODY_BYTES = 1 << 20
 TAIL_BYTES = 16384  # enough for a response's trailing usage object / an SSE stream's last chunks
 # Not forwarded in either direction: per-connection headers, framing we redo, and trace context we replace.
 _HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -65,6 +72,7 @@ class BackendProxy:
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self._log = RateLimitedLog(log)  # every engine down = a few lines per request otherwise
+        self._served: dict[tuple[str, str], Counter] = {}
 
     async def open(self) -> None:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=self._timeout,
@@ -119,8 +127,19 @@ class BackendProxy:
         headers.setdefault("Content-Type", "application/json")
         if dp_rank is not None:
             headers[DP_RANK_HEADER] = str(dp_rank)
-        propagate.inject(headers)  # W3C traceparent of the current (kvroute.proxy) span
+        if tracing_active():
+            propagate.inject(headers)  # W3C traceparent of the current (kvroute.proxy) span
         return headers
+
+    def _count(self, policy: str, worker: str, prompt_tokens: int, cached_tokens: int) -> None:
+        served = self._served.get((policy, worker))
+        if served is None:  # labels() costs a few us per call: keep the child per (policy, worker)
+            served = self._served[(policy, worker)] = self.metrics.requests.labels(policy, worker)
+        served.inc()
+        if prompt_tokens:
+            self.metrics.prompt_tokens.inc(prompt_tokens)
+        if cached_tokens:
+            self.metrics.cached_tokens.inc(cached_tokens)
 
     async def _attempt(self, request: web.Request, path: str, body: bytes, decision: RouteDecision,
                        candidate: Candidate, prompt_tokens: int, attempt: int, last: bool,
@@ -130,10 +149,11 @@ class BackendProxy:
         url = candidate.endpoint + path
         ticket = self.inflight.start(worker, prompt_tokens - candidate.cached_tokens,
                                  decision.chains.get(candidate.block_size, ()), candidate.block_size, prompt_tokens)
-        with tracer.start_as_current_span("kvroute.proxy", kind=trace.SpanKind.CLIENT) as span:
-            span.set_attribute("kvroute.worker_id", worker)
-            span.set_attribute("kvroute.attempt", attempt)
-            span.set_attribute("url.full", url)
+        with span(tracer, "kvroute.proxy", kind=trace.SpanKind.CLIENT) as proxy_span:
+            if proxy_span.is_recording():
+                proxy_span.set_attribute("kvroute.worker_id", worker)
+                proxy_span.set_attribute("kvroute.attempt", attempt)
+                proxy_span.set_attribute("url.full", url)
             upstream = None
             try:
                 try:
@@ -141,19 +161,29 @@ class BackendProxy:
                         request, decision.dp_ranks.get(worker)))
                     if clock is not None:
                         clock.mark("connect")
-                    span.set_attribute("http.response.status_code", upstream.status)
+                    proxy_span.set_attribute("http.response.status_code", upstream.status)
                     if upstream.status >= 500:
                         raise _Failed(f"HTTP {upstream.status}", upstream, await upstream.read() if last else b"")
                     first = await upstream.content.readany()  # a backend dying here is still retryable
+                    whole = upstream.content_length is not None and upstream.content_length <= WHOLE_BODY_BYTES
+                    if whole:  # a plain JSON answer: read it all (still nothing sent, still retryable)
+                        first += await upstream.content.read()
                 except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                    span.record_exception(exc)
+                    proxy_span.record_exception(exc)
                     raise _Failed(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
                 self.inflight.first_token(ticket)
+                self._count(decision.policy, worker, prompt_tokens, candidate.cached_tokens)
+                if whole:
+                    # Handed to aiohttp whole: one write with its Content-Length, no chunk loop.
+                    response = web.Response(status=upstream.status, reason=upstream.reason, body=first)
+                    self._copy_headers(upstream, response, worker)
+                    if clock is not None:
+                        clock.mark("first_byte")
+                    if tail is not None:
+                        tail += first[-TAIL_BYTES:]
+                    return response
                 response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
                 self._copy_headers(upstream, response, worker)
-                self.metrics.requests.labels(decision.policy, worker).inc()
-                self.metrics.prompt_tokens.inc(prompt_tokens)
-                self.metrics.cached_tokens.inc(candidate.cached_tokens)
                 await response.prepare(request)
                 chunk = first
                 while chunk:
@@ -168,13 +198,13 @@ class BackendProxy:
                 await response.write_eof()
                 return response
             except _Failed as failed:
-                span.set_status(trace.StatusCode.ERROR, str(failed))
+                proxy_span.set_status(trace.StatusCode.ERROR, str(failed))
                 raise
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 # Mid-stream (backend died, or the client went away): the client already has bytes, so
                 # its connection is closed without the final chunk; a clean end would hide the truncation.
-                span.record_exception(exc)
-                span.set_status(trace.StatusCode.ERROR, "stream interrupted")
+                proxy_span.record_exception(exc)
+                proxy_span.set_status(trace.StatusCode.ERROR, "stream interrupted")
                 log.warning("stream from %s interrupted after the first byte: %r", worker, exc)
                 if request.transport is not None:
                     request.transport.close()

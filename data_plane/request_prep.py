@@ -63,14 +63,25 @@ class RouteInput:
 
 @dataclass(slots=True)
 class PreparedRequest:
-    token_ids: Sequence[int]
+    token_ids: Sequence[int] | None  # None: not tokenized (the policy reads no tokens)
     lora_name: str = ""          # "" = the served model itself
     cache_salt: str = ""
     session_key: str = ""
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self.token_ids)
+        """Prompt length in tokens; 0 when it was not tokenized."""
+        return len(self.token_ids) if self.token_ids is not None else 0
+
+
+def _text_chars(content: object) -> int:
+    """Characters of a message's text (a string, or OpenAI content parts' text parts)."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(part["text"]) for part in content
+                   if isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str))
+    return 0
 
 
 def is_token_ids(value: object) -> bool:
@@ -95,9 +106,16 @@ class RequestPreparer:
             raise PrepareError(f"The model `{model}` does not exist.", "model_not_found", "model")
         return model
 
-    async def prepare(self, request: RouteInput) -> PreparedRequest:
+    async def prepare(self, request: RouteInput, tokenize: bool = True) -> PreparedRequest:
+        """`tokenize=False` (a policy that reads no tokens): the prompt's shape is checked, and its
+        length only from its characters (a prompt past the character bound is refused), so nothing
+        is tokenized; the engine checks the rest."""
         lora_name = self.lora_name(request)
-        if request.kind == "chat" or (request.kind == "either" and request.messages is not None):
+        chat = request.kind == "chat" or (request.kind == "either" and request.messages is not None)
+        if not tokenize and (chat or request.prompt is not None):
+            self._check_untokenized(request, chat)
+            return PreparedRequest(None, lora_name, request.cache_salt or "", request.session_key or "")
+        if chat:
             tokens = await self._chat_tokens(request)
         elif request.prompt is not None:
             tokens = await self._completion_tokens(request.prompt)
@@ -107,6 +125,38 @@ class RequestPreparer:
         else:
             raise PrepareError(request.missing_prompt)
         return PreparedRequest(tokens, lora_name, request.cache_salt or "", request.session_key or "")
+
+    def _check_untokenized(self, request: RouteInput, chat: bool) -> None:
+        if chat:
+            messages = request.messages
+            if not isinstance(messages, list) or not messages:
+                raise PrepareError("'messages' is required (a non-empty list of messages)", param="messages")
+            if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"] for m in messages):
+                raise PrepareError("every message must be an object with a string 'role'", param="messages")
+            # The rendered prompt holds every message's text, so their sum is a lower bound on its length.
+            chars, param = sum(_text_chars(m.get("content")) for m in messages), "messages"
+        else:
+            prompt = request.prompt
+            if isinstance(prompt, str):
+                chars = len(prompt)
+            elif is_token_ids(prompt):
+                chars = 0
+                self._check_length(prompt, "prompt")  # type: ignore[arg-type]
+            elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_token_ids(p) for p in prompt):
+                chars = max(len(p) if isinstance(p, str) else 0 for p in prompt)
+                for p in prompt:
+                    if not isinstance(p, str):
+                        self._check_length(p, "prompt")
+            else:
+                raise PrepareError("'prompt' must be a string, a non-empty list of token ids, or a list of those",
+                                   param="prompt")
+            param = "prompt"
+        limit = self.tokenizer.char_bound.max_chars(self.max_prompt_tokens)
+        if limit is not None and chars > limit:
+            raise PrepareError(f"prompt has at least {chars} characters; with this model's tokenizer (at most "
+                               f"{self.tokenizer.char_bound.chars_per_token} characters per token) that is more than "
+                               f"{self.max_prompt_tokens} tokens, the most this router accepts (see "
+                               "--max-prompt-tokens)", "too_long", param)
 
     async def _chat_tokens(self, request: RouteInput) -> Sequence[int]:
         messages = request.messages

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -38,6 +39,7 @@ from kvroute.data_plane.metrics import RouterMetrics
 from kvroute.data_plane.policies import Candidate, RoutingInput, RoutingPolicy
 from kvroute.data_plane.prompt_keys import PromptKeyCache
 from kvroute.data_plane.stage_timing import StageClock
+from kvroute.telemetry import span
 from kvroute.v1 import kvroute_pb2 as pb
 
 log = logging.getLogger("kvroute.router")
@@ -91,49 +93,64 @@ class Router:
         self.metrics = metrics or RouterMetrics()
         self.prompt_keys = PromptKeyCache()
 
-    async def decide(self, model: str, token_ids: list[int], lora_name: str = "", cache_salt: str = "",
+    async def decide(self, model: str, token_ids: Sequence[int] | None, lora_name: str = "", cache_salt: str = "",
                      session_key: str = "", clock: StageClock | None = None) -> RouteDecision:
-        """Workers cooling down after a failure (`health`) are left out unless no other is known.
-        `lora_name`: route only among workers serving that adapter (and key the prompt in its namespace).
-        `session_key`: the client's session/end-user id ("" = none), for the session policy."""
+        """`token_ids`: the prompt, or None when the request was not tokenized (the policy needs no
+        tokens). Block keys and the control-plane query happen only for a policy that reads them
+        (`policy.needs`). Workers cooling down after a failure (`health`) are left out unless no
+        other is known. `lora_name`: route only among workers serving that adapter (and key the
+        prompt in its namespace). `session_key`: the client's session/end-user id ("" = none)."""
         started = time.perf_counter()
-        with tracer.start_as_current_span("kvroute.route") as span:
+        needs = self.policy.needs
+        prompt_tokens = len(token_ids) if token_ids is not None else 0
+        with span(tracer, "kvroute.route") as route_span:
             known = self.control_plane.workers_for(model, lora_name)
             if not known:
                 what = f"model {model!r}" + (f" with LoRA adapter {lora_name!r}" if lora_name else "")
                 raise NoWorkersError(f"no workers known for {what} (control plane "
                                      f"{'reachable' if self.control_plane.reachable else 'unreachable'}, "
                                      f"no --static-workers fallback)")
-            chains = {bs: self.prompt_keys.keys(token_ids, bs, model, lora_name, cache_salt)
-                      for bs in sorted({w.block_size for w in known if w.block_size > 0})}
+            chains: dict[int, list[int]] = {}
+            if needs.block_keys and token_ids is not None:
+                chains = {bs: self.prompt_keys.keys(token_ids, bs, model, lora_name, cache_salt)
+                          for bs in sorted({w.block_size for w in known if w.block_size > 0})}
             if clock is not None:
                 clock.mark("keys")
-            columns, reason = await self._query(model, chains, lora_name)
+            avoid = self.health.cooling_down()
+            reason = ""
+            candidates: list[Candidate] = []
+            if needs.index:
+                columns, reason = await self._query(model, chains, lora_name)
+                if columns is not None:
+                    candidates = build_candidates(known, self.inflight, chains, prompt_tokens, columns, avoid)
+                    if not candidates:
+                        reason = "index answered with no known worker"
             if clock is not None:
                 clock.mark("query")
-            avoid = self.health.cooling_down()
-            candidates = build_candidates(known, self.inflight, chains, len(token_ids), columns, avoid) if columns else []
-            if not candidates:  # failing open: load alone over the known fleet
-                reason = reason or "index answered with no known worker"
-                candidates = build_candidates(known, self.inflight, chains, len(token_ids), None, avoid)
-            choice = self.policy.choose(RoutingInput(model, len(token_ids), token_ids=token_ids, session_key=session_key,
-                                                     chains=chains), candidates)
+            if not candidates:  # no index wanted, or failing open: load alone over the known fleet
+                candidates = build_candidates(known, self.inflight, chains, prompt_tokens, None, avoid)
+            choice = self.policy.choose(RoutingInput(model, prompt_tokens, token_ids=token_ids or (),
+                                                     session_key=session_key, chains=chains), candidates)
             dp_ranks = {w.worker_id: w.data_parallel_rank for w in known if w.data_parallel_rank is not None}
-            decision = RouteDecision(choice.worker.worker_id, choice.worker.endpoint, len(token_ids),
+            decision = RouteDecision(choice.worker.worker_id, choice.worker.endpoint, prompt_tokens,
                                      choice.worker.cached_tokens, self.policy.name, bool(reason), candidates,
                                      choice.scores, reason, chains, dp_ranks)
             if clock is not None:
                 clock.mark("score")
             if reason:
-                self.metrics.fail_open.inc()
-                span.set_attribute("kvroute.fail_open_reason", reason)
-            span.set_attribute("kvroute.policy", self.policy.name)
-            span.set_attribute("kvroute.prompt_tokens", len(token_ids))
-            span.set_attribute("kvroute.worker_id", decision.worker_id)
-            span.set_attribute("kvroute.cached_tokens", decision.cached_tokens)
-            span.set_attribute("kvroute.fail_open", decision.fail_open)
+                self._failed_open(reason)
+                route_span.set_attribute("kvroute.fail_open_reason", reason)
+            if route_span.is_recording():
+                route_span.set_attribute("kvroute.policy", self.policy.name)
+                route_span.set_attribute("kvroute.prompt_tokens", prompt_tokens)
+                route_span.set_attribute("kvroute.worker_id", decision.worker_id)
+                route_span.set_attribute("kvroute.cached_tokens", decision.cached_tokens)
+                route_span.set_attribute("kvroute.fail_open", decision.fail_open)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         return decision
+
+    def _failed_open(self, reason: str) -> None:
+        self.metrics.fail_open.inc()
 
     async def _query(self, model: str, chains: dict[int, list[int]],
                      lora_name: str) -> tuple[pb.WorkerColumns | None, str]:

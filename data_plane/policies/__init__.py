@@ -8,11 +8,15 @@
 The interface (`Candidate`, `RoutingInput`, `Choice`, `RoutingPolicy`) is defined in `base.py`
 and re-exported here; one module per policy family, each policy's docstring gives its formula:
 
-    load_balancing  round_robin, random, least_loaded  (neither prompt nor index)
-    kv_aware        kv_aware                           (the index: KvAwareParams)
-    session         session                            (rendezvous hashing on the session key)
-    chwbl           chwbl                              (KubeAI's PrefixHash on the first tokens)
-    approx_tree     approx_tree                        (SGLang router's cache_aware radix tree)
+    module          policies                           reads                       `needs`
+    load_balancing  round_robin, random, least_loaded  load only                   nothing
+    session         session                            the session key, load       nothing
+    chwbl           chwbl                              the first prompt tokens     tokens
+    approx_tree     approx_tree                        the prompt's tokens         tokens
+    kv_aware        kv_aware                           the index (KvAwareParams)   tokens, block keys, index
+
+A policy declares what it reads (`needs: PolicyNeeds`); the request path tokenizes, hashes and
+queries only for a policy that needs it.
 
 Policies are pure (no I/O, no clock), so the fleet simulator drives exactly the code the router
 runs. Every policy that compares scores breaks ties uniformly at random with its own
@@ -25,14 +29,14 @@ from __future__ import annotations
 from dataclasses import fields
 
 from kvroute.data_plane.policies.approx_tree import ApproxTree, PromptTree
-from kvroute.data_plane.policies.base import Candidate, Choice, RoutingInput, RoutingPolicy, request_load
+from kvroute.data_plane.policies.base import Candidate, Choice, PolicyNeeds, RoutingInput, RoutingPolicy, request_load
 from kvroute.data_plane.policies.chwbl import PrefixHashBoundedLoad
 from kvroute.data_plane.policies.kv_aware import KvAware, KvAwareParams, parse_kv_aware_params
 from kvroute.data_plane.policies.load_balancing import LeastLoaded, RandomPolicy, RoundRobin
 from kvroute.data_plane.policies.session import SessionAffinity
 
 __all__ = ["POLICIES", "ApproxTree", "Candidate", "Choice", "KvAware", "KvAwareParams", "LeastLoaded",
-           "PrefixHashBoundedLoad", "PromptTree", "RandomPolicy", "RoundRobin", "RoutingInput", "RoutingPolicy",
+           "PolicyNeeds", "PrefixHashBoundedLoad", "PromptTree", "RandomPolicy", "RoundRobin", "RoutingInput", "RoutingPolicy",
            "SessionAffinity", "make_policy", "parse_kv_aware_params", "request_load"]
 
 POLICIES: dict[str, type] = {

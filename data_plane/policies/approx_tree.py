@@ -11,6 +11,7 @@ from collections.abc import Collection, Sequence
 
 from kvroute.block_keys import pack_token_ids
 from kvroute.data_plane.policies.base import (
+    NEEDS_TOKENS,
     Candidate,
     Choice,
     RoutingInput,
@@ -195,6 +196,7 @@ class ApproxTree:
     that leave the fleet keep their (bounded) share of the tree until evicted. Scores: 0 for the
     chosen worker, 1 + load for the rest."""
     name = "approx_tree"
+    needs = NEEDS_TOKENS
 
     def __init__(self, cache_threshold: float = APPROX_CACHE_THRESHOLD,
                  balance_abs_threshold: int = APPROX_BALANCE_ABS_THRESHOLD,

@@ -42,6 +42,22 @@ class RoutingInput:
     chains: Mapping[int, Sequence[int]] = field(default_factory=dict)  # block size -> the prompt's block keys
 
 
+@dataclass(frozen=True, slots=True)
+class PolicyNeeds:
+    """What a policy reads, so the request path does only that work: `tokens` = the prompt's token
+    ids (tokenizing), `block_keys` = its block keys per block size, `index` = the control plane's
+    answer (a query). Without `index`, candidates come from the known fleet and this router's
+    in-flight state; without `tokens`, `RoutingInput.token_ids` is empty and `prompt_tokens` 0."""
+    tokens: bool = False
+    block_keys: bool = False
+    index: bool = False
+
+
+NEEDS_NOTHING = PolicyNeeds()
+NEEDS_TOKENS = PolicyNeeds(tokens=True)
+NEEDS_INDEX = PolicyNeeds(tokens=True, block_keys=True, index=True)
+
+
 @dataclass(slots=True)
 class Choice:
     worker: Candidate
@@ -50,6 +66,7 @@ class Choice:
 
 class RoutingPolicy(Protocol):
     name: str
+    needs: PolicyNeeds
 
     def choose(self, request: RoutingInput, candidates: list[Candidate]) -> Choice: ...
 

@@ -10,7 +10,7 @@ from array import array
 
 import xxhash
 
-from kvroute.data_plane.policies.base import Candidate, Choice, RoutingInput, request_load, require_candidates
+from kvroute.data_plane.policies.base import NEEDS_TOKENS, Candidate, Choice, RoutingInput, request_load, require_candidates
 
 # KubeAI's PrefixHash defaults (its Model CRD, loadBalancing.prefixHash): meanLoadFactor 125 (%),
 # replication 256 (virtual nodes per endpoint), prefixCharLength 100. KubeAI hashes the first 100
@@ -37,6 +37,7 @@ class PrefixHashBoundedLoad:
     `seed`/`rng` are accepted for a uniform make_policy call). Scores: 0 for the chosen worker,
     1 + the ring-walk position for the rest (a retry continues the walk)."""
     name = "chwbl"
+    needs = NEEDS_TOKENS
 
     def __init__(self, prefix_tokens: int = CHWBL_PREFIX_TOKENS, load_factor: float = CHWBL_LOAD_FACTOR,
                  replication: int = CHWBL_REPLICATION, seed: int | None = None, rng: random.Random | None = None) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 
 import xxhash
 
-from kvroute.data_plane.policies.base import Candidate, Choice, RoutingInput, make_rng, require_candidates
+from kvroute.data_plane.policies.base import NEEDS_INDEX, Candidate, Choice, RoutingInput, make_rng, require_candidates
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +97,7 @@ class KvAware:
     two routers deciding on the same new prefix at the same instant still agree; the seeded
     `random.Random` only when the prompt has no full block. Never "always the first worker"."""
     name = "kv_aware"
+    needs = NEEDS_INDEX
 
     def __init__(self, params: KvAwareParams | None = None, seed: int | None = None,
                  rng: random.Random | None = None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 from kvroute.data_plane.policies.base import (
+    NEEDS_NOTHING,
     Candidate,
     Choice,
     RoutingInput,
@@ -22,6 +23,7 @@ class RoundRobin:
     Scores are the position in the rotation from the chosen worker (0, 1, 2...), so a retry goes
     to the next worker in the cycle."""
     name = "round_robin"
+    needs = NEEDS_NOTHING
 
     def __init__(self) -> None:
         self._next: dict[str, int] = {}
@@ -39,6 +41,7 @@ class RoundRobin:
 class RandomPolicy:
     """Uniformly random (seeded or injected `random.Random`); all scores 0."""
     name = "random"
+    needs = NEEDS_NOTHING
 
     def __init__(self, seed: int | None = None, rng: random.Random | None = None) -> None:
         self._rng = make_rng(seed, rng)
@@ -51,6 +54,7 @@ class RandomPolicy:
 class LeastLoaded:
     """Fewest requests (`request_load`). Ignores the cache."""
     name = "least_loaded"
+    needs = NEEDS_NOTHING
 
     def __init__(self, seed: int | None = None, rng: random.Random | None = None) -> None:
         self._rng = make_rng(seed, rng)

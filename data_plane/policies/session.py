@@ -6,7 +6,7 @@ import random
 
 import xxhash
 
-from kvroute.data_plane.policies.base import Candidate, Choice, RoutingInput, make_rng, require_candidates
+from kvroute.data_plane.policies.base import NEEDS_NOTHING, Candidate, Choice, RoutingInput, make_rng, require_candidates
 from kvroute.data_plane.policies.load_balancing import LeastLoaded
 
 
@@ -20,6 +20,7 @@ class SessionAffinity:
     Requests without a session key go to the least loaded worker (LeastLoaded, seeded tie-break).
     Scores are the rendezvous rank (0 = chosen): a retry goes where the session would move."""
     name = "session"
+    needs = NEEDS_NOTHING
 
     def __init__(self, seed: int | None = None, rng: random.Random | None = None) -> None:
         self._least = LeastLoaded(rng=make_rng(seed, rng))

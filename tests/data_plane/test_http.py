@@ -30,6 +30,7 @@ from kvroute.data_plane.proxy import BackendProxy
 from kvroute.data_plane.request_prep import RequestPreparer
 from kvroute.data_plane.routing import Router
 from kvroute.data_plane.tokenization import PromptTokenizer, load_tokenizer
+from kvroute.telemetry import install_tracer_provider
 from kvroute.tools.local_cluster import free_port
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
@@ -46,7 +47,7 @@ def _install_tracing() -> InMemorySpanExporter:
     provider = trace.get_tracer_provider()
     if not isinstance(provider, TracerProvider):
         provider = TracerProvider()
-        trace.set_tracer_provider(provider)
+        install_tracer_provider(provider)
     if not getattr(provider, "_kvroute_test_exporter", False):
         provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
         provider._kvroute_test_exporter = True  # type: ignore[attr-defined]
@@ -684,3 +685,35 @@ async def test_expect_100_continue_under_the_cap_is_served(stack: Stack) -> None
         assert resp.status == 200 and (await resp.json())["backend"] in "AB"
     async with stack.session.post(stack.url + "/v1/completions", data=b"{not json", expect100=True) as resp:
         assert resp.status == 400 and (await resp.json())["error"]["type"] == "invalid_request_error"
+
+
+# ---------------------------------------------------------------- only the work the policy needs
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "random", "least_loaded", "session"])
+async def test_load_policies_neither_tokenize_nor_query_a_proxied_request(tiny_model_dir, policy: str) -> None:
+    s = await make_stack(tiny_model_dir, policy=policy)
+    try:
+        chars, queries = s.tokenizer.tokenized_chars, len(s.cp.queries)
+        for body in (completion(), {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}):
+            status, headers, answer = await s.post("/v1/chat/completions" if "messages" in body else "/v1/completions",
+                                                   body)
+            assert status == 200 and headers["x-kvroute-worker"] in ("A", "B"), answer
+        assert (s.tokenizer.tokenized_chars, len(s.cp.queries)) == (chars, queries)
+        # Bad input is still refused, a prompt too long by its characters alone too.
+        status, _, answer = await s.post("/v1/chat/completions", {"model": MODEL, "messages": []})
+        assert status == 400 and answer["error"]["param"] == "messages"
+        status, _, answer = await s.post("/v1/completions", completion(prompt="x" * 10_000_000))
+        assert status in (400, 413), answer
+        status, _, answer = await s.post("/v1/completions", completion(prompt=list(range(200_000))))
+        assert status == 400 and answer["error"]["code"] == "context_length_exceeded"
+        assert s.router.inflight.snapshot() == {}
+    finally:
+        await close_stack(s)
+
+
+async def test_kv_aware_tokenizes_and_queries_once_per_request(stack: Stack) -> None:
+    chars, queries = stack.tokenizer.tokenized_chars, len(stack.cp.queries)
+    status, _, _ = await stack.post("/v1/completions", completion())
+    assert status == 200
+    assert stack.tokenizer.tokenized_chars > chars and len(stack.cp.queries) == queries + 1
