@@ -25,7 +25,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8080, help="OpenAI-compatible HTTP port")
     p.add_argument("--grpc-port", type=int, default=50052, help="gRPC Route port (0 = off)")
     p.add_argument("--query-timeout-ms", type=float, default=5.0,
-                   help="deadline of the control-plane query; past it the router decides on load alone")
+                   help="shortest deadline of the control-plane query; past the deadline the router decides on "
+                        "load alone")
+    p.add_argument("--query-timeout-max-ms", type=float, default=50.0,
+                   help="longest deadline: the deadline is --query-timeout-factor x the p99 of recent query "
+                        "latencies (late answers included), clamped to [--query-timeout-ms, this]; until 32 "
+                        "latencies are known it is this")
+    p.add_argument("--query-timeout-factor", type=float, default=3.0,
+                   help="deadline = this x recent query p99 (0: a fixed deadline of --query-timeout-ms)")
     p.add_argument("--kv-aware-param", action="append", default=[], metavar="NAME=VALUE",
                    help="override one of kv_aware's weights for this router's model, repeatable (names and "
                         "meaning: kvroute.data_plane.policies.KvAwareParams, e.g. recompute_weight=0.5, load_bound=1.5)")
@@ -94,6 +101,7 @@ async def serve(args: argparse.Namespace) -> int:
     from kvroute.data_plane.metrics import RouterMetrics
     from kvroute.data_plane.policies import make_policy, parse_kv_aware_params
     from kvroute.data_plane.proxy import BackendProxy
+    from kvroute.data_plane.query_deadline import QueryDeadline
     from kvroute.data_plane.request_prep import RequestPreparer
     from kvroute.data_plane.routing import Router
     from kvroute.data_plane.stage_timing import StageSamples
@@ -111,9 +119,10 @@ async def serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvroute router: error: {exc}") from None
     if kv_params and args.policy != "kv_aware":
         raise SystemExit("kvroute router: error: --kv-aware-param needs --policy kv_aware")
-    control_plane = ControlPlaneClient(args.control_plane, args.query_timeout_ms / 1000,
-                                       static_workers=_parse_static(args.static_workers), router_id=args.router_id,
-                                       use_session=not args.no_router_session)
+    deadline = QueryDeadline(args.query_timeout_ms / 1000, args.query_timeout_max_ms / 1000, args.query_timeout_factor)
+    control_plane = ControlPlaneClient(args.control_plane, static_workers=_parse_static(args.static_workers),
+                                       router_id=args.router_id, use_session=not args.no_router_session,
+                                       query_deadline=deadline)
     # Built once: the proxy writes in-flight state and backend failures, decisions read them.
     inflight = RouterInflight(control_plane.session)
     health = BackendHealth()
@@ -145,9 +154,10 @@ async def serve(args: argparse.Namespace) -> int:
             # grpc.health.v1 says what GET /ready says (data_plane/readiness.py)
             health_task = asyncio.create_task(grpc_server.follow(lambda: http.readiness().ready))
         control_plane.start()  # after the listeners: a port in use is the only line printed
-        log.info("router ready: http://%s:%d grpc=%s policy=%s model=%s control-plane=%s query-timeout=%gms%s",
-                 args.host, http_port, args.grpc_port or "off", args.policy, model, args.control_plane,
-                 args.query_timeout_ms, "".join(f" {k}={v:g}" for k, v in kv_params.items()))
+        log.info("router ready: http://%s:%d grpc=%s policy=%s model=%s control-plane=%s "
+                 "query-timeout=%g-%gms (x%g recent p99)%s", args.host, http_port, args.grpc_port or "off",
+                 args.policy, model, args.control_plane, args.query_timeout_ms, args.query_timeout_max_ms,
+                 args.query_timeout_factor, "".join(f" {k}={v:g}" for k, v in kv_params.items()))
         log.info("%s", http.prompt_bound_note)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

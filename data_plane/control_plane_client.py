@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvroute.data_plane.query_deadline import QueryDeadline
 from kvroute.data_plane.router_session import RouterSessionLink, SessionUnavailable, cancel_and_wait
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
@@ -43,14 +44,19 @@ class KnownWorker:
 class ControlPlaneClient:
     def __init__(self, address: str, query_timeout_s: float = 0.005, refresh_interval_s: float = 0.5,
                  static_workers: dict[str, str] | None = None, static_block_size: int = 16,
-                 router_id: str | None = None, use_session: bool = True) -> None:
+                 router_id: str | None = None, use_session: bool = True,
+                 query_deadline: QueryDeadline | None = None) -> None:
+        """`query_deadline`: an adaptive deadline (`query_deadline.py`); without one the deadline is
+        `query_timeout_s`, fixed."""
         self.address = address
-        self.query_timeout_s = query_timeout_s
+        self.query_deadline = query_deadline or QueryDeadline.fixed(query_timeout_s)
         self.refresh_interval_s = refresh_interval_s
         self._channel = grpc.aio.insecure_channel(address, options=[
             ("grpc.max_receive_message_length", 64 * 1024 * 1024)])
         self._stub = pb_grpc.ControlPlaneStub(self._channel)
         self.session = RouterSessionLink(self._stub, router_id) if use_session else None
+        if self.session is not None:  # answers past the deadline still tell how slow the host is
+            self.session.on_late_answer = self.query_deadline.observe
         self.fleet: dict[str, KnownWorker] = {}
         self.fleet_updated_at = 0.0  # monotonic time of the last successful ListWorkers; 0 = never
         self.reachable = False       # did the last ListWorkers succeed
@@ -155,15 +161,21 @@ class ControlPlaneClient:
         """Matched prefix, tiers, load and other routers' reservations of every live worker of
         `model` (serving `lora_name` if given), as columns; `chains` maps block size -> keys.
 
-        Raises TimeoutError past `query_timeout_s` on the session, grpc.aio.AioRpcError on the
-        unary path (DEADLINE_EXCEEDED, UNAVAILABLE...)."""
+        Raises TimeoutError past the deadline (`query_deadline.seconds`) on the session,
+        grpc.aio.AioRpcError on the unary path (DEADLINE_EXCEEDED, UNAVAILABLE...)."""
         message = query_message(model, chains, lora_name)
+        deadline = self.query_deadline
+        timeout_s = deadline.seconds
+        started = time.perf_counter()
         if self.session is not None and self.session.connected:
             try:
-                return (await self.session.query(message, self.query_timeout_s)).columns
+                columns = (await self.session.query(message, timeout_s)).columns
+                deadline.observe(time.perf_counter() - started)
+                return columns
             except SessionUnavailable:
                 pass  # lost just now: the unary call below still has a chance
-        response = await self._stub.Query(message.query, timeout=self.query_timeout_s)
+        response = await self._stub.Query(message.query, timeout=timeout_s)
+        deadline.observe(time.perf_counter() - started)
         return response.columns
 
 

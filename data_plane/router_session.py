@@ -24,6 +24,9 @@ import itertools
 import logging
 import os
 import socket
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -32,6 +35,7 @@ from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvroute.router.session")
+_MAX_LATE = 1024  # queries past their deadline whose answer is still awaited (for its latency)
 
 
 class SessionUnavailable(RuntimeError):
@@ -72,6 +76,9 @@ class RouterSessionLink:
         self._outbox_ready = asyncio.Event()
         self._write_lock = asyncio.Lock()
         self._pending: dict[int, asyncio.Future] = {}
+        # Queries given up on (past their deadline): id -> when sent, so their late answer is timed.
+        self._late: OrderedDict[int, float] = OrderedDict()
+        self.on_late_answer: Callable[[float], None] | None = None  # seconds from send to a late answer
         self._query_ids = itertools.count(1)
         self._reservation_ids = itertools.count(1)
         self._live: dict[int, _Live] = {}
@@ -105,14 +112,21 @@ class RouterSessionLink:
             raise SessionUnavailable("router session is not connected")
         query_id = next(self._query_ids)
         message.query.query_id = query_id
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self._pending[query_id] = future
+        sent = time.perf_counter()
         try:
             async with asyncio.timeout(timeout_s):
                 await self._write(message)
                 return await future
         except grpc.aio.AioRpcError as exc:
             raise SessionUnavailable(f"router session lost: {exc.code().name}") from None
+        except TimeoutError:
+            self._late[query_id] = sent
+            if len(self._late) > _MAX_LATE:
+                self._late.popitem(last=False)
+            raise
         finally:
             self._pending.pop(query_id, None)
 
@@ -216,6 +230,10 @@ class RouterSessionLink:
                     future = self._pending.get(reply.result.query_id)
                     if future is not None and not future.done():
                         future.set_result(reply.result)
+                    elif self._late:
+                        sent = self._late.pop(reply.result.query_id, None)
+                        if sent is not None and self.on_late_answer is not None:
+                            self.on_late_answer(time.perf_counter() - sent)
         finally:
             self._call = None
             self.connected = False

@@ -39,11 +39,25 @@ from kvroute.data_plane.metrics import RouterMetrics
 from kvroute.data_plane.policies import Candidate, RoutingInput, RoutingPolicy
 from kvroute.data_plane.prompt_keys import PromptKeyCache
 from kvroute.data_plane.stage_timing import StageClock
+from kvroute.rate_limited_log import RateLimitedLog
 from kvroute.telemetry import span
 from kvroute.v1 import kvroute_pb2 as pb
 
 log = logging.getLogger("kvroute.router")
 tracer = trace.get_tracer("kvroute.router")
+
+
+_INDEX_REASONS = {"index has no workers for the model": "index_empty",
+                  "index answered with no known worker": "index_unknown_workers"}
+
+
+def fail_open_label(reason: str) -> str:
+    """The metric label of a fail-open reason: a bounded set (gRPC status names lower-cased)."""
+    if reason in _INDEX_REASONS:
+        return _INDEX_REASONS[reason]
+    if reason in grpc.StatusCode.__members__:
+        return reason.lower()
+    return "error"
 
 
 class NoWorkersError(RuntimeError):
@@ -92,6 +106,7 @@ class Router:
         self.health = health or BackendHealth()
         self.metrics = metrics or RouterMetrics()
         self.prompt_keys = PromptKeyCache()
+        self._log = RateLimitedLog(log)
 
     async def decide(self, model: str, token_ids: Sequence[int] | None, lora_name: str = "", cache_salt: str = "",
                      session_key: str = "", clock: StageClock | None = None) -> RouteDecision:
@@ -150,7 +165,22 @@ class Router:
         return decision
 
     def _failed_open(self, reason: str) -> None:
-        self.metrics.fail_open.inc()
+        """Count it by why, and say so in the log (at most once per cause every 5 s)."""
+        label = fail_open_label(reason)
+        self.metrics.fail_open.labels(label).inc()
+        deadline = self.control_plane.query_deadline
+        self.metrics.query_deadline_seconds.set(deadline.seconds)
+        if label == "deadline_exceeded":
+            self._log.warning(label, "deciding on load alone: the control-plane query took longer than its "
+                              "deadline (%.1f ms; recent answers p99 %.1f ms, bounds %g-%g ms: --query-timeout-ms, "
+                              "--query-timeout-max-ms); affinity is lost for these requests",
+                              deadline.seconds * 1000, deadline.recent_p99_s * 1000, deadline.min_s * 1000,
+                              deadline.max_s * 1000)
+        elif label in ("index_empty", "index_unknown_workers"):
+            self._log.warning(label, "deciding on load alone: %s (workers registering, or this router's fleet "
+                              "view is behind)", reason)
+        else:
+            self._log.warning(label, "deciding on load alone: the control-plane query failed (%s)", reason)
 
     async def _query(self, model: str, chains: dict[int, list[int]],
                      lora_name: str) -> tuple[pb.WorkerColumns | None, str]:
@@ -162,8 +192,7 @@ class Router:
         except TimeoutError:
             return None, "DEADLINE_EXCEEDED"
         except Exception as exc:  # noqa: BLE001 - never fail a request for an index reason
-            log.warning("control-plane query failed: %r; deciding on load alone", exc)
-            return None, type(exc).__name__
+            return None, f"{type(exc).__name__}: {exc}"  # logged (rate-limited) by _failed_open
         if not columns.worker_id:  # e.g. a restarted control plane whose agents have not re-registered yet
             return None, "index has no workers for the model"
         return columns, ""

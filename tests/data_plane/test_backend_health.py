@@ -8,6 +8,7 @@ from kvroute.data_plane.backend_health import BackendHealth
 from kvroute.data_plane.control_plane_client import KnownWorker
 from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.policies import make_policy
+from kvroute.data_plane.query_deadline import QueryDeadline
 from kvroute.data_plane.routing import Router
 from kvroute.v1 import kvroute_pb2 as pb
 
@@ -29,6 +30,7 @@ def test_a_failed_worker_sits_out_its_cooldown_then_comes_back() -> None:
 class _Fleet:
     """A control plane that knows two workers and whose index is down (decisions fail open)."""
     reachable = True
+    query_deadline = QueryDeadline.fixed(0.005)
 
     def workers_for(self, model: str, lora_name: str = "") -> list[KnownWorker]:
         return [KnownWorker(w, model, f"http://{w}", 16, pb.WorkerLoad()) for w in ("a", "b")]

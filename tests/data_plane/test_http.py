@@ -717,3 +717,22 @@ async def test_kv_aware_tokenizes_and_queries_once_per_request(stack: Stack) -> 
     status, _, _ = await stack.post("/v1/completions", completion())
     assert status == 200
     assert stack.tokenizer.tokenized_chars > chars and len(stack.cp.queries) == queries + 1
+
+
+async def test_fail_open_is_counted_by_reason_and_named_in_the_log(tiny_model_dir, caplog) -> None:
+    s = await make_stack(tiny_model_dir, query_timeout_s=0.05)
+    try:
+        s.cp.query_delay_s = 1.0
+        for _ in range(3):
+            assert (await s.post("/v1/route", completion()))[2]["fail_open"] is True
+        s.cp.query_delay_s, s.cp.empty_query = 0.0, True
+        assert (await s.post("/v1/route", completion()))[2]["fail_open"] is True
+        async with s.session.get(s.url + "/metrics") as resp:
+            metrics = await resp.text()
+        assert 'kvroute_router_fail_open_total{reason="deadline_exceeded"} 3.0' in metrics
+        assert 'kvroute_router_fail_open_total{reason="index_empty"} 1.0' in metrics
+        warnings = [r.getMessage() for r in caplog.records if r.name == "kvroute.router" and "load alone" in r.getMessage()]
+        assert len(warnings) == 2, warnings  # one per cause: the repeats are held back
+        assert "longer than its deadline (50.0 ms" in warnings[0]
+    finally:
+        await close_stack(s)
