@@ -1,7 +1,8 @@
 """Forwarding a request to the chosen engine (the last step of a request's path).
 
 `BackendProxy.forward(request, path, body, decision, prompt_tokens)`:
-- sends the client's *original* body bytes to `<endpoint><path>` with the client's headers
+- sends the client's *original* body bytes to `<endpoint><path>` (`upstream.py`: pooled keep-alive
+  connections per engine) with the client's headers
   (minus hop-by-hop ones) and a W3C `traceparent` injected inside a `kvroute.proxy` client span;
 - waits for the backend's first body byte, then streams the rest through chunk by chunk (SSE, or
   any body without a Content-Length), or, for a body with a Content-Length up to 1 MiB (a
@@ -38,6 +39,7 @@ from kvroute.data_plane.metrics import RouterMetrics
 from kvroute.data_plane.policies import Candidate
 from kvroute.data_plane.routing import RouteDecision
 from kvroute.data_plane.stage_timing import StageClock
+from kvroute.data_plane.upstream import UpstreamPool, UpstreamResponse
 from kvroute.rate_limited_log import RateLimitedLog
 from kvroute.telemetry import span, tracing_active
 
@@ -59,7 +61,7 @@ _HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "pro
 class _Failed(Exception):
     """This attempt failed before anything reached the client (safe to retry elsewhere)."""
 
-    def __init__(self, reason: str, upstream: aiohttp.ClientResponse | None = None, body: bytes = b"") -> None:
+    def __init__(self, reason: str, upstream: UpstreamResponse | None = None, body: bytes = b"") -> None:
         super().__init__(reason)
         self.upstream, self.body = upstream, body
 
@@ -69,19 +71,18 @@ class BackendProxy:
                  connect_timeout_s: float = 2.0, read_timeout_s: float = 1800.0) -> None:
         self.inflight, self.health, self.metrics = inflight, health, metrics
         self.max_attempts = max_attempts  # 0 = every candidate
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
-        self._session: aiohttp.ClientSession | None = None
+        self._timeouts = (connect_timeout_s, read_timeout_s)
+        self._pool: UpstreamPool | None = None
         self._log = RateLimitedLog(log)  # every engine down = a few lines per request otherwise
         self._served: dict[tuple[str, str], Counter] = {}
 
     async def open(self) -> None:
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=self._timeout,
-                                              auto_decompress=False)
+        self._pool = UpstreamPool(*self._timeouts)
 
     async def close(self) -> None:
-        if self._session:
-            await self._session.close()
-            self._session = None
+        if self._pool:
+            await self._pool.close()
+            self._pool = None
 
     async def forward(self, request: web.Request, path: str, body: bytes, decision: RouteDecision,
                       prompt_tokens: int, tail: bytearray | None = None,
@@ -116,8 +117,8 @@ class BackendProxy:
         return response
 
     @staticmethod
-    def _copy_headers(upstream: aiohttp.ClientResponse, response: web.StreamResponse, worker_id: str) -> None:
-        for name, value in upstream.headers.items():
+    def _copy_headers(upstream: UpstreamResponse, response: web.StreamResponse, worker_id: str) -> None:
+        for name, value in upstream.headers:
             if name.lower() not in _HOP_HEADERS:
                 response.headers.add(name, value)
         response.headers[WORKER_HEADER] = worker_id
@@ -144,7 +145,7 @@ class BackendProxy:
     async def _attempt(self, request: web.Request, path: str, body: bytes, decision: RouteDecision,
                        candidate: Candidate, prompt_tokens: int, attempt: int, last: bool,
                        tail: bytearray | None = None, clock: StageClock | None = None) -> web.StreamResponse:
-        assert self._session is not None, "BackendProxy.open() was not called"
+        assert self._pool is not None, "BackendProxy.open() was not called"
         worker = candidate.worker_id
         url = candidate.endpoint + path
         ticket = self.inflight.start(worker, prompt_tokens - candidate.cached_tokens,
@@ -157,17 +158,17 @@ class BackendProxy:
             upstream = None
             try:
                 try:
-                    upstream = await self._session.post(url, data=body, headers=self._backend_headers(
+                    upstream = await self._pool.post(url, body, self._backend_headers(
                         request, decision.dp_ranks.get(worker)))
                     if clock is not None:
                         clock.mark("connect")
                     proxy_span.set_attribute("http.response.status_code", upstream.status)
                     if upstream.status >= 500:
                         raise _Failed(f"HTTP {upstream.status}", upstream, await upstream.read() if last else b"")
-                    first = await upstream.content.readany()  # a backend dying here is still retryable
+                    first = await upstream.readany()  # a backend dying here is still retryable
                     whole = upstream.content_length is not None and upstream.content_length <= WHOLE_BODY_BYTES
                     if whole:  # a plain JSON answer: read it all (still nothing sent, still retryable)
-                        first += await upstream.content.read()
+                        first += await upstream.read()
                 except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                     proxy_span.record_exception(exc)
                     raise _Failed(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
@@ -194,7 +195,7 @@ class BackendProxy:
                         tail += chunk
                         if len(tail) > 2 * TAIL_BYTES:
                             del tail[:-TAIL_BYTES]
-                    chunk = await upstream.content.readany()
+                    chunk = await upstream.readany()
                 await response.write_eof()
                 return response
             except _Failed as failed:
