@@ -31,9 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                            "floor, peers) and per stage inside the router, p50/p99")
     proxy.add_argument("--requests", type=int, default=2000, help="requests per target")
     proxy.add_argument("--policies", default="round_robin,kv_aware", help="kvroute routers to measure, comma-separated")
-    proxy.add_argument("--peer", action="append", default=[], choices=["smg"],
+    proxy.add_argument("--peer", action="append", default=[], choices=["smg", "vllm-router"],
                        help="also measure this router, installed from the package index into a cached venv "
-                            "(smg: SGLang's gateway, round_robin and cache_aware), repeatable")
+                            "(smg: SGLang's gateway; vllm-router: vLLM's router; each with round_robin and "
+                            "cache_aware), repeatable")
     proxy.add_argument("--engines", type=int, default=2, help="sim engines behind every router")
     inflight = sub.add_parser("inflight", help="RouterSession: how long until one router's reserve/release is "
                               "visible to another router's queries (p50/p99)")

@@ -4,6 +4,10 @@ virtualenvs and run as processes in front of the same engines.
     smg          SGLang's model gateway (`sglang-router`, Rust): `smg launch --worker-urls ...
                  --policy round_robin|cache_aware`; it needs nothing from an engine but /health (each instance
                  gets its own Prometheus port: the default one cannot be shared).
+    vllm-router  vLLM's router (`vllm-router`, Rust, a fork of the same gateway): `vllm-router
+                 --worker-urls ... --policy round_robin|cache_aware`. Neither policy asks the engine to
+                 render or tokenize (its kv_aware reads the engines' KV events instead), so it runs
+                 against sim engines as they are.
 
 Each peer's venv lives under `<cache>/peers/<package>-<version>/` (default cache: `.kvroute-cache`
 in the working directory, `KVROUTE_CACHE` overrides) and is built once with pip; later runs reuse it.
@@ -32,6 +36,7 @@ class Peer:
 
 PEERS = {
     "smg": Peer("smg", "sglang-router", "0.3.2", "smg", ("round_robin", "cache_aware")),
+    "vllm-router": Peer("vllm-router", "vllm-router", "0.1.17", "vllm-router", ("round_robin", "cache_aware")),
 }
 
 
@@ -57,10 +62,13 @@ def peer_bin(peer: Peer) -> Path:
 def start_peer(peer: Peer, policy: str, engine_urls: list[str], workdir: Path) -> tuple[ManagedProcess, str]:
     """Run the peer with `policy` in front of `engine_urls`; (its process, its base URL) once it answers."""
     port = free_port()
+    # Each instance gets its own metrics port: two instances must not share the default one.
+    common = ["--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--prometheus-host", "127.0.0.1",
+              "--prometheus-port", str(free_port()), "--worker-urls", *engine_urls]
     if peer.name == "smg":
-        argv = [str(peer_bin(peer)), "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-                "--log-level", "warn", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-                "--worker-urls", *engine_urls]  # its own metrics port: two instances must not share the default
+        argv = [str(peer_bin(peer)), "launch", "--log-level", "warn", *common]
+    elif peer.name == "vllm-router":
+        argv = [str(peer_bin(peer)), "--log-level", "warning", *common]
     else:  # pragma: no cover - PEERS names only the peers above
         raise ValueError(f"unknown peer {peer.name!r}")
     proc = ManagedProcess(f"{peer.name}-{policy}", argv, workdir / f"{peer.name}-{policy}.log")
