@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router-id", default=None,
                    help="this router's id in the control plane's shared in-flight state (default: HOST-PID)")
     p.add_argument("--no-router-session", action="store_true",
-                   help="do not share in-flight requests with other routers (unary queries only)")
+                   help="do not share in-flight requests with other routers (unary queries only); a policy that "
+                        "reads no index (all but kv_aware) never opens the session")
     p.add_argument("--max-prompt-tokens", type=int, default=131072,
                    help="reject longer prompts with a 400 (context_length_exceeded); a prompt whose text is longer "
                         "than this many tokens of the tokenizer's longest could cover is rejected without tokenizing")
@@ -119,15 +120,19 @@ async def serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvroute router: error: {exc}") from None
     if kv_params and args.policy != "kv_aware":
         raise SystemExit("kvroute router: error: --kv-aware-param needs --policy kv_aware")
+    policy = make_policy(args.policy, **kv_params)
+    # In-flight requests are shared so that other routers' index queries count them; a policy that reads
+    # no index neither queries nor announces (three messages per request, ~0.08 ms measured).
+    share_inflight = policy.needs.index and not args.no_router_session
     deadline = QueryDeadline(args.query_timeout_ms / 1000, args.query_timeout_max_ms / 1000, args.query_timeout_factor)
     control_plane = ControlPlaneClient(args.control_plane, static_workers=_parse_static(args.static_workers),
-                                       router_id=args.router_id, use_session=not args.no_router_session,
+                                       router_id=args.router_id, use_session=share_inflight,
                                        query_deadline=deadline)
     # Built once: the proxy writes in-flight state and backend failures, decisions read them.
     inflight = RouterInflight(control_plane.session)
     health = BackendHealth()
     metrics = RouterMetrics()
-    router = Router(control_plane, make_policy(args.policy, **kv_params), inflight, health, metrics)
+    router = Router(control_plane, policy, inflight, health, metrics)
     proxy = BackendProxy(inflight, health, metrics)
     capture = None
     if args.capture_trace:
