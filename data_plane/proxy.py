@@ -172,7 +172,8 @@ class BackendProxy:
                 except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                     proxy_span.record_exception(exc)
                     raise _Failed(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
-                self.inflight.first_token(ticket)
+                if not whole:  # a whole answer ends here: its release (finally) settles the prefill too,
+                    self.inflight.first_token(ticket)  # one message to the control plane instead of two
                 self._count(decision.policy, worker, prompt_tokens, candidate.cached_tokens)
                 if whole:
                     # Handed to aiohttp whole: one write with its Content-Length, no chunk loop.

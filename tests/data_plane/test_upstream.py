@@ -112,3 +112,63 @@ async def test_malformed_and_silent_engines_raise_what_the_proxy_retries_on() ->
     finally:
         await pool.close()
         server.close()
+
+
+async def test_the_control_plane_hears_one_message_for_a_whole_answer_and_two_for_a_stream() -> None:
+    from kvroute.data_plane.backend_health import BackendHealth
+    from kvroute.data_plane.inflight import RouterInflight
+    from kvroute.data_plane.metrics import RouterMetrics
+    from kvroute.data_plane.policies import Candidate
+    from kvroute.data_plane.proxy import BackendProxy
+    from kvroute.data_plane.routing import RouteDecision
+
+    class Session:  # what RouterInflight tells the router session
+        def __init__(self) -> None:
+            self.sent: list[str] = []
+
+        def reserve(self, *args) -> int:
+            self.sent.append("reserve")
+            return len(self.sent)
+
+        def prefill_done(self, reservation_id: int) -> None:
+            self.sent.append("prefill_done")
+
+        def release(self, reservation_id: int) -> None:
+            self.sent.append("release")
+
+    async def engine(request: web.Request) -> web.StreamResponse:
+        if request.path == "/json":
+            return web.json_response({"ok": True})
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b"data: 1\n\n")
+        await response.write_eof()
+        return response
+
+    engine_app = web.Application()
+    engine_app.router.add_post("/{kind}", engine)
+    engine_runner, engine_url = await _serve(engine_app)
+    session = Session()
+    proxy = BackendProxy(RouterInflight(session), BackendHealth(), RouterMetrics())  # type: ignore[arg-type]
+    decision = RouteDecision("w", engine_url, 10, 0, "kv_aware", False, [Candidate("w", engine_url, 16)])
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        return await proxy.forward(request, request.path, await request.read(), decision, 10)
+
+    app = web.Application()
+    app.router.add_post("/{kind}", forward)
+    app.on_startup.append(lambda _app: proxy.open())
+    app.on_cleanup.append(lambda _app: proxy.close())
+    runner, url = await _serve(app)
+    pool = UpstreamPool()
+    try:
+        for kind, expected in (("json", ["reserve", "release"]), ("sse", ["reserve", "prefill_done", "release"])):
+            session.sent.clear()
+            response = await pool.post(f"{url}/{kind}", b"{}", {})
+            assert response.status == 200 and await response.read()
+            response.release()
+            assert session.sent == expected, kind
+    finally:
+        await pool.close()
+        await runner.cleanup()
+        await engine_runner.cleanup()
