@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--query-timeout-ms", type=float, default=5.0,
                    help="shortest deadline of the control-plane query; past the deadline the router decides on "
                         "load alone")
-    p.add_argument("--query-timeout-max-ms", type=float, default=50.0,
+    p.add_argument("--query-timeout-max-ms", type=float, default=100.0,
                    help="longest deadline: the deadline is --query-timeout-factor x the p99 of recent query "
                         "latencies (late answers included), clamped to [--query-timeout-ms, this]; until 32 "
                         "latencies are known it is this")
