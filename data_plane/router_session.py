@@ -61,6 +61,13 @@ async def cancel_and_wait(task: asyncio.Task | None) -> None:
         log.debug("background task %s had failed: %r", task.get_name(), exc)
 
 
+def _retrieve(task: asyncio.Task) -> None:
+    """Done callback of a write nobody may await any more: its failure is the stream's (the read
+    loop reconnects), not worth a "never retrieved" warning."""
+    if not task.cancelled():
+        task.exception()
+
+
 def default_router_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -116,9 +123,14 @@ class RouterSessionLink:
         future = loop.create_future()
         self._pending[query_id] = future
         sent = time.perf_counter()
+        # The write runs as its own task: a deadline (or a client going away) that cancelled a
+        # grpc.aio write half-way would end the whole stream ("RPC already finished" for every
+        # query after it, until the reconnect); the write finishes and the answer counts as late.
+        write = loop.create_task(self._write(message))
+        write.add_done_callback(_retrieve)
         try:
             async with asyncio.timeout(timeout_s):
-                await self._write(message)
+                await asyncio.shield(write)
                 return await future
         except grpc.aio.AioRpcError as exc:
             raise SessionUnavailable(f"router session lost: {exc.code().name}") from None
