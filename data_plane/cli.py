@@ -24,15 +24,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="listen address (HTTP and gRPC)")
     p.add_argument("--port", type=int, default=8080, help="OpenAI-compatible HTTP port")
     p.add_argument("--grpc-port", type=int, default=50052, help="gRPC Route port (0 = off)")
-    p.add_argument("--query-timeout-ms", type=float, default=5.0,
+    p.add_argument("--query-timeout-ms", type=float, default=25.0,
                    help="shortest deadline of the control-plane query; past the deadline the router decides on "
-                        "load alone")
+                        "load alone (below a scheduler stall of a loaded host, tens of ms, the first stall after a "
+                        "calm stretch costs decisions)")
     p.add_argument("--query-timeout-max-ms", type=float, default=100.0,
-                   help="longest deadline: the deadline is --query-timeout-factor x the p99 of recent query "
-                        "latencies (late answers included), clamped to [--query-timeout-ms, this]; until 32 "
+                   help="longest deadline: the deadline is --query-timeout-factor x the slowest of the last 256 "
+                        "query latencies (late answers included), clamped to [--query-timeout-ms, this]; until 32 "
                         "latencies are known it is this")
-    p.add_argument("--query-timeout-factor", type=float, default=3.0,
-                   help="deadline = this x recent query p99 (0: a fixed deadline of --query-timeout-ms)")
+    p.add_argument("--query-timeout-factor", type=float, default=2.0,
+                   help="deadline = this x the slowest recent query (0: a fixed deadline of --query-timeout-ms)")
     p.add_argument("--kv-aware-param", action="append", default=[], metavar="NAME=VALUE",
                    help="override one of kv_aware's weights for this router's model, repeatable (names and "
                         "meaning: kvroute.data_plane.policies.KvAwareParams, e.g. recompute_weight=0.5, load_bound=1.5)")
@@ -160,7 +161,7 @@ async def serve(args: argparse.Namespace) -> int:
             health_task = asyncio.create_task(grpc_server.follow(lambda: http.readiness().ready))
         control_plane.start()  # after the listeners: a port in use is the only line printed
         log.info("router ready: http://%s:%d grpc=%s policy=%s model=%s control-plane=%s "
-                 "query-timeout=%g-%gms (x%g recent p99)%s", args.host, http_port, args.grpc_port or "off",
+                 "query-timeout=%g-%gms (x%g slowest recent)%s", args.host, http_port, args.grpc_port or "off",
                  args.policy, model, args.control_plane, args.query_timeout_ms, args.query_timeout_max_ms,
                  args.query_timeout_factor, "".join(f" {k}={v:g}" for k, v in kv_params.items()))
         log.info("%s", http.prompt_bound_note)

@@ -1,6 +1,6 @@
 """The control-plane query's deadline, fitted to how fast this host answers.
 
-    deadline = clamp(factor x p99 of the last `window` query latencies, min_s, max_s)
+    deadline = clamp(factor x the slowest of the last `window` query latencies, min_s, max_s)
 
 A fixed deadline that suits an idle host silently loses affinity on a loaded one (its queries run
 past it and the router decides on load alone); a long fixed one makes a hung control plane cost
@@ -10,13 +10,20 @@ loaded host's true latency), and a query that is never answered (a hung control 
 nothing, so the deadline does not grow for it. Until `warmup` latencies are known the deadline is
 `max_s`: a router started on a busy host learns the host before it shortens the wait.
 
-`factor` 0 (or max_s <= min_s) keeps the deadline fixed at `min_s`. p99 is recomputed every
-`recompute_every` latencies (a sort of `window` floats), not per query.
+The slowest, not a percentile: on a shared host the query latencies are heavy-tailed (a process
+that waits a scheduler slice for a CPU answers tens of ms late), and every query past the deadline
+is a decision without the index. Measured beside two busy loops and other jobs (load 5-7 on 2
+cores): with 3x the p99 the demo's kv_aware router still failed open 1-6 times a run, each time at
+the first stall after a calm stretch (deadline 13-28 ms, recent p99 4-9 ms); with 2x the slowest
+and a 5 ms floor, once in two runs of three (deadline 5 ms, slowest recent 2.2 ms). The router's
+floor is therefore 25 ms (`kvroute router --query-timeout-ms`).
+
+`factor` 0 (or max_s <= min_s) keeps the deadline fixed at `min_s`. The slowest is recomputed
+every `recompute_every` latencies, not per query.
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
 
 
@@ -33,7 +40,7 @@ class QueryDeadline:
         self._recent: deque[float] = deque(maxlen=window)
         self._recompute_every = recompute_every
         self._since = 0
-        self._p99 = 0.0
+        self._slowest = 0.0
         self._current = self.max_s if self.adaptive else min_s
 
     @classmethod
@@ -46,8 +53,8 @@ class QueryDeadline:
         return self._current
 
     @property
-    def recent_p99_s(self) -> float:
-        return self._p99
+    def recent_slowest_s(self) -> float:
+        return self._slowest
 
     def observe(self, seconds: float) -> None:
         """A query's answer arrived `seconds` after it was sent (on time or late)."""
@@ -58,6 +65,5 @@ class QueryDeadline:
         if len(self._recent) < self.warmup or self._since < self._recompute_every:
             return
         self._since = 0
-        ordered = sorted(self._recent)
-        self._p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
-        self._current = min(self.max_s, max(self.min_s, self.factor * self._p99))
+        self._slowest = max(self._recent)
+        self._current = min(self.max_s, max(self.min_s, self.factor * self._slowest))
