@@ -24,16 +24,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="listen address (HTTP and gRPC)")
     p.add_argument("--port", type=int, default=8080, help="OpenAI-compatible HTTP port")
     p.add_argument("--grpc-port", type=int, default=50052, help="gRPC Route port (0 = off)")
-    p.add_argument("--query-timeout-ms", type=float, default=25.0,
-                   help="shortest deadline of the control-plane query; past the deadline the router decides on "
-                        "load alone (below a scheduler stall of a loaded host, tens of ms, the first stall after a "
-                        "calm stretch costs decisions)")
+    p.add_argument("--query-timeout-ms", type=float, default=5.0,
+                   help="deadline of the control-plane query, past which the router decides on load alone; with "
+                        "--query-timeout-factor, the shortest deadline")
+    p.add_argument("--query-timeout-factor", type=float, default=0.0,
+                   help="adaptive deadline: this x the slowest of the last 256 query latencies (late answers "
+                        "included), within [--query-timeout-ms, --query-timeout-max-ms]; 0 (default) = fixed. "
+                        "On a loaded host 2 with --query-timeout-ms 25 kept every decision on the index (README)")
     p.add_argument("--query-timeout-max-ms", type=float, default=100.0,
-                   help="longest deadline: the deadline is --query-timeout-factor x the slowest of the last 256 "
-                        "query latencies (late answers included), clamped to [--query-timeout-ms, this]; until 32 "
-                        "latencies are known it is this")
-    p.add_argument("--query-timeout-factor", type=float, default=2.0,
-                   help="deadline = this x the slowest recent query (0: a fixed deadline of --query-timeout-ms)")
+                   help="longest adaptive deadline (also the deadline until 32 latencies are known)")
     p.add_argument("--kv-aware-param", action="append", default=[], metavar="NAME=VALUE",
                    help="override one of kv_aware's weights for this router's model, repeatable (names and "
                         "meaning: kvroute.data_plane.policies.KvAwareParams, e.g. recompute_weight=0.5, load_bound=1.5)")

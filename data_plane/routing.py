@@ -171,11 +171,16 @@ class Router:
         deadline = self.control_plane.query_deadline
         self.metrics.query_deadline_seconds.set(deadline.seconds)
         if label == "deadline_exceeded":
-            self._log.warning(label, "deciding on load alone: the control-plane query took longer than its "
-                              "deadline (%.1f ms; slowest recent answer %.1f ms, bounds %g-%g ms: --query-timeout-ms, "
-                              "--query-timeout-max-ms); affinity is lost for these requests",
-                              deadline.seconds * 1000, deadline.recent_slowest_s * 1000, deadline.min_s * 1000,
-                              deadline.max_s * 1000)
+            if deadline.adaptive:
+                self._log.warning(label, "deciding on load alone: the control-plane query took longer than its "
+                                  "deadline (%.1f ms; slowest recent answer %.1f ms, bounds %g-%g ms: "
+                                  "--query-timeout-ms, --query-timeout-max-ms); affinity is lost for these requests",
+                                  deadline.seconds * 1000, deadline.recent_slowest_s * 1000, deadline.min_s * 1000,
+                                  deadline.max_s * 1000)
+            else:
+                self._log.warning(label, "deciding on load alone: the control-plane query took longer than its "
+                                  "fixed deadline (%.1f ms, --query-timeout-ms; --query-timeout-factor makes it follow "
+                                  "the host); affinity is lost for these requests", deadline.seconds * 1000)
         elif label in ("index_empty", "index_unknown_workers"):
             self._log.warning(label, "deciding on load alone: %s (workers registering, or this router's fleet "
                               "view is behind)", reason)

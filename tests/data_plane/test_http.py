@@ -733,6 +733,6 @@ async def test_fail_open_is_counted_by_reason_and_named_in_the_log(tiny_model_di
         assert 'kvroute_router_fail_open_total{reason="index_empty"} 1.0' in metrics
         warnings = [r.getMessage() for r in caplog.records if r.name == "kvroute.router" and "load alone" in r.getMessage()]
         assert len(warnings) == 2, warnings  # one per cause: the repeats are held back
-        assert "longer than its deadline (50.0 ms" in warnings[0]
+        assert "longer than its fixed deadline (50.0 ms" in warnings[0]
     finally:
         await close_stack(s)
