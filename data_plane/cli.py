@@ -25,14 +25,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8080, help="OpenAI-compatible HTTP port")
     p.add_argument("--grpc-port", type=int, default=50052, help="gRPC Route port (0 = off)")
     p.add_argument("--query-timeout-ms", type=float, default=5.0,
-                   help="deadline of the control-plane query; past it the router decides on load alone")
+                   help="deadline of the control-plane query, past which the router decides on load alone; with "
+                        "--query-timeout-factor, the shortest deadline")
+    p.add_argument("--query-timeout-factor", type=float, default=0.0,
+                   help="adaptive deadline: this x the slowest of the last 256 query latencies (late answers "
+                        "included), within [--query-timeout-ms, --query-timeout-max-ms]; 0 (default) = fixed. "
+                        "On a loaded host 2 with --query-timeout-ms 25 kept every decision on the index (README)")
+    p.add_argument("--query-timeout-max-ms", type=float, default=100.0,
+                   help="longest adaptive deadline (also the deadline until 32 latencies are known)")
     p.add_argument("--kv-aware-param", action="append", default=[], metavar="NAME=VALUE",
                    help="override one of kv_aware's weights for this router's model, repeatable (names and "
                         "meaning: kvroute.data_plane.policies.KvAwareParams, e.g. recompute_weight=0.5, load_bound=1.5)")
     p.add_argument("--router-id", default=None,
                    help="this router's id in the control plane's shared in-flight state (default: HOST-PID)")
     p.add_argument("--no-router-session", action="store_true",
-                   help="do not share in-flight requests with other routers (unary queries only)")
+                   help="do not share in-flight requests with other routers (unary queries only); a policy that "
+                        "reads no index (all but kv_aware) never opens the session")
     p.add_argument("--max-prompt-tokens", type=int, default=131072,
                    help="reject longer prompts with a 400 (context_length_exceeded); a prompt whose text is longer "
                         "than this many tokens of the tokenizer's longest could cover is rejected without tokenizing")
@@ -53,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "in the trace (Mooncake's own traces use 512)")
     p.add_argument("--capture-sample-rate", type=_sample_rate, default=1.0, metavar="FLOAT",
                    help="fraction of requests to capture, in (0, 1]; deterministic (every 1/rate-th request)")
+    p.add_argument("--stage-timing", action="store_true",
+                   help="keep per-stage timings of proxied requests (parse, prepare, keys, query, score, connect, "
+                        "first_byte) and serve them at GET /debug/stages (kvroute bench proxy turns this on)")
     p.add_argument("--log-level", default="INFO", help="Python logging level")
 
 
@@ -83,12 +94,18 @@ def _parse_static(spec: str) -> dict[str, str]:
 async def serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
+    from kvroute.data_plane.backend_health import BackendHealth
     from kvroute.data_plane.control_plane_client import ControlPlaneClient
     from kvroute.data_plane.grpc_api import RouterGrpcService, add_router_service
     from kvroute.data_plane.http_api import RouterHttpApi
-    from kvroute.data_plane.load_tracker import LoadTracker
+    from kvroute.data_plane.inflight import RouterInflight
+    from kvroute.data_plane.metrics import RouterMetrics
     from kvroute.data_plane.policies import make_policy, parse_kv_aware_params
+    from kvroute.data_plane.proxy import BackendProxy
+    from kvroute.data_plane.query_deadline import QueryDeadline
+    from kvroute.data_plane.request_prep import RequestPreparer
     from kvroute.data_plane.routing import Router
+    from kvroute.data_plane.stage_timing import StageSamples
     from kvroute.data_plane.tokenization import load_tokenizer
     from kvroute.data_plane.traffic_capture import TrafficCapture
     from kvroute.listeners import GrpcListener, check_port, start_http_site
@@ -103,17 +120,28 @@ async def serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvroute router: error: {exc}") from None
     if kv_params and args.policy != "kv_aware":
         raise SystemExit("kvroute router: error: --kv-aware-param needs --policy kv_aware")
-    control_plane = ControlPlaneClient(args.control_plane, args.query_timeout_ms / 1000,
-                                       static_workers=_parse_static(args.static_workers), router_id=args.router_id,
-                                       use_session=not args.no_router_session)
-    router = Router(control_plane, make_policy(args.policy, **kv_params), LoadTracker())
+    policy = make_policy(args.policy, **kv_params)
+    # In-flight requests are shared so that other routers' index queries count them; a policy that reads
+    # no index neither queries nor announces (three messages per request, ~0.08 ms measured).
+    share_inflight = policy.needs.index and not args.no_router_session
+    deadline = QueryDeadline(args.query_timeout_ms / 1000, args.query_timeout_max_ms / 1000, args.query_timeout_factor)
+    control_plane = ControlPlaneClient(args.control_plane, static_workers=_parse_static(args.static_workers),
+                                       router_id=args.router_id, use_session=share_inflight,
+                                       query_deadline=deadline)
+    # Built once: the proxy writes in-flight state and backend failures, decisions read them.
+    inflight = RouterInflight(control_plane.session)
+    health = BackendHealth()
+    metrics = RouterMetrics()
+    router = Router(control_plane, policy, inflight, health, metrics)
+    proxy = BackendProxy(inflight, health, metrics)
     capture = None
     if args.capture_trace:
-        capture = TrafficCapture(args.capture_trace, args.capture_sample_rate, router.metrics,
+        capture = TrafficCapture(args.capture_trace, args.capture_sample_rate, metrics,
                                  block_tokens=args.capture_block_tokens)
         capture.start()
-    http = RouterHttpApi(router, tokenizer, model, args.max_prompt_tokens, capture=capture,
-                         max_body_bytes=args.max_body_bytes)
+    preparer = RequestPreparer(tokenizer, model, control_plane.adapters_of, args.max_prompt_tokens)
+    http = RouterHttpApi(router, proxy, preparer, capture=capture, max_body_bytes=args.max_body_bytes,
+                         stages=StageSamples() if args.stage_timing else None)
     # handler_cancellation: a client that goes away cancels its handler, which closes the backend
     # connection, so the engine stops generating for nobody.
     runner = web.AppRunner(http.app(), access_log=None, handler_cancellation=True)
@@ -125,15 +153,16 @@ async def serve(args: argparse.Namespace) -> int:
         if args.grpc_port:
             grpc_server = GrpcListener("--grpc-port", str(check_port("--grpc-port", args.host, args.grpc_port)),
                                        (pb.DESCRIPTOR.services_by_name["Router"].full_name,))  # + "" for grpc.health
-            add_router_service(RouterGrpcService(router, tokenizer, model, args.max_prompt_tokens, capture),
+            add_router_service(RouterGrpcService(router, preparer, capture),
                                grpc_server.server)
             await grpc_server.start(serving=http.readiness().ready)
             # grpc.health.v1 says what GET /ready says (data_plane/readiness.py)
             health_task = asyncio.create_task(grpc_server.follow(lambda: http.readiness().ready))
         control_plane.start()  # after the listeners: a port in use is the only line printed
-        log.info("router ready: http://%s:%d grpc=%s policy=%s model=%s control-plane=%s query-timeout=%gms%s",
-                 args.host, http_port, args.grpc_port or "off", args.policy, model, args.control_plane,
-                 args.query_timeout_ms, "".join(f" {k}={v:g}" for k, v in kv_params.items()))
+        log.info("router ready: http://%s:%d grpc=%s policy=%s model=%s control-plane=%s "
+                 "query-timeout=%g-%gms (x%g slowest recent)%s", args.host, http_port, args.grpc_port or "off",
+                 args.policy, model, args.control_plane, args.query_timeout_ms, args.query_timeout_max_ms,
+                 args.query_timeout_factor, "".join(f" {k}={v:g}" for k, v in kv_params.items()))
         log.info("%s", http.prompt_bound_note)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

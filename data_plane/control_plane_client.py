@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvroute.addresses import AddressRotation
+from kvroute.data_plane.query_deadline import QueryDeadline
 from kvroute.data_plane.router_session import RouterSessionLink, SessionUnavailable, cancel_and_wait
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
@@ -53,10 +54,13 @@ class KnownWorker:
 class ControlPlaneClient:
     def __init__(self, address: str, query_timeout_s: float = 0.005, refresh_interval_s: float = 0.5,
                  static_workers: dict[str, str] | None = None, static_block_size: int = 16,
-                 router_id: str | None = None, use_session: bool = True) -> None:
+                 router_id: str | None = None, use_session: bool = True,
+                 query_deadline: QueryDeadline | None = None) -> None:
+        """`query_deadline`: an adaptive deadline (`query_deadline.py`); without one the deadline is
+        `query_timeout_s`, fixed."""
         self.addresses = AddressRotation(address)
         self.address = self.addresses.next()[0]  # the replica in use
-        self.query_timeout_s = query_timeout_s
+        self.query_deadline = query_deadline or QueryDeadline.fixed(query_timeout_s)
         self.refresh_interval_s = refresh_interval_s
         self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.ControlPlaneStub]] = {}
         self.failovers = 0           # moves to another replica
@@ -66,6 +70,8 @@ class ControlPlaneClient:
         self._sessions_seen = 0
         self.session = RouterSessionLink(self._session_stub, router_id, on_lost=self._session_lost) \
             if use_session else None
+        if self.session is not None:  # answers past the deadline still tell how slow the host is
+            self.session.on_late_answer = self.query_deadline.observe
         self.fleet: dict[str, KnownWorker] = {}
         self.fleet_updated_at = 0.0  # monotonic time of the last successful ListWorkers; 0 = never
         self.reachable = False       # did the last ListWorkers succeed
@@ -232,27 +238,34 @@ class ControlPlaneClient:
         """Matched prefix, tiers, load and other routers' reservations of every live worker of
         `model` (serving `lora_name` if given), as columns; `chains` maps block size -> keys.
 
-        Raises TimeoutError past `query_timeout_s` on the session, grpc.aio.AioRpcError on the
-        unary path (DEADLINE_EXCEEDED, UNAVAILABLE...)."""
+        Raises TimeoutError past the deadline (`query_deadline.seconds`) on the session,
+        grpc.aio.AioRpcError on the unary path (DEADLINE_EXCEEDED, UNAVAILABLE...)."""
         message = query_message(model, chains, lora_name)
+        deadline = self.query_deadline
+        timeout_s = deadline.seconds
+        started = time.perf_counter()
         if self.session is not None and self.session.connected:
             try:
-                return (await self.session.query(message, self.query_timeout_s)).columns
+                columns = (await self.session.query(message, timeout_s)).columns
+                deadline.observe(time.perf_counter() - started)
+                return columns
             except SessionUnavailable:
                 pass  # lost just now: the unary call below still has a chance
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.query_timeout_s
+        give_up_at = loop.time() + timeout_s
         tried: set[str] = set()
         while True:  # the next replicas, within what is left of the deadline
             address = self.address
             tried.add(address)
             try:
-                response = await self._stub_for(address).Query(message.query, timeout=max(1e-4, deadline - loop.time()))
+                response = await self._stub_for(address).Query(message.query,
+                                                               timeout=max(1e-4, give_up_at - loop.time()))
+                deadline.observe(time.perf_counter() - started)
                 return response.columns
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise  # a slow answer (DEADLINE_EXCEEDED) is a busy replica, not a gone one: stay
-                if not self._failover(address) or self.address in tried or loop.time() >= deadline:
+                if not self._failover(address) or self.address in tried or loop.time() >= give_up_at:
                     raise
 
 

@@ -1,7 +1,8 @@
 """gRPC `kvroute.v1.Router/Route`: the same decision as POST /v1/route (nothing is forwarded).
 
 Input is one of `prompt` (tokenized like /v1/completions), `token_ids`, or chat `messages`
-(rendered with the model's chat template, generation prompt added, like /v1/chat/completions).
+(rendered with the model's chat template, generation prompt added, like /v1/chat/completions);
+`route_input` hands it to the request preparation HTTP uses too (`request_prep.py`).
 Bad input -> INVALID_ARGUMENT (also a request whose strings are not valid UTF-8, which protobuf
 refuses to parse: `add_router_service` registers a deserializer that hands that to `Route`
 instead of failing with UNKNOWN), unknown model -> NOT_FOUND, no worker known -> UNAVAILABLE, an
@@ -10,22 +11,23 @@ unexpected exception -> INTERNAL with a generic message and the traceback in the
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Callable
-from functools import partial
 
 import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import propagate, trace
 
+from kvroute.data_plane.request_prep import PrepareError, RequestPreparer, RouteInput
 from kvroute.data_plane.routing import NoWorkersError, RouteDecision, Router
-from kvroute.data_plane.tokenization import THREAD_TOKENIZE_CHARS, PromptTokenizer, TokenizationError
 from kvroute.data_plane.traffic_capture import TrafficCapture
+from kvroute.telemetry import span, tracing_active
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
 tracer = trace.get_tracer("kvroute.router")
+# PrepareError.kind -> status
+_PREPARE_STATUS = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "model_not_found": grpc.StatusCode.NOT_FOUND,
+                   "too_long": grpc.StatusCode.INVALID_ARGUMENT}
 log = logging.getLogger("kvroute.router.grpc")
 
 
@@ -47,16 +49,15 @@ def add_router_service(service: RouterGrpcService, server: grpc.aio.Server) -> N
 
 
 class RouterGrpcService(pb_grpc.RouterServicer):
-    def __init__(self, router: Router, tokenizer: PromptTokenizer, model: str, max_prompt_tokens: int = 131072,
-                 capture: TrafficCapture | None = None) -> None:
-        self.router, self.tokenizer, self.model, self.max_prompt_tokens = router, tokenizer, model, max_prompt_tokens
+    def __init__(self, router: Router, preparer: RequestPreparer, capture: TrafficCapture | None = None) -> None:
+        self.router, self.preparer, self.model = router, preparer, preparer.model
         self.capture = capture  # a Route call is a decision for a request served elsewhere: record it too
 
     async def Route(self, request: pb.RouteRequest | DecodeError,
                     context: grpc.aio.ServicerContext) -> pb.RouteResponse:
-        carrier = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
-        with tracer.start_as_current_span("kvroute.v1.Router/Route", context=propagate.extract(carrier),
-                                          kind=trace.SpanKind.SERVER):
+        carrier = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)} \
+            if tracing_active() else {}
+        with span(tracer, "kvroute.v1.Router/Route", context=propagate.extract(carrier), kind=trace.SpanKind.SERVER):
             if isinstance(request, DecodeError):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"the RouteRequest does not parse ({request}): its strings must be valid UTF-8 "
@@ -72,48 +73,33 @@ class RouterGrpcService(pb_grpc.RouterServicer):
 
     async def _route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         arrived = self.capture.sample_arrival() if self.capture else None
-        if not request.model:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "'model' is required")
-        adapter = request.model != self.model
-        if adapter and request.model not in self.router.control_plane.adapters_of(self.model):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"The model `{request.model}` does not exist.")
         try:
-            tokens = await self._tokens(request)
-        except TokenizationError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if len(tokens) > self.max_prompt_tokens:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"prompt has {len(tokens)} tokens, more than this router accepts "
-                                f"({self.max_prompt_tokens}; see --max-prompt-tokens)")
+            prepared = await self.preparer.prepare(route_input(request))
+        except PrepareError as exc:
+            await context.abort(_PREPARE_STATUS[exc.kind], str(exc))
         try:
-            lora_name = request.model if adapter else request.lora_name
-            decision = await self.router.decide(self.model, tokens, lora_name, request.cache_salt)
+            decision = await self.router.decide(self.model, prepared.token_ids, prepared.lora_name, prepared.cache_salt)
         except NoWorkersError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         if self.capture and arrived is not None:  # RouteRequest has no output budget: output_length 0
-            self.capture.record(arrived, tokens, 0, self.model, lora_name, request.cache_salt)
+            self.capture.record(arrived, prepared.token_ids, 0, self.model, prepared.lora_name, prepared.cache_salt)
         return to_route_response(decision)
 
-    async def _tokens(self, request: pb.RouteRequest) -> list[int]:
-        kind = request.WhichOneof("input")
-        if kind == "prompt":
-            return await self._run(len(request.prompt), partial(
-                self.tokenizer.encode_prompt, request.prompt, max_tokens=self.max_prompt_tokens))
-        if kind == "token_ids":
-            if not request.token_ids.ids:
-                raise TokenizationError("'token_ids' must not be empty")
-            return list(request.token_ids.ids)
-        if kind == "messages":
-            messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
-            if not messages:
-                raise TokenizationError("'messages' must not be empty")
-            return await self._run(sum(len(m["content"]) for m in messages), partial(
-                self.tokenizer.encode_chat, messages, max_tokens=self.max_prompt_tokens))
-        raise TokenizationError("one of 'prompt', 'token_ids' or 'messages' is required")
 
-    @staticmethod
-    async def _run(size: int, encode: Callable[[], list[int]]) -> list[int]:
-        return await asyncio.to_thread(encode) if size > THREAD_TOKENIZE_CHARS else encode()
+def route_input(request: pb.RouteRequest) -> RouteInput:
+    """What request preparation takes, from a RouteRequest (its `input` oneof)."""
+    kind = request.WhichOneof("input")
+    parsed = RouteInput(request.model, lora_name=request.lora_name, cache_salt=request.cache_salt,
+                        missing_prompt="one of 'prompt', 'token_ids' or 'messages' is required")
+    if kind == "prompt":
+        parsed.kind, parsed.prompt = "completions", request.prompt
+    elif kind == "token_ids":
+        parsed.prompt = list(request.token_ids.ids) or None
+        parsed.missing_prompt = "'token_ids' must not be empty"
+    elif kind == "messages":
+        parsed.kind = "chat"
+        parsed.messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+    return parsed
 
 
 def to_route_response(d: RouteDecision) -> pb.RouteResponse:

@@ -1,8 +1,10 @@
 """OpenAI-compatible HTTP front of the router: where a request's path starts.
 
     POST /v1/chat/completions, /v1/completions
-        _parse: JSON body -> validate -> token ids (tokenization.py: the model's own tokenizer
-                and chat template)
+        _parse: JSON body -> the routing fields (model, prompt or messages, adapter, salt,
+                session key)
+        RequestPreparer.prepare (request_prep.py, shared with gRPC): model/adapter check,
+                token ids (the model's own tokenizer and chat template), length check
         Router.decide (routing.py): block keys per block size -> control-plane query -> policy
                 (session key for the session policy: `x-session-id` header, else the body's `user`)
         BackendProxy.forward (proxy.py): the original body to the chosen engine, streamed back
@@ -18,11 +20,12 @@ character bound (`char_bound.py`), so megabytes of text are never tokenized to f
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
+from typing import Any
 
 import aiohttp
+import msgspec
 from aiohttp import web
 from opentelemetry import propagate, trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -30,26 +33,62 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvroute.data_plane.http_errors import error_response, openai_errors
 from kvroute.data_plane.proxy import BackendProxy
 from kvroute.data_plane.readiness import RouterReadiness, router_readiness
+from kvroute.data_plane.request_prep import PrepareError, RequestPreparer, RouteInput
 from kvroute.data_plane.routing import NoWorkersError, Router
-from kvroute.data_plane.tokenization import (
-    THREAD_TOKENIZE_CHARS,
-    PromptTokenizer,
-    PromptTooLong,
-    TokenizationError,
-    lone_surrogate,
-)
+from kvroute.data_plane.stage_timing import StageSamples
+from kvroute.data_plane.tokenization import lone_surrogate
 from kvroute.data_plane.traffic_capture import TrafficCapture, reported_output_tokens, requested_output_tokens
+from kvroute.telemetry import tracing_active
 
 log = logging.getLogger("kvroute.router.http")
 tracer = trace.get_tracer("kvroute.router")
 
 SESSION_HEADER = "x-session-id"
-_RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
 # 131072 tokens of chat as JSON is ~0.5 MB of English, ~1.2 MB of CJK written as \uXXXX escapes
 # (Python's json.dumps default): 4 MiB is three times the worst of those. Inline images
 # (base64 content parts, not tokenized here) may need more: --max-body-bytes.
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 _ROUTING_FIELDS = ("model", "lora_name", "cache_salt", "user")  # strings the router hashes or compares
+# PrepareError.kind -> (HTTP status, OpenAI error code)
+_PREPARE_STATUS = {"invalid": (400, None), "model_not_found": (404, "model_not_found"),
+                   "too_long": (400, "context_length_exceeded")}
+
+
+class RoutingFields(msgspec.Struct):
+    """The body fields the router reads; everything else goes to the engine untouched."""
+    model: Any = None
+    messages: Any = msgspec.UNSET  # UNSET: absent (for /v1/route, which takes either kind)
+    prompt: Any = None
+    lora_name: Any = None
+    cache_salt: Any = None
+    user: Any = None
+    tools: Any = None
+    chat_template_kwargs: Any = None
+    add_generation_prompt: Any = True
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
+
+    def requested_output_tokens(self) -> int:
+        return requested_output_tokens({"max_tokens": self.max_tokens,
+                                        "max_completion_tokens": self.max_completion_tokens})
+
+
+_FIELDS_DECODER = msgspec.json.Decoder(RoutingFields)
+_FIELD_NAMES = RoutingFields.__struct_fields__
+
+
+def _fields_from_json(raw: bytes) -> RoutingFields:
+    """The slow path: Python's json (it keeps lone surrogates, so they can be named) and its errors."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    for name in _ROUTING_FIELDS:
+        if (found := lone_surrogate(body.get(name), name)) is not None:
+            raise BadRequest(f"{found} contains a lone UTF-16 surrogate: text must be valid Unicode", param=name)
+    return RoutingFields(**{name: body[name] for name in _FIELD_NAMES if name in body})
 
 
 class BadRequest(Exception):
@@ -61,11 +100,6 @@ class BadRequest(Exception):
 def _body_too_large(size: int, limit: int) -> BadRequest:
     return BadRequest(f"the request body ({size} bytes) is larger than this router accepts ({limit} bytes; "
                       "see --max-body-bytes)", 413, "request_too_large")
-
-
-def _is_token_ids(value: object) -> bool:
-    return (isinstance(value, list) and bool(value)
-            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in value))
 
 
 def _session_key(request: web.Request, body: dict) -> str:
@@ -81,15 +115,18 @@ def _session_key(request: web.Request, body: dict) -> str:
 
 
 class RouterHttpApi:
-    def __init__(self, router: Router, tokenizer: PromptTokenizer, model: str, max_prompt_tokens: int = 131072,
-                 proxy: BackendProxy | None = None, capture: TrafficCapture | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
-        self.router, self.tokenizer, self.model = router, tokenizer, model
+    def __init__(self, router: Router, proxy: BackendProxy, preparer: RequestPreparer,
+                 capture: TrafficCapture | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 stages: StageSamples | None = None) -> None:
+        self.router, self.proxy, self.preparer = router, proxy, preparer
+        self.stages = stages  # --stage-timing: per-stage samples at GET /debug/stages
+        self._policy_reads_tokens = router.policy.needs.tokens
+        self.model, max_prompt_tokens = preparer.model, preparer.max_prompt_tokens
         self.capture = capture  # --capture-trace: proxied requests only (/v1/route is also a probe)
-        self.max_prompt_tokens, self.max_body_bytes = max_prompt_tokens, max_body_bytes
+        self.max_body_bytes = max_body_bytes
         self.metrics = router.metrics
-        self.metrics.watch_tokenizer(tokenizer)
-        bound = tokenizer.char_bound
+        self.metrics.watch_tokenizer(preparer.tokenizer)
+        bound = preparer.tokenizer.char_bound
         # Logged by the caller once the listeners are up (a port in use must be the only line printed).
         if bound.chars_per_token is None:
             self.prompt_bound_note = (f"no character bound on prompts ({bound.why}): every prompt under "
@@ -97,7 +134,6 @@ class RouterHttpApi:
         else:
             self.prompt_bound_note = (f"prompts over {bound.max_chars(max_prompt_tokens)} characters are rejected "
                                       f"without tokenizing ({bound.chars_per_token} per token: {bound.why})")
-        self.proxy = proxy or BackendProxy(router.load, router.metrics)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[openai_errors])
@@ -108,6 +144,8 @@ class RouterHttpApi:
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/ready", self.handle_ready)
         app.router.add_get("/metrics", self.handle_metrics)
+        if self.stages is not None:
+            app.router.add_get("/debug/stages", self.handle_stages)
         app.on_startup.append(lambda _app: self.proxy.open())
         app.on_cleanup.append(lambda _app: self.proxy.close())
         return app
@@ -124,29 +162,48 @@ class RouterHttpApi:
         return await self._handle(request, "either", forward_to=None)
 
     async def _handle(self, request: web.Request, kind: str, forward_to: str | None) -> web.StreamResponse:
-        """parse -> decide -> proxy (or, for /v1/route, the decision as JSON), in a server span
-        joined to the caller's trace (W3C traceparent)."""
+        """parse -> prepare -> decide -> proxy (or, for /v1/route, the decision as JSON), in a server
+        span joined to the caller's trace (W3C traceparent) while tracing is active."""
+        if not tracing_active():
+            return await self._serve(request, kind, forward_to)
         with tracer.start_as_current_span(f"POST {request.path}", context=propagate.extract(request.headers),
                                           kind=trace.SpanKind.SERVER):
-            arrived = self.capture.sample_arrival() if self.capture and forward_to else None
-            try:
-                raw, body, tokens = await self._parse(request, kind)
-                lora_name, cache_salt = self._lora_name(body), str(body.get("cache_salt") or "")
-                decision = await self.router.decide(self.model, tokens, lora_name, cache_salt,
-                                                    avoid=self.proxy.avoided(), session_key=_session_key(request, body))
-            except BadRequest as exc:
-                return error_response(str(exc), exc.status, exc.code, exc.param)
-            except NoWorkersError as exc:
-                return error_response(str(exc), 503, "no_workers")
-            if forward_to is None:
-                return web.json_response(decision.as_json())
-            tail = bytearray() if arrived is not None else None  # only a captured response keeps its end
-            response = await self.proxy.forward(request, forward_to, raw, decision, len(tokens), tail)
-            if tail is not None and response.status < 400:  # the engine did the work; errors are not worth replaying
-                output = reported_output_tokens(tail)
-                self.capture.record(arrived, tokens, requested_output_tokens(body) if output is None else output,
-                                    self.model, lora_name, cache_salt)
-            return response
+            return await self._serve(request, kind, forward_to)
+
+    async def _serve(self, request: web.Request, kind: str, forward_to: str | None) -> web.StreamResponse:
+        clock = self.stages.start() if self.stages is not None else None
+        arrived = self.capture.sample_arrival() if self.capture and forward_to else None
+        try:
+            raw, fields, parsed = await self._parse(request, kind)
+            if clock is not None:
+                clock.mark("parse")
+            # A proxied request is tokenized only for a policy that reads tokens (or a trace that records
+            # them); /v1/route always is: its answer reports the prompt's length.
+            tokenize = forward_to is None or self._policy_reads_tokens or arrived is not None
+            prepared = await self.preparer.prepare(parsed, tokenize=tokenize)
+            if clock is not None:
+                clock.mark("prepare")
+            decision = await self.router.decide(self.model, prepared.token_ids, prepared.lora_name,
+                                                prepared.cache_salt, session_key=prepared.session_key, clock=clock)
+        except BadRequest as exc:
+            return error_response(str(exc), exc.status, exc.code, exc.param)
+        except PrepareError as exc:
+            status, code = _PREPARE_STATUS[exc.kind]
+            return error_response(str(exc), status, code, exc.param)
+        except NoWorkersError as exc:
+            return error_response(str(exc), 503, "no_workers")
+        if forward_to is None:
+            return web.json_response(decision.as_json())
+        tail = bytearray() if arrived is not None else None  # only a captured response keeps its end
+        response = await self.proxy.forward(request, forward_to, raw, decision, prepared.prompt_tokens, tail, clock)
+        if clock is not None:
+            self.stages.record(clock)
+        if tail is not None and response.status < 400:  # the engine did the work; errors are not worth replaying
+            output = reported_output_tokens(tail)
+            self.capture.record(arrived, prepared.token_ids,
+                                fields.requested_output_tokens() if output is None else output,
+                                self.model, prepared.lora_name, prepared.cache_salt)
+        return response
 
     async def handle_models(self, request: web.Request) -> web.Response:
         cp = self.router.control_plane
@@ -164,22 +221,20 @@ class RouterHttpApi:
                                   "control_plane": "reachable" if cp.reachable else "unreachable"})
 
     def readiness(self) -> RouterReadiness:
-        return router_readiness(self.router.control_plane, self.model, self.proxy.avoided(), self.proxy.cooldown_s)
+        return router_readiness(self.router.control_plane, self.model, self.router.health)
 
     async def handle_ready(self, request: web.Request) -> web.Response:
         readiness = self.readiness()
         return web.json_response(readiness.body, status=200 if readiness.ready else 503)
 
+    async def handle_stages(self, request: web.Request) -> web.Response:
+        """Per-stage samples in ms (`?reset=1`: and start over)."""
+        return web.json_response(self.stages.as_json(reset=request.query.get("reset") == "1"))
+
     async def handle_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # ------------------------------------------------------------ parsing
-
-    def _lora_name(self, body: dict) -> str:
-        """vLLM's way: the adapter is named as the request's `model`; a `lora_name` field also works."""
-        if body["model"] != self.model:
-            return body["model"]
-        return str(body.get("lora_name") or "")
 
     async def _expect_body(self, request: web.Request) -> web.StreamResponse | None:
         """`Expect: 100-continue` (curl sends it for large bodies): a body over the cap is refused
@@ -211,71 +266,23 @@ class RouterHttpApi:
                 raise _body_too_large(len(body), limit)
         return bytes(body)
 
-    async def _parse(self, request: web.Request, kind: str) -> tuple[bytes, dict, list[int]]:
-        """(original body bytes, parsed body, prompt token ids); kind is chat, completions or either."""
+    async def _parse(self, request: web.Request, kind: str) -> tuple[bytes, RoutingFields, RouteInput]:
+        """(original body bytes, the fields routing reads, what request preparation takes); kind is
+        chat, completions or either. Only those fields are decoded (msgspec skips the rest); a body
+        msgspec refuses (malformed, or text with a lone UTF-16 surrogate, which Python's json
+        accepts) is parsed again by json, for the precise error."""
         raw = await self._read_body(request)
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise BadRequest("request body must be a JSON object")
-        for name in _ROUTING_FIELDS:
-            if (found := lone_surrogate(body.get(name), name)) is not None:
-                raise BadRequest(f"{found} contains a lone UTF-16 surrogate: text must be valid Unicode", param=name)
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise BadRequest("'model' is required (a string)", param="model")
-        if model != self.model and model not in self.router.control_plane.adapters_of(self.model):
-            raise BadRequest(f"The model `{model}` does not exist.", 404, "model_not_found", "model")
-        if kind == "chat" or (kind == "either" and "messages" in body):
-            tokens = await self._chat_tokens(body)
-        elif "prompt" in body:
-            tokens = await self._completion_tokens(body["prompt"])
-        elif kind == "completions":
-            raise BadRequest("'prompt' is required (a string, a list of token ids, or a list of those)", param="prompt")
-        else:
-            raise BadRequest("either 'prompt' or 'messages' is required")
-        return raw, body, tokens
-
-    async def _chat_tokens(self, body: dict) -> list[int]:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("'messages' is required (a non-empty list of messages)", param="messages")
-        tools = body.get("tools") if isinstance(body.get("tools"), list) else None
-        extra = body.get("chat_template_kwargs") if isinstance(body.get("chat_template_kwargs"), dict) else {}
-        extra = {k: v for k, v in extra.items() if k not in _RESERVED_TEMPLATE_VARS}
-        add_generation_prompt = body.get("add_generation_prompt", True) is not False
-        size = sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, dict))
-        return self._check_length(await self._tokenize(
-            "messages", size, self.tokenizer.encode_chat, messages, add_generation_prompt, tools, extra,
-            self.max_prompt_tokens), "messages")
-
-    async def _completion_tokens(self, prompt: object, where: str = "prompt") -> list[int]:
-        if isinstance(prompt, str):
-            return self._check_length(await self._tokenize(
-                "prompt", len(prompt), self.tokenizer.encode_prompt, prompt, self.max_prompt_tokens, where), "prompt")
-        if _is_token_ids(prompt):
-            return self._check_length(prompt, "prompt")  # type: ignore[arg-type]
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
-            # A batch goes to one worker: route on its first prompt; every prompt must fit.
-            batch = [await self._completion_tokens(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
-            return batch[0]
-        raise BadRequest("'prompt' must be a string, a non-empty list of token ids, or a list of those", param="prompt")
-
-    async def _tokenize(self, param: str, size: int, fn, *args) -> list[int]:
-        try:
-            if size > THREAD_TOKENIZE_CHARS:
-                return await asyncio.to_thread(fn, *args)
-            return fn(*args)
-        except PromptTooLong as exc:
-            raise BadRequest(str(exc), code="context_length_exceeded", param=param) from exc
-        except TokenizationError as exc:
-            raise BadRequest(str(exc), param=param) from exc
-
-    def _check_length(self, tokens: list[int], param: str) -> list[int]:
-        if len(tokens) > self.max_prompt_tokens:
-            raise BadRequest(f"prompt has {len(tokens)} tokens, more than this router accepts "
-                             f"({self.max_prompt_tokens}; see --max-prompt-tokens)", code="context_length_exceeded",
-                             param=param)
-        return tokens
+            fields = _FIELDS_DECODER.decode(raw)
+        except msgspec.ValidationError:
+            raise BadRequest("request body must be a JSON object") from None
+        except msgspec.DecodeError:
+            fields = _fields_from_json(raw)
+        if kind == "either" and fields.messages is not msgspec.UNSET:
+            kind = "chat"
+        session_key = _session_key(request, {"user": fields.user})
+        return raw, fields, RouteInput(
+            fields.model, kind, None if fields.messages is msgspec.UNSET else fields.messages, fields.prompt,
+            lora_name=str(fields.lora_name or ""), cache_salt=str(fields.cache_salt or ""), session_key=session_key,
+            tools=fields.tools, template_kwargs=fields.chat_template_kwargs,
+            add_generation_prompt=fields.add_generation_prompt is not False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 
 
@@ -34,13 +34,13 @@ class RouterMetrics:
         self.decision_seconds = Histogram(
             "kvroute_router_decision_seconds", "Routing decision time: block keys + control-plane query + policy",
             registry=r, buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25))
-        self.fail_open = Counter("kvroute_router_fail_open", "Decisions made on load alone, without the index",
-                                 registry=r)
-        # The same decisions by why: `deadline` (the index answered too late: a slow or overloaded control
-        # plane), `unavailable` (it did not answer: a replica gone, every replica gone), `empty` (it knows
-        # no worker of the model), `error` (anything else).
-        self.fail_open_reasons = Counter("kvroute_router_fail_open_reasons", "Decisions made on load alone, by why",
-                                         ["reason"], registry=r)
+        self.fail_open = Counter("kvroute_router_fail_open", "Decisions made on load alone, without the index, by why: "
+                                 "deadline_exceeded, unavailable (or another gRPC status), index_empty (the control plane "
+                                 "lists no worker of the model yet), index_unknown_workers (none this router knows), "
+                                 "error", ["reason"], registry=r)
+        self.query_deadline_seconds = Gauge("kvroute_router_query_deadline_seconds",
+                                            "The control-plane query's current deadline (adaptive: --query-timeout-*)",
+                                            registry=r)
         # Proxied requests, counted on the worker that served them.
         self.requests = Counter("kvroute_router_requests", "Requests proxied to a worker", ["policy", "worker"],
                                 registry=r)

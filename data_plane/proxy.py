@@ -1,18 +1,20 @@
 """Forwarding a request to the chosen engine (the last step of a request's path).
 
 `BackendProxy.forward(request, path, body, decision, prompt_tokens)`:
-- sends the client's *original* body bytes to `<endpoint><path>` with the client's headers
+- sends the client's *original* body bytes to `<endpoint><path>` (`upstream.py`: pooled keep-alive
+  connections per engine) with the client's headers
   (minus hop-by-hop ones) and a W3C `traceparent` injected inside a `kvroute.proxy` client span;
-- waits for the backend's first body byte, then streams the rest through chunk by chunk
-  (SSE or JSON, never buffered), with `x-kvroute-worker: <worker_id>` on the response;
+- waits for the backend's first body byte, then streams the rest through chunk by chunk (SSE, or
+  any body without a Content-Length), or, for a body with a Content-Length up to 1 MiB (a
+  non-streamed completion), reads it whole and relays it in one write; `x-kvroute-worker:
+  <worker_id>` on the response;
 - a backend that refuses the connection, returns 5xx, or fails before its first byte is retried
   on the decision's next-best worker (`max_attempts` in all, default: every candidate, so no
   error reaches the client while some worker is healthy); nothing reached the client yet,
-  so that is invisible to it. A failed worker is also avoided for `cooldown_s` by later
-  decisions (unless nothing else is known), so one dead engine does not cost every request a
-  connect attempt. If every attempt fails the client gets the last 5xx or a 502 that names no
-  engine address (those go to the log, at most one line per worker / kind every 5 s);
-- keeps the in-flight state honest (`SharedInflight`: this router's tracker and its reservation
+  so that is invisible to it. A failed worker is reported to `BackendHealth`, which later
+  decisions read (it sits out a cooldown unless nothing else is known). If every attempt fails
+  the client gets the last 5xx or a 502 that names no engine address (those go to the log, at most one line per worker / kind every 5 s);
+- keeps the in-flight state honest (`RouterInflight`: this router's own count and its reservation
   in the control plane): in flight from send to finish with the prompt's block keys at that
   worker's block size, prefill pending until the first byte, always released in `finally`;
 - pins the request to a data-parallel rank with `X-data-parallel-rank` when the worker is one
@@ -24,24 +26,31 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import aiohttp
 from aiohttp import web
 from opentelemetry import propagate, trace
+from prometheus_client import Counter
 
+from kvroute.data_plane.backend_health import BackendHealth
 from kvroute.data_plane.http_errors import error_response
+from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.metrics import RouterMetrics
 from kvroute.data_plane.policies import Candidate
 from kvroute.data_plane.routing import RouteDecision
-from kvroute.data_plane.shared_inflight import SharedInflight
+from kvroute.data_plane.stage_timing import StageClock
+from kvroute.data_plane.upstream import UpstreamPool, UpstreamResponse
 from kvroute.rate_limited_log import RateLimitedLog
+from kvroute.telemetry import span, tracing_active
 
 log = logging.getLogger("kvroute.router.proxy")
 tracer = trace.get_tracer("kvroute.router")
 
 WORKER_HEADER = "x-kvroute-worker"
 DP_RANK_HEADER = "X-data-parallel-rank"
+# A response with a Content-Length up to this is read whole before it is relayed (a non-streamed
+# completion): one write instead of a chunk loop, measured ~0.1 ms less per request.
+WHOLE_BODY_BYTES = 1 << 20
 TAIL_BYTES = 16384  # enough for a response's trailing usage object / an SSE stream's last chunks
 # Not forwarded in either direction: per-connection headers, framing we redo, and trace context we replace.
 _HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -52,50 +61,43 @@ _HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "pro
 class _Failed(Exception):
     """This attempt failed before anything reached the client (safe to retry elsewhere)."""
 
-    def __init__(self, reason: str, upstream: aiohttp.ClientResponse | None = None, body: bytes = b"") -> None:
+    def __init__(self, reason: str, upstream: UpstreamResponse | None = None, body: bytes = b"") -> None:
         super().__init__(reason)
         self.upstream, self.body = upstream, body
 
 
 class BackendProxy:
-    def __init__(self, load: SharedInflight, metrics: RouterMetrics, max_attempts: int = 0,
-                 connect_timeout_s: float = 2.0, read_timeout_s: float = 1800.0, cooldown_s: float = 2.0) -> None:
-        self.load, self.metrics = load, metrics
+    def __init__(self, inflight: RouterInflight, health: BackendHealth, metrics: RouterMetrics, max_attempts: int = 0,
+                 connect_timeout_s: float = 2.0, read_timeout_s: float = 1800.0) -> None:
+        self.inflight, self.health, self.metrics = inflight, health, metrics
         self.max_attempts = max_attempts  # 0 = every candidate
-        self.cooldown_s = cooldown_s
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
-        self._session: aiohttp.ClientSession | None = None
-        self._failed_at: dict[str, float] = {}  # worker_id -> monotonic time of its last failure
+        self._timeouts = (connect_timeout_s, read_timeout_s)
+        self._pool: UpstreamPool | None = None
         self._log = RateLimitedLog(log)  # every engine down = a few lines per request otherwise
+        self._served: dict[tuple[str, str], Counter] = {}
 
     async def open(self) -> None:
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=self._timeout,
-                                              auto_decompress=False)
+        self._pool = UpstreamPool(*self._timeouts)
 
     async def close(self) -> None:
-        if self._session:
-            await self._session.close()
-            self._session = None
-
-    def avoided(self) -> frozenset[str]:
-        """Workers that failed within the last `cooldown_s` (a soft exclusion for decisions)."""
-        now = time.monotonic()
-        for wid in [w for w, t in self._failed_at.items() if now - t > self.cooldown_s]:
-            del self._failed_at[wid]
-        return frozenset(self._failed_at)
+        if self._pool:
+            await self._pool.close()
+            self._pool = None
 
     async def forward(self, request: web.Request, path: str, body: bytes, decision: RouteDecision,
-                      prompt_tokens: int, tail: bytearray | None = None) -> web.StreamResponse:
+                      prompt_tokens: int, tail: bytearray | None = None,
+                      clock: StageClock | None = None) -> web.StreamResponse:
         ranked = decision.ranked()
         attempts = ranked[: self.max_attempts] if self.max_attempts > 0 else ranked
         failures = []
         for i, candidate in enumerate(attempts):
             last = i == len(attempts) - 1
             try:
-                return await self._attempt(request, path, body, decision, candidate, prompt_tokens, i, last, tail)
+                return await self._attempt(request, path, body, decision, candidate, prompt_tokens, i, last, tail,
+                                           clock)
             except _Failed as failed:
                 self.metrics.backend_errors.labels(candidate.worker_id).inc()
-                self._failed_at[candidate.worker_id] = time.monotonic()
+                self.health.failed(candidate.worker_id)
                 failures.append(f"{candidate.worker_id}: {failed}")
                 if not last:
                     self._log.warning(f"retry:{candidate.worker_id}", "backend %s failed before its first byte (%s); "
@@ -115,8 +117,8 @@ class BackendProxy:
         return response
 
     @staticmethod
-    def _copy_headers(upstream: aiohttp.ClientResponse, response: web.StreamResponse, worker_id: str) -> None:
-        for name, value in upstream.headers.items():
+    def _copy_headers(upstream: UpstreamResponse, response: web.StreamResponse, worker_id: str) -> None:
+        for name, value in upstream.headers:
             if name.lower() not in _HOP_HEADERS:
                 response.headers.add(name, value)
         response.headers[WORKER_HEADER] = worker_id
@@ -126,58 +128,85 @@ class BackendProxy:
         headers.setdefault("Content-Type", "application/json")
         if dp_rank is not None:
             headers[DP_RANK_HEADER] = str(dp_rank)
-        propagate.inject(headers)  # W3C traceparent of the current (kvroute.proxy) span
+        if tracing_active():
+            propagate.inject(headers)  # W3C traceparent of the current (kvroute.proxy) span
         return headers
+
+    def _count(self, policy: str, worker: str, prompt_tokens: int, cached_tokens: int) -> None:
+        served = self._served.get((policy, worker))
+        if served is None:  # labels() costs a few us per call: keep the child per (policy, worker)
+            served = self._served[(policy, worker)] = self.metrics.requests.labels(policy, worker)
+        served.inc()
+        if prompt_tokens:
+            self.metrics.prompt_tokens.inc(prompt_tokens)
+        if cached_tokens:
+            self.metrics.cached_tokens.inc(cached_tokens)
 
     async def _attempt(self, request: web.Request, path: str, body: bytes, decision: RouteDecision,
                        candidate: Candidate, prompt_tokens: int, attempt: int, last: bool,
-                       tail: bytearray | None = None) -> web.StreamResponse:
-        assert self._session is not None, "BackendProxy.open() was not called"
+                       tail: bytearray | None = None, clock: StageClock | None = None) -> web.StreamResponse:
+        assert self._pool is not None, "BackendProxy.open() was not called"
         worker = candidate.worker_id
         url = candidate.endpoint + path
-        ticket = self.load.start(worker, prompt_tokens - candidate.cached_tokens,
+        ticket = self.inflight.start(worker, prompt_tokens - candidate.cached_tokens,
                                  decision.chains.get(candidate.block_size, ()), candidate.block_size, prompt_tokens)
-        with tracer.start_as_current_span("kvroute.proxy", kind=trace.SpanKind.CLIENT) as span:
-            span.set_attribute("kvroute.worker_id", worker)
-            span.set_attribute("kvroute.attempt", attempt)
-            span.set_attribute("url.full", url)
+        with span(tracer, "kvroute.proxy", kind=trace.SpanKind.CLIENT) as proxy_span:
+            if proxy_span.is_recording():
+                proxy_span.set_attribute("kvroute.worker_id", worker)
+                proxy_span.set_attribute("kvroute.attempt", attempt)
+                proxy_span.set_attribute("url.full", url)
             upstream = None
             try:
                 try:
-                    upstream = await self._session.post(url, data=body, headers=self._backend_headers(
+                    upstream = await self._pool.post(url, body, self._backend_headers(
                         request, decision.dp_ranks.get(worker)))
-                    span.set_attribute("http.response.status_code", upstream.status)
+                    if clock is not None:
+                        clock.mark("connect")
+                    proxy_span.set_attribute("http.response.status_code", upstream.status)
                     if upstream.status >= 500:
                         raise _Failed(f"HTTP {upstream.status}", upstream, await upstream.read() if last else b"")
-                    first = await upstream.content.readany()  # a backend dying here is still retryable
+                    first = await upstream.readany()  # a backend dying here is still retryable
+                    whole = upstream.content_length is not None and upstream.content_length <= WHOLE_BODY_BYTES
+                    if whole:  # a plain JSON answer: read it all (still nothing sent, still retryable)
+                        first += await upstream.read()
                 except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                    span.record_exception(exc)
+                    proxy_span.record_exception(exc)
                     raise _Failed(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
-                self.load.first_token(ticket)
+                if not whole:  # a whole answer ends here: its release (finally) settles the prefill too,
+                    self.inflight.first_token(ticket)  # one message to the control plane instead of two
+                self._count(decision.policy, worker, prompt_tokens, candidate.cached_tokens)
+                if whole:
+                    # Handed to aiohttp whole: one write with its Content-Length, no chunk loop.
+                    response = web.Response(status=upstream.status, reason=upstream.reason, body=first)
+                    self._copy_headers(upstream, response, worker)
+                    if clock is not None:
+                        clock.mark("first_byte")
+                    if tail is not None:
+                        tail += first[-TAIL_BYTES:]
+                    return response
                 response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
                 self._copy_headers(upstream, response, worker)
-                self.metrics.requests.labels(decision.policy, worker).inc()
-                self.metrics.prompt_tokens.inc(prompt_tokens)
-                self.metrics.cached_tokens.inc(candidate.cached_tokens)
                 await response.prepare(request)
                 chunk = first
                 while chunk:
                     await response.write(chunk)
+                    if clock is not None and chunk is first:
+                        clock.mark("first_byte")
                     if tail is not None:  # amortized O(chunk): trimmed only once it doubles
                         tail += chunk
                         if len(tail) > 2 * TAIL_BYTES:
                             del tail[:-TAIL_BYTES]
-                    chunk = await upstream.content.readany()
+                    chunk = await upstream.readany()
                 await response.write_eof()
                 return response
             except _Failed as failed:
-                span.set_status(trace.StatusCode.ERROR, str(failed))
+                proxy_span.set_status(trace.StatusCode.ERROR, str(failed))
                 raise
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 # Mid-stream (backend died, or the client went away): the client already has bytes, so
                 # its connection is closed without the final chunk; a clean end would hide the truncation.
-                span.record_exception(exc)
-                span.set_status(trace.StatusCode.ERROR, "stream interrupted")
+                proxy_span.record_exception(exc)
+                proxy_span.set_status(trace.StatusCode.ERROR, "stream interrupted")
                 log.warning("stream from %s interrupted after the first byte: %r", worker, exc)
                 if request.transport is not None:
                     request.transport.close()
@@ -185,4 +214,4 @@ class BackendProxy:
             finally:
                 if upstream is not None:
                     upstream.release()
-                self.load.finish(ticket)
+                self.inflight.finish(ticket)

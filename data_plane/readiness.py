@@ -13,9 +13,9 @@ which is how it finds out whether the engines are back.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from kvroute.data_plane.backend_health import BackendHealth
 from kvroute.data_plane.control_plane_client import ControlPlaneClient
 
 
@@ -27,9 +27,9 @@ class RouterReadiness:
     body: dict = field(default_factory=dict)  # the JSON of GET /ready
 
 
-def router_readiness(control_plane: ControlPlaneClient, model: str, cooling_down: Collection[str],
-                     cooldown_s: float) -> RouterReadiness:
-    """`cooling_down`: worker ids the proxy avoids after a failure (BackendProxy.avoided())."""
+def router_readiness(control_plane: ControlPlaneClient, model: str, health: BackendHealth) -> RouterReadiness:
+    """`health`: the workers the proxy saw fail, sitting out their cooldown."""
+    cooling_down, cooldown_s = health.cooling_down(), health.cooldown_s
     workers = [w.worker_id for w in control_plane.workers_for(model)]
     source = control_plane.fleet_source(model)
     sitting_out = sorted(w for w in workers if w in cooling_down)

@@ -24,6 +24,8 @@ import itertools
 import logging
 import os
 import socket
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +35,8 @@ from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvroute.router.session")
+_MAX_LATE = 1024  # queries past their deadline whose answer is still awaited (for its latency)
+_STALL_S = 0.005  # a deadline timer this late means this process was held up, not the control plane
 
 
 class SessionUnavailable(RuntimeError):
@@ -58,6 +62,13 @@ async def cancel_and_wait(task: asyncio.Task | None) -> None:
         log.debug("background task %s had failed: %r", task.get_name(), exc)
 
 
+def _retrieve(task: asyncio.Task) -> None:
+    """Done callback of a write nobody may await any more: its failure is the stream's (the read
+    loop reconnects), not worth a "never retrieved" warning."""
+    if not task.cancelled():
+        task.exception()
+
+
 def default_router_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -77,12 +88,16 @@ class RouterSessionLink:
         self._outbox_ready = asyncio.Event()
         self._write_lock = asyncio.Lock()
         self._pending: dict[int, asyncio.Future] = {}
+        # Queries given up on (past their deadline): id -> when sent, so their late answer is timed.
+        self._late: OrderedDict[int, float] = OrderedDict()
+        self.on_late_answer: Callable[[float], None] | None = None  # seconds from send to a late answer
         self._query_ids = itertools.count(1)
         self._reservation_ids = itertools.count(1)
         self._live: dict[int, _Live] = {}
         self._task: asyncio.Task | None = None
         self.connected = False
         self.sessions = 0  # streams opened (1 + reconnects)
+        self.stalled_deadlines = 0  # deadlines whose timer fired late: waited once more (see query)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -110,18 +125,46 @@ class RouterSessionLink:
             raise SessionUnavailable("router session is not connected")
         query_id = next(self._query_ids)
         message.query.query_id = query_id
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self._pending[query_id] = future
+        sent = time.perf_counter()
+        # The write runs as its own task: a deadline (or a client going away) that cancelled a
+        # grpc.aio write half-way would end the whole stream ("RPC already finished" for every
+        # query after it, until the reconnect); the write finishes and the answer counts as late.
+        write = loop.create_task(self._write(message))
+        write.add_done_callback(_retrieve)
         try:
-            async with asyncio.timeout(timeout_s):
-                await self._write(message)
-                return await future
+            try:
+                return await self._answer(write, future, timeout_s)
+            except TimeoutError:
+                # The deadline measures the control plane, not this process: if the timer itself fired
+                # late (this process waited for a CPU), the answer may be here unread. Wait as long again
+                # as the stall, once, within one more deadline.
+                overdue = time.perf_counter() - sent - timeout_s
+                if overdue < _STALL_S:
+                    raise
+                self.stalled_deadlines += 1
+                return await self._answer(write, future, min(overdue, timeout_s))
         except grpc.aio.AioRpcError as exc:
             raise SessionUnavailable(f"router session lost: {exc.code().name}") from None
         except asyncio.InvalidStateError:  # grpc: the call ended between our check and the write
             raise SessionUnavailable("router session lost: the stream had ended") from None
+        except TimeoutError:
+            self._late[query_id] = sent
+            if len(self._late) > _MAX_LATE:
+                self._late.popitem(last=False)
+            raise
         finally:
             self._pending.pop(query_id, None)
+
+    @staticmethod
+    async def _answer(write: asyncio.Task, future: asyncio.Future, timeout_s: float) -> pb.QueryResponse:
+        """The query's answer within `timeout_s`; neither the write nor the answer is cancelled by a
+        timeout (shielded), so a second wait can pick them up."""
+        async with asyncio.timeout(timeout_s):
+            await asyncio.shield(write)
+            return await asyncio.shield(future)
 
     # ------------------------------------------------------------ reservations
 
@@ -144,10 +187,6 @@ class RouterSessionLink:
     def release(self, reservation_id: int) -> None:
         if self._live.pop(reservation_id, None) is not None:
             self._send(pb.RouterMessage(release=pb.ReservationDone(reservation_id=reservation_id)))
-
-    @property
-    def live_reservations(self) -> int:
-        return len(self._live)
 
     def _send(self, message: pb.RouterMessage) -> None:
         if self.connected:
@@ -229,6 +268,10 @@ class RouterSessionLink:
                     future = self._pending.get(reply.result.query_id)
                     if future is not None and not future.done():
                         future.set_result(reply.result)
+                    elif self._late:
+                        sent = self._late.pop(reply.result.query_id, None)
+                        if sent is not None and self.on_late_answer is not None:
+                            self.on_late_answer(time.perf_counter() - sent)
         finally:
             self._call = None
             self.connected = False

@@ -11,7 +11,7 @@
 4. candidates: cached_tokens = the longer of the index's match (any tier, other routers'
    speculative holders included) and this router's own in-flight requests' prompts on that
    worker, x the worker's block size (capped at the prompt); cpu/disk-tier parts; engine load;
-   in-flight work = this router's own (exact, `SharedInflight`) + other routers' reservations;
+   in-flight work = this router's own (exact, `RouterInflight`) + other routers' reservations;
 5. the policy chooses (it also gets the prompt's token ids, block keys and the session key, for
    the policies that hash or remember prompts or sessions instead of reading the index).
 
@@ -25,36 +25,45 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import trace
 
-from kvroute.data_plane.control_plane_client import ControlPlaneClient, KnownWorker
-from kvroute.data_plane.load_tracker import LoadTracker
+from kvroute.data_plane.backend_health import BackendHealth
+from kvroute.data_plane.candidates import build_candidates
+from kvroute.data_plane.control_plane_client import ControlPlaneClient
+from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.metrics import RouterMetrics
 from kvroute.data_plane.policies import Candidate, RoutingInput, RoutingPolicy
 from kvroute.data_plane.prompt_keys import PromptKeyCache
-from kvroute.data_plane.shared_inflight import SharedInflight
+from kvroute.data_plane.stage_timing import StageClock
+from kvroute.rate_limited_log import RateLimitedLog
+from kvroute.telemetry import span
 from kvroute.v1 import kvroute_pb2 as pb
 
 log = logging.getLogger("kvroute.router")
 tracer = trace.get_tracer("kvroute.router")
 
 
+_INDEX_REASONS = {"index has no workers for the model": "index_empty",
+                  "index answered with no known worker": "index_unknown_workers"}
+
+
+def fail_open_label(reason: str) -> str:
+    """The metric label of a fail-open reason: a bounded set (gRPC status names lower-cased)."""
+    if reason in _INDEX_REASONS:
+        return _INDEX_REASONS[reason]
+    if reason in grpc.StatusCode.__members__:
+        return reason.lower()
+    if reason.startswith("SessionUnavailable"):  # the session stream ended under the query: a replica gone
+        return "unavailable"
+    return "error"
+
+
 class NoWorkersError(RuntimeError):
     """No worker is known for the model (not an index problem: there is nowhere to route)."""
-
-
-def fail_open_kind(reason: str) -> str:
-    """The `reason` label of kvroute_router_fail_open_reasons_total for a fail-open reason."""
-    if reason == "DEADLINE_EXCEEDED":
-        return "deadline"
-    if reason in ("UNAVAILABLE", "SessionUnavailable", "CANCELLED"):
-        return "unavailable"
-    if reason.startswith(("index has no workers", "index answered with no known")):
-        return "empty"
-    return "error"
 
 
 @dataclass(slots=True)
@@ -88,65 +97,97 @@ class RouteDecision:
                             for c in self.candidates]}
 
 
-_NOTHING_OWN = (0, 0)
-
-
 class Router:
-    def __init__(self, control_plane: ControlPlaneClient, policy: RoutingPolicy,
-                 load: SharedInflight | LoadTracker | None = None, metrics: RouterMetrics | None = None) -> None:
-        """`load`: this router's in-flight state; a bare LoadTracker (tests, tools) is wrapped so it
-        also reports to the control plane's router session when the client has one."""
+    def __init__(self, control_plane: ControlPlaneClient, policy: RoutingPolicy, inflight: RouterInflight,
+                 health: BackendHealth | None = None, metrics: RouterMetrics | None = None) -> None:
+        """`inflight` and `health` are built once at start-up and shared with the proxy, which writes
+        them (requests sent and finished, backends that failed); decisions only read them."""
         self.control_plane = control_plane
         self.policy = policy
-        if not isinstance(load, SharedInflight):
-            load = SharedInflight(load, getattr(control_plane, "session", None))
-        self.load = load
+        self.inflight = inflight
+        self.health = health or BackendHealth()
         self.metrics = metrics or RouterMetrics()
-        self.fail_open_count = 0
         self.prompt_keys = PromptKeyCache()
+        self._log = RateLimitedLog(log)
 
-    async def decide(self, model: str, token_ids: list[int], lora_name: str = "", cache_salt: str = "",
-                     avoid: frozenset[str] = frozenset(), session_key: str = "") -> RouteDecision:
-        """`avoid`: workers to leave out (e.g. recently failed backends) unless no other is known.
-        `lora_name`: route only among workers serving that adapter (and key the prompt in its namespace).
-        `session_key`: the client's session/end-user id ("" = none), for the session policy."""
+    async def decide(self, model: str, token_ids: Sequence[int] | None, lora_name: str = "", cache_salt: str = "",
+                     session_key: str = "", clock: StageClock | None = None) -> RouteDecision:
+        """`token_ids`: the prompt, or None when the request was not tokenized (the policy needs no
+        tokens). Block keys and the control-plane query happen only for a policy that reads them
+        (`policy.needs`). Workers cooling down after a failure (`health`) are left out unless no
+        other is known. `lora_name`: route only among workers serving that adapter (and key the
+        prompt in its namespace). `session_key`: the client's session/end-user id ("" = none)."""
         started = time.perf_counter()
-        with tracer.start_as_current_span("kvroute.route") as span:
+        needs = self.policy.needs
+        prompt_tokens = len(token_ids) if token_ids is not None else 0
+        with span(tracer, "kvroute.route") as route_span:
             known = self.control_plane.workers_for(model, lora_name)
-            if avoid and any(w.worker_id not in avoid for w in known):
-                known = [w for w in known if w.worker_id not in avoid]
-            else:
-                avoid = frozenset()
             if not known:
                 what = f"model {model!r}" + (f" with LoRA adapter {lora_name!r}" if lora_name else "")
                 raise NoWorkersError(f"no workers known for {what} (control plane "
                                      f"{'reachable' if self.control_plane.reachable else 'unreachable'}, "
                                      f"no --static-workers fallback)")
-            chains = {bs: self.prompt_keys.keys(token_ids, bs, model, lora_name, cache_salt)
-                      for bs in sorted({w.block_size for w in known if w.block_size > 0})}
-            columns, reason = await self._query(model, chains, lora_name)
-            candidates = self._candidates_from_columns(columns, known, avoid, len(token_ids), chains) if columns else []
-            if not candidates:  # failing open: load alone over the known fleet
-                reason = reason or "index answered with no known worker"
-                candidates = self._candidates_from_known(known, len(token_ids), chains)
-            choice = self.policy.choose(RoutingInput(model, len(token_ids), token_ids=token_ids, session_key=session_key,
-                                                     chains=chains), candidates)
+            chains: dict[int, list[int]] = {}
+            if needs.block_keys and token_ids is not None:
+                chains = {bs: self.prompt_keys.keys(token_ids, bs, model, lora_name, cache_salt)
+                          for bs in sorted({w.block_size for w in known if w.block_size > 0})}
+            if clock is not None:
+                clock.mark("keys")
+            avoid = self.health.cooling_down()
+            reason = ""
+            candidates: list[Candidate] = []
+            if needs.index:
+                columns, reason = await self._query(model, chains, lora_name)
+                if columns is not None:
+                    candidates = build_candidates(known, self.inflight, chains, prompt_tokens, columns, avoid)
+                    if not candidates:
+                        reason = "index answered with no known worker"
+            if clock is not None:
+                clock.mark("query")
+            if not candidates:  # no index wanted, or failing open: load alone over the known fleet
+                candidates = build_candidates(known, self.inflight, chains, prompt_tokens, None, avoid)
+            choice = self.policy.choose(RoutingInput(model, prompt_tokens, token_ids=token_ids or (),
+                                                     session_key=session_key, chains=chains), candidates)
             dp_ranks = {w.worker_id: w.data_parallel_rank for w in known if w.data_parallel_rank is not None}
-            decision = RouteDecision(choice.worker.worker_id, choice.worker.endpoint, len(token_ids),
+            decision = RouteDecision(choice.worker.worker_id, choice.worker.endpoint, prompt_tokens,
                                      choice.worker.cached_tokens, self.policy.name, bool(reason), candidates,
                                      choice.scores, reason, chains, dp_ranks)
+            if clock is not None:
+                clock.mark("score")
             if reason:
-                self.fail_open_count += 1
-                self.metrics.fail_open.inc()
-                self.metrics.fail_open_reasons.labels(fail_open_kind(reason)).inc()
-                span.set_attribute("kvroute.fail_open_reason", reason)
-            span.set_attribute("kvroute.policy", self.policy.name)
-            span.set_attribute("kvroute.prompt_tokens", len(token_ids))
-            span.set_attribute("kvroute.worker_id", decision.worker_id)
-            span.set_attribute("kvroute.cached_tokens", decision.cached_tokens)
-            span.set_attribute("kvroute.fail_open", decision.fail_open)
+                self._failed_open(reason)
+                route_span.set_attribute("kvroute.fail_open_reason", reason)
+            if route_span.is_recording():
+                route_span.set_attribute("kvroute.policy", self.policy.name)
+                route_span.set_attribute("kvroute.prompt_tokens", prompt_tokens)
+                route_span.set_attribute("kvroute.worker_id", decision.worker_id)
+                route_span.set_attribute("kvroute.cached_tokens", decision.cached_tokens)
+                route_span.set_attribute("kvroute.fail_open", decision.fail_open)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         return decision
+
+    def _failed_open(self, reason: str) -> None:
+        """Count it by why, and say so in the log (at most once per cause every 5 s)."""
+        label = fail_open_label(reason)
+        self.metrics.fail_open.labels(label).inc()
+        deadline = self.control_plane.query_deadline
+        self.metrics.query_deadline_seconds.set(deadline.seconds)
+        if label == "deadline_exceeded":
+            if deadline.adaptive:
+                self._log.warning(label, "deciding on load alone: the control-plane query took longer than its "
+                                  "deadline (%.1f ms; slowest recent answer %.1f ms, bounds %g-%g ms: "
+                                  "--query-timeout-ms, --query-timeout-max-ms); affinity is lost for these requests",
+                                  deadline.seconds * 1000, deadline.recent_slowest_s * 1000, deadline.min_s * 1000,
+                                  deadline.max_s * 1000)
+            else:
+                self._log.warning(label, "deciding on load alone: the control-plane query took longer than its "
+                                  "fixed deadline (%.1f ms, --query-timeout-ms; --query-timeout-factor makes it follow "
+                                  "the host); affinity is lost for these requests", deadline.seconds * 1000)
+        elif label in ("index_empty", "index_unknown_workers"):
+            self._log.warning(label, "deciding on load alone: %s (workers registering, or this router's fleet "
+                              "view is behind)", reason)
+        else:
+            self._log.warning(label, "deciding on load alone: the control-plane query failed (%s)", reason)
 
     async def _query(self, model: str, chains: dict[int, list[int]],
                      lora_name: str) -> tuple[pb.WorkerColumns | None, str]:
@@ -158,55 +199,7 @@ class Router:
         except TimeoutError:
             return None, "DEADLINE_EXCEEDED"
         except Exception as exc:  # noqa: BLE001 - never fail a request for an index reason
-            log.warning("control-plane query failed: %r; deciding on load alone", exc)
-            return None, type(exc).__name__
+            return None, f"{type(exc).__name__}: {exc}"  # logged (rate-limited) by _failed_open
         if not columns.worker_id:  # e.g. a restarted control plane whose agents have not re-registered yet
             return None, "index has no workers for the model"
         return columns, ""
-
-    def _candidates_from_columns(self, columns: pb.WorkerColumns, known: list[KnownWorker], avoid: frozenset[str],
-                                 prompt_tokens: int, chains: dict[int, list[int]]) -> list[Candidate]:
-        """One Candidate per worker of the answer that this router knows (endpoint, block size and DP
-        rank come from ListWorkers; a worker that joined since the last refresh, at most
-        refresh_interval_s ago, is left out until the next one). Every column is read in one C call:
-        this runs for every worker on every decision."""
-        by_id = {w.worker_id: w for w in known}
-        own = self.load.snapshot()
-        speculative = {bs: self.load.speculative_match(chain) for bs, chain in chains.items()} if own else {}
-        out, kept = [], []
-        for wid, matched, cpu, disk, reserved, prefill, running, waiting, usage in zip(
-                columns.worker_id, columns.matched_blocks, columns.cpu_blocks, columns.disk_blocks,
-                columns.reserved_requests, columns.reserved_prefill_tokens, columns.running_requests,
-                columns.waiting_requests, columns.kv_usage):
-            w = by_id.get(wid)
-            if w is None:
-                continue
-            bs = w.block_size
-            own_requests, own_pending = own.get(wid, _NOTHING_OWN) if own else _NOTHING_OWN
-            if own_requests and bs in speculative:
-                matched = max(matched, speculative[bs].get(wid, 0))
-            # Conditionals, not min(): this runs per worker per decision and tiers are mostly empty.
-            cached = matched * bs
-            candidate = Candidate(wid, w.endpoint, bs, cached if cached < prompt_tokens else prompt_tokens,
-                                  min(cpu * bs, prompt_tokens) if cpu else 0,
-                                  min(disk * bs, prompt_tokens) if disk else 0, running, waiting, usage,
-                                  own_requests + reserved, own_pending + prefill, w.cached_blocks)
-            (kept if wid in avoid else out).append(candidate)
-        return out or kept
-
-    def _candidates_from_known(self, known: list[KnownWorker], prompt_tokens: int,
-                               chains: dict[int, list[int]]) -> list[Candidate]:
-        """Failing open: no index and no other routers' reservations, but this router's own
-        in-flight work and the prompts it has in flight (a burst of one new prefix keeps its
-        affinity within this router even while the control plane is slow), and the last
-        heartbeat's load."""
-        own = self.load.snapshot()
-        speculative = {bs: self.load.speculative_match(chain) for bs, chain in chains.items()} if own else {}
-        out = []
-        for w in known:
-            own_requests, own_pending = own.get(w.worker_id, (0, 0))
-            blocks = speculative[w.block_size].get(w.worker_id, 0) if w.block_size in speculative else 0
-            out.append(Candidate(w.worker_id, w.endpoint, w.block_size, min(blocks * w.block_size, prompt_tokens),
-                                 0, 0, w.load.running_requests, w.load.waiting_requests, w.load.kv_usage,
-                                 own_requests, own_pending, w.cached_blocks))
-        return out

@@ -40,9 +40,6 @@ from tokenizers import Tokenizer
 from kvroute.data_plane.char_bound import CharBound, char_bound
 from kvroute.data_plane.token_cache import SegmentTokenCache
 
-# Tokenizing costs a few tenths of a millisecond per 1000 characters; callers on an event loop run
-# longer inputs in a worker thread (the encode releases the GIL) so the loop keeps streaming meanwhile.
-THREAD_TOKENIZE_CHARS = 4096
 # Tokenizing peaks at ~150-170 bytes per character (the encoding's ids, offsets and token strings).
 # glibc keeps what it freed: the heap is fragmented, so free() cannot shrink it, and a router that
 # once tokenized a 10 MB prompt stayed at ~1 GB RSS. After an input this long the freed pages are

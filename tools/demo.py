@@ -5,8 +5,8 @@ agent, and a router, as separate processes on loopback. Replays the same shared-
 chat workload through every policy's router at the same time, so whatever else runs on the
 machine meanwhile (other processes, a noisy neighbour's CPU steal) hits every policy alike; a
 `DisturbanceMonitor` measures how much that was and the demo says so. Prints a table and, as the
-last stdout line, one JSON object with per-policy requests, engine-measured token hit rate,
-client-measured TTFT P50/P99, and the disturbance figures.
+last stdout line, one JSON object with per-policy requests, fail-open decisions (the router's own
+metric), engine-measured token hit rate, client-measured TTFT P50/P99, and the disturbance figures.
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ from pathlib import Path
 
 import aiohttp
 
+from kvroute.control_plane.audit import prometheus_sums
 from kvroute.tools.disturbance import Disturbance, DisturbanceMonitor
-from kvroute.tools.local_cluster import LocalCluster, engine_prefix_counters, http_post_json, wait_until
+from kvroute.tools.local_cluster import LocalCluster, engine_prefix_counters, http_get, http_post_json, wait_until
 from kvroute.tools.stats import percentile
 
+FAIL_OPEN_METRIC = "kvroute_router_fail_open_total"
 _WORDS = ["cache", "token", "prefix", "router", "worker", "model", "request", "latency", "block", "memory", "engine", "query", "index", "policy", "load", "queue", "system", "user", "assistant", "document", "answer", "question", "tool", "schema", "function", "value", "result", "error", "time", "first", "compute", "prefill", "decode", "batch", "stream", "event", "key", "hash", "store", "remove", "update", "graph", "kernel", "tensor", "layer", "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "this", "are", "or", "from", "at", "which"]
 
 
@@ -70,6 +72,7 @@ class PolicyResult:
     hits: float = 0.0
     per_worker: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
+    fail_open: float = 0.0  # decisions the router made on load alone during the replay (its own metric)
 
     @property
     def hit_rate(self) -> float:
@@ -172,6 +175,7 @@ def measure(fleets: list[PolicyFleet], workload: list[Conversation],
             args: argparse.Namespace) -> tuple[list[PolicyResult], Disturbance]:
     """Replays the workload through every fleet at once; hit rates from each fleet's own engines."""
     before = [[engine_prefix_counters(e.url) for e in f.cluster.engines] for f in fleets]
+    fail_open_before = [router_fail_opens(f.router_url) for f in fleets]
     results = [PolicyResult(f.policy) for f in fleets]
     monitor = DisturbanceMonitor(own_pids=[os.getpid(), *(pid for f in fleets for pid in f.all_pids())],
                                  loop_pids=[pid for f in fleets for pid in f.request_path_pids()])
@@ -184,16 +188,27 @@ def measure(fleets: list[PolicyFleet], workload: list[Conversation],
         after = [engine_prefix_counters(e.url) for e in fleet.cluster.engines]
         result.queries = sum(a[0] - b[0] for a, b in zip(after, counters, strict=True))
         result.hits = sum(a[1] - b[1] for a, b in zip(after, counters, strict=True))
+    for fleet, result, fail_opens in zip(fleets, results, fail_open_before, strict=True):
+        result.fail_open = router_fail_opens(fleet.router_url) - fail_opens
     return results, disturbance
 
 
+def router_fail_opens(router_url: str) -> float:
+    """Decisions a router made on load alone so far (kvroute_router_fail_open_total, every reason)."""
+    status, body = http_get(router_url + "/metrics")
+    if status != 200:
+        raise RuntimeError(f"{router_url}/metrics answered {status}")
+    return prometheus_sums(body.decode(), {FAIL_OPEN_METRIC}).get(FAIL_OPEN_METRIC, 0.0)
+
+
 def print_table(results: list[PolicyResult], file=sys.stdout) -> None:
-    header = f"{'policy':<14}{'requests':>9}{'errors':>8}{'hit rate':>10}{'TTFT p50':>11}{'TTFT p99':>11}{'e2e p50':>10}{'wall s':>8}  requests per worker"
+    header = (f"{'policy':<14}{'requests':>9}{'errors':>8}{'fail-open':>10}{'hit rate':>10}{'TTFT p50':>11}"
+              f"{'TTFT p99':>11}{'e2e p50':>10}{'wall s':>8}  requests per worker")
     print(header, file=file)
     print("-" * len(header), file=file)
     for r in results:
         spread = " ".join(f"{w}={n}" for w, n in sorted(r.per_worker.items()))
-        print(f"{r.policy:<14}{r.requests:>9}{r.errors:>8}{r.hit_rate:>9.1%}{percentile(r.ttft_ms, 50):>9.1f}ms"
+        print(f"{r.policy:<14}{r.requests:>9}{r.errors:>8}{r.fail_open:>10.0f}{r.hit_rate:>9.1%}{percentile(r.ttft_ms, 50):>9.1f}ms"
               f"{percentile(r.ttft_ms, 99):>9.1f}ms{percentile(r.e2e_ms, 50):>8.0f}ms{r.wall_s:>8.1f}  {spread}", file=file)
 
 
@@ -240,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(json.dumps({"policies": {r.policy: {
         "requests": r.requests,
+        "fail_open": int(r.fail_open),
         "hit_rate": round(r.hit_rate, 4),
         "ttft_p50_ms": round(percentile(r.ttft_ms, 50), 2),
         "ttft_p99_ms": round(percentile(r.ttft_ms, 99), 2),

@@ -249,7 +249,7 @@ class SharedPrefixLoad:
 
 
 class FailOpenWatch:
-    """Polls every router's `kvroute_router_fail_open_reasons_total` every `interval_s`: (time, totals by
+    """Polls every router's `kvroute_router_fail_open_total` every `interval_s`: (time, totals by
     reason) samples."""
 
     def __init__(self, router_urls: list[str], interval_s: float = 0.02) -> None:
@@ -267,7 +267,7 @@ class FailOpenWatch:
 
     def totals(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        prefix = 'kvroute_router_fail_open_reasons_total{reason="'
+        prefix = 'kvroute_router_fail_open_total{reason="'
         for url in self.router_urls:
             status, body = http_get(url + "/metrics", timeout=1.0)
             for line in body.decode().splitlines() if status == 200 else ():

@@ -25,9 +25,9 @@ resolve removals; the key of a block is kvroute's own chained hash of its tokens
 - Skipped and counted: `remote` blocks (another instance's), KV groups other than the main
   full-attention one.
 
-`apply()` returns proto BlockEvents for only the changes that really happened (consecutive
-changes of one kind on one tier are merged into one event); `snapshot_events()` lists every key
-held, one BlocksStored per tier.
+`apply()` returns plain key deltas (`block_deltas.py`) for only the changes that really happened
+(consecutive changes of one kind on one tier are merged into one delta); `snapshot_events()` lists
+every key held, one KeysStored per tier. Only the agent's gRPC link turns them into protobuf.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import logging
 from dataclasses import dataclass, field, fields
 
 from kvroute.block_keys import chain_block_keys, namespace_seed
-from kvroute.v1 import kvroute_pb2 as pb
+from kvroute.worker_agent.block_deltas import AllKeysCleared, BlockDelta, KeysRemoved, KeysStored
 from kvroute.worker_agent.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent
 
 log = logging.getLogger("kvroute.agent.resolver")
@@ -113,10 +113,9 @@ class BlockResolver:
     def held_keys(self, tier: str = GPU) -> list[int]:
         return list(self._tiers[tier].refs)
 
-    def snapshot_events(self) -> list[pb.BlockEvent]:
-        """Everything held, as a resync sends it: one BlocksStored per tier (gpu always, others when non-empty)."""
-        return [pb.BlockEvent(stored=pb.BlocksStored(block_keys=list(state.refs), medium=tier))
-                for tier, state in self._tiers.items() if tier == GPU or state.refs]
+    def snapshot_events(self) -> list[BlockDelta]:
+        """Everything held, as a resync sends it: one KeysStored per tier (gpu always, others when non-empty)."""
+        return [KeysStored(tier, list(state.refs)) for tier, state in self._tiers.items() if tier == GPU or state.refs]
 
     def clear(self) -> None:
         """Forget everything (engine restarted / state unknown). Not reported as an event."""
@@ -126,7 +125,7 @@ class BlockResolver:
 
     # ------------------------------------------------------------------ events
 
-    def apply(self, events: list[EngineEvent]) -> list[pb.BlockEvent]:
+    def apply(self, events: list[EngineEvent]) -> list[BlockDelta]:
         runs: list[tuple[str, str, list[int]]] = []  # (kind, tier, keys), consecutive (kind, tier) merged
         for event in events:
             t = type(event)
@@ -152,15 +151,8 @@ class BlockResolver:
                     runs[-1][2].extend(keys)
                 else:
                     runs.append((kind, tier, keys))
-        out: list[pb.BlockEvent] = []
-        for kind, tier, keys in runs:
-            if kind == "stored":
-                out.append(pb.BlockEvent(stored=pb.BlocksStored(block_keys=keys, medium=tier)))
-            elif kind == "removed":
-                out.append(pb.BlockEvent(removed=pb.BlocksRemoved(block_keys=keys, medium=tier)))
-            else:
-                out.append(pb.BlockEvent(cleared=pb.AllBlocksCleared()))
-        return out
+        return [KeysStored(tier, keys) if kind == "stored" else KeysRemoved(tier, keys) if kind == "removed"
+                else AllKeysCleared() for kind, tier, keys in runs]
 
     def _tier(self, medium: str, blocks: int) -> str:
         tier = MEDIUM_TIERS.get(medium)

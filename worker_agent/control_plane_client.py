@@ -47,6 +47,7 @@ import grpc
 from kvroute.addresses import AddressRotation
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
+from kvroute.worker_agent.block_deltas import BlockDelta, to_block_events
 
 log = logging.getLogger("kvroute.agent.cp")
 GRPC_OPTIONS = [
@@ -119,7 +120,7 @@ class _HeldBatch:
 
 
 class ControlPlaneLink:
-    def __init__(self, address: str, identity: WorkerIdentity, snapshot: Callable[[], list[pb.BlockEvent]],
+    def __init__(self, address: str, identity: WorkerIdentity, snapshot: Callable[[], list[BlockDelta]],
                  load: Callable[[], pb.WorkerLoad], *, heartbeat_interval_s: float | None = None,
                  register_timeout_s: float = 5.0, ack_timeout_s: float = 15.0, backoff_initial_s: float = 0.1,
                  backoff_max_s: float = 5.0, max_pending_events: int = 100_000, stable_session_s: float = 5.0,
@@ -159,13 +160,13 @@ class ControlPlaneLink:
 
     # ------------------------------------------------------------------ producer side (never blocks)
 
-    def send(self, events: list[pb.BlockEvent]) -> None:
+    def send(self, deltas: list[BlockDelta]) -> None:
         """Queue deltas for the next batch (also while disconnected, up to the bound)."""
-        if not events:
+        if not deltas:
             return
         if self._resync:
             return  # a snapshot is due anyway
-        self._pending.extend(events)
+        self._pending.extend(to_block_events(deltas))
         if self._held_events + len(self._pending) > self.max_pending_events:
             self.counters.overflow_resyncs += 1
             log.warning("control plane backlog of %d events: sending a snapshot instead",
@@ -375,7 +376,7 @@ class ControlPlaneLink:
             self._drop_held()
             self._pending, self._resync = [], False
             self._seq = registered.last_seq if registered.resume else 0
-            first = [new_batch(True, self._snapshot())]
+            first = [new_batch(True, to_block_events(self._snapshot()))]
         self.connected = True
         self.not_connected_reason = ""
         self.connected_event.set()
@@ -418,7 +419,7 @@ class ControlPlaneLink:
                 if self._resync:
                     self._resync, self._pending = False, []
                     self._drop_held()
-                    await write(new_batch(True, self._snapshot()))
+                    await write(new_batch(True, to_block_events(self._snapshot())))
                 elif self._pending:
                     events, self._pending = self._pending, []
                     await write(new_batch(False, events))

@@ -456,17 +456,20 @@ class ZmqEventSource:
                     out.complete = True
                     return out
                 seq = int.from_bytes(seq8, "big")
-                if stop_before is not None and seq >= stop_before:
-                    out.complete = True
-                    return out
                 if seq < start or seq in out.batches:
                     continue  # dedupe by seq
                 try:
-                    out.batches[seq] = self.decode(seq, payload)
+                    decoded = self.decode(seq, payload)
                 except WireFormatError as exc:
+                    # Its seq frame is not trusted either: a reply that does not decode neither ends the
+                    # answer (past stop_before) nor fills a place in it.
                     self._count_undecodable(exc)
                     self._log.warning("replay_payload", "malformed replayed batch seq %d dropped: %s", seq, exc)
                     continue  # missing: a later readable copy of it may still come
+                if stop_before is not None and seq >= stop_before:
+                    out.complete = True  # the engine answers in order: everything before it has come
+                    return out
+                out.batches[seq] = decoded
                 out.digests[seq] = _digest(payload)
                 if len(out.batches) >= MAX_REPLAY_BATCHES:
                     self._log.warning("replay_size", "replay from seq %d (%s): stopped after %d batches",

@@ -11,8 +11,16 @@ from collections import Counter
 
 import pytest
 
-from kvroute.data_plane.affinity_policies import ApproxTree, PrefixHashBoundedLoad, PromptTree, SessionAffinity
-from kvroute.data_plane.policies import POLICIES, Candidate, RoutingInput, make_policy
+from kvroute.data_plane.policies import (
+    POLICIES,
+    ApproxTree,
+    Candidate,
+    PrefixHashBoundedLoad,
+    PromptTree,
+    RoutingInput,
+    SessionAffinity,
+    make_policy,
+)
 
 ALL_POLICIES = ("round_robin", "random", "least_loaded", "session", "chwbl", "approx_tree", "kv_aware")
 
@@ -261,7 +269,8 @@ def test_tree_evicts_leaves_before_the_prefix_they_hang_from() -> None:
 
 
 async def test_router_passes_tokens_and_session_key_to_the_policy() -> None:
-    from kvroute.data_plane.load_tracker import LoadTracker
+    from kvroute.data_plane.inflight import RouterInflight
+    from kvroute.data_plane.policies import PolicyNeeds
     from kvroute.data_plane.routing import Router
     from kvroute.v1 import kvroute_pb2 as pb
 
@@ -279,12 +288,13 @@ async def test_router_passes_tokens_and_session_key_to_the_policy() -> None:
 
     class Recording:
         name = "recording"
+        needs = PolicyNeeds(tokens=True)
 
         def choose(self, request, candidates):
             seen.append(request)
             return make_policy("least_loaded", seed=0).choose(request, candidates)
 
-    router = Router(Workers(), Recording(), LoadTracker())
+    router = Router(Workers(), Recording(), RouterInflight())
     await router.decide("m", [5, 6, 7], session_key="conv-1")
     await router.decide("m", [5])
     assert (list(seen[0].token_ids), seen[0].session_key, seen[0].prompt_tokens) == ([5, 6, 7], "conv-1", 3)

@@ -20,13 +20,17 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvroute.block_keys import prompt_block_keys
+from kvroute.data_plane.backend_health import BackendHealth
 from kvroute.data_plane.control_plane_client import ControlPlaneClient
 from kvroute.data_plane.grpc_api import RouterGrpcService, add_router_service
 from kvroute.data_plane.http_api import RouterHttpApi
-from kvroute.data_plane.load_tracker import LoadTracker
+from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.policies import make_policy
+from kvroute.data_plane.proxy import BackendProxy
+from kvroute.data_plane.request_prep import RequestPreparer
 from kvroute.data_plane.routing import Router
 from kvroute.data_plane.tokenization import PromptTokenizer, load_tokenizer
+from kvroute.telemetry import install_tracer_provider
 from kvroute.tools.local_cluster import free_port
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
@@ -43,7 +47,7 @@ def _install_tracing() -> InMemorySpanExporter:
     provider = trace.get_tracer_provider()
     if not isinstance(provider, TracerProvider):
         provider = TracerProvider()
-        trace.set_tracer_provider(provider)
+        install_tracer_provider(provider)
     if not getattr(provider, "_kvroute_test_exporter", False):
         provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
         provider._kvroute_test_exporter = True  # type: ignore[attr-defined]
@@ -197,14 +201,16 @@ async def make_stack(tiny_model_dir, *, policy: str = "kv_aware", with_cp: bool 
         await client.refresh()
     client.start()
     tokenizer = load_tokenizer(tiny_model_dir)
-    router = Router(client, make_policy(policy, seed=0), LoadTracker())
-    http = RouterHttpApi(router, tokenizer, MODEL, max_prompt_tokens)
+    inflight, health = RouterInflight(client.session), BackendHealth()
+    router = Router(client, make_policy(policy, seed=0), inflight, health)
+    preparer = RequestPreparer(tokenizer, MODEL, client.adapters_of, max_prompt_tokens)
+    http = RouterHttpApi(router, BackendProxy(inflight, health, router.metrics), preparer)
     runner = web.AppRunner(http.app(), handler_cancellation=True)  # as kvroute.data_plane.cli runs it
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     grpc_server = grpc.aio.server()
-    add_router_service(RouterGrpcService(router, tokenizer, MODEL, max_prompt_tokens), grpc_server)
+    add_router_service(RouterGrpcService(router, preparer), grpc_server)
     grpc_port = grpc_server.add_insecure_port("127.0.0.1:0")
     await grpc_server.start()
     return Stack(cp, cp_server, a, b, client, router, runner, grpc_server,
@@ -253,7 +259,7 @@ async def test_choice_follows_the_index_and_response_names_the_worker(stack: Sta
     chain = stack.cp.queries[-1].chains
     assert [c.block_size for c in chain] == [16]
     assert list(chain[0].block_keys) == prompt_block_keys(tokens, 16, MODEL)
-    assert stack.router.load.snapshot() == {}  # every in-flight entry released
+    assert stack.router.inflight.snapshot() == {}  # every in-flight entry released
 
 
 async def test_route_endpoint_shape_and_cached_tokens(stack: Stack) -> None:
@@ -306,12 +312,12 @@ async def test_sse_is_streamed_through_unbuffered(stack: Stack) -> None:
         # The first event arrives while the backend is still holding the rest back: nothing is buffered.
         first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
         assert json.loads(first[len(b"data: "):]) == {"backend": "A", "n": 0}
-        assert stack.router.load.inflight("A") == (1, 0)  # in flight; prefill done at the first byte
+        assert stack.router.inflight.inflight("A") == (1, 0)  # in flight; prefill done at the first byte
         stack.a.gate.set()
         rest = await asyncio.wait_for(resp.content.read(), 5)
     assert rest.endswith(b"data: [DONE]\n\n") and b'"n": 1' in rest
     assert stack.a.received[-1][0] == "/v1/chat/completions"
-    assert stack.router.load.snapshot() == {}
+    assert stack.router.inflight.snapshot() == {}
 
 
 async def test_backend_dying_mid_stream_truncates_the_client_stream(stack: Stack) -> None:
@@ -324,7 +330,7 @@ async def test_backend_dying_mid_stream_truncates_the_client_stream(stack: Stack
         with pytest.raises(aiohttp.ClientPayloadError):  # not a clean end: the truncation is visible
             await asyncio.wait_for(resp.content.read(), 5)
     assert len(stack.b.received) == 0  # bytes were already sent: no retry
-    assert stack.router.load.snapshot() == {}
+    assert stack.router.inflight.snapshot() == {}
 
 
 async def test_client_going_away_releases_the_backend(stack: Stack) -> None:
@@ -332,15 +338,15 @@ async def test_client_going_away_releases_the_backend(stack: Stack) -> None:
     stack.a.gate = asyncio.Event()  # the backend holds its stream open
     resp = await stack.session.post(stack.url + "/v1/completions", json=completion(stream=True))
     await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
-    assert stack.router.load.inflight("A") == (1, 0)
+    assert stack.router.inflight.inflight("A") == (1, 0)
     resp.close()  # the client disconnects mid-stream
     for _ in range(100):
         backend_request = stack.a.requests[-1]
-        if stack.router.load.snapshot() == {} and (backend_request.transport is None
+        if stack.router.inflight.snapshot() == {} and (backend_request.transport is None
                                                    or backend_request.transport.is_closing()):
             break
         await asyncio.sleep(0.02)
-    assert stack.router.load.snapshot() == {}
+    assert stack.router.inflight.snapshot() == {}
     assert backend_request.transport is None or backend_request.transport.is_closing()
     stack.a.gate.set()
 
@@ -425,7 +431,7 @@ async def test_refused_backend_is_retried_on_the_next_best(stack: Stack) -> None
         metrics = await resp.text()
     assert 'kvroute_router_backend_errors_total{worker="A"} 1.0' in metrics
     assert 'kvroute_router_requests_total{policy="kv_aware",worker="B"} 2.0' in metrics
-    assert stack.router.load.snapshot() == {}
+    assert stack.router.inflight.snapshot() == {}
 
 
 @pytest.mark.parametrize("mode", ["http500", "drop"])
@@ -445,7 +451,7 @@ async def test_every_backend_failing_surfaces_the_last_error(stack: Stack) -> No
     await stack.b.stop()
     status, _, body = await stack.post("/v1/completions", completion())
     assert status == 502 and "no backend could serve the request" in body["error"]["message"]
-    assert stack.router.load.snapshot() == {}
+    assert stack.router.inflight.snapshot() == {}
 
 
 # ---------------------------------------------------------------- bad input
@@ -679,3 +685,54 @@ async def test_expect_100_continue_under_the_cap_is_served(stack: Stack) -> None
         assert resp.status == 200 and (await resp.json())["backend"] in "AB"
     async with stack.session.post(stack.url + "/v1/completions", data=b"{not json", expect100=True) as resp:
         assert resp.status == 400 and (await resp.json())["error"]["type"] == "invalid_request_error"
+
+
+# ---------------------------------------------------------------- only the work the policy needs
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "random", "least_loaded", "session"])
+async def test_load_policies_neither_tokenize_nor_query_a_proxied_request(tiny_model_dir, policy: str) -> None:
+    s = await make_stack(tiny_model_dir, policy=policy)
+    try:
+        chars, queries = s.tokenizer.tokenized_chars, len(s.cp.queries)
+        for body in (completion(), {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}):
+            status, headers, answer = await s.post("/v1/chat/completions" if "messages" in body else "/v1/completions",
+                                                   body)
+            assert status == 200 and headers["x-kvroute-worker"] in ("A", "B"), answer
+        assert (s.tokenizer.tokenized_chars, len(s.cp.queries)) == (chars, queries)
+        # Bad input is still refused, a prompt too long by its characters alone too.
+        status, _, answer = await s.post("/v1/chat/completions", {"model": MODEL, "messages": []})
+        assert status == 400 and answer["error"]["param"] == "messages"
+        status, _, answer = await s.post("/v1/completions", completion(prompt="x" * 10_000_000))
+        assert status in (400, 413), answer
+        status, _, answer = await s.post("/v1/completions", completion(prompt=list(range(200_000))))
+        assert status == 400 and answer["error"]["code"] == "context_length_exceeded"
+        assert s.router.inflight.snapshot() == {}
+    finally:
+        await close_stack(s)
+
+
+async def test_kv_aware_tokenizes_and_queries_once_per_request(stack: Stack) -> None:
+    chars, queries = stack.tokenizer.tokenized_chars, len(stack.cp.queries)
+    status, _, _ = await stack.post("/v1/completions", completion())
+    assert status == 200
+    assert stack.tokenizer.tokenized_chars > chars and len(stack.cp.queries) == queries + 1
+
+
+async def test_fail_open_is_counted_by_reason_and_named_in_the_log(tiny_model_dir, caplog) -> None:
+    s = await make_stack(tiny_model_dir, query_timeout_s=0.05)
+    try:
+        s.cp.query_delay_s = 1.0
+        for _ in range(3):
+            assert (await s.post("/v1/route", completion()))[2]["fail_open"] is True
+        s.cp.query_delay_s, s.cp.empty_query = 0.0, True
+        assert (await s.post("/v1/route", completion()))[2]["fail_open"] is True
+        async with s.session.get(s.url + "/metrics") as resp:
+            metrics = await resp.text()
+        assert 'kvroute_router_fail_open_total{reason="deadline_exceeded"} 3.0' in metrics
+        assert 'kvroute_router_fail_open_total{reason="index_empty"} 1.0' in metrics
+        warnings = [r.getMessage() for r in caplog.records if r.name == "kvroute.router" and "load alone" in r.getMessage()]
+        assert len(warnings) == 2, warnings  # one per cause: the repeats are held back
+        assert "longer than its fixed deadline (50.0 ms" in warnings[0]
+    finally:
+        await close_stack(s)

@@ -1,5 +1,5 @@
 """kv_aware's cost model beyond the basic formula: recompute penalty, tiers, load bound,
-temperature, tie-breaks, and the router's speculative holders (LoadTracker)."""
+temperature, tie-breaks, and the router's speculative holders (RouterInflight)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from kvroute.block_keys import prompt_block_keys
-from kvroute.data_plane.load_tracker import LoadTracker
+from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.policies import Candidate, KvAware, KvAwareParams, RoutingInput, make_policy
 from kvroute.tools.bench.burst import burst_decisions
 
@@ -25,7 +25,7 @@ def request(tokens: list[int]) -> RoutingInput:
 
 
 def test_speculative_holders_live_from_start_to_finish() -> None:
-    tracker = LoadTracker()
+    tracker = RouterInflight()
     a = tracker.start("w1", 100, [1, 2, 3])
     b = tracker.start("w2", 50, [1, 2, 4])
     c = tracker.start("w1", 10, [1])

@@ -83,3 +83,27 @@ def test_control_plane_down_fails_open(cluster: LocalCluster) -> None:
                           and d["cached_tokens"] > 0 and d,
                           15, "index rebuilt from agent snapshots")
     assert decision["worker_id"] == cluster.engines[1].worker_id
+
+
+def test_only_a_router_whose_policy_reads_the_index_opens_a_router_session(local_fleet) -> None:
+    from kvroute.control_plane.audit import prometheus_sums
+    from kvroute.tools.local_cluster import free_port, http_get
+
+    cluster = local_fleet("sessions")
+    metrics_port = free_port()
+    cluster.start_control_plane(extra_args=("--metrics-port", str(metrics_port)))
+    cluster.start_sim_fleet(1, "--speedup", "1000")
+    cluster.start_router("rr", "round_robin")
+    cluster.start_router("kv", "kv_aware")
+
+    def sessions() -> float:
+        text = http_get(f"http://127.0.0.1:{metrics_port}/metrics")[1].decode()
+        return prometheus_sums(text, {"kvroute_cp_router_sessions"}).get("kvroute_cp_router_sessions", -1)
+
+    wait_until(lambda: sessions() == 1, 15, "the kv_aware router's session")
+    for name in ("rr", "kv"):  # both route; round_robin's requests are neither queried nor announced
+        status, raw = http_post_json(cluster.router_urls[name] + "/v1/completions",
+                                     {"model": cluster.model, "prompt": "hello", "max_tokens": 2})
+        assert status == 200, raw
+    time.sleep(0.5)  # a second session would have opened by now
+    assert sessions() == 1

@@ -59,9 +59,9 @@ def check(baseline, chaos) -> None:
     print("chaos", json.dumps(chaos.to_json()))
     assert baseline.failed == 0 and chaos.failed == 0, chaos.errors
     assert chaos.requests >= 0.8 * RATE * (chaos.wall_s - 1), chaos.to_json()  # the load really ran
-    outside = {r: n for r, n in chaos.fail_open_outside_deadline.items() if r != "deadline"}
+    outside = {r: n for r, n in chaos.fail_open_outside_deadline.items() if r != "deadline_exceeded"}
     assert not outside, chaos.to_json()
-    assert not {r: n for r, n in baseline.fail_open.items() if r != "deadline"}, baseline.to_json()
+    assert not {r: n for r, n in baseline.fail_open.items() if r != "deadline_exceeded"}, baseline.to_json()
     # After the kill, after the cut ends, and after the restarted replica is ready (it refuses agents and
     # routers until then; its start-up time is reported as restart_ready_s).
     assert all(t <= 2.0 for t in chaos.audit_clean_s.values()), chaos.audit_clean_s

@@ -38,3 +38,18 @@ def test_answer_bench_cli_prints_json_last() -> None:
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["workers"] == 4 and result["back_to_back_p50_us"] > 0 and result["pause_ms"] == 0.1
+
+
+def test_proxy_bench_reports_every_target_and_the_router_stages() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "bench", "proxy", "--requests", "20", "--engines", "1",
+                          "--policies", "round_robin,kv_aware", "--json"], capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    targets = {"passthrough", "kvroute:round_robin", "kvroute:kv_aware"}
+    assert set(result["added_p50_ms"]) == set(result["added_p99_ms"]) == targets
+    assert all(s["p50"] > 0 for s in result["latency_ms"].values())
+    stages = result["stages_ms"]
+    assert set(stages["kvroute:kv_aware"]) == {"parse", "prepare", "keys", "query", "score", "connect", "first_byte"}
+    # round_robin neither tokenizes nor queries: those stages are next to nothing.
+    assert stages["kvroute:round_robin"]["query"]["p50"] < stages["kvroute:kv_aware"]["query"]["p50"]

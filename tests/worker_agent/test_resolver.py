@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvroute.block_keys import namespace_seed, prompt_block_keys
-from kvroute.v1 import kvroute_pb2 as pb
+from kvroute.worker_agent.block_deltas import BlockDelta, KeysStored
 from kvroute.worker_agent.block_resolver import BlockResolver
 from kvroute.worker_agent.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -12,12 +12,8 @@ TOKENS = list(range(1, 65))  # 4 blocks of 16
 KEYS = prompt_block_keys(TOKENS, 16, MODEL)
 
 
-def changes(events: list[pb.BlockEvent]) -> list[tuple[str, list[int]]]:
-    out = []
-    for e in events:
-        kind = e.WhichOneof("kind")
-        out.append((kind, list(getattr(e, kind).block_keys) if kind != "cleared" else []))
-    return out
+def changes(deltas: list[BlockDelta]) -> list[tuple[str, list[int]]]:
+    return [(d.kind, list(d.keys) if d.kind != "cleared" else []) for d in deltas]
 
 
 def test_prompt_stored_in_two_events_chains_to_prompt_block_keys() -> None:
@@ -25,7 +21,7 @@ def test_prompt_stored_in_two_events_chains_to_prompt_block_keys() -> None:
     first = r.apply([BlockStored([101, 102], None, TOKENS[:32], 16)])
     second = r.apply([BlockStored([103, 104], 102, TOKENS[32:64], 16)])
     assert changes(first) + changes(second) == [("stored", KEYS[:2]), ("stored", KEYS[2:])]
-    assert first[0].stored.medium == "gpu"
+    assert first[0].tier == "gpu"
     assert sorted(r.held_keys()) == sorted(KEYS) and len(r) == 4
     assert r.counters.stored_blocks == 4 and r.observed_block_size == 16
 
@@ -33,7 +29,7 @@ def test_prompt_stored_in_two_events_chains_to_prompt_block_keys() -> None:
 def test_extra_token_ids_beyond_the_blocks_are_ignored() -> None:
     r = BlockResolver(MODEL)
     (event,) = r.apply([BlockStored([1, 2], None, TOKENS[:40], 16)])  # 2.5 blocks worth: the tail is not a block
-    assert list(event.stored.block_keys) == KEYS[:2]
+    assert list(event.keys) == KEYS[:2]
 
 
 def test_duplicate_store_and_duplicate_remove_are_no_ops() -> None:
@@ -42,7 +38,7 @@ def test_duplicate_store_and_duplicate_remove_are_no_ops() -> None:
     # Real vLLM re-stores a recomputed block and re-announces prefix hits (parent None from block 0).
     assert r.apply([BlockStored([102], 101, TOKENS[16:32], 16)]) == []
     assert r.apply([BlockStored([101, 102, 103], None, TOKENS[:48], 16)]) == [
-        pb.BlockEvent(stored=pb.BlocksStored(block_keys=[KEYS[2]], medium="gpu"))]
+        KeysStored("gpu", [KEYS[2]])]
     assert r.counters.duplicate_stores == 3
     assert changes(r.apply([BlockRemoved([103]), BlockRemoved([103])])) == [("removed", [KEYS[2]])]
     assert r.counters.unknown_removes == 1
@@ -95,8 +91,8 @@ def test_event_order_is_kept_and_consecutive_changes_are_merged() -> None:
                             ("stored", KEYS[:1])]
 
 
-def stored_on(tier_events: list[pb.BlockEvent]) -> dict[str, list[int]]:
-    return {e.stored.medium: list(e.stored.block_keys) for e in tier_events}
+def stored_on(tier_deltas: list[BlockDelta]) -> dict[str, list[int]]:
+    return {d.tier: list(d.keys) for d in tier_deltas}
 
 
 def test_gpu_to_cpu_offload_is_a_removal_on_one_tier_and_a_store_on_another() -> None:
@@ -104,15 +100,14 @@ def test_gpu_to_cpu_offload_is_a_removal_on_one_tier_and_a_store_on_another() ->
     r.apply([BlockStored([1, 2, 3], None, TOKENS[:48], 16)])
     # vLLM's offloading connector / LMCache: the GPU copy of block 2 is evicted, its CPU copy announced.
     out = r.apply([BlockRemoved([2, 3]), BlockStored([2, 3], 1, TOKENS[16:48], 16, medium="cpu")])
-    assert [(e.WhichOneof("kind"), getattr(e, e.WhichOneof("kind")).medium, list(getattr(e, e.WhichOneof("kind")).block_keys))
-            for e in out] == [("removed", "gpu", KEYS[1:3]), ("stored", "cpu", KEYS[1:3])]
+    assert [(d.kind, d.tier, list(d.keys)) for d in out] == [("removed", "gpu", KEYS[1:3]), ("stored", "cpu", KEYS[1:3])]
     assert stored_on(r.snapshot_events()) == {"gpu": KEYS[:1], "cpu": KEYS[1:3]}
     assert r.tier_sizes() == {"gpu": 1, "cpu": 2, "disk": 0} and len(r) == 1
     # A GPU child of a block that now lives on CPU still chains (parents are looked up on every tier).
     assert changes(r.apply([BlockStored([4], 3, TOKENS[48:64], 16)])) == [("stored", [KEYS[3]])]
     # The CPU copy goes too: only that tier changes.
     (gone,) = r.apply([BlockRemoved([2], medium="cpu")])
-    assert gone.removed.medium == "cpu" and list(gone.removed.block_keys) == [KEYS[1]]
+    assert gone.kind == "removed" and gone.tier == "cpu" and list(gone.keys) == [KEYS[1]]
     assert stored_on(r.snapshot_events()) == {"gpu": [KEYS[0], KEYS[3]], "cpu": [KEYS[2]]}
 
 
@@ -131,7 +126,7 @@ def test_medium_names_normalise_to_three_tiers() -> None:
              "obj": "disk", "external": "disk", "nvme_pool": "disk"}
     for i, (medium, tier) in enumerate(media.items()):
         (event,) = r.apply([BlockStored([100 + i], None, [i] * 16, 16, medium=medium)])
-        assert event.stored.medium == tier, medium
+        assert event.tier == tier, medium
     assert r.counters.unknown_medium_blocks == 1  # nvme_pool
     assert changes(r.apply([AllBlocksCleared()])) == [("cleared", [])]
     assert r.tier_sizes() == {"gpu": 0, "cpu": 0, "disk": 0}
@@ -174,9 +169,9 @@ def test_lora_name_and_block_size_namespace_keys() -> None:
     (plain,) = r.apply([BlockStored([1], None, TOKENS[:16], 16)])
     (lora,) = r.apply([BlockStored([2], None, TOKENS[:16], 16, lora_name="sql-adapter")])
     (small,) = r.apply([BlockStored([3, 4], None, TOKENS[:16], 8)])
-    assert list(plain.stored.block_keys) == KEYS[:1]
-    assert list(lora.stored.block_keys) == prompt_block_keys(TOKENS[:16], 16, MODEL, lora_name="sql-adapter")
-    assert list(small.stored.block_keys) == prompt_block_keys(TOKENS[:16], 8, MODEL)
+    assert list(plain.keys) == KEYS[:1]
+    assert list(lora.keys) == prompt_block_keys(TOKENS[:16], 16, MODEL, lora_name="sql-adapter")
+    assert list(small.keys) == prompt_block_keys(TOKENS[:16], 8, MODEL)
     assert r.observed_block_size == 8
     assert namespace_seed(MODEL, 16) != namespace_seed(MODEL, 8)
 
@@ -229,11 +224,11 @@ def test_partial_blocks_are_held_without_a_key() -> None:
 def test_cache_salt_and_unnamed_adapters_namespace_keys() -> None:
     r = BlockResolver(MODEL)
     (salted,) = r.apply([BlockStored([1], None, TOKENS[:16], 16, cache_salt="tenant-a")])
-    assert list(salted.stored.block_keys) == prompt_block_keys(TOKENS[:16], 16, MODEL, cache_salt="tenant-a")
+    assert list(salted.keys) == prompt_block_keys(TOKENS[:16], 16, MODEL, cache_salt="tenant-a")
     (child,) = r.apply([BlockStored([2], 1, TOKENS[16:32], 16)])  # the salt lives on through the chain
-    assert list(child.stored.block_keys) == prompt_block_keys(TOKENS[:32], 16, MODEL, cache_salt="tenant-a")[1:]
+    assert list(child.keys) == prompt_block_keys(TOKENS[:32], 16, MODEL, cache_salt="tenant-a")[1:]
     (by_id,) = r.apply([BlockStored([3], None, TOKENS[:16], 16, lora_id=7)])
-    assert list(by_id.stored.block_keys) == prompt_block_keys(TOKENS[:16], 16, MODEL, lora_name="#lora-id=7")
-    assert list(by_id.stored.block_keys) != KEYS[:1] and r.counters.unnamed_lora_blocks == 1
+    assert list(by_id.keys) == prompt_block_keys(TOKENS[:16], 16, MODEL, lora_name="#lora-id=7")
+    assert list(by_id.keys) != KEYS[:1] and r.counters.unnamed_lora_blocks == 1
     (named,) = r.apply([BlockStored([4], None, TOKENS[:16], 16, lora_name="sql", lora_id=7)])  # the name wins
-    assert list(named.stored.block_keys) == prompt_block_keys(TOKENS[:16], 16, MODEL, lora_name="sql")
+    assert list(named.keys) == prompt_block_keys(TOKENS[:16], 16, MODEL, lora_name="sql")

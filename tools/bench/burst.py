@@ -25,8 +25,11 @@ from pathlib import Path
 import aiohttp
 
 from kvroute.block_keys import prompt_block_keys
-from kvroute.data_plane.load_tracker import LoadTracker
-from kvroute.data_plane.policies import Candidate, RoutingInput, RoutingPolicy, make_policy
+from kvroute.data_plane.candidates import build_candidates
+from kvroute.data_plane.control_plane_client import KnownWorker
+from kvroute.data_plane.inflight import RouterInflight
+from kvroute.data_plane.policies import RoutingInput, RoutingPolicy, make_policy
+from kvroute.v1 import kvroute_pb2 as pb
 
 BURST_REQUESTS = 64
 PREFIX_TOKENS = 4096
@@ -44,17 +47,13 @@ def burst_decisions(policy: RoutingPolicy, prompts: list[list[int]], workers: in
                     speculative: bool = True) -> list[str]:
     """Where `prompts` arriving at once go on an empty fleet when each decision sees all earlier ones
     through a router's tracker (in-flight load, and speculative holders unless `speculative` is off)."""
-    tracker = LoadTracker()
-    ids = [f"w{i}" for i in range(workers)]
+    tracker = RouterInflight()
+    known = [KnownWorker(f"w{i}", "m", "", block_size, pb.WorkerLoad()) for i in range(workers)]
     chosen = []
     for tokens in prompts:
         keys = prompt_block_keys(tokens, block_size, "m")
-        spec = tracker.speculative_match(keys) if speculative else {}
-        candidates = []
-        for w in ids:
-            inflight, pending = tracker.inflight(w)
-            candidates.append(Candidate(w, "", block_size, cached_tokens=min(spec.get(w, 0) * block_size, len(tokens)),
-                                        inflight_requests=inflight, pending_prefill_tokens=pending))
+        # No index yet (a new prefix): the router's fail-open candidates, from its own in-flight state.
+        candidates = build_candidates(known, tracker, {block_size: keys} if speculative else {}, len(tokens))
         choice = policy.choose(RoutingInput("m", len(tokens), token_ids=tokens, chains={block_size: keys}), candidates)
         tracker.start(choice.worker.worker_id, len(tokens) - choice.worker.cached_tokens, keys)
         chosen.append(choice.worker.worker_id)

@@ -35,8 +35,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     answer.add_argument("--max-index-entries", type=int, default=0, metavar="N",
                         help="serve from the bounded index (control-plane --max-index-entries), N above the fleet's "
                              "entries: walks mark what they match; adds unmarked_* (marks cleared before each answer)")
-    proxy = sub.add_parser("proxy", help="completion latency direct to an engine vs through the router")
-    proxy.add_argument("--requests", type=int, default=300, help="requests per path")
+    proxy = sub.add_parser("proxy", help="what a router adds to a request: per target (kvroute per policy, a pass-through "
+                           "floor, peers) and per stage inside the router, p50/p99")
+    proxy.add_argument("--requests", type=int, default=2000, help="requests per target")
+    proxy.add_argument("--policies", default="round_robin,kv_aware", help="kvroute routers to measure, comma-separated")
+    proxy.add_argument("--peer", action="append", default=[], choices=["smg", "vllm-router"],
+                       help="also measure this router, installed from the package index into a cached venv "
+                            "(smg: SGLang's gateway; vllm-router: vLLM's router; each with round_robin and "
+                            "cache_aware), repeatable")
+    proxy.add_argument("--engines", type=int, default=2, help="sim engines behind every router")
     inflight = sub.add_parser("inflight", help="RouterSession: how long until one router's reserve/release is "
                               "visible to another router's queries (p50/p99)")
     inflight.add_argument("--trials", type=int, default=200, help="timed reserve + release pairs")
@@ -141,9 +148,14 @@ def run(args: argparse.Namespace) -> int:
 
         result = run_inflight(args.trials, args.block_keys)
     else:
-        from kvroute.tools.bench.proxy import run_proxy
+        from kvroute.tools.bench.proxy import format_table, run_proxy
 
-        result = run_proxy(args.requests)
+        result = run_proxy(args.requests, tuple(p for p in args.policies.split(",") if p), tuple(args.peer),
+                           args.engines)
+        if not args.json:
+            print(format_table(result))
+            print(json.dumps(result))
+            return 0
     if not args.json:
         for key, value in result.items():
             print(f"{key:>24}: {value}")

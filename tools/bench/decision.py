@@ -29,7 +29,7 @@ from kvroute import aio
 from kvroute.block_keys import prompt_block_keys
 from kvroute.control_plane.audit import prometheus_sums
 from kvroute.data_plane.control_plane_client import ControlPlaneClient, query_message
-from kvroute.data_plane.load_tracker import LoadTracker
+from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.policies import make_policy
 from kvroute.data_plane.routing import Router
 from kvroute.data_plane.tokenization import load_tokenizer
@@ -133,7 +133,7 @@ async def measure(address: str, tokenizer_dir: Path, prompt_tokens: int, workers
         return columns
 
     client.query = timed_query  # type: ignore[method-assign]
-    router = Router(client, make_policy("kv_aware", seed=seed), LoadTracker())
+    router = Router(client, make_policy("kv_aware", seed=seed), RouterInflight(client.session))
     result: dict = {}
     fail_open = 0
     for label, tok in (("", tokenizer), ("cold_", uncached)):

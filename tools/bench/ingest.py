@@ -23,6 +23,7 @@ from array import array
 import msgspec
 
 from kvroute.control_plane.index import BitmaskPrefixIndex, BoundedPrefixIndex
+from kvroute.worker_agent.block_deltas import KeysRemoved, KeysStored
 from kvroute.worker_agent.block_resolver import BlockResolver
 from kvroute.worker_agent.vllm_wire import decode_payload
 
@@ -56,12 +57,11 @@ def run_ingest(n_batches: int = 4000, blocks_per_event: int = 16, block_size: in
     for i, payload in enumerate(payloads):
         worker = i % workers
         batch = decode_payload(i, payload)
-        for event in resolvers[worker].apply(batch.events):
-            kind = event.WhichOneof("kind")
-            if kind == "stored":
-                block_events += index.store(worker, event.stored.block_keys)
-            elif kind == "removed":
-                block_events += index.remove(worker, event.removed.block_keys)
+        for delta in resolvers[worker].apply(batch.events):
+            if type(delta) is KeysStored:
+                block_events += index.store(worker, delta.keys)
+            elif type(delta) is KeysRemoved:
+                block_events += index.remove(worker, delta.keys)
     elapsed = time.perf_counter() - started
 
     # Memory per entry: build a fresh index of known size under tracemalloc, from packed keys (as the

@@ -102,8 +102,7 @@ async def ingest_through_redis(a: ReplicaProcess, b: ReplicaProcess, payloads: l
         for i, payload in enumerate(payloads):
             w = i % workers
             events = resolvers[w].apply(decode_payload(i, payload).events)
-            sent += sum(len(e.stored.block_keys) if e.WhichOneof("kind") == "stored" else len(e.removed.block_keys)
-                        for e in events)
+            sent += sum(len(d.keys) for d in events if d.kind != "cleared")
             links[w].send(events)
             if i % 64 == 63:
                 await asyncio.sleep(0)  # let the links write, as the agent's event loop does between batches
@@ -140,7 +139,7 @@ async def freshness(a: ReplicaProcess, b: ReplicaProcess, trials: int) -> dict:
                 tokens = [rng.randrange(1, 50_000) for _ in range(4)]
                 events = resolver.apply([BlockStored([10_000 + i], None, tokens, 4)])
                 query = pb.QueryRequest(model="fresh-model", chains=[pb.KeyChain(
-                    block_size=4, block_keys=[events[0].stored.block_keys[0]])], columnar=True)
+                    block_size=4, block_keys=[events[0].keys[0]])], columnar=True)
                 started = time.perf_counter()
                 link.send(events)
                 while True:
@@ -280,6 +279,7 @@ async def answers(replicas: list[ReplicaProcess], redis: RedisServer, workers: i
 
 async def prepare_answer_fleet(a: ReplicaProcess, workers: int, chain: int = 256) -> None:
     """`workers` workers of "answer-model", each holding a different prefix of the query's chain."""
+    from kvroute.worker_agent.block_deltas import KeysStored
     from kvroute.worker_agent.control_plane_client import ControlPlaneLink, WorkerIdentity
 
     rng = random.Random(3)
@@ -287,7 +287,7 @@ async def prepare_answer_fleet(a: ReplicaProcess, workers: int, chain: int = 256
     links = []
     for w in range(workers):
         held = keys[:rng.randrange(1, chain)]
-        events = [pb.BlockEvent(stored=pb.BlocksStored(block_keys=held, medium="gpu"))]
+        events = [KeysStored("gpu", held)]
         links.append(ControlPlaneLink(a.address, WorkerIdentity(f"answer-{w}", "answer-model", "vllm", 16,
                                                                 f"http://a{w}"), lambda e=events: e, pb.WorkerLoad))
     tasks = [asyncio.create_task(link.run()) for link in links]

@@ -69,7 +69,3 @@ class CostModel:
         if loaded_tokens:  # only then, so steps without a CPU tier keep their exact float sums
             t += loaded_tokens / self.cpu_load_tokens_per_s
         return t
-
-    def prefill_seconds(self, tokens: int) -> float:
-        """Time of a step that only prefills `tokens` (a lower bound on the TTFT of that many uncached tokens)."""
-        return self.step_seconds(tokens, 0)

@@ -1,8 +1,9 @@
 """Discrete-event simulation of a fleet behind one router.
 
-Real code: the routing policies (kvroute.data_plane.policies), the router's in-flight tracking
-(kvroute.data_plane.load_tracker), the agent's engine-hash -> block-key resolution
-(kvroute.worker_agent.block_resolver) and the control plane's index (kvroute.control_plane.index).
+Real code: the routing policies (kvroute.data_plane.policies), the router's candidate builder
+(kvroute.data_plane.candidates), the router's in-flight tracking (kvroute.data_plane.inflight),
+the agent's engine-hash -> block-key resolution (kvroute.worker_agent.block_resolver) and the
+control plane's index (kvroute.control_plane.index).
 Simulated: each engine (sim_engine's PrefixCache + Scheduler + CostModel) and the clock.
 KV events reach the index when the engine step that produced them ends, plus `event_delay_s`.
 
@@ -25,12 +26,16 @@ from dataclasses import dataclass, field
 
 from kvroute.block_keys import prompt_block_keys
 from kvroute.control_plane.index import BitmaskPrefixIndex
-from kvroute.data_plane.load_tracker import InflightTicket, LoadTracker
-from kvroute.data_plane.policies import Candidate, RoutingInput, make_policy
+from kvroute.data_plane.candidates import IndexColumns, build_candidates
+from kvroute.data_plane.control_plane_client import KnownWorker
+from kvroute.data_plane.inflight import InflightTicket, RouterInflight
+from kvroute.data_plane.policies import RoutingInput, make_policy
 from kvroute.tools.sim_engine.cost_model import CostModel
 from kvroute.tools.sim_engine.prefix_cache import ClearedEvent, PrefixCache, RemovedEvent, StoredEvent
 from kvroute.tools.sim_engine.scheduler import Scheduler, SimRequest
 from kvroute.tools.simulator.workloads import SimWorkloadRequest
+from kvroute.v1 import kvroute_pb2 as pb
+from kvroute.worker_agent.block_deltas import KeysRemoved, KeysStored
 from kvroute.worker_agent.block_resolver import BlockResolver
 from kvroute.worker_agent.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -81,6 +86,28 @@ class _Worker:
         self.busy = False
         self.busy_s = 0.0
         self.step_end = 0.0  # when the running step (or decode stretch) ends, while busy
+
+
+class _RouterView:
+    """What a router would know of the simulated fleet, always fresh: the known workers (as
+    ListWorkers reports them, blocks held from the index) and the control plane's columnar answer
+    (the index's match and each engine's queue at this instant). No reservations: one router."""
+
+    def __init__(self, workers: list[_Worker], block_size: int) -> None:
+        self.workers = workers
+        self.by_id = {w.worker_id: w for w in workers}
+        self.known = [KnownWorker(w.worker_id, MODEL, "", block_size, pb.WorkerLoad()) for w in workers]
+        self._zeros = [0] * len(workers)
+        self._usage = [0.0] * len(workers)
+
+    def answer(self, index: BitmaskPrefixIndex, keys: list[int]) -> IndexColumns:
+        matched = index.match(keys)
+        for known, w in zip(self.known, self.workers):
+            known.cached_blocks = index.worker_block_count(w.slot)
+        zeros = self._zeros
+        return IndexColumns([w.worker_id for w in self.workers], [matched.get(w.slot, 0) for w in self.workers],
+                            zeros, zeros, zeros, zeros, [len(w.scheduler.running) for w in self.workers],
+                            [len(w.scheduler.waiting) for w in self.workers], self._usage)
 
 
 def true_ttft(w: _Worker, prompt: Sequence[int], max_tokens: int, now: float,
@@ -136,8 +163,9 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
                                              **(config.kv_aware_params if policy_name == "kv_aware" else {}))
     oracle_rng = random.Random(config.seed)
     workers = [_Worker(i, config) for i in range(config.workers)]
+    router_view = _RouterView(workers, config.block_size)
     index = BitmaskPrefixIndex()
-    load = LoadTracker()
+    load = RouterInflight()
     run = PolicyRun(policy_name)
     seq = itertools.count()
     arrivals = sorted(workload, key=lambda r: r.arrival_s)
@@ -171,7 +199,7 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
             keys = prompt_block_keys(req.tokens, config.block_size, MODEL)
             too_big = -(-(len(req.tokens) + req.output_tokens) // config.block_size) > config.num_blocks
             if not oracle:  # policies decide even on a request the engine will reject (their state moves on)
-                w, cached = _policy_choice(policy, workers, index, load, req, keys, config)
+                w, cached = _policy_choice(policy, router_view, index, load, req, keys, config)
             elif not too_big:
                 w, cached = _oracle_choice(workers, req, now, config, oracle_rng)
             if too_big:
@@ -220,24 +248,15 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
     return run
 
 
-def _policy_choice(policy, workers: list[_Worker], index: BitmaskPrefixIndex, load: LoadTracker,
+def _policy_choice(policy, fleet: _RouterView, index: BitmaskPrefixIndex, load: RouterInflight,
                    req: SimWorkloadRequest, keys: list[int], config: FleetConfig) -> tuple[_Worker, int]:
-    """The router's way: candidates from the index and in-flight tracking, then the policy."""
-    matched = index.match(keys)
-    speculative = load.speculative_match(keys)
-    candidates = []
-    for w in workers:
-        inflight, pending = load.inflight(w.worker_id)
-        blocks = max(matched.get(w.slot, 0), speculative.get(w.worker_id, 0))
-        candidates.append(Candidate(
-            worker_id=w.worker_id, endpoint="", block_size=config.block_size,
-            cached_tokens=min(blocks * config.block_size, len(req.tokens)),
-            worker_cached_blocks=index.worker_block_count(w.slot),
-            running_requests=len(w.scheduler.running), waiting_requests=len(w.scheduler.waiting),
-            inflight_requests=inflight, pending_prefill_tokens=pending))
+    """The router's way: the index's answer and this router's in-flight tracking through the router's
+    own `build_candidates`, then the policy."""
+    candidates = build_candidates(fleet.known, load, {config.block_size: keys}, len(req.tokens),
+                                  fleet.answer(index, keys))
     choice = policy.choose(RoutingInput(MODEL, len(req.tokens), token_ids=req.tokens, session_key=req.session,
                                         chains={config.block_size: keys}), candidates)
-    return workers[int(choice.worker.worker_id[1:])], choice.worker.cached_tokens
+    return fleet.by_id[choice.worker.worker_id], choice.worker.cached_tokens
 
 
 def _oracle_choice(workers: list[_Worker], req: SimWorkloadRequest, now: float, config: FleetConfig,
@@ -250,12 +269,11 @@ def _oracle_choice(workers: list[_Worker], req: SimWorkloadRequest, now: float, 
 
 
 def _apply(index: BitmaskPrefixIndex, w: _Worker, wire: list) -> None:
-    for event in w.resolver.apply(wire):
-        k = event.WhichOneof("kind")
-        if k == "stored":
-            index.store(w.slot, event.stored.block_keys)
-        elif k == "removed":
-            index.remove(w.slot, event.removed.block_keys)
+    for delta in w.resolver.apply(wire):
+        if type(delta) is KeysStored:
+            index.store(w.slot, delta.keys)
+        elif type(delta) is KeysRemoved:
+            index.remove(w.slot, delta.keys)
         else:
             index.clear(w.slot)
 

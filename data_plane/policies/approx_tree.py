@@ -1,150 +1,27 @@
-"""Baseline policies that other routers use, behind the same `RoutingPolicy.choose` interface, so the
-simulator and the router can run them next to kv_aware on the same traffic:
-
-    session      SessionAffinity        rendezvous hashing on the session key
-    chwbl        PrefixHashBoundedLoad  KubeAI's PrefixHash: consistent hashing with bounded loads
-    approx_tree  ApproxTree             SGLang router's cache_aware: a router-side approximate radix tree
-
-None of them reads `Candidate.cached_tokens`: each decides from what a router sees on its own (the
-session key, the prompt's first tokens, the prompts it sent), which is what sets them apart from
-kv_aware's engine-reported index. "Load" is `policies.request_load`, as in LeastLoaded.
-
-Importing this module adds the three to `policies.POLICIES`, so `make_policy("chwbl")` works.
-"""
+"""`approx_tree`: SGLang router's cache_aware, a router-side approximate radix tree of the prompts
+sent to each worker (a baseline: reads no index)."""
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
-import math
 import random
 from array import array
 from collections.abc import Collection, Sequence
 
-import xxhash
-
 from kvroute.block_keys import pack_token_ids
-from kvroute.data_plane.policies import (
-    POLICIES,
+from kvroute.data_plane.policies.base import (
+    NEEDS_TOKENS,
     Candidate,
     Choice,
-    LeastLoaded,
     RoutingInput,
-    _pick_one,
-    _require,
-    _rng,
+    make_rng,
+    others_by_load,
+    pick_one,
     request_load,
+    require_candidates,
 )
-
-
-def _others_by_load(chosen: Candidate, candidates: list[Candidate]) -> dict[str, float]:
-    """Scores for policies whose choice is not a cost: 0 for the chosen worker, 1 + load for the
-    rest, so a retry goes to the least loaded other worker."""
-    return {c.worker_id: 0.0 if c is chosen else 1.0 + request_load(c) for c in candidates}
-
-
-# ---------------------------------------------------------------- session
-
-
-class SessionAffinity:
-    """`session`: all requests of a session go to one worker, by rendezvous (highest random weight)
-    hashing: weight(w) = xxh3_64(session_key, worker_id), highest wins (Thaler & Ravishankar, 1996).
-    Adding a worker moves only the sessions the new worker now wins (about 1/(n+1) of them),
-    removing one moves only its own sessions, and there is no state, so router replicas agree.
-
-    Keyed requests ignore load (pure affinity is the baseline: a busy session stays where it is).
-    Requests without a session key go to the least loaded worker (LeastLoaded, seeded tie-break).
-    Scores are the rendezvous rank (0 = chosen): a retry goes where the session would move."""
-    name = "session"
-
-    def __init__(self, seed: int | None = None, rng: random.Random | None = None) -> None:
-        self._least = LeastLoaded(rng=_rng(seed, rng))
-
-    def choose(self, request: RoutingInput, candidates: list[Candidate]) -> Choice:
-        _require(candidates)
-        if not request.session_key:
-            return self._least.choose(request, candidates)
-        key = request.session_key.encode()
-        prefix = len(key).to_bytes(4, "little") + key  # length-prefixed: no (key, id) pair collides by concatenation
-        ranked = sorted(candidates, key=lambda c: (-xxhash.xxh3_64_intdigest(prefix + c.worker_id.encode()), c.worker_id))
-        return Choice(ranked[0], {c.worker_id: float(i) for i, c in enumerate(ranked)})
-
-
-# ---------------------------------------------------------------- chwbl
-
-# KubeAI's PrefixHash defaults (its Model CRD, loadBalancing.prefixHash): meanLoadFactor 125 (%),
-# replication 256 (virtual nodes per endpoint), prefixCharLength 100. KubeAI hashes the first 100
-# characters of the prompt (for chat: of the first user message); we hash tokens, and 100 characters
-# are about 25 tokens by the usual ~4 characters per English token rule of thumb.
-CHWBL_PREFIX_TOKENS = 25
-CHWBL_LOAD_FACTOR = 1.25
-CHWBL_REPLICATION = 256
-
-
-class PrefixHashBoundedLoad:
-    """`chwbl`: consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, 2018) on the
-    prompt prefix, as KubeAI's PrefixHash strategy does.
-
-    - key: xxh3_64 of the model name and the first `prefix_tokens` prompt tokens (all if shorter);
-    - ring: `replication` points per worker, xxh3_64("<worker_id>#<i>");
-    - from the key's point, walk the ring clockwise and take the first worker that stays within the
-      bound after taking this request: load + 1 <= ceil(load_factor * (total_load + 1) / workers),
-      the paper's capacity with the new request counted. Some worker always fits (the least loaded
-      one does), so the bound holds for every decision.
-    KubeAI checks the same inequality without the ceil, so at low load no worker fits and it falls
-    back to the key's own worker; with the ceil a second concurrent request may move on instead.
-    Same prefix, same worker while that worker is under the bound. Deterministic (no ties to break;
-    `seed`/`rng` are accepted for a uniform make_policy call). Scores: 0 for the chosen worker,
-    1 + the ring-walk position for the rest (a retry continues the walk)."""
-    name = "chwbl"
-
-    def __init__(self, prefix_tokens: int = CHWBL_PREFIX_TOKENS, load_factor: float = CHWBL_LOAD_FACTOR,
-                 replication: int = CHWBL_REPLICATION, seed: int | None = None, rng: random.Random | None = None) -> None:
-        if prefix_tokens < 1 or replication < 1:
-            raise ValueError("prefix_tokens and replication must be >= 1")
-        if load_factor < 1.0:
-            raise ValueError(f"load_factor must be >= 1.0 (1.0 = perfectly even), got {load_factor}")
-        self.prefix_tokens, self.load_factor, self.replication = prefix_tokens, load_factor, replication
-        self._ring_of: tuple[str, ...] = ()
-        self._points: list[int] = []
-        self._owners: list[str] = []
-
-    def _ring(self, worker_ids: tuple[str, ...]) -> tuple[list[int], list[str]]:
-        if worker_ids != self._ring_of:  # the fleet changed: rebuild (rare; candidates are usually the same set)
-            ring = sorted((xxhash.xxh3_64_intdigest(f"{w}#{i}".encode()), w)
-                          for w in worker_ids for i in range(self.replication))
-            self._points, self._owners = [p for p, _ in ring], [w for _, w in ring]
-            self._ring_of = worker_ids
-        return self._points, self._owners
-
-    def key(self, request: RoutingInput) -> int:
-        head = array("q", request.token_ids[: self.prefix_tokens]).tobytes()
-        return xxhash.xxh3_64_intdigest(request.model.encode() + b"\0" + head)
-
-    def choose(self, request: RoutingInput, candidates: list[Candidate]) -> Choice:
-        _require(candidates)
-        by_id = {c.worker_id: c for c in candidates}
-        points, owners = self._ring(tuple(sorted(by_id)))
-        walk: dict[str, Candidate] = {}  # distinct workers in clockwise order from the key's point
-        start = bisect.bisect_left(points, self.key(request))
-        for j in range(len(points)):
-            owner = owners[(start + j) % len(points)]
-            if owner not in walk:
-                walk[owner] = by_id[owner]
-                if len(walk) == len(by_id):
-                    break
-        loads = {c.worker_id: request_load(c) for c in candidates}
-        # The epsilon: a product that is an integer in exact arithmetic (1.1 * 10 / 11) must not ceil one up.
-        cap = math.ceil(self.load_factor * (sum(loads.values()) + 1) / len(candidates) - 1e-9)
-        order = list(walk.values())
-        chosen = next((c for c in order if loads[c.worker_id] + 1 <= cap), order[0])
-        scores = {c.worker_id: float(i + 1) for i, c in enumerate(order)}
-        scores[chosen.worker_id] = 0.0
-        return Choice(chosen, scores)
-
-
-# ---------------------------------------------------------------- approx_tree
+from kvroute.data_plane.policies.load_balancing import LeastLoaded
 
 # SGLang router defaults (sgl-router's Python launcher, RouterArgs): cache_threshold 0.3,
 # balance_abs_threshold 64, balance_rel_threshold 1.5, eviction_interval_secs 120, max_tree_size
@@ -319,6 +196,7 @@ class ApproxTree:
     that leave the fleet keep their (bounded) share of the tree until evicted. Scores: 0 for the
     chosen worker, 1 + load for the rest."""
     name = "approx_tree"
+    needs = NEEDS_TOKENS
 
     def __init__(self, cache_threshold: float = APPROX_CACHE_THRESHOLD,
                  balance_abs_threshold: int = APPROX_BALANCE_ABS_THRESHOLD,
@@ -330,11 +208,11 @@ class ApproxTree:
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold, self.balance_rel_threshold = balance_abs_threshold, balance_rel_threshold
         self.tree = PromptTree(max_tree_size)
-        self._rng = _rng(seed, rng)
+        self._rng = make_rng(seed, rng)
         self._least = LeastLoaded(rng=self._rng)
 
     def choose(self, request: RoutingInput, candidates: list[Candidate]) -> Choice:
-        _require(candidates)
+        require_candidates(candidates)
         loads = {c.worker_id: request_load(c) for c in candidates}
         hi, lo = max(loads.values()), min(loads.values())
         tokens = _as_tokens(request.token_ids)
@@ -347,9 +225,6 @@ class ApproxTree:
             else:
                 smallest = min(self.tree.size(c.worker_id) for c in candidates)
                 pool = [c for c in candidates if self.tree.size(c.worker_id) == smallest]
-            chosen = _pick_one(pool, self._rng)  # in candidate order: reproducible
+            chosen = pick_one(pool, self._rng)  # in candidate order: reproducible
         self.tree.insert(tokens, chosen.worker_id)
-        return Choice(chosen, _others_by_load(chosen, candidates))
-
-
-POLICIES.update({p.name: p for p in (SessionAffinity, PrefixHashBoundedLoad, ApproxTree)})
+        return Choice(chosen, others_by_load(chosen, candidates))

@@ -1,0 +1,71 @@
+"""Routing policies behind one interface, and the table that names them.
+
+    policy = make_policy("kv_aware", seed=0, decode_weight=32.0)
+    choice = policy.choose(RoutingInput(model, prompt_tokens), [Candidate(...), ...])
+    choice.worker        # the chosen Candidate
+    choice.scores        # worker_id -> estimated cost, lower is better (the retry order)
+
+The interface (`Candidate`, `RoutingInput`, `Choice`, `RoutingPolicy`) is defined in `base.py`
+and re-exported here; one module per policy family, each policy's docstring gives its formula:
+
+    module          policies                           reads                       `needs`
+    load_balancing  round_robin, random, least_loaded  load only                   nothing
+    session         session                            the session key, load       nothing
+    chwbl           chwbl                              the first prompt tokens     tokens
+    approx_tree     approx_tree                        the prompt's tokens         tokens
+    kv_aware        kv_aware                           the index (KvAwareParams)   tokens, block keys, index
+
+A policy declares what it reads (`needs: PolicyNeeds`); the request path tokenizes, hashes and
+queries only for a policy that needs it.
+
+Policies are pure (no I/O, no clock), so the fleet simulator drives exactly the code the router
+runs. Every policy that compares scores breaks ties uniformly at random with its own
+`random.Random` (`seed=` or `rng=`), never "always the first worker": with an empty index every
+candidate ties, and a deterministic tie-break would send the whole cold fleet's traffic to one GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from kvroute.data_plane.policies.approx_tree import ApproxTree, PromptTree
+from kvroute.data_plane.policies.base import Candidate, Choice, PolicyNeeds, RoutingInput, RoutingPolicy, request_load
+from kvroute.data_plane.policies.chwbl import PrefixHashBoundedLoad
+from kvroute.data_plane.policies.kv_aware import KvAware, KvAwareParams, parse_kv_aware_params
+from kvroute.data_plane.policies.load_balancing import LeastLoaded, RandomPolicy, RoundRobin
+from kvroute.data_plane.policies.session import SessionAffinity
+
+__all__ = ["POLICIES", "ApproxTree", "Candidate", "Choice", "KvAware", "KvAwareParams", "LeastLoaded",
+           "PolicyNeeds", "PrefixHashBoundedLoad", "PromptTree", "RandomPolicy", "RoundRobin", "RoutingInput", "RoutingPolicy",
+           "SessionAffinity", "make_policy", "parse_kv_aware_params", "request_load"]
+
+POLICIES: dict[str, type] = {
+    "kv_aware": KvAware,
+    "round_robin": RoundRobin,
+    "random": RandomPolicy,
+    "least_loaded": LeastLoaded,
+    "session": SessionAffinity,
+    "chwbl": PrefixHashBoundedLoad,
+    "approx_tree": ApproxTree,
+}
+_KV_AWARE_FIELDS = frozenset(f.name for f in fields(KvAwareParams))
+
+
+def make_policy(name: str, **params) -> RoutingPolicy:
+    """`make_policy("kv_aware", seed=1, queue_weight=0.5)`: KvAwareParams fields may be passed flat.
+    `seed`/`rng` are accepted (and ignored) by round_robin too, so callers can pass them uniformly."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    if name == "kv_aware":
+        weights = {k: params.pop(k) for k in list(params) if k in _KV_AWARE_FIELDS}
+        if weights:
+            if params.get("params") is not None:
+                raise ValueError("pass either params=KvAwareParams(...) or its fields, not both")
+            params["params"] = KvAwareParams(**weights)
+    elif name == "round_robin":
+        params.pop("seed", None)
+        params.pop("rng", None)
+    try:
+        return POLICIES[name](**params)
+    except TypeError as exc:
+        raise ValueError(f"bad parameters for policy {name!r}: {exc}") from None

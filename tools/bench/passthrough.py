@@ -1,0 +1,70 @@
+"""The floor of the router's HTTP stack: the router's own server set-up and `BackendProxy`,
+forwarding every request to one engine with no decision at all (no parsing, tokenizing, query or
+policy). `kvroute bench proxy` runs it next to the routers; what a router adds over it is the
+decision and its bookkeeping, what it adds over a direct request is the stack itself.
+
+    python -m kvroute.tools.bench.passthrough --engine http://127.0.0.1:8000 --port 8090
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+
+from aiohttp import web
+
+from kvroute import aio
+from kvroute.data_plane.backend_health import BackendHealth
+from kvroute.data_plane.http_errors import openai_errors
+from kvroute.data_plane.inflight import RouterInflight
+from kvroute.data_plane.metrics import RouterMetrics
+from kvroute.data_plane.policies import Candidate
+from kvroute.data_plane.proxy import BackendProxy
+from kvroute.data_plane.routing import RouteDecision
+
+WORKER_ID = "passthrough-0"
+
+
+def passthrough_app(engine_url: str) -> web.Application:
+    proxy = BackendProxy(RouterInflight(), BackendHealth(), RouterMetrics())
+    decision = RouteDecision(WORKER_ID, engine_url, 0, 0, "passthrough", False, [Candidate(WORKER_ID, engine_url, 16)])
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        return await proxy.forward(request, request.path, await request.read(), decision, 0)
+
+    app = web.Application(middlewares=[openai_errors])  # as the router's
+    app.router.add_post("/v1/completions", forward)
+    app.router.add_post("/v1/chat/completions", forward)
+    app.router.add_get("/health", lambda _request: web.json_response({"status": "ok"}))
+    app.on_startup.append(lambda _app: proxy.open())
+    app.on_cleanup.append(lambda _app: proxy.close())
+    return app
+
+
+async def serve(engine_url: str, host: str, port: int) -> int:
+    runner = web.AppRunner(passthrough_app(engine_url.rstrip("/")), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engine", required=True, help="engine base URL")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    args = p.parse_args()
+    return aio.run(serve(args.engine, args.host, args.port))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
