@@ -53,7 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     burst.add_argument("--workers", type=int, default=8, help="sim engines")
     replicas = sub.add_parser("replicas", help="control-plane replicas over Redis, real processes: ingest through "
                               "Redis vs in-process, freshness, catch-up of a restarted replica, answers/s at p99 <= 5 ms")
-    replicas.add_argument("--batches", type=int, default=4000, help="vLLM event batches for the ingest figures")
+    replicas.add_argument("--batches", type=int, default=20000,
+                          help="vLLM event batches for the ingest figures (20000: a window of ~1 s through Redis, so "
+                               "the last batch's propagation and the metric polling are not a large share of it)")
     replicas.add_argument("--trials", type=int, default=200, help="freshness samples")
     replicas.add_argument("--catchup-blocks", default="100000,1000000", metavar="N,N",
                           help="log sizes the catch-up is measured at")
