@@ -78,7 +78,8 @@ class RouterGrpcService(pb_grpc.RouterServicer):
         except PrepareError as exc:
             await context.abort(_PREPARE_STATUS[exc.kind], str(exc))
         try:
-            decision = await self.router.decide(self.model, prepared.token_ids, prepared.lora_name, prepared.cache_salt)
+            decision = await self.router.decide(self.model, prepared.token_ids, prepared.lora_name, prepared.cache_salt,
+                                                explain=request.explain)
         except NoWorkersError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         if self.capture and arrived is not None:  # RouteRequest has no output budget: output_length 0
@@ -110,4 +111,16 @@ def to_route_response(d: RouteDecision) -> pb.RouteResponse:
                                 score=d.scores.get(c.worker_id, 0.0), inflight_requests=c.inflight_requests,
                                 load=pb.WorkerLoad(running_requests=c.running_requests,
                                                    waiting_requests=c.waiting_requests, kv_usage=c.kv_usage))
-                 for c in d.candidates])
+                 for c in d.candidates],
+        explanation=to_explanation(d) if d.explanation is not None else None)
+
+
+def to_explanation(d: RouteDecision) -> pb.DecisionExplanation:
+    e = d.explanation_json()
+    return pb.DecisionExplanation(
+        policy=e["policy"], reason=e["reason"], params=e["params"], fail_open_reason=e["fail_open_reason"],
+        workers=[pb.CandidateExplanation(worker_id=w["worker_id"], cost=w["cost"], terms=w["terms"],
+                                         credited_tokens=w["credited_tokens"], within_load_bound=w["within_load_bound"],
+                                         in_spread_pool=w["in_spread_pool"],
+                                         index=pb.IndexMatch(**w["index"]) if w["index"] is not None else None)
+                 for w in e["workers"]])

@@ -8,7 +8,8 @@
         Router.decide (routing.py): block keys per block size -> control-plane query -> policy
                 (session key for the session policy: `x-session-id` header, else the body's `user`)
         BackendProxy.forward (proxy.py): the original body to the chosen engine, streamed back
-    POST /v1/route      the decision alone, as JSON (same body as completions or chat)
+    POST /v1/route      the decision alone, as JSON (same body as completions or chat);
+                        ?explain=1 adds why: per candidate the policy's cost terms and the index's answer
     GET  /v1/models, /health (liveness), /ready (readiness.py), /metrics
 
 Every error is OpenAI's error object (`http_errors.py`): bad input 400, unknown model 404, body
@@ -95,6 +96,10 @@ class BadRequest(Exception):
     def __init__(self, message: str, status: int = 400, code: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.code, self.param = status, code, param
+
+
+def _asks_to_explain(request: web.Request) -> bool:
+    return request.query.get("explain", "").lower() in ("1", "true", "yes")
 
 
 def _body_too_large(size: int, limit: int) -> BadRequest:
@@ -184,7 +189,8 @@ class RouterHttpApi:
             if clock is not None:
                 clock.mark("prepare")
             decision = await self.router.decide(self.model, prepared.token_ids, prepared.lora_name,
-                                                prepared.cache_salt, session_key=prepared.session_key, clock=clock)
+                                                prepared.cache_salt, session_key=prepared.session_key, clock=clock,
+                                                explain=forward_to is None and _asks_to_explain(request))
         except BadRequest as exc:
             return error_response(str(exc), exc.status, exc.code, exc.param)
         except PrepareError as exc:

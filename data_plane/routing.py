@@ -36,7 +36,7 @@ from kvroute.data_plane.candidates import build_candidates
 from kvroute.data_plane.control_plane_client import ControlPlaneClient
 from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.metrics import RouterMetrics
-from kvroute.data_plane.policies import Candidate, RoutingInput, RoutingPolicy
+from kvroute.data_plane.policies import Candidate, Explanation, RoutingInput, RoutingPolicy, explain_scores
 from kvroute.data_plane.prompt_keys import PromptKeyCache
 from kvroute.data_plane.stage_timing import StageClock
 from kvroute.rate_limited_log import RateLimitedLog
@@ -79,6 +79,8 @@ class RouteDecision:
     fail_open_reason: str = ""
     chains: dict[int, list[int]] = field(default_factory=dict)  # block size -> the prompt's block keys
     dp_ranks: dict[str, int] = field(default_factory=dict)      # worker_id -> X-data-parallel-rank, DP workers only
+    explanation: Explanation | None = None  # only when asked (decide(..., explain=True))
+    index_view: dict[str, dict[str, int]] | None = None  # worker_id -> what the index answered, with explanation
 
     def ranked(self) -> list[Candidate]:
         """Candidates best first: the chosen one, then by score (the retry order)."""
@@ -94,7 +96,34 @@ class RouteDecision:
                 "workers": [{"worker_id": c.worker_id, "endpoint": c.endpoint, "cached_tokens": c.cached_tokens,
                              "score": self.scores.get(c.worker_id, 0.0), "inflight_requests": c.inflight_requests,
                              "running_requests": c.running_requests, "waiting_requests": c.waiting_requests}
-                            for c in self.candidates]}
+                            for c in self.candidates]} | ({"explain": self.explanation_json()} if self.explanation else {})
+
+    def explanation_json(self) -> dict:
+        """The decision taken apart (POST /v1/route?explain=1): why the winner won, per candidate its
+        cost terms, and what the index answered for it (null: failing open, the index was not used)."""
+        e = self.explanation
+        assert e is not None
+        view = self.index_view or {}
+        return {"policy": e.policy, "reason": e.reason, "fail_open": self.fail_open,
+                "fail_open_reason": self.fail_open_reason, "params": e.params,
+                "workers": [{"worker_id": w.worker_id, "cost": w.cost, "terms": w.terms,
+                             "credited_tokens": w.credited_tokens, "within_load_bound": w.within_load_bound,
+                             "in_spread_pool": w.in_spread_pool, "index": view.get(w.worker_id)}
+                            for w in e.workers]}
+
+
+def index_view(columns: pb.WorkerColumns, known: Sequence) -> dict[str, dict[str, int]]:
+    """Per worker, the control plane's answer alone (before this router's own in-flight prompts are
+    added): matched prefix and its tiers in tokens, and other routers' reservations there."""
+    block_size = {w.worker_id: w.block_size for w in known}
+    out = {}
+    for wid, matched, cpu, disk, reserved, prefill in zip(columns.worker_id, columns.matched_blocks, columns.cpu_blocks,
+                                                          columns.disk_blocks, columns.reserved_requests,
+                                                          columns.reserved_prefill_tokens):
+        bs = block_size.get(wid, 0)
+        out[wid] = {"matched_tokens": matched * bs, "cpu_tokens": cpu * bs, "disk_tokens": disk * bs,
+                    "other_routers_requests": reserved, "other_routers_prefill_tokens": prefill}
+    return out
 
 
 class Router:
@@ -111,12 +140,13 @@ class Router:
         self._log = RateLimitedLog(log)
 
     async def decide(self, model: str, token_ids: Sequence[int] | None, lora_name: str = "", cache_salt: str = "",
-                     session_key: str = "", clock: StageClock | None = None) -> RouteDecision:
+                     session_key: str = "", clock: StageClock | None = None, explain: bool = False) -> RouteDecision:
         """`token_ids`: the prompt, or None when the request was not tokenized (the policy needs no
         tokens). Block keys and the control-plane query happen only for a policy that reads them
         (`policy.needs`). Workers cooling down after a failure (`health`) are left out unless no
         other is known. `lora_name`: route only among workers serving that adapter (and key the
-        prompt in its namespace). `session_key`: the client's session/end-user id ("" = none)."""
+        prompt in its namespace). `session_key`: the client's session/end-user id ("" = none).
+        `explain`: also take the decision apart (`RouteDecision.explanation`, `index_view`)."""
         started = time.perf_counter()
         needs = self.policy.needs
         prompt_tokens = len(token_ids) if token_ids is not None else 0
@@ -136,6 +166,7 @@ class Router:
             avoid = self.health.cooling_down()
             reason = ""
             candidates: list[Candidate] = []
+            columns = None
             if needs.index:
                 columns, reason = await self._query(model, chains, lora_name)
                 if columns is not None:
@@ -146,12 +177,18 @@ class Router:
                 clock.mark("query")
             if not candidates:  # no index wanted, or failing open: load alone over the known fleet
                 candidates = build_candidates(known, self.inflight, chains, prompt_tokens, None, avoid)
-            choice = self.policy.choose(RoutingInput(model, prompt_tokens, token_ids=token_ids or (),
-                                                     session_key=session_key, chains=chains), candidates)
+            routing_input = RoutingInput(model, prompt_tokens, token_ids=token_ids or (), session_key=session_key,
+                                         chains=chains)
+            choice = self.policy.choose(routing_input, candidates)
             dp_ranks = {w.worker_id: w.data_parallel_rank for w in known if w.data_parallel_rank is not None}
             decision = RouteDecision(choice.worker.worker_id, choice.worker.endpoint, prompt_tokens,
                                      choice.worker.cached_tokens, self.policy.name, bool(reason), candidates,
                                      choice.scores, reason, chains, dp_ranks)
+            if explain:
+                explainer = getattr(self.policy, "explain", None)
+                decision.explanation = (explainer(routing_input, candidates, choice) if explainer is not None
+                                        else explain_scores(self.policy.name, choice, candidates))
+                decision.index_view = index_view(columns, known) if columns is not None and not reason else None
             if clock is not None:
                 clock.mark("score")
             if reason:

@@ -29,15 +29,25 @@ from __future__ import annotations
 from dataclasses import fields
 
 from kvroute.data_plane.policies.approx_tree import ApproxTree, PromptTree
-from kvroute.data_plane.policies.base import Candidate, Choice, PolicyNeeds, RoutingInput, RoutingPolicy, request_load
+from kvroute.data_plane.policies.base import (
+    Candidate,
+    CandidateExplanation,
+    Choice,
+    Explanation,
+    PolicyNeeds,
+    RoutingInput,
+    RoutingPolicy,
+    explain_scores,
+    request_load,
+)
 from kvroute.data_plane.policies.chwbl import PrefixHashBoundedLoad
 from kvroute.data_plane.policies.kv_aware import KvAware, KvAwareParams, parse_kv_aware_params
 from kvroute.data_plane.policies.load_balancing import LeastLoaded, RandomPolicy, RoundRobin
 from kvroute.data_plane.policies.session import SessionAffinity
 
-__all__ = ["POLICIES", "ApproxTree", "Candidate", "Choice", "KvAware", "KvAwareParams", "LeastLoaded",
+__all__ = ["POLICIES", "ApproxTree", "Candidate", "CandidateExplanation", "Choice", "Explanation", "KvAware", "KvAwareParams", "LeastLoaded",
            "PolicyNeeds", "PrefixHashBoundedLoad", "PromptTree", "RandomPolicy", "RoundRobin", "RoutingInput", "RoutingPolicy",
-           "SessionAffinity", "make_policy", "parse_kv_aware_params", "request_load"]
+           "SessionAffinity", "explain_scores", "make_policy", "parse_kv_aware_params", "request_load"]
 
 POLICIES: dict[str, type] = {
     "kv_aware": KvAware,

@@ -64,11 +64,42 @@ class Choice:
     scores: dict[str, float] = field(default_factory=dict)  # worker_id -> cost (lower is better)
 
 
+@dataclass(slots=True)
+class CandidateExplanation:
+    """Why one candidate scored what it did. `terms`: the named parts of the policy's formula, which
+    sum to `cost` (empty for a policy whose score is not a formula). `eligible`: still in the
+    running at the last step (inside the load bound, and the spread pool while caches fill); None
+    when the policy has no such step."""
+    worker_id: str
+    cost: float
+    terms: dict[str, float] = field(default_factory=dict)
+    credited_tokens: float = 0.0
+    within_load_bound: bool | None = None
+    in_spread_pool: bool | None = None
+
+
+@dataclass(slots=True)
+class Explanation:
+    """A decision taken apart: per candidate its cost terms, and in one sentence why the winner won."""
+    policy: str
+    reason: str
+    workers: list[CandidateExplanation] = field(default_factory=list)
+    params: dict[str, float] = field(default_factory=dict)
+
+
 class RoutingPolicy(Protocol):
     name: str
     needs: PolicyNeeds
 
     def choose(self, request: RoutingInput, candidates: list[Candidate]) -> Choice: ...
+
+
+def explain_scores(policy: str, choice: Choice, candidates: list[Candidate]) -> Explanation:
+    """The explanation of a policy without a cost formula (`explain` not defined): its scores, lower
+    first in the retry order."""
+    return Explanation(policy, f"{choice.worker.worker_id} chosen by {policy} (its scores order the retries; "
+                               "the policy has no cost terms)",
+                       [CandidateExplanation(c.worker_id, choice.scores.get(c.worker_id, 0.0)) for c in candidates])
 
 
 def require_candidates(candidates: list[Candidate]) -> None:

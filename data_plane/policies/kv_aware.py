@@ -10,7 +10,16 @@ from dataclasses import dataclass, fields
 
 import xxhash
 
-from kvroute.data_plane.policies.base import NEEDS_INDEX, Candidate, Choice, RoutingInput, make_rng, require_candidates
+from kvroute.data_plane.policies.base import (
+    NEEDS_INDEX,
+    Candidate,
+    CandidateExplanation,
+    Choice,
+    Explanation,
+    RoutingInput,
+    make_rng,
+    require_candidates,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +164,67 @@ class KvAware:
             fewest = min(c.worker_cached_blocks for c in tied)
             tied = [c for c in tied if c.worker_cached_blocks == fewest]
         return Choice(tied[0] if len(tied) == 1 else self._tie_break(request, tied), scores)
+
+    def explain(self, request: RoutingInput, candidates: list[Candidate], choice: Choice) -> Explanation:
+        """`choose`'s steps taken apart for `choice` (only when a caller asks: POST /v1/route?explain=1,
+        Route with `explain`): each candidate's cost terms (`_terms`, which sum to its cost), whether
+        the load bound and the spread rule kept it, and why the winner won."""
+        require_candidates(candidates)
+        p = self.params
+        credited = self._credited(candidates)
+        best, prompt = max(credited), request.prompt_tokens
+        costs = self._costs(prompt, candidates, credited, best)
+        bounded = bool(p.load_bound) and len(candidates) > 1
+        pool, pool_costs = self._within_bound(candidates, credited, prompt, costs) if bounded else (candidates, costs)
+        in_bound = {c.worker_id for c in pool}
+        spreading = bool(p.spread_new_prefixes) and len(pool) > 1 and not best
+        if spreading:
+            pool, pool_costs = self._spread_new(pool, pool_costs, prompt)
+        in_spread = {c.worker_id for c in pool}
+        workers = [CandidateExplanation(c.worker_id, cost, self._terms(prompt, c, cr, best), cr,
+                                        c.worker_id in in_bound if bounded else None,
+                                        c.worker_id in in_spread if spreading else None)
+                   for c, cr, cost in zip(candidates, credited, costs)]
+        steps = []
+        if bounded and len(in_bound) < len(candidates):
+            out = [c.worker_id for c in candidates if c.worker_id not in in_bound]
+            steps.append(f"the load bound ({p.load_bound:g} x the fleet's mean pending prefill + "
+                         f"{p.load_bound_slack_tokens:g} tokens) left out {', '.join(out)}")
+        if spreading and len(in_spread) < len(in_bound):
+            steps.append(f"no worker holds the prompt and caches are still filling: only the {len(in_spread)} "
+                         "workers with the emptiest caches were considered")
+        steps.append(self._why_winner(choice.worker.worker_id, pool, pool_costs))
+        return Explanation(self.name, "; ".join(steps), workers, {f.name: getattr(p, f.name) for f in fields(p)})
+
+    def _why_winner(self, chosen: str, pool: list[Candidate], costs: list[float]) -> str:
+        if self.params.temperature > 0:
+            return (f"{chosen} drawn at temperature {self.params.temperature:g} among {len(pool)} eligible workers "
+                    "(probability ~ exp(-(cost - lowest) / temperature))")
+        mine = next((cost for c, cost in zip(pool, costs) if c.worker_id == chosen), None)
+        if mine is None:
+            return f"{chosen} chosen"
+        others = sorted((cost, c.worker_id) for c, cost in zip(pool, costs) if c.worker_id != chosen)
+        if not others:
+            return f"{chosen} is the only eligible worker (cost {mine:.0f})"
+        runner_cost, runner = others[0]
+        if runner_cost - mine <= 1e-9 * max(1.0, abs(mine)):
+            tied = [w for cost, w in others if cost - mine <= 1e-9 * max(1.0, abs(mine))]
+            return (f"{chosen} tied on cost ({mine:.0f}) with {', '.join(tied)}: the fewest cached blocks, then "
+                    "rendezvous hashing on the prompt's first block no candidate holds")
+        return (f"{chosen} has the lowest cost ({mine:.0f}) of {len(pool)} eligible workers; next {runner} at "
+                f"{runner_cost:.0f} (+{runner_cost - mine:.0f} prefill-token equivalents)")
+
+    def _terms(self, prompt: int, c: Candidate, credited: float, best: float) -> dict[str, float]:
+        """`_costs`' formula for one candidate, term by term, summed in `_costs`' order (so the sum is
+        the cost exactly; tests/data_plane/test_explain.py holds the two together)."""
+        p = self.params
+        waiting = c.waiting_requests - c.inflight_requests
+        running, inflight = c.running_requests, c.inflight_requests
+        return {"uncached_prefill": float(prompt - credited) if credited < prompt else 0.0,
+                "recompute": p.recompute_weight * (best - credited),
+                "pending_prefill": float(c.pending_prefill_tokens),
+                "queue": p.queue_weight * p.mean_prompt_tokens * waiting if waiting > 0 else 0.0,
+                "decode": p.decode_weight * (running if running > inflight else inflight)}
 
     def _tie_break(self, request: RoutingInput, tied: list[Candidate]) -> Candidate:
         bs = tied[0].block_size

@@ -355,20 +355,22 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("model", "prompt", "token_ids", "messages", "lora_name", "cache_salt")
+    __slots__ = ("model", "prompt", "token_ids", "messages", "lora_name", "cache_salt", "explain")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    EXPLAIN_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     token_ids: TokenIds
     messages: ChatMessages
     lora_name: str
     cache_salt: str
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    explain: bool
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[str] = ..., explain: _Optional[bool] = ...) -> None: ...
 
 class WorkerScore(_message.Message):
     __slots__ = ("worker_id", "endpoint", "cached_tokens", "score", "load", "inflight_requests")
@@ -387,7 +389,7 @@ class WorkerScore(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., score: _Optional[float] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., inflight_requests: _Optional[int] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("worker_id", "endpoint", "prompt_tokens", "cached_tokens", "workers", "policy", "fail_open")
+    __slots__ = ("worker_id", "endpoint", "prompt_tokens", "cached_tokens", "workers", "policy", "fail_open", "explanation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -395,6 +397,7 @@ class RouteResponse(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     FAIL_OPEN_FIELD_NUMBER: _ClassVar[int]
+    EXPLANATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     endpoint: str
     prompt_tokens: int
@@ -402,4 +405,65 @@ class RouteResponse(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerScore]
     policy: str
     fail_open: bool
-    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerScore, _Mapping]]] = ..., policy: _Optional[str] = ..., fail_open: _Optional[bool] = ...) -> None: ...
+    explanation: DecisionExplanation
+    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerScore, _Mapping]]] = ..., policy: _Optional[str] = ..., fail_open: _Optional[bool] = ..., explanation: _Optional[_Union[DecisionExplanation, _Mapping]] = ...) -> None: ...
+
+class DecisionExplanation(_message.Message):
+    __slots__ = ("policy", "reason", "workers", "params", "fail_open_reason")
+    class ParamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    FAIL_OPEN_REASON_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    reason: str
+    workers: _containers.RepeatedCompositeFieldContainer[CandidateExplanation]
+    params: _containers.ScalarMap[str, float]
+    fail_open_reason: str
+    def __init__(self, policy: _Optional[str] = ..., reason: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[CandidateExplanation, _Mapping]]] = ..., params: _Optional[_Mapping[str, float]] = ..., fail_open_reason: _Optional[str] = ...) -> None: ...
+
+class CandidateExplanation(_message.Message):
+    __slots__ = ("worker_id", "cost", "terms", "credited_tokens", "within_load_bound", "in_spread_pool", "index")
+    class TermsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    TERMS_FIELD_NUMBER: _ClassVar[int]
+    CREDITED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WITHIN_LOAD_BOUND_FIELD_NUMBER: _ClassVar[int]
+    IN_SPREAD_POOL_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    cost: float
+    terms: _containers.ScalarMap[str, float]
+    credited_tokens: float
+    within_load_bound: bool
+    in_spread_pool: bool
+    index: IndexMatch
+    def __init__(self, worker_id: _Optional[str] = ..., cost: _Optional[float] = ..., terms: _Optional[_Mapping[str, float]] = ..., credited_tokens: _Optional[float] = ..., within_load_bound: _Optional[bool] = ..., in_spread_pool: _Optional[bool] = ..., index: _Optional[_Union[IndexMatch, _Mapping]] = ...) -> None: ...
+
+class IndexMatch(_message.Message):
+    __slots__ = ("matched_tokens", "cpu_tokens", "disk_tokens", "other_routers_requests", "other_routers_prefill_tokens")
+    MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CPU_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DISK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OTHER_ROUTERS_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    OTHER_ROUTERS_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    matched_tokens: int
+    cpu_tokens: int
+    disk_tokens: int
+    other_routers_requests: int
+    other_routers_prefill_tokens: int
+    def __init__(self, matched_tokens: _Optional[int] = ..., cpu_tokens: _Optional[int] = ..., disk_tokens: _Optional[int] = ..., other_routers_requests: _Optional[int] = ..., other_routers_prefill_tokens: _Optional[int] = ...) -> None: ...
