@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import grpc
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -184,7 +184,9 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                     elif body == "batch":
                         batch = message.batch
                         ops = self._ops(batch)
-                        with tracer.start_as_current_span("kvroute.cp.apply_batch") as span:
+                        parent = propagate.extract({"traceparent": batch.traceparent}) if batch.traceparent else None
+                        with tracer.start_as_current_span("kvroute.cp.apply_batch", context=parent,
+                                                          kind=trace.SpanKind.CONSUMER) as span:
                             await self.log.append_batch(session, batch.seq, batch.snapshot, ops, source=batch)
                             if span.is_recording():
                                 span.set_attribute("kvroute.worker_id", session.worker_id)

@@ -43,12 +43,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import grpc
+from opentelemetry import propagate, trace
 
 from kvroute.addresses import AddressRotation
+from kvroute.telemetry import tracing_active
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 from kvroute.worker_agent.block_deltas import BlockDelta, to_block_events
 
+tracer = trace.get_tracer("kvroute.agent")
 log = logging.getLogger("kvroute.agent.cp")
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 256 * 1024 * 1024),
@@ -342,8 +345,19 @@ class ControlPlaneLink:
         async def write(batch: _HeldBatch) -> None:
             batch.sent_at = time.monotonic()
             self.last_sent_seq = batch.seq
-            await call.write(pb.AgentMessage(batch=pb.EventBatch(seq=batch.seq, snapshot=batch.snapshot,
-                                                                 events=batch.events)))
+            message = pb.AgentMessage(batch=pb.EventBatch(seq=batch.seq, snapshot=batch.snapshot, events=batch.events))
+            if tracing_active():  # sampled by OTEL_TRACES_SAMPLER; the control plane's apply span joins it
+                with tracer.start_as_current_span("kvroute.agent.send_batch", kind=trace.SpanKind.PRODUCER,
+                                                  attributes={"kvroute.worker_id": self.identity.worker_id,
+                                                              "kvroute.seq": batch.seq, "kvroute.events": len(batch.events),
+                                                              "kvroute.snapshot": batch.snapshot}) as span:
+                    if span.is_recording():
+                        carrier: dict[str, str] = {}
+                        propagate.inject(carrier)
+                        message.batch.traceparent = carrier.get("traceparent", "")
+                    await call.write(message)
+            else:
+                await call.write(message)
             if batch.snapshot:
                 self.counters.snapshots_sent += 1
             else:

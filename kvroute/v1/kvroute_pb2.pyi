@@ -41,14 +41,16 @@ class RegisterWorker(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., block_size: _Optional[int] = ..., endpoint: _Optional[str] = ..., engine_version: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., data_parallel_rank: _Optional[int] = ..., agent_instance: _Optional[str] = ..., acked_seq: _Optional[int] = ...) -> None: ...
 
 class EventBatch(_message.Message):
-    __slots__ = ("seq", "snapshot", "events")
+    __slots__ = ("seq", "snapshot", "events", "traceparent")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     snapshot: bool
     events: _containers.RepeatedCompositeFieldContainer[BlockEvent]
-    def __init__(self, seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[BlockEvent, _Mapping]]] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[BlockEvent, _Mapping]]] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class BlockEvent(_message.Message):
     __slots__ = ("stored", "removed", "cleared")
