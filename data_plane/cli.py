@@ -31,6 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="adaptive deadline: this x the slowest of the last 256 query latencies (late answers "
                         "included), within [--query-timeout-ms, --query-timeout-max-ms]; 0 (default) = fixed. "
                         "On a loaded host 2 with --query-timeout-ms 25 kept every decision on the index (README)")
+    p.add_argument("--reservation-ttl-ms", type=int, default=60_000,
+                   help="gRPC Route(reserve=true): how long a reservation counts as in flight unless released "
+                        "(a request may ask for its own, up to an hour)")
+    p.add_argument("--max-reservations", type=int, default=100_000,
+                   help="gRPC Route(reserve=true): reservations held at once; past it Route answers RESOURCE_EXHAUSTED")
     p.add_argument("--query-timeout-max-ms", type=float, default=100.0,
                    help="longest adaptive deadline (also the deadline until 32 latencies are known)")
     p.add_argument("--kv-aware-param", action="append", default=[], metavar="NAME=VALUE",
@@ -94,6 +99,7 @@ def _parse_static(spec: str) -> dict[str, str]:
 async def serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
+    from kvroute.data_plane.app_reservations import AppReservations
     from kvroute.data_plane.backend_health import BackendHealth
     from kvroute.data_plane.control_plane_client import ControlPlaneClient
     from kvroute.data_plane.grpc_api import RouterGrpcService, add_router_service
@@ -118,6 +124,8 @@ async def serve(args: argparse.Namespace) -> int:
         kv_params = parse_kv_aware_params(args.kv_aware_param)
     except ValueError as exc:
         raise SystemExit(f"kvroute router: error: {exc}") from None
+    if args.reservation_ttl_ms <= 0 or args.max_reservations <= 0:
+        raise SystemExit("kvroute router: error: --reservation-ttl-ms and --max-reservations must be positive")
     if kv_params and args.policy != "kv_aware":
         raise SystemExit("kvroute router: error: --kv-aware-param needs --policy kv_aware")
     policy = make_policy(args.policy, **kv_params)
@@ -147,14 +155,16 @@ async def serve(args: argparse.Namespace) -> int:
     runner = web.AppRunner(http.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     grpc_server: GrpcListener | None = None
+    reservations: AppReservations | None = None
     health_task = None
     try:
         http_port = await start_http_site(runner, "--port", args.host, args.port)
         if args.grpc_port:
             grpc_server = GrpcListener("--grpc-port", str(check_port("--grpc-port", args.host, args.grpc_port)),
                                        (pb.DESCRIPTOR.services_by_name["Router"].full_name,))  # + "" for grpc.health
-            add_router_service(RouterGrpcService(router, preparer, capture),
-                               grpc_server.server)
+            reservations = AppReservations(inflight, metrics, args.reservation_ttl_ms / 1000,
+                                           max_held=args.max_reservations)
+            add_router_service(RouterGrpcService(router, preparer, reservations, capture), grpc_server.server)
             await grpc_server.start(serving=http.readiness().ready)
             # grpc.health.v1 says what GET /ready says (data_plane/readiness.py)
             health_task = asyncio.create_task(grpc_server.follow(lambda: http.readiness().ready))
@@ -175,6 +185,8 @@ async def serve(args: argparse.Namespace) -> int:
             health_task.cancel()
         if grpc_server:
             await grpc_server.stop(0.5)
+        if reservations:
+            reservations.close()
         await runner.cleanup()
         if capture:  # after the servers, so rows of requests that finished while stopping are kept
             await capture.aclose()

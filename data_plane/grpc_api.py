@@ -1,8 +1,12 @@
-"""gRPC `kvroute.v1.Router/Route`: the same decision as POST /v1/route (nothing is forwarded).
+"""gRPC `kvroute.v1.Router`: the same decision as POST /v1/route (nothing is forwarded), for
+applications that send the request to the engine themselves.
 
 Input is one of `prompt` (tokenized like /v1/completions), `token_ids`, or chat `messages`
-(rendered with the model's chat template, generation prompt added, like /v1/chat/completions);
-`route_input` hands it to the request preparation HTTP uses too (`request_prep.py`).
+(content or content parts, and `tools`, rendered with the model's chat template, generation
+prompt added, like /v1/chat/completions); `route_input` hands it to the request preparation HTTP
+uses too (`request_prep.py`). `session_id` is the session policy's key (HTTP: x-session-id).
+With `reserve`, the decision counts as in flight until `PrefillDone`/`Release` or its TTL
+(`app_reservations.py`).
 Bad input -> INVALID_ARGUMENT (also a request whose strings are not valid UTF-8, which protobuf
 refuses to parse: `add_router_service` registers a deserializer that hands that to `Route`
 instead of failing with UNKNOWN), unknown model -> NOT_FOUND, no worker known -> UNAVAILABLE, an
@@ -11,12 +15,14 @@ unexpected exception -> INTERNAL with a generic message and the traceback in the
 
 from __future__ import annotations
 
+import json
 import logging
 
 import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import propagate, trace
 
+from kvroute.data_plane.app_reservations import AppReservations, TooManyReservations
 from kvroute.data_plane.request_prep import PrepareError, RequestPreparer, RouteInput
 from kvroute.data_plane.routing import NoWorkersError, RouteDecision, Router
 from kvroute.data_plane.traffic_capture import TrafficCapture
@@ -43,14 +49,22 @@ def add_router_service(service: RouterGrpcService, server: grpc.aio.Server) -> N
     DecodeError) and is answered INVALID_ARGUMENT."""
     handlers = {"Route": grpc.unary_unary_rpc_method_handler(
         service.Route, request_deserializer=_parse_route_request,
-        response_serializer=pb.RouteResponse.SerializeToString)}
+        response_serializer=pb.RouteResponse.SerializeToString),
+        "PrefillDone": grpc.unary_unary_rpc_method_handler(
+            service.PrefillDone, request_deserializer=pb.ReservationRef.FromString,
+            response_serializer=pb.ReservationState.SerializeToString),
+        "Release": grpc.unary_unary_rpc_method_handler(
+            service.Release, request_deserializer=pb.ReleaseRequest.FromString,
+            response_serializer=pb.ReservationState.SerializeToString)}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvroute.v1.Router", handlers),))
     server.add_registered_method_handlers("kvroute.v1.Router", handlers)
 
 
 class RouterGrpcService(pb_grpc.RouterServicer):
-    def __init__(self, router: Router, preparer: RequestPreparer, capture: TrafficCapture | None = None) -> None:
+    def __init__(self, router: Router, preparer: RequestPreparer, reservations: AppReservations,
+                 capture: TrafficCapture | None = None) -> None:
         self.router, self.preparer, self.model = router, preparer, preparer.model
+        self.reservations = reservations
         self.capture = capture  # a Route call is a decision for a request served elsewhere: record it too
 
     async def Route(self, request: pb.RouteRequest | DecodeError,
@@ -79,12 +93,36 @@ class RouterGrpcService(pb_grpc.RouterServicer):
             await context.abort(_PREPARE_STATUS[exc.kind], str(exc))
         try:
             decision = await self.router.decide(self.model, prepared.token_ids, prepared.lora_name, prepared.cache_salt,
-                                                explain=request.explain)
+                                                session_key=prepared.session_key, explain=request.explain)
         except NoWorkersError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         if self.capture and arrived is not None:  # RouteRequest has no output budget: output_length 0
             self.capture.record(arrived, prepared.token_ids, 0, self.model, prepared.lora_name, prepared.cache_salt)
-        return to_route_response(decision)
+        response = to_route_response(decision)
+        if request.reserve:
+            try:
+                rid, ttl_s = self.reservations.reserve(decision, request.reservation_ttl_ms / 1000)
+            except TooManyReservations as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            response.reservation_id, response.reservation_ttl_ms = rid, round(ttl_s * 1000)
+        return response
+
+    async def PrefillDone(self, request: pb.ReservationRef, context: grpc.aio.ServicerContext) -> pb.ReservationState:
+        await self._check_issued(request.reservation_id, context)
+        return pb.ReservationState(reservation_id=request.reservation_id,
+                                   was_held=self.reservations.prefill_done(request.reservation_id))
+
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReservationState:
+        await self._check_issued(request.reservation_id, context)
+        outcome = pb.RequestOutcome.Name(request.outcome).removeprefix("REQUEST_OUTCOME_").lower() \
+            if request.outcome in pb.RequestOutcome.values() else "unspecified"
+        return pb.ReservationState(reservation_id=request.reservation_id,
+                                   was_held=self.reservations.release(request.reservation_id, outcome))
+
+    async def _check_issued(self, rid: int, context: grpc.aio.ServicerContext) -> None:
+        if not self.reservations.issued(rid):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"reservation {rid} was not issued by this router "
+                                "(reservations live on the router that answered the Route call)")
 
 
 def route_input(request: pb.RouteRequest) -> RouteInput:
@@ -99,8 +137,35 @@ def route_input(request: pb.RouteRequest) -> RouteInput:
         parsed.missing_prompt = "'token_ids' must not be empty"
     elif kind == "messages":
         parsed.kind = "chat"
-        parsed.messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+        parsed.messages = [_chat_message(m) for m in request.messages.messages]
+        parsed.tools = [_tool(t) for t in request.tools] or None
+    if request.tools and kind != "messages":
+        raise PrepareError("'tools' are rendered into chat messages only: give 'messages'", param="tools")
+    parsed.session_key = request.session_id
     return parsed
+
+
+def _chat_message(m: pb.ChatMessage) -> dict:
+    """The OpenAI message the HTTP path would have parsed: content as a string or as parts."""
+    if m.parts and m.content:
+        raise PrepareError("a ChatMessage has either 'content' or 'parts', not both", param="messages")
+    message: dict = {"role": m.role,
+                     "content": [{"type": p.type or "text", "text": p.text} for p in m.parts] if m.parts else m.content}
+    if m.name:
+        message["name"] = m.name
+    return message
+
+
+def _tool(t: pb.ToolDefinition) -> dict:
+    function: dict = {"name": t.name}
+    if t.description:
+        function["description"] = t.description
+    if t.parameters_json:
+        try:
+            function["parameters"] = json.loads(t.parameters_json)
+        except ValueError as exc:
+            raise PrepareError(f"tool {t.name!r}: 'parameters_json' is not valid JSON ({exc})", param="tools") from None
+    return {"type": t.type or "function", "function": function}
 
 
 def to_route_response(d: RouteDecision) -> pb.RouteResponse:

@@ -41,6 +41,13 @@ class RouterMetrics:
         self.query_deadline_seconds = Gauge("kvroute_router_query_deadline_seconds",
                                             "The control-plane query's current deadline (adaptive: --query-timeout-*)",
                                             registry=r)
+        # gRPC application path: Route with `reserve` (data_plane/app_reservations.py).
+        self.reservations = Counter("kvroute_router_reservations",
+                                    "Reservations of Route(reserve=true) by event: reserved, then completed, failed, "
+                                    "cancelled (Release's outcome, unspecified if none) or expired (TTL passed)",
+                                    ["event"], registry=r)
+        self.reservations_held = Gauge("kvroute_router_reservations_held",
+                                       "Reservations of Route(reserve=true) held now", registry=r)
         # Proxied requests, counted on the worker that served them.
         self.requests = Counter("kvroute_router_requests", "Requests proxied to a worker", ["policy", "worker"],
                                 registry=r)

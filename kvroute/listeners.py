@@ -103,13 +103,14 @@ def refuse_if_in_use(flag: str, address: HostPort) -> None:
 class GrpcListener:
     """A grpc.aio server bound without SO_REUSEPORT, with `grpc.health.v1.Health` for the server
     ("") and each of `services`: NOT_SERVING until `set_serving(True)`, NOT_SERVING for good after
-    `stop()`. Add the servicers to `server`, then `start()`."""
+    `stop()`; and server reflection listing `services`. Add the servicers to `server`, then `start()`."""
 
     def __init__(self, flag: str, address: str, services: Sequence[str] = (),
                  options: Iterable[tuple[str, Any]] = ()) -> None:
         import grpc
-        from grpc_health.v1 import health_pb2_grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
         from grpc_health.v1.health import aio as health_aio
+        from grpc_reflection.v1alpha import reflection
 
         where = parse_host_port(flag, address)
         refuse_if_in_use(flag, where)
@@ -125,6 +126,9 @@ class GrpcListener:
         self.serving = False
         self.health: health_aio.HealthServicer = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        # Server reflection, so grpcurl and gRPC UIs can list and call the services without the .proto.
+        reflection.enable_server_reflection(
+            (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), self.server)
 
     async def start(self, serving: bool = True) -> None:
         for service in self.services:  # the servicer starts with "" SERVING: not before we say so

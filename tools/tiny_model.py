@@ -17,9 +17,10 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-MODEL_DIR_VERSION = "1"
+MODEL_DIR_VERSION = "2"
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-CHAT_TEMPLATE = (
+CHAT_TEMPLATE = (  # tools as real templates render them: a block before the messages, only when given
+    "{% if tools %}<|tools|>\n{{ tools | tojson }}<|end|>\n{% endif %}"
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )

@@ -1,10 +1,22 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class RequestOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REQUEST_OUTCOME_UNSPECIFIED: _ClassVar[RequestOutcome]
+    REQUEST_OUTCOME_COMPLETED: _ClassVar[RequestOutcome]
+    REQUEST_OUTCOME_FAILED: _ClassVar[RequestOutcome]
+    REQUEST_OUTCOME_CANCELLED: _ClassVar[RequestOutcome]
+REQUEST_OUTCOME_UNSPECIFIED: RequestOutcome
+REQUEST_OUTCOME_COMPLETED: RequestOutcome
+REQUEST_OUTCOME_FAILED: RequestOutcome
+REQUEST_OUTCOME_CANCELLED: RequestOutcome
 
 class AgentMessage(_message.Message):
     __slots__ = ("register", "batch", "heartbeat")
@@ -336,6 +348,48 @@ class ListWorkersResponse(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
 
+class ReservationRef(_message.Message):
+    __slots__ = ("reservation_id",)
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: int
+    def __init__(self, reservation_id: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("reservation_id", "outcome")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: int
+    outcome: RequestOutcome
+    def __init__(self, reservation_id: _Optional[int] = ..., outcome: _Optional[_Union[RequestOutcome, str]] = ...) -> None: ...
+
+class ReservationState(_message.Message):
+    __slots__ = ("reservation_id", "was_held")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    WAS_HELD_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: int
+    was_held: bool
+    def __init__(self, reservation_id: _Optional[int] = ..., was_held: _Optional[bool] = ...) -> None: ...
+
+class ToolDefinition(_message.Message):
+    __slots__ = ("type", "name", "description", "parameters_json")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    name: str
+    description: str
+    parameters_json: str
+    def __init__(self, type: _Optional[str] = ..., name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json: _Optional[str] = ...) -> None: ...
+
+class ContentPart(_message.Message):
+    __slots__ = ("type", "text")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    text: str
+    def __init__(self, type: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
     IDS_FIELD_NUMBER: _ClassVar[int]
@@ -343,12 +397,16 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "parts", "name")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[ContentPart]
+    name: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ..., name: _Optional[str] = ...) -> None: ...
 
 class ChatMessages(_message.Message):
     __slots__ = ("messages",)
@@ -357,7 +415,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("model", "prompt", "token_ids", "messages", "lora_name", "cache_salt", "explain")
+    __slots__ = ("model", "prompt", "token_ids", "messages", "lora_name", "cache_salt", "explain", "session_id", "reserve", "reservation_ttl_ms", "tools")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -365,6 +423,10 @@ class RouteRequest(_message.Message):
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     EXPLAIN_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     token_ids: TokenIds
@@ -372,7 +434,11 @@ class RouteRequest(_message.Message):
     lora_name: str
     cache_salt: str
     explain: bool
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[str] = ..., explain: _Optional[bool] = ...) -> None: ...
+    session_id: str
+    reserve: bool
+    reservation_ttl_ms: int
+    tools: _containers.RepeatedCompositeFieldContainer[ToolDefinition]
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., lora_name: _Optional[str] = ..., cache_salt: _Optional[str] = ..., explain: _Optional[bool] = ..., session_id: _Optional[str] = ..., reserve: _Optional[bool] = ..., reservation_ttl_ms: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[ToolDefinition, _Mapping]]] = ...) -> None: ...
 
 class WorkerScore(_message.Message):
     __slots__ = ("worker_id", "endpoint", "cached_tokens", "score", "load", "inflight_requests")
@@ -391,7 +457,7 @@ class WorkerScore(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., score: _Optional[float] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., inflight_requests: _Optional[int] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("worker_id", "endpoint", "prompt_tokens", "cached_tokens", "workers", "policy", "fail_open", "explanation")
+    __slots__ = ("worker_id", "endpoint", "prompt_tokens", "cached_tokens", "workers", "policy", "fail_open", "explanation", "reservation_id", "reservation_ttl_ms")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -400,6 +466,8 @@ class RouteResponse(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     FAIL_OPEN_FIELD_NUMBER: _ClassVar[int]
     EXPLANATION_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     endpoint: str
     prompt_tokens: int
@@ -408,7 +476,9 @@ class RouteResponse(_message.Message):
     policy: str
     fail_open: bool
     explanation: DecisionExplanation
-    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerScore, _Mapping]]] = ..., policy: _Optional[str] = ..., fail_open: _Optional[bool] = ..., explanation: _Optional[_Union[DecisionExplanation, _Mapping]] = ...) -> None: ...
+    reservation_id: int
+    reservation_ttl_ms: int
+    def __init__(self, worker_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerScore, _Mapping]]] = ..., policy: _Optional[str] = ..., fail_open: _Optional[bool] = ..., explanation: _Optional[_Union[DecisionExplanation, _Mapping]] = ..., reservation_id: _Optional[int] = ..., reservation_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class DecisionExplanation(_message.Message):
     __slots__ = ("policy", "reason", "workers", "params", "fail_open_reason")

@@ -287,6 +287,10 @@ class ControlPlane:
 class RouterStub:
     """---------------------------------------------------------------- application API
 
+    For applications that send requests to engines themselves: `Route` decides; with `reserve` the
+    decision also counts as in flight on the chosen worker (its prompt's blocks speculatively claimed,
+    its prefill pending), for this router's next decisions and, through the control plane, every
+    other router's, until the application reports the prefill done, releases it, or its TTL passes.
     """
 
     def __init__(self, channel):
@@ -300,15 +304,43 @@ class RouterStub:
                 request_serializer=kvroute_dot_v1_dot_kvroute__pb2.RouteRequest.SerializeToString,
                 response_deserializer=kvroute_dot_v1_dot_kvroute__pb2.RouteResponse.FromString,
                 _registered_method=True)
+        self.PrefillDone = channel.unary_unary(
+                '/kvroute.v1.Router/PrefillDone',
+                request_serializer=kvroute_dot_v1_dot_kvroute__pb2.ReservationRef.SerializeToString,
+                response_deserializer=kvroute_dot_v1_dot_kvroute__pb2.ReservationState.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/kvroute.v1.Router/Release',
+                request_serializer=kvroute_dot_v1_dot_kvroute__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=kvroute_dot_v1_dot_kvroute__pb2.ReservationState.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
     """---------------------------------------------------------------- application API
 
+    For applications that send requests to engines themselves: `Route` decides; with `reserve` the
+    decision also counts as in flight on the chosen worker (its prompt's blocks speculatively claimed,
+    its prefill pending), for this router's next decisions and, through the control plane, every
+    other router's, until the application reports the prefill done, releases it, or its TTL passes.
     """
 
     def Route(self, request, context):
         """Decide where a request should go without forwarding it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefillDone(self, request, context):
+        """The reserved request's first token arrived: its prefill no longer counts as pending.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """The reserved request finished (or failed, or was abandoned): it no longer counts at all.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -322,6 +354,16 @@ def add_RouterServicer_to_server(servicer, server):
                     request_deserializer=kvroute_dot_v1_dot_kvroute__pb2.RouteRequest.FromString,
                     response_serializer=kvroute_dot_v1_dot_kvroute__pb2.RouteResponse.SerializeToString,
             ),
+            'PrefillDone': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrefillDone,
+                    request_deserializer=kvroute_dot_v1_dot_kvroute__pb2.ReservationRef.FromString,
+                    response_serializer=kvroute_dot_v1_dot_kvroute__pb2.ReservationState.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=kvroute_dot_v1_dot_kvroute__pb2.ReleaseRequest.FromString,
+                    response_serializer=kvroute_dot_v1_dot_kvroute__pb2.ReservationState.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'kvroute.v1.Router', rpc_method_handlers)
@@ -333,6 +375,10 @@ def add_RouterServicer_to_server(servicer, server):
 class Router:
     """---------------------------------------------------------------- application API
 
+    For applications that send requests to engines themselves: `Route` decides; with `reserve` the
+    decision also counts as in flight on the chosen worker (its prompt's blocks speculatively claimed,
+    its prefill pending), for this router's next decisions and, through the control plane, every
+    other router's, until the application reports the prefill done, releases it, or its TTL passes.
     """
 
     @staticmethod
@@ -352,6 +398,60 @@ class Router:
             '/kvroute.v1.Router/Route',
             kvroute_dot_v1_dot_kvroute__pb2.RouteRequest.SerializeToString,
             kvroute_dot_v1_dot_kvroute__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillDone(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvroute.v1.Router/PrefillDone',
+            kvroute_dot_v1_dot_kvroute__pb2.ReservationRef.SerializeToString,
+            kvroute_dot_v1_dot_kvroute__pb2.ReservationState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvroute.v1.Router/Release',
+            kvroute_dot_v1_dot_kvroute__pb2.ReleaseRequest.SerializeToString,
+            kvroute_dot_v1_dot_kvroute__pb2.ReservationState.FromString,
             options,
             channel_credentials,
             insecure,
