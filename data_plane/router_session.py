@@ -157,6 +157,10 @@ class RouterSessionLink:
             raise
         finally:
             self._pending.pop(query_id, None)
+            if future.done() and not future.cancelled():
+                # Retrieved: a session lost while the write was pending fails the answer's future with
+                # nobody awaiting it yet (asyncio would log "exception was never retrieved").
+                future.exception()
 
     @staticmethod
     async def _answer(write: asyncio.Task, future: asyncio.Future, timeout_s: float) -> pb.QueryResponse:

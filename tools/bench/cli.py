@@ -72,6 +72,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_live_arguments(live)
     from kvroute.tools.bench.fuzz import add_arguments as add_fuzz_arguments  # light: targets are imported when run
 
+    kill = sub.add_parser("kill", help="kill -9 an engine, an agent, a router and the control plane in turn under "
+                                       "steady load over two routers: failed client requests per fault kind")
+    kill.add_argument("--rate", type=float, default=100.0, help="requests per second over both routers")
+    kill.add_argument("--phase-s", type=float, default=6.0, help="seconds between faults (the first: a calm baseline)")
+    kill.add_argument("--down-s", type=float, default=2.0, help="seconds each killed process stays down")
+    kill.add_argument("--json", action="store_true", help="print only the JSON result")
     fuzz = sub.add_parser("fuzz", help="malformed, random and oversize input at a live process's socket between "
                           "valid traffic: alive, answering, every valid message applied, every bad one counted",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -145,6 +151,16 @@ def run(args: argparse.Namespace) -> int:
 
         result = run_replicas(args.batches, args.trials, tuple(int(n) for n in args.catchup_blocks.split(",")),
                               args.workdir, args.chaos_s, args.answer_step_s)
+    elif args.bench == "kill":
+        from kvroute.tools.bench.kill import format_table as kill_table
+        from kvroute.tools.bench.kill import run_kill
+
+        result = run_kill(args.rate, args.phase_s, args.down_s)
+        if not args.json:
+            print(kill_table(result))
+        print(json.dumps(result))
+        return 0 if all(f["failed"] == 0 or (f["kind"] == "router" and f["failed"] <= f["inflight_on_killed"])
+                        for f in result["faults"]) else 1
     elif args.bench == "inflight":
         from kvroute.tools.bench.inflight import run_inflight
 
