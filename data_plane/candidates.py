@@ -5,7 +5,7 @@ tools that simulate it (the fleet simulator, the burst bench) alike.
 
 - `known`: the workers the router knows for the model (ListWorkers: endpoint, block size, blocks
   held, last heartbeat's load);
-- `own`: this router's own in-flight requests (`RouterInflight`, or `RouterInflight` over one);
+- `own`: this router's own in-flight requests (`RouterInflight`, in the router and in the simulator);
 - `chains`: block size -> the prompt's block keys (the speculative match of this router's own
   in-flight prompts is looked up per block size in it);
 - `columns`: the control plane's answer (`pb.WorkerColumns`, or `IndexColumns` in a simulation),
@@ -52,7 +52,7 @@ class KnownWorkerView(Protocol):
 
 
 class OwnInflight(Protocol):
-    """This router's own in-flight requests (`RouterInflight`, `RouterInflight`)."""
+    """This router's own in-flight requests (`RouterInflight`)."""
 
     def snapshot(self) -> dict[str, tuple[int, int]]: ...
 

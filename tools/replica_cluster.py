@@ -1,5 +1,5 @@
 """A local HA fleet as processes: control-plane replicas over one Redis, sim engines with agents and
-routers that know every replica, plus the chaos scenario run by `tests/test_replica_chaos.py` and
+routers that know every replica, plus the chaos scenario run by `tests/e2e/test_replica_chaos.py` and
 `kvroute bench replicas --chaos-s`.
 
 Each replica reaches Redis through a `TcpProxy` of its own, so one replica can be cut off while the

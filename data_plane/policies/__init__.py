@@ -19,9 +19,12 @@ A policy declares what it reads (`needs: PolicyNeeds`); the request path tokeniz
 queries only for a policy that needs it.
 
 Policies are pure (no I/O, no clock), so the fleet simulator drives exactly the code the router
-runs. Every policy that compares scores breaks ties uniformly at random with its own
-`random.Random` (`seed=` or `rng=`), never "always the first worker": with an empty index every
-candidate ties, and a deterministic tie-break would send the whole cold fleet's traffic to one GPU.
+runs. No policy breaks ties with "always the first worker": with an empty index every candidate
+ties, and that would send the whole cold fleet's traffic to one GPU. least_loaded, session (without
+a key) and approx_tree draw among the tied with their own `random.Random` (`seed=` or `rng=`);
+kv_aware takes the emptiest cache, then rendezvous hashing on the prompt's first unheld block (two
+routers agree on a new prefix), and draws only for a prompt without a full block; chwbl's ring
+walk has no ties.
 """
 
 from __future__ import annotations

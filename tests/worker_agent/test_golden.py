@@ -1,4 +1,4 @@
-"""Golden KV-event fixtures (tests/fixtures/wire): committed bytes of every version row of the wire
+"""Golden KV-event fixtures (tests/worker_agent/fixtures/wire): committed bytes of every version row of the wire
 spec for vLLM and SGLang, TensorRT-LLM's streaming bytes and its pull-path JSON, each decoded to the
 events written by hand next to it, then resolved to the block keys a router computes."""
 

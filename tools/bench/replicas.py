@@ -14,7 +14,7 @@ vLLM payloads through the real decoder and resolver) and as the router (gRPC que
 - answers: queries per second one replica answers with p99 <= 5 ms (64 workers, a 256-key chain,
   columnar, open loop at rising rates), with 1 replica and spread over 2 (per replica).
 - bytes per entry: the replica's RSS growth per index entry over the 1M-block catch-up.
-- chaos (`--chaos-s`, 0 = skip): the chaos scenario of tests/test_replica_chaos.py with longer phases.
+- chaos (`--chaos-s`, 0 = skip): the chaos scenario of tests/e2e/test_replica_chaos.py with longer phases.
 """
 
 from __future__ import annotations
@@ -341,7 +341,7 @@ def run_replicas(batches: int = 4000, trials: int = 200, sizes: tuple[int, ...] 
 
 
 def run_chaos_bench(workdir: Path, phase_s: float) -> dict:
-    """The chaos scenario with phases of `phase_s` seconds (tests/test_replica_chaos.py uses ~4-5 s)."""
+    """The chaos scenario with phases of `phase_s` seconds (tests/e2e/test_replica_chaos.py uses ~4-5 s)."""
     from kvroute.tools.replica_cluster import ReplicaCluster, run_chaos
     from kvroute.tools.tiny_model import build_model_dir
 
