@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,6 +79,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     kill.add_argument("--phase-s", type=float, default=6.0, help="seconds between faults (the first: a calm baseline)")
     kill.add_argument("--down-s", type=float, default=2.0, help="seconds each killed process stays down")
     kill.add_argument("--json", action="store_true", help="print only the JSON result")
+    soak = sub.add_parser("soak", help="the whole fleet under a mixed workload with churn for N minutes: RSS and open "
+                                       "fds of every process sampled, growth checked against a documented bound")
+    soak.add_argument("--minutes", type=float, default=30.0)
+    soak.add_argument("--sample-s", type=float, default=60.0, help="seconds between samples")
+    soak.add_argument("--churn-s", type=float, default=20.0, help="seconds between disturbances")
+    soak.add_argument("--rate", type=float, default=20.0, help="requests per second over both routers")
+    soak.add_argument("--warmup-s", type=float, default=300.0, help="growth is measured from the first sample after this")
+    soak.add_argument("--plots", type=Path, default=None, metavar="PNG", help="also draw RSS and fds over time")
+    soak.add_argument("--json", action="store_true", help="print only the JSON result")
     fuzz = sub.add_parser("fuzz", help="malformed, random and oversize input at a live process's socket between "
                           "valid traffic: alive, answering, every valid message applied, every bad one counted",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -161,6 +171,15 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result))
         return 0 if all(f["failed"] == 0 or (f["kind"] == "router" and f["failed"] <= f["inflight_on_killed"])
                         for f in result["faults"]) else 1
+    elif args.bench == "soak":
+        from kvroute.tools.bench.soak import format_table as soak_table
+        from kvroute.tools.bench.soak import run_soak
+
+        result = run_soak(args.minutes, args.sample_s, args.churn_s, args.rate, args.warmup_s, plots=args.plots)
+        if not args.json:
+            print(soak_table(result))
+        print(json.dumps(result))
+        return 1 if result["violations"] else 0
     elif args.bench == "inflight":
         from kvroute.tools.bench.inflight import run_inflight
 
