@@ -20,6 +20,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvroute.block_keys import prompt_block_keys
+from kvroute.data_plane.app_reservations import AppReservations
 from kvroute.data_plane.backend_health import BackendHealth
 from kvroute.data_plane.control_plane_client import ControlPlaneClient
 from kvroute.data_plane.grpc_api import RouterGrpcService, add_router_service
@@ -210,7 +211,7 @@ async def make_stack(tiny_model_dir, *, policy: str = "kv_aware", with_cp: bool 
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     grpc_server = grpc.aio.server()
-    add_router_service(RouterGrpcService(router, preparer), grpc_server)
+    add_router_service(RouterGrpcService(router, preparer, AppReservations(inflight, router.metrics)), grpc_server)
     grpc_port = grpc_server.add_insecure_port("127.0.0.1:0")
     await grpc_server.start()
     return Stack(cp, cp_server, a, b, client, router, runner, grpc_server,
