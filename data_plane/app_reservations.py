@@ -44,6 +44,7 @@ class AppReservations:
         self._first = random.getrandbits(62) + 1
         self._next = self._first
         self._held: dict[int, _Held] = {}
+        metrics.reservations_held.set_function(lambda: len(self._held))  # read at scrape time
 
     def reserve(self, decision: RouteDecision, ttl_s: float = 0.0) -> tuple[int, float]:
         """Count `decision` as in flight on its worker; (reservation id, the TTL it got)."""
@@ -58,7 +59,6 @@ class AppReservations:
         rid, self._next = self._next, self._next + 1
         self._held[rid] = _Held(ticket, asyncio.get_running_loop().call_later(ttl_s, self._expire, rid))
         self.metrics.reservations.labels("reserved").inc()
-        self.metrics.reservations_held.set(len(self._held))
         return rid, ttl_s
 
     def issued(self, rid: int) -> bool:
@@ -80,7 +80,6 @@ class AppReservations:
         held.expiry.cancel()
         self.inflight.finish(held.ticket)
         self.metrics.reservations.labels(outcome).inc()
-        self.metrics.reservations_held.set(len(self._held))
         return True
 
     def _expire(self, rid: int) -> None:
@@ -88,8 +87,7 @@ class AppReservations:
         if held is not None:
             self.inflight.finish(held.ticket)
             self.metrics.reservations.labels("expired").inc()
-            self.metrics.reservations_held.set(len(self._held))
-
+    
     def close(self) -> None:
         """Release everything (the router is stopping)."""
         for rid in list(self._held):
