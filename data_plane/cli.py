@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="reject larger request bodies with a 413, from their Content-Length before reading them "
                         "(default 4 MiB: ~3x a 128k-token chat as JSON; raise it for inline base64 images)")
     p.add_argument("--tokenizer-cache-tokens", type=int, default=4_000_000, metavar="N",
-                   help="token ids of already-seen prompt segments (system prompts, earlier turns) kept for reuse; "
+                   help="budget of the cache of already-seen prompt segments (system prompts, earlier turns), in tokens: "
+                        "each segment costs its ids plus 64 for bookkeeping, ~4 bytes each; "
                         "0 tokenizes every prompt whole")
     p.add_argument("--static-workers", default="", metavar="ID=URL,...",
                    help="fallback fleet used only while the control plane has never been reachable")

@@ -6,11 +6,17 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+
+class ChargesTokens(Protocol):
+    @property
+    def charged_tokens(self) -> int: ...
 
 
 class CountsTokenizedChars(Protocol):
     tokenized_chars: int
+    segment_cache: ChargesTokens | None
 
 
 class _TokenizerCollector:
@@ -24,6 +30,12 @@ class _TokenizerCollector:
                                   "Characters of prompt text handed to the tokenizer (segment-cache hits included; "
                                   "prompts rejected by their length in characters are not)",
                                   value=self.tokenizer.tokenized_chars)
+        cache = self.tokenizer.segment_cache
+        # Bounded by --tokenizer-cache-tokens: it grows until full, so a soak reads its RSS next to this.
+        yield GaugeMetricFamily("kvroute_router_tokenizer_cache_bytes",
+                                "Estimated memory of the tokenizer's segment cache: 4 bytes per token charged "
+                                "against --tokenizer-cache-tokens (ids plus each segment's bookkeeping)",
+                                value=4 * cache.charged_tokens if cache is not None else 0)
 
 
 class RouterMetrics:

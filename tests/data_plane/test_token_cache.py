@@ -52,7 +52,25 @@ def test_budget_bounds_the_cache(tiny_model_dir: Path) -> None:
     cache = SegmentTokenCache(tokenizer, max_tokens=500)
     for i in range(50):
         cache.encode(f"<|system|>\nprompt number {i} " * 20 + "<|end|>\n", False)
-    assert cache._cached_tokens <= 500
+    assert cache.charged_tokens <= 500
+
+
+def test_budget_bounds_memory_with_short_segments(tiny_model_dir: Path) -> None:
+    # Unique short turns (a chat's last user message) are mostly bookkeeping, not ids: the budget
+    # must bound the bytes they take, ~4 per token of budget, not only the ids they hold.
+    import tracemalloc
+
+    tokenizer = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    cache = SegmentTokenCache(tokenizer, max_tokens=50_000)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(5000):
+            cache.encode(f"<|user|>\nquestion {i}<|end|>\n", False)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown <= 1.5 * 4 * 50_000, f"{grown} bytes for a 50k-token budget"
 
 
 def test_tokenizer_that_prepends_to_its_first_piece_gets_no_boundaries() -> None:

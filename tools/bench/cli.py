@@ -86,6 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     soak.add_argument("--churn-s", type=float, default=20.0, help="seconds between disturbances")
     soak.add_argument("--rate", type=float, default=20.0, help="requests per second over both routers")
     soak.add_argument("--warmup-s", type=float, default=300.0, help="growth is measured from the first sample after this")
+    soak.add_argument("--router-cache-tokens", type=int, default=16384,
+                      help="the routers' --tokenizer-cache-tokens: small enough to be full before the warm-up ends")
     soak.add_argument("--plots", type=Path, default=None, metavar="PNG", help="also draw RSS and fds over time")
     soak.add_argument("--json", action="store_true", help="print only the JSON result")
     fuzz = sub.add_parser("fuzz", help="malformed, random and oversize input at a live process's socket between "
@@ -175,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
         from kvroute.tools.bench.soak import format_table as soak_table
         from kvroute.tools.bench.soak import run_soak
 
-        result = run_soak(args.minutes, args.sample_s, args.churn_s, args.rate, args.warmup_s, plots=args.plots)
+        result = run_soak(args.minutes, args.sample_s, args.churn_s, args.rate, args.warmup_s, plots=args.plots,
+                          router_cache_tokens=args.router_cache_tokens)
         if not args.json:
             print(soak_table(result))
         print(json.dumps(result))

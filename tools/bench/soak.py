@@ -10,6 +10,12 @@ What should stay flat is checked on the processes that run the whole time (the c
 routers, the agents of engines 0, 1 and 3, engines 1 and 2): from the first sample after `warmup_s`
 to the last, RSS may grow by at most `max(rss_growth_pct % of it, rss_slack_mb)` and open fds by at
 most `fd_slack`. The rest are restarted by the churn, so their figures start over.
+
+The routers' tokenizer segment cache is a bounded LRU that keeps every new user turn, so it grows
+until full: with the default budget (4M tokens, ~16 MB) 20 req/s fill it in about two hours, and a
+30-minute run would read the fill as growth. The soak runs the routers with a `router_cache_tokens`
+budget that is full before the warm-up ends, and samples the cache's own gauge
+(kvroute_router_tokenizer_cache_bytes) next to RSS so that what remains is what is not bounded.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ class Sample:
     rss_mb: dict[str, float] = field(default_factory=dict)
     fds: dict[str, int] = field(default_factory=dict)
     index_entries: float = 0.0
+    tokenizer_cache_mb: dict[str, float] = field(default_factory=dict)
 
 
 def _proc_stats(process: ManagedProcess) -> tuple[float, int] | None:
@@ -96,7 +103,8 @@ class Churn:
 
 
 def run_soak(minutes: float, sample_s: float = 60.0, churn_s: float = 20.0, rate: float = 20.0,
-             warmup_s: float = 300.0, workdir: Path | None = None, plots: Path | None = None) -> dict:
+             warmup_s: float = 300.0, workdir: Path | None = None, plots: Path | None = None,
+             router_cache_tokens: int = 16384) -> dict:
     from kvroute.tools.tiny_model import build_model_dir
 
     workdir = workdir or Path(tempfile.mkdtemp(prefix="kvroute-soak-"))
@@ -106,7 +114,8 @@ def run_soak(minutes: float, sample_s: float = 60.0, churn_s: float = 20.0, rate
         cp_metrics = f"http://127.0.0.1:{free_port()}"
         cluster.start_control_plane(extra_args=("--metrics-port", cp_metrics.rsplit(":", 1)[1]))
         engines = cluster.start_sim_fleet(4, "--speedup", "20", "--num-blocks", "1024")
-        urls = [cluster.start_router(f"r{i}", "kv_aware") for i in range(2)]
+        urls = [cluster.start_router(f"r{i}", "kv_aware", "--tokenizer-cache-tokens", str(router_cache_tokens))
+                for i in range(2)]
         for url in urls:
             wait_until(lambda u=url: http_ok(u + "/ready"), 30, "router ready")
         steady = {"control-plane": cluster.control_plane, "router-r0": cluster.routers["r0"],
@@ -132,6 +141,15 @@ def run_soak(minutes: float, sample_s: float = 60.0, churn_s: float = 20.0, rate
                         "kvroute_cp_index_entries", 0.0)
             except OSError:
                 pass
+            for i, url in enumerate(urls):
+                try:
+                    status, body = http_get(url + "/metrics")
+                    if status == 200:
+                        cache = prometheus_sums(body.decode(), {"kvroute_router_tokenizer_cache_bytes"})
+                        sample.tokenizer_cache_mb[f"router-r{i}"] = round(
+                            cache.get("kvroute_router_tokenizer_cache_bytes", 0.0) / 2**20, 2)
+                except OSError:
+                    pass
             samples.append(sample)
             if time.monotonic() >= end:
                 break
@@ -154,7 +172,8 @@ def _report(samples: list[Sample], steady: list[str], sent, churned: list, warmu
         rss0, rss1 = first.rss_mb[name], last.rss_mb[name]
         fd0, fd1 = first.fds[name], last.fds[name]
         pct = 100.0 * (rss1 - rss0) / rss0
-        growth[name] = {"rss_mb_from": rss0, "rss_mb_to": rss1, "rss_pct": round(pct, 2), "fds_from": fd0, "fds_to": fd1}
+        growth[name] = {"rss_mb_from": rss0, "rss_mb_to": rss1, "rss_pct": round(pct, 2), "fds_from": fd0, "fds_to": fd1,
+                        "tokenizer_cache_mb": [first.tokenizer_cache_mb.get(name), last.tokenizer_cache_mb.get(name)]}
         if rss1 - rss0 > max(RSS_GROWTH_PCT / 100 * rss0, RSS_SLACK_MB):
             violations.append(f"{name}: RSS {rss0} -> {rss1} MB ({pct:+.1f}%)")
         if fd1 - fd0 > FD_SLACK:
@@ -167,7 +186,8 @@ def _report(samples: list[Sample], steady: list[str], sent, churned: list, warmu
             "index_entries_first_last": [first.index_entries, last.index_entries],
             "bound": {"rss_growth_pct": RSS_GROWTH_PCT, "rss_slack_mb": RSS_SLACK_MB, "fd_slack": FD_SLACK},
             "growth": growth, "violations": violations,
-            "table": [{"at_s": s.at_s, "rss_mb": s.rss_mb, "fds": s.fds, "index_entries": s.index_entries}
+            "table": [{"at_s": s.at_s, "rss_mb": s.rss_mb, "fds": s.fds, "index_entries": s.index_entries,
+                       "tokenizer_cache_mb": s.tokenizer_cache_mb}
                       for s in samples]}
 
 
@@ -194,10 +214,12 @@ def _plot(samples: list[Sample], path: Path) -> None:
 def format_table(result: dict) -> str:
     lines = [(f"soak: {result['minutes']} min, {result['requests']} requests ({result['requests_ok']} ok), "
              f"{result['churn_events']} churn events; index entries {result['index_entries_first_last']}"),
-             "| process (runs throughout) | RSS MB after warm-up | RSS MB at the end | change | fds |",
-             "|---|---|---|---|---|"]
+             ("| process (runs throughout) | RSS MB after warm-up | RSS MB at the end | change | fds "
+              "| tokenizer cache MB |"),
+             "|---|---|---|---|---|---|"]
     for name, g in result["growth"].items():
+        cache = g["tokenizer_cache_mb"]
         lines.append(f"| {name} | {g['rss_mb_from']} | {g['rss_mb_to']} | {g['rss_pct']:+.1f}% | "
-                     f"{g['fds_from']} -> {g['fds_to']} |")
+                     f"{g['fds_from']} -> {g['fds_to']} | {'' if cache[0] is None else f'{cache[0]} -> {cache[1]}'} |")
     lines.append("violations: " + ("; ".join(result["violations"]) or "none"))
     return "\n".join(lines)
