@@ -111,7 +111,8 @@ class FakeAgent:
             worker_id=worker_id, model="tiny-llama", engine="sim", block_size=FAKE_AGENT_BLOCK_SIZE, endpoint=endpoint)))
         await self.call.read()
         await self.outbox.put(pb.AgentMessage(batch=pb.EventBatch(seq=1, snapshot=True, events=[
-            pb.BlockEvent(stored=pb.BlocksStored(block_keys=keys, medium=medium)) for medium, keys in tiers.items()])))
+            pb.BlockEvent(stored=pb.BlocksStored(block_keys=keys, tier=pb.Tier.Value(f"TIER_{tier.upper()}")))
+            for tier, keys in tiers.items()])))
         await self.call.read()
         self.heartbeats = asyncio.create_task(self._heartbeat())
 

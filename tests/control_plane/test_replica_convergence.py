@@ -111,7 +111,7 @@ async def test_replicas_converge_on_the_engines_truth(redis_any, seed) -> None:
         slots = {e.worker_id: i for i, e in enumerate(engines)}
         for e in engines:
             for tier in (Tier.GPU, Tier.CPU):
-                reference.store(slots[e.worker_id], e.agent.resolver.held_keys(tier.medium), tier)
+                reference.store(slots[e.worker_id], e.agent.resolver.held_keys(tier.label), tier)
 
         def converged(replica: ControlPlaneServer) -> bool:
             for e in engines:

@@ -64,12 +64,16 @@ class AgentStream(BidiStream):
         return await self.recv()
 
 
-def stored(keys: list[int], medium: str = "gpu") -> pb.BlockEvent:
-    return pb.BlockEvent(stored=pb.BlocksStored(block_keys=keys, medium=medium))
+def stored(keys: list[int], tier: int = pb.TIER_GPU) -> pb.BlockEvent:
+    return pb.BlockEvent(stored=pb.BlocksStored(block_keys=keys, tier=tier))
 
 
-def removed(keys: list[int], medium: str = "gpu") -> pb.BlockEvent:
-    return pb.BlockEvent(removed=pb.BlocksRemoved(block_keys=keys, medium=medium))
+def removed(keys: list[int], tier: int = pb.TIER_GPU) -> pb.BlockEvent:
+    return pb.BlockEvent(removed=pb.BlocksRemoved(block_keys=keys, tier=tier))
+
+
+def tier_keys(response: pb.GetWorkerKeysResponse) -> dict[str, list[int]]:
+    return {pb.Tier.Name(t.tier).removeprefix("TIER_").lower(): list(t.block_keys) for t in response.tiers}
 
 
 def query(keys: list[int], block_size: int = 4, **fields) -> pb.QueryRequest:
@@ -213,32 +217,33 @@ async def test_tiers_are_held_apart_and_matched_together(control_plane) -> None:
     _, stub = control_plane
     agent = AgentStream(stub)
     await agent.register("a")
-    # Snapshot: one BlocksStored per tier ("" is gpu).
-    await agent.batch(1, stored([1, 2], ""), stored([3, 4], "cpu"), stored([4, 5], "disk"), snapshot=True)
+    # Snapshot: one BlocksStored per tier (an unset tier is gpu).
+    await agent.batch(1, pb.BlockEvent(stored=pb.BlocksStored(block_keys=[1, 2])), stored([3, 4], pb.TIER_CPU),
+                      stored([4, 5], pb.TIER_DISK), snapshot=True)
     assert matches(await stub.Query(query([1, 2, 3, 4, 5, 6]))) == {"a": (5, 2, 1)}
     # An offload: removed from gpu, stored on cpu. Removing a key on one tier keeps the others.
-    await agent.batch(2, removed([2]), stored([2], "cpu"), removed([4], "cpu"))
+    await agent.batch(2, removed([2]), stored([2], pb.TIER_CPU), removed([4], pb.TIER_CPU))
     assert matches(await stub.Query(query([1, 2, 3, 4, 5]))) == {"a": (5, 2, 2)}
     keys = await stub.GetWorkerKeys(pb.GetWorkerKeysRequest(worker_id="a"))
     assert keys.worker_id == "a" and keys.block_size == 4
-    assert {t.medium: list(t.block_keys) for t in keys.tiers} == {"gpu": [1], "cpu": [2, 3], "disk": [4, 5]}
+    assert tier_keys(keys) == {"gpu": [1], "cpu": [2, 3], "disk": [4, 5]}
     listed = (await stub.ListWorkers(pb.ListWorkersRequest())).workers[0]
     assert listed.cached_blocks == 1  # the gpu tier
     # A snapshot replaces every tier, including ones it does not name.
-    await agent.batch(3, stored([7], "cpu"), snapshot=True)
+    await agent.batch(3, stored([7], pb.TIER_CPU), snapshot=True)
     keys = await stub.GetWorkerKeys(pb.GetWorkerKeysRequest(worker_id="a"))
-    assert {t.medium: list(t.block_keys) for t in keys.tiers} == {"gpu": [], "cpu": [7], "disk": []}
+    assert tier_keys(keys) == {"gpu": [], "cpu": [7], "disk": []}
     # AllBlocksCleared clears every tier.
-    await agent.batch(4, stored([1], "gpu"), pb.BlockEvent(cleared=pb.AllBlocksCleared()))
+    await agent.batch(4, stored([1]), pb.BlockEvent(cleared=pb.AllBlocksCleared()))
     keys = await stub.GetWorkerKeys(pb.GetWorkerKeysRequest(worker_id="a"))
     assert all(not t.block_keys for t in keys.tiers)
 
 
-async def test_unknown_medium_is_indexed_as_disk_and_counted(control_plane) -> None:
+async def test_unknown_tier_is_indexed_as_disk_and_counted(control_plane) -> None:
     server, stub = control_plane
     agent = AgentStream(stub)
     await agent.register("a")
-    ack = await agent.batch(1, stored([1], "gpu"), stored([2], "tape"))
+    ack = await agent.batch(1, stored([1]), stored([2], 7))  # 7: a tier a newer agent might send
     assert ack.ack.applied_events == 2
     assert matches(await stub.Query(query([1, 2]))) == {"a": (2, 0, 1)}
     assert server.metrics_registry.get_sample_value("kvroute_cp_unknown_medium_events_total") == 1

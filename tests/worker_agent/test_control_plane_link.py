@@ -139,8 +139,8 @@ async def test_snapshot_carries_every_tier_and_identity_carries_rank_and_adapter
         await w.link.connected_event.wait()
         await eventually(lambda: cp.batches() and cp.heartbeats())
         (snapshot,) = cp.batches()
-        assert [(e.stored.medium, list(e.stored.block_keys)) for e in snapshot.events] == [("gpu", KEYS[:1]),
-                                                                                           ("cpu", KEYS[1:2])]
+        assert [(e.stored.tier, list(e.stored.block_keys)) for e in snapshot.events] == [(pb.TIER_GPU, KEYS[:1]),
+                                                                                         (pb.TIER_CPU, KEYS[1:2])]
         assert list(cp.streams[0][0].register.lora_adapters) == ["sql"]
         assert not cp.streams[0][0].register.HasField("data_parallel_rank")
         assert list(cp.heartbeats()[0].lora_adapters) == ["sql"]

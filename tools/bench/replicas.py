@@ -281,13 +281,14 @@ async def prepare_answer_fleet(a: ReplicaProcess, workers: int, chain: int = 256
     """`workers` workers of "answer-model", each holding a different prefix of the query's chain."""
     from kvroute.worker_agent.block_deltas import KeysStored
     from kvroute.worker_agent.control_plane_client import ControlPlaneLink, WorkerIdentity
+    from kvroute.worker_agent.tiers import Tier
 
     rng = random.Random(3)
     keys = [rng.getrandbits(63) for _ in range(chain)]
     links = []
     for w in range(workers):
         held = keys[:rng.randrange(1, chain)]
-        events = [KeysStored("gpu", held)]
+        events = [KeysStored(Tier.GPU, held)]
         links.append(ControlPlaneLink(a.address, WorkerIdentity(f"answer-{w}", "answer-model", "vllm", 16,
                                                                 f"http://a{w}"), lambda e=events: e, pb.WorkerLoad))
     tasks = [asyncio.create_task(link.run()) for link in links]
