@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import socket
 from dataclasses import dataclass
 
@@ -35,6 +34,7 @@ from kvroute.control_plane.service import (
     InflightCollector,
 )
 from kvroute.listeners import GrpcListener, start_status_site
+from kvroute.process import wait_for_stop_signal
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
@@ -178,10 +178,6 @@ class ControlPlaneServer:
 async def serve(config: ControlPlaneConfig) -> int:
     server = ControlPlaneServer(config)
     await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await wait_for_stop_signal()
     await server.stop()
     return 0
