@@ -121,10 +121,6 @@ def tier_or_disk(value: int) -> Tier:
     return Tier.DISK if tier is None else tier
 
 
-def tier_ops(keys_by_tier: dict[Tier, Iterable[int]]) -> list[BlockOp]:
-    return [BlockOp(Op.STORED, tier, list(keys)) for tier, keys in keys_by_tier.items()]
-
-
 ENCODER = msgspec.msgpack.Encoder()
 BATCH_DECODER = msgspec.msgpack.Decoder(BatchBody)
 REGISTER_DECODER = msgspec.msgpack.Decoder(RegisterBody)

@@ -162,7 +162,6 @@ class PrefixCache:
         self.queries_tokens = 0
         self.hits_tokens = 0
         self.cpu_hits_tokens = 0
-        self.queries_requests = 0
         self.evicted_blocks = 0
         self.cpu_evicted_blocks = 0
 
@@ -316,7 +315,6 @@ class PrefixCache:
             self._refcount[h] = count + 1
         self._evict_until_free(working)
         self._working += working
-        self.queries_requests += 1
         self.queries_tokens += prompt_len
         self.hits_tokens += hit_blocks * bs
         self.cpu_hits_tokens += len(loaded) * bs
