@@ -56,9 +56,7 @@ class Engine:
         """A new agent process for the same engine: a new instance, the engine's blocks as they are."""
         resolver = self.agent.resolver
         await self.agent.close()
-        self.agent = Agent(self.addresses, self.worker_id)
-        self.agent.resolver = resolver
-        self.agent.link._snapshot = resolver.snapshot_events
+        self.agent = Agent(self.addresses, self.worker_id, resolver=resolver)
 
 
 async def start_replica_on(url: str, port: int, name: str) -> ControlPlaneServer:

@@ -44,14 +44,17 @@ PROMPT = " ".join(["the cache router sends each prompt to the worker that holds 
 _EXPORTER = InMemorySpanExporter()
 
 
+_EXPORTING_PROVIDERS: list[TracerProvider] = []  # providers _EXPORTER already listens to
+
+
 def _install_tracing() -> InMemorySpanExporter:
     provider = trace.get_tracer_provider()
     if not isinstance(provider, TracerProvider):
         provider = TracerProvider()
         install_tracer_provider(provider)
-    if not getattr(provider, "_kvroute_test_exporter", False):
+    if provider not in _EXPORTING_PROVIDERS:
         provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
-        provider._kvroute_test_exporter = True  # type: ignore[attr-defined]
+        _EXPORTING_PROVIDERS.append(provider)
     return _EXPORTER
 
 

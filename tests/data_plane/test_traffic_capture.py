@@ -153,13 +153,16 @@ async def test_write_failure_drops_and_counts_rows_and_logs_once(caplog) -> None
     assert len([r for r in caplog.records if "cannot write" in r.getMessage()]) == 1
 
 
-class _FillsUpMidLine:
-    """A capture file whose next write lands 10 bytes and then fails, like a disk filling up."""
+class _DiskThatFillsUp:
+    """A capture file on a disk that, while `full`, lands 10 bytes of the next write and then fails every
+    write, like a disk filling up mid-line."""
 
     def __init__(self, real) -> None:
-        self.real, self.calls = real, 0
+        self.real, self.full, self.calls = real, False, 0
 
     def write(self, data) -> int:
+        if not self.full:
+            return self.real.write(data)
         self.calls += 1
         if self.calls == 1:
             return self.real.write(data[:10])
@@ -174,15 +177,20 @@ async def test_a_half_written_batch_is_cut_off_and_the_trace_stays_loadable(tmp_
 
     path = tmp_path / "h.jsonl"
     metrics = RouterMetrics()
-    cap = TrafficCapture(path, metrics=metrics, flush_interval_s=3600, block_tokens=512)
+    disks: list[_DiskThatFillsUp] = []
+
+    def open_file(p: Path) -> _DiskThatFillsUp:
+        disks.append(_DiskThatFillsUp(open(p, "wb", buffering=0)))  # noqa: SIM115 - the capture closes it
+        return disks[-1]
+
+    cap = TrafficCapture(path, metrics=metrics, flush_interval_s=3600, block_tokens=512, open_file=open_file)
     cap.start()
     cap.record(1, [1] * 700, 5, "m")
     await cap.flush()
-    real = cap._file
-    cap._file = _FillsUpMidLine(real)
+    disks[0].full = True
     cap.record(2, [2] * 700, 5, "m")
     await cap.flush()
-    cap._file = real  # the disk recovers
+    disks[0].full = False  # the disk recovers
     cap.record(3, [3] * 700, 5, "m")
     await cap.aclose()
     rows = read_rows(path)
