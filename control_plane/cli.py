@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvroute.listeners import run_service
-from kvroute.process import add_log_level_argument, process_setup
+from kvroute.process import add_log_level_argument, add_port_file_argument, process_setup
 
 
 def positive(kind: type):
@@ -79,6 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica-id", default="", metavar="NAME",
                    help="with --redis: this replica's name in logs, errors and the snapshot lease (default HOST-PID)")
     add_log_level_argument(p)
+    add_port_file_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,4 +93,4 @@ def run(args: argparse.Namespace) -> int:
             audit_settle_s=args.audit_settle_ms / 1000, audit_probe=args.audit_probe,
             audit_probe_deadline_s=args.audit_probe_deadline_s, redis_url=args.redis,
             redis_shards=args.redis_shards, snapshot_interval_s=args.snapshot_interval_s,
-            replica_id=args.replica_id, max_index_entries=args.max_index_entries)))
+            replica_id=args.replica_id, max_index_entries=args.max_index_entries), args.port_file))

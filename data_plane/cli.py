@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 from kvroute.listeners import run_service
-from kvroute.process import add_log_level_argument, process_setup, wait_for_stop_signal
+from kvroute.process import add_log_level_argument, add_port_file_argument, process_setup, wait_for_stop_signal, write_port_file
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,6 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep per-stage timings of proxied requests (parse, prepare, keys, query, score, connect, "
                         "first_byte) and serve them at GET /debug/stages (kvroute bench proxy turns this on)")
     add_log_level_argument(p)
+    add_port_file_argument(p)
 
 
 def _block_tokens(value: str) -> int:
@@ -173,6 +174,7 @@ async def serve(args: argparse.Namespace) -> int:
                  args.policy, model, args.control_plane, args.query_timeout_ms, args.query_timeout_max_ms,
                  args.query_timeout_factor, "".join(f" {k}={v:g}" for k, v in kv_params.items()))
         log.info("%s", http.prompt_bound_note)
+        write_port_file(args.port_file, {"http": http_port, **({"grpc": grpc_server.port} if grpc_server else {})})
         await wait_for_stop_signal()
         log.info("router stopping")
     finally:

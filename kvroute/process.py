@@ -3,13 +3,15 @@
     def add_arguments(p):
         ...
         add_log_level_argument(p)                 # --log-level, checked at parse time
+        add_port_file_argument(p)                 # --port-file: where the bound ports go once listening
 
     def run(args):
         with process_setup("kvroute-router", args.log_level):  # logging, then tracing; tracing flushed at exit
             return run_service("router", serve(args))
 
     async def serve(args):
-        ...
+        ...                                       # listen (port 0 = any free port), then
+        write_port_file(args.port_file, {"http": http_port})
         await wait_for_stop_signal()              # SIGINT or SIGTERM: stop cleanly
 
 Tracing stays off unless the OTel variables ask for it (`kvroute.telemetry`).
@@ -19,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import os
 import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,6 +44,23 @@ def log_level(value: str) -> str:
 
 def add_log_level_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", type=log_level, default="INFO", help="Python logging level")
+
+
+def add_port_file_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--port-file", default="", metavar="PATH",
+                        help="once listening, write the bound ports there as JSON (e.g. {\"http\": 8000}): what a "
+                             "supervisor reads after starting the process with port 0")
+
+
+def write_port_file(path: str, ports: dict[str, int]) -> None:
+    """Write `ports` (listener name -> bound port) to `path` ("" = nowhere) whole or not at all: a
+    reader polling for the file never sees half of it."""
+    if not path:
+        return
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        json.dump(ports, f)
+    os.replace(partial, path)
 
 
 @contextmanager

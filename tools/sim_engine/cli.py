@@ -11,7 +11,7 @@ import logging
 import sys
 
 from kvroute.listeners import run_service
-from kvroute.process import add_log_level_argument, process_setup, wait_for_stop_signal
+from kvroute.process import add_log_level_argument, add_port_file_argument, process_setup, wait_for_stop_signal, write_port_file
 
 log = logging.getLogger("kvroute.sim_engine")
 
@@ -67,6 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fixed seed for engine block hashes (default: random per process, like vLLM without PYTHONHASHSEED)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated output tokens")
     add_log_level_argument(p)
+    add_port_file_argument(p)
 
 
 def build_publisher(args: argparse.Namespace, config):
@@ -130,11 +131,23 @@ async def serve(args: argparse.Namespace) -> int:
         raise
     log.info("sim engine ready on http://%s:%d (%s, model %s, %d blocks of %d tokens, %s)", args.host, port,
              engine.dialect.name, args.model, args.num_blocks, engine.config.block_size, _events_summary(engine))
+    write_port_file(args.port_file, {"http": port, **_event_ports(engine)})
     await wait_for_stop_signal()
     log.info("sim engine shutting down")
     await runner.cleanup()
     await engine.stop()
     return 0
+
+
+def _event_ports(engine) -> dict[str, int]:
+    """The ports the engine's ZMQ sockets bound ("kv_events", "replay"): none when it connects or publishes none."""
+    from kvroute.tools.sim_engine.kv_publisher import KvEventPublisher
+
+    pub = engine.publisher
+    if not isinstance(pub, KvEventPublisher) or not pub.binds:
+        return {}
+    endpoints = {"kv_events": pub.last_endpoint, "replay": pub.replay_last_endpoint}
+    return {name: int(e.rsplit(":", 1)[1]) for name, e in endpoints.items() if e and e.startswith("tcp://")}
 
 
 def _events_summary(engine) -> str:
