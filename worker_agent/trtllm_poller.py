@@ -72,6 +72,7 @@ class TrtllmEventPoller:
             self.last_error = str(exc) or type(exc).__name__
             self._log.warning("poll", "POST %s failed: %s", self.url, exc or type(exc).__name__)
             return False
+        self._log.recovered("poll", "POST %s answers again", self.url)
         self.counters.polls += 1
         self.last_success, self.last_error = time.monotonic(), ""
         try:
