@@ -25,6 +25,7 @@ from kvroute.data_plane.traffic_capture import TrafficCapture, reported_output_t
 from kvroute.tools.local_cluster import LocalCluster, free_port, http_get, http_post_json, wait_until
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
+from tests.helpers import eventually
 
 ROW_FIELDS = {"timestamp", "input_length", "output_length", "hash_ids", "block_size"}
 BIG = 7_000_000  # token ids in this range are easy to look for in the file
@@ -104,7 +105,7 @@ async def test_periodic_flush_sorting_and_bounded_id_map(tmp_path: Path) -> None
     x, y, z = [BIG] * 512, [BIG + 1] * 512, [BIG + 2] * 512
     cap.record(30, x, 1, "m")   # recorded at completion: later arrivals can finish first
     cap.record(10, y, 1, "m")
-    await wait_until_async(lambda: len(read_rows(path)) == 2)
+    await eventually(lambda: len(read_rows(path)) == 2, 5)
     rows = read_rows(path)
     assert [r["timestamp"] for r in rows] == [10, 30]     # sorted within a flush, ids follow file order
     assert [r["hash_ids"] for r in rows] == [[0], [1]]    # y -> 0, x -> 1
@@ -113,16 +114,6 @@ async def test_periodic_flush_sorting_and_bounded_id_map(tmp_path: Path) -> None
     cap.record(60, y, 1, "m")   # evicted: a new id, never a reused one
     await cap.aclose()
     assert [r["hash_ids"] for r in read_rows(path)] == [[0], [1], [2], [1], [3]]
-
-
-async def wait_until_async(predicate, timeout: float = 5.0) -> None:
-    import asyncio
-
-    for _ in range(int(timeout / 0.02)):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 async def test_sampling_is_deterministic(tmp_path: Path) -> None:
