@@ -8,8 +8,9 @@ Ports: the control plane, sim engines (HTTP and ZMQ) and routers listen on port 
 ports they bound to their `--port-file`, which `ManagedProcess.wait_ports` reads: no port is picked
 before its process binds it, so two fleets (or two test runs) cannot race for one. Once known, a
 process's ports are written into its argv, so a restart (kill -9 benches, the soak) comes back on
-the same address its peers were given. The agents' /metrics port stays picked by `free_port`:
-`--metrics-port 0` means no metrics listener.
+the same address its peers were given (`replica_cluster.py` does the same for control-plane
+replicas). The agents' and replicas' /metrics ports stay picked by `free_port`: `--metrics-port 0`
+means no metrics listener.
 """
 
 from __future__ import annotations
