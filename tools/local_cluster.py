@@ -9,7 +9,7 @@ ports they bound to their `--port-file`, which `ManagedProcess.wait_ports` reads
 before its process binds it, so two fleets (or two test runs) cannot race for one. Once known, a
 process's ports are written into its argv, so a restart (kill -9 benches, the soak) comes back on
 the same address its peers were given (`replica_cluster.py` does the same for control-plane
-replicas). The agents' and replicas' /metrics ports stay picked by `free_port`: `--metrics-port 0`
+replicas, as `bench/replicas.py` does). The agents' and replicas' /metrics ports stay picked by `free_port`: `--metrics-port 0`
 means no metrics listener.
 """
 
