@@ -46,8 +46,8 @@ import msgspec
 
 from kvroute.block_keys import prompt_block_keys
 
-TierKeys = dict[str, set[int]]  # medium -> keys
-EVICTED_METADATA_PREFIX = "kvroute-evicted-entries-"  # + medium: GetWorkerKeys' initial metadata
+TierKeys = dict[str, set[int]]  # tier label ("gpu", "cpu", "disk") -> keys
+EVICTED_METADATA_PREFIX = "kvroute-evicted-entries-"  # + tier label: GetWorkerKeys' initial metadata
 SAMPLE_KEYS = 5                 # divergent keys shown per tier and kind (for grepping logs and events)
 NOT_AUDITABLE_STATUSES = (404, 405)
 
@@ -489,6 +489,7 @@ async def audit_fleet(control_plane: str, workers: Sequence[str] = (), *, settle
     import aiohttp
     import grpc
 
+    from kvroute.control_plane.index import Tier
     from kvroute.v1 import kvroute_pb2 as pb
     from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
@@ -512,7 +513,7 @@ async def audit_fleet(control_plane: str, workers: Sequence[str] = (), *, settle
                     metadata = await call.initial_metadata()
                 except grpc.aio.AioRpcError as exc:
                     raise AuditError(f"GetWorkerKeys: {exc.code().name}: {exc.details()}") from exc
-                return ControlPlaneView({tier.medium: set(tier.block_keys) for tier in keys.tiers},
+                return ControlPlaneView({Tier(tier.tier).label: set(tier.block_keys) for tier in keys.tiers},
                                         evictions_from_metadata(metadata))
 
             async with limit:

@@ -96,8 +96,8 @@ class PeriodicAuditor:
         async def believed() -> ControlPlaneView:
             still_there()
             index = self.registry.index
-            return ControlPlaneView({tier.medium: index.worker_keys(record.slot, tier) for tier in TIERS},
-                                    {tier.medium: n for tier, n in index.evicted_entries(record.slot).items()})
+            return ControlPlaneView({tier.label: index.worker_keys(record.slot, tier) for tier in TIERS},
+                                    {tier.label: n for tier, n in index.evicted_entries(record.slot).items()})
 
         async def held(keys: list[int]) -> int:
             still_there()

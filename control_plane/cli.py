@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
 from kvroute.listeners import run_service
-from kvroute.telemetry import setup_tracing, shutdown_tracing
+from kvroute.process import add_log_level_argument, add_port_file_argument, process_setup
 
 
 def positive(kind: type):
@@ -79,15 +78,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the log behind them")
     p.add_argument("--replica-id", default="", metavar="NAME",
                    help="with --redis: this replica's name in logs, errors and the snapshot lease (default HOST-PID)")
-    p.add_argument("--log-level", default="INFO", help="Python logging level")
+    add_log_level_argument(p)
+    add_port_file_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvroute.control_plane.server import ControlPlaneConfig, serve
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    setup_tracing("kvroute-control-plane")
-    try:
+    with process_setup("kvroute-control-plane", args.log_level):
         return run_service("control-plane", serve(ControlPlaneConfig(
             listen=args.listen, heartbeat_timeout_s=args.heartbeat_timeout, metrics_host=args.metrics_host,
             metrics_port=args.metrics_port, speculative_ttl_s=args.speculative_ttl_ms / 1000,
@@ -95,6 +93,4 @@ def run(args: argparse.Namespace) -> int:
             audit_settle_s=args.audit_settle_ms / 1000, audit_probe=args.audit_probe,
             audit_probe_deadline_s=args.audit_probe_deadline_s, redis_url=args.redis,
             redis_shards=args.redis_shards, snapshot_interval_s=args.snapshot_interval_s,
-            replica_id=args.replica_id, max_index_entries=args.max_index_entries)))
-    finally:
-        shutdown_tracing()
+            replica_id=args.replica_id, max_index_entries=args.max_index_entries), args.port_file))

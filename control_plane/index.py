@@ -36,24 +36,25 @@ from typing import Protocol
 
 
 class Tier(IntEnum):
+    """A cache tier, valued as `kvroute.v1.Tier` on the wire (tests/control_plane/test_index_conformance.py
+    checks), which is also the replicated log's encoding."""
+
     GPU = 0
     CPU = 1
     DISK = 2
 
     @property
-    def medium(self) -> str:
+    def label(self) -> str:
+        """"gpu", "cpu" or "disk": the tier's name in audits and eviction metadata."""
         return self.name.lower()
 
 
 TIERS = tuple(Tier)
-_MEDIUM_TIERS = {t.medium: t for t in Tier}
 
 
-def tier_of_medium(medium: str) -> Tier | None:
-    """The tier a wire `medium` names ("" means gpu); None for a name outside the contract."""
-    if not medium:
-        return Tier.GPU
-    return _MEDIUM_TIERS.get(medium.lower())
+def tier_of_wire(value: int) -> Tier | None:
+    """The tier a `kvroute.v1.Tier` value names; None for a value outside the contract (a newer agent)."""
+    return TIERS[value] if 0 <= value < len(TIERS) else None
 
 
 @dataclass(slots=True)

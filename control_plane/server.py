@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import socket
 from dataclasses import dataclass
 
@@ -35,6 +34,7 @@ from kvroute.control_plane.service import (
     InflightCollector,
 )
 from kvroute.listeners import GrpcListener, start_status_site
+from kvroute.process import wait_for_stop_signal, write_port_file
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
@@ -89,6 +89,7 @@ class ControlPlaneServer:
                                         probe_deadline_s=config.audit_probe_deadline_s)
                         if config.audit_interval_s > 0 else None)
         self.port = 0
+        self.metrics_port = 0  # the bound /metrics port (0 = none)
         self._grpc: GrpcListener | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._audit_task: asyncio.Task[None] | None = None
@@ -114,7 +115,7 @@ class ControlPlaneServer:
         pb_grpc.add_ControlPlaneServicer_to_server(self.service, self._grpc.server)
         try:
             if self.config.metrics_port:  # before serving: a busy metrics port must not leave a half-started plane
-                self._metrics_runner, _ = await start_status_site(
+                self._metrics_runner, self.metrics_port = await start_status_site(
                     "--metrics-port", self.config.metrics_host, self.config.metrics_port,
                     {"/metrics": self._metrics, "/health": self._health, "/ready": self._ready})
             await self._grpc.start(serving=self.redis_log is None)
@@ -175,13 +176,10 @@ class ControlPlaneServer:
         return web.json_response({"status": "not_ready", **body, "problems": problems}, status=503)
 
 
-async def serve(config: ControlPlaneConfig) -> int:
+async def serve(config: ControlPlaneConfig, port_file: str = "") -> int:
     server = ControlPlaneServer(config)
     await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    write_port_file(port_file, {"grpc": server.port, **({"metrics": server.metrics_port} if server.metrics_port else {})})
+    await wait_for_stop_signal()
     await server.stop()
     return 0

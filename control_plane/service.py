@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvroute.control_plane.audit import eviction_metadata
-from kvroute.control_plane.index import TIERS, BitmaskPrefixIndex, BoundedPrefixIndex, Tier, TierMatch, tier_of_medium
+from kvroute.control_plane.index import TIERS, BitmaskPrefixIndex, BoundedPrefixIndex, Tier, TierMatch, tier_of_wire
 from kvroute.control_plane.inflight import DuplicateReservation, InflightTracker, RouterSessionState, RouterTally
 from kvroute.control_plane.registry import WorkerRecord, WorkerRegistry
 from kvroute.control_plane.replication.apply import LogApplier
@@ -50,7 +50,7 @@ class ControlPlaneMetrics:
         self.stream_errors = Counter("kvroute_cp_stream_errors_total", "Agent streams rejected", ["reason"],
                                      registry=registry)
         self.unknown_media = Counter("kvroute_cp_unknown_medium_events_total",
-                                     "Block events naming a medium outside gpu/cpu/disk (applied as disk)",
+                                     "Block events naming a tier outside gpu/cpu/disk (applied as disk)",
                                      registry=registry)
         self.bad_requests = Counter("kvroute_cp_bad_requests_total", "Router requests rejected", ["rpc", "reason"],
                                     registry=registry)
@@ -149,7 +149,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         self.inflight = inflight
         self.metrics = metrics
         self.applier = LogApplier(registry, inflight, metrics)
-        self._unknown_media_seen: set[str] = set()
+        self._unknown_media_seen: set[int] = set()
         # Where agents' messages go: applied at once (embedded), or through Redis (replicas).
         self.log: EventLog = event_log or LocalEventLog(self.applier)
         # Why routers must ask another replica now (a replica still catching up), or None.
@@ -220,15 +220,15 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         """The batch as the log's block ops (keys stay the message's own containers)."""
         return ops_from_events(batch.events, self._tier)
 
-    def _tier(self, medium: str) -> Tier:
-        tier = tier_of_medium(medium)
+    def _tier(self, value: int) -> Tier:
+        tier = tier_of_wire(value)
         if tier is not None:
             return tier
-        # The agent normalises engine media to gpu/cpu/disk; anything else is some slower store.
+        # The agent maps engine media to gpu/cpu/disk; a tier value newer than this control plane is some slower store.
         self.metrics.unknown_media.inc()
-        if medium not in self._unknown_media_seen:
-            self._unknown_media_seen.add(medium)
-            log.warning("unknown block medium %r: indexed as disk", medium)
+        if value not in self._unknown_media_seen:
+            self._unknown_media_seen.add(value)
+            log.warning("unknown block tier %d: indexed as disk", value)
         return Tier.DISK
 
     async def _reject(self, context: grpc.aio.ServicerContext, reason: str, code: grpc.StatusCode,
@@ -435,9 +435,9 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         index = self.registry.index
         evicted = index.evicted_entries(record.slot)  # keys it may hold that a bounded index forgot: the audit's due
         response = pb.GetWorkerKeysResponse(worker_id=record.worker_id, block_size=record.block_size, tiers=[
-            pb.TierKeys(medium=tier.medium, block_keys=sorted(index.worker_keys(record.slot, tier))) for tier in TIERS])
+            pb.TierKeys(tier=tier, block_keys=sorted(index.worker_keys(record.slot, tier))) for tier in TIERS])
         if evicted:
-            await context.send_initial_metadata(eviction_metadata({tier.medium: n for tier, n in evicted.items()}))
+            await context.send_initial_metadata(eviction_metadata({tier.label: n for tier, n in evicted.items()}))
         return response
 
     # ------------------------------------------------------------ liveness

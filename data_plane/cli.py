@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 from pathlib import Path
 
 from kvroute.listeners import run_service
-from kvroute.telemetry import setup_tracing, shutdown_tracing
+from kvroute.process import add_log_level_argument, add_port_file_argument, process_setup, wait_for_stop_signal, write_port_file
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage-timing", action="store_true",
                    help="keep per-stage timings of proxied requests (parse, prepare, keys, query, score, connect, "
                         "first_byte) and serve them at GET /debug/stages (kvroute bench proxy turns this on)")
-    p.add_argument("--log-level", default="INFO", help="Python logging level")
+    add_log_level_argument(p)
+    add_port_file_argument(p)
 
 
 def _block_tokens(value: str) -> int:
@@ -175,11 +175,8 @@ async def serve(args: argparse.Namespace) -> int:
                  args.policy, model, args.control_plane, args.query_timeout_ms, args.query_timeout_max_ms,
                  args.query_timeout_factor, "".join(f" {k}={v:g}" for k, v in kv_params.items()))
         log.info("%s", http.prompt_bound_note)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        write_port_file(args.port_file, {"http": http_port, **({"grpc": grpc_server.port} if grpc_server else {})})
+        await wait_for_stop_signal()
         log.info("router stopping")
     finally:
         if health_task:
@@ -196,12 +193,9 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    setup_tracing("kvroute-router")
-    try:
-        return run_service("router", serve(args))  # a port in use: one line, exit 2
-    except (FileNotFoundError, OSError) as exc:  # bad --tokenizer: one clear line, no traceback
-        logging.getLogger("kvroute.router").error("router cannot start: %s", exc)
-        return 2
-    finally:
-        shutdown_tracing()
+    with process_setup("kvroute-router", args.log_level):
+        try:
+            return run_service("router", serve(args))  # a port in use: one line, exit 2
+        except (FileNotFoundError, OSError) as exc:  # bad --tokenizer: one clear line, no traceback
+            logging.getLogger("kvroute.router").error("router cannot start: %s", exc)
+            return 2

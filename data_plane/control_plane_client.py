@@ -32,6 +32,7 @@ import grpc
 from kvroute.addresses import AddressRotation
 from kvroute.data_plane.query_deadline import QueryDeadline
 from kvroute.data_plane.router_session import RouterSessionLink, SessionUnavailable, cancel_and_wait
+from kvroute.rate_limited_log import RateLimitedLog
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
@@ -62,6 +63,7 @@ class ControlPlaneClient:
         self.address = self.addresses.next()[0]  # the replica in use
         self.query_deadline = query_deadline or QueryDeadline.fixed(query_timeout_s)
         self.refresh_interval_s = refresh_interval_s
+        self._problems = RateLimitedLog(log, period_s=60.0)  # refresh failures: a line a minute at most
         self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.ControlPlaneStub]] = {}
         self.failovers = 0           # moves to another replica
         self._down_until: dict[str, float] = {}  # replicas that failed lately: skipped by a failover until then
@@ -217,8 +219,8 @@ class ControlPlaneClient:
         while True:
             try:
                 await self.refresh()
-                if failures:
-                    log.info("control plane %s reachable again after %d failed refreshes", self.address, failures)
+                self._problems.recovered("unreachable", "control plane %s reachable again after %d failed refreshes",
+                                         self.address, failures)
                 failures = 0
             except asyncio.CancelledError:
                 raise
@@ -227,9 +229,9 @@ class ControlPlaneClient:
                 failures += 1
                 reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
                 self.last_error = reason
-                if failures in (1, 20) or failures % 200 == 0:
-                    log.warning("control plane %s unreachable (%s, %d times); routing on the last known fleet "
-                                "(%d workers)", self.address, reason, failures, len(self.fleet) or len(self._static))
+                self._problems.warning("unreachable", "control plane %s unreachable (%s, %d times); routing on the last "
+                                       "known fleet (%d workers)", self.address, reason, failures,
+                                       len(self.fleet) or len(self._static))
             await asyncio.sleep(self.refresh_interval_s)
 
     # ------------------------------------------------------------ the index

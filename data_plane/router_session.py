@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvroute.backoff import Backoff
+from kvroute.rate_limited_log import RateLimitedLog
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
@@ -82,7 +84,8 @@ class RouterSessionLink:
         # Called when a session fails; True = another replica was picked, reconnect without a pause.
         self._on_lost = on_lost
         self.router_id = router_id or default_router_id()
-        self._delays = (reconnect_delay_s, max_reconnect_delay_s)
+        self._backoff = Backoff(reconnect_delay_s, max_reconnect_delay_s)
+        self._problems = RateLimitedLog(log, period_s=30.0)
         self._call = None                       # the open stream, or None
         self._outbox: list[pb.RouterMessage] = []
         self._outbox_ready = asyncio.Event()
@@ -220,27 +223,24 @@ class RouterSessionLink:
     # ------------------------------------------------------------ the stream
 
     async def _run_forever(self) -> None:
-        delay = self._delays[0]
-        failures = 0
         while True:
             try:
                 await self._session()
-                delay = self._delays[0]
+                self._backoff.reset()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the link must never die
-                failures = 0 if self.connected else failures + 1
+                if self.connected:  # it was up: its loss is news, not more of an outage already logged
+                    self._problems.recovered("lost")
                 reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
-                if failures in (0, 1) or failures % 100 == 0:
-                    log.warning("router session to the control plane failed (%s); queries go unary and "
-                                "in-flight state stays local until it is back", reason)
+                self._problems.warning("lost", "router session to the control plane failed (%s); queries go unary "
+                                       "and in-flight state stays local until it is back", reason)
             finally:
                 self.connected = False
                 self._fail_pending(SessionUnavailable("router session lost"))
             if self._on_lost is not None and self._on_lost():
                 continue  # another replica: reconnect there at once
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self._delays[1])
+            await self._backoff.sleep()
 
     async def _session(self) -> None:
         call = self._stub_of().RouterSession()

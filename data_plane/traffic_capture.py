@@ -28,14 +28,14 @@ then missing from the file); written rows are counted in `kvroute_capture_rows_t
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from kvroute.block_keys import chain_block_keys, namespace_seed
 from kvroute.data_plane.metrics import RouterMetrics
@@ -100,10 +100,15 @@ class _Row:
     keys: list[int]  # raw block keys: kept in memory until the flush maps them to dense ids
 
 
+def _open_unbuffered(path: Path) -> BinaryIO:
+    # Unbuffered: a failed write must leave no bytes in a buffer that a later write would flush.
+    return open(path, "wb", buffering=0)
+
+
 class TrafficCapture:
     def __init__(self, path: str | Path, sample_rate: float = 1.0, metrics: RouterMetrics | None = None, *,
                  max_ids: int = 1_000_000, max_buffered_rows: int = 100_000, flush_interval_s: float = 1.0,
-                 block_tokens: int = CAPTURE_BLOCK_TOKENS) -> None:
+                 block_tokens: int = CAPTURE_BLOCK_TOKENS, open_file: Callable[[Path], BinaryIO] = _open_unbuffered) -> None:
         if not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"sample rate must be in (0, 1], got {sample_rate}")
         if block_tokens <= 0:
@@ -113,11 +118,12 @@ class TrafficCapture:
         self.metrics = metrics or RouterMetrics()
         self.max_ids, self.max_buffered_rows = max_ids, max_buffered_rows
         self.flush_interval_s, self.block_tokens = flush_interval_s, block_tokens
+        self.open_file = open_file  # tests hand in a file that fails as a full disk does
         self._credit = 0.0  # deterministic sampling: a request is kept each time the credit reaches 1
         self._pending: list[_Row] = []
         self._ids: OrderedDict[int, int] = OrderedDict()  # block key -> dense id, least recently used first
         self._next_id = 0
-        self._file: io.FileIO | None = None
+        self._file: BinaryIO | None = None
         self._good_bytes = 0  # file length after the last complete write (a failed one is cut back to it)
         self._started_at = 0.0
         self._stop = asyncio.Event()
@@ -129,8 +135,7 @@ class TrafficCapture:
 
     def start(self) -> None:
         """Opens (truncates) the file now, so a bad path stops the router at startup, not later."""
-        # Unbuffered: a failed write must leave no bytes in a buffer that a later write would flush.
-        self._file = open(self.path, "wb", buffering=0)  # noqa: SIM115 - closed in aclose
+        self._file = self.open_file(self.path)
         self._started_at = time.monotonic()
         self._task = asyncio.get_running_loop().create_task(self._flush_loop(), name="kvroute-capture-flush")
         log.info("capturing traffic to %s (sample rate %g, %d-token blocks)", self.path, self.sample_rate,

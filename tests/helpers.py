@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import inspect
 import json
 import shutil
 import subprocess
@@ -27,11 +28,17 @@ FAKE_AGENT_BLOCK_SIZE = 16
 
 
 async def eventually(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.01,
-                     what: str = "condition") -> None:
-    """Poll `predicate()` on the running event loop until it is truthy; fail after `timeout` seconds."""
+                     what: str = "condition") -> object:
+    """Poll `predicate()` on the running event loop until it is truthy (a coroutine function's result
+    is awaited each time) and return that value; fail after `timeout` seconds."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while not predicate():
+    while True:
+        result = predicate()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result
         assert loop.time() < deadline, f"{what} not reached in time"
         await asyncio.sleep(interval)
 
@@ -111,7 +118,8 @@ class FakeAgent:
             worker_id=worker_id, model="tiny-llama", engine="sim", block_size=FAKE_AGENT_BLOCK_SIZE, endpoint=endpoint)))
         await self.call.read()
         await self.outbox.put(pb.AgentMessage(batch=pb.EventBatch(seq=1, snapshot=True, events=[
-            pb.BlockEvent(stored=pb.BlocksStored(block_keys=keys, medium=medium)) for medium, keys in tiers.items()])))
+            pb.BlockEvent(stored=pb.BlocksStored(block_keys=keys, tier=pb.Tier.Value(f"TIER_{tier.upper()}")))
+            for tier, keys in tiers.items()])))
         await self.call.read()
         self.heartbeats = asyncio.create_task(self._heartbeat())
 

@@ -24,8 +24,8 @@ async def start_replica(url: str, name: str, **options) -> ControlPlaneServer:
 
 
 class Agent:
-    def __init__(self, address: str, worker_id: str = "w1", **options) -> None:
-        self.resolver = BlockResolver(MODEL)
+    def __init__(self, address: str, worker_id: str = "w1", resolver: BlockResolver | None = None, **options) -> None:
+        self.resolver = resolver or BlockResolver(MODEL)  # a resolver of its own, or a restarted agent's engine state
         options.setdefault("backoff_max_s", 0.2)
         self.link = ControlPlaneLink(address, WorkerIdentity(worker_id, MODEL, "vllm", 4, f"http://{worker_id}"),
                                      self.resolver.snapshot_events, pb.WorkerLoad, **options)

@@ -3,6 +3,14 @@
 Used by `kvroute demo`, the end-to-end tests and the live benchmarks, so all three exercise
 exactly what a user deploys: one control plane, N engines (sim or real vLLM) each with its
 own agent, and routers, talking over real gRPC/ZMQ/HTTP sockets.
+
+Ports: the control plane, sim engines (HTTP and ZMQ) and routers listen on port 0 and write the
+ports they bound to their `--port-file`, which `ManagedProcess.wait_ports` reads: no port is picked
+before its process binds it, so two fleets (or two test runs) cannot race for one. Once known, a
+process's ports are written into its argv, so a restart (kill -9 benches, the soak) comes back on
+the same address its peers were given (`replica_cluster.py` does the same for control-plane
+replicas, as `bench/replicas.py` does). The agents' and replicas' /metrics ports stay picked by `free_port`: `--metrics-port 0`
+means no metrics listener.
 """
 
 from __future__ import annotations
@@ -131,9 +139,12 @@ class ManagedProcess:
     argv: list[str]
     log_path: Path
     popen: subprocess.Popen | None = None
+    port_file: Path | None = None  # the child's --port-file: the ports it bound, written once it listens
 
     def start(self, env: dict[str, str] | None = None) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.port_file is not None:
+            self.port_file.unlink(missing_ok=True)  # what the last run bound says nothing of this one
         with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
             self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           env={**os.environ, **(env or {})}, start_new_session=True)
@@ -157,11 +168,27 @@ class ManagedProcess:
     def kill(self) -> None:
         self.stop(sig=signal.SIGKILL)
 
+    def wait_ports(self, timeout: float = 30.0) -> dict[str, int]:
+        """The ports the child reported (listener name -> port), once it has; fails if it exits first."""
+        assert self.port_file is not None, f"{self.name} has no port file"
+        return wait_until(lambda: _read_ports(self.port_file), timeout, f"{self.name}'s ports", [self], interval=0.02)
+
+    def pin(self, flag: str, value: str) -> None:
+        """Give `flag` the value `value` in the argv of the next start (the ports this run bound)."""
+        self.argv[self.argv.index(flag) + 1] = value
+
     def log_tail(self, lines: int = 30) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except FileNotFoundError:
             return ""
+
+
+def _read_ports(path: Path) -> dict[str, int] | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
 
 
 def kvroute_argv(*args: str) -> list[str]:
@@ -233,14 +260,15 @@ class LocalCluster:
     # -------------------------------------------------------------- control plane
 
     def start_control_plane(self, port: int | None = None, extra_args: tuple[str, ...] = ()) -> str:
-        """`extra_args` go to `kvroute control-plane` as they are (e.g. --audit-interval-s 1)."""
-        port = port or free_port()
-        self.control_plane_addr = f"127.0.0.1:{port}"
+        """`extra_args` go to `kvroute control-plane` as they are (e.g. --audit-interval-s 1). Without
+        `port` it listens on one the kernel picks."""
         self.control_plane = ManagedProcess("control-plane", kvroute_argv(
-            "control-plane", "--listen", self.control_plane_addr,
-            "--heartbeat-timeout", str(self.heartbeat_timeout_s), *extra_args), self.workdir / "control-plane.log")
+            "control-plane", "--listen", f"127.0.0.1:{port or 0}", "--port-file", str(self.workdir / "control-plane.ports"),
+            "--heartbeat-timeout", str(self.heartbeat_timeout_s), *extra_args), self.workdir / "control-plane.log",
+            port_file=self.workdir / "control-plane.ports")
         self.control_plane.start()
-        wait_until(lambda: _tcp_open(self.control_plane_addr), 30, "control plane", [self.control_plane])
+        self.control_plane_addr = f"127.0.0.1:{self.control_plane.wait_ports()['grpc']}"
+        self.control_plane.pin("--listen", self.control_plane_addr)  # a restart comes back where agents look
         return self.control_plane_addr
 
     def restart_control_plane(self, while_down: Callable[[], object] | None = None, kill: bool = False) -> None:
@@ -254,7 +282,7 @@ class LocalCluster:
         if while_down is not None:
             while_down()
         self.control_plane.start()
-        wait_until(lambda: _tcp_open(self.control_plane_addr), 30, "control plane restart", [self.control_plane])
+        self.control_plane.wait_ports()
 
     # -------------------------------------------------------------- engines + agents
 
@@ -263,37 +291,63 @@ class LocalCluster:
                        lora_adapters: tuple[str, ...] = (), cpu_offload_blocks: int = 0) -> EngineHandle:
         """A sim engine process (and its agent). `dialect` picks the engine/version it imitates
         (kvroute.tools.sim_engine.dialects; None = its default); `block_size` overrides the cluster's."""
-        port, ev_port, replay_port = free_port(), free_port(), free_port()
-        block_size = block_size or self.block_size
-        args = ["--block-size", str(block_size)]
-        if dialect is not None:
-            args += ["--dialect", dialect]
-        if get_dialect(dialect or DEFAULT_DIALECT).transport == "zmq":  # TRT-LLM's pull path has none
-            config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ev_port}",
-                      "replay_endpoint": f"tcp://*:{replay_port}", "topic": ""}
-            args += ["--kv-events-config", json.dumps(config)]
-        if lora_adapters:
-            args += ["--lora-adapters", ",".join(lora_adapters)]
-        if cpu_offload_blocks:
-            args += ["--cpu-offload-blocks", str(cpu_offload_blocks)]
-        engine = ManagedProcess(worker_id, kvroute_argv(
-            "sim-engine", "--host", "127.0.0.1", "--port", str(port), "--model", self.model,
-            "--tokenizer", str(self.tokenizer_dir), *args, *extra_engine_args), self.workdir / f"{worker_id}.log")
-        engine.start()
-        handle = EngineHandle(worker_id, f"http://127.0.0.1:{port}", ev_port, replay_port, engine,
-                              dialect=dialect or DEFAULT_DIALECT, block_size=block_size)
-        self.engines.append(handle)
+        handle = self._launch_sim_engine(worker_id, *extra_engine_args, dialect=dialect, block_size=block_size,
+                                         lora_adapters=lora_adapters, cpu_offload_blocks=cpu_offload_blocks)()
         if start_agent:
             self.start_agent(handle, *agent_args)
         return handle
 
+    def _launch_sim_engine(self, worker_id: str, *extra_engine_args: str, dialect: str | None = None,
+                           block_size: int | None = None, lora_adapters: tuple[str, ...] = (),
+                           cpu_offload_blocks: int = 0) -> Callable[[], EngineHandle]:
+        """Start a sim engine on ports of its choosing; the function returned waits for them and
+        gives its handle (so a fleet's engines start side by side)."""
+        block_size = block_size or self.block_size
+        args = ["--block-size", str(block_size)]
+        if dialect is not None:
+            args += ["--dialect", dialect]
+        zmq_events = get_dialect(dialect or DEFAULT_DIALECT).transport == "zmq"  # TRT-LLM's pull path has none
+
+        def events_config(ev_port: int, replay_port: int) -> str:
+            return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ev_port}",
+                               "replay_endpoint": f"tcp://*:{replay_port}", "topic": ""})
+
+        if zmq_events:
+            args += ["--kv-events-config", events_config(0, 0)]
+        if lora_adapters:
+            args += ["--lora-adapters", ",".join(lora_adapters)]
+        if cpu_offload_blocks:
+            args += ["--cpu-offload-blocks", str(cpu_offload_blocks)]
+        port_file = self.workdir / f"{worker_id}.ports"
+        engine = ManagedProcess(worker_id, kvroute_argv(
+            "sim-engine", "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file), "--model", self.model,
+            "--tokenizer", str(self.tokenizer_dir), *args, *extra_engine_args), self.workdir / f"{worker_id}.log",
+            port_file=port_file)
+        engine.start()
+
+        def bound() -> EngineHandle:
+            ports = engine.wait_ports(60)
+            port, ev_port, replay_port = ports["http"], ports.get("kv_events", 0), ports.get("replay", 0)
+            engine.pin("--port", str(port))  # a restarted engine comes back where its agent and the routers look
+            if zmq_events:
+                engine.pin("--kv-events-config", events_config(ev_port, replay_port))
+            handle = EngineHandle(worker_id, f"http://127.0.0.1:{port}", ev_port, replay_port, engine,
+                                  dialect=dialect or DEFAULT_DIALECT, block_size=block_size)
+            self.engines.append(handle)
+            return handle
+
+        return bound
+
     def start_sim_fleet(self, engines: int, *engine_args: str, **engine_options) -> list[EngineHandle]:
         """The usual local fleet: the control plane (unless started), then sim engines engine-0,
         engine-1, ... each with its agent, returning once all are healthy and registered.
-        `engine_options` go to every `add_sim_engine` (dialect, block_size, lora_adapters, ...)."""
+        `engine_options` go to every engine (dialect, block_size, lora_adapters, ...)."""
         if self.control_plane is None:
             self.start_control_plane()
-        handles = [self.add_sim_engine(f"engine-{i}", *engine_args, **engine_options) for i in range(engines)]
+        launched = [self._launch_sim_engine(f"engine-{i}", *engine_args, **engine_options) for i in range(engines)]
+        handles = [bound() for bound in launched]
+        for handle in handles:
+            self.start_agent(handle)
         self.wait_engines_healthy()
         self.wait_workers_registered()
         return handles
@@ -379,13 +433,15 @@ class LocalCluster:
     # -------------------------------------------------------------- routers
 
     def start_router(self, name: str, policy: str, *extra: str, env: dict[str, str] | None = None) -> str:
-        port = free_port()
+        port_file = self.workdir / f"router-{name}.ports"
         router = ManagedProcess(f"router-{name}", kvroute_argv(
             "router", "--control-plane", self.control_plane_addr, "--policy", policy,
             "--tokenizer", str(self.tokenizer_dir), "--model", self.model,
-            "--host", "127.0.0.1", "--port", str(port), "--grpc-port", "0", *extra),
-            self.workdir / f"router-{name}.log")
+            "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file), "--grpc-port", "0", *extra),
+            self.workdir / f"router-{name}.log", port_file=port_file)
         router.start(env=env)
+        port = router.wait_ports()["http"]
+        router.pin("--port", str(port))  # a restarted router comes back at the URL its clients were given
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: http_ok(url + "/health"), 30, f"router {name}", [router])
         self.routers[name] = router

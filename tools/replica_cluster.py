@@ -56,16 +56,21 @@ class ReplicaCluster(LocalCluster):
         self.redis_port = redis_port
         for i in range(count):
             proxy = None if redis_url else TcpProxy(redis_port).start()
-            port, metrics = free_port(), free_port()
+            metrics = free_port()  # --metrics-port 0 means none: this one is picked
             name = f"r{i}"
+            port_file = self.workdir / f"replica-{name}.ports"
             process = ManagedProcess(f"replica-{name}", kvroute_argv(
-                "control-plane", "--listen", f"127.0.0.1:{port}", "--metrics-port", str(metrics), "--redis",
-                redis_url or proxy.url,
+                "control-plane", "--listen", "127.0.0.1:0", "--port-file", str(port_file), "--metrics-port", str(metrics),
+                "--redis", redis_url or proxy.url,
                 "--redis-shards", str(self.redis_shards), "--replica-id", name,
-                "--heartbeat-timeout", str(self.heartbeat_timeout_s), *extra), self.workdir / f"replica-{name}.log")
-            self.replicas.append(Replica(name, f"127.0.0.1:{port}", metrics, proxy, process))
+                "--heartbeat-timeout", str(self.heartbeat_timeout_s), *extra), self.workdir / f"replica-{name}.log",
+                port_file=port_file)
+            self.replicas.append(Replica(name, "", metrics, proxy, process))
         for replica in self.replicas:
             replica.process.start()
+        for replica in self.replicas:  # the gRPC port each bound, kept for its restarts
+            replica.address = f"127.0.0.1:{replica.process.wait_ports()['grpc']}"
+            replica.process.pin("--listen", replica.address)
         for i in range(count):
             self.wait_replica_ready(i, 30)
         self.control_plane_addr = ",".join(r.address for r in self.replicas)

@@ -1,6 +1,6 @@
 """What the resolver reports: plain key deltas per cache tier, no wire types.
 
-    KeysStored(tier, keys)    # blocks newly held on `tier` ("gpu", "cpu" or "disk"), kvroute block keys
+    KeysStored(tier, keys)    # blocks newly held on `tier` (tiers.Tier: gpu, cpu or disk), kvroute block keys
     KeysRemoved(tier, keys)   # blocks no longer held on `tier`
     AllKeysCleared()          # the engine dropped its cache: every tier is empty
 
@@ -14,19 +14,20 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvroute.v1 import kvroute_pb2 as pb
+from kvroute.worker_agent.tiers import Tier
 
 
 @dataclass(slots=True)
 class KeysStored:
     kind: ClassVar[str] = "stored"
-    tier: str
+    tier: Tier
     keys: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class KeysRemoved:
     kind: ClassVar[str] = "removed"
-    tier: str
+    tier: Tier
     keys: list[int] = field(default_factory=list)
 
 
@@ -39,13 +40,13 @@ BlockDelta = KeysStored | KeysRemoved | AllKeysCleared
 
 
 def to_block_events(deltas: list[BlockDelta]) -> list[pb.BlockEvent]:
-    """The wire form (`kvroute.v1.BlockEvent`, the tier as its `medium`)."""
+    """The wire form (`kvroute.v1.BlockEvent`, the tier as `kvroute.v1.Tier`)."""
     out = []
     for d in deltas:
         if type(d) is KeysStored:
-            out.append(pb.BlockEvent(stored=pb.BlocksStored(block_keys=d.keys, medium=d.tier)))
+            out.append(pb.BlockEvent(stored=pb.BlocksStored(block_keys=d.keys, tier=Tier(d.tier).wire)))
         elif type(d) is KeysRemoved:
-            out.append(pb.BlockEvent(removed=pb.BlocksRemoved(block_keys=d.keys, medium=d.tier)))
+            out.append(pb.BlockEvent(removed=pb.BlocksRemoved(block_keys=d.keys, tier=Tier(d.tier).wire)))
         else:
             out.append(pb.BlockEvent(cleared=pb.AllBlocksCleared()))
     return out

@@ -8,9 +8,8 @@ resolve removals; the key of a block is kvroute's own chained hash of its tokens
   of a prompt the namespace seed of (model, block_size, LoRA adapter, cache salt); keys =
   chain_block_keys of the first n*block_size token ids. An unknown parent means the prefix is
   unknown (we joined late or lost events): the store cannot be keyed (`orphan_blocks`).
-- Tiers: the event's medium is normalised to "gpu", "cpu" (vLLM/LMCache "CPU", SGLang
-  "CPU_PINNED", mooncake "cpu") or "disk" (STORAGE, DISK, FS, OBJ, EXTERNAL, and any medium we do
-  not know, counted). Each tier has its own engine hash -> key map, so a GPU -> CPU offload
+- Tiers: the event's medium names a tier through `tiers.tier_of_medium` (gpu, cpu or disk; a
+  medium we do not know is indexed as disk, counted). Each tier has its own engine hash -> key map, so a GPU -> CPU offload
   (BlockRemoved gpu + BlockStored cpu of one hash) is a removal on one tier and a store on another.
 - Set semantics per tier, idempotent: storing a hash already held or removing one not held is a
   no-op (real vLLM stores and removes the same hash repeatedly). Several engine hashes may map to
@@ -38,17 +37,13 @@ from dataclasses import dataclass, field, fields
 from kvroute.block_keys import chain_block_keys, namespace_seed
 from kvroute.worker_agent.block_deltas import AllKeysCleared, BlockDelta, KeysRemoved, KeysStored
 from kvroute.worker_agent.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent
+from kvroute.worker_agent.tiers import TIERS, Tier, tier_of_medium
 
 log = logging.getLogger("kvroute.agent.resolver")
 
 # KV-cache spec kinds whose blocks describe a reusable prompt prefix.
 PREFIX_KINDS = frozenset({"full_attention", "mla_attention"})
-GPU, CPU, DISK = "gpu", "cpu", "disk"
-TIERS = (GPU, CPU, DISK)
-# Engine medium names, lower-cased (docs/wire-formats.md#vllm-medium-locality-and-kv-groups,
-# docs/wire-formats.md#sglang-events-per-version) -> tier.
-MEDIUM_TIERS = {"gpu": GPU, "cpu": CPU, "cpu_pinned": CPU, "storage": DISK, "disk": DISK, "fs": DISK, "obj": DISK,
-                "external": DISK}
+GPU, DISK = Tier.GPU, Tier.DISK
 _UNKEYED = -1  # _parent_key: the parent is held but has no key (kvroute keys are u64, never negative)
 
 
@@ -126,7 +121,7 @@ class BlockResolver:
     # ------------------------------------------------------------------ events
 
     def apply(self, events: list[EngineEvent]) -> list[BlockDelta]:
-        runs: list[tuple[str, str, list[int]]] = []  # (kind, tier, keys), consecutive (kind, tier) merged
+        runs: list[tuple[str, Tier | None, list[int]]] = []  # (kind, tier, keys), consecutive (kind, tier) merged
         for event in events:
             t = type(event)
             if t is BlockStored:
@@ -142,7 +137,7 @@ class BlockResolver:
                 if not any(state.keys or state.unkeyed for state in self._tiers.values()):
                     continue
                 self.clear()
-                runs.append(("cleared", "", []))
+                runs.append(("cleared", None, []))
                 continue
             else:
                 raise TypeError(f"not an engine event: {event!r}")
@@ -154,13 +149,13 @@ class BlockResolver:
         return [KeysStored(tier, keys) if kind == "stored" else KeysRemoved(tier, keys) if kind == "removed"
                 else AllKeysCleared() for kind, tier, keys in runs]
 
-    def _tier(self, medium: str, blocks: int) -> str:
-        tier = MEDIUM_TIERS.get(medium)
+    def _tier(self, medium: str, blocks: int) -> Tier:
+        tier = tier_of_medium(medium)
         if tier is None:
             self.counters.unknown_medium_blocks += blocks
             if medium not in self._unknown_media:
                 self._unknown_media.add(medium)
-                log.warning("unknown KV cache medium %r: indexed as tier %r", medium, DISK)
+                log.warning("unknown KV cache medium %r: indexed as tier %r", medium, str(DISK))
             tier = DISK
         return tier
 
@@ -198,7 +193,7 @@ class BlockResolver:
                 return _UNKEYED
         return None
 
-    def _store(self, ev: BlockStored) -> tuple[str, list[int]]:
+    def _store(self, ev: BlockStored) -> tuple[Tier, list[int]]:
         c = self.counters
         hashes = ev.block_hashes
         n = len(hashes)
@@ -275,7 +270,7 @@ class BlockResolver:
         c.duplicate_stores += duplicates
         return tier, new
 
-    def _remove(self, ev: BlockRemoved) -> tuple[str, list[int]]:
+    def _remove(self, ev: BlockRemoved) -> tuple[Tier, list[int]]:
         c = self.counters
         hashes = ev.block_hashes
         if ev.remote:

@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 
 from kvroute.listeners import run_service
-from kvroute.telemetry import setup_tracing, shutdown_tracing
+from kvroute.process import add_log_level_argument, on_stop_signal, process_setup
 from kvroute.worker_agent.limits import DEFAULT_MAX_BATCH_EVENTS, DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_POLL_BYTES
 
 # Same as kvroute.worker_agent.agent.SUPPORTED_ENGINES / TRANSPORTS (not imported: keeps --help light).
@@ -72,13 +71,6 @@ def _port(value: str) -> int:
     return n
 
 
-def _log_level(value: str) -> str:
-    level = value.upper()
-    if not isinstance(logging.getLevelName(level), int):
-        raise argparse.ArgumentTypeError(f"unknown log level {value!r} (DEBUG, INFO, WARNING, ERROR)")
-    return level
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control-plane", default="127.0.0.1:50051", metavar="HOST:PORT", help="control plane gRPC address")
     p.add_argument("--engine", default="vllm", type=_engine, metavar="{vllm,sglang,trtllm}",
@@ -127,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=_port, default=0,
                    help="serve the agent's /metrics, /health (liveness) and /ready (readiness) on this port (0 = off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the /metrics listener")
-    p.add_argument("--log-level", type=_log_level, default="INFO", help="Python logging level")
+    add_log_level_argument(p)
 
 
 def config_from_args(args: argparse.Namespace):
@@ -149,27 +141,19 @@ def config_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from kvroute.worker_agent.agent import WorkerAgent
 
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        agent = WorkerAgent(config_from_args(args))
-    except ValueError as exc:  # options that do not fit together (each is valid on its own)
-        print(f"kvroute agent: error: {exc}", file=sys.stderr)
-        return 2
-    setup_tracing("kvroute-agent")
-
-    async def main() -> int:
-        task = asyncio.current_task()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
+    with process_setup("kvroute-agent", args.log_level):
         try:
-            await agent.run()
-        except asyncio.CancelledError:
-            logging.getLogger("kvroute.agent").info("agent %s stopping",
-                                                     ", ".join(w.identity.worker_id for w in agent.workers))
-        return 0
+            agent = WorkerAgent(config_from_args(args))
+        except ValueError as exc:  # options that do not fit together (each is valid on its own)
+            print(f"kvroute agent: error: {exc}", file=sys.stderr)
+            return 2
+        return run_service("agent", _run_until_stopped(agent))  # a port or bind endpoint in use: one line, exit 2
 
+
+async def _run_until_stopped(agent) -> int:
+    on_stop_signal(asyncio.current_task().cancel)
     try:
-        return run_service("agent", main())  # a port or bind endpoint in use: one line, exit 2
-    finally:
-        shutdown_tracing()
+        await agent.run()
+    except asyncio.CancelledError:
+        logging.getLogger("kvroute.agent").info("agent %s stopping", ", ".join(w.identity.worker_id for w in agent.workers))
+    return 0

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 import uuid
 from collections import deque
@@ -46,6 +45,8 @@ import grpc
 from opentelemetry import propagate, trace
 
 from kvroute.addresses import AddressRotation
+from kvroute.backoff import Backoff
+from kvroute.rate_limited_log import RateLimitedLog
 from kvroute.telemetry import tracing_active
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
@@ -150,6 +151,7 @@ class ControlPlaneLink:
         self.not_connected_reason = "connecting"  # while not connected: why (the agent's /ready)
         self.refused: str | None = None  # the control plane's refusal while the worker id is held elsewhere
         self._episode_refusals = 0
+        self._problems = RateLimitedLog(log, period_s=30.0)  # connection failures: a line per 30 s at most
         self.last_sent_seq = 0
         self.acked_seq = 0
         self.connected_event = asyncio.Event()  # set while connected (tests and /health)
@@ -198,7 +200,7 @@ class ControlPlaneLink:
 
     async def run(self) -> None:
         """Keep a session up forever; never raises (except cancellation)."""
-        backoff = self.backoff_initial_s
+        backoff = Backoff(self.backoff_initial_s, self.backoff_max_s, jitter=0.5)
         failures = 0
         previous = ""
         while True:
@@ -235,17 +237,17 @@ class ControlPlaneLink:
                     previous = address
             self.counters.connect_failures += 1
             if self.counters.sessions > registered_before and time.monotonic() - started > self.stable_session_s:
-                backoff, failures = self.backoff_initial_s, 0  # the session was up for a while: start over
+                backoff.reset()  # the session was up for a while: start over
+                failures = 0
             if not refused and self.addresses.several and not self._round_exhausted():
                 continue  # another replica is untried in this round: go there now
             if refused:  # the other agent will not go away in a moment: no quick retries
-                backoff = max(backoff, self.refused_backoff_s)
-            delay = backoff * random.uniform(0.5, 1.5)
+                backoff.at_least(self.refused_backoff_s)
+            delay = backoff.next_delay()
             if unreachable:
                 await self._wait_reachable(delay)
             else:  # reachable but the session failed (e.g. superseded by another agent): back off in full
                 await asyncio.sleep(delay)
-            backoff = min(backoff * 2, self.backoff_max_s)
 
     def _round_exhausted(self) -> bool:
         """Every address of the current round has been tried (the next `next()` starts a round)."""
@@ -268,8 +270,7 @@ class ControlPlaneLink:
 
     def _log_failure(self, failures: int, why: str, unreachable: bool) -> None:
         self.not_connected_reason = f"control plane {self.address} {'unreachable' if unreachable else 'failed'}: {why}"
-        if failures <= 3 or failures % 20 == 0:
-            log.warning("control plane %s unavailable (attempt %d): %s", self.address, failures, why)
+        self._problems.warning("unavailable", "control plane %s unavailable (attempt %d): %s", self.address, failures, why)
 
     def _on_refused(self, details: str) -> None:
         self.counters.refusals += 1
@@ -394,6 +395,7 @@ class ControlPlaneLink:
         self.connected = True
         self.not_connected_reason = ""
         self.connected_event.set()
+        self._problems.recovered("unavailable")  # the line below says it is back
         log.info("registered with control plane %s as %s (model %s, block_size %d, epoch %d): %s", self.address,
                  self.identity.worker_id, self.identity.model, self.identity.block_size, registered.epoch,
                  f"resuming after seq {registered.last_seq}, {len(first)} batches to send" if resume else

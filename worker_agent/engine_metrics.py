@@ -16,7 +16,6 @@ of these metrics) the load stays last-known (its `observed_unix_ms` ages) and `f
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -25,6 +24,8 @@ from dataclasses import dataclass
 import aiohttp
 import msgspec
 
+from kvroute.poller import poll_forever
+from kvroute.rate_limited_log import RateLimitedLog
 from kvroute.v1 import kvroute_pb2 as pb
 
 log = logging.getLogger("kvroute.agent.engine_metrics")
@@ -140,7 +141,7 @@ class EngineLoadPoller:
         self.latest = pb.WorkerLoad()
         self.polls = 0
         self.failures = 0
-        self._failing_since: int | None = None
+        self._problems = RateLimitedLog(log, period_s=60.0)
 
     async def poll_once(self, session: aiohttp.ClientSession) -> bool:
         self.polls += 1
@@ -153,19 +154,11 @@ class EngineLoadPoller:
                     self.latest = parse_load(await resp.text(), PROMETHEUS_ENGINES[self.engine])
         except (TimeoutError, aiohttp.ClientError, ValueError, UnicodeDecodeError) as exc:
             self.failures += 1
-            if self._failing_since is None:
-                self._failing_since = self.failures
-                log.warning("engine metrics %s unavailable, keeping the last known load: %s", self.url, exc or type(exc).__name__)
-            elif (self.failures - self._failing_since) % 120 == 0:
-                log.warning("engine metrics %s still unavailable (%d failures): %s", self.url, self.failures, exc)
+            self._problems.warning("unavailable", "engine metrics %s unavailable (%d failures), keeping the last known "
+                                   "load: %s", self.url, self.failures, exc or type(exc).__name__)
             return False
-        if self._failing_since is not None:
-            log.info("engine metrics %s available again", self.url)
-            self._failing_since = None
+        self._problems.recovered("unavailable", "engine metrics %s available again", self.url)
         return True
 
     async def run(self) -> None:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as session:
-            while True:
-                await self.poll_once(session)
-                await asyncio.sleep(self.interval_s)
+        await poll_forever(self.poll_once, self.interval_s, self.timeout_s)

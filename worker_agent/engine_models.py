@@ -11,12 +11,15 @@ every `Heartbeat`.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 
 import aiohttp
 import msgspec
+
+from kvroute.backoff import Backoff
+from kvroute.poller import poll_forever
+from kvroute.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger("kvroute.agent.models")
 
@@ -65,6 +68,7 @@ class EngineModelsPoller:
         self.adapters: list[str] | None = None  # None until the engine answered once
         self.engine_version = ""
         self.failures = 0
+        self._problems = RateLimitedLog(log, period_s=60.0)
 
     async def poll_once(self, session: aiohttp.ClientSession) -> bool:
         try:
@@ -73,9 +77,10 @@ class EngineModelsPoller:
                 model, adapters = parse_models(await resp.read(), self.model)
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             self.failures += 1
-            if self.failures in (1, 5) or self.failures % 60 == 0:
-                log.warning("%s/v1/models unavailable (attempt %d): %s", self.base, self.failures, exc or type(exc).__name__)
+            self._problems.warning("unavailable", "%s/v1/models unavailable (attempt %d): %s", self.base, self.failures,
+                                   exc or type(exc).__name__)
             return False
+        self._problems.recovered("unavailable", "%s/v1/models available again", self.base)
         self.model = model
         if adapters != self.adapters:
             if self.adapters is not None or adapters:
@@ -86,11 +91,10 @@ class EngineModelsPoller:
 
     async def discover(self) -> str:
         """Poll until the engine names its model (it may start after the agent); also reads /version."""
-        delay = 0.5
+        backoff = Backoff(0.5, 5.0)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as session:
             while not await self.poll_once(session):
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                await backoff.sleep()
             try:
                 async with session.get(self.base + "/version") as resp:
                     if resp.status == 200:
@@ -102,7 +106,4 @@ class EngineModelsPoller:
 
     async def run(self) -> None:
         """Poll forever (first poll at once); failures keep the last known adapters."""
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as session:
-            while True:
-                await self.poll_once(session)
-                await asyncio.sleep(self.interval_s)
+        await poll_forever(self.poll_once, self.interval_s, self.timeout_s)

@@ -33,7 +33,7 @@ class BlockStored(msgspec.Struct, gc=False):
                                     # may put a 64-hex digest string where a multimodal token sits
     block_size: int
     lora_name: str | None = None
-    medium: str = "gpu"             # lower-cased engine name ("gpu", "cpu", "cpu_pinned", "storage", ...)
+    medium: str = "gpu"             # lower-cased engine name ("gpu", "cpu", "cpu_pinned", ...; tiers.py maps it)
     group_idx: int | None = None    # KV-cache group (vLLM 0.20+, TRT-LLM layer group)
     kv_cache_spec_kind: str | None = None  # "full_attention", "sliding_window", ... (vLLM 0.22+)
     cache_salt: str | None = None   # the request's salt, when the event carries it (first block of a prompt)
@@ -102,10 +102,6 @@ def normalize_hashes(values: list) -> list[int]:
         if type(h) is not int or h < 0:
             return [normalize_hash(h) for h in values]
     return values
-
-
-def normalize_medium(value: str | None) -> str:
-    return "gpu" if value is None else value.lower()
 
 
 def is_remote(locality: str | None) -> bool:

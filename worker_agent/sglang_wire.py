@@ -36,10 +36,10 @@ from kvroute.worker_agent.events import (
     EventError,
     check_block_size,
     normalize_hashes,
-    normalize_medium,
     normalize_parent,
 )
 from kvroute.worker_agent.msgpack_wire import BatchDecoder, ClearedArray, ClearedMap
+from kvroute.worker_agent.tiers import normalize_medium
 
 _Hash = int | bytes
 _Token = int | list[int]  # list: an EAGLE bigram pair

@@ -13,7 +13,6 @@ converter's limit: `oversize_bodies`. Nothing a body holds stops the poll loop.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
 import time
@@ -22,6 +21,7 @@ from dataclasses import dataclass, fields
 
 import aiohttp
 
+from kvroute.poller import poll_forever
 from kvroute.rate_limited_log import RateLimitedLog
 from kvroute.worker_agent.events import DecodedBatch
 from kvroute.worker_agent.limits import DEFAULT_MAX_POLL_BYTES
@@ -72,6 +72,7 @@ class TrtllmEventPoller:
             self.last_error = str(exc) or type(exc).__name__
             self._log.warning("poll", "POST %s failed: %s", self.url, exc or type(exc).__name__)
             return False
+        self._log.recovered("poll", "POST %s answers again", self.url)
         self.counters.polls += 1
         self.last_success, self.last_error = time.monotonic(), ""
         try:
@@ -126,11 +127,11 @@ class TrtllmEventPoller:
             self._log.warning("callback", "applying TRT-LLM KV events failed", exc_info=True)
 
     async def run(self) -> None:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as session:
-            while True:
-                try:
-                    await self.poll_once(session)
-                except Exception:  # noqa: BLE001 - a bug must not stop the event stream
-                    self.counters.callback_errors += 1
-                    self._log.warning("internal", "polling KV events failed", exc_info=True)
-                await asyncio.sleep(self.interval_s)
+        await poll_forever(self._poll_guarded, self.interval_s, self.timeout_s)
+
+    async def _poll_guarded(self, session: aiohttp.ClientSession) -> None:
+        try:
+            await self.poll_once(session)
+        except Exception:  # noqa: BLE001 - a bug must not stop the event stream
+            self.counters.callback_errors += 1
+            self._log.warning("internal", "polling KV events failed", exc_info=True)

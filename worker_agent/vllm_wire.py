@@ -47,7 +47,6 @@ from kvroute.worker_agent.events import (  # re-exported: the simulator, bench a
     is_remote,
     normalize_hash,
     normalize_hashes,
-    normalize_medium,
     normalize_parent,
 )
 from kvroute.worker_agent.msgpack_wire import (
@@ -61,6 +60,7 @@ from kvroute.worker_agent.msgpack_wire import (
     WireFormatError,
     split_frames,
 )
+from kvroute.worker_agent.tiers import normalize_medium
 
 __all__ = ["U64", "AllBlocksCleared", "BatchShapeError", "BlockRemoved", "BlockStored", "DecodedBatch", "EngineEvent",
            "EventError", "FrameCountError", "PayloadError", "SequenceFrameError", "UnknownEventError", "WireFormatError",

@@ -17,7 +17,7 @@ from enum import IntEnum
 
 import msgspec
 
-from kvroute.control_plane.index import Tier, tier_of_medium
+from kvroute.control_plane.index import Tier, tier_of_wire
 
 
 class Op(IntEnum):
@@ -101,28 +101,24 @@ def unpack_ops(ops: Iterable[PackedOp]) -> list[BlockOp]:
 
 
 def ops_from_events(events, tier_of) -> list[BlockOp]:
-    """A protobuf EventBatch's events as block ops; `tier_of(medium)` names the tier. The keys stay the
+    """A protobuf EventBatch's events as block ops; `tier_of(value)` names the tier of a `kvroute.v1.Tier` value. The keys stay the
     message's own repeated fields (no copy)."""
     ops = []
     for event in events:
         kind = event.WhichOneof("kind")
         if kind == "stored":
-            ops.append(BlockOp(Op.STORED, tier_of(event.stored.medium), event.stored.block_keys))
+            ops.append(BlockOp(Op.STORED, tier_of(event.stored.tier), event.stored.block_keys))
         elif kind == "removed":
-            ops.append(BlockOp(Op.REMOVED, tier_of(event.removed.medium), event.removed.block_keys))
+            ops.append(BlockOp(Op.REMOVED, tier_of(event.removed.tier), event.removed.block_keys))
         elif kind == "cleared":
             ops.append(BlockOp(Op.CLEARED, Tier.GPU))
     return ops
 
 
-def tier_or_disk(medium: str) -> Tier:
-    """The tier of a medium; anything outside the contract is some slower store (the writer counted it)."""
-    tier = tier_of_medium(medium)
+def tier_or_disk(value: int) -> Tier:
+    """The tier a wire value names; anything outside the contract is some slower store (the writer counted it)."""
+    tier = tier_of_wire(value)
     return Tier.DISK if tier is None else tier
-
-
-def tier_ops(keys_by_tier: dict[Tier, Iterable[int]]) -> list[BlockOp]:
-    return [BlockOp(Op.STORED, tier, list(keys)) for tier, keys in keys_by_tier.items()]
 
 
 ENCODER = msgspec.msgpack.Encoder()

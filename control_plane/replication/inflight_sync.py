@@ -24,6 +24,7 @@ from kvroute.control_plane.inflight import DuplicateReservation, InflightTracker
 from kvroute.control_plane.registry import WorkerRegistry
 from kvroute.control_plane.replication.entries import pack_keys, unpack_keys
 from kvroute.control_plane.replication.redis_log import raise_if_cancelled
+from kvroute.control_plane.replication.redis_url import redis_backoff
 
 log = logging.getLogger("kvroute.control_plane.inflight_sync")
 
@@ -143,22 +144,21 @@ class InflightSync:
 
     async def _tail_forever(self) -> None:
         position = b"$"
-        delay = 0.05
+        backoff = redis_backoff()
         while True:
             try:
                 if position == b"$":  # from now on: reservations older than this replica are not replayed
                     last = await self.redis.xrevrange(STREAM, count=1)
                     position = last[0][0] if last else b"0-0"
                 reply = await self.redis.xread({STREAM: position}, count=1000, block=1000)
-                delay = 0.05
+                backoff.reset()
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError):
                 raise_if_cancelled()
                 if self._stopping:
                     return
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                await backoff.sleep()
                 continue
             if self._stopping:
                 return

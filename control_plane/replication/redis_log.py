@@ -43,6 +43,7 @@ from kvroute.control_plane.replication.event_log import (
     in_use_detail,
     register_body,
 )
+from kvroute.control_plane.replication.redis_url import redis_backoff
 from kvroute.v1 import kvroute_pb2 as pb
 
 log = logging.getLogger("kvroute.control_plane.redis")
@@ -343,7 +344,7 @@ class RedisEventLog:
         return True
 
     async def _load_and_tail(self) -> None:
-        delay = 0.05
+        backoff = redis_backoff()
         while True:  # Redis may be down at start: keep trying, never crash
             try:
                 await self._check_shard_count()
@@ -356,8 +357,7 @@ class RedisEventLog:
                 break
             except (RedisError, OSError) as exc:
                 self._failed(exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                await backoff.sleep()
         self.loaded = True
         for tail in self.shards:
             self._mark_caught_up(tail)
@@ -401,7 +401,7 @@ class RedisEventLog:
     # ------------------------------------------------------------ tailing
 
     async def _tail_forever(self, tail: ShardTail) -> None:
-        delay = 0.05
+        backoff = redis_backoff()
         stream = tail.keys.stream
         while True:
             try:
@@ -410,13 +410,12 @@ class RedisEventLog:
                 if self._stopping:
                     return
                 self._ok()
-                delay = 0.05
+                backoff.reset()
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as exc:
                 self._failed(exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                await backoff.sleep()
                 continue
             for _, entries in reply or ():
                 for entry_id, fields in entries:
@@ -433,13 +432,14 @@ class RedisEventLog:
         log.warning("shard %d: entry %d follows %d: reloading the shard from its snapshot", tail.keys.shard, n, tail.n)
         self.counters.shard_reloads += 1
         tail.reloads += 1
+        backoff = redis_backoff()
         while True:
             try:
                 await self._load_shard(tail)
                 return
             except (RedisError, OSError) as exc:
                 self._failed(exc)
-                await asyncio.sleep(0.2)
+                await backoff.sleep()
 
     def _apply(self, fields: dict[bytes, bytes]) -> None:
         kind, worker_id, epoch = fields[b"t"], fields[b"w"].decode(), int(fields[b"e"])

@@ -19,6 +19,8 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvroute.backoff import Backoff
+
 Kind = Literal["single", "sentinel", "cluster"]
 SCHEMES: dict[str, tuple[Kind, bool]] = {
     "redis": ("single", False), "rediss": ("single", True),
@@ -138,3 +140,9 @@ def connect(target: RedisTarget, *, socket_timeout_s: float = 3.0, connect_timeo
                                            timeout=connect_timeout_s, **common,
                                            **({"connection_class": aioredis.SSLConnection} if target.tls else {}))
     return aioredis.Redis(connection_pool=pool)
+
+
+def redis_backoff() -> Backoff:
+    """The waits of a replica's loop while Redis fails: 50 ms doubling to 1 s, so a replica is back
+    within about a second of Redis."""
+    return Backoff(0.05, 1.0)

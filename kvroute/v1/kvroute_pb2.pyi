@@ -7,12 +7,21 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_GPU: _ClassVar[Tier]
+    TIER_CPU: _ClassVar[Tier]
+    TIER_DISK: _ClassVar[Tier]
+
 class RequestOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     REQUEST_OUTCOME_UNSPECIFIED: _ClassVar[RequestOutcome]
     REQUEST_OUTCOME_COMPLETED: _ClassVar[RequestOutcome]
     REQUEST_OUTCOME_FAILED: _ClassVar[RequestOutcome]
     REQUEST_OUTCOME_CANCELLED: _ClassVar[RequestOutcome]
+TIER_GPU: Tier
+TIER_CPU: Tier
+TIER_DISK: Tier
 REQUEST_OUTCOME_UNSPECIFIED: RequestOutcome
 REQUEST_OUTCOME_COMPLETED: RequestOutcome
 REQUEST_OUTCOME_FAILED: RequestOutcome
@@ -75,20 +84,20 @@ class BlockEvent(_message.Message):
     def __init__(self, stored: _Optional[_Union[BlocksStored, _Mapping]] = ..., removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class BlocksStored(_message.Message):
-    __slots__ = ("block_keys", "medium")
+    __slots__ = ("block_keys", "tier")
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
-    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     block_keys: _containers.RepeatedScalarFieldContainer[int]
-    medium: str
-    def __init__(self, block_keys: _Optional[_Iterable[int]] = ..., medium: _Optional[str] = ...) -> None: ...
+    tier: Tier
+    def __init__(self, block_keys: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class BlocksRemoved(_message.Message):
-    __slots__ = ("block_keys", "medium")
+    __slots__ = ("block_keys", "tier")
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
-    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     block_keys: _containers.RepeatedScalarFieldContainer[int]
-    medium: str
-    def __init__(self, block_keys: _Optional[_Iterable[int]] = ..., medium: _Optional[str] = ...) -> None: ...
+    tier: Tier
+    def __init__(self, block_keys: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class AllBlocksCleared(_message.Message):
     __slots__ = ()
@@ -293,12 +302,12 @@ class GetWorkerKeysRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
 
 class TierKeys(_message.Message):
-    __slots__ = ("medium", "block_keys")
-    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("block_keys", "tier")
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
-    medium: str
+    TIER_FIELD_NUMBER: _ClassVar[int]
     block_keys: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, medium: _Optional[str] = ..., block_keys: _Optional[_Iterable[int]] = ...) -> None: ...
+    tier: Tier
+    def __init__(self, block_keys: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class GetWorkerKeysResponse(_message.Message):
     __slots__ = ("worker_id", "block_size", "tiers")

@@ -15,8 +15,9 @@ from kvroute.control_plane.index import (
     SetPrefixIndex,
     Tier,
     TierMatch,
-    tier_of_medium,
+    tier_of_wire,
 )
+from kvroute.v1 import kvroute_pb2 as pb
 
 GPU, CPU, DISK = Tier.GPU, Tier.CPU, Tier.DISK
 
@@ -189,10 +190,12 @@ def test_tier_counts_with_many_workers(index: PrefixIndex) -> None:
     assert result.disk_blocks == {w: 2 for w in range(130) if w % 3 == 2}
 
 
-def test_media_names() -> None:
-    assert [tier_of_medium(m) for m in ("", "gpu", "GPU", "cpu", "disk")] == [GPU, GPU, GPU, CPU, DISK]
-    assert tier_of_medium("cpu_pinned") is None
-    assert [t.medium for t in TIERS] == ["gpu", "cpu", "disk"]
+def test_tiers_are_the_wire_enum() -> None:
+    # The index's tiers are kvroute.v1.Tier's values (the control plane applies them without a table).
+    assert {t.name: int(t) for t in TIERS} == {pb.Tier.Name(v).removeprefix("TIER_"): v for v in pb.Tier.values()}
+    assert [tier_of_wire(v) for v in (pb.TIER_GPU, pb.TIER_CPU, pb.TIER_DISK)] == [GPU, CPU, DISK]
+    assert tier_of_wire(3) is None and tier_of_wire(-1) is None
+    assert [t.label for t in TIERS] == ["gpu", "cpu", "disk"]
 
 
 @pytest.mark.parametrize("seed", range(5))

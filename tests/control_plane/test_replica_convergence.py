@@ -56,9 +56,7 @@ class Engine:
         """A new agent process for the same engine: a new instance, the engine's blocks as they are."""
         resolver = self.agent.resolver
         await self.agent.close()
-        self.agent = Agent(self.addresses, self.worker_id)
-        self.agent.resolver = resolver
-        self.agent.link._snapshot = resolver.snapshot_events
+        self.agent = Agent(self.addresses, self.worker_id, resolver=resolver)
 
 
 async def start_replica_on(url: str, port: int, name: str) -> ControlPlaneServer:
@@ -111,7 +109,7 @@ async def test_replicas_converge_on_the_engines_truth(redis_any, seed) -> None:
         slots = {e.worker_id: i for i, e in enumerate(engines)}
         for e in engines:
             for tier in (Tier.GPU, Tier.CPU):
-                reference.store(slots[e.worker_id], e.agent.resolver.held_keys(tier.medium), tier)
+                reference.store(slots[e.worker_id], e.agent.resolver.held_keys(tier.label), tier)
 
         def converged(replica: ControlPlaneServer) -> bool:
             for e in engines:

@@ -57,6 +57,7 @@ def start_process(url: str, workdir) -> tuple[ManagedProcess, int, int]:
     return proc, port, metrics
 
 
+@pytest.mark.e2e  # a control-plane process over a real Redis
 @pytest.mark.parametrize("snapshot", [False, True], ids=["whole-log", "snapshot"])
 async def test_a_replica_started_over_100k_blocks_is_ready_within_2s(redis_any, snapshot) -> None:
     writer = await start_replica(redis_any, "writer", heartbeat_timeout_s=600.0)

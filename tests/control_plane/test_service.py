@@ -4,6 +4,7 @@ data-parallel ranks, GetWorkerKeys, liveness."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 
 import grpc
 import pytest
@@ -12,6 +13,7 @@ from kvroute.block_keys import prompt_block_keys
 from kvroute.control_plane.server import ControlPlaneConfig, ControlPlaneServer
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
+from tests.helpers import eventually
 
 MODEL = "tiny"
 
@@ -64,12 +66,16 @@ class AgentStream(BidiStream):
         return await self.recv()
 
 
-def stored(keys: list[int], medium: str = "gpu") -> pb.BlockEvent:
-    return pb.BlockEvent(stored=pb.BlocksStored(block_keys=keys, medium=medium))
+def stored(keys: list[int], tier: int = pb.TIER_GPU) -> pb.BlockEvent:
+    return pb.BlockEvent(stored=pb.BlocksStored(block_keys=keys, tier=tier))
 
 
-def removed(keys: list[int], medium: str = "gpu") -> pb.BlockEvent:
-    return pb.BlockEvent(removed=pb.BlocksRemoved(block_keys=keys, medium=medium))
+def removed(keys: list[int], tier: int = pb.TIER_GPU) -> pb.BlockEvent:
+    return pb.BlockEvent(removed=pb.BlocksRemoved(block_keys=keys, tier=tier))
+
+
+def tier_keys(response: pb.GetWorkerKeysResponse) -> dict[str, list[int]]:
+    return {pb.Tier.Name(t.tier).removeprefix("TIER_").lower(): list(t.block_keys) for t in response.tiers}
 
 
 def query(keys: list[int], block_size: int = 4, **fields) -> pb.QueryRequest:
@@ -102,10 +108,14 @@ async def test_events_update_query_answers(control_plane) -> None:
     assert {w.worker_id: w.matched_blocks for w in response.workers} == {"a": 1, "b": 0}
     # Heartbeat load shows up in answers.
     await a.send(heartbeat=pb.Heartbeat(load=pb.WorkerLoad(running_requests=3, waiting_requests=2)))
-    await asyncio.sleep(0.05)
-    listed = await stub.ListWorkers(pb.ListWorkersRequest(model=MODEL))
-    by_id = {w.worker_id: w for w in listed.workers}
-    assert by_id["a"].load.running_requests == 3 and by_id["a"].load.waiting_requests == 2
+
+    async def load_of_a() -> tuple[int, int]:
+        listed = await stub.ListWorkers(pb.ListWorkersRequest(model=MODEL))
+        load = {w.worker_id: w for w in listed.workers}["a"].load
+        return load.running_requests, load.waiting_requests
+
+    await eventually(lambda: _equals(load_of_a(), (3, 2)), 5, what="a's heartbeat load listed")
+    by_id = {w.worker_id: w for w in (await stub.ListWorkers(pb.ListWorkersRequest(model=MODEL))).workers}
     assert by_id["a"].cached_blocks == 3 and by_id["b"].cached_blocks == 0
 
 
@@ -186,6 +196,8 @@ async def test_a_stream_silent_past_the_heartbeat_timeout_is_superseded(control_
     old = AgentStream(stub)
     await old.register("a")
     await old.batch(1, stored([1, 2, 3]))
+    # Not a race: the registry's clock alone decides (no heartbeat from `old` can come), so waiting out
+    # the 0.6 s timeout is the scenario itself.
     await asyncio.sleep(0.8)  # > 0.6 s heartbeat timeout, the stream still open
     new = AgentStream(stub)
     assert (await new.register("a")).registered.worker_id == "a"
@@ -203,8 +215,7 @@ async def test_silent_worker_is_dropped_with_its_blocks(control_plane) -> None:
     await agent.register("a")
     await agent.batch(1, stored([1, 2]))
     assert len((await stub.ListWorkers(pb.ListWorkersRequest())).workers) == 1
-    await asyncio.sleep(1.0)  # > 0.6 s heartbeat timeout
-    assert len((await stub.ListWorkers(pb.ListWorkersRequest())).workers) == 0
+    await eventually(lambda: _equals(listed_count(stub), 0), 5, what="a dropped after the 0.6 s heartbeat timeout")
     assert server.registry.index.entry_count() == 0
     assert (await stub.Query(query([1, 2]))).workers == []
 
@@ -213,32 +224,33 @@ async def test_tiers_are_held_apart_and_matched_together(control_plane) -> None:
     _, stub = control_plane
     agent = AgentStream(stub)
     await agent.register("a")
-    # Snapshot: one BlocksStored per tier ("" is gpu).
-    await agent.batch(1, stored([1, 2], ""), stored([3, 4], "cpu"), stored([4, 5], "disk"), snapshot=True)
+    # Snapshot: one BlocksStored per tier (an unset tier is gpu).
+    await agent.batch(1, pb.BlockEvent(stored=pb.BlocksStored(block_keys=[1, 2])), stored([3, 4], pb.TIER_CPU),
+                      stored([4, 5], pb.TIER_DISK), snapshot=True)
     assert matches(await stub.Query(query([1, 2, 3, 4, 5, 6]))) == {"a": (5, 2, 1)}
     # An offload: removed from gpu, stored on cpu. Removing a key on one tier keeps the others.
-    await agent.batch(2, removed([2]), stored([2], "cpu"), removed([4], "cpu"))
+    await agent.batch(2, removed([2]), stored([2], pb.TIER_CPU), removed([4], pb.TIER_CPU))
     assert matches(await stub.Query(query([1, 2, 3, 4, 5]))) == {"a": (5, 2, 2)}
     keys = await stub.GetWorkerKeys(pb.GetWorkerKeysRequest(worker_id="a"))
     assert keys.worker_id == "a" and keys.block_size == 4
-    assert {t.medium: list(t.block_keys) for t in keys.tiers} == {"gpu": [1], "cpu": [2, 3], "disk": [4, 5]}
+    assert tier_keys(keys) == {"gpu": [1], "cpu": [2, 3], "disk": [4, 5]}
     listed = (await stub.ListWorkers(pb.ListWorkersRequest())).workers[0]
     assert listed.cached_blocks == 1  # the gpu tier
     # A snapshot replaces every tier, including ones it does not name.
-    await agent.batch(3, stored([7], "cpu"), snapshot=True)
+    await agent.batch(3, stored([7], pb.TIER_CPU), snapshot=True)
     keys = await stub.GetWorkerKeys(pb.GetWorkerKeysRequest(worker_id="a"))
-    assert {t.medium: list(t.block_keys) for t in keys.tiers} == {"gpu": [], "cpu": [7], "disk": []}
+    assert tier_keys(keys) == {"gpu": [], "cpu": [7], "disk": []}
     # AllBlocksCleared clears every tier.
-    await agent.batch(4, stored([1], "gpu"), pb.BlockEvent(cleared=pb.AllBlocksCleared()))
+    await agent.batch(4, stored([1]), pb.BlockEvent(cleared=pb.AllBlocksCleared()))
     keys = await stub.GetWorkerKeys(pb.GetWorkerKeysRequest(worker_id="a"))
     assert all(not t.block_keys for t in keys.tiers)
 
 
-async def test_unknown_medium_is_indexed_as_disk_and_counted(control_plane) -> None:
+async def test_unknown_tier_is_indexed_as_disk_and_counted(control_plane) -> None:
     server, stub = control_plane
     agent = AgentStream(stub)
     await agent.register("a")
-    ack = await agent.batch(1, stored([1], "gpu"), stored([2], "tape"))
+    ack = await agent.batch(1, stored([1]), stored([2], 7))  # 7: a tier a newer agent might send
     assert ack.ack.applied_events == 2
     assert matches(await stub.Query(query([1, 2]))) == {"a": (2, 0, 1)}
     assert server.metrics_registry.get_sample_value("kvroute_cp_unknown_medium_events_total") == 1
@@ -269,8 +281,7 @@ async def test_lora_queries_see_only_workers_serving_the_adapter(control_plane) 
     # A heartbeat's adapter list replaces the registered one (here: b loads sql, a unloads everything).
     await b.send(heartbeat=pb.Heartbeat(load=pb.WorkerLoad(running_requests=1), lora_adapters=["chat", "sql"]))
     await a.send(heartbeat=pb.Heartbeat(load=pb.WorkerLoad(running_requests=2)))
-    await asyncio.sleep(0.05)
-    assert await workers("sql") == {"b"}
+    await eventually(lambda: _equals(workers("sql"), {"b"}), 5, what="the heartbeats' adapter lists applied")
     listed = {w.worker_id: list(w.lora_adapters) for w in (await stub.ListWorkers(pb.ListWorkersRequest())).workers}
     assert listed == {"a": [], "b": ["chat", "sql"], "c": []}
     answer = {w.worker_id: w for w in (await stub.Query(query([1, 2], lora_name="chat"))).workers}
@@ -348,6 +359,23 @@ def blocks(workers: dict[str, pb.WorkerMatch]) -> dict[str, tuple[int, int]]:
     return {w: (m.matched_blocks, m.speculative_blocks) for w, m in workers.items()}
 
 
+# What eventually() polls: an answer compared with what the test waits for.
+async def _equals(answer: Awaitable[object], expected: object) -> bool:
+    return await answer == expected
+
+
+async def reserved_of(router: RouterStream) -> dict[str, tuple[int, int]]:
+    return reserved(await router.query())
+
+
+async def blocks_of(router: RouterStream, keys: list[int]) -> dict[str, tuple[int, int]]:
+    return blocks(await router.query(keys))
+
+
+async def listed_count(stub: pb_grpc.ControlPlaneStub) -> int:
+    return len((await stub.ListWorkers(pb.ListWorkersRequest())).workers)
+
+
 def reservation_events(server, event: str) -> float:
     return server.metrics_registry.get_sample_value("kvroute_cp_reservation_events_total", {"event": event})
 
@@ -401,8 +429,8 @@ async def test_reservations_are_seen_by_other_routers_until_released(control_pla
     assert reserved(await router_b.query()) == {"a": (1, 30), "b": (0, 0)}
     # Closing the stream drops the router's reservations.
     await router_a.close()
-    await asyncio.sleep(0.1)
-    assert reserved(await router_b.query()) == {"a": (0, 0), "b": (0, 0)}
+    await eventually(lambda: _equals(reserved_of(router_b), {"a": (0, 0), "b": (0, 0)}), 5,
+                     what="router a's reservations dropped with its stream")
     assert reserved(await router_b.query()) == reserved(await router_b.query())
 
 
@@ -416,10 +444,7 @@ async def test_a_router_crash_drops_its_reservations(control_plane) -> None:
     await crashed.query()
     assert reserved(await survivor.query()) == {"a": (1, 50)}
     crashed.call.cancel()
-    for _ in range(50):
-        if reserved(await survivor.query()) == {"a": (0, 0)}:
-            break
-        await asyncio.sleep(0.02)
+    await eventually(lambda: _equals(reserved_of(survivor), {"a": (0, 0)}), 5, what="the crashed router's reservations dropped")
     assert reserved(await survivor.query([1, 2])) == {"a": (0, 0)}
     assert blocks(await survivor.query([1, 2])) == {"a": (0, 0)}
     assert reservation_events(server, "closed_with_session") == 1
@@ -438,8 +463,8 @@ async def test_speculative_blocks_expire_by_ttl(control_plane) -> None:
     # Speculative holders count for every router, the one that reserved included.
     for router in (router_a, router_b):
         assert blocks(await router.query([1, 2, 3, 4, 5])) == {"a": (4, 3), "b": (2, 2)}
-    await asyncio.sleep(0.4)
-    assert blocks(await router_b.query([1, 2, 3, 4, 5])) == {"a": (1, 0), "b": (2, 2)}
+    await eventually(lambda: _equals(blocks_of(router_b, [1, 2, 3, 4, 5]), {"a": (1, 0), "b": (2, 2)}), 5,
+                     what="a's speculative blocks gone after their 300 ms TTL")
     assert reserved(await router_b.query()) == {"a": (1, 16), "b": (1, 8)}  # the requests still count
 
 
@@ -476,8 +501,8 @@ async def test_cleared_or_dropped_worker_loses_its_in_flight_state(control_plane
     await router_a.reserve(2, "a", keys=[1, 2], prefill_tokens=5, ttl_ms=60_000)
     await router_a.query()
     assert blocks(await router_b.query([1, 2])) == {"a": (2, 2)}
-    await asyncio.sleep(1.0)  # > 0.6 s heartbeat timeout: the worker is dropped
-    assert await router_b.query([1, 2]) == {}
+    # Past the 0.6 s heartbeat timeout the worker is dropped.
+    await eventually(lambda: _equals(router_b.query([1, 2]), {}), 5, what="a dropped after its heartbeat timeout")
     await AgentStream(stub).register("a")  # back (a new stream): nothing of the old in-flight state
     assert blocks(await router_b.query([1, 2])) == {"a": (0, 0)} and reserved(await router_b.query()) == {"a": (0, 0)}
     assert reservation_events(server, "dropped_with_worker") == 2

@@ -35,6 +35,7 @@ from kvroute.telemetry import install_tracer_provider
 from kvroute.tools.local_cluster import free_port
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
+from tests.helpers import eventually
 
 MODEL = "tiny"
 PROMPT = " ".join(["the cache router sends each prompt to the worker that holds its prefix"] * 8)
@@ -44,14 +45,17 @@ PROMPT = " ".join(["the cache router sends each prompt to the worker that holds 
 _EXPORTER = InMemorySpanExporter()
 
 
+_EXPORTING_PROVIDERS: list[TracerProvider] = []  # providers _EXPORTER already listens to
+
+
 def _install_tracing() -> InMemorySpanExporter:
     provider = trace.get_tracer_provider()
     if not isinstance(provider, TracerProvider):
         provider = TracerProvider()
         install_tracer_provider(provider)
-    if not getattr(provider, "_kvroute_test_exporter", False):
+    if provider not in _EXPORTING_PROVIDERS:
         provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
-        provider._kvroute_test_exporter = True  # type: ignore[attr-defined]
+        _EXPORTING_PROVIDERS.append(provider)
     return _EXPORTER
 
 
@@ -341,14 +345,10 @@ async def test_client_going_away_releases_the_backend(stack: Stack) -> None:
     await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
     assert stack.router.inflight.inflight("A") == (1, 0)
     resp.close()  # the client disconnects mid-stream
-    for _ in range(100):
-        backend_request = stack.a.requests[-1]
-        if stack.router.inflight.snapshot() == {} and (backend_request.transport is None
-                                                   or backend_request.transport.is_closing()):
-            break
-        await asyncio.sleep(0.02)
-    assert stack.router.inflight.snapshot() == {}
-    assert backend_request.transport is None or backend_request.transport.is_closing()
+    backend_request = stack.a.requests[-1]
+    await eventually(lambda: stack.router.inflight.snapshot() == {} and (
+        backend_request.transport is None or backend_request.transport.is_closing()), 2,
+        what="the backend request released and closed")
     stack.a.gate.set()
 
 
@@ -368,9 +368,11 @@ async def test_control_plane_stopped_requests_still_succeed(stack: Stack) -> Non
     assert status == 200 and d["fail_open"] is True and d["cached_tokens"] == 0
     assert {w["worker_id"] for w in d["workers"]} == {"A", "B"}
     assert served == {"A", "B"}  # load alone: both workers get traffic
-    await asyncio.sleep(0.3)  # a refresh or two fail
-    async with stack.session.get(stack.url + "/health") as resp:
-        assert (await resp.json())["control_plane"] == "unreachable"
+    async def health_says_unreachable() -> bool:  # once a refresh or two failed
+        async with stack.session.get(stack.url + "/health") as resp:
+            return (await resp.json())["control_plane"] == "unreachable"
+
+    await eventually(health_says_unreachable, 5, what="/health saying the control plane is unreachable")
     async with stack.session.get(stack.url + "/metrics") as resp:
         metrics = await resp.text()
     fail_open = [line for line in metrics.splitlines() if line.startswith("kvroute_router_fail_open_total")]

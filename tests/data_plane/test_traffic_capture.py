@@ -25,6 +25,7 @@ from kvroute.data_plane.traffic_capture import TrafficCapture, reported_output_t
 from kvroute.tools.local_cluster import LocalCluster, free_port, http_get, http_post_json, wait_until
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
+from tests.helpers import eventually
 
 ROW_FIELDS = {"timestamp", "input_length", "output_length", "hash_ids", "block_size"}
 BIG = 7_000_000  # token ids in this range are easy to look for in the file
@@ -104,7 +105,7 @@ async def test_periodic_flush_sorting_and_bounded_id_map(tmp_path: Path) -> None
     x, y, z = [BIG] * 512, [BIG + 1] * 512, [BIG + 2] * 512
     cap.record(30, x, 1, "m")   # recorded at completion: later arrivals can finish first
     cap.record(10, y, 1, "m")
-    await wait_until_async(lambda: len(read_rows(path)) == 2)
+    await eventually(lambda: len(read_rows(path)) == 2, 5)
     rows = read_rows(path)
     assert [r["timestamp"] for r in rows] == [10, 30]     # sorted within a flush, ids follow file order
     assert [r["hash_ids"] for r in rows] == [[0], [1]]    # y -> 0, x -> 1
@@ -113,16 +114,6 @@ async def test_periodic_flush_sorting_and_bounded_id_map(tmp_path: Path) -> None
     cap.record(60, y, 1, "m")   # evicted: a new id, never a reused one
     await cap.aclose()
     assert [r["hash_ids"] for r in read_rows(path)] == [[0], [1], [2], [1], [3]]
-
-
-async def wait_until_async(predicate, timeout: float = 5.0) -> None:
-    import asyncio
-
-    for _ in range(int(timeout / 0.02)):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 async def test_sampling_is_deterministic(tmp_path: Path) -> None:
@@ -153,13 +144,16 @@ async def test_write_failure_drops_and_counts_rows_and_logs_once(caplog) -> None
     assert len([r for r in caplog.records if "cannot write" in r.getMessage()]) == 1
 
 
-class _FillsUpMidLine:
-    """A capture file whose next write lands 10 bytes and then fails, like a disk filling up."""
+class _DiskThatFillsUp:
+    """A capture file on a disk that, while `full`, lands 10 bytes of the next write and then fails every
+    write, like a disk filling up mid-line."""
 
     def __init__(self, real) -> None:
-        self.real, self.calls = real, 0
+        self.real, self.full, self.calls = real, False, 0
 
     def write(self, data) -> int:
+        if not self.full:
+            return self.real.write(data)
         self.calls += 1
         if self.calls == 1:
             return self.real.write(data[:10])
@@ -174,15 +168,20 @@ async def test_a_half_written_batch_is_cut_off_and_the_trace_stays_loadable(tmp_
 
     path = tmp_path / "h.jsonl"
     metrics = RouterMetrics()
-    cap = TrafficCapture(path, metrics=metrics, flush_interval_s=3600, block_tokens=512)
+    disks: list[_DiskThatFillsUp] = []
+
+    def open_file(p: Path) -> _DiskThatFillsUp:
+        disks.append(_DiskThatFillsUp(open(p, "wb", buffering=0)))  # noqa: SIM115 - the capture closes it
+        return disks[-1]
+
+    cap = TrafficCapture(path, metrics=metrics, flush_interval_s=3600, block_tokens=512, open_file=open_file)
     cap.start()
     cap.record(1, [1] * 700, 5, "m")
     await cap.flush()
-    real = cap._file
-    cap._file = _FillsUpMidLine(real)
+    disks[0].full = True
     cap.record(2, [2] * 700, 5, "m")
     await cap.flush()
-    cap._file = real  # the disk recovers
+    disks[0].full = False  # the disk recovers
     cap.record(3, [3] * 700, 5, "m")
     await cap.aclose()
     rows = read_rows(path)

@@ -59,7 +59,7 @@ def control_plane_keys(address: str, worker_id: str) -> dict[str, set[int]]:
     with grpc.insecure_channel(address) as channel:
         response = pb_grpc.ControlPlaneStub(channel).GetWorkerKeys(pb.GetWorkerKeysRequest(worker_id=worker_id),
                                                                    timeout=5)
-    return {tier.medium: set(tier.block_keys) for tier in response.tiers}
+    return {pb.Tier.Name(tier.tier).removeprefix("TIER_").lower(): set(tier.block_keys) for tier in response.tiers}
 
 
 async def test_audit_of_a_truthful_fleet_finds_no_divergence(fleet) -> None:

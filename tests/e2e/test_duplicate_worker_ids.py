@@ -12,7 +12,7 @@ import time
 import pytest
 
 from kvroute.control_plane.server import ControlPlaneConfig, ControlPlaneServer
-from kvroute.tools.local_cluster import LocalCluster, http_get, http_post_json, long_text, wait_until
+from kvroute.tools.local_cluster import LocalCluster, http_get, http_ok, http_post_json, long_text, wait_until
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.worker_agent.block_resolver import BlockResolver
 from kvroute.worker_agent.control_plane_client import ControlPlaneLink, WorkerIdentity
@@ -113,7 +113,7 @@ def test_two_agent_processes_with_one_worker_id(cluster: LocalCluster) -> None:
                 "model": cluster.model, "prompt": long_text(seed * 10 + turn, 120), "max_tokens": 2})
             assert status == 200
 
-    wait_until(lambda: http_get(second.agent_metrics_url + "/health")[0] == 200, 30, "the second agent", [second.agent])
+    wait_until(lambda: http_ok(second.agent_metrics_url + "/health"), 30, "the second agent", [second.agent])
     started = time.monotonic()
     while time.monotonic() - started < 10:  # the first agent keeps the id, and the index its engine's truth
         (worker,) = cluster.list_workers()

@@ -13,19 +13,22 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvroute.tools.local_cluster import ManagedProcess, _tcp_open, free_port, kvroute_argv, wait_until
+from kvroute.tools.local_cluster import ManagedProcess, _tcp_open, free_port, kvroute_argv
 from tests.helpers import REPO
 
 
 @pytest.fixture(scope="module")
 def control_plane_port(tmp_path_factory) -> Iterator[int]:
-    """A real control plane process: its gRPC port is the one others must not share."""
-    port = free_port()
-    proc = ManagedProcess("control-plane", kvroute_argv("control-plane", "--listen", f"127.0.0.1:{port}"),
-                          tmp_path_factory.mktemp("cp") / "control-plane.log")
+    """A real control plane process: its gRPC port is the one others must not share. It listens on
+    port 0 and says which port it got in its --port-file."""
+    workdir = tmp_path_factory.mktemp("cp")
+    proc = ManagedProcess("control-plane", kvroute_argv("control-plane", "--listen", "127.0.0.1:0", "--port-file",
+                                                        str(workdir / "cp.ports")), workdir / "control-plane.log",
+                          port_file=workdir / "cp.ports")
     proc.start()
     try:
-        wait_until(lambda: _tcp_open(f"127.0.0.1:{port}"), 30, "control plane", [proc])
+        port = proc.wait_ports()["grpc"]
+        assert port and _tcp_open(f"127.0.0.1:{port}")
         yield port
     finally:
         proc.stop()

@@ -8,7 +8,7 @@ import asyncio
 import grpc
 from aiohttp import web
 
-from kvroute.tools.local_cluster import LocalCluster, free_port
+from kvroute.tools.local_cluster import LocalCluster, free_port, wait_until
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
@@ -68,10 +68,12 @@ async def test_traceparent_reaches_backend_and_grpc_route_fails_open(tmp_path, t
             except grpc.aio.AioRpcError as exc:
                 assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT
 
-        await asyncio.sleep(0.5)  # let the batch span processor flush to stderr
+        def spans_logged() -> str | None:  # the batch span processor flushes to stderr every 100 ms
+            log = (tmp_path / "router-r.log").read_text()
+            return log if '"name": "kvroute.route"' in log and '"name": "kvroute.proxy"' in log else None
+
+        log = wait_until(spans_logged, 10, "the router's spans on stderr")
         cluster.stop()
-        log = (tmp_path / "router-r.log").read_text()
-        assert '"name": "kvroute.route"' in log and '"name": "kvroute.proxy"' in log
         assert traceparent.split("-")[1] in log  # the backend got the router's trace id
     finally:
         cluster.stop()

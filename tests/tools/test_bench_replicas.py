@@ -7,6 +7,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.e2e  # starts kvroute processes
+
 KEYS = ("freshness_p50_ms", "freshness_p99_ms", "ingest_events_per_s", "ingest_in_process_events_per_s", "ingest_ratio",
         "catchup_s_100k", "answers_per_s_1_replica", "answers_per_s_2_replicas", "bytes_per_entry")
 

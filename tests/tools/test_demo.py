@@ -15,6 +15,7 @@ import pytest
 
 from kvroute.tools.demo import machine_line
 from kvroute.tools.disturbance import CpuSnapshot, Disturbance, DisturbanceMonitor, read_snapshot
+from kvroute.tools.local_cluster import wait_until
 
 pytestmark = pytest.mark.e2e  # starts kvroute processes
 
@@ -98,9 +99,9 @@ def test_the_monitor_samples_in_the_background() -> None:
     readings = iter(snapshots(60, own_cores=1.0, outside_cores=1.2, interval=0.5))
     monitor = DisturbanceMonitor([], [], interval_s=0.01, read=lambda: next(readings))
     monitor.start()
-    time.sleep(0.2)
+    wait_until(lambda: len(monitor.snapshots) >= 5, 10, "five samples taken in the background")
     d = monitor.stop()
-    assert len(monitor.snapshots) >= 5 and d.disturbed and d.outside_cores_mean == pytest.approx(1.2)
+    assert d.disturbed and d.outside_cores_mean == pytest.approx(1.2)
 
 
 def hogs(n: int) -> list[subprocess.Popen]:

@@ -125,8 +125,7 @@ def test_a_block_recomputed_while_on_cpu_leaves_the_cpu_tier() -> None:
     cache = PrefixCache(num_blocks=8, block_size=4, hash_seed="t", cpu_offload_blocks=8)
     tokens = list(range(8))
     hashes = cache.chain_hashes(tokens)
-    cache._cpu[hashes[1]] = None  # block 1 only on the CPU (its parent was dropped there)
-    cache._records[hashes[1]] = cache._plain_records([hashes[1]], tokens[4:], None, BASE_NAMESPACE)[0]
+    cache.place_on_cpu(hashes[1:], tokens[4:])  # block 1 only on the CPU (its parent was dropped there)
     alloc = cache.allocate(hashes, 8, 9)
     assert alloc.hit_tokens == 0  # the prefix starts with a miss
     cache.commit(alloc, hashes, tokens)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import aiohttp
@@ -13,6 +12,7 @@ from kvroute.tools.sim_engine.engine import EngineConfig, SimEngine
 from kvroute.tools.sim_engine.kv_publisher import KvEventPublisher
 from kvroute.tools.sim_engine.server import start_server
 from kvroute.tools.sim_engine.tokenizer import load_engine_tokenizer
+from tests.helpers import eventually
 
 LONG_SYSTEM = " ".join(["the cache router keeps every prefix block of the system prompt warm"] * 12)
 
@@ -126,11 +126,8 @@ async def test_client_disconnect_aborts_the_request(engine) -> None:
                          json={"prompt": "a b c", "max_tokens": 800, "stream": True}) as r:
         await r.content.readline()  # first token is out
         assert engine.cache.usage() > 0
-    for _ in range(100):
-        if not engine.scheduler.has_work():
-            break
-        await asyncio.sleep(0.02)
-    assert not engine.scheduler.has_work() and engine.cache.usage() == 0
+    await eventually(lambda: not engine.scheduler.has_work(), 2, what="the abandoned request's work gone")
+    assert engine.cache.usage() == 0
 
 
 async def test_incoming_traceparent_parents_the_server_span(engine, monkeypatch) -> None:

@@ -139,8 +139,8 @@ async def test_snapshot_carries_every_tier_and_identity_carries_rank_and_adapter
         await w.link.connected_event.wait()
         await eventually(lambda: cp.batches() and cp.heartbeats())
         (snapshot,) = cp.batches()
-        assert [(e.stored.medium, list(e.stored.block_keys)) for e in snapshot.events] == [("gpu", KEYS[:1]),
-                                                                                           ("cpu", KEYS[1:2])]
+        assert [(e.stored.tier, list(e.stored.block_keys)) for e in snapshot.events] == [(pb.TIER_GPU, KEYS[:1]),
+                                                                                         (pb.TIER_CPU, KEYS[1:2])]
         assert list(cp.streams[0][0].register.lora_adapters) == ["sql"]
         assert not cp.streams[0][0].register.HasField("data_parallel_rank")
         assert list(cp.heartbeats()[0].lora_adapters) == ["sql"]
@@ -175,6 +175,7 @@ async def test_snapshot_waits_for_registered() -> None:
     server, port = await start_server(cp)
     w = Worker(port)
     try:
+        # A moment inside the fake's 0.4 s register delay (both timers of this loop: not a race).
         await asyncio.sleep(0.2)
         assert not w.link.connected and len(cp.streams[0]) == 1  # only the register so far
         await eventually(lambda: cp.batches() if cp.streams else False)
@@ -199,8 +200,7 @@ async def test_reconnects_after_restart_and_resends_a_current_snapshot() -> None
         # Engine events keep arriving while it is down: held, then superseded by the snapshot (the
         # restarted control plane does not know this agent: no resume).
         w.apply(BlockRemoved([1]), BlockStored([4, 5], 3, TOKENS[12:20], 4))
-        await asyncio.sleep(0.5)  # a few failed reconnect attempts
-        assert w.link.counters.connect_failures >= 2
+        await eventually(lambda: w.link.counters.connect_failures >= 2, what="a few failed reconnect attempts")
         cp2 = FakeControlPlane()
         server, _ = await start_server(cp2, port)  # restarted on the same address
         await eventually(lambda: w.link.connected and cp2.batches())
@@ -221,8 +221,8 @@ async def test_control_plane_down_at_start_never_crashes() -> None:
     w = Worker(port)
     try:
         w.apply(BlockStored([1], None, TOKENS[:4], 4))
-        await asyncio.sleep(0.6)
-        assert not w.task.done() and w.link.counters.connect_failures >= 2 and not w.link.connected
+        await eventually(lambda: w.link.counters.connect_failures >= 2, what="a few failed connect attempts")
+        assert not w.task.done() and not w.link.connected
         cp = FakeControlPlane()
         server, _ = await start_server(cp, port)
         await eventually(lambda: w.link.connected and cp.batches())

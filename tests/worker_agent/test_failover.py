@@ -12,16 +12,10 @@ from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.worker_agent.block_resolver import BlockResolver
 from kvroute.worker_agent.control_plane_client import ControlPlaneLink, WorkerIdentity
 from kvroute.worker_agent.vllm_wire import BlockRemoved, BlockStored
+from tests.helpers import eventually
 
 MODEL = "tiny"
 TOKENS = list(range(1, 65))
-
-
-async def until(predicate, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 class Agent:
@@ -57,14 +51,14 @@ async def test_a_broken_stream_resumes_and_resends_only_what_was_not_acked() -> 
     agent = Agent(f"127.0.0.1:{proxy.port}")
     try:
         agent.apply(BlockStored([1, 2], None, TOKENS[:8], 4))
-        await until(lambda: agent.link.acked_seq >= 1)
+        await eventually(lambda: agent.link.acked_seq >= 1)
         agent.apply(BlockStored([3], 2, TOKENS[8:12], 4))
-        await until(lambda: agent.link.acked_seq >= 2)
+        await eventually(lambda: agent.link.acked_seq >= 2)
         proxy.cut()  # the stream breaks; the control plane keeps the worker (heartbeat timeout 5 s)
-        await until(lambda: not agent.link.connected)
+        await eventually(lambda: not agent.link.connected)
         agent.apply(BlockRemoved([1]), BlockStored([4, 5], 3, TOKENS[12:20], 4))  # held meanwhile
         proxy.restore()
-        await until(lambda: agent.link.connected and agent.link.acked_seq >= 3)
+        await eventually(lambda: agent.link.connected and agent.link.acked_seq >= 3)
         assert agent.link.counters.resumes == 1 and agent.link.counters.snapshots_sent == 1
         assert held_keys(server) == set(agent.resolver.held_keys())
         assert server.registry.get("w1").last_seq == agent.link.acked_seq == 3
@@ -80,17 +74,17 @@ async def test_past_the_bound_the_held_deltas_become_a_snapshot() -> None:
     agent = Agent(f"127.0.0.1:{proxy.port}", max_pending_events=4)
     try:
         agent.apply(BlockStored([1], None, TOKENS[:4], 4))
-        await until(lambda: agent.link.acked_seq >= 1)
+        await eventually(lambda: agent.link.acked_seq >= 1)
         proxy.cut()
-        await until(lambda: not agent.link.connected)
+        await eventually(lambda: not agent.link.connected)
         parent = 1
         for i in range(2, 12):  # ten single-block stores: more than the 4 events it may hold
             agent.apply(BlockStored([i], parent, TOKENS[(i - 1) * 4:i * 4], 4))
             parent = i
         assert agent.link.counters.overflow_resyncs == 1
         proxy.restore()
-        await until(lambda: agent.link.connected and agent.link.counters.snapshots_sent == 2)
-        await until(lambda: held_keys(server) == set(agent.resolver.held_keys()))
+        await eventually(lambda: agent.link.connected and agent.link.counters.snapshots_sent == 2)
+        await eventually(lambda: held_keys(server) == set(agent.resolver.held_keys()))
         assert agent.link.counters.resumes == 0
     finally:
         await agent.close()
@@ -103,12 +97,12 @@ async def test_the_agent_moves_to_the_next_address_at_once() -> None:
     agent = Agent(f"127.0.0.1:{first.port},127.0.0.1:{second.port}", backoff_initial_s=5.0, backoff_max_s=5.0)
     try:
         agent.apply(BlockStored([1, 2], None, TOKENS[:8], 4))
-        await until(lambda: agent.link.acked_seq >= 1)
+        await eventually(lambda: agent.link.acked_seq >= 1)
         assert agent.link.address == f"127.0.0.1:{first.port}"
         loop = asyncio.get_running_loop()
         await first.stop(0)
         lost = loop.time()
-        await until(lambda: agent.link.connected and held_keys(second) == set(agent.resolver.held_keys()))
+        await eventually(lambda: agent.link.connected and held_keys(second) == set(agent.resolver.held_keys()))
         # No backoff (5 s here) while another address is untried.
         assert loop.time() - lost < 2.0
         assert agent.link.address == f"127.0.0.1:{second.port}" and agent.link.counters.failovers == 1

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from kvroute.block_keys import namespace_seed, prompt_block_keys
-from kvroute.worker_agent.block_deltas import BlockDelta, KeysStored
+from kvroute.v1 import kvroute_pb2 as pb
+from kvroute.worker_agent.block_deltas import BlockDelta, KeysRemoved, KeysStored, to_block_events
 from kvroute.worker_agent.block_resolver import BlockResolver
+from kvroute.worker_agent.tiers import TIERS, Tier
 from kvroute.worker_agent.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored
 
 MODEL = "tiny"
@@ -131,6 +133,13 @@ def test_medium_names_normalise_to_three_tiers() -> None:
     assert changes(r.apply([AllBlocksCleared()])) == [("cleared", [])]
     assert r.tier_sizes() == {"gpu": 0, "cpu": 0, "disk": 0}
     assert stored_on(r.snapshot_events()) == {"gpu": []}  # the GPU tier is always in a snapshot
+
+
+def test_tiers_go_on_the_wire_as_the_tier_enum() -> None:
+    assert [t.wire for t in TIERS] == [pb.TIER_GPU, pb.TIER_CPU, pb.TIER_DISK]
+    stored, removed = to_block_events([KeysStored(Tier.CPU, [1]), KeysRemoved(Tier.DISK, [2])])
+    assert (stored.stored.tier, list(stored.stored.block_keys)) == (pb.TIER_CPU, [1])
+    assert (removed.removed.tier, list(removed.removed.block_keys)) == (pb.TIER_DISK, [2])
 
 
 def test_only_the_main_full_attention_group_is_indexed() -> None:

@@ -65,7 +65,7 @@ async def populate(address: str, workers: int, block_size: int, prompt_keys: lis
             pb.AgentMessage(register=pb.RegisterWorker(worker_id=f"w{w}", model=MODEL, engine="sim", block_size=block_size,
                                                        endpoint=f"http://127.0.0.1:{20000 + w}")),
             pb.AgentMessage(batch=pb.EventBatch(seq=1, snapshot=True, events=[
-                pb.BlockEvent(stored=pb.BlocksStored(block_keys=held, medium="gpu"))])),
+                pb.BlockEvent(stored=pb.BlocksStored(block_keys=held, tier=pb.TIER_GPU))])),
         ]
         queue: asyncio.Queue = asyncio.Queue()
         for m in messages:

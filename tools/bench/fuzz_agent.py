@@ -262,7 +262,7 @@ def control_plane_keys(address: str) -> set[int] | None:
             reply = pb_grpc.ControlPlaneStub(channel).GetWorkerKeys(pb.GetWorkerKeysRequest(worker_id=WORKER), timeout=2)
         except grpc.RpcError:
             return None
-    return {k for tier in reply.tiers if tier.medium == "gpu" for k in tier.block_keys}
+    return {k for tier in reply.tiers if tier.tier == pb.TIER_GPU for k in tier.block_keys}
 
 
 async def drive(cluster: LocalCluster, agent: ManagedProcess, engine: HostileEngine, metrics_url: str, messages: int,

@@ -9,8 +9,6 @@ decision and its bookkeeping, what it adds over a direct request is the stack it
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
 
 from aiohttp import web
 
@@ -22,6 +20,7 @@ from kvroute.data_plane.metrics import RouterMetrics
 from kvroute.data_plane.policies import Candidate
 from kvroute.data_plane.proxy import BackendProxy
 from kvroute.data_plane.routing import RouteDecision
+from kvroute.process import wait_for_stop_signal
 
 WORKER_ID = "passthrough-0"
 
@@ -46,12 +45,8 @@ async def serve(engine_url: str, host: str, port: int) -> int:
     runner = web.AppRunner(passthrough_app(engine_url.rstrip("/")), access_log=None, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await wait_for_stop_signal()
     finally:
         await runner.cleanup()
     return 0

@@ -42,17 +42,21 @@ def percentile(values: list[float], q: float) -> float:
 
 class ReplicaProcess:
     def __init__(self, workdir: Path, redis_url: str, name: str, shards: int = 16, heartbeat_s: float = 600.0) -> None:
-        self.port, self.metrics_port = free_port(), free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        self.metrics_port = free_port()  # --metrics-port 0 means none: this one is picked
+        self.address = ""                # its gRPC address once started (it listens on port 0)
         self.process = ManagedProcess(name, kvroute_argv(
-            "control-plane", "--listen", self.address, "--metrics-port", str(self.metrics_port), "--redis", redis_url,
+            "control-plane", "--listen", "127.0.0.1:0", "--port-file", str(workdir / f"{name}.ports"),
+            "--metrics-port", str(self.metrics_port), "--redis", redis_url,
             "--redis-shards", str(shards), "--replica-id", name, "--heartbeat-timeout", str(heartbeat_s),
-            "--snapshot-interval-s", "3600", "--log-level", "WARNING"), workdir / f"{name}.log")
+            "--snapshot-interval-s", "3600", "--log-level", "WARNING"), workdir / f"{name}.log",
+            port_file=workdir / f"{name}.ports")
 
     def start(self) -> float:
         """Start; seconds until /ready answered 200."""
         started = time.monotonic()
         self.process.start()
+        self.address = f"127.0.0.1:{self.process.wait_ports(120)['grpc']}"
+        self.process.pin("--listen", self.address)  # a restart comes back where its clients look
         wait_until(self.ready, 120, f"{self.process.name} ready", [self.process], interval=0.01)
         return time.monotonic() - started
 
@@ -281,13 +285,14 @@ async def prepare_answer_fleet(a: ReplicaProcess, workers: int, chain: int = 256
     """`workers` workers of "answer-model", each holding a different prefix of the query's chain."""
     from kvroute.worker_agent.block_deltas import KeysStored
     from kvroute.worker_agent.control_plane_client import ControlPlaneLink, WorkerIdentity
+    from kvroute.worker_agent.tiers import Tier
 
     rng = random.Random(3)
     keys = [rng.getrandbits(63) for _ in range(chain)]
     links = []
     for w in range(workers):
         held = keys[:rng.randrange(1, chain)]
-        events = [KeysStored("gpu", held)]
+        events = [KeysStored(Tier.GPU, held)]
         links.append(ControlPlaneLink(a.address, WorkerIdentity(f"answer-{w}", "answer-model", "vllm", 16,
                                                                 f"http://a{w}"), lambda e=events: e, pb.WorkerLoad))
     tasks = [asyncio.create_task(link.run()) for link in links]

@@ -7,13 +7,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import signal
 import sys
 
 from kvroute.listeners import run_service
-from kvroute.telemetry import setup_tracing, shutdown_tracing
+from kvroute.process import add_log_level_argument, add_port_file_argument, process_setup, wait_for_stop_signal, write_port_file
 
 log = logging.getLogger("kvroute.sim_engine")
 
@@ -68,7 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hash-seed", default=None,
                    help="fixed seed for engine block hashes (default: random per process, like vLLM without PYTHONHASHSEED)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated output tokens")
-    p.add_argument("--log-level", default="INFO", help="Python logging level")
+    add_log_level_argument(p)
+    add_port_file_argument(p)
 
 
 def build_publisher(args: argparse.Namespace, config):
@@ -132,15 +131,23 @@ async def serve(args: argparse.Namespace) -> int:
         raise
     log.info("sim engine ready on http://%s:%d (%s, model %s, %d blocks of %d tokens, %s)", args.host, port,
              engine.dialect.name, args.model, args.num_blocks, engine.config.block_size, _events_summary(engine))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    write_port_file(args.port_file, {"http": port, **_event_ports(engine)})
+    await wait_for_stop_signal()
     log.info("sim engine shutting down")
     await runner.cleanup()
     await engine.stop()
     return 0
+
+
+def _event_ports(engine) -> dict[str, int]:
+    """The ports the engine's ZMQ sockets bound ("kv_events", "replay"): none when it connects or publishes none."""
+    from kvroute.tools.sim_engine.kv_publisher import KvEventPublisher
+
+    pub = engine.publisher
+    if not isinstance(pub, KvEventPublisher) or not pub.binds:
+        return {}
+    endpoints = {"kv_events": pub.last_endpoint, "replay": pub.replay_last_endpoint}
+    return {name: int(e.rsplit(":", 1)[1]) for name, e in endpoints.items() if e and e.startswith("tcp://")}
 
 
 def _events_summary(engine) -> str:
@@ -156,9 +163,5 @@ def _events_summary(engine) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    setup_tracing("kvroute-sim-engine")
-    try:
+    with process_setup("kvroute-sim-engine", args.log_level):
         return run_service("sim-engine", serve(args))  # a port in use: one line, exit 2
-    finally:
-        shutdown_tracing()

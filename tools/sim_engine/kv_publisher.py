@@ -48,7 +48,6 @@ from kvroute.tools.sim_engine.wire_encoding import MsgpackEventEncoder
 
 log = logging.getLogger("kvroute.sim_engine.kv_publisher")
 END_SEQ = b"\xff" * 8  # (-1).to_bytes(8, "big", signed=True)
-REPLAY_FRAMINGS = ("new", "old")
 
 # KVEventsConfig keys and defaults (docs/wire-formats.md#publisher-configuration; SGLang: the same keys, publisher "null"
 # by default).

@@ -162,7 +162,6 @@ class PrefixCache:
         self.queries_tokens = 0
         self.hits_tokens = 0
         self.cpu_hits_tokens = 0
-        self.queries_requests = 0
         self.evicted_blocks = 0
         self.cpu_evicted_blocks = 0
 
@@ -259,6 +258,15 @@ class PrefixCache:
             self.cpu_evicted_blocks += 1
             self.events.append(RemovedEvent([self._records.pop(oldest).published], CPU))
 
+    def place_on_cpu(self, hashes: Sequence[int], tokens: Sequence[int], namespace: CacheNamespace = BASE_NAMESPACE) -> None:
+        """Hold the blocks `hashes` (of `tokens`) on the CPU tier alone, no event, as if offloaded long
+        ago: a state tests start from that eviction reaches only by a long detour. No labeler only."""
+        if self._records is None or self.labeler is not None:
+            raise ValueError("place_on_cpu needs a CPU tier and no labeler")
+        for record in self._plain_records(hashes, tokens, None, namespace):
+            self._records[record.published] = record
+            self._cpu[record.published] = None
+
     def _load_from_cpu(self, h: int) -> None:
         """A hit on the CPU tier: the block moves back to the GPU, pinned by the loading request."""
         del self._cpu[h]
@@ -316,7 +324,6 @@ class PrefixCache:
             self._refcount[h] = count + 1
         self._evict_until_free(working)
         self._working += working
-        self.queries_requests += 1
         self.queries_tokens += prompt_len
         self.hits_tokens += hit_blocks * bs
         self.cpu_hits_tokens += len(loaded) * bs

@@ -43,7 +43,6 @@ class TrtllmEventQueue:
         self.hex_hashes, self.attention_dp_rank = hex_hashes, attention_dp_rank
         self.events: deque[dict[str, Any]] = deque()
         self.next_event_id = 0
-        self.dropped_events = 0
         self.faults = FaultState()
         self._created()
 
@@ -70,7 +69,6 @@ class TrtllmEventQueue:
         self.events.append(event)
         if len(self.events) > self.max_size:
             self.events.popleft()
-            self.dropped_events += 1
 
     def publish(self, events: list[CacheEvent]) -> None:
         """The events of one scheduler step."""
