@@ -17,7 +17,8 @@ import socket
 from dataclasses import dataclass
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
+from prometheus_client.aiohttp import make_aiohttp_handler
 
 from kvroute.control_plane.auditor import PeriodicAuditor
 from kvroute.control_plane.index import BitmaskPrefixIndex, BoundedPrefixIndex
@@ -116,7 +117,7 @@ class ControlPlaneServer:
             if self.config.metrics_port:  # before serving: a busy metrics port must not leave a half-started plane
                 self._metrics_runner, _ = await start_status_site(
                     "--metrics-port", self.config.metrics_host, self.config.metrics_port,
-                    {"/metrics": self._metrics, "/health": self._health, "/ready": self._ready})
+                    {"/metrics": make_aiohttp_handler(self.metrics_registry), "/health": self._health, "/ready": self._ready})
             await self._grpc.start(serving=self.redis_log is None)
             self._accepting = True
         except BaseException:
@@ -155,9 +156,6 @@ class ControlPlaneServer:
     async def wait(self) -> None:
         assert self._grpc is not None
         await self._grpc.server.wait_for_termination()
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics_registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "workers": len(self.registry)})

@@ -29,7 +29,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 from opentelemetry import propagate, trace
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.aiohttp import make_aiohttp_handler
 
 from kvroute.data_plane.http_errors import error_response, openai_errors
 from kvroute.data_plane.proxy import BackendProxy
@@ -148,7 +148,7 @@ class RouterHttpApi:
         app.router.add_get("/v1/models", self.handle_models)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/ready", self.handle_ready)
-        app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_get("/metrics", make_aiohttp_handler(self.metrics.registry))
         if self.stages is not None:
             app.router.add_get("/debug/stages", self.handle_stages)
         app.on_startup.append(lambda _app: self.proxy.open())
@@ -236,9 +236,6 @@ class RouterHttpApi:
     async def handle_stages(self, request: web.Request) -> web.Response:
         """Per-stage samples in ms (`?reset=1`: and start over)."""
         return web.json_response(self.stages.as_json(reset=request.query.get("reset") == "1"))
-
-    async def handle_metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # ------------------------------------------------------------ parsing
 

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import zmq.asyncio
 from aiohttp import web
 from opentelemetry import trace
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
+from prometheus_client.aiohttp import make_aiohttp_handler
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvroute.listeners import start_status_site
@@ -398,7 +399,7 @@ class WorkerAgent:
     async def start_metrics_server(self) -> int:
         self._metrics_runner, self.metrics_port = await start_status_site(
             "--metrics-port", self.config.metrics_host, self.config.metrics_port,
-            {"/metrics": self._metrics, "/health": self._health, "/ready": self._ready})
+            {"/metrics": make_aiohttp_handler(self.metrics_registry), "/health": self._health, "/ready": self._ready})
         log.info("agent metrics on http://%s:%d/metrics", self.config.metrics_host, self.metrics_port)
         return self.metrics_port
 
@@ -407,11 +408,6 @@ class WorkerAgent:
             await self._metrics_runner.cleanup()
             self._metrics_runner = None
 
-    def metrics_text(self) -> bytes:
-        return generate_latest(self.metrics_registry)
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics_text(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _ready(self, request: web.Request) -> web.Response:
         ready, body = self.readiness()
