@@ -20,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
 
+from kvroute.build_info import register_build_info
 from kvroute.control_plane.auditor import PeriodicAuditor
 from kvroute.control_plane.index import BitmaskPrefixIndex, BoundedPrefixIndex
 from kvroute.control_plane.inflight import InflightTracker
@@ -66,6 +67,7 @@ class ControlPlaneServer:
     def __init__(self, config: ControlPlaneConfig) -> None:
         self.config = config
         self.metrics_registry = CollectorRegistry()
+        register_build_info(self.metrics_registry, "control_plane")
         index = BoundedPrefixIndex(config.max_index_entries) if config.max_index_entries else BitmaskPrefixIndex()
         self.inflight = InflightTracker(index, default_ttl_s=config.speculative_ttl_s,
                                         max_age_s=config.reservation_max_age_s)

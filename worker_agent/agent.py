@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvroute.build_info import register_build_info
 from kvroute.listeners import start_status_site
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.worker_agent import sglang_wire, vllm_wire
@@ -279,6 +280,7 @@ class WorkerAgent:
                                             max_body_bytes=config.kv_events_max_poll_bytes)
         self.metrics_port: int | None = None  # the bound port once the metrics server runs
         self.metrics_registry = CollectorRegistry()
+        register_build_info(self.metrics_registry, "agent")
         self.metrics_registry.register(_AgentCollector(self))
         self._metrics_runner: web.AppRunner | None = None
         self.model_known = bool(config.model)  # False until the engine's GET /v1/models answered
