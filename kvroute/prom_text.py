@@ -55,10 +55,19 @@ def sums_by_label(text: str, name: str, label: str) -> dict[str, float]:
     return sums
 
 
+# The sample names a family of each type exposes, as suffixes of its name (a counter's `x` is sampled as
+# `x_total`; a labelled family with no child yet shows only its `# TYPE` line, so they are derived).
+_SAMPLE_SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
+                    "summary": ("_sum", "_count", "_created"), "gaugehistogram": ("_bucket", "_gsum", "_gcount"),
+                    "info": ("_info",)}
+
+
 def metric_names(text: str) -> set[str]:
-    """Every family name and sample name in `text` (what a PromQL expression may refer to)."""
+    """Every family name in `text` and every sample name its families expose, sampled yet or not (what
+    a PromQL expression may refer to)."""
     names: set[str] = set()
     for family in text_string_to_metric_families(text):
         names.add(family.name)
+        names.update(family.name + suffix for suffix in _SAMPLE_SUFFIXES.get(family.type, ()))
         names.update(sample.name for sample in family.samples)
     return names

@@ -47,7 +47,11 @@ def test_names_include_families_and_their_samples() -> None:
     assert metric_names(text) == {"kvroute_router_request_duration_seconds",
                                   "kvroute_router_request_duration_seconds_bucket",
                                   "kvroute_router_request_duration_seconds_sum",
-                                  "kvroute_router_request_duration_seconds_count"}
+                                  "kvroute_router_request_duration_seconds_count",
+                                  "kvroute_router_request_duration_seconds_created"}
+    # A labelled counter with no child yet: only its # TYPE line, yet PromQL may name its samples.
+    assert metric_names("# HELP x_errors Errors\n# TYPE x_errors counter\n") == {"x_errors", "x_errors_total",
+                                                                                "x_errors_created"}
 
 
 @pytest.mark.parametrize("bad", ['ok{a="unterminated} 1\n', "ok one\n", "ok{a=b} 1\n"])

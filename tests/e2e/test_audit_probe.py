@@ -291,8 +291,8 @@ async def test_control_plane_probes_periodically_and_exports_the_divergence(flee
         liar = FakeAgent(second.control_plane_addr)
         await liar.claim("liar", fleet.front.url, {"gpu": [11, 12, 13]})
         metrics = f"http://127.0.0.1:{metrics_port}/metrics"
-        liar_series = 'kvroute_cp_audit_divergent_blocks{kind="probe",medium="any",worker_id="liar"}'
-        blind_series = f'kvroute_cp_audit_divergent_blocks{{kind="probe",medium="any",worker_id="{fleet.blind}"}}'
+        liar_series = 'kvroute_cp_audit_divergent_blocks{kind="probe",medium="any",worker="liar"}'
+        blind_series = f'kvroute_cp_audit_divergent_blocks{{kind="probe",medium="any",worker="{fleet.blind}"}}'
 
         def exported():
             text = http_get(metrics)[1].decode()
@@ -300,7 +300,7 @@ async def test_control_plane_probes_periodically_and_exports_the_divergence(flee
 
         text = await asyncio.to_thread(wait_until, exported, 30, "the periodic probe audit to export both workers",
                                        second.all_processes())
-        assert f'kvroute_cp_audit_last_success_timestamp_seconds{{worker_id="{fleet.blind}"}}' in text
+        assert f'kvroute_cp_audit_last_success_timestamp_seconds{{worker="{fleet.blind}"}}' in text
         assert 'kvroute_cp_audit_runs_total{result="ok"}' in text
         # A worker that leaves (its agent stops heartbeating) loses its series.
         await liar.close()

@@ -87,10 +87,10 @@ async def test_a_bounded_control_plane_keeps_its_bound_and_its_audit_honest(loca
     # The periodic audit exports the explained part apart from the divergence.
     def audited() -> str | None:
         text = http_get(metrics_url)[1].decode()
-        return text if f'kind="missing_evicted",medium="gpu",worker_id="{engine.worker_id}"' in text else None
+        return text if f'kind="missing_evicted",medium="gpu",worker="{engine.worker_id}"' in text else None
 
     text = wait_until(audited, 20, "the periodic audit", cluster.all_processes())
-    labels = {"medium": "gpu", "worker_id": engine.worker_id}
+    labels = {"medium": "gpu", "worker": engine.worker_id}
     assert metric(text, "kvroute_cp_audit_divergent_blocks", {**labels, "kind": "missing"}) == 0
     assert metric(text, "kvroute_cp_audit_divergent_blocks", {**labels, "kind": "missing_evicted"}) > 0
 
