@@ -79,6 +79,13 @@ class RouterMetrics:
                                               ["route"], registry=r, buckets=REQUEST_BUCKETS)
         self.http_in_flight = Gauge("kvroute_router_http_requests_in_flight", "HTTP requests being answered now",
                                     registry=r)
+        # gRPC Router calls (Route, PrefillDone, Release), by status code (data_plane.grpc_api).
+        self.grpc_requests = Counter("kvroute_router_grpc_requests", "gRPC Router calls answered, by method and "
+                                     "status code (OK, INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE...)", ["method", "code"],
+                                     registry=r)
+        self.grpc_request_seconds = Histogram("kvroute_router_grpc_request_duration_seconds",
+                                              "Time answering a gRPC Router call, by method", ["method"], registry=r,
+                                              buckets=REQUEST_BUCKETS)
         self.ttft_seconds = Histogram("kvroute_router_time_to_first_token_seconds",
                                       "Time from a streamed request's arrival to its first body byte relayed to the "
                                       "client (the engine's prefill plus the router's own work)",

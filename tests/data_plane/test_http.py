@@ -574,6 +574,15 @@ async def test_grpc_route(stack: Stack) -> None:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Route(bad, timeout=5)
             assert err.value.code() == code and message in err.value.details(), err.value.details()
+        with pytest.raises(grpc.aio.AioRpcError):
+            await stub.Release(pb.ReleaseRequest(reservation_id=12345), timeout=5)
+        async with stack.session.get(stack.url + "/metrics") as resp:
+            text = await resp.text()
+        assert sample_value(text, "kvroute_router_grpc_requests_total", {"method": "Route", "code": "OK"}) == 4
+        assert sample_value(text, "kvroute_router_grpc_requests_total", {"method": "Route", "code": "INVALID_ARGUMENT"}) == 4
+        assert sample_value(text, "kvroute_router_grpc_requests_total", {"method": "Route", "code": "NOT_FOUND"}) == 1
+        assert sample_value(text, "kvroute_router_grpc_requests_total", {"method": "Release", "code": "NOT_FOUND"}) == 1
+        assert sample_value(text, "kvroute_router_grpc_request_duration_seconds_count", {"method": "Route"}) == 9
         await stack.stop_control_plane()
         answer = await stub.Route(pb.RouteRequest(model=MODEL, prompt=PROMPT), timeout=5)
         assert answer.fail_open and answer.worker_id in {"A", "B"}
