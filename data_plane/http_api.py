@@ -31,6 +31,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from opentelemetry import propagate, trace
+from prometheus_client import Counter, Histogram
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from kvroute.data_plane.http_errors import error_response, openai_errors
@@ -140,6 +141,7 @@ class RouterHttpApi:
         self.metrics = router.metrics
         self.metrics.watch_tokenizer(preparer.tokenizer)
         self.metrics.watch_workers(self)
+        self._answers: dict[tuple[str, int], tuple[Counter, Histogram]] = {}  # (route, status) -> its children
         bound = preparer.tokenizer.char_bound
         # Logged by the caller once the listeners are up (a port in use must be the only line printed).
         if bound.chars_per_token is None:
@@ -183,8 +185,12 @@ class RouterHttpApi:
             raise
         finally:
             self.metrics.http_in_flight.dec()
-            self.metrics.http_requests.labels(route, str(status)).inc()
-            self.metrics.http_request_seconds.labels(route).observe(time.perf_counter() - started)
+            counted = self._answers.get((route, status))
+            if counted is None:  # labels() costs a few us per call: keep the children per (route, status)
+                counted = self._answers[(route, status)] = (self.metrics.http_requests.labels(route, str(status)),
+                                                            self.metrics.http_request_seconds.labels(route))
+            counted[0].inc()
+            counted[1].observe(time.perf_counter() - started)
 
     def known_workers(self) -> list[str]:
         """Worker ids the router may route the model to (RouterMetrics' worker-state collector)."""
