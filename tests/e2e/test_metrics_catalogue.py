@@ -11,6 +11,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import grpc
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -18,6 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvroute.prom_text import metric_names
 from kvroute.tools.local_cluster import LocalCluster, free_port, http_get, http_post_json, wait_until
 from kvroute.tools.redis_harness import RedisServer, temp_workdir
+from kvroute.v1 import kvroute_pb2 as pb
+from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 from tests.helpers import REPO
 
 pytestmark = pytest.mark.e2e
@@ -65,13 +68,19 @@ def scrape(module_local_fleet, redis_server: RedisServer) -> Scrape:
         "--metrics-port", cp_metrics.rsplit(":", 1)[1], "--redis", redis_server.url, "--audit-interval-s", "0.5"))
     wait_until(lambda: http_get(cp_metrics + "/ready")[0] == 200, 30, "the replica ready", [cluster.control_plane])
     engine = cluster.start_sim_fleet(1)[0]
-    router = cluster.start_router("r", "kv_aware")
+    grpc_port = free_port()
+    router = cluster.start_router("r", "kv_aware", "--grpc-port", str(grpc_port))
     wait_until(lambda: http_get(router + "/ready")[0] == 200, 30, "the router ready", cluster.all_processes())
     chat = cluster.chat_request("You are a terse assistant. " * 20, "Say hi.")
     for body in (chat, chat, {**chat, "stream": True}):
         status, raw = http_post_json(router + "/v1/chat/completions", body)
         assert status == 200, raw
     assert http_get(router + "/nowhere")[0] == 404
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        stub = pb_grpc.RouterStub(channel)
+        assert stub.Route(pb.RouteRequest(model=cluster.model, prompt="Say hi."), timeout=10).worker_id
+        with pytest.raises(grpc.RpcError):
+            stub.Route(pb.RouteRequest(model="no-such-model", prompt="x"), timeout=10)
     urls = [cp_metrics, engine.agent_metrics_url, router, engine.url]
 
     def audited() -> bool:
@@ -118,10 +127,10 @@ def test_the_readme_table_holds_every_metric_and_only_those(scrape: Scrape) -> N
             assert labels == family.labels, f"{name}: README says labels {sorted(labels)}, exposed {sorted(family.labels)}"
 
 
-def test_counters_end_in_total_and_durations_are_in_seconds(scrape: Scrape) -> None:
+def test_only_counters_end_in_total_and_units_are_base_units(scrape: Scrape) -> None:
     for name, family in scrape.families.items():
-        if family.type == "counter":
-            assert name.endswith("_total"), name
+        if family.type != "counter":
+            assert not name.endswith("_total"), f"{name}: a {family.type} named like a counter"
         assert not re.search(r"_(ms|millis|milliseconds|us|micros|kb|mb|kib|mib)(_|$)", name), f"{name}: not a base unit"
         if family.type == "histogram":
             assert name.endswith("_seconds"), f"{name}: kvroute's histograms time things, in seconds"
