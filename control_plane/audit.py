@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvroute.block_keys import prompt_block_keys
+from kvroute.prom_text import sample_sums
 
 TierKeys = dict[str, set[int]]  # tier label ("gpu", "cpu", "disk") -> keys
 EVICTED_METADATA_PREFIX = "kvroute-evicted-entries-"  # + tier label: GetWorkerKeys' initial metadata
@@ -290,27 +291,6 @@ NO_PROBE_ENGINES = {
 }
 
 
-def prometheus_sums(text: str, names: set[str]) -> dict[str, float]:
-    """Each wanted sample name's value summed over its label sets (names absent from `text` are absent)."""
-    sums: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        brace, space = line.find("{"), line.find(" ")
-        if brace != -1 and (space == -1 or brace < space):
-            name, rest = line[:brace], line[line.rfind("}") + 1:]
-        else:
-            name, rest = line[:space], line[space:]
-        if name not in names:
-            continue
-        try:
-            value = float(rest.split()[0])
-        except (IndexError, ValueError):
-            continue
-        sums[name] = sums.get(name, 0.0) + value
-    return sums
-
-
 @dataclass(frozen=True, slots=True)
 class ProbeTarget:
     """A worker as the probe needs it, and how to ask the control plane what it holds there."""
@@ -416,7 +396,10 @@ class Prober:
         text = (await engine_request(self.http, "GET", target.endpoint.rstrip("/") + "/metrics", self.timeout_s,
                                      "no metrics, so no prefix-cache counters")).decode(errors="replace")
         names = {c.queries for c in PREFIX_COUNTERS} | {h for c in PREFIX_COUNTERS for h in c.hits}
-        sums = prometheus_sums(text, names)
+        try:
+            sums = sample_sums(text, names)
+        except ValueError as exc:
+            raise AuditError(f"GET {target.endpoint.rstrip('/')}/metrics is not a Prometheus text exposition: {exc}") from None
         if counters is None:
             counters = next((c for c in PREFIX_COUNTERS if c.queries in sums), None)
             if counters is None:

@@ -48,9 +48,9 @@ class PeriodicAuditor:
         self._limit = asyncio.Semaphore(concurrency)
         self.divergent = Gauge("kvroute_cp_audit_divergent_blocks",
                                "Blocks where the index and the engine's own block set disagree (after settling)",
-                               ["worker_id", "medium", "kind"], registry=metrics_registry)
+                               ["worker", "medium", "kind"], registry=metrics_registry)
         self.last_success = Gauge("kvroute_cp_audit_last_success_timestamp_seconds",
-                                  "Unix time of the last completed audit of a worker", ["worker_id"],
+                                  "Unix time of the last completed audit of a worker", ["worker"],
                                   registry=metrics_registry)
         self.runs = Counter("kvroute_cp_audit_runs_total", "Worker audits by result", ["result"],
                             registry=metrics_registry)

@@ -16,8 +16,10 @@ import socket
 from dataclasses import dataclass
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
+from prometheus_client.aiohttp import make_aiohttp_handler
 
+from kvroute.build_info import register_build_info
 from kvroute.control_plane.auditor import PeriodicAuditor
 from kvroute.control_plane.index import BitmaskPrefixIndex, BoundedPrefixIndex
 from kvroute.control_plane.inflight import InflightTracker
@@ -65,6 +67,7 @@ class ControlPlaneServer:
     def __init__(self, config: ControlPlaneConfig) -> None:
         self.config = config
         self.metrics_registry = CollectorRegistry()
+        register_build_info(self.metrics_registry, "control_plane")
         index = BoundedPrefixIndex(config.max_index_entries) if config.max_index_entries else BitmaskPrefixIndex()
         self.inflight = InflightTracker(index, default_ttl_s=config.speculative_ttl_s,
                                         max_age_s=config.reservation_max_age_s)
@@ -117,7 +120,7 @@ class ControlPlaneServer:
             if self.config.metrics_port:  # before serving: a busy metrics port must not leave a half-started plane
                 self._metrics_runner, self.metrics_port = await start_status_site(
                     "--metrics-port", self.config.metrics_host, self.config.metrics_port,
-                    {"/metrics": self._metrics, "/health": self._health, "/ready": self._ready})
+                    {"/metrics": make_aiohttp_handler(self.metrics_registry), "/health": self._health, "/ready": self._ready})
             await self._grpc.start(serving=self.redis_log is None)
             self._accepting = True
         except BaseException:
@@ -156,9 +159,6 @@ class ControlPlaneServer:
     async def wait(self) -> None:
         assert self._grpc is not None
         await self._grpc.server.wait_for_termination()
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics_registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "workers": len(self.registry)})

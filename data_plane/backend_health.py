@@ -20,8 +20,12 @@ class BackendHealth:
         self._clock = clock
         self._failed_at: dict[str, float] = {}  # worker_id -> time of its last failure
 
-    def failed(self, worker_id: str) -> None:
-        self._failed_at[worker_id] = self._clock()
+    def failed(self, worker_id: str) -> bool:
+        """Start (or restart) the worker's sit-out; True if it was not sitting out already."""
+        now = self._clock()
+        last = self._failed_at.get(worker_id)
+        self._failed_at[worker_id] = now
+        return last is None or now - last > self.cooldown_s
 
     def cooling_down(self) -> frozenset[str]:
         """Workers that failed within the last `cooldown_s`."""

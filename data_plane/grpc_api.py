@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import propagate, trace
 
 from kvroute.data_plane.app_reservations import AppReservations, TooManyReservations
+from kvroute.data_plane.metrics import RouterMetrics
 from kvroute.data_plane.request_prep import PrepareError, RequestPreparer, RouteInput
 from kvroute.data_plane.routing import NoWorkersError, RouteDecision, Router
 from kvroute.data_plane.traffic_capture import TrafficCapture
@@ -44,17 +47,39 @@ def _parse_route_request(data: bytes) -> pb.RouteRequest | DecodeError:
         return exc
 
 
+def _counted(method: str, behavior: Callable[..., Awaitable], metrics: RouterMetrics) -> Callable[..., Awaitable]:
+    """`behavior` counted in kvroute_router_grpc_requests_total by status code, and timed."""
+    requests, seconds = metrics.grpc_requests, metrics.grpc_request_seconds.labels(method)
+
+    async def counted(request, context: grpc.aio.ServicerContext):
+        started = time.perf_counter()
+        code = "UNKNOWN"  # an exception gRPC itself turns into UNKNOWN
+        try:
+            response = await behavior(request, context)
+            code = "OK"
+            return response
+        except grpc.aio.AbortError:
+            code = context.code().name if context.code() is not None else "UNKNOWN"
+            raise
+        finally:
+            requests.labels(method, code).inc()
+            seconds.observe(time.perf_counter() - started)
+
+    return counted
+
+
 def add_router_service(service: RouterGrpcService, server: grpc.aio.Server) -> None:
     """`add_RouterServicer_to_server`, but a request that does not parse reaches `Route` (as the
-    DecodeError) and is answered INVALID_ARGUMENT."""
+    DecodeError) and is answered INVALID_ARGUMENT; every call is counted by status code."""
+    metrics = service.router.metrics
     handlers = {"Route": grpc.unary_unary_rpc_method_handler(
-        service.Route, request_deserializer=_parse_route_request,
+        _counted("Route", service.Route, metrics), request_deserializer=_parse_route_request,
         response_serializer=pb.RouteResponse.SerializeToString),
         "PrefillDone": grpc.unary_unary_rpc_method_handler(
-            service.PrefillDone, request_deserializer=pb.ReservationRef.FromString,
+            _counted("PrefillDone", service.PrefillDone, metrics), request_deserializer=pb.ReservationRef.FromString,
             response_serializer=pb.ReservationState.SerializeToString),
         "Release": grpc.unary_unary_rpc_method_handler(
-            service.Release, request_deserializer=pb.ReleaseRequest.FromString,
+            _counted("Release", service.Release, metrics), request_deserializer=pb.ReleaseRequest.FromString,
             response_serializer=pb.ReservationState.SerializeToString)}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvroute.v1.Router", handlers),))
     server.add_registered_method_handlers("kvroute.v1.Router", handlers)

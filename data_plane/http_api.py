@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 import aiohttp
 import msgspec
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from opentelemetry import propagate, trace
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import Counter, Histogram
+from prometheus_client.aiohttp import make_aiohttp_handler
 
 from kvroute.data_plane.http_errors import error_response, openai_errors
 from kvroute.data_plane.proxy import BackendProxy
@@ -38,7 +41,13 @@ from kvroute.data_plane.request_prep import PrepareError, RequestPreparer, Route
 from kvroute.data_plane.routing import NoWorkersError, Router
 from kvroute.data_plane.stage_timing import StageSamples
 from kvroute.data_plane.tokenization import lone_surrogate
-from kvroute.data_plane.traffic_capture import TrafficCapture, reported_output_tokens, requested_output_tokens
+from kvroute.data_plane.traffic_capture import (
+    TrafficCapture,
+    reported_cached_tokens,
+    reported_output_tokens,
+    reported_usage,
+    requested_output_tokens,
+)
 from kvroute.telemetry import tracing_active
 
 log = logging.getLogger("kvroute.router.http")
@@ -131,6 +140,8 @@ class RouterHttpApi:
         self.max_body_bytes = max_body_bytes
         self.metrics = router.metrics
         self.metrics.watch_tokenizer(preparer.tokenizer)
+        self.metrics.watch_workers(self)
+        self._answers: dict[tuple[str, int], tuple[Counter, Histogram]] = {}  # (route, status) -> its children
         bound = preparer.tokenizer.char_bound
         # Logged by the caller once the listeners are up (a port in use must be the only line printed).
         if bound.chars_per_token is None:
@@ -141,19 +152,52 @@ class RouterHttpApi:
                                       f"without tokenizing ({bound.chars_per_token} per token: {bound.why})")
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[openai_errors])
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._count_requests, openai_errors])
         for path, handler in (("/v1/completions", self.handle_completions), ("/v1/chat/completions", self.handle_chat),
                               ("/v1/route", self.handle_route)):
             app.router.add_post(path, handler, expect_handler=self._expect_body)
         app.router.add_get("/v1/models", self.handle_models)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/ready", self.handle_ready)
-        app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_get("/metrics", make_aiohttp_handler(self.metrics.registry))
         if self.stages is not None:
             app.router.add_get("/debug/stages", self.handle_stages)
         app.on_startup.append(lambda _app: self.proxy.open())
         app.on_cleanup.append(lambda _app: self.proxy.close())
         return app
+
+    # ------------------------------------------------------------ metrics
+
+    @web.middleware
+    async def _count_requests(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every answer by route template and status, its duration, and how many are being answered."""
+        started = time.perf_counter()
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "other"
+        status = 500  # an exception that escapes openai_errors (a stream that broke after its first byte)
+        self.metrics.http_in_flight.inc()
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        finally:
+            self.metrics.http_in_flight.dec()
+            counted = self._answers.get((route, status))
+            if counted is None:  # labels() costs a few us per call: keep the children per (route, status)
+                counted = self._answers[(route, status)] = (self.metrics.http_requests.labels(route, str(status)),
+                                                            self.metrics.http_request_seconds.labels(route))
+            counted[0].inc()
+            counted[1].observe(time.perf_counter() - started)
+
+    def known_workers(self) -> list[str]:
+        """Worker ids the router may route the model to (RouterMetrics' worker-state collector)."""
+        return [w.worker_id for w in self.router.control_plane.workers_for(self.model)]
+
+    def sitting_out(self) -> frozenset[str]:
+        return self.router.health.cooling_down()
 
     # ------------------------------------------------------------ handlers
 
@@ -176,6 +220,7 @@ class RouterHttpApi:
             return await self._serve(request, kind, forward_to)
 
     async def _serve(self, request: web.Request, kind: str, forward_to: str | None) -> web.StreamResponse:
+        started = time.perf_counter()
         clock = self.stages.start() if self.stages is not None else None
         arrived = self.capture.sample_arrival() if self.capture and forward_to else None
         try:
@@ -200,11 +245,18 @@ class RouterHttpApi:
             return error_response(str(exc), 503, "no_workers")
         if forward_to is None:
             return web.json_response(decision.as_json())
-        tail = bytearray() if arrived is not None else None  # only a captured response keeps its end
-        response = await self.proxy.forward(request, forward_to, raw, decision, prepared.prompt_tokens, tail, clock)
+        tail = bytearray()  # the response's end: its usage (cached tokens as the engine reports them)
+        response = await self.proxy.forward(request, forward_to, raw, decision, prepared.prompt_tokens, tail, clock,
+                                            started)
         if clock is not None:
             self.stages.record(clock)
-        if tail is not None and response.status < 400:  # the engine did the work; errors are not worth replaying
+        if response.status >= 400:  # the engine did no work worth counting or replaying
+            return response
+        usage = reported_usage(tail)
+        if (cached := reported_cached_tokens(usage)) is not None:
+            self.metrics.engine_prompt_tokens.inc(cached[0])
+            self.metrics.engine_cached_tokens.inc(cached[1])
+        if arrived is not None:
             output = reported_output_tokens(tail)
             self.capture.record(arrived, prepared.token_ids,
                                 fields.requested_output_tokens() if output is None else output,
@@ -236,9 +288,6 @@ class RouterHttpApi:
     async def handle_stages(self, request: web.Request) -> web.Response:
         """Per-stage samples in ms (`?reset=1`: and start over)."""
         return web.json_response(self.stages.as_json(reset=request.query.get("reset") == "1"))
-
-    async def handle_metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # ------------------------------------------------------------ parsing
 

@@ -1,4 +1,8 @@
-"""The router's Prometheus metrics, one CollectorRegistry per router instance (GET /metrics)."""
+"""The router's Prometheus metrics, one CollectorRegistry per router instance (GET /metrics).
+
+Names follow Prometheus conventions (base units, `_total` on counters: prometheus_client appends it);
+README "Metrics" lists every one and tests/e2e/test_metrics_catalogue.py checks that list, the Grafana
+dashboard and the alert rules against live processes."""
 
 from __future__ import annotations
 
@@ -7,6 +11,11 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvroute.build_info import register_build_info
+
+# Request and time-to-first-token durations: a cached 20-token answer in ~10 ms up to long generations.
+REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class ChargesTokens(Protocol):
@@ -38,10 +47,61 @@ class _TokenizerCollector:
                                 value=4 * cache.charged_tokens if cache is not None else 0)
 
 
+class WorkerStates(Protocol):
+    """What the worker-state collector reads at scrape time (data_plane.cli wires the router's own)."""
+
+    def known_workers(self) -> list[str]: ...
+    def sitting_out(self) -> frozenset[str]: ...
+
+
+class _WorkerStateCollector:
+    """Per worker the router knows: healthy (routable) or sitting out after a failure (the circuit breaker)."""
+
+    def __init__(self, states: WorkerStates) -> None:
+        self.states = states
+
+    def collect(self) -> Iterator[Metric]:
+        states = self.states
+        out = states.sitting_out()
+        known = sorted(set(states.known_workers()) | out)
+        healthy = GaugeMetricFamily("kvroute_router_worker_healthy",
+                                    "1 for a worker the router may send requests to, 0 while it sits out after a "
+                                    "failure (each worker the control plane lists for the model)", labels=["worker"])
+        sitting = GaugeMetricFamily("kvroute_router_worker_sitting_out",
+                                    "1 while a worker sits out the cooldown after a failed attempt (circuit open)",
+                                    labels=["worker"])
+        for worker in known:
+            healthy.add_metric([worker], 0 if worker in out else 1)
+            sitting.add_metric([worker], 1 if worker in out else 0)
+        yield healthy
+        yield sitting
+
+
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        register_build_info(r, "router")
+        # Every HTTP request the router answers (data_plane.http_api's middleware), by route and status.
+        self.http_requests = Counter("kvroute_router_http_requests", "HTTP requests answered, by route (the path "
+                                     "template; unmatched paths are `other`) and status code", ["route", "code"],
+                                     registry=r)
+        self.http_request_seconds = Histogram("kvroute_router_http_request_duration_seconds",
+                                              "Time from a request's arrival to its response's last byte, by route",
+                                              ["route"], registry=r, buckets=REQUEST_BUCKETS)
+        self.http_in_flight = Gauge("kvroute_router_http_requests_in_flight", "HTTP requests being answered now",
+                                    registry=r)
+        # gRPC Router calls (Route, PrefillDone, Release), by status code (data_plane.grpc_api).
+        self.grpc_requests = Counter("kvroute_router_grpc_requests", "gRPC Router calls answered, by method and "
+                                     "status code (OK, INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE...)", ["method", "code"],
+                                     registry=r)
+        self.grpc_request_seconds = Histogram("kvroute_router_grpc_request_duration_seconds",
+                                              "Time answering a gRPC Router call, by method", ["method"], registry=r,
+                                              buckets=REQUEST_BUCKETS)
+        self.ttft_seconds = Histogram("kvroute_router_time_to_first_token_seconds",
+                                      "Time from a streamed request's arrival to its first body byte relayed to the "
+                                      "client (the engine's prefill plus the router's own work)",
+                                      registry=r, buckets=REQUEST_BUCKETS)
         # Decisions (HTTP proxy, POST /v1/route and gRPC Route alike).
         self.decision_seconds = Histogram(
             "kvroute_router_decision_seconds", "Routing decision time: block keys + control-plane query + policy",
@@ -61,23 +121,42 @@ class RouterMetrics:
         self.reservations_held = Gauge("kvroute_router_reservations_held",
                                        "Reservations of Route(reserve=true) held now", registry=r)
         # Proxied requests, counted on the worker that served them.
-        self.requests = Counter("kvroute_router_requests", "Requests proxied to a worker", ["policy", "worker"],
-                                registry=r)
+        self.proxied_requests = Counter("kvroute_router_proxied_requests",
+                                        "Requests proxied to a worker that answered, by policy and worker",
+                                        ["policy", "worker"], registry=r)
         self.backend_errors = Counter("kvroute_router_backend_errors",
                                       "Backend failures before the first byte (connection refused, 5xx...)",
                                       ["worker"], registry=r)
+        self.retries = Counter("kvroute_router_retries", "Attempts sent to the next-best worker after one failed "
+                               "before its first byte", registry=r)
+        self.sit_outs = Counter("kvroute_router_worker_sit_outs", "Times a worker began sitting out after a failure",
+                                ["worker"], registry=r)
+        # Routing quality: what the router expected cached beside what the engines say they reused.
         self.prompt_tokens = Counter("kvroute_router_prompt_tokens", "Prompt tokens of proxied requests",
                                      registry=r)
-        self.cached_tokens = Counter("kvroute_router_cached_tokens",
-                                     "Prompt tokens of proxied requests the index expected cached on their worker",
-                                     registry=r)
+        self.predicted_cached_tokens = Counter("kvroute_router_predicted_cached_tokens",
+                                               "Prompt tokens of proxied requests the index expected cached on their "
+                                               "worker", registry=r)
+        self.engine_prompt_tokens = Counter("kvroute_router_engine_prompt_tokens",
+                                            "Prompt tokens of answers whose usage reports cached tokens "
+                                            "(usage.prompt_tokens, as the engine counted them)", registry=r)
+        self.engine_cached_tokens = Counter("kvroute_router_engine_cached_tokens",
+                                            "Cached prompt tokens the engines reported in their answers "
+                                            "(usage.prompt_tokens_details.cached_tokens)", registry=r)
         # Traffic capture (--capture-trace): rows written to the trace, rows lost to a full buffer or a failed write.
-        self.capture_rows = Counter("kvroute_capture_rows", "Mooncake trace rows written by --capture-trace",
+        self.capture_rows = Counter("kvroute_router_capture_rows", "Mooncake trace rows written by --capture-trace",
                                     registry=r)
-        self.capture_dropped = Counter("kvroute_capture_dropped",
+        self.capture_dropped = Counter("kvroute_router_capture_dropped_rows",
                                        "Trace rows dropped by --capture-trace (buffer full or write failed)",
                                        registry=r)
         self._tokenizer_watched = False
+        self._workers_watched = False
+
+    def watch_workers(self, states: WorkerStates) -> None:
+        """Export each known worker's health and sit-out state, read from `states` at scrape time (once)."""
+        if not self._workers_watched:
+            self.registry.register(_WorkerStateCollector(states))
+            self._workers_watched = True
 
     def watch_tokenizer(self, tokenizer: CountsTokenizedChars) -> None:
         """Export `tokenizer.tokenized_chars` as kvroute_router_tokenized_chars_total (once per registry)."""

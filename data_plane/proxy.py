@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import aiohttp
 from aiohttp import web
@@ -86,7 +87,8 @@ class BackendProxy:
 
     async def forward(self, request: web.Request, path: str, body: bytes, decision: RouteDecision,
                       prompt_tokens: int, tail: bytearray | None = None,
-                      clock: StageClock | None = None) -> web.StreamResponse:
+                      clock: StageClock | None = None, started: float | None = None) -> web.StreamResponse:
+        """`started` (time.perf_counter() at the request's arrival) times the first byte of a streamed answer."""
         ranked = decision.ranked()
         attempts = ranked[: self.max_attempts] if self.max_attempts > 0 else ranked
         failures = []
@@ -94,12 +96,14 @@ class BackendProxy:
             last = i == len(attempts) - 1
             try:
                 return await self._attempt(request, path, body, decision, candidate, prompt_tokens, i, last, tail,
-                                           clock)
+                                           clock, started)
             except _Failed as failed:
                 self.metrics.backend_errors.labels(candidate.worker_id).inc()
-                self.health.failed(candidate.worker_id)
+                if self.health.failed(candidate.worker_id):
+                    self.metrics.sit_outs.labels(candidate.worker_id).inc()
                 failures.append(f"{candidate.worker_id}: {failed}")
                 if not last:
+                    self.metrics.retries.inc()
                     self._log.warning(f"retry:{candidate.worker_id}", "backend %s failed before its first byte (%s); "
                                       "retrying on %s", candidate.worker_id, failed, attempts[i + 1].worker_id)
                 elif failed.upstream is not None:  # the last attempt's own 5xx goes to the client as is
@@ -135,16 +139,17 @@ class BackendProxy:
     def _count(self, policy: str, worker: str, prompt_tokens: int, cached_tokens: int) -> None:
         served = self._served.get((policy, worker))
         if served is None:  # labels() costs a few us per call: keep the child per (policy, worker)
-            served = self._served[(policy, worker)] = self.metrics.requests.labels(policy, worker)
+            served = self._served[(policy, worker)] = self.metrics.proxied_requests.labels(policy, worker)
         served.inc()
         if prompt_tokens:
             self.metrics.prompt_tokens.inc(prompt_tokens)
         if cached_tokens:
-            self.metrics.cached_tokens.inc(cached_tokens)
+            self.metrics.predicted_cached_tokens.inc(cached_tokens)
 
     async def _attempt(self, request: web.Request, path: str, body: bytes, decision: RouteDecision,
                        candidate: Candidate, prompt_tokens: int, attempt: int, last: bool,
-                       tail: bytearray | None = None, clock: StageClock | None = None) -> web.StreamResponse:
+                       tail: bytearray | None = None, clock: StageClock | None = None,
+                       started: float | None = None) -> web.StreamResponse:
         assert self._pool is not None, "BackendProxy.open() was not called"
         worker = candidate.worker_id
         url = candidate.endpoint + path
@@ -190,8 +195,11 @@ class BackendProxy:
                 chunk = first
                 while chunk:
                     await response.write(chunk)
-                    if clock is not None and chunk is first:
-                        clock.mark("first_byte")
+                    if chunk is first:
+                        if started is not None:
+                            self.metrics.ttft_seconds.observe(time.perf_counter() - started)
+                        if clock is not None:
+                            clock.mark("first_byte")
                     if tail is not None:  # amortized O(chunk): trimmed only once it doubles
                         tail += chunk
                         if len(tail) > 2 * TAIL_BYTES:

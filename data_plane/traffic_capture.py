@@ -21,8 +21,8 @@ Recording never blocks or fails a request: `record` hashes and appends to a boun
 buffer; a background task maps keys to ids, serializes and writes in a worker thread about once a
 second, and `aclose` writes the rest. Rows are sorted by timestamp within each flush only (a request
 is recorded when it completes); the simulator sorts arrivals itself. A full buffer or a failing disk
-drops rows, counted in `kvroute_capture_dropped_total` (logged once; the ids those rows took are
-then missing from the file); written rows are counted in `kvroute_capture_rows_total`.
+drops rows, counted in `kvroute_router_capture_dropped_rows_total` (logged once; the ids those rows took are
+then missing from the file); written rows are counted in `kvroute_router_capture_rows_total`.
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def requested_output_tokens(body: dict) -> int:
 _USAGE = b'"usage":'
 
 
-def reported_output_tokens(tail: bytes | bytearray) -> int | None:
-    """`usage.completion_tokens` of the last `"usage"` object in the end of a response body, or None.
+def reported_usage(tail: bytes | bytearray) -> dict | None:
+    """The last `"usage"` object in the end of a response body, or None.
 
     Works on a JSON response and on an SSE stream alike (the last chunk carrying usage holds the
     totals). Inside JSON strings quotes are escaped, so `"usage":` only matches a real key."""
@@ -89,7 +89,23 @@ def reported_output_tokens(tail: bytes | bytearray) -> int | None:
         usage, _ = json.JSONDecoder().raw_decode(text)
     except ValueError:
         return None
-    return _token_count(usage.get("completion_tokens")) if isinstance(usage, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
+def reported_output_tokens(tail: bytes | bytearray) -> int | None:
+    """`usage.completion_tokens` of the last usage object in the end of a response body, or None."""
+    usage = reported_usage(tail)
+    return None if usage is None else _token_count(usage.get("completion_tokens"))
+
+
+def reported_cached_tokens(usage: dict | None) -> tuple[int, int] | None:
+    """(usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens) when the engine reports both
+    (vLLM with --enable-prompt-tokens-details, SGLang with --enable-cache-report), else None."""
+    details = usage.get("prompt_tokens_details") if usage else None
+    if not isinstance(details, dict):
+        return None
+    prompt, cached = _token_count(usage.get("prompt_tokens")), _token_count(details.get("cached_tokens"))
+    return None if prompt is None or cached is None else (prompt, cached)
 
 
 @dataclass(slots=True)
@@ -203,7 +219,7 @@ class TrafficCapture:
         if not self._write_error_logged:
             self._write_error_logged = True
             log.error("cannot write the traffic capture %s (%s); dropping rows, counted in "
-                      "kvroute_capture_dropped_total (logged once)", self.path, error)
+                      "kvroute_router_capture_dropped_rows_total (logged once)", self.path, error)
 
     def _write(self, batch: list[_Row]) -> Exception | None:
         batch.sort(key=lambda r: r.timestamp_ms)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import aiohttp
 
-from kvroute.control_plane.audit import prometheus_sums
+from kvroute.prom_text import sample_sums
 from kvroute.tools.disturbance import Disturbance, DisturbanceMonitor
 from kvroute.tools.local_cluster import LocalCluster, engine_prefix_counters, http_get, http_post_json, wait_until
 from kvroute.tools.stats import percentile
@@ -198,7 +198,7 @@ def router_fail_opens(router_url: str) -> float:
     status, body = http_get(router_url + "/metrics")
     if status != 200:
         raise RuntimeError(f"{router_url}/metrics answered {status}")
-    return prometheus_sums(body.decode(), {FAIL_OPEN_METRIC}).get(FAIL_OPEN_METRIC, 0.0)
+    return sample_sums(body.decode(), {FAIL_OPEN_METRIC}).get(FAIL_OPEN_METRIC, 0.0)
 
 
 def print_table(results: list[PolicyResult], file=sys.stdout) -> None:

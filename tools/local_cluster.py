@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvroute.control_plane.audit import FleetAudit, audit_fleet
+from kvroute.prom_text import sample_sums, samples
 from kvroute.tools.sim_engine.dialects import DEFAULT_DIALECT, get_dialect
 
 _WORDS = ("cache", "token", "prefix", "router", "worker", "model", "request", "latency", "block", "memory", "engine",
@@ -108,13 +109,8 @@ def engine_prefix_counters(url: str) -> tuple[float, float]:
     status, body = http_get(url + "/metrics")
     if status != 200:
         raise RuntimeError(f"{url}/metrics answered {status}")
-    queries = hits = 0.0
-    for line in body.decode().splitlines():
-        if line.startswith(PREFIX_CACHE_QUERIES):
-            queries += float(line.rsplit(" ", 1)[1])
-        elif line.startswith(PREFIX_CACHE_HITS):
-            hits += float(line.rsplit(" ", 1)[1])
-    return queries, hits
+    sums = sample_sums(body.decode(), {PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS})
+    return sums.get(PREFIX_CACHE_QUERIES, 0.0), sums.get(PREFIX_CACHE_HITS, 0.0)
 
 
 def http_post_json(url: str, body: dict | None = None, timeout: float = 10.0) -> tuple[int, bytes]:
@@ -376,12 +372,10 @@ class LocalCluster:
             status, body = http_get(handle.agent_metrics_url + "/metrics")
         except OSError:
             return {}
-        counters = {}
-        for line in body.decode().splitlines() if status == 200 else ():
-            name, _, value = line.partition(" ")
-            if name.startswith("kvroute_agent_") and name.endswith("_total"):
-                counters[name[len("kvroute_agent_"):-len("_total")]] = float(value)
-        return counters
+        if status != 200:
+            return {}
+        return {s.name[len("kvroute_agent_"):-len("_total")]: s.value for s in samples(body.decode())
+                if s.name.startswith("kvroute_agent_") and s.name.endswith("_total")}
 
     def wait_engines_healthy(self, timeout: float = 60.0) -> None:
         for e in self.engines:

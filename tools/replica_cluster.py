@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvroute.control_plane.audit import FleetAudit, audit_fleet
+from kvroute.prom_text import sums_by_label
 from kvroute.tools.local_cluster import (
     EngineHandle,
     LocalCluster,
@@ -272,13 +273,11 @@ class FailOpenWatch:
 
     def totals(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        prefix = 'kvroute_router_fail_open_total{reason="'
         for url in self.router_urls:
             status, body = http_get(url + "/metrics", timeout=1.0)
-            for line in body.decode().splitlines() if status == 200 else ():
-                if line.startswith(prefix):
-                    reason = line[len(prefix):line.index('"', len(prefix))]
-                    out[reason] = out.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+            if status == 200:
+                for reason, value in sums_by_label(body.decode(), "kvroute_router_fail_open_total", "reason").items():
+                    out[reason] = out.get(reason, 0.0) + value
         return out
 
     def _run(self) -> None:

@@ -28,9 +28,11 @@ from dataclasses import dataclass
 import zmq.asyncio
 from aiohttp import web
 from opentelemetry import trace
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
+from prometheus_client.aiohttp import make_aiohttp_handler
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvroute.build_info import register_build_info
 from kvroute.listeners import start_status_site
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.worker_agent import sglang_wire, vllm_wire
@@ -278,6 +280,7 @@ class WorkerAgent:
                                             max_body_bytes=config.kv_events_max_poll_bytes)
         self.metrics_port: int | None = None  # the bound port once the metrics server runs
         self.metrics_registry = CollectorRegistry()
+        register_build_info(self.metrics_registry, "agent")
         self.metrics_registry.register(_AgentCollector(self))
         self._metrics_runner: web.AppRunner | None = None
         self.model_known = bool(config.model)  # False until the engine's GET /v1/models answered
@@ -398,7 +401,7 @@ class WorkerAgent:
     async def start_metrics_server(self) -> int:
         self._metrics_runner, self.metrics_port = await start_status_site(
             "--metrics-port", self.config.metrics_host, self.config.metrics_port,
-            {"/metrics": self._metrics, "/health": self._health, "/ready": self._ready})
+            {"/metrics": make_aiohttp_handler(self.metrics_registry), "/health": self._health, "/ready": self._ready})
         log.info("agent metrics on http://%s:%d/metrics", self.config.metrics_host, self.metrics_port)
         return self.metrics_port
 
@@ -407,11 +410,6 @@ class WorkerAgent:
             await self._metrics_runner.cleanup()
             self._metrics_runner = None
 
-    def metrics_text(self) -> bytes:
-        return generate_latest(self.metrics_registry)
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics_text(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _ready(self, request: web.Request) -> web.Response:
         ready, body = self.readiness()

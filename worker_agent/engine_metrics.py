@@ -9,8 +9,8 @@
   (`usedNumBlocks / maxNumBlocks`). Missing fields count as unknown (usage kept as last known); an
   empty list means the executor did not step since the last poll, i.e. nothing ran.
 Prometheus counts are summed over label sets (one per engine core / DP rank / model name), usage is
-averaged (a sum of per-engine fractions would exceed 1). The text parser is a tolerant line scan:
-lines it does not understand are skipped. When the engine is unreachable (or answers without any
+averaged (a sum of per-engine fractions would exceed 1). The text is read by prometheus_client's
+parser (`kvroute.prom_text`); a malformed line naming a load metric is skipped, the others still count. When the engine is unreachable (or answers without any
 of these metrics) the load stays last-known (its `observed_unix_ms` ages) and `failures` rises.
 """
 
@@ -19,12 +19,14 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import aiohttp
 import msgspec
 
 from kvroute.poller import poll_forever
+from kvroute.prom_text import samples
 from kvroute.rate_limited_log import RateLimitedLog
 from kvroute.v1 import kvroute_pb2 as pb
 
@@ -35,7 +37,6 @@ log = logging.getLogger("kvroute.agent.engine_metrics")
 class PrometheusLoadNames:
     """The metric names an engine reports its load under."""
 
-    prefix: str               # every wanted name starts with it (cheap line filter)
     running: str
     waiting: str
     usage: tuple[str, ...]    # KV usage 0..1, newest name first
@@ -45,39 +46,27 @@ class PrometheusLoadNames:
         return (self.running, self.waiting, *self.usage)
 
 
-VLLM_METRICS = PrometheusLoadNames("vllm:", "vllm:num_requests_running", "vllm:num_requests_waiting",
+VLLM_METRICS = PrometheusLoadNames("vllm:num_requests_running", "vllm:num_requests_waiting",
                                    ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"))
-SGLANG_METRICS = PrometheusLoadNames("sglang:", "sglang:num_running_reqs", "sglang:num_queue_reqs", ("sglang:token_usage",))
+SGLANG_METRICS = PrometheusLoadNames("sglang:num_running_reqs", "sglang:num_queue_reqs", ("sglang:token_usage",))
 PROMETHEUS_ENGINES = {"vllm": VLLM_METRICS, "sglang": SGLANG_METRICS}
 
 
-def _samples(text: str, names: PrometheusLoadNames):
-    """(name, value) of every wanted sample line; malformed lines are skipped."""
-    wanted = names.wanted
-    for line in text.splitlines():
-        if not line.startswith(names.prefix):
-            continue
-        brace = line.find("{")
-        space = line.find(" ")
-        if brace != -1 and (space == -1 or brace < space):
-            name = line[:brace]
-            close = line.rfind("}")
-            if close < brace:
+def _samples(text: str, names: PrometheusLoadNames) -> Iterator[tuple[str, float]]:
+    """(name, value) of every finite sample of a wanted name. If a line naming one is malformed, each line
+    is parsed on its own and the malformed ones are skipped: one bad line does not hide the engine's load."""
+    try:
+        found = list(samples(text, names.wanted))
+    except ValueError:
+        found = []
+        for line in text.splitlines():
+            try:
+                found += samples(line, names.wanted)
+            except ValueError:
                 continue
-            rest = line[close + 1:].split()
-        else:
-            if space == -1:
-                continue
-            name = line[:space]
-            rest = line[space + 1:].split()
-        if name not in wanted or not rest:
-            continue
-        try:
-            value = float(rest[0])
-        except ValueError:
-            continue
-        if math.isfinite(value):
-            yield name, value
+    for sample in found:
+        if math.isfinite(sample.value):
+            yield sample.name, sample.value
 
 
 def _now_ms(now_ms: int | None) -> int:

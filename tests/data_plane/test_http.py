@@ -31,6 +31,7 @@ from kvroute.data_plane.proxy import BackendProxy
 from kvroute.data_plane.request_prep import RequestPreparer
 from kvroute.data_plane.routing import Router
 from kvroute.data_plane.tokenization import PromptTokenizer, load_tokenizer
+from kvroute.prom_text import sample_value
 from kvroute.telemetry import install_tracer_provider
 from kvroute.tools.local_cluster import free_port
 from kvroute.v1 import kvroute_pb2 as pb
@@ -121,7 +122,9 @@ class FakeBackend:
             return web.Response()
         body = json.loads(raw)
         if not body.get("stream"):
-            return web.json_response({"backend": self.name, "path": request.path, "raw": raw.decode()})
+            return web.json_response({"backend": self.name, "path": request.path, "raw": raw.decode(),
+                                      "usage": {"prompt_tokens": 40, "completion_tokens": 2,
+                                                "prompt_tokens_details": {"cached_tokens": 32}}})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Backend": self.name})
         await resp.prepare(request)
         await resp.write(f'data: {{"backend": "{self.name}", "n": 0}}\n\n'.encode())
@@ -375,8 +378,7 @@ async def test_control_plane_stopped_requests_still_succeed(stack: Stack) -> Non
     await eventually(health_says_unreachable, 5, what="/health saying the control plane is unreachable")
     async with stack.session.get(stack.url + "/metrics") as resp:
         metrics = await resp.text()
-    fail_open = [line for line in metrics.splitlines() if line.startswith("kvroute_router_fail_open_total")]
-    assert fail_open and float(fail_open[0].split()[-1]) >= 13
+    assert (sample_value(metrics, "kvroute_router_fail_open_total") or 0) >= 13
 
 
 async def test_slow_or_empty_index_fails_open_within_the_deadline(tiny_model_dir) -> None:
@@ -433,7 +435,16 @@ async def test_refused_backend_is_retried_on_the_next_best(stack: Stack) -> None
     async with stack.session.get(stack.url + "/metrics") as resp:
         metrics = await resp.text()
     assert 'kvroute_router_backend_errors_total{worker="A"} 1.0' in metrics
-    assert 'kvroute_router_requests_total{policy="kv_aware",worker="B"} 2.0' in metrics
+    assert 'kvroute_router_proxied_requests_total{policy="kv_aware",worker="B"} 2.0' in metrics
+    # One retry, one sit-out begun; A is visibly out (circuit open) while B serves.
+    assert sample_value(metrics, "kvroute_router_retries_total") == 1
+    assert sample_value(metrics, "kvroute_router_worker_sit_outs_total", {"worker": "A"}) == 1
+    assert sample_value(metrics, "kvroute_router_worker_sitting_out", {"worker": "A"}) == 1
+    assert sample_value(metrics, "kvroute_router_worker_sitting_out", {"worker": "B"}) == 0
+    assert sample_value(metrics, "kvroute_router_worker_healthy", {"worker": "A"}) == 0
+    assert sample_value(metrics, "kvroute_router_worker_healthy", {"worker": "B"}) == 1
+    assert sample_value(metrics, "kvroute_router_http_requests_total", {"route": "/v1/completions", "code": "200"}) == 2
+    assert sample_value(metrics, "kvroute_router_time_to_first_token_seconds_count") == 1  # the streamed one
     assert stack.router.inflight.snapshot() == {}
 
 
@@ -498,10 +509,22 @@ async def test_models_health_metrics(stack: Stack) -> None:
     await stack.post("/v1/completions", completion())
     async with stack.session.get(stack.url + "/metrics") as resp:
         text = await resp.text()
-    for name in ("kvroute_router_requests_total", "kvroute_router_decision_seconds_bucket",
+    for name in ("kvroute_router_proxied_requests_total", "kvroute_router_decision_seconds_bucket",
                  "kvroute_router_fail_open_total", "kvroute_router_backend_errors_total",
-                 "kvroute_router_cached_tokens_total", "kvroute_router_prompt_tokens_total"):
+                 "kvroute_router_predicted_cached_tokens_total", "kvroute_router_prompt_tokens_total"):
         assert name in text, name
+    # What the engine reported it reused (usage.prompt_tokens_details), beside what the router expected.
+    assert sample_value(text, "kvroute_router_engine_prompt_tokens_total") == 40
+    assert sample_value(text, "kvroute_router_engine_cached_tokens_total") == 32
+    assert sample_value(text, "kvroute_build_info", {"component": "router"}) == 1
+    assert sample_value(text, "kvroute_router_http_requests_total", {"route": "/v1/models", "code": "200"}) == 1
+    assert sample_value(text, "kvroute_router_http_request_duration_seconds_count", {"route": "/v1/completions"}) == 1
+    assert sample_value(text, "kvroute_router_http_requests_in_flight") == 1  # this scrape itself
+    async with stack.session.get(stack.url + "/nowhere") as resp:
+        assert resp.status == 404
+    async with stack.session.get(stack.url + "/metrics") as resp:
+        text = await resp.text()
+    assert sample_value(text, "kvroute_router_http_requests_total", {"route": "other", "code": "404"}) == 1
 
 
 # ---------------------------------------------------------------- tracing
@@ -553,6 +576,15 @@ async def test_grpc_route(stack: Stack) -> None:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Route(bad, timeout=5)
             assert err.value.code() == code and message in err.value.details(), err.value.details()
+        with pytest.raises(grpc.aio.AioRpcError):
+            await stub.Release(pb.ReleaseRequest(reservation_id=12345), timeout=5)
+        async with stack.session.get(stack.url + "/metrics") as resp:
+            text = await resp.text()
+        assert sample_value(text, "kvroute_router_grpc_requests_total", {"method": "Route", "code": "OK"}) == 4
+        assert sample_value(text, "kvroute_router_grpc_requests_total", {"method": "Route", "code": "INVALID_ARGUMENT"}) == 4
+        assert sample_value(text, "kvroute_router_grpc_requests_total", {"method": "Route", "code": "NOT_FOUND"}) == 1
+        assert sample_value(text, "kvroute_router_grpc_requests_total", {"method": "Release", "code": "NOT_FOUND"}) == 1
+        assert sample_value(text, "kvroute_router_grpc_request_duration_seconds_count", {"method": "Route"}) == 9
         await stack.stop_control_plane()
         answer = await stub.Route(pb.RouteRequest(model=MODEL, prompt=PROMPT), timeout=5)
         assert answer.fail_open and answer.worker_id in {"A", "B"}

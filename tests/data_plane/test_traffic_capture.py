@@ -94,8 +94,8 @@ async def test_rows_share_ids_for_shared_prefixes_dense_and_content_free(tmp_pat
     text = path.read_text()
     assert str(BIG) not in text and "tenant" not in text and "tiny" not in text
     assert max(int(n) for n in re.findall(r"\d+", text)) < 3000  # no token id or 64-bit key, only small numbers
-    assert counter(metrics, "kvroute_capture_rows_total") == 4
-    assert counter(metrics, "kvroute_capture_dropped_total") == 0
+    assert counter(metrics, "kvroute_router_capture_rows_total") == 4
+    assert counter(metrics, "kvroute_router_capture_dropped_rows_total") == 0
 
 
 async def test_periodic_flush_sorting_and_bounded_id_map(tmp_path: Path) -> None:
@@ -139,8 +139,8 @@ async def test_write_failure_drops_and_counts_rows_and_logs_once(caplog) -> None
         cap.record(3, [1, 2, 3], 1, "m")
         await cap.flush()
         await cap.aclose()  # closing retries the file's own buffer into the full device: must not raise
-    assert counter(metrics, "kvroute_capture_dropped_total") == 3
-    assert counter(metrics, "kvroute_capture_rows_total") == 0
+    assert counter(metrics, "kvroute_router_capture_dropped_rows_total") == 3
+    assert counter(metrics, "kvroute_router_capture_rows_total") == 0
     assert len([r for r in caplog.records if "cannot write" in r.getMessage()]) == 1
 
 
@@ -188,8 +188,8 @@ async def test_a_half_written_batch_is_cut_off_and_the_trace_stays_loadable(tmp_
     assert [r["timestamp"] for r in rows] == [1, 3]
     assert rows[1]["hash_ids"] == [4, 5]  # ids 2, 3 went to the dropped row
     assert len(load_mooncake_trace(path).requests) == 2
-    assert counter(metrics, "kvroute_capture_dropped_total") == 1
-    assert counter(metrics, "kvroute_capture_rows_total") == 2
+    assert counter(metrics, "kvroute_router_capture_dropped_rows_total") == 1
+    assert counter(metrics, "kvroute_router_capture_rows_total") == 2
 
 
 async def test_buffer_bound_drops_instead_of_growing(tmp_path: Path) -> None:
@@ -200,7 +200,7 @@ async def test_buffer_bound_drops_instead_of_growing(tmp_path: Path) -> None:
         cap.record(i, [1] * 600, 1, "m")
     await cap.aclose()
     assert len(read_rows(tmp_path / "b.jsonl")) == 2
-    assert counter(metrics, "kvroute_capture_dropped_total") == 3
+    assert counter(metrics, "kvroute_router_capture_dropped_rows_total") == 3
 
 
 def test_output_length_from_the_response_tail() -> None:
@@ -278,8 +278,8 @@ def test_router_captures_live_traffic_that_the_simulator_replays(tmp_path: Path,
         # The background flush writes within about a second, before any shutdown.
         wait_until(lambda: trace_path.exists() and len(read_rows(trace_path)) == 7, 10, "periodic flush", [router])
         metrics = http_get(url + "/metrics")[1].decode()
-        assert "kvroute_capture_rows_total 7.0" in metrics
-        assert "kvroute_capture_dropped_total 0.0" in metrics
+        assert "kvroute_router_capture_rows_total 7.0" in metrics
+        assert "kvroute_router_capture_dropped_rows_total 0.0" in metrics
         # One more, then SIGTERM at once: the shutdown flush must keep it.
         status, raw = http_post_json(url + "/v1/completions", {"model": cluster.model, "prompt": prompts[0],
                                                                "max_tokens": 2})

@@ -110,12 +110,12 @@ async def test_audit_finds_what_the_control_plane_was_told_falsely(fleet) -> Non
         # The control plane's own periodic audit exports the same per worker, tier and kind.
         def divergence_exported():
             text = http_get(metrics_url + "/metrics")[1].decode()
-            return 'kvroute_cp_audit_divergent_blocks{kind="missing",medium="gpu",worker_id="liar"} 2.0' in text and text
+            return 'kvroute_cp_audit_divergent_blocks{kind="missing",medium="gpu",worker="liar"} 2.0' in text and text
         text = wait_until(divergence_exported, 20, "the periodic audit to report the liar", cluster.all_processes())
-        assert 'kvroute_cp_audit_divergent_blocks{kind="extra",medium="gpu",worker_id="liar"} 2.0' in text
-        assert f'kvroute_cp_audit_divergent_blocks{{kind="missing",medium="gpu",worker_id="{engine.worker_id}"}} 0.0' in text
-        assert f'kvroute_cp_audit_last_success_timestamp_seconds{{worker_id="{engine.worker_id}"}}' in text
-        assert 'kvroute_cp_audit_last_success_timestamp_seconds{worker_id="opaque"}' not in text
+        assert 'kvroute_cp_audit_divergent_blocks{kind="extra",medium="gpu",worker="liar"} 2.0' in text
+        assert f'kvroute_cp_audit_divergent_blocks{{kind="missing",medium="gpu",worker="{engine.worker_id}"}} 0.0' in text
+        assert f'kvroute_cp_audit_last_success_timestamp_seconds{{worker="{engine.worker_id}"}}' in text
+        assert 'kvroute_cp_audit_last_success_timestamp_seconds{worker="opaque"}' not in text
         assert 'kvroute_cp_audit_runs_total{result="not_auditable"}' in text
     finally:
         await liar.close()

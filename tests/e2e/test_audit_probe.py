@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from kvroute.control_plane import audit as audit_module
-from kvroute.control_plane.audit import PROBE_BLOCKS, Prober, ProbeTarget, WorkerAudit, probe_target, prometheus_sums
+from kvroute.control_plane.audit import PROBE_BLOCKS, Prober, ProbeTarget, WorkerAudit, probe_target
 from kvroute.tools.local_cluster import LocalCluster, free_port, http_get, http_post_json, wait_until
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
@@ -27,20 +27,6 @@ PROBE_HIT = PROBE_BLOCKS * BLOCK_SIZE
 
 
 # ---------------------------------------------------------------- without processes
-
-
-def test_prometheus_sums_adds_label_sets_and_skips_other_samples() -> None:
-    text = ("# HELP vllm:prefix_cache_hits_total Prefix cache hits\n"
-            "# TYPE vllm:prefix_cache_hits counter\n"
-            'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 96.0\n'
-            'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 32.0\n'
-            'vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e+09\n'
-            "vllm:prefix_cache_queries_total 300\n"
-            'vllm:prefix_cache_queries_total{model_name="odd } label"} 4\n'
-            "vllm:num_requests_running 2.0\n"
-            "garbage_line_without_value")
-    assert prometheus_sums(text, {"vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"}) == {
-        "vllm:prefix_cache_hits_total": 128.0, "vllm:prefix_cache_queries_total": 304.0}
 
 
 async def test_trtllm_is_not_probed_and_its_metrics_are_not_read() -> None:
@@ -305,8 +291,8 @@ async def test_control_plane_probes_periodically_and_exports_the_divergence(flee
         liar = FakeAgent(second.control_plane_addr)
         await liar.claim("liar", fleet.front.url, {"gpu": [11, 12, 13]})
         metrics = f"http://127.0.0.1:{metrics_port}/metrics"
-        liar_series = 'kvroute_cp_audit_divergent_blocks{kind="probe",medium="any",worker_id="liar"}'
-        blind_series = f'kvroute_cp_audit_divergent_blocks{{kind="probe",medium="any",worker_id="{fleet.blind}"}}'
+        liar_series = 'kvroute_cp_audit_divergent_blocks{kind="probe",medium="any",worker="liar"}'
+        blind_series = f'kvroute_cp_audit_divergent_blocks{{kind="probe",medium="any",worker="{fleet.blind}"}}'
 
         def exported():
             text = http_get(metrics)[1].decode()
@@ -314,7 +300,7 @@ async def test_control_plane_probes_periodically_and_exports_the_divergence(flee
 
         text = await asyncio.to_thread(wait_until, exported, 30, "the periodic probe audit to export both workers",
                                        second.all_processes())
-        assert f'kvroute_cp_audit_last_success_timestamp_seconds{{worker_id="{fleet.blind}"}}' in text
+        assert f'kvroute_cp_audit_last_success_timestamp_seconds{{worker="{fleet.blind}"}}' in text
         assert 'kvroute_cp_audit_runs_total{result="ok"}' in text
         # A worker that leaves (its agent stops heartbeating) loses its series.
         await liar.close()

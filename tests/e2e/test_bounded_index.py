@@ -6,11 +6,11 @@ the control plane was told falsely."""
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 
 import grpc
 
+from kvroute.prom_text import sample_value
 from kvroute.tools.local_cluster import free_port, http_get, http_post_json, kvroute_argv, wait_until
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
@@ -20,10 +20,10 @@ BLOCK_SIZE = 16
 BOUND = 40
 
 
-def metric(text: str, name: str, labels: str = "") -> float:
-    found = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.MULTILINE)
-    assert found, f"{name}{labels} not in /metrics"
-    return float(found.group(1))
+def metric(text: str, name: str, labels: dict[str, str] | None = None) -> float:
+    found = sample_value(text, name, labels)
+    assert found is not None, f"{name}{labels or ''} not in /metrics"
+    return found
 
 
 async def test_a_bounded_control_plane_keeps_its_bound_and_its_audit_honest(local_fleet) -> None:
@@ -41,7 +41,7 @@ async def test_a_bounded_control_plane_keeps_its_bound_and_its_audit_honest(loca
 
     def evicted_enough() -> str | None:
         text = http_get(metrics_url)[1].decode()
-        return text if metric(text, "kvroute_cp_index_evicted_entries_total", '{recently_matched="false"}') >= 20 else None
+        return text if metric(text, "kvroute_cp_index_evicted_entries_total", {"recently_matched": "false"}) >= 20 else None
 
     text = wait_until(evicted_enough, 20, "the bound to be passed", cluster.all_processes())
     truth = {tier: set(keys) for tier, keys in json.loads(http_get(engine.url + "/kvroute/blocks")[1])["tiers"].items()}
@@ -50,7 +50,7 @@ async def test_a_bounded_control_plane_keeps_its_bound_and_its_audit_honest(loca
     assert 50 < metric(text, "kvroute_cp_index_bytes_per_entry") < 1000
     assert metric(text, "kvroute_cp_index_bytes") > 0
     assert metric(text, "kvroute_cp_index_workers_with_evictions") == 1
-    assert metric(text, "kvroute_cp_index_evicted_entries_total", '{recently_matched="true"}') == 0
+    assert metric(text, "kvroute_cp_index_evicted_entries_total", {"recently_matched": "true"}) == 0
 
     # GetWorkerKeys says how many of the worker's entries the bound dropped, beside the keys it kept.
     with grpc.insecure_channel(cluster.control_plane_addr) as channel:
@@ -87,12 +87,12 @@ async def test_a_bounded_control_plane_keeps_its_bound_and_its_audit_honest(loca
     # The periodic audit exports the explained part apart from the divergence.
     def audited() -> str | None:
         text = http_get(metrics_url)[1].decode()
-        return text if f'kind="missing_evicted",medium="gpu",worker_id="{engine.worker_id}"' in text else None
+        return text if f'kind="missing_evicted",medium="gpu",worker="{engine.worker_id}"' in text else None
 
     text = wait_until(audited, 20, "the periodic audit", cluster.all_processes())
-    labels = f'{{kind="missing",medium="gpu",worker_id="{engine.worker_id}"}}'
-    assert metric(text, "kvroute_cp_audit_divergent_blocks", labels) == 0
-    assert metric(text, "kvroute_cp_audit_divergent_blocks", labels.replace('"missing"', '"missing_evicted"')) > 0
+    labels = {"medium": "gpu", "worker": engine.worker_id}
+    assert metric(text, "kvroute_cp_audit_divergent_blocks", {**labels, "kind": "missing"}) == 0
+    assert metric(text, "kvroute_cp_audit_divergent_blocks", {**labels, "kind": "missing_evicted"}) > 0
 
 
 def test_a_negative_bound_is_a_usage_error() -> None:

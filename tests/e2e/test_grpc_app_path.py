@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from kvroute.control_plane.audit import prometheus_sums
+from kvroute.prom_text import sample_sums, sample_value
 from kvroute.tools.local_cluster import LocalCluster, free_port, http_get, http_ok, http_post_json, long_text, wait_until
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
@@ -86,10 +86,9 @@ def test_an_unreleased_reservation_expires(fleet) -> None:
     wait_until(lambda: others_on(stubs["b"], r.worker_id) == 0, 5, "the reservation gone after its TTL")
     status, body = http_get(urls["a"] + "/metrics")
     assert status == 200
-    sums = prometheus_sums(body.decode(), {"kvroute_router_reservations_total", "kvroute_router_reservations_held"})
+    sums = sample_sums(body.decode(), {"kvroute_router_reservations_total", "kvroute_router_reservations_held"})
     assert sums["kvroute_router_reservations_held"] == 0
-    raw = [line for line in body.decode().splitlines() if line.startswith("kvroute_router_reservations_total")]
-    assert any('event="expired"' in line and not line.endswith(" 0.0") for line in raw), raw
+    assert (sample_value(body.decode(), "kvroute_router_reservations_total", {"event": "expired"}) or 0) > 0
     assert not stubs["a"].Release(pb.ReleaseRequest(reservation_id=r.reservation_id), timeout=5).was_held
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.control_plane.audit import prometheus_sums
+from kvroute.prom_text import sample_sums
 from kvroute.tools.local_cluster import ManagedProcess, free_port, http_get, http_ok, http_post_json, kvroute_argv, wait_until
 
 MODEL = "tiny"
@@ -96,7 +96,7 @@ def assert_too_large(response: bytes) -> None:
 def tokenized_chars(url: str) -> float:
     status, text = http_get(url + "/metrics")
     assert status == 200
-    return prometheus_sums(text.decode(), {TOKENIZED})[TOKENIZED]
+    return sample_sums(text.decode(), {TOKENIZED})[TOKENIZED]
 
 
 def head(path: str, *headers: str) -> bytes:

@@ -7,6 +7,7 @@ import json
 import aiohttp
 import pytest
 
+from kvroute.prom_text import sample_sums
 from kvroute.tools.sim_engine.cost_model import CostModel
 from kvroute.tools.sim_engine.engine import EngineConfig, SimEngine
 from kvroute.tools.sim_engine.kv_publisher import KvEventPublisher
@@ -33,7 +34,7 @@ async def engine(tiny_model_dir):
 
 
 def metric(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+    return sample_sums(text, {name}).get(name, 0.0)
 
 
 async def sse_chunks(resp: aiohttp.ClientResponse) -> list[str]:

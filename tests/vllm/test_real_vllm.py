@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.control_plane.audit import prometheus_sums
+from kvroute.prom_text import sample_sums
 from kvroute.tools.local_cluster import (
     EngineHandle,
     LocalCluster,
@@ -123,7 +123,7 @@ def router_fail_opens(router_url: str) -> float:
     status, body = http_get(router_url + "/metrics")
     assert status == 200, body
     name = "kvroute_router_fail_open_total"
-    return prometheus_sums(body.decode(), {name}).get(name, 0.0)
+    return sample_sums(body.decode(), {name}).get(name, 0.0)
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,11 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from prometheus_client import generate_latest
 
 from kvroute.block_keys import prompt_block_keys
 from kvroute.control_plane.server import ControlPlaneConfig, ControlPlaneServer
+from kvroute.prom_text import samples as prom_samples
 from kvroute.tools.local_cluster import free_port
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
@@ -212,7 +214,7 @@ async def test_metrics_and_health_endpoints(fleet) -> None:
                 text = await resp.text()
             async with session.get(f"http://127.0.0.1:{mport}/health") as resp:
                 health = await resp.json()
-        samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line.startswith("kvroute_")}
+        samples = {s.name: s.value for s in prom_samples(text) if s.name.startswith("kvroute_") and not s.labels}
         for name in ("batches", "malformed_frames", "malformed_events", "unknown_events", "gaps", "replays",
                      "sequence_resets", "orphan_blocks"):
             assert f"kvroute_agent_{name}_total" in samples, name
@@ -323,7 +325,7 @@ async def test_data_parallel_engine_is_one_worker_per_rank_on_offset_ports() -> 
         assert w0.identity.register_message().register.data_parallel_rank == 0
         assert w1.identity.register_message().register.data_parallel_rank == 1
         assert agent.counters["rank_mismatches"] == 1 and agent.counters["state_resets"] == 0
-        text = agent.metrics_text().decode()
+        text = generate_latest(agent.metrics_registry).decode()
         assert 'kvroute_agent_last_seq{worker="gpu-0-dp1"} 3.0' in text
         assert 'kvroute_agent_tier_blocks{medium="gpu",worker="gpu-0-dp0"} 2.0' in text
     finally:

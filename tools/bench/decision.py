@@ -27,12 +27,12 @@ import grpc
 
 from kvroute import aio
 from kvroute.block_keys import prompt_block_keys
-from kvroute.control_plane.audit import prometheus_sums
 from kvroute.data_plane.control_plane_client import ControlPlaneClient, query_message
 from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.policies import make_policy
 from kvroute.data_plane.routing import Router
 from kvroute.data_plane.tokenization import load_tokenizer
+from kvroute.prom_text import sample_sums
 from kvroute.tools.bench.grpc_echo import round_trips_ms
 from kvroute.tools.local_cluster import LocalCluster, ManagedProcess, free_port, http_get
 from kvroute.tools.stats import percentile
@@ -175,7 +175,7 @@ def control_plane_answer_mean_ms(metrics_url: str) -> float:
     if status != 200:
         raise RuntimeError(f"control plane /metrics answered {status}")
     total, count = "kvroute_cp_query_seconds_sum", "kvroute_cp_query_seconds_count"
-    values = prometheus_sums(body.decode(), {total, count})
+    values = sample_sums(body.decode(), {total, count})
     return round(values[total] / values[count] * 1000, 3) if values.get(count) else 0.0
 
 

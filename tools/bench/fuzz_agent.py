@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 
 from kvroute.block_keys import prompt_block_keys
-from kvroute.control_plane.audit import prometheus_sums
+from kvroute.prom_text import samples
 from kvroute.tools.bench.fuzz import FuzzReport
 from kvroute.tools.local_cluster import LocalCluster, ManagedProcess, free_port, http_get, kvroute_argv, wait_until
 from kvroute.tools.sim_engine.dialects import get_dialect
@@ -234,10 +234,12 @@ class Fuzzer:
             return {}
         if status != 200:
             return {}
-        text = body.decode()
-        names = {line.split(" ")[0] for line in text.splitlines() if line.startswith("kvroute_agent_")}
-        sums = prometheus_sums(text, {n.split("{")[0] for n in names})
-        return {k[len("kvroute_agent_"):].removesuffix("_total"): v for k, v in sums.items()}
+        sums: dict[str, float] = {}
+        for sample in samples(body.decode()):
+            if sample.name.startswith("kvroute_agent_"):
+                name = sample.name[len("kvroute_agent_"):].removesuffix("_total")
+                sums[name] = sums.get(name, 0.0) + sample.value
+        return sums
 
     def expected_malformed_frames(self) -> int:
         return self.sent["malformed_frames"] + self.engine.junk_sent

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from kvroute.control_plane.replication.entries import BlockOp, Op
+from kvroute.prom_text import sample_sums
 from kvroute.tools.bench.ingest import make_payloads, run_ingest
 from kvroute.tools.local_cluster import ManagedProcess, free_port, http_get, kvroute_argv, wait_until
 from kvroute.tools.redis_harness import RedisServer, temp_workdir
@@ -68,11 +69,7 @@ class ReplicaProcess:
 
     def metric(self, name: str) -> float:
         status, body = http_get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2.0)
-        total = 0.0
-        for line in body.decode().splitlines() if status == 200 else ():
-            if line.startswith(name) and (len(line) > len(name) and line[len(name)] in " {"):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return sample_sums(body.decode(), {name}).get(name, 0.0) if status == 200 else 0.0
 
     def rss_bytes(self) -> int:
         assert self.process.popen is not None

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvroute.control_plane.audit import prometheus_sums
+from kvroute.prom_text import sample_sums
 from kvroute.tools.bench.kill import RetryingLoad
 from kvroute.tools.local_cluster import LocalCluster, ManagedProcess, free_port, http_get, http_ok, http_post_json, wait_until
 
@@ -137,7 +137,7 @@ def run_soak(minutes: float, sample_s: float = 60.0, churn_s: float = 20.0, rate
             try:
                 status, body = http_get(cp_metrics + "/metrics")
                 if status == 200:
-                    sample.index_entries = prometheus_sums(body.decode(), {"kvroute_cp_index_entries"}).get(
+                    sample.index_entries = sample_sums(body.decode(), {"kvroute_cp_index_entries"}).get(
                         "kvroute_cp_index_entries", 0.0)
             except OSError:
                 pass
@@ -145,7 +145,7 @@ def run_soak(minutes: float, sample_s: float = 60.0, churn_s: float = 20.0, rate
                 try:
                     status, body = http_get(url + "/metrics")
                     if status == 200:
-                        cache = prometheus_sums(body.decode(), {"kvroute_router_tokenizer_cache_bytes"})
+                        cache = sample_sums(body.decode(), {"kvroute_router_tokenizer_cache_bytes"})
                         sample.tokenizer_cache_mb[f"router-r{i}"] = round(
                             cache.get("kvroute_router_tokenizer_cache_bytes", 0.0) / 2**20, 2)
                 except OSError:
