@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from kvroute.listeners import run_service
 from kvroute.telemetry import setup_tracing, shutdown_tracing
+from kvroute.tls import TlsConfigError, add_grpc_message_argument, add_tls_arguments, tls_files_from_args
+
+# Snapshots of large caches exceed gRPC's 4 MB default (a million keys is ~9 MB).
+DEFAULT_GRPC_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
 def positive(kind: type):
@@ -79,6 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the log behind them")
     p.add_argument("--replica-id", default="", metavar="NAME",
                    help="with --redis: this replica's name in logs, errors and the snapshot lease (default HOST-PID)")
+    add_tls_arguments(p)
+    add_grpc_message_argument(p, DEFAULT_GRPC_MAX_MESSAGE_BYTES)
     p.add_argument("--log-level", default="INFO", help="Python logging level")
 
 
@@ -86,6 +93,11 @@ def run(args: argparse.Namespace) -> int:
     from kvroute.control_plane.server import ControlPlaneConfig, serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        tls = tls_files_from_args(args, server=True)
+    except TlsConfigError as exc:
+        print(f"kvroute control-plane: error: {exc}", file=sys.stderr)
+        return 2
     setup_tracing("kvroute-control-plane")
     try:
         return run_service("control-plane", serve(ControlPlaneConfig(
@@ -95,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
             audit_settle_s=args.audit_settle_ms / 1000, audit_probe=args.audit_probe,
             audit_probe_deadline_s=args.audit_probe_deadline_s, redis_url=args.redis,
             redis_shards=args.redis_shards, snapshot_interval_s=args.snapshot_interval_s,
-            replica_id=args.replica_id, max_index_entries=args.max_index_entries)))
+            replica_id=args.replica_id, max_index_entries=args.max_index_entries, tls=tls,
+            grpc_max_message_bytes=args.grpc_max_message_bytes)))
     finally:
         shutdown_tracing()

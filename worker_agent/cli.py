@@ -21,7 +21,13 @@ import sys
 
 from kvroute.listeners import run_service
 from kvroute.telemetry import setup_tracing, shutdown_tracing
-from kvroute.worker_agent.limits import DEFAULT_MAX_BATCH_EVENTS, DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_POLL_BYTES
+from kvroute.tls import TlsConfigError, add_grpc_message_argument, add_tls_arguments, tls_files_from_args
+from kvroute.worker_agent.limits import (
+    DEFAULT_GRPC_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_BATCH_EVENTS,
+    DEFAULT_MAX_FRAME_BYTES,
+    DEFAULT_MAX_POLL_BYTES,
+)
 
 # Same as kvroute.worker_agent.agent.SUPPORTED_ENGINES / TRANSPORTS (not imported: keeps --help light).
 SUPPORTED_ENGINES = ("vllm", "sglang", "trtllm")
@@ -127,6 +133,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=_port, default=0,
                    help="serve the agent's /metrics, /health (liveness) and /ready (readiness) on this port (0 = off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the /metrics listener")
+    add_tls_arguments(p)
+    add_grpc_message_argument(p, DEFAULT_GRPC_MAX_MESSAGE_BYTES)
     p.add_argument("--log-level", type=_log_level, default="INFO", help="Python logging level")
 
 
@@ -143,7 +151,9 @@ def config_from_args(args: argparse.Namespace):
                        kv_events_max_batch_events=args.kv_events_max_batch_events,
                        kv_events_max_poll_bytes=args.kv_events_max_poll_bytes,
                        data_parallel_size=args.data_parallel_size, data_parallel_rank_start=args.data_parallel_rank_start,
-                       metrics_host=args.metrics_host, metrics_port=args.metrics_port)
+                       metrics_host=args.metrics_host, metrics_port=args.metrics_port,
+                       tls=tls_files_from_args(args, server=False),
+                       grpc_max_message_bytes=args.grpc_max_message_bytes)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -152,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         agent = WorkerAgent(config_from_args(args))
-    except ValueError as exc:  # options that do not fit together (each is valid on its own)
+    except (ValueError, TlsConfigError) as exc:  # options that do not fit together (each is valid on its own)
         print(f"kvroute agent: error: {exc}", file=sys.stderr)
         return 2
     setup_tracing("kvroute-agent")
