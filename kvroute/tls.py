@@ -280,3 +280,15 @@ def add_grpc_message_argument(p: argparse.ArgumentParser, default: int) -> None:
     p.add_argument("--grpc-max-message-bytes", type=positive, default=default, metavar="N",
                    help="largest gRPC message this process sends or accepts, on each of its gRPC servers and clients "
                         "(a larger one fails with RESOURCE_EXHAUSTED)")
+
+
+def engine_client_context(ca: str, files: TlsFiles) -> ssl.SSLContext:
+    """The router's TLS client context for https:// engines: verified against `ca` (--engine-tls-ca);
+    presents the router's own certificate when it has one (engines behind an mTLS proxy)."""
+    try:
+        context = ssl.create_default_context(cafile=ca)
+        if files.cert:
+            context.load_cert_chain(files.cert, files.key)
+    except (OSError, ssl.SSLError) as exc:
+        raise TlsConfigError(f"--engine-tls-ca {ca}: {exc}") from None
+    return context
