@@ -25,7 +25,7 @@ import grpc
 import pytest
 
 from kvroute.tls import ClientTls, TlsFiles, open_channel
-from kvroute.tools.local_cluster import free_port
+from kvroute.tools.local_cluster import ManagedProcess, free_port, kvroute_argv, wait_until
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 from tests.helpers import REPO
@@ -126,6 +126,21 @@ def test_mtls_setup_works_as_written(tmp_path: Path) -> None:
         assert {"ca.crt", "control-plane.crt", "agent-sim-0.crt", "router-1.crt"} <= {p.name for p in pki.iterdir()}
         stranger = TestCA(tmp_path / "other-pki", "other-ca").issue("stranger", uris=["spiffe://kvroute/worker/sim-0"])
         asyncio.run(check_authority(f"127.0.0.1:{ports[50051]}", pki, stranger.cert.with_suffix("")))
+        # The README's claim: an agent process with that certificate and another worker id is refused, says
+        # so in its log, and keeps retrying; the index never holds sim-1.
+        intruder = ManagedProcess("agent-sim-1", kvroute_argv(
+            "agent", "--control-plane", f"127.0.0.1:{ports[50051]}", "--engine", "vllm", "--kv-events",
+            f"tcp://127.0.0.1:{ports[5557]}", "--engine-url", f"http://127.0.0.1:{ports[8000]}", "--worker-id", "sim-1",
+            "--block-size", "16", "--tls-cert", str(pki / "agent-sim-0.crt"), "--tls-key", str(pki / "agent-sim-0.key"),
+            "--tls-ca", str(pki / "ca.crt")), tmp_path / "intruder.log")
+        intruder.start()
+        try:
+            wait_until(lambda: "PERMISSION_DENIED" in (tmp_path / "intruder.log").read_text(), 30,
+                       "the intruding agent's refusal", [intruder])
+            assert "does not name worker 'sim-1'" in (tmp_path / "intruder.log").read_text()
+            assert intruder.alive()
+        finally:
+            intruder.stop()
         router_log = (tmp_path / "router.log").read_text()
         assert "router ready: https://" in router_log and "tls=mtls" in router_log, router_log[-2000:]
     finally:
