@@ -215,7 +215,9 @@ class ServerTls:
 
     def _build_context(self, require_client_cert: bool) -> ssl.SSLContext:
         cert, key, ca = self._split(self._watch.contents)
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        # Not create_default_context: it trusts the system's CAs, and client certificates must come from ours.
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
         _load_chain(context, cert, key)
         if require_client_cert:
             if ca is None:

@@ -128,6 +128,40 @@ async def test_https_listener_serves_a_rotated_certificate(tmp_path):
         await runner.cleanup()
 
 
+async def test_https_listener_with_client_certificates_takes_only_the_cas(tmp_path):
+    ca, other = TestCA(tmp_path / "pki", "kvroute-ca"), TestCA(tmp_path / "other", "other-ca")
+    served = ca.issue("router")
+    tls = ServerTls(TlsFiles(str(served.cert), str(served.key), str(ca.ca_path)))
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = await start_http_site(runner, "--port", "127.0.0.1", 0, ssl_context=tls.ssl_context(
+        require_client_cert=True))
+
+    async def status(client_cert) -> int | str:
+        context = ssl.create_default_context(cafile=ca.ca_path)
+        if client_cert is not None:
+            context.load_cert_chain(client_cert.cert, client_cert.key)
+        async with aiohttp.ClientSession() as session:
+            try:
+                async with session.get(f"https://localhost:{port}/health", ssl=context) as response:
+                    return response.status
+            except (aiohttp.ClientError, ssl.SSLError, ConnectionError):
+                return "refused"
+
+    try:
+        assert await status(ca.issue("app")) == 200
+        assert await status(None) == "refused"
+        assert await status(other.issue("app")) == "refused"
+    finally:
+        await runner.cleanup()
+
+
 def test_bad_tls_files_are_one_line_and_exit_2(tmp_path):
     ca = TestCA(tmp_path / "pki")
     cert = ca.issue("control-plane")
