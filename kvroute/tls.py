@@ -25,7 +25,7 @@ import os
 import ssl
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -121,7 +121,7 @@ class _Watched:
     def _read(self) -> tuple[bytes, ...]:
         return tuple(Path(p).read_bytes() for p in self.paths)
 
-    def changed(self, validate) -> bool:
+    def changed(self, validate: Callable[[tuple[bytes, ...]], None]) -> bool:
         """Reload if a file changed since the last load and `validate(contents)` accepts the new
         bytes; True when it did."""
         now = time.monotonic()
