@@ -92,6 +92,23 @@ async def check_authority(address: str, pki: Path, stranger: Path) -> None:
             assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+async def check_router_grpc(address: str, pki: Path) -> None:
+    """The router's gRPC Router port: TLS with client certificates, and the API key in metadata."""
+    request = pb.RouteRequest(model="tiny-llama", prompt="hello")
+    async with open_channel(address, tls(pki, "router-1")) as channel:
+        route = pb_grpc.RouterStub(channel).Route
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await route(request, timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        answer = await route(request, metadata=(("authorization", "Bearer sk-demo-key"),), timeout=5)
+        assert answer.worker_id == "sim-0"
+    async with open_channel(address, ClientTls(TlsFiles(ca=str(pki / "ca.crt")))) as channel:  # no certificate
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await pb_grpc.RouterStub(channel).Route(request, metadata=(("authorization", "Bearer sk-demo-key"),),
+                                                    timeout=3)
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
 @pytest.mark.timeout(240)
 def test_mtls_setup_works_as_written(tmp_path: Path) -> None:
     certs, fleet = readme_blocks("### mTLS set-up", 2)
@@ -126,6 +143,7 @@ def test_mtls_setup_works_as_written(tmp_path: Path) -> None:
         assert {"ca.crt", "control-plane.crt", "agent-sim-0.crt", "router-1.crt"} <= {p.name for p in pki.iterdir()}
         stranger = TestCA(tmp_path / "other-pki", "other-ca").issue("stranger", uris=["spiffe://kvroute/worker/sim-0"])
         asyncio.run(check_authority(f"127.0.0.1:{ports[50051]}", pki, stranger.cert.with_suffix("")))
+        asyncio.run(check_router_grpc(f"localhost:{ports[50052]}", pki))
         # The README's claim: an agent process with that certificate and another worker id is refused, says
         # so in its log, and keeps retrying; the index never holds sim-1.
         intruder = ManagedProcess("agent-sim-1", kvroute_argv(
