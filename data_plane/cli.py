@@ -24,6 +24,8 @@ DEFAULT_GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvroute.data_plane.admission import DEFAULT_MAX_CONCURRENT_REQUESTS
+    from kvroute.data_plane.api_keys import ENV_API_KEYS
     from kvroute.data_plane.policies import POLICIES  # pure module, cheap to import for --help
     from kvroute.data_plane.traffic_capture import CAPTURE_BLOCK_TOKENS
 
@@ -80,9 +82,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage-timing", action="store_true",
                    help="keep per-stage timings of proxied requests (parse, prepare, keys, query, score, connect, "
                         "first_byte) and serve them at GET /debug/stages (kvroute bench proxy turns this on)")
-    from kvroute.data_plane.admission import DEFAULT_MAX_CONCURRENT_REQUESTS
-    from kvroute.data_plane.api_keys import ENV_API_KEYS
-
     p.add_argument("--max-concurrent-requests", type=_positive_int, default=DEFAULT_MAX_CONCURRENT_REQUESTS,
                    metavar="N", help="HTTP requests in progress at once (proxied streams included); past it a 429 "
                                      "with Retry-After, never a queue")
