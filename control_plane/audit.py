@@ -41,11 +41,15 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from kvroute.block_keys import prompt_block_keys
 from kvroute.prom_text import sample_sums
+
+if TYPE_CHECKING:
+    from kvroute.tls import ClientTls
 
 TierKeys = dict[str, set[int]]  # tier label ("gpu", "cpu", "disk") -> keys
 EVICTED_METADATA_PREFIX = "kvroute-evicted-entries-"  # + tier label: GetWorkerKeys' initial metadata
@@ -465,18 +469,20 @@ class FleetAudit:
 
 async def audit_fleet(control_plane: str, workers: Sequence[str] = (), *, settle_s: float = 0.5,
                       timeout_s: float = 10.0, concurrency: int = 8, probe: bool = False, force_probe: bool = False,
-                      probe_deadline_s: float = 5.0) -> FleetAudit:
+                      probe_deadline_s: float = 5.0, tls: ClientTls | None = None) -> FleetAudit:
     """`kvroute audit` without the printing: compare `workers` (default: every registered worker), probing
     those without a block set when `probe` (every one when `force_probe`). A worker that could not be
-    compared is an error in its WorkerAudit (status "error") and in `errors`."""
+    compared is an error in its WorkerAudit (status "error") and in `errors`. `tls`: to a control plane
+    serving TLS (any certificate its CA signed may read)."""
     import aiohttp
     import grpc
 
     from kvroute.control_plane.index import Tier
+    from kvroute.tls import open_channel
     from kvroute.v1 import kvroute_pb2 as pb
     from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
-    channel = grpc.aio.insecure_channel(control_plane, options=[("grpc.max_receive_message_length", 1 << 30)])
+    channel = open_channel(control_plane, tls, [("grpc.max_receive_message_length", 1 << 30)])
     stub = pb_grpc.ControlPlaneStub(channel)
     try:
         try:

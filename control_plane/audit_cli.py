@@ -14,6 +14,7 @@ import json
 import sys
 
 from kvroute.control_plane.audit import WorkerAudit, audit_fleet
+from kvroute.tls import add_tls_arguments, client_tls, tls_files_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-s", type=float, default=10.0, help="per request to the control plane or an engine")
     p.add_argument("--concurrency", type=int, default=8, help="workers audited at once")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
+    add_tls_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,7 +49,8 @@ async def run_audit(args: argparse.Namespace) -> int:
     result = await audit_fleet(args.control_plane, args.worker, settle_s=args.settle_ms / 1000,
                                timeout_s=args.timeout_s, concurrency=args.concurrency,
                                probe=args.probe or args.force_probe, force_probe=args.force_probe,
-                               probe_deadline_s=args.probe_deadline_s)
+                               probe_deadline_s=args.probe_deadline_s,
+                               tls=client_tls(tls_files_from_args(args, server=False)))
     return report(result.audits, result.errors, args)
 
 

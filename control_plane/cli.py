@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from kvroute.listeners import run_service
 from kvroute.process import add_log_level_argument, add_port_file_argument, process_setup
+from kvroute.tls import TlsConfigError, add_grpc_message_argument, add_tls_arguments, tls_files_from_args
+
+# Snapshots of large caches exceed gRPC's 4 MB default (a million keys is ~9 MB).
+DEFAULT_GRPC_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
 def positive(kind: type):
@@ -78,6 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the log behind them")
     p.add_argument("--replica-id", default="", metavar="NAME",
                    help="with --redis: this replica's name in logs, errors and the snapshot lease (default HOST-PID)")
+    add_tls_arguments(p)
+    add_grpc_message_argument(p, DEFAULT_GRPC_MAX_MESSAGE_BYTES)
     add_log_level_argument(p)
     add_port_file_argument(p)
 
@@ -85,6 +92,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvroute.control_plane.server import ControlPlaneConfig, serve
 
+    try:
+        tls = tls_files_from_args(args, server=True)
+    except TlsConfigError as exc:
+        print(f"kvroute control-plane: error: {exc}", file=sys.stderr)
+        return 2
     with process_setup("kvroute-control-plane", args.log_level):
         return run_service("control-plane", serve(ControlPlaneConfig(
             listen=args.listen, heartbeat_timeout_s=args.heartbeat_timeout, metrics_host=args.metrics_host,
@@ -93,4 +105,5 @@ def run(args: argparse.Namespace) -> int:
             audit_settle_s=args.audit_settle_ms / 1000, audit_probe=args.audit_probe,
             audit_probe_deadline_s=args.audit_probe_deadline_s, redis_url=args.redis,
             redis_shards=args.redis_shards, snapshot_interval_s=args.snapshot_interval_s,
-            replica_id=args.replica_id, max_index_entries=args.max_index_entries), args.port_file))
+            replica_id=args.replica_id, max_index_entries=args.max_index_entries, tls=tls,
+            grpc_max_message_bytes=args.grpc_max_message_bytes), args.port_file))

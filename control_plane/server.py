@@ -13,7 +13,7 @@ import asyncio
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -21,6 +21,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 
 from kvroute.build_info import register_build_info
 from kvroute.control_plane.auditor import PeriodicAuditor
+from kvroute.control_plane.authority import Authority
 from kvroute.control_plane.index import BitmaskPrefixIndex, BoundedPrefixIndex
 from kvroute.control_plane.inflight import InflightTracker
 from kvroute.control_plane.registry import WorkerRegistry
@@ -29,7 +30,7 @@ from kvroute.control_plane.replication.metrics import RedisLogCollector
 from kvroute.control_plane.replication.redis_log import RedisEventLog, RedisLogConfig
 from kvroute.control_plane.replication.redis_url import connect, parse_redis_url
 from kvroute.control_plane.service import (
-    GRPC_OPTIONS,
+    GRPC_MESSAGE_LIMIT,
     ControlPlaneMetrics,
     ControlPlaneService,
     IndexCollector,
@@ -37,6 +38,7 @@ from kvroute.control_plane.service import (
 )
 from kvroute.listeners import GrpcListener, start_status_site
 from kvroute.process import wait_for_stop_signal, write_port_file
+from kvroute.tls import TlsFiles, grpc_message_options, server_tls
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
@@ -61,6 +63,8 @@ class ControlPlaneConfig:
     snapshot_interval_s: float = 10.0
     replica_id: str = ""                  # "" = HOST-PID
     max_index_entries: int = 0            # 0 = unbounded; else drop keys not matched recently past this many entries
+    tls: TlsFiles = field(default_factory=TlsFiles)  # none = plaintext; cert+key = TLS; + CA = mTLS with per-identity authority
+    grpc_max_message_bytes: int = GRPC_MESSAGE_LIMIT
 
 
 class ControlPlaneServer:
@@ -73,6 +77,9 @@ class ControlPlaneServer:
                                         max_age_s=config.reservation_max_age_s)
         self.registry = WorkerRegistry(index, heartbeat_timeout_s=config.heartbeat_timeout_s, watcher=self.inflight)
         self.service = ControlPlaneService(self.registry, self.inflight, ControlPlaneMetrics(self.metrics_registry))
+        self.tls = server_tls(config.tls)  # raises TlsConfigError (one line) for files that do not load
+        if config.tls.mutual:
+            self.service.authority = Authority(self.metrics_registry)
         self.replica_id = config.replica_id or f"{socket.gethostname()}-{os.getpid()}"
         self.redis_log: RedisEventLog | None = None
         self.inflight_sync: InflightSync | None = None
@@ -113,7 +120,9 @@ class ControlPlaneServer:
 
     async def start(self) -> int:
         """Listen and serve; raises ListenError (nothing left running) when a port cannot be had."""
-        self._grpc = GrpcListener("--listen", self.config.listen, SERVICES, GRPC_OPTIONS)
+        self._grpc = GrpcListener("--listen", self.config.listen, SERVICES,
+                                  grpc_message_options(self.config.grpc_max_message_bytes),
+                                  credentials=self.tls.grpc_credentials() if self.tls else None)
         self.port = self._grpc.port
         pb_grpc.add_ControlPlaneServicer_to_server(self.service, self._grpc.server)
         try:
@@ -134,7 +143,9 @@ class ControlPlaneServer:
         self._sweeper = asyncio.create_task(self.service.expire_forever(max(0.05, self.config.heartbeat_timeout_s / 5)))
         if self.auditor:
             self._audit_task = asyncio.create_task(self.auditor.run_forever(), name="kvroute-cp-audit")
-        log.info("control plane ready on %s:%d", self._grpc.host, self.port)
+        log.info("control plane ready on %s:%d (%s)", self._grpc.host, self.port,
+                 "mTLS, writes checked against client certificates" if self.config.tls.mutual
+                 else "TLS" if self.tls else "plaintext")
         return self.port
 
     async def stop(self, grace_s: float = 0.5) -> None:

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvroute.control_plane.audit import eviction_metadata
+from kvroute.control_plane.authority import Authority, Refused
 from kvroute.control_plane.index import TIERS, BitmaskPrefixIndex, BoundedPrefixIndex, Tier, TierMatch, tier_of_wire
 from kvroute.control_plane.inflight import DuplicateReservation, InflightTracker, RouterSessionState, RouterTally
 from kvroute.control_plane.registry import WorkerRecord, WorkerRegistry
@@ -157,6 +158,16 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         # Replicas: tells the other replicas what this one's router sessions do (None: embedded).
         self.router_events: InflightSync | None = None
         self._bound_reached = False  # logged once
+        # With mTLS (--tls-ca): what each peer's certificate allows; None = every peer may do everything.
+        self.authority: Authority | None = None
+
+    async def _authorize(self, context: grpc.aio.ServicerContext, check: Callable[..., None], *args: str) -> None:
+        """`check(context, *args)` of the authority (when there is one); PERMISSION_DENIED when it refuses."""
+        if self.authority is not None:
+            try:
+                check(context, *args)
+            except Refused as refused:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(refused))
 
     async def _check_serving(self, context: grpc.aio.ServicerContext, rpc: str) -> None:
         why = self.refuse_routers()
@@ -208,6 +219,8 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                 await self.log.release(session)
 
     async def _register(self, req: pb.RegisterWorker, context: grpc.aio.ServicerContext) -> AgentSession:
+        if self.authority is not None:  # before the log sees anything: a refused stream writes nothing
+            await self._authorize(context, self.authority.check_writer, req.worker_id)
         session = await self.log.register(req, context.peer() or "unknown peer")
         log.info("worker registered: %s model=%s engine=%s %s block_size=%d endpoint=%s dp_rank=%s adapters=%s "
                  "epoch=%d%s", req.worker_id, req.model, req.engine, req.engine_version or "-", req.block_size,
@@ -240,6 +253,8 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
     # ------------------------------------------------------------ router side
 
     async def Query(self, request: pb.QueryRequest, context: grpc.aio.ServicerContext) -> pb.QueryResponse:
+        if self.authority is not None:
+            await self._authorize(context, self.authority.check_reader)
         await self._check_serving(context, "Query")
         response = pb.QueryResponse()
         try:
@@ -338,6 +353,8 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
             async for message in request_iterator:
                 body = message.WhichOneof("body")
                 if session is None:
+                    if self.authority is not None:
+                        await self._authorize(context, self.authority.check_router)
                     await self._check_serving(context, "RouterSession")
                     if body != "hello":
                         await self._reject_router(context, "not_hello", grpc.StatusCode.FAILED_PRECONDITION,
@@ -413,6 +430,8 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
 
     async def ListWorkers(self, request: pb.ListWorkersRequest,
                           context: grpc.aio.ServicerContext) -> pb.ListWorkersResponse:
+        if self.authority is not None:
+            await self._authorize(context, self.authority.check_reader)
         await self._check_serving(context, "ListWorkers")
         index = self.registry.index
         return pb.ListWorkersResponse(workers=[
@@ -428,6 +447,8 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
 
     async def GetWorkerKeys(self, request: pb.GetWorkerKeysRequest,
                             context: grpc.aio.ServicerContext) -> pb.GetWorkerKeysResponse:
+        if self.authority is not None:
+            await self._authorize(context, self.authority.check_reader)
         await self._check_serving(context, "GetWorkerKeys")
         record = self.registry.get(request.worker_id)
         if record is None:

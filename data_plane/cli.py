@@ -9,9 +9,22 @@ from pathlib import Path
 
 from kvroute.listeners import run_service
 from kvroute.process import add_log_level_argument, add_port_file_argument, process_setup, wait_for_stop_signal, write_port_file
+from kvroute.tls import (
+    TlsConfigError,
+    add_grpc_message_argument,
+    add_tls_arguments,
+    engine_client_context,
+    server_tls,
+    tls_files_from_args,
+)
+
+# Control-plane answers (ListWorkers of a large fleet) and Route requests with long prompts.
+DEFAULT_GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvroute.data_plane.admission import DEFAULT_MAX_CONCURRENT_REQUESTS
+    from kvroute.data_plane.api_keys import ENV_API_KEYS
     from kvroute.data_plane.policies import POLICIES  # pure module, cheap to import for --help
     from kvroute.data_plane.traffic_capture import CAPTURE_BLOCK_TOKENS
 
@@ -69,8 +82,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage-timing", action="store_true",
                    help="keep per-stage timings of proxied requests (parse, prepare, keys, query, score, connect, "
                         "first_byte) and serve them at GET /debug/stages (kvroute bench proxy turns this on)")
+    p.add_argument("--max-concurrent-requests", type=_positive_int, default=DEFAULT_MAX_CONCURRENT_REQUESTS,
+                   metavar="N", help="HTTP requests in progress at once (proxied streams included); past it a 429 "
+                                     "with Retry-After, never a queue")
+    p.add_argument("--api-keys-file", default="", metavar="PATH",
+                   help="require `Authorization: Bearer <key>` (gRPC: metadata authorization) for the APIs; one "
+                        "`sha256:<hex> [name] [scope=all|route]` a line, reloaded when it changes. "
+                        f"{ENV_API_KEYS}=key,... adds keys (or sha256:<hex>) from the environment. "
+                        "/health, /ready, /metrics stay open")
+    p.add_argument("--forward-authorization", action="store_true",
+                   help="pass the client's Authorization header on to the engine (default: dropped, it is the "
+                        "router's API key)")
+    add_tls_arguments(p)
+    p.add_argument("--http-tls", nargs="?", const="tls", default="", choices=("tls", "mtls"),
+                   help="serve HTTPS on --port with --tls-cert/--tls-key; `mtls` also requires client "
+                        "certificates signed by --tls-ca (default: plain HTTP; the gRPC port is TLS whenever "
+                        "--tls-cert is set)")
+    p.add_argument("--engine-tls-ca", default="", metavar="PEM",
+                   help="CA bundle that verifies https:// engines (default: the system's); the router's --tls-cert "
+                        "is presented to them when set")
+    add_grpc_message_argument(p, DEFAULT_GRPC_MAX_MESSAGE_BYTES)
     add_log_level_argument(p)
     add_port_file_argument(p)
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return number
 
 
 def _block_tokens(value: str) -> int:
@@ -100,6 +140,8 @@ def _parse_static(spec: str) -> dict[str, str]:
 async def serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
+    from kvroute.data_plane.admission import Admission, ApiKeyInterceptor
+    from kvroute.data_plane.api_keys import ApiKeys, KeyFileError
     from kvroute.data_plane.app_reservations import AppReservations
     from kvroute.data_plane.backend_health import BackendHealth
     from kvroute.data_plane.control_plane_client import ControlPlaneClient
@@ -116,6 +158,7 @@ async def serve(args: argparse.Namespace) -> int:
     from kvroute.data_plane.tokenization import load_tokenizer
     from kvroute.data_plane.traffic_capture import TrafficCapture
     from kvroute.listeners import GrpcListener, check_port, start_http_site
+    from kvroute.tls import client_tls, grpc_message_options
     from kvroute.v1 import kvroute_pb2 as pb
     
     log = logging.getLogger("kvroute.router")
@@ -134,15 +177,31 @@ async def serve(args: argparse.Namespace) -> int:
     # no index neither queries nor announces (three messages per request, ~0.08 ms measured).
     share_inflight = policy.needs.index and not args.no_router_session
     deadline = QueryDeadline(args.query_timeout_ms / 1000, args.query_timeout_max_ms / 1000, args.query_timeout_factor)
+    try:
+        tls_files = tls_files_from_args(args, server=False)  # its listeners serve TLS when it has a certificate
+        if args.http_tls and not tls_files.cert:
+            raise TlsConfigError("--http-tls needs --tls-cert and --tls-key")
+        if args.http_tls == "mtls" and not tls_files.ca:
+            raise TlsConfigError("--http-tls mtls needs --tls-ca (the CA that signs client certificates)")
+        engine_ssl = engine_client_context(args.engine_tls_ca, tls_files) if args.engine_tls_ca else None
+        api_keys = ApiKeys.from_environment(args.api_keys_file)
+    except (TlsConfigError, KeyFileError, OSError) as exc:
+        raise SystemExit(f"kvroute router: error: {exc}") from None
+    # The control-plane link presents the certificate when it has one (mTLS), verifies with the CA.
+    cp_tls = client_tls(tls_files)
+    listener_tls = server_tls(tls_files) if tls_files.cert else None
     control_plane = ControlPlaneClient(args.control_plane, static_workers=_parse_static(args.static_workers),
                                        router_id=args.router_id, use_session=share_inflight,
-                                       query_deadline=deadline)
+                                       query_deadline=deadline, tls=cp_tls,
+                                       max_message_bytes=args.grpc_max_message_bytes)
     # Built once: the proxy writes in-flight state and backend failures, decisions read them.
     inflight = RouterInflight(control_plane.session)
     health = BackendHealth()
     metrics = RouterMetrics()
     router = Router(control_plane, policy, inflight, health, metrics)
-    proxy = BackendProxy(inflight, health, metrics)
+    proxy = BackendProxy(inflight, health, metrics, forward_authorization=args.forward_authorization,
+                         engine_ssl=engine_ssl)
+    admission = Admission(api_keys, args.max_concurrent_requests, metrics.registry)
     capture = None
     if args.capture_trace:
         capture = TrafficCapture(args.capture_trace, args.capture_sample_rate, metrics,
@@ -150,7 +209,7 @@ async def serve(args: argparse.Namespace) -> int:
         capture.start()
     preparer = RequestPreparer(tokenizer, model, control_plane.adapters_of, args.max_prompt_tokens)
     http = RouterHttpApi(router, proxy, preparer, capture=capture, max_body_bytes=args.max_body_bytes,
-                         stages=StageSamples() if args.stage_timing else None)
+                         stages=StageSamples() if args.stage_timing else None, admission=admission)
     # handler_cancellation: a client that goes away cancels its handler, which closes the backend
     # connection, so the engine stops generating for nobody.
     runner = web.AppRunner(http.app(), access_log=None, handler_cancellation=True)
@@ -159,10 +218,15 @@ async def serve(args: argparse.Namespace) -> int:
     reservations: AppReservations | None = None
     health_task = None
     try:
-        http_port = await start_http_site(runner, "--port", args.host, args.port)
+        http_ssl = listener_tls.ssl_context(require_client_cert=args.http_tls == "mtls") \
+            if args.http_tls and listener_tls else None
+        http_port = await start_http_site(runner, "--port", args.host, args.port, ssl_context=http_ssl)
         if args.grpc_port:
             grpc_server = GrpcListener("--grpc-port", str(check_port("--grpc-port", args.host, args.grpc_port)),
-                                       (pb.DESCRIPTOR.services_by_name["Router"].full_name,))  # + "" for grpc.health
+                                       (pb.DESCRIPTOR.services_by_name["Router"].full_name,),  # + "" for grpc.health
+                                       grpc_message_options(args.grpc_max_message_bytes),
+                                       credentials=listener_tls.grpc_credentials() if listener_tls else None,
+                                       interceptors=[ApiKeyInterceptor(admission)] if api_keys.enabled else ())
             reservations = AppReservations(inflight, metrics, args.reservation_ttl_ms / 1000,
                                            max_held=args.max_reservations)
             add_router_service(RouterGrpcService(router, preparer, reservations, capture), grpc_server.server)
@@ -170,10 +234,13 @@ async def serve(args: argparse.Namespace) -> int:
             # grpc.health.v1 says what GET /ready says (data_plane/readiness.py)
             health_task = asyncio.create_task(grpc_server.follow(lambda: http.readiness().ready))
         control_plane.start()  # after the listeners: a port in use is the only line printed
-        log.info("router ready: http://%s:%d grpc=%s policy=%s model=%s control-plane=%s "
-                 "query-timeout=%g-%gms (x%g slowest recent)%s", args.host, http_port, args.grpc_port or "off",
+        log.info("router ready: %s://%s:%d grpc=%s policy=%s model=%s control-plane=%s "
+                 "query-timeout=%g-%gms (x%g slowest recent)%s%s", "https" if http_ssl else "http", args.host,
+                 http_port, args.grpc_port or "off",
                  args.policy, model, args.control_plane, args.query_timeout_ms, args.query_timeout_max_ms,
-                 args.query_timeout_factor, "".join(f" {k}={v:g}" for k, v in kv_params.items()))
+                 args.query_timeout_factor, "".join(f" {k}={v:g}" for k, v in kv_params.items()),
+                 (f" tls={'mtls' if tls_files.mutual else 'tls'}" if tls_files.enabled else "")
+                 + (f" api-keys={len(api_keys)}" if api_keys.enabled else ""))
         log.info("%s", http.prompt_bound_note)
         write_port_file(args.port_file, {"http": http_port, **({"grpc": grpc_server.port} if grpc_server else {})})
         await wait_for_stop_signal()

@@ -33,10 +33,12 @@ from kvroute.addresses import AddressRotation
 from kvroute.data_plane.query_deadline import QueryDeadline
 from kvroute.data_plane.router_session import RouterSessionLink, SessionUnavailable, cancel_and_wait
 from kvroute.rate_limited_log import RateLimitedLog
+from kvroute.tls import ClientTls, grpc_message_options, open_channel
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvroute.router.cp")
+RETIRE_GRACE_S = 30.0  # channels opened with certificates since rotated stay this long for calls in progress
 DOWN_S = 2.0  # a replica that failed is not picked again by a failover for this long (unless all failed)
 
 
@@ -56,9 +58,15 @@ class ControlPlaneClient:
     def __init__(self, address: str, query_timeout_s: float = 0.005, refresh_interval_s: float = 0.5,
                  static_workers: dict[str, str] | None = None, static_block_size: int = 16,
                  router_id: str | None = None, use_session: bool = True,
-                 query_deadline: QueryDeadline | None = None) -> None:
+                 query_deadline: QueryDeadline | None = None, tls: ClientTls | None = None,
+                 max_message_bytes: int = 64 * 1024 * 1024) -> None:
         """`query_deadline`: an adaptive deadline (`query_deadline.py`); without one the deadline is
-        `query_timeout_s`, fixed."""
+        `query_timeout_s`, fixed. `tls`: TLS to the control plane (kvroute/tls.py); when its files
+        change, channels are opened anew and the old ones closed after `RETIRE_GRACE_S`."""
+        self.tls = tls
+        self._tls_generation = tls.generation if tls is not None else 0
+        self._retiring: set[asyncio.Task] = set()
+        self._grpc_options = grpc_message_options(max_message_bytes)
         self.addresses = AddressRotation(address)
         self.address = self.addresses.next()[0]  # the replica in use
         self.query_deadline = query_deadline or QueryDeadline.fixed(query_timeout_s)
@@ -90,11 +98,24 @@ class ControlPlaneClient:
         return self._stub_for(self.address)
 
     def _stub_for(self, address: str) -> pb_grpc.ControlPlaneStub:
+        if self.tls is not None and self.tls.generation != self._tls_generation:
+            self._retire_channels()
         entry = self._channels.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
+            channel = open_channel(address, self.tls, self._grpc_options)
             entry = self._channels[address] = (channel, pb_grpc.ControlPlaneStub(channel))
         return entry[1]
+
+    def _retire_channels(self) -> None:
+        """The certificate files changed: new channels from now on; calls on the old ones (the router
+        session) get `RETIRE_GRACE_S` to finish."""
+        self._tls_generation = self.tls.generation if self.tls is not None else 0
+        old, self._channels = self._channels, {}
+        for channel, _ in old.values():
+            task = asyncio.ensure_future(channel.close(grace=RETIRE_GRACE_S))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+        log.info("control-plane TLS certificates changed: new channels")
 
     def _failover(self, failed: str) -> bool:
         """`failed` did not answer: use the next replica (if `failed` is still the one in use and there
@@ -154,6 +175,8 @@ class ControlPlaneClient:
         self._task = None
         for channel, _ in self._channels.values():
             await channel.close()
+        for task in list(self._retiring):
+            task.cancel()
 
     # ------------------------------------------------------------ the known fleet
 

@@ -34,6 +34,7 @@ from opentelemetry import propagate, trace
 from prometheus_client import Counter, Histogram
 from prometheus_client.aiohttp import make_aiohttp_handler
 
+from kvroute.data_plane.admission import Admission
 from kvroute.data_plane.http_errors import error_response, openai_errors
 from kvroute.data_plane.proxy import BackendProxy
 from kvroute.data_plane.readiness import RouterReadiness, router_readiness
@@ -131,8 +132,9 @@ def _session_key(request: web.Request, body: dict) -> str:
 class RouterHttpApi:
     def __init__(self, router: Router, proxy: BackendProxy, preparer: RequestPreparer,
                  capture: TrafficCapture | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 stages: StageSamples | None = None) -> None:
+                 stages: StageSamples | None = None, admission: Admission | None = None) -> None:
         self.router, self.proxy, self.preparer = router, proxy, preparer
+        self.admission = admission  # API keys and the concurrency limit (admission.py); None: everyone, unbounded
         self.stages = stages  # --stage-timing: per-stage samples at GET /debug/stages
         self._policy_reads_tokens = router.policy.needs.tokens
         self.model, max_prompt_tokens = preparer.model, preparer.max_prompt_tokens
@@ -152,7 +154,10 @@ class RouterHttpApi:
                                       f"without tokenizing ({bound.chars_per_token} per token: {bound.why})")
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._count_requests, openai_errors])
+        middlewares = [self._count_requests, openai_errors]
+        if self.admission is not None:
+            middlewares.append(self.admission.middleware)
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=middlewares)
         for path, handler in (("/v1/completions", self.handle_completions), ("/v1/chat/completions", self.handle_chat),
                               ("/v1/route", self.handle_route)):
             app.router.add_post(path, handler, expect_handler=self._expect_body)

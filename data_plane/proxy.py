@@ -3,7 +3,7 @@
 `BackendProxy.forward(request, path, body, decision, prompt_tokens)`:
 - sends the client's *original* body bytes to `<endpoint><path>` (`upstream.py`: pooled keep-alive
   connections per engine) with the client's headers
-  (minus hop-by-hop ones) and a W3C `traceparent` injected inside a `kvroute.proxy` client span;
+  (minus hop-by-hop ones, and minus Authorization unless `forward_authorization`) and a W3C `traceparent` injected inside a `kvroute.proxy` client span;
 - waits for the backend's first body byte, then streams the rest through chunk by chunk (SSE, or
   any body without a Content-Length), or, for a body with a Content-Length up to 1 MiB (a
   non-streamed completion), reads it whole and relays it in one write; `x-kvroute-worker:
@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import logging
+import ssl
 import time
 
 import aiohttp
@@ -69,8 +70,12 @@ class _Failed(Exception):
 
 class BackendProxy:
     def __init__(self, inflight: RouterInflight, health: BackendHealth, metrics: RouterMetrics, max_attempts: int = 0,
-                 connect_timeout_s: float = 2.0, read_timeout_s: float = 1800.0) -> None:
+                 connect_timeout_s: float = 2.0, read_timeout_s: float = 1800.0, forward_authorization: bool = False,
+                 engine_ssl: ssl.SSLContext | None = None) -> None:
         self.inflight, self.health, self.metrics = inflight, health, metrics
+        # The client's Authorization is the router's API key unless engines take the same (--forward-authorization).
+        self._dropped = _HOP_HEADERS if forward_authorization else _HOP_HEADERS | {"authorization"}
+        self._engine_ssl = engine_ssl  # https:// engines: verified with --engine-tls-ca (None: system CAs)
         self.max_attempts = max_attempts  # 0 = every candidate
         self._timeouts = (connect_timeout_s, read_timeout_s)
         self._pool: UpstreamPool | None = None
@@ -78,7 +83,7 @@ class BackendProxy:
         self._served: dict[tuple[str, str], Counter] = {}
 
     async def open(self) -> None:
-        self._pool = UpstreamPool(*self._timeouts)
+        self._pool = UpstreamPool(*self._timeouts, ssl_context=self._engine_ssl)
 
     async def close(self) -> None:
         if self._pool:
@@ -128,7 +133,8 @@ class BackendProxy:
         response.headers[WORKER_HEADER] = worker_id
 
     def _backend_headers(self, request: web.Request, dp_rank: int | None) -> dict[str, str]:
-        headers = {name: value for name, value in request.headers.items() if name.lower() not in _HOP_HEADERS}
+        dropped = self._dropped
+        headers = {name: value for name, value in request.headers.items() if name.lower() not in dropped}
         headers.setdefault("Content-Type", "application/json")
         if dp_rank is not None:
             headers[DP_RANK_HEADER] = str(dp_rank)

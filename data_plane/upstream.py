@@ -17,8 +17,8 @@ answer is a ConnectionResetError too, and its connection is closed) or TimeoutEr
 or no byte for `read_timeout_s`), as the proxy expects. An idle pooled connection the engine has
 closed meanwhile is retried once on a new connection when it fails before any byte of the
 answer (the engine never saw that request); idle connections older than `keepalive_s` are not
-reused (engines close theirs after some idle time). `https://` endpoints use the default TLS
-context. A body the client reads slower than the engine sends pauses the engine's socket past
+reused (engines close theirs after some idle time). `https://` endpoints use `ssl_context` (the
+router's --engine-tls-ca), else the default TLS context. A body the client reads slower than the engine sends pauses the engine's socket past
 `high_water` buffered bytes.
 """
 
@@ -178,12 +178,13 @@ class UpstreamResponse:
 
 class UpstreamPool:
     def __init__(self, connect_timeout_s: float = 2.0, read_timeout_s: float = 1800.0, keepalive_s: float = 15.0,
-                 max_idle_per_engine: int = 256, high_water: int = 1 << 20) -> None:
+                 max_idle_per_engine: int = 256, high_water: int = 1 << 20,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.connect_timeout_s, self.read_timeout_s = connect_timeout_s, read_timeout_s
         self.keepalive_s, self.max_idle, self.high_water = keepalive_s, max_idle_per_engine, high_water
         self._idle: dict[_Key, list[_Connection]] = {}
         self._targets: dict[str, tuple[_Key, bytes, bytes]] = {}  # url -> (key, path, Host header value)
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl: ssl.SSLContext | None = ssl_context  # None: the default context, made at the first https://
 
     async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
         key, path, host = self._target(url)

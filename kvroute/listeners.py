@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 from kvroute import aio
 
 if TYPE_CHECKING:
+    import ssl
+
     import grpc
     import zmq
     from aiohttp import web
@@ -103,10 +105,13 @@ def refuse_if_in_use(flag: str, address: HostPort) -> None:
 class GrpcListener:
     """A grpc.aio server bound without SO_REUSEPORT, with `grpc.health.v1.Health` for the server
     ("") and each of `services`: NOT_SERVING until `set_serving(True)`, NOT_SERVING for good after
-    `stop()`; and server reflection listing `services`. Add the servicers to `server`, then `start()`."""
+    `stop()`; and server reflection listing `services`. Add the servicers to `server`, then `start()`.
+    `credentials` (kvroute.tls.ServerTls.grpc_credentials()): serve TLS instead of plaintext;
+    `interceptors`: grpc.aio server interceptors (e.g. API keys)."""
 
     def __init__(self, flag: str, address: str, services: Sequence[str] = (),
-                 options: Iterable[tuple[str, Any]] = ()) -> None:
+                 options: Iterable[tuple[str, Any]] = (), credentials: grpc.ServerCredentials | None = None,
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
         from grpc_health.v1.health import aio as health_aio
@@ -114,9 +119,11 @@ class GrpcListener:
 
         where = parse_host_port(flag, address)
         refuse_if_in_use(flag, where)
-        self.server: grpc.aio.Server = grpc.aio.server(options=[*options, GRPC_NO_REUSEPORT])
+        self.server: grpc.aio.Server = grpc.aio.server(options=[*options, GRPC_NO_REUSEPORT],
+                                                       interceptors=list(interceptors) or None)
         try:
-            self.port = self.server.add_insecure_port(str(where))
+            self.port = (self.server.add_secure_port(str(where), credentials) if credentials is not None
+                         else self.server.add_insecure_port(str(where)))
         except RuntimeError:  # what grpc.aio raises for any bind failure (older releases returned 0)
             self.port = 0
         if self.port == 0:
@@ -160,12 +167,13 @@ def _status(serving: bool) -> int:
     return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-async def start_http_site(runner: web.AppRunner, flag: str, host: str, port: int) -> int:
-    """Start an aiohttp site on host:port (0 = any free port); the bound port."""
+async def start_http_site(runner: web.AppRunner, flag: str, host: str, port: int,
+                          ssl_context: ssl.SSLContext | None = None) -> int:
+    """Start an aiohttp site on host:port (0 = any free port), HTTPS with `ssl_context`; the bound port."""
     from aiohttp import web
 
     where = check_port(flag, host, port)
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     try:
         await site.start()
     except OSError as exc:

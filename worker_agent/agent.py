@@ -23,7 +23,7 @@ import socket
 import time
 import urllib.parse
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq.asyncio
 from aiohttp import web
@@ -34,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvroute.build_info import register_build_info
 from kvroute.listeners import start_status_site
+from kvroute.tls import TlsFiles, client_tls
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.worker_agent import sglang_wire, vllm_wire
 from kvroute.worker_agent.block_resolver import BlockResolver
@@ -42,7 +43,12 @@ from kvroute.worker_agent.dp_endpoints import check_no_overlap, offset_endpoint,
 from kvroute.worker_agent.engine_metrics import EngineLoadPoller
 from kvroute.worker_agent.engine_models import EngineModelsPoller
 from kvroute.worker_agent.events import DecodedBatch
-from kvroute.worker_agent.limits import DEFAULT_MAX_BATCH_EVENTS, DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_POLL_BYTES
+from kvroute.worker_agent.limits import (
+    DEFAULT_GRPC_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_BATCH_EVENTS,
+    DEFAULT_MAX_FRAME_BYTES,
+    DEFAULT_MAX_POLL_BYTES,
+)
 from kvroute.worker_agent.trtllm_events import TrtllmEventConverter
 from kvroute.worker_agent.trtllm_poller import TrtllmEventPoller
 from kvroute.worker_agent.zmq_source import ZmqEventSource
@@ -124,6 +130,8 @@ class AgentConfig:
     kv_events_max_poll_bytes: int = DEFAULT_MAX_POLL_BYTES
     replay_timeout_s: float = 1.0
     heartbeat_interval_s: float | None = None  # None: min(1 s, control plane's heartbeat_timeout / 3)
+    tls: TlsFiles = field(default_factory=TlsFiles)  # to the control plane: none = plaintext (kvroute/tls.py)
+    grpc_max_message_bytes: int = DEFAULT_GRPC_MAX_MESSAGE_BYTES
 
     @property
     def transport(self) -> str:
@@ -180,7 +188,8 @@ class RankWorker:
         self.rank = identity.data_parallel_rank
         self.resolver = BlockResolver(identity.model, config.block_size)
         self.link = ControlPlaneLink(config.control_plane, identity, self.resolver.snapshot_events, load,
-                                     heartbeat_interval_s=config.heartbeat_interval_s)
+                                     heartbeat_interval_s=config.heartbeat_interval_s,
+                                     tls=client_tls(config.tls), max_message_bytes=config.grpc_max_message_bytes)
         self.source: ZmqEventSource | None = None  # ZMQ transports: this rank's publisher
         self.state_resets = 0
 

@@ -20,7 +20,13 @@ import sys
 
 from kvroute.listeners import run_service
 from kvroute.process import add_log_level_argument, on_stop_signal, process_setup
-from kvroute.worker_agent.limits import DEFAULT_MAX_BATCH_EVENTS, DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_POLL_BYTES
+from kvroute.tls import TlsConfigError, add_grpc_message_argument, add_tls_arguments, tls_files_from_args
+from kvroute.worker_agent.limits import (
+    DEFAULT_GRPC_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_BATCH_EVENTS,
+    DEFAULT_MAX_FRAME_BYTES,
+    DEFAULT_MAX_POLL_BYTES,
+)
 
 # Same as kvroute.worker_agent.agent.SUPPORTED_ENGINES / TRANSPORTS (not imported: keeps --help light).
 SUPPORTED_ENGINES = ("vllm", "sglang", "trtllm")
@@ -119,6 +125,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=_port, default=0,
                    help="serve the agent's /metrics, /health (liveness) and /ready (readiness) on this port (0 = off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the /metrics listener")
+    add_tls_arguments(p)
+    add_grpc_message_argument(p, DEFAULT_GRPC_MAX_MESSAGE_BYTES)
     add_log_level_argument(p)
 
 
@@ -135,7 +143,9 @@ def config_from_args(args: argparse.Namespace):
                        kv_events_max_batch_events=args.kv_events_max_batch_events,
                        kv_events_max_poll_bytes=args.kv_events_max_poll_bytes,
                        data_parallel_size=args.data_parallel_size, data_parallel_rank_start=args.data_parallel_rank_start,
-                       metrics_host=args.metrics_host, metrics_port=args.metrics_port)
+                       metrics_host=args.metrics_host, metrics_port=args.metrics_port,
+                       tls=tls_files_from_args(args, server=False),
+                       grpc_max_message_bytes=args.grpc_max_message_bytes)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -144,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     with process_setup("kvroute-agent", args.log_level):
         try:
             agent = WorkerAgent(config_from_args(args))
-        except ValueError as exc:  # options that do not fit together (each is valid on its own)
+        except (ValueError, TlsConfigError) as exc:  # options that do not fit together (each is valid on its own)
             print(f"kvroute agent: error: {exc}", file=sys.stderr)
             return 2
         return run_service("agent", _run_until_stopped(agent))  # a port or bind endpoint in use: one line, exit 2

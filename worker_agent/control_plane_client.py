@@ -48,6 +48,7 @@ from kvroute.addresses import AddressRotation
 from kvroute.backoff import Backoff
 from kvroute.rate_limited_log import RateLimitedLog
 from kvroute.telemetry import tracing_active
+from kvroute.tls import ClientTls, grpc_message_options, open_channel
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 from kvroute.worker_agent.block_deltas import BlockDelta, to_block_events
@@ -129,8 +130,14 @@ class ControlPlaneLink:
                  register_timeout_s: float = 5.0, ack_timeout_s: float = 15.0, backoff_initial_s: float = 0.1,
                  backoff_max_s: float = 5.0, max_pending_events: int = 100_000, stable_session_s: float = 5.0,
                  probe_interval_s: float = 0.25, refused_backoff_s: float = 2.0,
-                 addresses: AddressRotation | None = None) -> None:
+                 addresses: AddressRotation | None = None, tls: ClientTls | None = None,
+                 max_message_bytes: int | None = None) -> None:
         self.addresses = addresses or AddressRotation(address)
+        # TLS (--tls-*): each session opens its channel with the certificate files as they are then,
+        # so a rotated certificate is used from the next session on.
+        self.tls = tls
+        self.grpc_options = GRPC_OPTIONS if max_message_bytes is None else [
+            *grpc_message_options(max_message_bytes), *GRPC_OPTIONS[2:]]
         self.address = self.addresses.entries[0]  # the replica of the current (or last) session
         self.identity = identity
         self._snapshot, self._load = snapshot, load
@@ -255,9 +262,9 @@ class ControlPlaneLink:
 
     async def _wait_reachable(self, timeout_s: float) -> None:
         """Up to `timeout_s`, or until a fresh channel connects to one of the control planes."""
-        options = [*GRPC_OPTIONS, ("grpc.initial_reconnect_backoff_ms", int(self.probe_interval_s * 1000)),
+        options = [*self.grpc_options, ("grpc.initial_reconnect_backoff_ms", int(self.probe_interval_s * 1000)),
                    ("grpc.max_reconnect_backoff_ms", int(self.probe_interval_s * 1000))]
-        channels = [grpc.aio.insecure_channel(a, options=options) for a in self.addresses.round_addresses()]
+        channels = [open_channel(a, self.tls, options) for a in self.addresses.round_addresses()]
         waits = [asyncio.ensure_future(c.channel_ready()) for c in channels]
         try:
             await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
@@ -289,7 +296,7 @@ class ControlPlaneLink:
         self.connected_event.clear()
 
     async def _session(self, address: str, failover: bool) -> None:
-        async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+        async with open_channel(address, self.tls, self.grpc_options) as channel:
             call = pb_grpc.ControlPlaneStub(channel).Connect()
             try:
                 await self._run_stream(call, failover)

@@ -1,0 +1,296 @@
+"""TLS for every kvroute link: flags, loading, and certificates reloaded from disk without a restart.
+
+Every command with a gRPC server or client takes `--tls-cert`, `--tls-key` and `--tls-ca` (or the
+environment variables `KVROUTE_TLS_CERT`, `KVROUTE_TLS_KEY`, `KVROUTE_TLS_CA`; a flag wins). None
+of them set: plaintext, as before (`make demo`). The rule is one CA per process:
+
+- a server with a certificate and key serves TLS; with a CA too it requires a client certificate
+  signed by that CA (mTLS) and the peer's identity comes from it (`kvroute.identity`);
+- a client with a CA verifies the server against it (and presents its own certificate and key
+  when it has them); without a CA but with a certificate it uses the system's trust store.
+
+Reloading: the files are read again when one of their modification times changes (a rotated
+certificate, e.g. cert-manager or a Kubernetes secret update). A gRPC server asks
+`ServerTls.fetch` at every handshake (`grpc.dynamic_ssl_server_credentials`), an HTTPS listener
+checks in its SNI callback, a client when it opens a channel (`ClientTls.generation` tells a
+client that keeps channels that it should open new ones). A file that fails to load (half
+written) keeps the previous certificates and is tried again at the next check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import ssl
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
+
+log = logging.getLogger("kvroute.tls")
+
+ENV_CERT, ENV_KEY, ENV_CA = "KVROUTE_TLS_CERT", "KVROUTE_TLS_KEY", "KVROUTE_TLS_CA"
+RECHECK_S = 1.0  # stat the files at most this often (a handshake storm must not become a stat storm)
+
+
+class TlsConfigError(ValueError):
+    """The TLS flags do not fit together, or a file cannot be read (one line, names the flag)."""
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM file paths; "" = not given."""
+
+    cert: str = ""
+    key: str = ""
+    ca: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert or self.key or self.ca)
+
+    @property
+    def mutual(self) -> bool:
+        """A CA is configured: servers require client certificates signed by it."""
+        return bool(self.ca)
+
+    def paths(self) -> tuple[str, ...]:
+        return tuple(p for p in (self.cert, self.key, self.ca) if p)
+
+    def check(self, *, server: bool) -> TlsFiles:
+        """Self, or TlsConfigError naming what is missing or unreadable."""
+        if bool(self.cert) != bool(self.key):
+            raise TlsConfigError("--tls-cert and --tls-key go together (a certificate needs its private key)")
+        if server and self.enabled and not self.cert:
+            raise TlsConfigError("a TLS server needs --tls-cert and --tls-key (--tls-ca alone only verifies peers)")
+        for flag, path in (("--tls-cert", self.cert), ("--tls-key", self.key), ("--tls-ca", self.ca)):
+            if path and not os.access(path, os.R_OK):
+                raise TlsConfigError(f"{flag} {path}: cannot read the file")
+        try:
+            if self.cert:
+                _check_pair(Path(self.cert).read_bytes(), Path(self.key).read_bytes(),
+                            Path(self.ca).read_bytes() if self.ca else None)
+            elif self.ca:
+                ssl.create_default_context(cafile=self.ca)
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            raise TlsConfigError(f"--tls-cert {self.cert or '-'} / --tls-key {self.key or '-'} / --tls-ca "
+                                 f"{self.ca or '-'} do not load: {exc}") from None
+        return self
+
+
+def add_tls_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] = os.environ) -> None:
+    """--tls-cert/--tls-key/--tls-ca, defaulting to the KVROUTE_TLS_* environment variables."""
+    p.add_argument("--tls-cert", default=environ.get(ENV_CERT, ""), metavar="PEM",
+                   help=f"this process's certificate (chain), PEM; with --tls-key turns TLS on (env {ENV_CERT}). "
+                        "Reloaded when the file changes")
+    p.add_argument("--tls-key", default=environ.get(ENV_KEY, ""), metavar="PEM",
+                   help=f"the private key of --tls-cert, PEM (env {ENV_KEY})")
+    p.add_argument("--tls-ca", default=environ.get(ENV_CA, ""), metavar="PEM",
+                   help=f"CA bundle that verifies peers, PEM (env {ENV_CA}): servers then require client "
+                        "certificates signed by it (mTLS) and clients verify servers with it")
+
+
+def tls_files_from_args(args: argparse.Namespace, *, server: bool) -> TlsFiles:
+    return TlsFiles(args.tls_cert or "", args.tls_key or "", args.tls_ca or "").check(server=server)
+
+
+class _Watched:
+    """The bytes of some files, read again when a modification time changes (checked every RECHECK_S)."""
+
+    def __init__(self, paths: tuple[str, ...]) -> None:
+        self.paths = paths
+        self._lock = threading.Lock()  # gRPC calls the fetcher from its own threads
+        self._checked = 0.0
+        self._stamps = self._stat()
+        self.contents = self._read()
+        self.generation = 0  # bumped at every successful reload
+
+    def _stat(self) -> tuple[tuple[int, int], ...]:
+        stamps = []
+        for path in self.paths:
+            st = os.stat(path)
+            stamps.append((st.st_mtime_ns, st.st_size))
+        return tuple(stamps)
+
+    def _read(self) -> tuple[bytes, ...]:
+        return tuple(Path(p).read_bytes() for p in self.paths)
+
+    def changed(self, validate: Callable[[tuple[bytes, ...]], None]) -> bool:
+        """Reload if a file changed since the last load and `validate(contents)` accepts the new
+        bytes; True when it did."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._checked < RECHECK_S:
+                return False
+            self._checked = now
+            try:
+                stamps = self._stat()
+                if stamps == self._stamps:
+                    return False
+                contents = self._read()
+                validate(contents)
+            except (OSError, ssl.SSLError, ValueError) as exc:
+                log.warning("TLS files %s changed but do not load (%s): keeping the previous ones",
+                            ", ".join(self.paths), exc)
+                return False
+            self._stamps, self.contents = stamps, contents
+            self.generation += 1
+            log.info("TLS files reloaded: %s", ", ".join(self.paths))
+            return True
+
+
+def _load_chain(context: ssl.SSLContext, cert: bytes, key: bytes) -> None:
+    """`context.load_cert_chain` from bytes (ssl loads chains from files only: a private temp dir)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cert_path, key_path = Path(tmp, "cert.pem"), Path(tmp, "key.pem")
+        cert_path.write_bytes(cert)
+        key_path.touch(0o600)
+        key_path.write_bytes(key)
+        context.load_cert_chain(cert_path, key_path)
+
+
+def _check_pair(cert: bytes, key: bytes, ca: bytes | None) -> None:
+    """ValueError/SSLError when the PEMs do not load as a certificate with its key (and a CA)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    _load_chain(context, cert, key)
+    if ca is not None:
+        context.load_verify_locations(cadata=ca.decode("ascii", "replace"))
+
+
+class ServerTls:
+    """gRPC server credentials whose certificate (and CA) follow the files."""
+
+    def __init__(self, files: TlsFiles) -> None:
+        self.files = files.check(server=True)
+        self._watch = _Watched(files.paths())
+        self._validate(self._watch.contents)
+
+    def _split(self, contents: tuple[bytes, ...]) -> tuple[bytes, bytes, bytes | None]:
+        return contents[0], contents[1], contents[2] if self.files.ca else None
+
+    def _validate(self, contents: tuple[bytes, ...]) -> None:
+        try:
+            _check_pair(*self._split(contents))
+        except (ssl.SSLError, ValueError) as exc:
+            raise TlsConfigError(f"--tls-cert {self.files.cert} / --tls-key {self.files.key}: {exc}") from None
+
+    def _config(self) -> grpc.ServerCertificateConfiguration:
+        import grpc
+
+        cert, key, ca = self._split(self._watch.contents)
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """gRPC's config fetcher (called at each handshake): a new configuration, or None to keep it."""
+        return self._config() if self._watch.changed(lambda c: _check_pair(*self._split(c))) else None
+
+    def grpc_credentials(self) -> grpc.ServerCredentials:
+        import grpc
+
+        return grpc.dynamic_ssl_server_credentials(self._config(), self.fetch,
+                                                   require_client_authentication=self.files.mutual)
+
+    def ssl_context(self, *, require_client_cert: bool) -> ssl.SSLContext:
+        """An HTTPS server context (aiohttp) that swaps in a reloaded one at the next handshake after
+        the files changed (its SNI callback runs at every ClientHello, SNI or not)."""
+        first = self._build_context(require_client_cert)
+        current = [first]
+
+        def on_hello(sock: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
+            if self._watch.changed(lambda c: _check_pair(*self._split(c))):
+                current[0] = self._build_context(require_client_cert)
+            if sock.context is not current[0]:
+                sock.context = current[0]
+
+        first.sni_callback = on_hello
+        return first
+
+    def _build_context(self, require_client_cert: bool) -> ssl.SSLContext:
+        cert, key, ca = self._split(self._watch.contents)
+        # Not create_default_context: it trusts the system's CAs, and client certificates must come from ours.
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        _load_chain(context, cert, key)
+        if require_client_cert:
+            if ca is None:
+                raise TlsConfigError("client certificates need --tls-ca (the CA that signs them)")
+            context.load_verify_locations(cadata=ca.decode("ascii", "replace"))
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+
+class ClientTls:
+    """gRPC channel credentials from the files, rebuilt when they change."""
+
+    def __init__(self, files: TlsFiles) -> None:
+        self.files = files.check(server=False)
+        self._watch = _Watched(files.paths())
+
+    @property
+    def generation(self) -> int:
+        """Changes when the files were reloaded: channels opened before use the old certificate."""
+        self._watch.changed(lambda _c: None)
+        return self._watch.generation
+
+    def grpc_credentials(self) -> grpc.ChannelCredentials:
+        import grpc
+
+        self._watch.changed(lambda _c: None)
+        by_path = dict(zip(self._watch.paths, self._watch.contents))
+        return grpc.ssl_channel_credentials(root_certificates=by_path.get(self.files.ca),
+                                            private_key=by_path.get(self.files.key),
+                                            certificate_chain=by_path.get(self.files.cert))
+
+
+def open_channel(address: str, tls: ClientTls | None, options: list[tuple[str, object]] | None = None):
+    """A grpc.aio channel to `address`: TLS with `tls`, plaintext without."""
+    import grpc
+
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, tls.grpc_credentials(), options=options)
+
+
+def client_tls(files: TlsFiles) -> ClientTls | None:
+    return ClientTls(files) if files.enabled else None
+
+
+def server_tls(files: TlsFiles) -> ServerTls | None:
+    return ServerTls(files) if files.enabled else None
+
+
+def grpc_message_options(max_bytes: int) -> list[tuple[str, int]]:
+    """gRPC channel/server options capping one message each way at `max_bytes` (--grpc-max-message-bytes)."""
+    return [("grpc.max_receive_message_length", max_bytes), ("grpc.max_send_message_length", max_bytes)]
+
+
+def add_grpc_message_argument(p: argparse.ArgumentParser, default: int) -> None:
+    def positive(text: str) -> int:
+        value = int(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    p.add_argument("--grpc-max-message-bytes", type=positive, default=default, metavar="N",
+                   help="largest gRPC message this process sends or accepts, on each of its gRPC servers and clients "
+                        "(a larger one fails with RESOURCE_EXHAUSTED)")
+
+
+def engine_client_context(ca: str, files: TlsFiles) -> ssl.SSLContext:
+    """The router's TLS client context for https:// engines: verified against `ca` (--engine-tls-ca);
+    presents the router's own certificate when it has one (engines behind an mTLS proxy)."""
+    try:
+        context = ssl.create_default_context(cafile=ca)
+        if files.cert:
+            context.load_cert_chain(files.cert, files.key)
+    except (OSError, ssl.SSLError) as exc:
+        raise TlsConfigError(f"--engine-tls-ca {ca}: {exc}") from None
+    return context
