@@ -6,7 +6,7 @@ no edit here: an optional flag's dest is its key (`--control-plane` -> `control_
 default. File and environment values go through the flag's own type, choices and action, so a bad one
 fails at start (exit 2) naming the key and where it came from, as a bad flag does.
 
-The file (`--config FILE`) holds a table per command (`[router]`, `[control-plane]`, `[agent]`, ...; a
+The file (`--config FILE`, or a directory of `*.toml` files read in name order) holds a table per command (`[router]`, `[control-plane]`, `[agent]`, ...; a
 command with sub-commands nests them: `[bench.live]`) and an optional `[common]` table whose keys apply
 to every command that has them (`log_level`, `control_plane`). A key no command knows is an error.
 In the environment, a list flag (`--kv-aware-param`, repeated) takes comma-separated values and a switch
@@ -197,6 +197,19 @@ def convert_value(action: argparse.Action, raw: Any, where: str, *, from_env: bo
 # ----------------------------------------------------------------------------------------------- layers
 
 
+def config_files(path: str) -> list[str]:
+    """`--config` names a file, or a directory whose `*.toml` files are read in name order, a later
+    one's keys over an earlier one's (a Kubernetes ConfigMap mounted as a directory: an overlay or
+    component adds a file instead of rewriting the base's)."""
+    if os.path.isdir(path):
+        files = sorted(os.path.join(path, name) for name in os.listdir(path)
+                       if name.endswith(".toml") and not name.startswith("."))
+        if not files:
+            raise ConfigError(f"--config {path}: the directory holds no *.toml file")
+        return files
+    return [path]
+
+
 def load_file(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
@@ -282,8 +295,9 @@ def parse_args(command: str, parser: argparse.ArgumentParser, argv: Sequence[str
     chain = _parser_chain(parser, given)
     config_path = getattr(given, CONFIG_DEST, None)
     try:
-        layered = file_candidates(load_file(config_path), config_path, command, chain, known_elsewhere,
-                                  commands or (command,)) if config_path else {}
+        layered: dict[str, _Candidate] = {}
+        for path in config_files(config_path) if config_path else ():
+            layered.update(file_candidates(load_file(path), path, command, chain, known_elsewhere, commands or (command,)))
         layered.update(env_candidates(environ, chain))
     except ConfigError as exc:
         _fail(chain[-1][1], str(exc))

@@ -76,6 +76,24 @@ def test_file_and_env_satisfy_required_flags_and_lists_replace(tmp_path: Path, m
     assert cli.parse_configured("router", ["--config", str(config)])[0].no_router_session is True
 
 
+def test_a_config_directory_reads_its_toml_files_in_name_order(tmp_path: Path) -> None:
+    """How a Kubernetes overlay adds to the base's configuration: one more file in the ConfigMap."""
+    (tmp_path / "conf").mkdir()
+    write(tmp_path / "conf" / "10-base.toml", '[control-plane]\nlisten = "0.0.0.0:50051"\nredis_shards = 4\n')
+    write(tmp_path / "conf" / "20-ha.toml", '[control-plane]\nredis = "redis://kvroute-redis:6390"\nredis_shards = 8\n')
+    write(tmp_path / "conf" / "notes.txt", "not read")
+    args, effective = cli.parse_configured("control-plane", ["--config", str(tmp_path / "conf")])
+    assert (args.listen, args.redis, args.redis_shards) == ("0.0.0.0:50051", "redis://kvroute-redis:6390", 8)
+    assert effective.by_key()["listen"].source == f"file {tmp_path / 'conf' / '10-base.toml'} [control-plane]"
+    assert effective.by_key()["redis_shards"].source == f"file {tmp_path / 'conf' / '20-ha.toml'} [control-plane]"
+    write(tmp_path / "conf" / "30-bad.toml", "[control-plane]\nlisen = 1\n")
+    result = kvroute("control-plane", "--config", str(tmp_path / "conf"))
+    assert result.returncode == 2 and "30-bad.toml [control-plane]: unknown key 'lisen'" in result.stderr
+    (tmp_path / "empty").mkdir()
+    result = kvroute("control-plane", "--config", str(tmp_path / "empty"))
+    assert result.returncode == 2 and "holds no *.toml file" in result.stderr
+
+
 def test_a_mutually_exclusive_flag_beats_its_partner_from_the_file(tmp_path: Path) -> None:
     config = write(tmp_path / "k.toml", '[simulate]\ntrace = "t.jsonl"\n')
     args = cli.parse_configured("simulate", ["--config", str(config), "--workload", "rag"])[0]
