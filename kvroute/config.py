@@ -286,7 +286,7 @@ def parse_args(command: str, parser: argparse.ArgumentParser, argv: Sequence[str
     """Parse `argv` for `command` with its file and environment layers under the flags.
 
     `known_elsewhere(key)` says whether another command has a key ([common] may hold keys for others);
-    `commands` lists the table names the file may hold. Exits 2 via `parser.error` on any bad input,
+    `commands` lists the table names the file may hold. Exits 2 with one line on any bad input,
     unless `allow_missing` (for `config show`): then a required flag that nobody set is reported, not fatal.
     """
     environ = os.environ if environ is None else environ
