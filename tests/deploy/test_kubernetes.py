@@ -21,12 +21,20 @@ import yaml
 from kvroute import cli
 from kvroute.config import has_key
 from tests.deploy.conftest import DeployTools
+from tests.deploy.manifests import (
+    CONFIG_DIR,
+    by_kind,
+    config_files,
+    container_env,
+    kvroute_containers,
+    render,
+    validate,
+    workloads,
+)
 from tests.helpers import REPO, pyproject
 
-KUSTOMIZE = REPO / "deploy" / "kubernetes"
 OVERLAYS = ("single", "ha")
 COMPONENTS = ((), ("sglang",), ("trtllm",), ("mtls",), ("sglang", "mtls"), ("trtllm", "mtls"))
-CONFIG_DIR = "/etc/kvroute"
 KVROUTE_COMMANDS = ("control-plane", "router", "agent")
 # What the downward API would give a pod, for expanding $(POD_NAME)-style references.
 FIELD_REFS = {"metadata.name": "kvroute-pod-0", "status.podIP": "10.0.0.7"}
@@ -47,44 +55,6 @@ def variants() -> Iterator[Any]:
                 marks.append(pytest.mark.xfail(strict=True, raises=AssertionError,
                                                reason="tls_cert/tls_key/tls_ca: the TLS flags are not in the CLI yet"))
             yield pytest.param(overlay, components, id="+".join((overlay, *components)), marks=marks)
-
-
-def render(tools: DeployTools, overlay: str, components: tuple[str, ...], workdir: Path) -> list[dict[str, Any]]:
-    """`kubectl kustomize` of the overlay with the components, as users combine them: a kustomization of
-    their own that names the overlay as its resource (paths relative: kustomize refuses absolute ones)."""
-    root = workdir / "kustomization"
-    root.mkdir(parents=True, exist_ok=True)
-    rel = Path(os.path.relpath(KUSTOMIZE, root))
-    kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-                     "resources": [str(rel / "overlays" / overlay)],
-                     "components": [str(rel / "components" / c) for c in components]}
-    (root / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-    result = subprocess.run([str(tools.kubectl), "kustomize", str(root)], capture_output=True, text=True, timeout=120,
-                            check=False)
-    assert result.returncode == 0, f"kubectl kustomize {overlay} {components}:\n{result.stderr}"
-    (workdir / "rendered.yaml").write_text(result.stdout)
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
-
-
-def validate(tools: DeployTools, path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(tools.kubernetes_validate), "--strict", "--quiet", str(path)],
-                          capture_output=True, text=True, timeout=300, check=False)
-
-
-def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
-    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
-
-
-def workloads(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {**by_kind(docs, "Deployment"), **by_kind(docs, "StatefulSet")}
-
-
-def kvroute_containers(docs: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
-    for workload in workloads(docs).values():
-        pod = workload["spec"]["template"]["spec"]
-        for container in pod["containers"]:
-            if container["image"].split(":")[0].rsplit("/", 1)[-1] == "kvroute":
-                yield pod, container
 
 
 @pytest.mark.parametrize(("overlay", "components"),
@@ -120,13 +90,7 @@ def parse_container(command: str, container: dict[str, Any], config_dir: Path,
     for name in list(os.environ):
         if name.startswith("KVROUTE_"):
             monkeypatch.delenv(name)
-    values: dict[str, str] = {}
-    for env in container.get("env", []):
-        if "valueFrom" in env:
-            values[env["name"]] = FIELD_REFS[env["valueFrom"]["fieldRef"]["fieldPath"]]
-        else:  # Kubernetes expands $(NAME) from variables defined before this one
-            values[env["name"]] = re.sub(r"\$\((\w+)\)", lambda m: values.get(m.group(1), m.group(0)), env["value"])
-    for name, value in values.items():
+    for name, value in container_env(container, FIELD_REFS).items():
         monkeypatch.setenv(name, value)
     stderr = io.StringIO()
     try:
@@ -141,18 +105,15 @@ def test_every_flag_env_and_config_key_the_manifests_use_exists(deploy_tools: De
                                                                 monkeypatch: pytest.MonkeyPatch, overlay: str,
                                                                 components: tuple[str, ...]) -> None:
     docs = render(deploy_tools, overlay, components, tmp_path)
-    config_maps = by_kind(docs, "ConfigMap")
     seen = set()
     for pod, container in kvroute_containers(docs):
         command = container["args"][0]
         assert command in KVROUTE_COMMANDS, container["args"]
         assert "command" not in container, "the image's entrypoint is kvroute; containers pass arguments only"
         # The ConfigMap mounted at /etc/kvroute, as the directory the container reads.
-        mount = next(m for m in container["volumeMounts"] if m["mountPath"] == CONFIG_DIR)
-        volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
         config_dir = tmp_path / "config" / command
         config_dir.mkdir(parents=True)
-        for name, text in config_maps[volume["configMap"]["name"]]["data"].items():
+        for name, text in config_files(docs, pod, container).items():
             tomllib.loads(text)
             (config_dir / name).write_text(text)
         # Every KVROUTE_* variable is a key of this command (the config layer itself ignores others).
