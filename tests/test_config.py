@@ -239,3 +239,18 @@ grpc_port = 0
     finally:
         for proc in procs:
             proc.stop()
+
+
+def test_config_check_validates_every_table_a_file_holds(tmp_path: Path) -> None:
+    good = write(tmp_path / "good.toml", '[common]\ncontrol_plane = "cp:50051"\n[router]\nport = 8081\n'
+                                         '[agent]\nengine = "sglang"\n[bench.live]\nengines = 2\n')
+    result = kvroute("config", "check", str(good))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["router: ok", "agent: ok", "bench live: ok"]
+    # A bad value in a table other than the one a process would read is caught too, named with its key.
+    bad = write(tmp_path / "bad.toml", '[router]\nport = 8081\n[agent]\nengine = "tgi"\n')
+    result = kvroute("config", "check", str(bad))
+    assert result.returncode == 2
+    assert "[agent] engine: engine 'tgi' is not supported" in result.stderr and "router: ok" in result.stdout
+    result = kvroute("config", "check", str(write(tmp_path / "typo.toml", "[agnet]\nengine = 'vllm'\n")))
+    assert result.returncode == 2 and "unknown table 'agnet' (did you mean 'agent'?)" in result.stderr
