@@ -15,7 +15,8 @@ COPY data_plane ./data_plane
 COPY worker_agent ./worker_agent
 COPY tools ./tools
 # The runtime dependencies only: no `tools` extra (the image runs the product, not the benches).
-RUN /opt/kvroute/bin/pip install --no-compile . \
+# Byte-compiled here: the containers' root filesystem is read-only, so a process could not cache it.
+RUN /opt/kvroute/bin/pip install . \
     && /opt/kvroute/bin/pip uninstall --yes pip setuptools wheel
 
 FROM ${PYTHON_IMAGE}
