@@ -112,15 +112,26 @@ def add_config_flag(parser: argparse.ArgumentParser) -> None:
     for p in _all_parsers(parser):
         if not any(a.dest == CONFIG_DEST for a in p._actions):
             p.add_argument("--config", dest=CONFIG_DEST, metavar="FILE", default=None,
-                           help="TOML file with a table per command ([router], [agent], ...) and [common]; "
+                           help="TOML file (or a directory of *.toml files, read in name order) with a table per "
+                                "command ([router], [agent], ...) and [common]; "
                                 "flags override KVROUTE_* environment variables, which override the file")
 
 
-def _given_on_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+class _HelpRequested(Exception):
+    """--help during the look at the command line: help is printed by the real parse, with the defaults."""
+
+
+def _raise_help_requested(*_args: Any, **_kwargs: Any) -> None:
+    raise _HelpRequested
+
+
+def _given_on_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace | None:
     """Parse `argv` with every default suppressed and nothing required: what is set was given as a flag.
-    A malformed command line fails here with argparse's own message (exit 2)."""
+    A malformed command line fails here with argparse's own message (exit 2); None when it asks for --help."""
     saved: list[tuple[Any, str, Any]] = []
     for p in _all_parsers(parser):
+        saved.append((p, "print_help", None))  # an instance attribute over the method, removed below
+        p.print_help = _raise_help_requested  # type: ignore[method-assign]
         for action in p._actions:
             saved += [(action, "default", action.default), (action, "required", action.required)]
             action.default, action.required = argparse.SUPPRESS, False
@@ -131,9 +142,14 @@ def _given_on_command_line(parser: argparse.ArgumentParser, argv: Sequence[str])
         p._defaults = {}
     try:
         return parser.parse_args(list(argv))
+    except _HelpRequested:
+        return None
     finally:
         for obj, attr, value in saved:
-            setattr(obj, attr, value)
+            if attr == "print_help":
+                del obj.print_help
+            else:
+                setattr(obj, attr, value)
 
 
 # ------------------------------------------------------------------------------------------- conversion
@@ -293,6 +309,9 @@ def parse_args(command: str, parser: argparse.ArgumentParser, argv: Sequence[str
     environ = os.environ if environ is None else environ
     add_config_flag(parser)
     given = _given_on_command_line(parser, argv)
+    if given is None:
+        parser.parse_args(list(argv))  # prints the help with the parser's own defaults, and exits
+        raise SystemExit(0)
     chain = _parser_chain(parser, given)
     config_path = getattr(given, CONFIG_DEST, None)
     try:

@@ -198,6 +198,14 @@ def test_config_show_lists_flags_and_env_as_their_sources(tmp_path: Path) -> Non
     assert "hunter2" not in shown and "redis://:***@cache:6390/0" in shown
 
 
+def test_help_still_shows_the_parsers_defaults() -> None:
+    """The layer's first look at the command line suppresses defaults; --help must not print that look."""
+    for argv in (["router", "--help"], ["bench", "live", "--help"]):
+        result = kvroute(*argv)
+        assert result.returncode == 0 and "(default: " in result.stdout and "SUPPRESS" not in result.stdout, argv
+        assert "--config FILE" in result.stdout
+
+
 def test_no_flag_takes_a_reserved_environment_name() -> None:
     """KVROUTE_CACHE and the vLLM test variables belong to scripts; a flag with that dest would read them."""
     for name, command in cli.SUBCOMMANDS.items():
