@@ -17,6 +17,15 @@ from tests.helpers import REPO
 
 REQUIREMENTS = REPO / "deploy" / "validate-requirements.txt"
 TOOLS_VENV = REPO / ".venv-deploy"
+HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The first test here may build .venv-deploy (about a minute on a fresh machine): more than the
+    default 120 s per test must be allowed for that one setup."""
+    for item in items:
+        if HERE in item.path.parents and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(900))
 
 
 @dataclass(frozen=True)
