@@ -40,6 +40,21 @@ KVROUTE_COMMANDS = ("control-plane", "router", "agent")
 FIELD_REFS = {"metadata.name": "kvroute-pod-0", "status.podIP": "10.0.0.7"}
 
 
+TLS_MOUNT = "/etc/kvroute/tls"
+TLS_FILES = ("tls.crt", "tls.key", "ca.crt")  # what the Secret holds (cert-manager's names)
+
+
+def write_test_certificates(directory: Path) -> None:
+    """A self-signed certificate as the Secret would hold it, for flags that check their file at start."""
+    directory.mkdir(parents=True)
+    made = subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                           "-nodes", "-days", "1", "-subj", "/CN=kvroute-control-plane",
+                           "-keyout", str(directory / "tls.key"), "-out", str(directory / "tls.crt")],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert made.returncode == 0, f"openssl could not make a test certificate: {made.stderr}"
+    (directory / "ca.crt").write_bytes((directory / "tls.crt").read_bytes())
+
+
 def tls_flags_exist() -> bool:
     """The security work adds --tls-cert/--tls-key/--tls-ca; until it has landed, components/mtls names
     keys no command has, and the check below must fail on exactly that (strict xfail)."""
@@ -113,9 +128,12 @@ def test_every_flag_env_and_config_key_the_manifests_use_exists(deploy_tools: De
         # The ConfigMap mounted at /etc/kvroute, as the directory the container reads.
         config_dir = tmp_path / "config" / command
         config_dir.mkdir(parents=True)
+        tls_dir = tmp_path / "tls"  # where the kvroute-tls Secret would be mounted (components/mtls)
         for name, text in config_files(docs, pod, container).items():
             tomllib.loads(text)
-            (config_dir / name).write_text(text)
+            (config_dir / name).write_text(text.replace(TLS_MOUNT, str(tls_dir)))
+        if "mtls" in components and not tls_dir.exists():
+            write_test_certificates(tls_dir)
         # Every KVROUTE_* variable is a key of this command (the config layer itself ignores others).
         parser = cli.command_parser(command)[0]
         for env in container.get("env", []):
@@ -134,8 +152,8 @@ def test_every_flag_env_and_config_key_the_manifests_use_exists(deploy_tools: De
         if command == "control-plane":
             assert bool(args.redis) == (overlay == "ha"), args.redis
         if "mtls" in components:
-            assert args.tls_cert == "/etc/kvroute/tls/tls.crt", command
-            assert any(m["mountPath"] == "/etc/kvroute/tls" for m in container["volumeMounts"]), command
+            assert (args.tls_cert, args.tls_key, args.tls_ca) == tuple(str(tls_dir / f) for f in TLS_FILES), command
+            assert any(m["mountPath"] == TLS_MOUNT for m in container["volumeMounts"]), command
     assert seen == set(KVROUTE_COMMANDS)
 
 
