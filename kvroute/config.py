@@ -112,7 +112,7 @@ def add_config_flag(parser: argparse.ArgumentParser) -> None:
     for p in _all_parsers(parser):
         if not any(a.dest == CONFIG_DEST for a in p._actions):
             p.add_argument("--config", dest=CONFIG_DEST, metavar="FILE", default=None,
-                           help="TOML file (or a directory of *.toml files, read in name order) with a table per "
+                           help="TOML file (or a directory of *.toml files, read in name order; or KVROUTE_CONFIG) with a table per "
                                 "command ([router], [agent], ...) and [common]; "
                                 "flags override KVROUTE_* environment variables, which override the file")
 
@@ -313,7 +313,7 @@ def parse_args(command: str, parser: argparse.ArgumentParser, argv: Sequence[str
         parser.parse_args(list(argv))  # prints the help with the parser's own defaults, and exits
         raise SystemExit(0)
     chain = _parser_chain(parser, given)
-    config_path = getattr(given, CONFIG_DEST, None)
+    config_path = getattr(given, CONFIG_DEST, None) or environ.get(env_name(CONFIG_DEST)) or None
     try:
         layered: dict[str, _Candidate] = {}
         for path in config_files(config_path) if config_path else ():

@@ -76,6 +76,14 @@ def test_file_and_env_satisfy_required_flags_and_lists_replace(tmp_path: Path, m
     assert cli.parse_configured("router", ["--config", str(config)])[0].no_router_session is True
 
 
+def test_kvroute_config_names_the_file_when_no_flag_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = write(tmp_path / "a.toml", "[control-plane]\nredis_shards = 5\n")
+    second = write(tmp_path / "b.toml", "[control-plane]\nredis_shards = 6\n")
+    monkeypatch.setenv("KVROUTE_CONFIG", str(first))
+    assert cli.parse_configured("control-plane", [])[0].redis_shards == 5
+    assert cli.parse_configured("control-plane", ["--config", str(second)])[0].redis_shards == 6
+
+
 def test_a_config_directory_reads_its_toml_files_in_name_order(tmp_path: Path) -> None:
     """How a Kubernetes overlay adds to the base's configuration: one more file in the ConfigMap."""
     (tmp_path / "conf").mkdir()
