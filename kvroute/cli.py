@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvroute.config import EffectiveConfig
 
 DISTRIBUTION = "kvroute"
 EXIT_USAGE = 2
@@ -26,6 +32,7 @@ class Subcommand:
     module: str
     help: str
     extra: str = ""  # the optional-dependency group it needs beyond the runtime dependencies
+    configurable: bool = True  # reads --config FILE and KVROUTE_* (kvroute/config.py)
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
@@ -45,6 +52,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                            "simulate a fleet on a trace or generated workload under several policies", "tools"),
     "bench": Subcommand("kvroute.tools.bench.cli",
                         "hot-path micro-benchmarks (ingest, decision, proxy) and the live workload bench (live)", "tools"),
+    "config": Subcommand("kvroute.config", "show a command's effective configuration (file, KVROUTE_* env, flags)",
+                         configurable=False),
 }
 
 
@@ -77,14 +86,9 @@ def missing_requirements(extra: str) -> list[str]:
     return missing
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """`kvroute ARGV`, importing only the named subcommand's module; `args._run` is its `run`.
-    Exits (argparse's way) on --help, on a usage error and when a tool's extra is missing."""
-    argv = list(argv)
-    if not argv or argv[0] not in SUBCOMMANDS:
-        build_parser().parse_args(argv)  # prints the help, or says what is wrong
-        raise SystemExit(EXIT_USAGE)     # not reached: a bare flag or an unknown name is an error there
-    name, command = argv[0], SUBCOMMANDS[argv[0]]
+def command_parser(name: str) -> tuple[argparse.ArgumentParser, ModuleType]:
+    """NAME's own parser and module, importing only that module. Exits 2 when a tool's extra is missing."""
+    command = SUBCOMMANDS[name]
     if command.extra and (missing := missing_requirements(command.extra)):
         print(f"kvroute {name}: error: needs the {command.extra} extra: pip install 'kvroute[{command.extra}]' "
               f"(missing: {', '.join(missing)})", file=sys.stderr)
@@ -93,6 +97,46 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"kvroute {name}", description=command.help,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     module.add_arguments(parser)
+    return parser, module
+
+
+def _known_to_another_command(key: str) -> bool:
+    """Whether any configurable command has `key` (a config file's [common] table may hold it); a command
+    whose extra is not installed is skipped. Imports the other modules: only reached for such a key."""
+    for name, command in SUBCOMMANDS.items():
+        if not command.configurable or (command.extra and missing_requirements(command.extra)):
+            continue
+        from kvroute.config import has_key
+
+        if has_key(command_parser(name)[0], key):
+            return True
+    return False
+
+
+def parse_configured(name: str, argv: Sequence[str],
+                     allow_missing: bool = False) -> tuple[argparse.Namespace, EffectiveConfig]:
+    """NAME's arguments from flags over KVROUTE_* environment over its --config file (kvroute/config.py)."""
+    from kvroute import config  # loaded with a command, not for `kvroute --help`
+
+    parser, module = command_parser(name)
+    args, effective = config.parse_args(
+        name, parser, argv, os.environ, known_elsewhere=_known_to_another_command,
+        commands=[n for n, c in SUBCOMMANDS.items() if c.configurable], allow_missing=allow_missing)
+    args.command, args._run = name, module.run
+    return args, effective
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """`kvroute ARGV`, importing only the named subcommand's module; `args._run` is its `run`.
+    Exits (argparse's way) on --help, on a usage error and when a tool's extra is missing."""
+    argv = list(argv)
+    if not argv or argv[0] not in SUBCOMMANDS:
+        build_parser().parse_args(argv)  # prints the help, or says what is wrong
+        raise SystemExit(EXIT_USAGE)     # not reached: a bare flag or an unknown name is an error there
+    name = argv[0]
+    if SUBCOMMANDS[name].configurable:
+        return parse_configured(name, argv[1:])[0]
+    parser, module = command_parser(name)
     args = parser.parse_args(argv[1:])
     args.command, args._run = name, module.run
     return args

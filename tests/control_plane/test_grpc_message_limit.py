@@ -20,7 +20,7 @@ async def snapshot(stub: pb_grpc.ControlPlaneStub, worker_id: str, keys: int) ->
                                                                     block_size=4, endpoint=f"http://{worker_id}")))
         assert (await call.read()).HasField("registered")
         await call.write(pb.AgentMessage(batch=pb.EventBatch(seq=1, snapshot=True, events=[pb.BlockEvent(
-            stored=pb.BlocksStored(block_keys=list(range(1, keys + 1)), medium="gpu"))])))
+            stored=pb.BlocksStored(block_keys=list(range(1, keys + 1)), tier=pb.TIER_GPU))])))
         reply = await call.read()
         if reply is grpc.aio.EOF:
             await call

@@ -56,7 +56,7 @@ async def connect(control_plane: pb_grpc.ControlPlaneStub, worker_id: str, keys:
         if registered is grpc.aio.EOF:
             await call  # the status
         await call.write(pb.AgentMessage(batch=pb.EventBatch(seq=1, snapshot=True, events=[
-            pb.BlockEvent(stored=pb.BlocksStored(block_keys=keys, medium="gpu"))])))
+            pb.BlockEvent(stored=pb.BlocksStored(block_keys=keys, tier=pb.TIER_GPU))])))
         return await call.read()
     finally:
         call.cancel()
@@ -85,7 +85,7 @@ async def test_agent_writes_only_its_own_worker_and_a_router_never(certs):
             worker_id="node-b:8000", model=MODEL, engine="sim", block_size=4, endpoint="http://b")))
         assert (await stream_b.read()).HasField("registered")
         await stream_b.write(pb.AgentMessage(batch=pb.EventBatch(seq=1, snapshot=True, events=[
-            pb.BlockEvent(stored=pb.BlocksStored(block_keys=keys_b, medium="gpu"))])))
+            pb.BlockEvent(stored=pb.BlocksStored(block_keys=keys_b, tier=pb.TIER_GPU))])))
         assert (await stream_b.read()).ack.seq == 1
         before = await matched(router, keys_b)
         assert before == {"node-b:8000": 3}

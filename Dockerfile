@@ -1,0 +1,31 @@
+# kvroute's image: every command (`kvroute control-plane`, `router`, `agent`, ...) from one wheel.
+# Multi-stage: the build stage makes a virtualenv; the final stage copies only that, runs as a non-root
+# user and holds no compiler, pip cache or source tree. deploy/kubernetes/ runs it.
+ARG PYTHON_IMAGE=python:3.12-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+RUN python -m venv /opt/kvroute
+# Every folder the wheel packages (pyproject's package-dir), nothing else.
+COPY pyproject.toml README.md ./
+COPY kvroute ./kvroute
+COPY control_plane ./control_plane
+COPY data_plane ./data_plane
+COPY worker_agent ./worker_agent
+COPY tools ./tools
+# The runtime dependencies only: no `tools` extra (the image runs the product, not the benches).
+# Byte-compiled here: the containers' root filesystem is read-only, so a process could not cache it.
+RUN /opt/kvroute/bin/pip install . \
+    && /opt/kvroute/bin/pip uninstall --yes pip setuptools wheel
+
+FROM ${PYTHON_IMAGE}
+ENV PATH=/opt/kvroute/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+COPY --from=build /opt/kvroute /opt/kvroute
+# A numeric user, so Kubernetes' runAsNonRoot can check it without a passwd entry.
+USER 10001:10001
+WORKDIR /tmp
+ENTRYPOINT ["kvroute"]
+CMD ["--help"]
