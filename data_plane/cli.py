@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import logging
 import signal
-from pathlib import Path
 
 from kvroute.listeners import run_service
 from kvroute.telemetry import setup_tracing, shutdown_tracing
@@ -86,68 +85,31 @@ def _sample_rate(value: str) -> float:
     return rate
 
 
-def _parse_static(spec: str) -> dict[str, str]:
-    out = {}
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        worker_id, sep, url = item.partition("=")
-        if not sep or not url:
-            raise SystemExit(f"--static-workers entries must be ID=URL, got {item!r}")
-        out[worker_id] = url.rstrip("/")
-    return out
-
-
 async def serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from kvroute.data_plane.app_reservations import AppReservations
-    from kvroute.data_plane.backend_health import BackendHealth
-    from kvroute.data_plane.control_plane_client import ControlPlaneClient
     from kvroute.data_plane.grpc_api import RouterGrpcService, add_router_service
     from kvroute.data_plane.http_api import RouterHttpApi
-    from kvroute.data_plane.inflight import RouterInflight
-    from kvroute.data_plane.metrics import RouterMetrics
-    from kvroute.data_plane.policies import make_policy, parse_kv_aware_params
     from kvroute.data_plane.proxy import BackendProxy
-    from kvroute.data_plane.query_deadline import QueryDeadline
-    from kvroute.data_plane.request_prep import RequestPreparer
-    from kvroute.data_plane.routing import Router
+    from kvroute.data_plane.routing_service import build_routing_service
     from kvroute.data_plane.stage_timing import StageSamples
-    from kvroute.data_plane.tokenization import load_tokenizer
     from kvroute.data_plane.traffic_capture import TrafficCapture
     from kvroute.listeners import GrpcListener, check_port, start_http_site
     from kvroute.v1 import kvroute_pb2 as pb
-    
+
     log = logging.getLogger("kvroute.router")
-    model = args.model or Path(args.tokenizer).resolve().name
-    tokenizer = load_tokenizer(args.tokenizer, cache_tokens=args.tokenizer_cache_tokens)
-    try:
-        kv_params = parse_kv_aware_params(args.kv_aware_param)
-    except ValueError as exc:
-        raise SystemExit(f"kvroute router: error: {exc}") from None
     if args.reservation_ttl_ms <= 0 or args.max_reservations <= 0:
         raise SystemExit("kvroute router: error: --reservation-ttl-ms and --max-reservations must be positive")
-    if kv_params and args.policy != "kv_aware":
-        raise SystemExit("kvroute router: error: --kv-aware-param needs --policy kv_aware")
-    policy = make_policy(args.policy, **kv_params)
-    # In-flight requests are shared so that other routers' index queries count them; a policy that reads
-    # no index neither queries nor announces (three messages per request, ~0.08 ms measured).
-    share_inflight = policy.needs.index and not args.no_router_session
-    deadline = QueryDeadline(args.query_timeout_ms / 1000, args.query_timeout_max_ms / 1000, args.query_timeout_factor)
-    control_plane = ControlPlaneClient(args.control_plane, static_workers=_parse_static(args.static_workers),
-                                       router_id=args.router_id, use_session=share_inflight,
-                                       query_deadline=deadline)
-    # Built once: the proxy writes in-flight state and backend failures, decisions read them.
-    inflight = RouterInflight(control_plane.session)
-    health = BackendHealth()
-    metrics = RouterMetrics()
-    router = Router(control_plane, policy, inflight, health, metrics)
-    proxy = BackendProxy(inflight, health, metrics)
+    service = build_routing_service(args, "router")  # shared with `kvroute epp`: routing_service.py
+    model, kv_params, control_plane = service.model, service.kv_params, service.control_plane
+    inflight, metrics, router, preparer = service.inflight, service.metrics, service.router, service.preparer
+    proxy = BackendProxy(inflight, service.health, metrics)
     capture = None
     if args.capture_trace:
         capture = TrafficCapture(args.capture_trace, args.capture_sample_rate, metrics,
                                  block_tokens=args.capture_block_tokens)
         capture.start()
-    preparer = RequestPreparer(tokenizer, model, control_plane.adapters_of, args.max_prompt_tokens)
     http = RouterHttpApi(router, proxy, preparer, capture=capture, max_body_bytes=args.max_body_bytes,
                          stages=StageSamples() if args.stage_timing else None)
     # handler_cancellation: a client that goes away cancels its handler, which closes the backend
