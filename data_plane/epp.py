@@ -254,9 +254,12 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             if len(ex.body) > self.max_body_bytes:
                 return [immediate(413, f"the request body is larger than this endpoint picker accepts "
                                        f"({self.max_body_bytes} bytes; see --max-body-bytes)", "request_too_large")]
-            if not msg.request_body.end_of_stream:
-                return [ext.ProcessingResponse(request_body=ext.BodyResponse())] if ex.buffered else []
-            return await self._decided(ex, body_ends=True)
+            if ex.pick is not None:  # buffered with trailers: the body part already decided on
+                return [ext.ProcessingResponse(request_body=ext.BodyResponse())]
+            if not msg.request_body.end_of_stream and not ex.buffered:
+                return []
+            # Buffered modes send the body in one message (BUFFERED_PARTIAL: what fit in Envoy's buffer).
+            return await self._decided(ex, body_ends=msg.request_body.end_of_stream)
         if kind == "request_trailers":
             out = [] if ex.pick is not None else await self._decided(ex, body_ends=False)
             if out and out[-1].HasField("immediate_response"):
