@@ -204,6 +204,12 @@ def test_kvroute_router_help_loads_the_router_and_the_core_only(tmp_path: Path) 
     assert foreign(modules, "kvroute.data_plane") == []
 
 
+def test_kvroute_epp_help_loads_the_data_plane_and_the_core_only(tmp_path: Path) -> None:
+    code, modules = loaded_by(tmp_path, "epp", "--help")
+    assert code == 0 and {"kvroute.data_plane.epp", "kvroute.data_plane.cli"} <= modules
+    assert foreign(modules, "kvroute.data_plane") == []
+
+
 @pytest.mark.e2e
 def test_a_running_router_loads_no_tool_and_no_other_plane(tmp_path: Path, tiny_model_dir: Path) -> None:
     """The router started and asked to route (no control plane: it fails open; no fleet: 503), then
