@@ -176,7 +176,9 @@ class Pick:
         headers = list(self.headers)
         if body_length is not None:  # the body is sent back in streamed mode: its length is ours to state
             headers.append(_header_option("content-length", str(body_length)))
-        return ext.CommonResponse(header_mutation=ext.HeaderMutation(set_headers=headers),
+        # No pick (FailOpen): a destination header the client sent itself must not steer Envoy.
+        removed = [] if self.endpoints else [DESTINATION]
+        return ext.CommonResponse(header_mutation=ext.HeaderMutation(set_headers=headers, remove_headers=removed),
                                   clear_route_cache=bool(self.endpoints))
 
     def metadata(self) -> struct_pb2.Struct | None:

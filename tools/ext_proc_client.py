@@ -35,6 +35,7 @@ class Picked:
     endpoint: str = ""          # the x-gateway-destination-endpoint header it set ("" = none)
     metadata_endpoint: str = ""  # envoy.lb / x-gateway-destination-endpoint in its dynamic metadata
     headers: dict[str, str] = field(default_factory=dict)  # every header it set
+    removed: list[str] = field(default_factory=list)        # headers it removed
     status: int = 0             # an ImmediateResponse's HTTP status (0 = none: forward the request)
     error_body: bytes = b""
     body: bytes = b""           # streamed mode: the body as the picker sent it back
@@ -55,14 +56,17 @@ class EnvoyExtProcStream:
         self.call = stub.Process()
         self._protocol_config = send_protocol_config
 
-    async def request(self, path: str, body: bytes, headers: dict[str, str] | None = None, chunks: int = 1,
+    async def request(self, path: str, body: bytes | None, headers: dict[str, str] | None = None, chunks: int = 1,
                       subset: list[str] | None = None) -> Picked:
         """The request headers (`subset`: GAIE's endpoint subset hint in the metadata), then the body
-        (in `chunks` pieces in streamed mode); what the picker answered."""
-        all_headers = {":method": "POST", ":path": path, ":authority": "gateway", "content-type": "application/json",
-                       "content-length": str(len(body)), **(headers or {})}
+        (in `chunks` pieces in streamed mode; None: a request without one, e.g. a GET); what the
+        picker answered."""
+        all_headers = {":method": "POST" if body is not None else "GET", ":path": path, ":authority": "gateway",
+                       **({"content-type": "application/json", "content-length": str(len(body))} if body is not None
+                          else {}), **(headers or {})}
         first = ext.ProcessingRequest(request_headers=ext.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
-            base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in all_headers.items()])))
+            base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in all_headers.items()]),
+            end_of_stream=body is None))
         if subset is not None:
             first.metadata_context.CopyFrom(_metadata("envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset",
                                                       subset))
@@ -71,6 +75,9 @@ class EnvoyExtProcStream:
             first.protocol_config.response_body_mode = processing_mode_pb2.ProcessingMode.NONE
         picked = Picked()
         await self.call.write(first)
+        if body is None:
+            self._note(await self.call.read(), picked)
+            return picked
         if self.mode == "buffered":
             answer = await self.call.read()
             if self._note(answer, picked):
@@ -104,6 +111,7 @@ class EnvoyExtProcStream:
             return True
         kind = answer.WhichOneof("response")
         common = getattr(answer, kind).response
+        picked.removed += common.header_mutation.remove_headers
         for option in common.header_mutation.set_headers:
             picked.headers[option.header.key] = option.header.raw_value.decode() or option.header.value
         picked.endpoint = picked.headers.get(DESTINATION, picked.endpoint)

@@ -66,11 +66,13 @@ async def test_an_internal_error_follows_the_failure_mode(tiny_model_dir, fail_o
                 raise RuntimeError("a bug in the decision")
 
             service.router.decide = broken  # the one way to make the router's own code fail on demand
-            picked = await EnvoyExtProcStream(stub, "streamed").request("/v1/completions", body)
+            picked = await EnvoyExtProcStream(stub, "streamed").request(
+                "/v1/completions", body, headers={"x-gateway-destination-endpoint": "169.254.169.254:80"})
     finally:
         await server.stop(None)
         await service.control_plane.close()
     if fail_open:
         assert picked.status == 0 and picked.endpoint == "" and picked.metadata_endpoint == "" and picked.body == body
+        assert picked.removed == ["x-gateway-destination-endpoint"]  # the client's own choice does not steer Envoy
     else:
         assert picked.status == 500 and b"endpoint picker failed" in picked.error_body

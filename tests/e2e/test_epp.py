@@ -146,6 +146,22 @@ def test_the_subset_hint_is_honoured_and_no_endpoint_is_a_503(fleet) -> None:
     assert nothing.status == 503 and "no workers known" in json.loads(nothing.error_body)["error"]["message"]
 
 
+def test_a_request_without_a_body_goes_to_a_known_worker(fleet) -> None:
+    """e.g. GET /v1/models: decided from the request headers alone, on load."""
+    cluster, _, epps = fleet
+
+    async def models() -> Picked:
+        async with grpc.aio.insecure_channel(epps["main"]) as channel:
+            stream = EnvoyExtProcStream(ext_grpc.ExternalProcessorStub(channel), "streamed")
+            picked = await asyncio.wait_for(stream.request("/v1/models", None), 10)
+            await asyncio.wait_for(stream.close(), 10)
+            return picked
+
+    picked = asyncio.run(models())
+    assert picked.status == 0 and picked.endpoint == picked.metadata_endpoint
+    assert picked.endpoint in {host_port(e.url) for e in cluster.engines}
+
+
 def test_bad_requests_are_answered_in_place(fleet) -> None:
     _, _, epps = fleet
     unknown = asyncio.run(pick(epps["main"], "/v1/completions", b'{"model": "other", "prompt": "x"}', "buffered"))
