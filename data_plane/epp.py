@@ -77,6 +77,10 @@ ROUTER_ONLY_FLAGS = frozenset({"--port", "--grpc-port", "--reservation-ttl-ms", 
 _BodyMode = processing_mode_pb2.ProcessingMode.BodySendMode
 _BUFFERED_MODES = (_BodyMode.Value("BUFFERED"), _BodyMode.Value("BUFFERED_PARTIAL"))
 _FULL_DUPLEX = _BodyMode.Value("FULL_DUPLEX_STREAMED")
+_STREAMED, _NO_BODY = _BodyMode.Value("STREAMED"), _BodyMode.Value("NONE")
+_STREAMED_REFUSED = ("the ext_proc filter's request_body_mode is STREAMED: Envoy sends the request headers upstream "
+                     "before the body, so a decision made from the body cannot reach it; use FULL_DUPLEX_STREAMED "
+                     "(GAIE's) or BUFFERED")
 _PREPARE_STATUS = {"invalid": (400, None), "model_not_found": (404, "model_not_found"),
                    "too_long": (400, "context_length_exceeded")}
 
@@ -114,6 +118,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sheddable-objectives", default="", metavar="NAME,...",
                    help="x-gateway-inference-objective values whose requests may be shed (429) when every "
                         "candidate is saturated (GAIE: objectives with a negative priority)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus /metrics (the router's metrics: decisions, fail-open by reason), /health and "
+                        "/ready on this HTTP port (0 = off)")
     p.add_argument("--saturation-load", type=int, default=0, metavar="N",
                    help="a worker is saturated at this many requests (max of in flight and running + waiting); "
                         "0 = never shed")
@@ -194,6 +201,7 @@ class _Exchange:
     """One HTTP request as the picker follows it along its stream."""
     buffered: bool
     response_full_duplex: bool
+    body_sent: bool = True      # False: Envoy's request_body_mode is NONE, the headers are all there is
     headers: dict[str, str] = field(default_factory=dict)
     body: bytearray = field(default_factory=bytearray)
     subset: list[str] | None = None
@@ -220,6 +228,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             async for msg in request_iterator:
                 if exchange is None:
                     exchange = self._exchange(msg)
+                    if exchange is None:
+                        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, _STREAMED_REFUSED)
                 for response in await self._handle(exchange, msg):
                     yield response
                     if response.HasField("immediate_response"):
@@ -228,12 +238,16 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             if exchange is not None and exchange.ticket is not None:
                 self.service.inflight.finish(exchange.ticket)  # Envoy ends the stream with the request
 
-    def _exchange(self, first: ext.ProcessingRequest) -> _Exchange:
-        """Body modes from the first message's protocol_config (recent Envoy sends it), else the flag."""
+    def _exchange(self, first: ext.ProcessingRequest) -> _Exchange | None:
+        """Body modes from the first message's protocol_config (recent Envoy sends it), else the flag;
+        None for Envoy's plain STREAMED request body mode, which cannot carry a body-based decision."""
         if first.HasField("protocol_config"):
             config = first.protocol_config
+            if config.request_body_mode == _STREAMED:
+                return None
             return _Exchange(buffered=config.request_body_mode in _BUFFERED_MODES,
-                             response_full_duplex=config.response_body_mode == _FULL_DUPLEX)
+                             response_full_duplex=config.response_body_mode == _FULL_DUPLEX,
+                             body_sent=config.request_body_mode != _NO_BODY)
         return _Exchange(buffered=self.buffered, response_full_duplex=not self.buffered)
 
     async def _handle(self, ex: _Exchange, msg: ext.ProcessingRequest) -> list[ext.ProcessingResponse]:
@@ -244,7 +258,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
                 ex.subset = [subset] if isinstance(subset, str) else subset
         if kind == "request_headers":
             ex.headers = _headers_of(msg.request_headers)
-            if msg.request_headers.end_of_stream:  # no body (e.g. GET /v1/models): any eligible worker
+            if msg.request_headers.end_of_stream or not ex.body_sent:  # no body (e.g. GET /v1/models): on load
                 pick = await self._pick(ex, bodiless=True)
                 return [pick] if isinstance(pick, ext.ProcessingResponse) else [
                     self._respond(pick, "request_headers", pick.common())]
@@ -268,7 +282,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
                 return out
             return [*out, ext.ProcessingResponse(request_trailers=ext.TrailersResponse())]
         if kind == "response_headers":
-            self._served(ex, _metadata_value(msg, LB_NAMESPACE, SERVED))
+            served = _metadata_value(msg, LB_NAMESPACE, SERVED)
+            self._served(ex, served if served is not None else _headers_of(msg.response_headers).get(SERVED))
             if msg.response_headers.end_of_stream:
                 self._finish(ex)
             return [ext.ProcessingResponse(response_headers=ext.HeadersResponse())]
@@ -401,12 +416,32 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
 # ---------------------------------------------------------------------------- process
 
 
+def status_routes(service: RoutingService) -> dict:
+    """GET /metrics, /health, /ready on --metrics-port: what the router serves on its HTTP port."""
+    from aiohttp import web
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    from kvroute.data_plane.readiness import router_readiness
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(service.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "model": service.model, "policy": service.policy.name})
+
+    async def ready(_request: web.Request) -> web.Response:
+        readiness = router_readiness(service.control_plane, service.model, service.health)
+        return web.json_response(readiness.body, status=200 if readiness.ready else 503)
+
+    return {"/metrics": metrics, "/health": health, "/ready": ready}
+
+
 async def serve(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2
 
     from kvroute.data_plane.readiness import router_readiness
     from kvroute.data_plane.routing_service import build_routing_service
-    from kvroute.listeners import GrpcListener, check_port
+    from kvroute.listeners import GrpcListener, check_port, start_status_site
 
     if args.fallback_endpoints < 0 or args.saturation_load < 0:
         raise SystemExit("kvroute epp: error: --fallback-endpoints and --saturation-load must be >= 0")
@@ -434,6 +469,10 @@ async def serve(args: argparse.Namespace) -> int:
             await listener.health.set("readiness", serving if is_ready else not_serving)
             await asyncio.sleep(0.5)
 
+    status_runner = None
+    if args.metrics_port:  # before serving: a busy port must not leave a half-started picker
+        status_runner, _ = await start_status_site("--metrics-port", args.host, args.metrics_port,
+                                                   status_routes(service))
     await listener.start(serving=False)
     health_task = asyncio.create_task(follow_readiness())
     try:
@@ -450,6 +489,8 @@ async def serve(args: argparse.Namespace) -> int:
     finally:
         health_task.cancel()
         await listener.stop(0.5)
+        if status_runner is not None:
+            await status_runner.cleanup()
         await service.control_plane.close()
     return 0
 

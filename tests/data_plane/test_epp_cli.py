@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
 from kvroute.cli import parse_args
@@ -76,3 +79,35 @@ async def test_an_internal_error_follows_the_failure_mode(tiny_model_dir, fail_o
         assert picked.removed == ["x-gateway-destination-endpoint"]  # the client's own choice does not steer Envoy
     else:
         assert picked.status == 500 and b"endpoint picker failed" in picked.error_body
+
+
+async def test_envoys_body_modes_none_and_streamed(tiny_model_dir) -> None:
+    """request_body_mode NONE: the headers are all Envoy sends, so the picker decides on them.
+    STREAMED: refused with FAILED_PRECONDITION naming the modes that work (the headers would go
+    upstream before the body is seen)."""
+    server, service, address = await _serve_picker(tiny_model_dir, False)
+
+    def first(mode: int) -> ext.ProcessingRequest:
+        msg = ext.ProcessingRequest(request_headers=ext.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+            base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions")])))
+        msg.protocol_config.request_body_mode = mode
+        return msg
+
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = ext_grpc.ExternalProcessorStub(channel)
+            call = stub.Process()
+            await call.write(first(processing_mode_pb2.ProcessingMode.NONE))
+            answer = await call.read()
+            chosen = [o.header.raw_value for o in answer.request_headers.response.header_mutation.set_headers]
+            assert chosen and chosen[0] in (b"10.0.0.1:8000", b"10.0.0.2:8000")
+            await call.done_writing()
+            call = stub.Process()
+            await call.write(first(processing_mode_pb2.ProcessingMode.STREAMED))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call.read()
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "FULL_DUPLEX_STREAMED" in refused.value.details()
+    finally:
+        await server.stop(None)
+        await service.control_plane.close()

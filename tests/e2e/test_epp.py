@@ -18,7 +18,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvroute.tools.ext_proc_client import EnvoyExtProcStream, Picked
-from kvroute.tools.local_cluster import LocalCluster, http_post_json, long_text, wait_until
+from kvroute.tools.local_cluster import LocalCluster, free_port, http_get, http_post_json, long_text, wait_until
 
 MODEL = "tiny-llama"
 
@@ -33,9 +33,14 @@ def fleet(module_local_fleet) -> Iterator[tuple[LocalCluster, str, dict[str, str
     cluster.start_sim_fleet(3)
     patient = ("--query-timeout-ms", "500")  # on a busy test host a 5 ms query deadline fails open now and then
     url = cluster.start_router("r", "kv_aware", *patient)
-    epps = {"main": cluster.start_epp("main", "kv_aware", "--no-router-session", *patient),
+    main_metrics, nothing_metrics = free_port(), free_port()
+    epps = {"main": cluster.start_epp("main", "kv_aware", "--no-router-session", "--metrics-port", str(main_metrics),
+                                      *patient),
+            "main-metrics": f"http://127.0.0.1:{main_metrics}",
             "session": cluster.start_epp("session", "kv_aware", *patient),
-            "nothing": cluster.start_epp("nothing", "kv_aware", "--model", "nothing-served"),
+            "nothing": cluster.start_epp("nothing", "kv_aware", "--model", "nothing-served", "--metrics-port",
+                                         str(nothing_metrics)),
+            "nothing-metrics": f"http://127.0.0.1:{nothing_metrics}",
             "shedding": cluster.start_epp("shedding", "kv_aware", "--no-router-session", "--sheddable-objectives",
                                           "batch", "--saturation-load", "1")}
     for seed in range(6):  # different system prompts end up cached on different engines
@@ -249,3 +254,11 @@ def test_health_follows_gaie_services(fleet) -> None:
     assert serving(epps["nothing"], "liveness")
     assert not serving(epps["nothing"], "readiness")
     assert not serving(epps["nothing"], "envoy.service.ext_proc.v3.ExternalProcessor")
+    # --metrics-port: the router's /metrics, /health and /ready
+    asyncio.run(pick(epps["main"], "/v1/completions", json.dumps({"model": MODEL, "prompt": "hi"}).encode(), "streamed"))
+    assert http_get(epps["main-metrics"] + "/ready")[0] == 200
+    status, body = http_get(epps["nothing-metrics"] + "/ready")
+    assert status == 503 and "nothing-served" in body.decode()
+    status, body = http_get(epps["main-metrics"] + "/metrics")
+    decisions = [line for line in body.decode().splitlines() if line.startswith("kvroute_router_decision_seconds_count")]
+    assert status == 200 and decisions and float(decisions[0].split()[-1]) > 0
