@@ -9,7 +9,8 @@ the request there itself. The decision is the router's (`routing_service.py`): t
 parsing (`http_api.parse_routing_body`), request preparation, block keys, control-plane query and
 policy, so for the same request and fleet state it picks what `POST /v1/route` answers.
 
-Per stream:
+Per stream (body modes from the first message's protocol_config, else --body-mode; NONE: decided
+on the headers; Envoy's plain STREAMED is refused, it cannot carry a body-based decision):
     request headers   -> buffered mode: CONTINUE at once; streamed (FULL_DUPLEX_STREAMED): held
     request body      -> chunks accumulated until end_of_stream, then parsed and decided:
                          buffered: the body response carries the header and the metadata;
@@ -20,15 +21,17 @@ Per stream:
     response body/end -> the request's in-flight entry ends (also when Envoy closes the stream)
 
 From the first response on, the request is in this picker's `RouterInflight` exactly as a proxied
-request is in a router's: pending prefill until the first response byte (the response headers when
-Envoy sends no response body), a speculative holder of its prompt blocks, announced to other
+request is in a router's: pending prefill until the first response body byte (the response headers
+when Envoy sends no response body), a speculative holder of its prompt blocks, announced to other
 routers over the router session. The subset hint (`envoy.lb.subset_hint` /
 `x-gateway-destination-endpoint-subset` in the request's metadata) restricts the candidates.
 ImmediateResponse: 503 when no endpoint is eligible, 429 when a sheddable request (its
 `x-gateway-inference-objective` is one of --sheddable-objectives) finds every candidate at
 --saturation-load, 400/404/413 for a request that cannot be routed (OpenAI error JSON), and for an
 internal error 500 under FailClose or, under FailOpen, no destination at all (Envoy's own load
-balancer picks), as the InferencePool's failureMode says.
+balancer picks, and a destination header the client sent is removed), as the InferencePool's
+failureMode says. gRPC health serves GAIE's `liveness` and `readiness` (and the ext_proc service);
+--metrics-port serves the router's /metrics, /health and /ready.
 """
 
 from __future__ import annotations
@@ -202,6 +205,7 @@ class _Exchange:
     buffered: bool
     response_full_duplex: bool
     body_sent: bool = True      # False: Envoy's request_body_mode is NONE, the headers are all there is
+    response_body_sent: bool = True  # False: response_body_mode NONE, the response headers end the prefill
     headers: dict[str, str] = field(default_factory=dict)
     body: bytearray = field(default_factory=bytearray)
     subset: list[str] | None = None
@@ -247,8 +251,12 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
                 return None
             return _Exchange(buffered=config.request_body_mode in _BUFFERED_MODES,
                              response_full_duplex=config.response_body_mode == _FULL_DUPLEX,
-                             body_sent=config.request_body_mode != _NO_BODY)
-        return _Exchange(buffered=self.buffered, response_full_duplex=not self.buffered)
+                             body_sent=config.request_body_mode != _NO_BODY,
+                             response_body_sent=config.response_body_mode != _NO_BODY)
+        # Without protocol_config: streamed is GAIE's configuration (response bodies full duplex too);
+        # buffered is taken as a filter that does not send response bodies.
+        return _Exchange(buffered=self.buffered, response_full_duplex=not self.buffered,
+                         response_body_sent=not self.buffered)
 
     async def _handle(self, ex: _Exchange, msg: ext.ProcessingRequest) -> list[ext.ProcessingResponse]:
         kind = msg.WhichOneof("request")
@@ -284,6 +292,8 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
         if kind == "response_headers":
             served = _metadata_value(msg, LB_NAMESPACE, SERVED)
             self._served(ex, served if served is not None else _headers_of(msg.response_headers).get(SERVED))
+            if not ex.response_body_sent:  # the first byte will not be seen: the response's start is the nearest
+                self._first_byte(ex)
             if msg.response_headers.end_of_stream:
                 self._finish(ex)
             return [ext.ProcessingResponse(response_headers=ext.HeadersResponse())]

@@ -214,14 +214,37 @@ def test_a_sheddable_request_on_a_saturated_fleet_is_a_429(fleet) -> None:
     assert after.status == 0 and after.endpoint  # the held requests ended with their streams
 
 
-def others_on(url: str, endpoint: str) -> int:
-    """Other routers' (here: the session picker's) requests in flight on `endpoint`, as the router sees them."""
+def others_on(url: str, endpoint: str, what: str = "requests") -> int:
+    """Other routers' (here: the session picker's) requests in flight on `endpoint` (or their pending
+    prefill tokens: `what="prefill_tokens"`), as the router sees them."""
     status, raw = http_post_json(url + "/v1/route?explain=1", {"model": MODEL, "prompt": long_text(999, 40)})
     assert status == 200, raw
     answer = json.loads(raw)
     worker = {w["worker_id"]: host_port(w["endpoint"]) for w in answer["workers"]}
-    return sum(w["index"]["other_routers_requests"] for w in answer["explain"]["workers"]
+    return sum(w["index"][f"other_routers_{what}"] for w in answer["explain"]["workers"]
                if w["index"] and worker[w["worker_id"]] == endpoint)
+
+
+def test_the_prefill_counts_until_the_response_starts(fleet) -> None:
+    """With Envoy sending no response body (protocol_config response_body_mode NONE), the response
+    headers end the request's pending prefill; the request stays in flight until the stream ends."""
+    _, url, epps = fleet
+
+    async def scenario() -> None:
+        async with grpc.aio.insecure_channel(epps["session"]) as channel:
+            stream = EnvoyExtProcStream(ext_grpc.ExternalProcessorStub(channel), "streamed", send_protocol_config=True)
+            picked = await stream.request("/v1/completions", json.dumps(
+                {"model": MODEL, "prompt": long_text(77, 200), "max_tokens": 3}).encode())
+            chosen = picked.endpoint
+            await asyncio.to_thread(wait_until, lambda: others_on(url, chosen, "prefill_tokens") > 100, 5,
+                                    "the new prompt's prefill counted")
+            await stream.response(served=chosen)
+            await asyncio.to_thread(wait_until, lambda: others_on(url, chosen, "prefill_tokens") == 0
+                                    and others_on(url, chosen) == 1, 5, "the prefill done, the request still running")
+            await stream.close()
+            await asyncio.to_thread(wait_until, lambda: others_on(url, chosen) == 0, 5, "the request over")
+
+    asyncio.run(scenario())
 
 
 def test_the_served_endpoint_is_read_back(fleet) -> None:

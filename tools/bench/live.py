@@ -149,13 +149,14 @@ Sender = Callable[[aiohttp.ClientSession, str, bytes, LiveRun, str], Awaitable[N
 
 def epp_sender(stub, engine_names: dict[str, str]) -> Sender:
     """Requests as Envoy sends them with an endpoint picker in front: the picker is asked over
-    ext_proc (streamed body mode, GAIE's), then the request goes to the endpoint it picked, the
-    served endpoint is reported with the response headers, and the stream ends with the response."""
+    ext_proc (streamed request body mode, GAIE's; response_body_mode NONE, said in protocol_config),
+    then the request goes to the endpoint it picked, the served endpoint is reported with the
+    response headers, and the stream ends with the response."""
     from kvroute.tools.ext_proc_client import EnvoyExtProcStream
 
     async def send(session: aiohttp.ClientSession, _url: str, body: bytes, run: LiveRun, _hint: str) -> None:
         started = time.perf_counter()
-        stream = EnvoyExtProcStream(stub, "streamed")
+        stream = EnvoyExtProcStream(stub, "streamed", send_protocol_config=True)  # response bodies not sent
         try:
             picked = await stream.request("/v1/completions", body)
             endpoint = picked.endpoint.split(",")[0]
