@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[tools,dev]'
+	# xds-protos (epp) overwrites opentelemetry-proto's and googleapis-common-protos' modules: put theirs back
+	$(BIN)/python scripts/restore_shadowed_protos.py
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from pathlib import Path
 
 from kvroute.listeners import run_service
 from kvroute.process import add_log_level_argument, add_port_file_argument, process_setup, wait_for_stop_signal, write_port_file
@@ -15,7 +14,6 @@ from kvroute.tls import (
     add_tls_arguments,
     engine_client_context,
     server_tls,
-    tls_files_from_args,
 )
 
 # Control-plane answers (ListWorkers of a large fleet) and Route requests with long prompts.
@@ -127,58 +125,30 @@ def _sample_rate(value: str) -> float:
     return rate
 
 
-def _parse_static(spec: str) -> dict[str, str]:
-    out = {}
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        worker_id, sep, url = item.partition("=")
-        if not sep or not url:
-            raise SystemExit(f"--static-workers entries must be ID=URL, got {item!r}")
-        out[worker_id] = url.rstrip("/")
-    return out
-
-
 async def serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from kvroute.data_plane.admission import Admission, ApiKeyInterceptor
     from kvroute.data_plane.api_keys import ApiKeys, KeyFileError
     from kvroute.data_plane.app_reservations import AppReservations
-    from kvroute.data_plane.backend_health import BackendHealth
-    from kvroute.data_plane.control_plane_client import ControlPlaneClient
     from kvroute.data_plane.grpc_api import RouterGrpcService, add_router_service
     from kvroute.data_plane.http_api import RouterHttpApi
-    from kvroute.data_plane.inflight import RouterInflight
-    from kvroute.data_plane.metrics import RouterMetrics
-    from kvroute.data_plane.policies import make_policy, parse_kv_aware_params
     from kvroute.data_plane.proxy import BackendProxy
-    from kvroute.data_plane.query_deadline import QueryDeadline
-    from kvroute.data_plane.request_prep import RequestPreparer
-    from kvroute.data_plane.routing import Router
+    from kvroute.data_plane.routing_service import build_routing_service
     from kvroute.data_plane.stage_timing import StageSamples
-    from kvroute.data_plane.tokenization import load_tokenizer
     from kvroute.data_plane.traffic_capture import TrafficCapture
     from kvroute.listeners import GrpcListener, check_port, start_http_site
-    from kvroute.tls import client_tls, grpc_message_options
+    from kvroute.tls import grpc_message_options
     from kvroute.v1 import kvroute_pb2 as pb
-    
+
     log = logging.getLogger("kvroute.router")
-    model = args.model or Path(args.tokenizer).resolve().name
-    tokenizer = load_tokenizer(args.tokenizer, cache_tokens=args.tokenizer_cache_tokens)
-    try:
-        kv_params = parse_kv_aware_params(args.kv_aware_param)
-    except ValueError as exc:
-        raise SystemExit(f"kvroute router: error: {exc}") from None
     if args.reservation_ttl_ms <= 0 or args.max_reservations <= 0:
         raise SystemExit("kvroute router: error: --reservation-ttl-ms and --max-reservations must be positive")
-    if kv_params and args.policy != "kv_aware":
-        raise SystemExit("kvroute router: error: --kv-aware-param needs --policy kv_aware")
-    policy = make_policy(args.policy, **kv_params)
-    # In-flight requests are shared so that other routers' index queries count them; a policy that reads
-    # no index neither queries nor announces (three messages per request, ~0.08 ms measured).
-    share_inflight = policy.needs.index and not args.no_router_session
-    deadline = QueryDeadline(args.query_timeout_ms / 1000, args.query_timeout_max_ms / 1000, args.query_timeout_factor)
+    service = build_routing_service(args, "router")  # shared with `kvroute epp`: routing_service.py
+    model, kv_params, control_plane = service.model, service.kv_params, service.control_plane
+    inflight, metrics, router, preparer = service.inflight, service.metrics, service.router, service.preparer
+    tls_files = service.tls_files  # its listeners serve TLS when it has a certificate
     try:
-        tls_files = tls_files_from_args(args, server=False)  # its listeners serve TLS when it has a certificate
         if args.http_tls and not tls_files.cert:
             raise TlsConfigError("--http-tls needs --tls-cert and --tls-key")
         if args.http_tls == "mtls" and not tls_files.ca:
@@ -187,19 +157,8 @@ async def serve(args: argparse.Namespace) -> int:
         api_keys = ApiKeys.from_environment(args.api_keys_file)
     except (TlsConfigError, KeyFileError, OSError) as exc:
         raise SystemExit(f"kvroute router: error: {exc}") from None
-    # The control-plane link presents the certificate when it has one (mTLS), verifies with the CA.
-    cp_tls = client_tls(tls_files)
     listener_tls = server_tls(tls_files) if tls_files.cert else None
-    control_plane = ControlPlaneClient(args.control_plane, static_workers=_parse_static(args.static_workers),
-                                       router_id=args.router_id, use_session=share_inflight,
-                                       query_deadline=deadline, tls=cp_tls,
-                                       max_message_bytes=args.grpc_max_message_bytes)
-    # Built once: the proxy writes in-flight state and backend failures, decisions read them.
-    inflight = RouterInflight(control_plane.session)
-    health = BackendHealth()
-    metrics = RouterMetrics()
-    router = Router(control_plane, policy, inflight, health, metrics)
-    proxy = BackendProxy(inflight, health, metrics, forward_authorization=args.forward_authorization,
+    proxy = BackendProxy(inflight, service.health, metrics, forward_authorization=args.forward_authorization,
                          engine_ssl=engine_ssl)
     admission = Admission(api_keys, args.max_concurrent_requests, metrics.registry)
     capture = None
@@ -207,7 +166,6 @@ async def serve(args: argparse.Namespace) -> int:
         capture = TrafficCapture(args.capture_trace, args.capture_sample_rate, metrics,
                                  block_tokens=args.capture_block_tokens)
         capture.start()
-    preparer = RequestPreparer(tokenizer, model, control_plane.adapters_of, args.max_prompt_tokens)
     http = RouterHttpApi(router, proxy, preparer, capture=capture, max_body_bytes=args.max_body_bytes,
                          stages=StageSamples() if args.stage_timing else None, admission=admission)
     # handler_cancellation: a client that goes away cancels its handler, which closes the backend

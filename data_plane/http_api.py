@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
@@ -118,8 +119,12 @@ def _body_too_large(size: int, limit: int) -> BadRequest:
 
 
 def _session_key(request: web.Request, body: dict) -> str:
+    return session_key_of(request.headers, body)
+
+
+def session_key_of(headers: Mapping[str, str], body: dict) -> str:
     """The session policy's key: the `x-session-id` header, else OpenAI's end-user id (`user`), else ""."""
-    header = request.headers.get(SESSION_HEADER, "").strip()
+    header = headers.get(SESSION_HEADER, "").strip()
     if header:
         # aiohttp keeps undecodable header bytes as lone surrogates (surrogateescape); the key is hashed as UTF-8.
         if lone_surrogate(header, SESSION_HEADER) is not None:
@@ -332,17 +337,23 @@ class RouterHttpApi:
         msgspec refuses (malformed, or text with a lone UTF-16 surrogate, which Python's json
         accepts) is parsed again by json, for the precise error."""
         raw = await self._read_body(request)
-        try:
-            fields = _FIELDS_DECODER.decode(raw)
-        except msgspec.ValidationError:
-            raise BadRequest("request body must be a JSON object") from None
-        except msgspec.DecodeError:
-            fields = _fields_from_json(raw)
-        if kind == "either" and fields.messages is not msgspec.UNSET:
-            kind = "chat"
-        session_key = _session_key(request, {"user": fields.user})
-        return raw, fields, RouteInput(
-            fields.model, kind, None if fields.messages is msgspec.UNSET else fields.messages, fields.prompt,
-            lora_name=str(fields.lora_name or ""), cache_salt=str(fields.cache_salt or ""), session_key=session_key,
-            tools=fields.tools, template_kwargs=fields.chat_template_kwargs,
-            add_generation_prompt=fields.add_generation_prompt is not False)
+        return raw, *parse_routing_body(raw, kind, request.headers)
+
+
+def parse_routing_body(raw: bytes, kind: str, headers: Mapping[str, str]) -> tuple[RoutingFields, RouteInput]:
+    """A request body -> (the fields routing reads, what request preparation takes); `headers` give the
+    session key. Shared with the endpoint picker (epp.py), which gets the same body from Envoy."""
+    try:
+        fields = _FIELDS_DECODER.decode(raw)
+    except msgspec.ValidationError:
+        raise BadRequest("request body must be a JSON object") from None
+    except msgspec.DecodeError:
+        fields = _fields_from_json(raw)
+    if kind == "either" and fields.messages is not msgspec.UNSET:
+        kind = "chat"
+    session_key = session_key_of(headers, {"user": fields.user})
+    return fields, RouteInput(
+        fields.model, kind, None if fields.messages is msgspec.UNSET else fields.messages, fields.prompt,
+        lora_name=str(fields.lora_name or ""), cache_salt=str(fields.cache_salt or ""), session_key=session_key,
+        tools=fields.tools, template_kwargs=fields.chat_template_kwargs,
+        add_generation_prompt=fields.add_generation_prompt is not False)

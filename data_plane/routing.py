@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -33,7 +33,7 @@ from opentelemetry import trace
 
 from kvroute.data_plane.backend_health import BackendHealth
 from kvroute.data_plane.candidates import build_candidates
-from kvroute.data_plane.control_plane_client import ControlPlaneClient
+from kvroute.data_plane.control_plane_client import ControlPlaneClient, KnownWorker
 from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.metrics import RouterMetrics
 from kvroute.data_plane.policies import Candidate, Explanation, RoutingInput, RoutingPolicy, explain_scores
@@ -140,18 +140,25 @@ class Router:
         self._log = RateLimitedLog(log)
 
     async def decide(self, model: str, token_ids: Sequence[int] | None, lora_name: str = "", cache_salt: str = "",
-                     session_key: str = "", clock: StageClock | None = None, explain: bool = False) -> RouteDecision:
+                     session_key: str = "", clock: StageClock | None = None, explain: bool = False,
+                     eligible: Callable[[KnownWorker], bool] | None = None) -> RouteDecision:
         """`token_ids`: the prompt, or None when the request was not tokenized (the policy needs no
         tokens). Block keys and the control-plane query happen only for a policy that reads them
         (`policy.needs`). Workers cooling down after a failure (`health`) are left out unless no
         other is known. `lora_name`: route only among workers serving that adapter (and key the
         prompt in its namespace). `session_key`: the client's session/end-user id ("" = none).
-        `explain`: also take the decision apart (`RouteDecision.explanation`, `index_view`)."""
+        `explain`: also take the decision apart (`RouteDecision.explanation`, `index_view`).
+        `eligible`: route only among the known workers it accepts (the endpoint picker's subset hint);
+        NoWorkersError when it accepts none."""
         started = time.perf_counter()
         needs = self.policy.needs
         prompt_tokens = len(token_ids) if token_ids is not None else 0
         with span(tracer, "kvroute.route") as route_span:
             known = self.control_plane.workers_for(model, lora_name)
+            if eligible is not None and known:
+                known = [w for w in known if eligible(w)]
+                if not known:
+                    raise NoWorkersError(f"none of the known workers of model {model!r} is in the request's subset")
             if not known:
                 what = f"model {model!r}" + (f" with LoRA adapter {lora_name!r}" if lora_name else "")
                 raise NoWorkersError(f"no workers known for {what} (control plane "

@@ -40,6 +40,9 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                                 "run the control plane (global prefix index + worker registry, gRPC)"),
     "agent": Subcommand("kvroute.worker_agent.cli", "run a worker agent: engine KV events -> control plane"),
     "router": Subcommand("kvroute.data_plane.cli", "run a stateless router (OpenAI-compatible HTTP + gRPC Route)"),
+    "epp": Subcommand("kvroute.data_plane.epp",
+                      "run a Gateway API Inference Extension endpoint picker (Envoy ext_proc) on the router's decision",
+                      "epp"),
     "sim-engine": Subcommand("kvroute.tools.sim_engine.cli",
                              "run a GPU-free vLLM stand-in (OpenAI API, real vLLM KV events)", "tools"),
     "tiny-model": Subcommand("kvroute.tools.tiny_model",
@@ -94,7 +97,8 @@ def command_parser(name: str) -> tuple[argparse.ArgumentParser, ModuleType]:
               f"(missing: {', '.join(missing)})", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
     module = importlib.import_module(command.module)
-    parser = argparse.ArgumentParser(prog=f"kvroute {name}", description=command.help,
+    # No abbreviations: `--port` must not quietly mean `--port-file` to a command without `--port`.
+    parser = argparse.ArgumentParser(prog=f"kvroute {name}", description=command.help, allow_abbrev=False,
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     module.add_arguments(parser)
     return parser, module

@@ -57,10 +57,13 @@ audit_probe = true
     assert sources["heartbeat_timeout"] == "env KVROUTE_HEARTBEAT_TIMEOUT"
     assert sources["speculative_ttl_ms"] == "flag"
     assert sources["redis_shards"] == "default"
-    # The command's own table beats [common]; a flag abbreviation still counts as the flag.
+    # The command's own table beats [common]; a flag beats both. Abbreviations are refused: a new
+    # flag (`--port-file` beside `--port`) must not change what an old command line means.
     write(config, '[common]\nlog_level = "WARNING"\n[control-plane]\nlog_level = "ERROR"\n')
     assert cli.parse_configured("control-plane", ["--config", str(config)])[0].log_level == "ERROR"
-    assert cli.parse_configured("control-plane", [f"--config={config}", "--log-l", "DEBUG"])[0].log_level == "DEBUG"
+    assert cli.parse_configured("control-plane", [f"--config={config}", "--log-level", "DEBUG"])[0].log_level == "DEBUG"
+    with pytest.raises(SystemExit):
+        cli.parse_configured("control-plane", [f"--config={config}", "--log-l", "DEBUG"])
 
 
 def test_file_and_env_satisfy_required_flags_and_lists_replace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,7 +145,7 @@ def test_a_missing_config_file_and_a_bad_control_plane_value_fail_at_start(tmp_p
 # What each command needs so that its `config show` has everything required (a command not listed needs nothing).
 SHOW_ARGS: dict[str, list[str]] = {
     "control-plane": [], "agent": [], "router": [], "sim-engine": [], "tiny-model": ["model-dir"], "audit": [],
-    "demo": [], "simulate": ["--workload", "rag"], "bench": ["live"],
+    "demo": [], "simulate": ["--workload", "rag"], "bench": ["live"], "epp": ["--tokenizer", "/models/tiny"],
 }
 # One value per command that differs from its default: `config show` must report it as the file's
 # (tiny-model has no flag, only its directory argument).

@@ -163,7 +163,7 @@ def test_the_graph_sees_the_imports_it_judges() -> None:
     assert ("kvroute.data_plane.routing", "kvroute.data_plane.policies") in found
     assert ("kvroute.tools.simulator.fleet", "kvroute.data_plane.policies") in found
     assert ("kvroute.control_plane.auditor", "kvroute.control_plane.audit") in found
-    assert ("kvroute.data_plane.cli", "kvroute.data_plane.tokenization") in found  # an import inside a function
+    assert ("kvroute.data_plane.cli", "kvroute.data_plane.routing_service") in found  # an import inside a function
     assert {"kvroute.cli", "kvroute.v1.kvroute_pb2", "kvroute.tools.sim_engine.tokenizer"} <= set(modules())
 
 
@@ -201,6 +201,12 @@ def test_kvroute_help_imports_no_subcommand(tmp_path: Path) -> None:
 def test_kvroute_router_help_loads_the_router_and_the_core_only(tmp_path: Path) -> None:
     code, modules = loaded_by(tmp_path, "router", "--help")
     assert code == 0 and "kvroute.data_plane.cli" in modules
+    assert foreign(modules, "kvroute.data_plane") == []
+
+
+def test_kvroute_epp_help_loads_the_data_plane_and_the_core_only(tmp_path: Path) -> None:
+    code, modules = loaded_by(tmp_path, "epp", "--help")
+    assert code == 0 and {"kvroute.data_plane.epp", "kvroute.data_plane.cli"} <= modules
     assert foreign(modules, "kvroute.data_plane") == []
 
 

@@ -36,6 +36,8 @@ def test_the_runtime_dependencies_are_the_products() -> None:
     assert TOOLS_ONLY & set(runtime) == set(), "matplotlib and numpy are for the tools, not the router"
     assert TOOLS_ONLY <= set(extras["tools"])
     assert {"pytest", "ruff", "grpcio-tools"} <= set(extras["dev"])
+    # xds-protos overwrites other distributions' files (scripts/restore_shadowed_protos.py): never a runtime need
+    assert "xds-protos" not in runtime and "xds-protos" in extras["epp"]
     assert all(str(r.specifier).startswith("==") for n, r in extras["dev"].items() if n in ("ruff", "grpcio-tools"))
 
 
@@ -78,3 +80,5 @@ def test_pip_install_dot_adds_kvroute_only_and_its_commands_work(installed_kvrou
         refused = run(name, "--help")
         assert refused.returncode == 2 and refused.stdout == "", (name, refused.stdout)
         assert refused.stderr.count("\n") == 1 and "pip install 'kvroute[tools]'" in refused.stderr, refused.stderr
+    picker = run("epp", "--help")  # Envoy's protos are the epp extra
+    assert picker.returncode == 2 and "pip install 'kvroute[epp]'" in picker.stderr, picker.stderr

@@ -442,6 +442,20 @@ class LocalCluster:
         self.router_urls[name] = url
         return url
 
+    def start_epp(self, name: str, policy: str, *extra: str) -> str:
+        """`kvroute epp` (the endpoint picker) on this fleet's control plane: its gRPC HOST:PORT. It
+        is kept with the routers (as `epp-NAME`), so `stop()` ends it too."""
+        port = free_port()
+        epp = ManagedProcess(f"epp-{name}", kvroute_argv(
+            "epp", "--control-plane", self.control_plane_addr, "--policy", policy,
+            "--tokenizer", str(self.tokenizer_dir), "--model", self.model,
+            "--host", "127.0.0.1", "--grpc-port", str(port), *extra), self.workdir / f"epp-{name}.log")
+        epp.start()
+        address = f"127.0.0.1:{port}"
+        wait_until(lambda: _tcp_open(address), 30, f"epp {name}", [epp])
+        self.routers[f"epp-{name}"] = epp
+        return address
+
     def chat_request(self, system: str, user: str, max_tokens: int = 4) -> dict:
         """An OpenAI chat body for the cluster's model: one system and one user message."""
         return {"model": self.model, "max_tokens": max_tokens,

@@ -62,6 +62,11 @@ def test_a_router_grpc_port_taken_by_a_control_plane_exits_2(control_plane_port:
              str(control_plane_port)], "--grpc-port", f"127.0.0.1:{control_plane_port}", "address already in use")
 
 
+def test_an_epp_grpc_port_taken_by_a_control_plane_exits_2(control_plane_port: int, tiny_model_dir: Path) -> None:
+    refused(["epp", "--tokenizer", str(tiny_model_dir), "--grpc-port", str(control_plane_port)],
+            "--grpc-port", f"127.0.0.1:{control_plane_port}", "address already in use")
+
+
 @pytest.mark.parametrize("process", ["control-plane", "agent", "agent-kv-events-bind", "router", "sim-engine"])
 def test_http_and_zmq_ports_in_use_exit_2(process: str, busy_port: int, tiny_model_dir: Path) -> None:
     agent = ["agent", "--model", "tiny", "--engine-url", "http://127.0.0.1:9", "--control-plane",

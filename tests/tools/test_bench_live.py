@@ -96,6 +96,23 @@ def test_live_kv_aware_beats_round_robin_like_the_simulator(tmp_path: Path) -> N
     assert abs(rr["live"]["hit_rate"] - rr["sim"]["hit_rate"]) < 0.08, result
 
 
+def test_the_endpoint_picker_runs_beside_its_router(tmp_path: Path) -> None:
+    """--epp: the same policy through `kvroute epp`, the client sending to the engine it picked; its
+    hit rate is the router's up to timing (docs/benchmarks/2026-12-04-epp.md: within 2.3 points in a run)."""
+    requests = 120
+    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "bench", "live", "--workload", "shared-prefix",
+                          "--requests", str(requests), "--policies", "kv_aware", "--epp", "--workdir", str(tmp_path),
+                          "--json"], check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    router, picker = result["policies"]["kv_aware"], result["policies"]["epp:kv_aware"]
+    assert picker["live"]["requests"] == requests and picker["live"]["errors"] == 0, picker
+    assert len(picker["live"]["per_worker"]) > 1 and set(picker["live"]["per_worker"]) <= {f"engine-{i}" for i in range(4)}
+    assert picker["sim"] == router["sim"]  # the picker's run is simulated as its policy
+    assert abs(picker["live"]["hit_rate"] - router["live"]["hit_rate"]) < 0.1, result
+    assert "epp ready" in (tmp_path / "epp-kv_aware.log").read_text()
+
+
 def test_bad_kv_aware_weights_fail_before_any_process_starts() -> None:
     out = subprocess.run([sys.executable, "-m", "kvroute.cli", "bench", "live", "--kv-aware-param", "load_bound=0.5"],
                          check=False, capture_output=True, text=True, timeout=60)

@@ -125,6 +125,9 @@ def add_live_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--vocab-size", type=int, default=2048,
                    help="vocabulary the workload's token ids are folded into (a local fleet uses the tiny model's own)")
     p.add_argument("--direct", action="store_true", help="also run a no-router baseline: round-robin to the engines")
+    p.add_argument("--epp", action="store_true",
+                   help="also run each policy through `kvroute epp` (the endpoint picker; needs kvroute[epp]): the "
+                        "client asks it over ext_proc as Envoy does and sends each request to the engine it picked")
     p.add_argument("--concurrency", type=int, default=0,
                    help="closed loop with this many requests in flight (0: open loop at the arrival times)")
     p.add_argument("--json", action="store_true", help="print only the JSON result")

@@ -17,7 +17,7 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -36,6 +36,7 @@ from kvroute.tools.stats import percentile
 from kvroute.tools.tiny_model import SPECIAL_TOKENS, build_model_dir
 
 DIRECT = "direct"  # the no-router baseline: round-robin straight to the engines
+EPP_PREFIX = "epp:"  # --epp: the run of `kvroute epp` with a policy, next to that policy's router
 FIRST_PLAIN_TOKEN = len(SPECIAL_TOKENS)  # the tiny model's special tokens come first; prompts avoid them
 REQUEST_TIMEOUT_S = 120.0
 
@@ -110,15 +111,20 @@ def _chunk_has_text(line: bytes) -> bool:
     return bool(choices) and bool(choices[0].get("text") or (choices[0].get("delta") or {}).get("content"))
 
 
-async def send_one(session: aiohttp.ClientSession, url: str, body: bytes, run: LiveRun, worker_hint: str) -> None:
-    """One streamed completion; TTFT = first SSE data chunk that carries text."""
-    started = time.perf_counter()
+async def send_one(session: aiohttp.ClientSession, url: str, body: bytes, run: LiveRun, worker_hint: str,
+                   started: float | None = None, on_response: Callable[[], Awaitable[None]] | None = None) -> None:
+    """One streamed completion; TTFT = first SSE data chunk that carries text. `started`: when the
+    request left the client (before an endpoint picker was asked); `on_response`: called once the
+    response headers are in (what Envoy reports to the picker then)."""
+    started = time.perf_counter() if started is None else started
     first_at: float | None = None
     try:
         async with session.post(url + "/v1/completions", data=body,
                                 headers={"Content-Type": "application/json"}) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+            if on_response is not None:
+                await on_response()
             worker = resp.headers.get("x-kvroute-worker", worker_hint)
             async for raw in resp.content:
                 line = raw.strip()
@@ -138,8 +144,37 @@ async def send_one(session: aiohttp.ClientSession, url: str, body: bytes, run: L
     run.per_worker[worker] = run.per_worker.get(worker, 0) + 1
 
 
+Sender = Callable[[aiohttp.ClientSession, str, bytes, LiveRun, str], Awaitable[None]]
+
+
+def epp_sender(stub, engine_names: dict[str, str]) -> Sender:
+    """Requests as Envoy sends them with an endpoint picker in front: the picker is asked over
+    ext_proc (streamed request body mode, GAIE's; response_body_mode NONE, said in protocol_config),
+    then the request goes to the endpoint it picked, the served endpoint is reported with the
+    response headers, and the stream ends with the response."""
+    from kvroute.tools.ext_proc_client import EnvoyExtProcStream
+
+    async def send(session: aiohttp.ClientSession, _url: str, body: bytes, run: LiveRun, _hint: str) -> None:
+        started = time.perf_counter()
+        stream = EnvoyExtProcStream(stub, "streamed", send_protocol_config=True)  # response bodies not sent
+        try:
+            picked = await stream.request("/v1/completions", body)
+            endpoint = picked.endpoint.split(",")[0]
+            if picked.status or not endpoint:
+                run.errors += 1
+                if len(run.first_errors) < 5:
+                    run.first_errors.append(f"epp answered {picked.status}: {picked.error_body[:200]!r}")
+                return
+            await send_one(session, f"http://{endpoint}", body, run, engine_names.get(endpoint, endpoint), started,
+                           lambda: stream.response(served=endpoint))
+        finally:
+            await stream.close()
+
+    return send
+
+
 async def open_loop(session: aiohttp.ClientSession, targets: Iterator[tuple[str, str]], bodies: list[bytes],
-                    arrivals_s: list[float], speedup: float, run: LiveRun) -> None:
+                    arrivals_s: list[float], speedup: float, run: LiveRun, send: Sender = send_one) -> None:
     """Each request leaves at its arrival time / speedup, whether or not earlier ones are done."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
@@ -147,13 +182,13 @@ async def open_loop(session: aiohttp.ClientSession, targets: Iterator[tuple[str,
     async def at(i: int, offset_s: float, url: str, hint: str, body: bytes) -> None:
         await asyncio.sleep(max(0.0, t0 + offset_s / speedup - loop.time()))
         run.sent_s[i] = loop.time() - t0
-        await send_one(session, url, body, run, hint)
+        await send(session, url, body, run, hint)
 
     await asyncio.gather(*(at(i, a, *next(targets), b) for i, (a, b) in enumerate(zip(arrivals_s, bodies))))
 
 
 async def closed_loop(session: aiohttp.ClientSession, targets: Iterator[tuple[str, str]], bodies: list[bytes],
-                      concurrency: int, run: LiveRun) -> None:
+                      concurrency: int, run: LiveRun, send: Sender = send_one) -> None:
     """`concurrency` clients, each sending its next request when the previous one is done."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
@@ -164,22 +199,37 @@ async def closed_loop(session: aiohttp.ClientSession, targets: Iterator[tuple[st
         while queue:
             i, url, hint, body = queue.pop()
             run.sent_s[i] = loop.time() - t0
-            await send_one(session, url, body, run, hint)
+            await send(session, url, body, run, hint)
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
 
 
 async def drive(targets: Iterator[tuple[str, str]], bodies: list[bytes], workload: list[SimWorkloadRequest],
-                speedup: float, concurrency: int, run: LiveRun) -> None:
+                speedup: float, concurrency: int, run: LiveRun, epp: str | None = None,
+                engine_names: dict[str, str] | None = None) -> None:
+    """`epp`: ask this endpoint picker (gRPC HOST:PORT) for every request and send it to the engine
+    it picks (`engine_names`: endpoint -> engine name, for the per-worker counts)."""
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        started = time.monotonic()
-        if concurrency > 0:
-            await closed_loop(session, targets, bodies, concurrency, run)
-        else:
-            await open_loop(session, targets, bodies, [r.arrival_s for r in workload], speedup, run)
-        run.wall_s = time.monotonic() - started
+    channel = None
+    send: Sender = send_one
+    if epp is not None:
+        import grpc
+        from envoy.service.ext_proc.v3.external_processor_pb2_grpc import ExternalProcessorStub
+
+        channel = grpc.aio.insecure_channel(epp)
+        send = epp_sender(ExternalProcessorStub(channel), engine_names or {})
+    try:
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            started = time.monotonic()
+            if concurrency > 0:
+                await closed_loop(session, targets, bodies, concurrency, run, send)
+            else:
+                await open_loop(session, targets, bodies, [r.arrival_s for r in workload], speedup, run, send)
+            run.wall_s = time.monotonic() - started
+    finally:
+        if channel is not None:
+            await channel.close()
 
 
 def router_targets(url: str) -> Iterator[tuple[str, str]]:
@@ -226,17 +276,19 @@ def wait_router_ready(router_url: str, model: str, workers: int, probes: list[li
 
 def run_live(name: str, url: str | None, engine_urls: list[str], bodies: list[bytes],
              workload: list[SimWorkloadRequest], args: argparse.Namespace,
-             ready: Callable[[], None] | None = None) -> LiveRun:
-    """One policy (url None: direct to the engines): reset caches, wait until `ready`, replay, read
-    the engines' counter deltas."""
+             ready: Callable[[], None] | None = None, epp: str | None = None) -> LiveRun:
+    """One policy (url None: direct to the engines; `epp`: through that endpoint picker, the client
+    sending to the engines as Envoy would): reset caches, wait until `ready`, replay, read the
+    engines' counter deltas."""
     if engine_urls:
         reset_engines(engine_urls)
     if ready:
         ready()
     before = engines_counters(engine_urls)
     run = LiveRun(name, args.speedup)
-    targets = router_targets(url) if url else direct_targets(engine_urls)
-    asyncio.run(drive(targets, bodies, workload, args.speedup, args.concurrency, run))
+    targets = router_targets(url or epp or "") if url or epp else direct_targets(engine_urls)
+    names = {u.split("//", 1)[-1]: f"engine-{i}" for i, u in enumerate(engine_urls)}
+    asyncio.run(drive(targets, bodies, workload, args.speedup, args.concurrency, run, epp, names))
     after = engines_counters(engine_urls)
     run.queries = sum(a[0] - b[0] for a, b in zip(after, before))
     run.hits = sum(a[1] - b[1] for a, b in zip(after, before))
@@ -276,7 +328,8 @@ def simulate(policy: str, workload: list[SimWorkloadRequest], config: FleetConfi
 
 
 def sim_policy_for(name: str) -> str:
-    return "round_robin" if name == DIRECT else name  # direct is round-robin without a router
+    """direct is round-robin without a router; an endpoint picker's run (epp:POLICY) is its policy's."""
+    return "round_robin" if name == DIRECT else name.removeprefix(EPP_PREFIX)
 
 
 def sim_workload(workload: list[SimWorkloadRequest], run: LiveRun, closed: bool) -> list[SimWorkloadRequest]:
@@ -314,13 +367,13 @@ def print_table(policies: dict[str, dict], ordering: dict[str, bool], file: Text
     def pct(v: float | None) -> str:
         return "n/a" if v is None else f"{v:.1%}"
 
-    header = (f"{'policy':<13}{'reqs':>6}{'errs':>6}{'hit live':>10}{'hit sim':>9}{'TTFT p50 live':>15}"
+    header = (f"{'policy':<17}{'reqs':>6}{'errs':>6}{'hit live':>10}{'hit sim':>9}{'TTFT p50 live':>15}"
               f"{'sim':>9}{'TTFT p99 live':>15}{'sim':>9}{'e2e p50 live':>14}{'sim':>9}{'wall s':>8}")
     print(header, file=file)
     print("-" * len(header), file=file)
     for name, p in policies.items():
         lv, sm = p["live"], p["sim"]
-        print(f"{name:<13}{lv['requests']:>6}{lv['errors']:>6}{pct(lv['hit_rate']):>10}{pct(sm['hit_rate']):>9}"
+        print(f"{name:<17}{lv['requests']:>6}{lv['errors']:>6}{pct(lv['hit_rate']):>10}{pct(sm['hit_rate']):>9}"
               f"{lv['ttft_p50_ms']:>13.1f}ms{sm['ttft_p50_ms']:>7.1f}ms{lv['ttft_p99_ms']:>13.1f}ms"
               f"{sm['ttft_p99_ms']:>7.1f}ms{lv['e2e_p50_ms']:>12.1f}ms{sm['e2e_p50_ms']:>7.1f}ms{lv['wall_s']:>8.1f}",
               file=file)
@@ -351,8 +404,11 @@ def run_local(args: argparse.Namespace, workload: list[SimWorkloadRequest], log:
     try:
         cluster.start_sim_fleet(args.engines, *sim_engine_args(args))
         weights = [a for item in args.kv_aware_param for a in ("--kv-aware-param", item)]
+        epps = {}
         for policy in _split(args.policies):
             cluster.start_router(policy, policy, *(weights if policy == "kv_aware" else ()))
+            if args.epp:
+                epps[policy] = cluster.start_epp(policy, policy, *(weights if policy == "kv_aware" else ()))
         engine_urls = [e.url for e in cluster.engines]
         for policy in _split(args.policies):
             log(f"live: {policy} ...")
@@ -360,6 +416,16 @@ def run_local(args: argparse.Namespace, workload: list[SimWorkloadRequest], log:
             ready = partial(wait_router_ready, url, cluster.model, args.engines, probes,
                             procs=tuple(cluster.all_processes()))
             runs[policy] = run_live(policy, url, engine_urls, bodies, workload, args, ready)
+            if args.epp:  # the same caches' state checked through the router, then the picker's own readiness
+                log(f"live: {EPP_PREFIX}{policy} ...")
+
+                def epp_ready(ready=ready, address=epps[policy]) -> None:
+                    ready()
+                    wait_until(lambda: grpc_serving(address, "readiness"), 30, f"epp {address} ready",
+                               list(cluster.all_processes()))
+
+                runs[EPP_PREFIX + policy] = run_live(EPP_PREFIX + policy, None, engine_urls, bodies, workload, args,
+                                                     epp_ready, epp=epps[policy])
         if args.direct:
             log("live: direct ...")
             runs[DIRECT] = run_live(DIRECT, None, engine_urls, bodies, workload, args)
@@ -396,6 +462,18 @@ def run_remote(args: argparse.Namespace, workload: list[SimWorkloadRequest],
     return runs, engines
 
 
+def grpc_serving(address: str, service: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address) as channel:
+            answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+    except grpc.RpcError:
+        return False
+    return answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def _probe_prompts(workload: list[SimWorkloadRequest], vocab_size: int, n: int = 8) -> list[list[int]]:
     return [map_token_ids(r.tokens, vocab_size) for r in workload[:n]]
 
@@ -406,6 +484,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("kvroute bench live: --requests, --engines, --num-blocks and --block-size must be >= 1")
     if args.speedup <= 0 or args.rate <= 0 or args.concurrency < 0:
         raise SystemExit("kvroute bench live: --speedup and --rate must be > 0, --concurrency >= 0")
+    if args.epp and (args.router_url or args.engine_urls):
+        raise SystemExit("kvroute bench live: --epp starts its endpoint pickers on a local fleet (no --router-url "
+                         "/ --engine-urls)")
     if not args.router_url and args.engine_urls and not args.direct:
         raise SystemExit("kvroute bench live: --engine-urls without --router-url needs --direct")
     if not args.router_url and not args.engine_urls and not _split(args.policies) and not args.direct:
