@@ -34,9 +34,9 @@ from kvroute.control_plane.service import (
     IndexCollector,
     InflightCollector,
 )
+from kvroute.grpc_requests import add_servicer
 from kvroute.listeners import GrpcListener, start_status_site
 from kvroute.v1 import kvroute_pb2 as pb
-from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvroute.control_plane")
 SERVICES = (pb.DESCRIPTOR.services_by_name["ControlPlane"].full_name,)  # for grpc.health.v1, besides ""
@@ -111,7 +111,8 @@ class ControlPlaneServer:
         """Listen and serve; raises ListenError (nothing left running) when a port cannot be had."""
         self._grpc = GrpcListener("--listen", self.config.listen, SERVICES, GRPC_OPTIONS)
         self.port = self._grpc.port
-        pb_grpc.add_ControlPlaneServicer_to_server(self.service, self._grpc.server)
+        add_servicer(self._grpc.server, pb.DESCRIPTOR.services_by_name["ControlPlane"], self.service,
+                     on_unparseable=self.service.count_unparseable)
         try:
             if self.config.metrics_port:  # before serving: a busy metrics port must not leave a half-started plane
                 self._metrics_runner, _ = await start_status_site(

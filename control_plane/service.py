@@ -158,6 +158,13 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         self.router_events: InflightSync | None = None
         self._bound_reached = False  # logged once
 
+    def count_unparseable(self, rpc: str) -> None:
+        """A request whose bytes are not the method's message (answered INVALID_ARGUMENT by grpc_requests)."""
+        if rpc == "Connect":
+            self.metrics.stream_errors.labels("unparseable").inc()
+        else:
+            self.metrics.bad_requests.labels(rpc, "unparseable").inc()
+
     async def _check_serving(self, context: grpc.aio.ServicerContext, rpc: str) -> None:
         why = self.refuse_routers()
         if why is not None:

@@ -7,9 +7,9 @@ prompt added, like /v1/chat/completions); `route_input` hands it to the request 
 uses too (`request_prep.py`). `session_id` is the session policy's key (HTTP: x-session-id).
 With `reserve`, the decision counts as in flight until `PrefillDone`/`Release` or its TTL
 (`app_reservations.py`).
-Bad input -> INVALID_ARGUMENT (also a request whose strings are not valid UTF-8, which protobuf
-refuses to parse: `add_router_service` registers a deserializer that hands that to `Route`
-instead of failing with UNKNOWN), unknown model -> NOT_FOUND, no worker known -> UNAVAILABLE, an
+Bad input -> INVALID_ARGUMENT (also a request that does not parse, e.g. a string that is not valid
+UTF-8: `add_router_service` registers the service through `kvroute.grpc_requests`, not with grpc's
+own deserializer, which would answer UNKNOWN), unknown model -> NOT_FOUND, no worker known -> UNAVAILABLE, an
 unexpected exception -> INTERNAL with a generic message and the traceback in the log.
 """
 
@@ -19,13 +19,13 @@ import json
 import logging
 
 import grpc
-from google.protobuf.message import DecodeError
 from opentelemetry import propagate, trace
 
 from kvroute.data_plane.app_reservations import AppReservations, TooManyReservations
 from kvroute.data_plane.request_prep import PrepareError, RequestPreparer, RouteInput
 from kvroute.data_plane.routing import NoWorkersError, RouteDecision, Router
 from kvroute.data_plane.traffic_capture import TrafficCapture
+from kvroute.grpc_requests import add_servicer
 from kvroute.telemetry import span, tracing_active
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
@@ -37,27 +37,9 @@ _PREPARE_STATUS = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "model_not_found
 log = logging.getLogger("kvroute.router.grpc")
 
 
-def _parse_route_request(data: bytes) -> pb.RouteRequest | DecodeError:
-    try:
-        return pb.RouteRequest.FromString(data)
-    except DecodeError as exc:  # e.g. a string field that is not valid UTF-8 (a lone surrogate)
-        return exc
-
-
 def add_router_service(service: RouterGrpcService, server: grpc.aio.Server) -> None:
-    """`add_RouterServicer_to_server`, but a request that does not parse reaches `Route` (as the
-    DecodeError) and is answered INVALID_ARGUMENT."""
-    handlers = {"Route": grpc.unary_unary_rpc_method_handler(
-        service.Route, request_deserializer=_parse_route_request,
-        response_serializer=pb.RouteResponse.SerializeToString),
-        "PrefillDone": grpc.unary_unary_rpc_method_handler(
-            service.PrefillDone, request_deserializer=pb.ReservationRef.FromString,
-            response_serializer=pb.ReservationState.SerializeToString),
-        "Release": grpc.unary_unary_rpc_method_handler(
-            service.Release, request_deserializer=pb.ReleaseRequest.FromString,
-            response_serializer=pb.ReservationState.SerializeToString)}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvroute.v1.Router", handlers),))
-    server.add_registered_method_handlers("kvroute.v1.Router", handlers)
+    """`add_RouterServicer_to_server`, but a request that does not parse is INVALID_ARGUMENT (not UNKNOWN)."""
+    add_servicer(server, pb.DESCRIPTOR.services_by_name["Router"], service)
 
 
 class RouterGrpcService(pb_grpc.RouterServicer):
@@ -67,15 +49,10 @@ class RouterGrpcService(pb_grpc.RouterServicer):
         self.reservations = reservations
         self.capture = capture  # a Route call is a decision for a request served elsewhere: record it too
 
-    async def Route(self, request: pb.RouteRequest | DecodeError,
-                    context: grpc.aio.ServicerContext) -> pb.RouteResponse:
+    async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         carrier = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)} \
             if tracing_active() else {}
         with span(tracer, "kvroute.v1.Router/Route", context=propagate.extract(carrier), kind=trace.SpanKind.SERVER):
-            if isinstance(request, DecodeError):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"the RouteRequest does not parse ({request}): its strings must be valid UTF-8 "
-                                    "(no lone surrogates)")
             try:
                 return await self._route(request, context)
             except grpc.aio.AbortError:

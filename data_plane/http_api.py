@@ -198,6 +198,8 @@ class RouterHttpApi:
             return error_response(str(exc), status, code, exc.param)
         except NoWorkersError as exc:
             return error_response(str(exc), 503, "no_workers")
+        except RecursionError:  # msgspec, json and the checks that walk the body recurse: it nests too deeply
+            return error_response("the request body nests arrays and objects too deeply", 400)
         if forward_to is None:
             return web.json_response(decision.as_json())
         tail = bytearray() if arrived is not None else None  # only a captured response keeps its end
