@@ -202,6 +202,9 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                     elif body == "heartbeat":
                         heartbeat = message.heartbeat
                         load = heartbeat.load
+                        if not 0.0 <= load.kv_usage <= 1.0:  # NaN too: policies compare and add it
+                            raise LogRefusal(grpc.StatusCode.INVALID_ARGUMENT, "bad_heartbeat",
+                                             f"kv_usage must be a fraction in 0..1, got {load.kv_usage}")
                         await self.log.heartbeat(session, HeartbeatBody(
                             load.running_requests, load.waiting_requests, load.kv_usage,
                             load.observed_unix_ms or int(time.time() * 1000), list(heartbeat.lora_adapters)))

@@ -142,6 +142,9 @@ def _tool(t: pb.ToolDefinition) -> dict:
             function["parameters"] = json.loads(t.parameters_json)
         except ValueError as exc:
             raise PrepareError(f"tool {t.name!r}: 'parameters_json' is not valid JSON ({exc})", param="tools") from None
+        except RecursionError:  # json recurses per level: arrays nested past Python's limit
+            raise PrepareError(f"tool {t.name!r}: 'parameters_json' nests arrays and objects too deeply",
+                               param="tools") from None
     return {"type": t.type or "function", "function": function}
 
 
