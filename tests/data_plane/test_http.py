@@ -591,9 +591,13 @@ async def test_every_error_the_router_answers_is_openai_json(stack: Stack) -> No
     await stack.b.stop()
     error = assert_openai_error(*await call("POST", "/v1/completions", json=completion()), 502)
     assert "127.0.0.1" not in error["message"] and "Cannot connect" not in error["message"], error
-    # No worker serves the adapter asked for: 503.
-    error = assert_openai_error(*await call("POST", "/v1/completions", json=completion(lora_name="nobody")), 503)
-    assert error["code"] == "no_workers"
+    # No worker serves the adapter asked for: 404, as when it is named as the model (not a 503: the client's error).
+    error = assert_openai_error(*await call("POST", "/v1/completions", json=completion(lora_name="nobody")), 404)
+    assert error["code"] == "model_not_found" and error["param"] == "lora_name"
+    # An adapter, salt or user that is not a string: 400 (they were hashed as their str()).
+    for name, value in (("lora_name", [None]), ("cache_salt", 5), ("user", {"id": 1})):
+        error = assert_openai_error(*await call("POST", "/v1/route", json=completion(**{name: value})), 400)
+        assert error["param"] == name, error
 
 
 SURROGATE_BODIES = [  # raw JSON: Python's json module cannot write a lone surrogate escape by accident
