@@ -176,7 +176,8 @@ def test_numbers_past_any_integer_or_float_are_answered(fleet: Fleet, path: str,
     parses it again (for the surrogate's error) and meets the number too."""
     if path == "/v1/chat/completions":
         path = "/v1/completions"
-    raw = json.dumps({"model": fleet.model, "prompt": "hi", "max_tokens": 1, "user": "\ud800" if with_surrogate else "u"})
+    # The surrogate first: msgspec stops at the first error, and it must be the one that sends the body to json.
+    raw = json.dumps({"user": "\ud800" if with_surrogate else "u", "model": fleet.model, "prompt": "hi", "max_tokens": 1})
     if where == "model":
         raw = raw.replace(json.dumps(fleet.model), number)
     elif where == "prompt":
@@ -210,6 +211,19 @@ def test_bytes_that_are_not_json_and_mutated_bodies_are_answered(fleet: Fleet, p
         must_fail = True
     status, answer = fleet.post(path, raw)
     assert_answer(status, answer, raw, must_fail=must_fail)
+
+
+def test_regression_a_body_that_is_not_utf8_is_refused_by_the_router(fleet: Fleet) -> None:
+    """Found by `kvroute bench fuzz --target router-http`: msgspec does not check the text of fields the
+    router does not read, so a body with bytes that are not UTF-8 there went on to the engine."""
+    before = fleet.engine_keys()
+    for raw in (b'{"model": "tiny-llama", "max_to\xc4ens": 1, "prompt": "hi"}',
+                b'{"model": "tiny-llama", "prompt": "hi", "temperature": "\xff\xfe"}'):
+        status, answer = fleet.post("/v1/completions", raw)
+        assert status == 400 and is_openai_error(status, answer), answer
+        error = json.loads(answer)["error"]
+        assert error["type"] == "invalid_request_error" and "UTF-8" in error["message"], error
+    assert fleet.engine_keys() == before  # the engine never saw them
 
 
 # ---------------------------------------------------------------- gRPC: what a method's bytes must give
@@ -377,6 +391,19 @@ def test_a_refused_agent_stream_applies_nothing(fleet: Fleet, messages: list[byt
     except grpc.RpcError as exc:
         assert exc.code() == grpc.StatusCode.NOT_FOUND
     assert fleet.engine_keys() == before
+
+
+@pytest.mark.parametrize("kv_usage", [float("nan"), float("inf"), -0.5, 1.5])
+def test_regression_a_heartbeat_kv_usage_outside_0_1_is_invalid_argument(fleet: Fleet, kv_usage: float) -> None:
+    """Found by `kvroute bench fuzz --target control-plane`: the load was stored as sent, and policies
+    compare and add kv_usage (a NaN makes every comparison false)."""
+    worker_id = f"hostile-usage-{free_port()}"
+    register = pb.RegisterWorker(worker_id=worker_id, model=fleet.model, engine="sim", block_size=16,
+                                 endpoint="http://127.0.0.1:9")
+    code, detail = stream(fleet.cp_channel, "Connect", [
+        pb.AgentMessage(register=register).SerializeToString(),
+        pb.AgentMessage(heartbeat=pb.Heartbeat(load=pb.WorkerLoad(kv_usage=kv_usage))).SerializeToString()])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "kv_usage" in detail, (code, detail)
 
 
 ROUTER_MESSAGE_BYTES = st.binary(max_size=40) | st.builds(
