@@ -70,12 +70,15 @@ def start_fleet(workdir: Path) -> RouterFleet:
         grpc_port = free_port()
         url = cluster.start_router("fuzz", "kv_aware", "--grpc-port", str(grpc_port), "--max-prompt-tokens",
                                    str(MAX_PROMPT_TOKENS), "--max-body-bytes", str(MAX_BODY_BYTES))
-        # Ready: it has the fleet from the control plane (before that, a request is a 503 no_workers).
-        wait_until(lambda: http_ok(url + "/ready"), 30, "the router ready", cluster.all_processes())
+        fleet = RouterFleet(cluster, url, f"127.0.0.1:{grpc_port}")
+        # Ready: it has the fleet from the control plane (before that, a request is a 503 no_workers), and its
+        # gRPC health, which follows readiness every 0.5 s, says so too.
+        wait_until(lambda: http_ok(url + "/ready") and health_ms(fleet) < 1000, 30, "the router ready",
+                   cluster.all_processes())
     except BaseException:
         cluster.stop()
         raise
-    return RouterFleet(cluster, url, f"127.0.0.1:{grpc_port}")
+    return fleet
 
 
 def text(rng: random.Random, words: int) -> str:
