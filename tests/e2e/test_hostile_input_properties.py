@@ -406,6 +406,18 @@ def test_regression_a_heartbeat_kv_usage_outside_0_1_is_invalid_argument(fleet: 
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "kv_usage" in detail, (code, detail)
 
 
+@pytest.mark.parametrize("endpoint", ["", "10.0.0.7:8000", "ftp://x", "http://[::1", "http://h:99999", "http://a b"])
+def test_regression_a_registration_whose_endpoint_is_no_url_is_invalid_argument(fleet: Fleet, endpoint: str) -> None:
+    """A worker registered with an endpoint routers cannot send to: every request routed there failed (a 500,
+    before the router's own fix). Refused at registration, and the worker is not listed."""
+    worker_id = f"hostile-endpoint-{free_port()}"
+    register = pb.RegisterWorker(worker_id=worker_id, model=fleet.model, engine="sim", block_size=16, endpoint=endpoint)
+    code, detail = stream(fleet.cp_channel, "Connect", [pb.AgentMessage(register=register).SerializeToString()])
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "endpoint" in detail, (code, detail)
+    workers = pb_grpc.ControlPlaneStub(fleet.cp_channel).ListWorkers(pb.ListWorkersRequest(), timeout=5).workers
+    assert worker_id not in {w.worker_id for w in workers}
+
+
 ROUTER_MESSAGE_BYTES = st.binary(max_size=40) | st.builds(
     lambda block_size, twice, worker: (pb.RouterMessage(query=pb.QueryRequest(
         model="m", chains=[pb.KeyChain(block_size=block_size, block_keys=[1])] * (2 if twice else 1)))

@@ -5,7 +5,8 @@ of the control plane's gRPC port, each on its own call or stream:
 
 - bytes that are not the method's message (corrupt wire format, strings that are not UTF-8), alone or
   after a valid first message: INVALID_ARGUMENT;
-- Connect: registrations without worker id, model or block size (INVALID_ARGUMENT), a batch or heartbeat
+- Connect: registrations without worker id, model or block size, or with an endpoint that is no http(s)
+  URL (INVALID_ARGUMENT), a batch or heartbeat
   before registering, a second register, a batch out of sequence (FAILED_PRECONDITION), the valid
   worker's id from another agent (ALREADY_EXISTS), a heartbeat with a kv_usage outside 0..1 or NaN
   (INVALID_ARGUMENT);
@@ -197,7 +198,9 @@ class HostileTraffic:
 
 
 def _connect_bad_register(t: HostileTraffic) -> Call:
-    changes = t.rng.choice(({"worker_id": ""}, {"model": ""}, {"block_size": 0}))
+    changes = t.rng.choice(({"worker_id": ""}, {"model": ""}, {"block_size": 0},
+                            {"endpoint": t.rng.choice(("", "10.0.0.7:8000", "ftp://x", "http://[::1", "http://h:99999",
+                                                       "http://a b", "http://h/\x00"))}))
     return Call(f"connect:bad_register:{next(iter(changes))}", "Connect", [_agent(register=t.hostile_register(**changes))],
                 frozenset({I}))
 

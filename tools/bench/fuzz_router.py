@@ -144,7 +144,10 @@ class HttpTraffic:
     def valid(self, proxied: bool) -> HttpRequest:
         body = self.valid_body()
         path = ("/v1/chat/completions" if "messages" in body else "/v1/completions") if proxied else "/v1/route"
-        return HttpRequest("valid", "200", path, _json(body))
+        # Headers the router passes on to the engine as they came: any text, also beyond Latin-1.
+        headers = {"X-Client-Note": self.rng.choice(("plain", "café", "日本語のメモ", "emoji 🙂", "caf\udce9"))} \
+            if self.rng.random() < 0.3 else {}
+        return HttpRequest("valid", "200", path, _json(body), headers=headers)
 
     def bad(self) -> HttpRequest:
         rng = self.rng
@@ -217,7 +220,7 @@ class HttpTraffic:
                                            ("POST", "/v1/models"), ("DELETE", "/health"), ("POST", "/%ff%fe")))
             return HttpRequest(kind, "4xx", bad_path, _json(body), method)
         if kind == "bad_header":
-            return HttpRequest(kind, "4xx", path, _json(body), headers={"x-session-id": "caf\xe9 \xff"})
+            return HttpRequest(kind, "4xx", path, _json(body), headers={"x-session-id": "caf\udce9 \udcff"})
         if kind == "mutated":
             raw = bytearray(_json(body))
             for _ in range(rng.randint(1, 4)):
@@ -283,8 +286,8 @@ class HttpClient:
             try:
                 self.conn.putrequest(req.method, req.path, skip_accept_encoding=True)
                 headers = {"Content-Type": "application/json", "Content-Length": str(len(req.body)), **req.headers}
-                for name, value in headers.items():
-                    self.conn.putheader(name, value.encode("latin-1"))
+                for name, value in headers.items():  # UTF-8 (a surrogate escape: that byte as it is)
+                    self.conn.putheader(name, value.encode("utf-8", "surrogateescape"))
                 self.conn.endheaders(req.body)
                 response = self.conn.getresponse()
                 body = response.read()
@@ -342,7 +345,7 @@ def send(client: HttpClient, req: HttpRequest, outcomes: Outcomes) -> None:
         return
     got, ok = http_outcome(req, status, body)
     outcomes.add(req.kind, req.expect, got, ok, seconds=time.monotonic() - started,
-                 example=None if ok else f"{req.method} {req.path} {req.body[:300]!r} -> {status} {body[:300]!r}")
+                 example=None if ok else f"{req.method} {req.path} {req.headers} {req.body[:300]!r} -> {status} {body[:300]!r}")
 
 
 # ---------------------------------------------------------------- gRPC
