@@ -8,10 +8,13 @@ router-http sends, in a seeded random order:
   wrong type, lone UTF-16 surrogates, numbers past any integer or float, arrays nested 100,000 deep,
   an unknown model, prompts over --max-prompt-tokens, bodies over --max-body-bytes, unknown paths,
   wrong methods, a session header that is not UTF-8;
+- HTTP framing aiohttp refuses before any handler runs (no request line, a bad version, duplicate or
+  non-numeric Content-Length, a header over 8 KiB, bad chunking, a TLS handshake): a 4xx, which is
+  aiohttp's own plain-text 400, not the error JSON (no kvroute code sees those bytes);
 - random requests (byte-mutated valid bodies, random JSON with the routing fields' names): any
   answer but a 5xx, and a 4xx must be the error JSON;
 - valid requests (about one per four bad ones): POST /v1/route and, one in five, /v1/completions
-  through the router to the engine: each must be a 200.
+  through the router to the engine, some with client headers beyond Latin-1: each must be a 200.
 router-grpc does the same with bytes that are not the method's message (INVALID_ARGUMENT), strings
 that are not UTF-8 (INVALID_ARGUMENT), semantically bad requests (INVALID_ARGUMENT or NOT_FOUND),
 random and mutated messages (any status but UNKNOWN and INTERNAL), and valid Route calls, some
@@ -27,6 +30,7 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,11 +117,14 @@ def audit_clean(fleet: RouterFleet) -> tuple[bool, dict]:
 @dataclass
 class HttpRequest:
     kind: str
-    expect: str                  # "4xx": a 4xx error JSON; "any": anything but a 5xx; "200"
+    # "4xx": a 4xx error JSON; "any": anything but a 5xx (a 4xx the error JSON); "200"; "4xx text": a 4xx,
+    # whatever its body (HTTP framing aiohttp refuses before any handler: its own plain-text 400)
+    expect: str
     path: str = "/v1/route"
     body: bytes = b""
     method: str = "POST"
     headers: dict[str, str] = field(default_factory=dict)
+    raw: bytes = b""             # sent as it is on a new connection, instead of method/path/headers/body
 
 
 def _json(value: object) -> bytes:
@@ -153,7 +160,7 @@ class HttpTraffic:
         rng = self.rng
         kind = rng.choice(("not_json", "truncated", "not_object", "wrong_type", "wrong_type", "surrogate",
                            "huge_number", "deep_nesting", "unknown_model", "too_long", "too_large", "bad_path",
-                           "bad_header", "mutated", "mutated", "random_json"))
+                           "bad_header", "framing", "mutated", "mutated", "random_json"))
         path = rng.choice(("/v1/route", "/v1/route", "/v1/completions", "/v1/chat/completions"))
         body = self.valid_body(chat=path.endswith("chat/completions") or (path == "/v1/route" and rng.random() < .5))
         if kind == "not_json":
@@ -221,6 +228,15 @@ class HttpTraffic:
             return HttpRequest(kind, "4xx", bad_path, _json(body), method)
         if kind == "bad_header":
             return HttpRequest(kind, "4xx", path, _json(body), headers={"x-session-id": "caf\udce9 \udcff"})
+        if kind == "framing":
+            raw = _json(body)
+            head = rng.choice((b"GARBAGE / HTTP/1.1", b"POST /v1/route HTTP/9.9", b"POST /v1/rou\x00te HTTP/1.1",
+                               b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",  # a TLS ClientHello's start
+                               b"POST " + path.encode() + b" HTTP/1.1"))
+            headers = rng.choice((b"Content-Length: abc", b"Content-Length: 2\r\nContent-Length: 3", b"Bad Header: 1",
+                                  b"X-Big: " + b"a" * 9000, b"Transfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0",
+                                  b"Content-Length: -5"))
+            return HttpRequest(kind, "4xx text", path, raw=head + b"\r\nHost: r\r\n" + headers + b"\r\n\r\n" + raw)
         if kind == "mutated":
             raw = bytearray(_json(body))
             for _ in range(rng.randint(1, 4)):
@@ -300,6 +316,17 @@ class HttpClient:
                     raise
         raise AssertionError("unreachable")
 
+    def send_raw(self, raw: bytes) -> tuple[int, bytes]:
+        """`raw` on a connection of its own; (status, body) of what comes back before the router closes it."""
+        with socket.create_connection((self.host, self.port), timeout=TIMEOUT_S) as sock:
+            sock.sendall(raw)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        parts = head.split(b" ", 2)
+        return (int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0), body
+
     def close(self) -> None:
         if self.conn is not None:
             self.conn.close()
@@ -314,6 +341,8 @@ def http_outcome(req: HttpRequest, status: int, body: bytes) -> tuple[str, bool]
         return got, status == 200
     if req.expect == "4xx":
         return got, 400 <= status < 500 and error_json
+    if req.expect == "4xx text":
+        return f"{status}", 400 <= status < 500
     return got, status < 500 and (status < 400 or error_json)
 
 
@@ -335,7 +364,7 @@ def run_http(fleet: RouterFleet, messages: int, seed: int, outcomes: Outcomes) -
 def send(client: HttpClient, req: HttpRequest, outcomes: Outcomes) -> None:
     started = time.monotonic()
     try:
-        status, body = client.send(req)
+        status, body = client.send_raw(req.raw) if req.raw else client.send(req)
     except TimeoutError:
         outcomes.add(req.kind, req.expect, "timeout", False, hang=True)
         client.close()
@@ -345,7 +374,8 @@ def send(client: HttpClient, req: HttpRequest, outcomes: Outcomes) -> None:
         return
     got, ok = http_outcome(req, status, body)
     outcomes.add(req.kind, req.expect, got, ok, seconds=time.monotonic() - started,
-                 example=None if ok else f"{req.method} {req.path} {req.headers} {req.body[:300]!r} -> {status} {body[:300]!r}")
+                 example=None if ok else f"{req.method} {req.path} {req.headers} {(req.raw or req.body)[:300]!r} -> {status} "
+                                         f"{body[:300]!r}")
 
 
 # ---------------------------------------------------------------- gRPC
