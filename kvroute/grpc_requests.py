@@ -58,43 +58,30 @@ async def _checked(requests: AsyncIterator, context: grpc.aio.ServicerContext, m
 
 
 def _handler(method: MethodDescriptor, implementation: Callable, on_unparseable: OnUnparseable) -> grpc.RpcMethodHandler:
+    """kvroute's methods are unary (Query, Route, ...) or bidirectional streams (Connect, RouterSession)."""
     name = method.name
     deserialize = parser(GetMessageClass(method.input_type))
     serialize = GetMessageClass(method.output_type).SerializeToString
-    if method.client_streaming:
-        if method.server_streaming:
-            async def handle(requests, context):
-                async for reply in implementation(_checked(requests, context, name, on_unparseable), context):
-                    yield reply
-            return grpc.stream_stream_rpc_method_handler(handle, deserialize, serialize)
-
-        async def handle_stream_unary(requests, context):
-            return await implementation(_checked(requests, context, name, on_unparseable), context)
-        return grpc.stream_unary_rpc_method_handler(handle_stream_unary, deserialize, serialize)
-
-    async def refuse(request: Unparseable, context: grpc.aio.ServicerContext) -> None:
-        on_unparseable(name)
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail())
-
-    if method.server_streaming:
-        async def handle_unary_stream(request, context):
-            if isinstance(request, Unparseable):
-                await refuse(request, context)
-            async for reply in implementation(request, context):
+    if method.client_streaming and method.server_streaming:
+        async def handle_stream(requests, context):
+            async for reply in implementation(_checked(requests, context, name, on_unparseable), context):
                 yield reply
-        return grpc.unary_stream_rpc_method_handler(handle_unary_stream, deserialize, serialize)
+        return grpc.stream_stream_rpc_method_handler(handle_stream, deserialize, serialize)
+    if method.client_streaming or method.server_streaming:
+        raise ValueError(f"{method.full_name}: only unary and bidirectional-stream methods are supported")
 
     async def handle_unary(request, context):
         if isinstance(request, Unparseable):
-            await refuse(request, context)
+            on_unparseable(name)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail())
         return await implementation(request, context)
     return grpc.unary_unary_rpc_method_handler(handle_unary, deserialize, serialize)
 
 
 def add_servicer(server: grpc.aio.Server, service: ServiceDescriptor, servicer: object,
                  on_unparseable: OnUnparseable = lambda method: None) -> None:
-    """Every method of `service`, served by `servicer`'s method of the same name (async functions, or
-    async generators for server streams), a request that does not parse answered INVALID_ARGUMENT."""
+    """Every method of `service`, served by `servicer`'s method of the same name (an async function, or an
+    async generator for a bidirectional stream), a request that does not parse answered INVALID_ARGUMENT."""
     handlers = {m.name: _handler(m, getattr(servicer, m.name), on_unparseable) for m in service.methods}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)
