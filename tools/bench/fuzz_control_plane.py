@@ -16,8 +16,9 @@ of the control plane's gRPC port, each on its own call or stream:
 - random bytes on any method: any status but UNKNOWN, INTERNAL, UNAVAILABLE or DEADLINE_EXCEEDED;
 - valid Query and ListWorkers calls, which must answer OK.
 
-Then: the control plane is alive and answers its gRPC health check within 1 s, the valid worker holds
-exactly the keys its batches left (GetWorkerKeys, every tier), and no hostile worker holds any block.
+Every 500 bad inputs and at the end, once the valid batches are acknowledged, the valid worker must hold
+exactly the keys its batches left (GetWorkerKeys, every tier) and no other worker any block; at the
+end the control plane must be alive and answer its gRPC health check within 1 s.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from kvroute.v1 import kvroute_pb2 as pb
 
 MODEL, WORKER, BLOCK_SIZE = "fuzz-model", "fuzz-valid", 4
 BAD_PER_VALID = 4
+CHECK_EVERY = 500   # bad inputs between two comparisons of the index with what the valid agent sent
 TIMEOUT_S = 10.0
 SERVICE = "/kvroute.v1.ControlPlane/"
 I, FP, NF, AE, OK = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
@@ -95,7 +97,7 @@ class ValidAgent:
                 keys = [rng.getrandbits(64) for _ in range(rng.randint(1, 8))]
                 batch.events.add(stored=pb.BlocksStored(block_keys=keys, medium=medium))
                 self.held[medium].update(keys)
-            elif roll < 0.97:
+            elif roll < 0.995:
                 keys = rng.sample(sorted(self.held[medium]), min(len(self.held[medium]), rng.randint(1, 4)))
                 keys.append(rng.getrandbits(64))  # one it never stored: removing it is a no-op
                 batch.events.add(removed=pb.BlocksRemoved(block_keys=keys, medium=medium))
@@ -334,29 +336,41 @@ async def health_ms(address: str) -> float:
 async def drive(address: str, messages: int, seed: int) -> tuple[Outcomes, dict, bool]:
     rng = random.Random(seed)
     outcomes, traffic = Outcomes(), HostileTraffic(rng)
+    checkpoints, mismatches = 0, []
     async with grpc.aio.insecure_channel(address) as channel:
         agent = ValidAgent(channel, rng)
+
+        async def check_index() -> bool:
+            """Once every batch so far is acked: the valid worker holds exactly its keys, hostile ones none."""
+            nonlocal checkpoints
+            checkpoints += 1
+            acked = await agent.all_acked()
+            held = await worker_keys(channel, WORKER)
+            stray = await hostile_blocks(channel)
+            if not acked or held != agent.held or stray:
+                mismatches.append({"after_batch": agent.seq, "acked": acked, "stray_blocks": stray,
+                                   "keys_expected": {m: len(k) for m, k in agent.held.items()},
+                                   "keys_held": None if held is None else {m: len(k) for m, k in held.items()}})
+            return acked
+
         try:
             for i in range(messages):
                 if i % BAD_PER_VALID == 0:
                     agent.batch()
                     await send(channel, traffic.valid(), outcomes)
                 await send(channel, traffic.bad(), outcomes)
+                if i % CHECK_EVERY == CHECK_EVERY - 1:
+                    await check_index()
             agent.batch()
-            acked = await agent.all_acked()
-            held = await worker_keys(channel, WORKER)
-            expected = {m: keys for m, keys in agent.held.items()}
-            applied = acked and held == expected
-            stray = await hostile_blocks(channel)
+            acked = await check_index()
             for _ in range(agent.seq):  # the agent's batches, as valid inputs of the table
                 outcomes.add("valid_batch", "acked", "acked" if acked else "not acked", acked)
         finally:
             await agent.close()
     details = {"valid_batches": agent.seq, "valid_events": agent.batches_events,
-               "keys_expected": {m: len(k) for m, k in agent.held.items()},
-               "keys_held": None if held is None else {m: len(k) for m, k in held.items()},
-               "blocks_held_by_hostile_workers": stray}
-    return outcomes, details, applied and stray == 0
+               "keys_at_the_end": {m: len(k) for m, k in agent.held.items()},
+               "index_checks": checkpoints, "index_mismatches": mismatches}
+    return outcomes, details, not mismatches
 
 
 def run_fuzz(messages: int, seed: int, workdir: Path) -> FuzzReport:
