@@ -93,7 +93,7 @@ class ValidAgent:
         batch = pb.EventBatch(seq=self.seq, snapshot=self.seq == 1)
         for _ in range(rng.randint(1, 4)):
             roll, medium = rng.random(), rng.choice(_MEDIA)
-            if roll < 0.6 or not self.held[medium]:
+            if roll < 0.6 or not self.held[medium] or batch.snapshot:  # a snapshot is its stores (the state)
                 keys = [rng.getrandbits(64) for _ in range(rng.randint(1, 8))]
                 batch.events.add(stored=pb.BlocksStored(block_keys=keys, medium=medium))
                 self.held[medium].update(keys)
