@@ -14,12 +14,15 @@ in docs/benchmarks/2026-12-04-fuzz.md.
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from kvroute.tools.bench.fuzz import run_target
+from kvroute.tools.local_cluster import kvroute_argv
 
 pytestmark = pytest.mark.slow
 
@@ -42,3 +45,15 @@ def test_live_fuzz(target: str, tmp_path: Path) -> None:
                         "router-grpc": {"unparseable", "surrogate", "semantic", "mutated", "random"},
                         "control-plane": {"unparseable", "connect", "router_session", "query", "random"}}[target], summary
     assert report.ok, summary
+
+
+def test_the_command_prints_the_table_and_json_and_exits_0(tmp_path: Path) -> None:
+    done = subprocess.run(kvroute_argv("bench", "fuzz", "--target", "router-grpc", "--messages", "40", "--seed", "7",
+                                       "--workdir", str(tmp_path)), check=False, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("target router-grpc: ") and any(line.split()[:1] == ["unparseable"] for line in lines)
+    result = json.loads(lines[-1])
+    assert result["ok"] and result["bad_messages"] == 40 and result["crashes"] == 0, result
+    assert (tmp_path / "router-fuzz.log").exists()  # --workdir keeps the processes' logs

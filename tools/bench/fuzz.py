@@ -148,7 +148,7 @@ def add_arguments(p) -> None:
                    help="; ".join(f"{name}: {desc}" for name, (*_, desc) in sorted(TARGETS.items()) if name != "agent")
                    + " (agent: the same as agent-zmq)")
     p.add_argument("--messages", type=int, default=10_000,
-                   help="bad messages to send (valid batches, and corrupted copies of some, come on top)")
+                   help="bad inputs to send (valid traffic, about one per four bad inputs, comes on top)")
     p.add_argument("--seed", type=int, default=0, help="seed of the traffic")
     p.add_argument("--workdir", default="", help="directory for the processes' logs (empty: a temp dir, removed)")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
