@@ -22,7 +22,8 @@ reserving and then releasing.
 
 Then: every process alive, the router's /health and gRPC health answer within 1 s, and `kvroute audit`
 finds the control plane's index equal to the engine's cache (the engine's events for the proxied
-valid requests all applied).
+valid requests all applied); for router-grpc, the router holds no reservation once every one that was
+granted has been released (no refused call made one).
 """
 
 from __future__ import annotations
@@ -101,6 +102,18 @@ def health_ms(fleet: RouterFleet) -> float:
     if status != 200 or reply.status != health_pb2.HealthCheckResponse.SERVING:
         return float("inf")
     return (time.monotonic() - started) * 1000
+
+
+def reservations_held(fleet: RouterFleet) -> float | None:
+    """The router's kvroute_router_reservations_held gauge (Route reservations not yet released)."""
+    try:
+        status, body = http_get(fleet.url + "/metrics", 2.0)
+    except OSError:
+        return None
+    for line in body.decode().splitlines() if status == 200 else ():
+        if line.startswith("kvroute_router_reservations_held "):
+            return float(line.split()[1])
+    return None
 
 
 def audit_clean(fleet: RouterFleet) -> tuple[bool, dict]:
@@ -539,7 +552,13 @@ def run_grpc(fleet: RouterFleet, messages: int, seed: int, outcomes: Outcomes) -
                     call(channel, GrpcCall("valid", _RELEASE, pb.ReleaseRequest(reservation_id=rid)
                                            .SerializeToString(), frozenset({OK})), outcomes)
             if i < messages:
-                call(channel, traffic.bad(), outcomes)
+                bad = traffic.bad()
+                reply = call(channel, bad, outcomes)
+                if reply is not None and bad.method == _ROUTE:  # a mutated request may still reserve: release it
+                    rid = pb.RouteResponse.FromString(reply).reservation_id
+                    if rid:
+                        call(channel, GrpcCall("valid", _RELEASE, pb.ReleaseRequest(reservation_id=rid)
+                                               .SerializeToString(), frozenset({OK})), outcomes)
 
 
 # ---------------------------------------------------------------- both
@@ -555,8 +574,9 @@ def run(target: str, drive: Callable[[RouterFleet, int, int, Outcomes], None], m
         sent_s = time.monotonic() - started
         if target == "router-http":  # the proxied requests' KV events reached the index
             applied, audit = audit_clean(fleet)
-        else:
-            applied, audit = True, {}
+        else:  # every reservation released: none was made by a refused call, none leaked
+            held = reservations_held(fleet)
+            applied, audit = held == 0, {"reservations_held_after": held}
         health = health_ms(fleet)
         crashes = sum(not p.alive() for p in fleet.processes())
         return outcomes.report(target, applied=applied, crashes=crashes, health_ms=round(health, 1),
