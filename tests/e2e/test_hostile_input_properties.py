@@ -14,6 +14,7 @@ UNKNOWN or INTERNAL; and nothing a refused agent stream sent is in the control p
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ ACTIONABLE = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusC
 ROUTING_FIELDS = ("model", "prompt", "messages", "lora_name", "cache_salt", "user", "tools", "chat_template_kwargs",
                   "add_generation_prompt", "max_tokens")
 PATHS = st.sampled_from(("/v1/route", "/v1/completions", "/v1/chat/completions"))
+WORKER_NUMBERS = itertools.count()  # hostile worker ids, one per example
 
 
 @dataclass
@@ -366,7 +368,7 @@ def test_a_refused_agent_stream_applies_nothing(fleet: Fleet, messages: list[byt
     A good registration, then batches out of sequence, heartbeats with a kv_usage outside 0..1, or bytes that
     are not an AgentMessage: refused, and not one block of it in the index."""
     before = fleet.engine_keys()
-    worker_id = f"hostile-{free_port()}"
+    worker_id = f"hostile-{next(WORKER_NUMBERS)}"
     register = pb.RegisterWorker(worker_id=worker_id, model=fleet.model, engine="sim", block_size=16,
                                  endpoint="http://127.0.0.1:9", agent_instance="x" if instance else "")
     if bad_register == 1:
@@ -398,7 +400,7 @@ def test_a_refused_agent_stream_applies_nothing(fleet: Fleet, messages: list[byt
 def test_regression_a_heartbeat_kv_usage_outside_0_1_is_invalid_argument(fleet: Fleet, kv_usage: float) -> None:
     """Found by `kvroute bench fuzz --target control-plane`: the load was stored as sent, and policies
     compare and add kv_usage (a NaN makes every comparison false)."""
-    worker_id = f"hostile-usage-{free_port()}"
+    worker_id = f"hostile-usage-{next(WORKER_NUMBERS)}"
     register = pb.RegisterWorker(worker_id=worker_id, model=fleet.model, engine="sim", block_size=16,
                                  endpoint="http://127.0.0.1:9")
     code, detail = stream(fleet.cp_channel, "Connect", [
@@ -411,7 +413,7 @@ def test_regression_a_heartbeat_kv_usage_outside_0_1_is_invalid_argument(fleet: 
 def test_regression_a_registration_whose_endpoint_is_no_url_is_invalid_argument(fleet: Fleet, endpoint: str) -> None:
     """A worker registered with an endpoint routers cannot send to: every request routed there failed (a 500,
     before the router's own fix). Refused at registration, and the worker is not listed."""
-    worker_id = f"hostile-endpoint-{free_port()}"
+    worker_id = f"hostile-endpoint-{next(WORKER_NUMBERS)}"
     register = pb.RegisterWorker(worker_id=worker_id, model=fleet.model, engine="sim", block_size=16, endpoint=endpoint)
     code, detail = stream(fleet.cp_channel, "Connect", [pb.AgentMessage(register=register).SerializeToString()])
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "endpoint" in detail, (code, detail)
