@@ -20,7 +20,8 @@ that are not UTF-8 (INVALID_ARGUMENT), semantically bad requests (INVALID_ARGUME
 random and mutated messages (any status but UNKNOWN and INTERNAL), and valid Route calls, some
 reserving and then releasing.
 
-Then: every process alive, the router's /health and gRPC health answer within 1 s, and `kvroute audit`
+Then: every process alive, every port's health check (router HTTP and gRPC, control plane, engine,
+agent) answers within 1 s, and `kvroute audit`
 finds the control plane's index equal to the engine's cache (the engine's events for the proxied
 valid requests all applied); for router-grpc, the router holds no reservation once every one that was
 granted has been released (no refused call made one).
@@ -91,17 +92,30 @@ def text(rng: random.Random, words: int) -> str:
 
 
 def health_ms(fleet: RouterFleet) -> float:
-    """The slower of the router's HTTP /health and its gRPC health check; inf when one fails or is over 1 s."""
-    started = time.monotonic()
-    try:
-        status, _ = http_get(fleet.url + "/health", 1.0)
-        with grpc.insecure_channel(fleet.grpc_target) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-    except (OSError, grpc.RpcError):
-        return float("inf")
-    if status != 200 or reply.status != health_pb2.HealthCheckResponse.SERVING:
-        return float("inf")
-    return (time.monotonic() - started) * 1000
+    """The slowest health answer of every port: the router's HTTP /health and gRPC health, the control
+    plane's gRPC health, the engine's and its agent's /health; inf when one fails or takes over 1 s."""
+    engine = fleet.cluster.engines[0]
+    slowest = 0.0
+    for url in (fleet.url, engine.url, engine.agent_metrics_url):
+        started = time.monotonic()
+        try:
+            status, _ = http_get(url + "/health", 1.0)
+        except OSError:
+            return float("inf")
+        slowest = max(slowest, time.monotonic() - started)
+        if status != 200:
+            return float("inf")
+    for target in (fleet.grpc_target, fleet.cluster.control_plane_addr):
+        started = time.monotonic()
+        try:
+            with grpc.insecure_channel(target) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        except grpc.RpcError:
+            return float("inf")
+        slowest = max(slowest, time.monotonic() - started)
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            return float("inf")
+    return slowest * 1000 if slowest < 1.0 else float("inf")
 
 
 def reservations_held(fleet: RouterFleet) -> float | None:
