@@ -37,6 +37,8 @@ class Authority:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.denied = Counter("kvroute_cp_auth_denied_total", "Requests refused for the peer's certificate identity "
                               "(PERMISSION_DENIED)", ["reason"], registry=registry)
+        for reason in ("no_certificate", "router_cannot_write", "worker_not_in_certificate", "not_a_router"):
+            self.denied.labels(reason)  # exported at 0 from the start, so a rate() alert sees the first refusal
         self._log = RateLimitedLog(log, period_s=60.0)
 
     @staticmethod

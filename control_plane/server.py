@@ -36,11 +36,11 @@ from kvroute.control_plane.service import (
     IndexCollector,
     InflightCollector,
 )
+from kvroute.grpc_requests import add_servicer
 from kvroute.listeners import GrpcListener, start_status_site
 from kvroute.process import wait_for_stop_signal, write_port_file
 from kvroute.tls import TlsFiles, grpc_message_options, server_tls
 from kvroute.v1 import kvroute_pb2 as pb
-from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvroute.control_plane")
 SERVICES = (pb.DESCRIPTOR.services_by_name["ControlPlane"].full_name,)  # for grpc.health.v1, besides ""
@@ -78,8 +78,9 @@ class ControlPlaneServer:
         self.registry = WorkerRegistry(index, heartbeat_timeout_s=config.heartbeat_timeout_s, watcher=self.inflight)
         self.service = ControlPlaneService(self.registry, self.inflight, ControlPlaneMetrics(self.metrics_registry))
         self.tls = server_tls(config.tls)  # raises TlsConfigError (one line) for files that do not load
+        authority = Authority(self.metrics_registry)  # its counter is exported (at 0) without mTLS too
         if config.tls.mutual:
-            self.service.authority = Authority(self.metrics_registry)
+            self.service.authority = authority
         self.replica_id = config.replica_id or f"{socket.gethostname()}-{os.getpid()}"
         self.redis_log: RedisEventLog | None = None
         self.inflight_sync: InflightSync | None = None
@@ -124,7 +125,8 @@ class ControlPlaneServer:
                                   grpc_message_options(self.config.grpc_max_message_bytes),
                                   credentials=self.tls.grpc_credentials() if self.tls else None)
         self.port = self._grpc.port
-        pb_grpc.add_ControlPlaneServicer_to_server(self.service, self._grpc.server)
+        add_servicer(self._grpc.server, pb.DESCRIPTOR.services_by_name["ControlPlane"], self.service,
+                     on_unparseable=self.service.count_unparseable)
         try:
             if self.config.metrics_port:  # before serving: a busy metrics port must not leave a half-started plane
                 self._metrics_runner, self.metrics_port = await start_status_site(

@@ -169,6 +169,13 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
             except Refused as refused:
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(refused))
 
+    def count_unparseable(self, rpc: str) -> None:
+        """A request whose bytes are not the method's message (answered INVALID_ARGUMENT by grpc_requests)."""
+        if rpc == "Connect":
+            self.metrics.stream_errors.labels("unparseable").inc()
+        else:
+            self.metrics.bad_requests.labels(rpc, "unparseable").inc()
+
     async def _check_serving(self, context: grpc.aio.ServicerContext, rpc: str) -> None:
         why = self.refuse_routers()
         if why is not None:
@@ -206,6 +213,9 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                     elif body == "heartbeat":
                         heartbeat = message.heartbeat
                         load = heartbeat.load
+                        if not 0.0 <= load.kv_usage <= 1.0:  # NaN too: policies compare and add it
+                            raise LogRefusal(grpc.StatusCode.INVALID_ARGUMENT, "bad_heartbeat",
+                                             f"kv_usage must be a fraction in 0..1, got {load.kv_usage}")
                         await self.log.heartbeat(session, HeartbeatBody(
                             load.running_requests, load.waiting_requests, load.kv_usage,
                             load.observed_unix_ms or int(time.time() * 1000), list(heartbeat.lora_adapters)))

@@ -7,9 +7,9 @@ prompt added, like /v1/chat/completions); `route_input` hands it to the request 
 uses too (`request_prep.py`). `session_id` is the session policy's key (HTTP: x-session-id).
 With `reserve`, the decision counts as in flight until `PrefillDone`/`Release` or its TTL
 (`app_reservations.py`).
-Bad input -> INVALID_ARGUMENT (also a request whose strings are not valid UTF-8, which protobuf
-refuses to parse: `add_router_service` registers a deserializer that hands that to `Route`
-instead of failing with UNKNOWN), unknown model -> NOT_FOUND, no worker known -> UNAVAILABLE, an
+Bad input -> INVALID_ARGUMENT (also a request that does not parse, e.g. a string that is not valid
+UTF-8: `add_router_service` registers the service through `kvroute.grpc_requests`, not with grpc's
+own deserializer, which would answer UNKNOWN), unknown model -> NOT_FOUND, no worker known -> UNAVAILABLE, an
 unexpected exception -> INTERNAL with a generic message and the traceback in the log.
 """
 
@@ -19,9 +19,9 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from types import SimpleNamespace
 
 import grpc
-from google.protobuf.message import DecodeError
 from opentelemetry import propagate, trace
 
 from kvroute.data_plane.app_reservations import AppReservations, TooManyReservations
@@ -29,6 +29,7 @@ from kvroute.data_plane.metrics import RouterMetrics
 from kvroute.data_plane.request_prep import PrepareError, RequestPreparer, RouteInput
 from kvroute.data_plane.routing import NoWorkersError, RouteDecision, Router
 from kvroute.data_plane.traffic_capture import TrafficCapture
+from kvroute.grpc_requests import add_servicer
 from kvroute.telemetry import span, tracing_active
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
@@ -38,13 +39,6 @@ tracer = trace.get_tracer("kvroute.router")
 _PREPARE_STATUS = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "model_not_found": grpc.StatusCode.NOT_FOUND,
                    "too_long": grpc.StatusCode.INVALID_ARGUMENT}
 log = logging.getLogger("kvroute.router.grpc")
-
-
-def _parse_route_request(data: bytes) -> pb.RouteRequest | DecodeError:
-    try:
-        return pb.RouteRequest.FromString(data)
-    except DecodeError as exc:  # e.g. a string field that is not valid UTF-8 (a lone surrogate)
-        return exc
 
 
 def _counted(method: str, behavior: Callable[..., Awaitable], metrics: RouterMetrics) -> Callable[..., Awaitable]:
@@ -69,20 +63,13 @@ def _counted(method: str, behavior: Callable[..., Awaitable], metrics: RouterMet
 
 
 def add_router_service(service: RouterGrpcService, server: grpc.aio.Server) -> None:
-    """`add_RouterServicer_to_server`, but a request that does not parse reaches `Route` (as the
-    DecodeError) and is answered INVALID_ARGUMENT; every call is counted by status code."""
+    """`add_RouterServicer_to_server`, but a request that does not parse is INVALID_ARGUMENT (not UNKNOWN),
+    and every call is counted by status code (an unparseable one as INVALID_ARGUMENT)."""
     metrics = service.router.metrics
-    handlers = {"Route": grpc.unary_unary_rpc_method_handler(
-        _counted("Route", service.Route, metrics), request_deserializer=_parse_route_request,
-        response_serializer=pb.RouteResponse.SerializeToString),
-        "PrefillDone": grpc.unary_unary_rpc_method_handler(
-            _counted("PrefillDone", service.PrefillDone, metrics), request_deserializer=pb.ReservationRef.FromString,
-            response_serializer=pb.ReservationState.SerializeToString),
-        "Release": grpc.unary_unary_rpc_method_handler(
-            _counted("Release", service.Release, metrics), request_deserializer=pb.ReleaseRequest.FromString,
-            response_serializer=pb.ReservationState.SerializeToString)}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvroute.v1.Router", handlers),))
-    server.add_registered_method_handlers("kvroute.v1.Router", handlers)
+    descriptor = pb.DESCRIPTOR.services_by_name["Router"]
+    counted = SimpleNamespace(**{m.name: _counted(m.name, getattr(service, m.name), metrics) for m in descriptor.methods})
+    add_servicer(server, descriptor, counted,
+                 on_unparseable=lambda method: metrics.grpc_requests.labels(method, "INVALID_ARGUMENT").inc())
 
 
 class RouterGrpcService(pb_grpc.RouterServicer):
@@ -92,15 +79,10 @@ class RouterGrpcService(pb_grpc.RouterServicer):
         self.reservations = reservations
         self.capture = capture  # a Route call is a decision for a request served elsewhere: record it too
 
-    async def Route(self, request: pb.RouteRequest | DecodeError,
-                    context: grpc.aio.ServicerContext) -> pb.RouteResponse:
+    async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         carrier = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)} \
             if tracing_active() else {}
         with span(tracer, "kvroute.v1.Router/Route", context=propagate.extract(carrier), kind=trace.SpanKind.SERVER):
-            if isinstance(request, DecodeError):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"the RouteRequest does not parse ({request}): its strings must be valid UTF-8 "
-                                    "(no lone surrogates)")
             try:
                 return await self._route(request, context)
             except grpc.aio.AbortError:
@@ -190,6 +172,9 @@ def _tool(t: pb.ToolDefinition) -> dict:
             function["parameters"] = json.loads(t.parameters_json)
         except ValueError as exc:
             raise PrepareError(f"tool {t.name!r}: 'parameters_json' is not valid JSON ({exc})", param="tools") from None
+        except RecursionError:  # json recurses per level: arrays nested past Python's limit
+            raise PrepareError(f"tool {t.name!r}: 'parameters_json' nests arrays and objects too deeply",
+                               param="tools") from None
     return {"type": t.type or "function", "function": function}
 
 

@@ -93,7 +93,7 @@ def _fields_from_json(raw: bytes) -> RoutingFields:
     """The slow path: Python's json (it keeps lone surrogates, so they can be named) and its errors."""
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except ValueError as exc:  # also an integer of more digits than Python converts (sys.get_int_max_str_digits)
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
@@ -253,6 +253,8 @@ class RouterHttpApi:
             return error_response(str(exc), status, code, exc.param)
         except NoWorkersError as exc:
             return error_response(str(exc), 503, "no_workers")
+        except RecursionError:  # msgspec, json and the checks that walk the body recurse: it nests too deeply
+            return error_response("the request body nests arrays and objects too deeply", 400)
         if forward_to is None:
             return web.json_response(decision.as_json())
         tail = bytearray()  # the response's end: its usage (cached tokens as the engine reports them)
@@ -343,12 +345,21 @@ class RouterHttpApi:
 def parse_routing_body(raw: bytes, kind: str, headers: Mapping[str, str]) -> tuple[RoutingFields, RouteInput]:
     """A request body -> (the fields routing reads, what request preparation takes); `headers` give the
     session key. Shared with the endpoint picker (epp.py), which gets the same body from Envoy."""
+    try:  # msgspec does not look at the text of the fields it skips, and the engine gets these bytes as they are
+        raw.decode()
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: it is not UTF-8 (byte {exc.start}: {exc.reason})") from None
     try:
         fields = _FIELDS_DECODER.decode(raw)
-    except msgspec.ValidationError:
-        raise BadRequest("request body must be a JSON object") from None
+    except msgspec.ValidationError as exc:  # not an object, or a number out of range
+        message = "must be a JSON object" if str(exc).startswith("Expected `object`") else f"is not valid: {exc}"
+        raise BadRequest(f"request body {message}") from None
     except msgspec.DecodeError:
         fields = _fields_from_json(raw)
+    for name in ("lora_name", "cache_salt", "user"):  # hashed or compared as text: another type is no name
+        value = getattr(fields, name)
+        if value is not None and not isinstance(value, str):
+            raise BadRequest(f"'{name}' must be a string, got {type(value).__name__}", param=name)
     if kind == "either" and fields.messages is not msgspec.UNSET:
         kind = "chat"
     session_key = session_key_of(headers, {"user": fields.user})

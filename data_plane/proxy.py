@@ -41,7 +41,7 @@ from kvroute.data_plane.metrics import RouterMetrics
 from kvroute.data_plane.policies import Candidate
 from kvroute.data_plane.routing import RouteDecision
 from kvroute.data_plane.stage_timing import StageClock
-from kvroute.data_plane.upstream import UpstreamPool, UpstreamResponse
+from kvroute.data_plane.upstream import BadEndpoint, UpstreamPool, UpstreamResponse
 from kvroute.rate_limited_log import RateLimitedLog
 from kvroute.telemetry import span, tracing_active
 
@@ -180,7 +180,7 @@ class BackendProxy:
                     whole = upstream.content_length is not None and upstream.content_length <= WHOLE_BODY_BYTES
                     if whole:  # a plain JSON answer: read it all (still nothing sent, still retryable)
                         first += await upstream.read()
-                except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                except (aiohttp.ClientError, OSError, TimeoutError, BadEndpoint) as exc:
                     proxy_span.record_exception(exc)
                     raise _Failed(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
                 if not whole:  # a whole answer ends here: its release (finally) settles the prefill too,

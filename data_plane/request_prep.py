@@ -101,7 +101,10 @@ class RequestPreparer:
         if not isinstance(model, str) or not model:
             raise PrepareError("'model' is required (a string)", param="model")
         if model == self.model:
-            return str(request.lora_name or "")
+            lora_name = str(request.lora_name or "")
+            if lora_name and lora_name not in self._adapters_of(self.model):
+                raise PrepareError(f"The model `{lora_name}` does not exist.", "model_not_found", "lora_name")
+            return lora_name
         if model not in self._adapters_of(self.model):
             raise PrepareError(f"The model `{model}` does not exist.", "model_not_found", "model")
         return model

@@ -36,6 +36,10 @@ import httptools
 _Key = tuple[str, int, bool]  # host, port, TLS
 
 
+class BadEndpoint(ValueError):
+    """A worker's endpoint that is no http(s) URL (workers register it themselves): that worker fails."""
+
+
 class _Connection(asyncio.Protocol):
     def __init__(self, high_water: int) -> None:
         self.transport: asyncio.Transport | None = None
@@ -189,8 +193,8 @@ class UpstreamPool:
     async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
         key, path, host = self._target(url)
         head = [b"POST ", path, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
-        for name, value in headers.items():
-            head += (name.encode("latin-1"), b": ", value.encode("latin-1"), b"\r\n")
+        for name, value in headers.items():  # as the client sent them: aiohttp decoded UTF-8, with surrogate escapes
+            head += (name.encode("utf-8", "surrogateescape"), b": ", value.encode("utf-8", "surrogateescape"), b"\r\n")
         head += (b"Content-Length: ", str(len(body)).encode(), b"\r\n\r\n")
         request = b"".join(head) + body
         conn, reused = self._get(key), True
@@ -226,11 +230,15 @@ class UpstreamPool:
     def _target(self, url: str) -> tuple[_Key, bytes, bytes]:
         target = self._targets.get(url)
         if target is None:
-            parts = urlsplit(url)
+            try:
+                parts = urlsplit(url)
+                port = parts.port  # ValueError when it is not a number in 0..65535
+            except ValueError as exc:
+                raise BadEndpoint(f"not an http(s) URL: {url!r} ({exc})") from None
             if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(f"not an http(s) URL: {url!r}")
+                raise BadEndpoint(f"not an http(s) URL: {url!r}")
             tls = parts.scheme == "https"
-            port = parts.port or (443 if tls else 80)
+            port = port or (443 if tls else 80)
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             target = self._targets[url] = ((parts.hostname, port, tls), path.encode(), parts.netloc.encode())
         return target

@@ -135,7 +135,8 @@ def redis_any(request) -> str:
         return request.getfixturevalue("redis_single").url
     return request.getfixturevalue("redis_cluster").url
 
-# Hypothesis profiles for the property-based tests (tests/worker_agent/test_hostile_*.py): `ci`
+# Hypothesis profiles for the property-based tests (tests/worker_agent/test_hostile_*.py,
+# tests/e2e/test_hostile_input_properties.py): `ci`
 # (default, what `make test` runs: ~200 examples per property, no deadline, since this machine's speed
 # varies) and `fuzz` (many more, for a long hand run, without the 120 s test timeout):
 # `HYPOTHESIS_PROFILE=fuzz .venv/bin/pytest --timeout 0 tests/worker_agent/test_hostile_*.py`.

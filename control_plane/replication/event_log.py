@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
+from urllib.parse import urlsplit
 
 import grpc
 
@@ -59,6 +60,25 @@ def check_register(req: pb.RegisterWorker) -> None:
                          f"block_size must be positive, got {req.block_size}")
     if not req.model:
         raise LogRefusal(grpc.StatusCode.INVALID_ARGUMENT, "bad_register", "model must not be empty")
+    if (why := endpoint_problem(req.endpoint)) is not None:
+        raise LogRefusal(grpc.StatusCode.INVALID_ARGUMENT, "bad_register",
+                         f"endpoint must be the engine's http(s) base URL, got {req.endpoint!r}: {why}")
+
+
+def endpoint_problem(endpoint: str) -> str | None:
+    """Why routers could not send requests to `endpoint`, or None (they proxy to it as its base URL)."""
+    try:
+        parts = urlsplit(endpoint)
+        parts.port  # noqa: B018 - raises ValueError when it is not a number in 0..65535
+    except ValueError as exc:
+        return str(exc)
+    if parts.scheme not in ("http", "https"):
+        return "the scheme must be http or https"
+    if not parts.hostname:
+        return "no host"
+    if any(c.isspace() or not c.isprintable() for c in endpoint):
+        return "it holds white space or control characters"
+    return None
 
 
 def in_use_detail(worker_id: str, holder_peer: str, peer: str) -> str:

@@ -545,3 +545,29 @@ async def test_malformed_router_message_ends_only_that_stream(control_plane, bad
     # The other router's stream and reservation are untouched; the faulty one's are gone with its stream.
     assert reserved(await other.query()) == {"a": (0, 0)}
     assert {w.worker_id: w.reserved_requests for w in (await stub.Query(query([]))).workers} == {"a": 1}
+
+
+async def test_bytes_that_are_no_request_are_invalid_argument_and_counted(control_plane) -> None:
+    """grpc's generated registration deserialized before any kvroute code: bytes that are not the message
+    (corrupt, or a string that is not UTF-8) were UNKNOWN "Unexpected DecodeError" (kvroute/grpc_requests.py)."""
+    server, _ = control_plane
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    bad_requests = server.service.metrics.bad_requests
+    for method, payload in (("Query", b"\xff\xff\xff"), ("GetWorkerKeys", b"\x0a\x03\xed\xa0\x80"),
+                            ("ListWorkers", b"\x0a\x05ab")):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await channel.unary_unary(f"/kvroute.v1.ControlPlane/{method}")(payload, timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert "kvroute.v1." in err.value.details() and "does not" not in err.value.details(), err.value.details()
+        assert bad_requests.labels(method, "unparseable")._value.get() == 1
+    for method in ("Connect", "RouterSession"):
+        # register.worker_id / hello.router_id (field 1 in field 1) holding U+D800 as (invalid) UTF-8
+        call = channel.stream_stream(f"/kvroute.v1.ControlPlane/{method}")(iter([b"\x0a\x05\x0a\x03\xed\xa0\x80"]),
+                                                                            timeout=5)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in call:
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in err.value.details(), err.value
+    assert server.service.metrics.stream_errors.labels("unparseable")._value.get() == 1
+    assert bad_requests.labels("RouterSession", "unparseable")._value.get() == 1
+    await channel.close()

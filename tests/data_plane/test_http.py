@@ -457,6 +457,37 @@ async def test_backend_failing_before_first_byte_is_retried(stack: Stack, mode: 
     assert len(stack.a.received) == 1
 
 
+@pytest.mark.parametrize("endpoint", ["::not a url", "http://[::1", "ftp://x", "", "http://127.0.0.1:99999"])
+async def test_regression_a_worker_endpoint_that_is_no_url_fails_over(stack: Stack, endpoint: str) -> None:
+    """Found with the control-plane fuzz: a worker registered with an endpoint that is no http(s) URL
+    made every request sent there a 500 (the URL's ValueError was not a backend failure), not a failover."""
+    stack.cp.add_worker("C", endpoint)
+    await stack.client.refresh()
+    stack.cp.matched_blocks = {"C": 50}
+    status, headers, body = await stack.post("/v1/completions", completion())
+    assert status == 200 and headers["x-kvroute-worker"] in "AB", body
+    stack.a.mode = stack.b.mode = "drop"
+    status, _, body = await stack.post("/v1/completions", completion())
+    assert status == 502 and body["error"]["code"] == "backend_unavailable", body
+
+
+async def test_regression_client_headers_beyond_latin1_reach_the_engine_as_sent(stack: Stack) -> None:
+    """Found by `kvroute bench fuzz --target router-http`: headers went to the engine encoded as Latin-1,
+    so a client header with any other character (or a byte that is not UTF-8) was a 500."""
+    stack.cp.matched_blocks = {"A": 5}
+    host, port = stack.url.removeprefix("http://").split(":")
+    body = json.dumps(completion()).encode()
+    for value in ("日本語のメモ".encode(), "café".encode(), b"caf\xe9"):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\nX-Note: " + value
+                     + b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        response = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        assert response.startswith(b"HTTP/1.1 200"), response
+        request = stack.a.requests[-1]
+        assert dict(request.raw_headers)[b"X-Note"] == value  # the bytes the client sent
+
+
 async def test_every_backend_failing_surfaces_the_last_error(stack: Stack) -> None:
     stack.a.mode = stack.b.mode = "http500"
     status, headers, body = await stack.post("/v1/completions", completion())
@@ -625,9 +656,13 @@ async def test_every_error_the_router_answers_is_openai_json(stack: Stack) -> No
     await stack.b.stop()
     error = assert_openai_error(*await call("POST", "/v1/completions", json=completion()), 502)
     assert "127.0.0.1" not in error["message"] and "Cannot connect" not in error["message"], error
-    # No worker serves the adapter asked for: 503.
-    error = assert_openai_error(*await call("POST", "/v1/completions", json=completion(lora_name="nobody")), 503)
-    assert error["code"] == "no_workers"
+    # No worker serves the adapter asked for: 404, as when it is named as the model (not a 503: the client's error).
+    error = assert_openai_error(*await call("POST", "/v1/completions", json=completion(lora_name="nobody")), 404)
+    assert error["code"] == "model_not_found" and error["param"] == "lora_name"
+    # An adapter, salt or user that is not a string: 400 (they were hashed as their str()).
+    for name, value in (("lora_name", [None]), ("cache_salt", 5), ("user", {"id": 1})):
+        error = assert_openai_error(*await call("POST", "/v1/route", json=completion(**{name: value})), 400)
+        assert error["param"] == name, error
 
 
 SURROGATE_BODIES = [  # raw JSON: Python's json module cannot write a lone surrogate escape by accident

@@ -34,6 +34,7 @@ def test_model_adapter_salt_and_session_key_come_through(preparer: RequestPrepar
 @pytest.mark.parametrize(("request_", "kind", "param"), [
     (RouteInput(None, prompt="x"), "invalid", "model"),
     (RouteInput("other", prompt="x"), "model_not_found", "model"),
+    (RouteInput("tiny", prompt="x", lora_name="other"), "model_not_found", "lora_name"),
     (RouteInput("tiny", "completions"), "invalid", "prompt"),
     (RouteInput("tiny", "chat", prompt="x"), "invalid", "messages"),
     (RouteInput("tiny", "completions", prompt=[1] * 65), "too_long", "prompt"),

@@ -1,6 +1,6 @@
 """The agent's input limits as a user sets them, and a live fuzz of a real agent process.
 
-The fuzz (`kvroute bench fuzz --target agent`, bench/fuzz_agent.py) runs a control plane and an agent
+The fuzz (`kvroute bench fuzz --target agent-zmq`, bench/fuzz_agent.py) runs a control plane and an agent
 as processes, and plays a hostile engine on the agent's KV-event endpoint: over 10,000 malformed,
 random and oversize messages between valid batches with consecutive sequence numbers, junk on every
 replay answer. Afterwards the agent must be alive and answer /health within 1 s, the control plane
@@ -66,7 +66,7 @@ def test_the_readme_names_every_limit_with_its_default() -> None:
 @pytest.mark.slow
 def test_live_fuzz_of_an_agent_process(tmp_path: Path) -> None:
     seed = random.randrange(1 << 30)
-    report = run_target("agent", 10_000, seed=seed, workdir=tmp_path)
+    report = run_target("agent-zmq", 10_000, seed=seed, workdir=tmp_path)
     summary = f"seed {seed}: {report}"
     assert report.bad_messages >= 10_000 and report.valid_messages >= 2_000, summary
     assert report.crashes == 0 and report.health_ms < 1000, summary

@@ -312,7 +312,7 @@ async def drive(cluster: LocalCluster, agent: ManagedProcess, engine: HostileEng
     bad = sent["malformed_frames"] + sent["oversize_frames"] + sent["oversize_batches"]
     crashes = sum(not p.alive() for p in (agent, cluster.control_plane))
     return FuzzReport(
-        target="agent", messages=bad + sent["valid"], bad_messages=bad, valid_messages=sent["valid"],
+        target="agent-zmq", messages=bad + sent["valid"], bad_messages=bad, valid_messages=sent["valid"],
         valid_events=counts["events"], applied=held == expected,
         bad_counted={name: int(counters.get(name, -1)) for name in bad_expected}, bad_expected=bad_expected,
         crashes=crashes, health_ms=round(health_ms, 1), seconds=round(time.monotonic() - started, 1),

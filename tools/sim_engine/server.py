@@ -98,8 +98,10 @@ class SimServer:
     async def _json_object(self, request: web.Request) -> dict:
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except ValueError as exc:  # JSON, UTF-8, or an integer past Python's digit limit
             raise ApiError(f"request body is not valid JSON: {exc}") from exc
+        except RecursionError:  # nested past Python's limit (the router's msgspec takes a few levels more)
+            raise ApiError("request body nests arrays and objects too deeply") from None
         if not isinstance(body, dict):
             raise ApiError("request body must be a JSON object")
         return body
