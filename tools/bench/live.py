@@ -255,11 +255,22 @@ def engines_counters(engine_urls: list[str]) -> list[tuple[float, float]]:
     return [engine_prefix_counters(u) for u in engine_urls]
 
 
+def fleet_idle(cluster: LocalCluster) -> bool:
+    """Every worker's load, as its agent last reported it to the control plane, is idle."""
+    workers = cluster.list_workers()
+    return bool(workers) and all(not (w.load.running_requests or w.load.waiting_requests) for w in workers)
+
+
 def wait_router_ready(router_url: str, model: str, workers: int, probes: list[list[int]], timeout_s: float = 30.0,
-                      procs: tuple[ManagedProcess, ...] = ()) -> None:
-    """The router knows every worker over a live control plane, and no probe prompt is cached
-    anywhere (the reset's AllBlocksCleared events have reached the index)."""
+                      procs: tuple[ManagedProcess, ...] = (), fleet_idle: Callable[[], bool] | None = None) -> None:
+    """The router knows every worker over a live control plane, no probe prompt is cached anywhere
+    (the reset's AllBlocksCleared events have reached the index) and, with `fleet_idle`, the engines'
+    reported load is idle again: the agents poll it, so right after a run the control plane still
+    holds its last requests as running, and a run that starts then begins from a skewed load (seen:
+    the endpoint picker's run, started at once after the router's, piled on one engine)."""
     def ready() -> bool:
+        if fleet_idle is not None and not fleet_idle():
+            return False
         status, raw = http_get(router_url + "/health")
         if status != 200 or json.loads(raw).get("workers", 0) < workers:
             return False
@@ -414,7 +425,7 @@ def run_local(args: argparse.Namespace, workload: list[SimWorkloadRequest], log:
             log(f"live: {policy} ...")
             url = cluster.router_urls[policy]
             ready = partial(wait_router_ready, url, cluster.model, args.engines, probes,
-                            procs=tuple(cluster.all_processes()))
+                            procs=tuple(cluster.all_processes()), fleet_idle=partial(fleet_idle, cluster))
             runs[policy] = run_live(policy, url, engine_urls, bodies, workload, args, ready)
             if args.epp:  # the same caches' state checked through the router, then the picker's own readiness
                 log(f"live: {EPP_PREFIX}{policy} ...")
