@@ -6,8 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from kvroute.listeners import run_service
-from kvroute.process import add_log_level_argument, add_port_file_argument, process_setup, wait_for_stop_signal, write_port_file
+from kvroute.process import add_log_level_argument, add_port_file_argument, wait_for_stop_signal, write_port_file
 from kvroute.tls import (
     TlsConfigError,
     add_grpc_message_argument,
@@ -218,9 +217,6 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    with process_setup("kvroute-router", args.log_level):
-        try:
-            return run_service("router", serve(args))  # a port in use: one line, exit 2
-        except (FileNotFoundError, OSError) as exc:  # bad --tokenizer: one clear line, no traceback
-            logging.getLogger("kvroute.router").error("router cannot start: %s", exc)
-            return 2
+    from kvroute.data_plane.routing_service import run_routing_process
+
+    return run_routing_process("router", serve(args), args.log_level)

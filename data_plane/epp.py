@@ -59,7 +59,6 @@ from kvroute.data_plane.policies import request_load
 from kvroute.data_plane.request_prep import PrepareError
 from kvroute.data_plane.routing import NoWorkersError, RouteDecision
 from kvroute.data_plane.routing_service import RoutingService
-from kvroute.listeners import run_service
 
 log = logging.getLogger("kvroute.epp")
 
@@ -72,9 +71,9 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 DP_RANK_HEADER = "x-data-parallel-rank"  # as the router's proxy sends it to a data-parallel worker
 BODY_ECHO_CHUNK = 64 * 1024  # streamed mode: the body goes back to Envoy in pieces of this size
-# The router's flags the picker does not take: its listeners, and what only a proxying router does.
-# The router's transports' flags (its HTTP API keys, HTTPS, concurrency, proxy); the picker keeps the
-# routing flags and the control-plane link's (--tls-*, --grpc-max-message-bytes).
+# The router's flags the picker does not take: its listeners, and what only a proxying router does
+# (HTTP API keys, HTTPS, concurrency, the engine link). It keeps the routing flags and the
+# control-plane link's (--tls-*, --grpc-max-message-bytes).
 ROUTER_ONLY_FLAGS = frozenset({"--port", "--grpc-port", "--reservation-ttl-ms", "--max-reservations", "--capture-trace",
                                "--capture-block-tokens", "--capture-sample-rate", "--stage-timing",
                                "--max-concurrent-requests", "--api-keys-file", "--forward-authorization",
@@ -510,11 +509,6 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvroute.process import process_setup
+    from kvroute.data_plane.routing_service import run_routing_process
 
-    with process_setup("kvroute-epp", args.log_level):
-        try:
-            return run_service("epp", serve(args))  # a port in use: one line, exit 2
-        except (FileNotFoundError, OSError) as exc:  # bad --tokenizer: one clear line, no traceback
-            log.error("epp cannot start: %s", exc)
-            return 2
+    return run_routing_process("epp", serve(args), args.log_level)

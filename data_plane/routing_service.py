@@ -15,6 +15,8 @@ port in use is the only line printed.
 from __future__ import annotations
 
 import argparse
+import logging
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +29,8 @@ from kvroute.data_plane.query_deadline import QueryDeadline
 from kvroute.data_plane.request_prep import RequestPreparer
 from kvroute.data_plane.routing import Router
 from kvroute.data_plane.tokenization import PromptTokenizer, load_tokenizer
+from kvroute.listeners import run_service
+from kvroute.process import process_setup
 from kvroute.tls import TlsConfigError, TlsFiles, client_tls, tls_files_from_args
 
 
@@ -89,3 +93,14 @@ def build_routing_service(args: argparse.Namespace, command: str) -> RoutingServ
     preparer = RequestPreparer(tokenizer, model, control_plane.adapters_of, args.max_prompt_tokens)
     return RoutingService(model, tokenizer, kv_params, policy, control_plane, inflight, health, metrics, router,
                           preparer, tls_files)
+
+
+def run_routing_process(command: str, serving: Coroutine[object, object, int], log_level: str) -> int:
+    """`kvroute router` / `kvroute epp` run `serving` (their `serve(args)`) the same way: a port in use
+    is one line and exit 2 (`run_service`), and so is a bad --tokenizer, without a traceback."""
+    with process_setup(f"kvroute-{command}", log_level):
+        try:
+            return run_service(command, serving)
+        except (FileNotFoundError, OSError) as exc:
+            logging.getLogger(f"kvroute.{command}").error("%s cannot start: %s", command, exc)
+            return 2

@@ -7,6 +7,8 @@ import asyncio
 import hashlib
 import inspect
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,7 +20,7 @@ from pathlib import Path
 import grpc
 from packaging.requirements import Requirement
 
-from kvroute.tools.local_cluster import LocalCluster, kvroute_argv
+from kvroute.tools.local_cluster import LocalCluster, free_port, kvroute_argv
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
@@ -133,3 +135,32 @@ class FakeAgent:
             self.heartbeats.cancel()
         await self.outbox.put(None)
         await self.channel.close()
+
+
+# ---------------------------------------------------------------- README blocks run as written
+
+
+def readme_sh_blocks(heading: str, count: int = 1) -> list[str]:
+    """The first `count` ```sh blocks after `heading` in README.md."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index(f"\n{heading}\n"):]
+    blocks = re.findall(r"^```sh\n(.*?)^```$", section, re.DOTALL | re.MULTILINE)
+    assert len(blocks) >= count, f"fewer than {count} sh blocks under {heading}"
+    return blocks[:count]
+
+
+def with_free_ports(block: str, readme_ports: tuple[int, ...]) -> tuple[str, dict[int, int]]:
+    """`block` with each of `readme_ports` (which it must use) replaced by a free port, and the mapping."""
+    ports = {port: free_port() for port in readme_ports}
+    for port in readme_ports:
+        assert re.search(rf"\b{port}\b", block), f"the README block no longer uses port {port}: update the test"
+    return re.sub(r"\b(" + "|".join(map(str, readme_ports)) + r")\b", lambda m: str(ports[int(m.group(1))]),
+                  block), ports
+
+
+def process_group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

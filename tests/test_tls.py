@@ -94,10 +94,8 @@ async def test_client_channels_pick_up_a_rotated_client_certificate(tmp_path):
         await server.stop(0)
 
 
-async def test_https_listener_serves_a_rotated_certificate(tmp_path):
-    old_ca, new_ca = TestCA(tmp_path / "old", "old-ca"), TestCA(tmp_path / "new", "new-ca")
-    served = old_ca.issue("router")
-    tls = ServerTls(TlsFiles(str(served.cert), str(served.key)))
+async def https_health_site(tls: ServerTls, require_client_cert: bool) -> tuple[web.AppRunner, int]:
+    """A real HTTPS listener (the router's `start_http_site`) answering GET /health with `tls`'s context."""
     async def health(_request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -105,8 +103,16 @@ async def test_https_listener_serves_a_rotated_certificate(tmp_path):
     app.router.add_get("/health", health)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    port = await start_http_site(runner, "--port", "127.0.0.1", 0, ssl_context=tls.ssl_context(
-        require_client_cert=False))
+    port = await start_http_site(runner, "--port", "127.0.0.1", 0,
+                                 ssl_context=tls.ssl_context(require_client_cert=require_client_cert))
+    return runner, port
+
+
+async def test_https_listener_serves_a_rotated_certificate(tmp_path):
+    old_ca, new_ca = TestCA(tmp_path / "old", "old-ca"), TestCA(tmp_path / "new", "new-ca")
+    served = old_ca.issue("router")
+    tls = ServerTls(TlsFiles(str(served.cert), str(served.key)))
+    runner, port = await https_health_site(tls, require_client_cert=False)
 
     async def status(ca: TestCA) -> int | str:
         context = ssl.create_default_context(cafile=ca.ca_path)
@@ -132,16 +138,7 @@ async def test_https_listener_with_client_certificates_takes_only_the_cas(tmp_pa
     ca, other = TestCA(tmp_path / "pki", "kvroute-ca"), TestCA(tmp_path / "other", "other-ca")
     served = ca.issue("router")
     tls = ServerTls(TlsFiles(str(served.cert), str(served.key), str(ca.ca_path)))
-
-    async def health(_request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    port = await start_http_site(runner, "--port", "127.0.0.1", 0, ssl_context=tls.ssl_context(
-        require_client_cert=True))
+    runner, port = await https_health_site(tls, require_client_cert=True)
 
     async def status(client_cert) -> int | str:
         context = ssl.create_default_context(cafile=ca.ca_path)

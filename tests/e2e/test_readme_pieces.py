@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -20,40 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.tools.local_cluster import free_port
-from tests.helpers import REPO
+from tests.helpers import REPO, process_group_alive, readme_sh_blocks, with_free_ports
 
 README_PORTS = (50051, 50052, 8000, 8080, 5557, 5558)
 
 
-def readme_block(heading: str) -> str:
-    """The first ```sh block after `heading` in README.md."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index(f"\n{heading}\n"):]
-    match = re.search(r"^```sh\n(.*?)^```$", section, re.DOTALL | re.MULTILINE)
-    assert match, f"no sh block under {heading}"
-    return match.group(1)
-
-
-def with_free_ports(block: str) -> tuple[str, dict[int, int]]:
-    ports = {port: free_port() for port in README_PORTS}
-    for port in README_PORTS:
-        assert re.search(rf"\b{port}\b", block), f"the README block no longer uses port {port}: update the test"
-    return re.sub(r"\b(" + "|".join(map(str, README_PORTS)) + r")\b", lambda m: str(ports[int(m.group(1))]),
-                  block), ports
-
-
-def process_group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.mark.timeout(180)
 def test_running_the_pieces_yourself_works_as_written(tmp_path: Path) -> None:
-    block, ports = with_free_ports(readme_block("## Running the pieces yourself"))
+    block, ports = with_free_ports(readme_sh_blocks("## Running the pieces yourself")[0], README_PORTS)
     prose = (REPO / "README.md").read_text()
     assert "`kill %1 %2 %3 %4` stops the four processes" in prose
     script = tmp_path / "pieces.sh"

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -25,38 +24,13 @@ import grpc
 import pytest
 
 from kvroute.tls import ClientTls, TlsFiles, open_channel
-from kvroute.tools.local_cluster import ManagedProcess, free_port, kvroute_argv, wait_until
+from kvroute.tools.local_cluster import ManagedProcess, kvroute_argv, wait_until
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
-from tests.helpers import REPO
+from tests.helpers import process_group_alive, readme_sh_blocks, with_free_ports
 from tests.tls_certs import TestCA
 
 README_PORTS = (50051, 50052, 8000, 8443, 5557, 5558)
-
-
-def readme_blocks(heading: str, count: int) -> list[str]:
-    """The first `count` ```sh blocks after `heading` in README.md."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index(f"\n{heading}\n"):]
-    blocks = re.findall(r"^```sh\n(.*?)^```$", section, re.DOTALL | re.MULTILINE)
-    assert len(blocks) >= count, f"fewer than {count} sh blocks under {heading}"
-    return blocks[:count]
-
-
-def with_free_ports(block: str) -> tuple[str, dict[int, int]]:
-    ports = {port: free_port() for port in README_PORTS}
-    for port in README_PORTS:
-        assert re.search(rf"\b{port}\b", block), f"the README block no longer uses port {port}: update the test"
-    return re.sub(r"\b(" + "|".join(map(str, README_PORTS)) + r")\b", lambda m: str(ports[int(m.group(1))]),
-                  block), ports
-
-
-def process_group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def tls(pki: Path, name: str) -> ClientTls:
@@ -111,8 +85,8 @@ async def check_router_grpc(address: str, pki: Path) -> None:
 
 @pytest.mark.timeout(240)
 def test_mtls_setup_works_as_written(tmp_path: Path) -> None:
-    certs, fleet = readme_blocks("### mTLS set-up", 2)
-    fleet, ports = with_free_ports(fleet)
+    certs, fleet = readme_sh_blocks("### mTLS set-up", 2)
+    fleet, ports = with_free_ports(fleet, README_PORTS)
     script = tmp_path / "mtls.sh"
     # set -e: a failing openssl, curl or audit fails the run; the processes stay up for the checks below.
     script.write_text("set -e\n" + certs + fleet + "echo READY\nwait\n")
