@@ -477,7 +477,7 @@ async def audit_fleet(control_plane: str, workers: Sequence[str] = (), *, settle
     import aiohttp
     import grpc
 
-    from kvroute.control_plane.index import Tier
+    from kvroute.prefix_index import Tier
     from kvroute.tls import open_channel
     from kvroute.v1 import kvroute_pb2 as pb
     from kvroute.v1 import kvroute_pb2_grpc as pb_grpc

@@ -28,8 +28,8 @@ import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvroute.control_plane.audit import AuditError, ControlPlaneView, Prober, ProbeTarget, WorkerAudit, audit_worker
-from kvroute.control_plane.index import TIERS
-from kvroute.control_plane.registry import WorkerRecord, WorkerRegistry
+from kvroute.fleet.registry import WorkerRecord, WorkerRegistry
+from kvroute.prefix_index import TIERS
 
 log = logging.getLogger("kvroute.control_plane.audit")
 PROBE_MEDIUM = "any"  # the probe compares a prefix hit, whatever tier the engine found it on

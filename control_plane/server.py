@@ -22,22 +22,23 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 from kvroute.build_info import register_build_info
 from kvroute.control_plane.auditor import PeriodicAuditor
 from kvroute.control_plane.authority import Authority
-from kvroute.control_plane.index import BitmaskPrefixIndex, BoundedPrefixIndex
-from kvroute.control_plane.inflight import InflightTracker
-from kvroute.control_plane.registry import WorkerRegistry
 from kvroute.control_plane.replication.inflight_sync import InflightSync
 from kvroute.control_plane.replication.metrics import RedisLogCollector
 from kvroute.control_plane.replication.redis_log import RedisEventLog, RedisLogConfig
 from kvroute.control_plane.replication.redis_url import connect, parse_redis_url
 from kvroute.control_plane.service import (
     GRPC_MESSAGE_LIMIT,
+    ApplyCollector,
     ControlPlaneMetrics,
     ControlPlaneService,
     IndexCollector,
     InflightCollector,
 )
+from kvroute.fleet.inflight import InflightTracker
+from kvroute.fleet.registry import WorkerRegistry
 from kvroute.grpc_requests import add_servicer
 from kvroute.listeners import GrpcListener, start_status_site
+from kvroute.prefix_index import BitmaskPrefixIndex, BoundedPrefixIndex
 from kvroute.process import wait_for_stop_signal, write_port_file
 from kvroute.tls import TlsFiles, grpc_message_options, server_tls
 from kvroute.v1 import kvroute_pb2 as pb
@@ -93,6 +94,7 @@ class ControlPlaneServer:
             self.service.router_events = self.inflight_sync
             self.service.refuse_routers = self._refuse_routers
             self.metrics_registry.register(RedisLogCollector(self.redis_log, self.inflight_sync))
+        self.metrics_registry.register(ApplyCollector(self.service.applier))
         self.metrics_registry.register(InflightCollector(self.inflight))
         self.metrics_registry.register(IndexCollector(index))
         self.auditor = (PeriodicAuditor(self.registry, self.metrics_registry, config.audit_interval_s,

@@ -11,17 +11,17 @@ from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry import propagate, trace
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvroute.control_plane.audit import eviction_metadata
 from kvroute.control_plane.authority import Authority, Refused
-from kvroute.control_plane.index import TIERS, BitmaskPrefixIndex, BoundedPrefixIndex, Tier, TierMatch, tier_of_wire
-from kvroute.control_plane.inflight import DuplicateReservation, InflightTracker, RouterSessionState, RouterTally
-from kvroute.control_plane.registry import WorkerRecord, WorkerRegistry
-from kvroute.control_plane.replication.apply import LogApplier
-from kvroute.control_plane.replication.entries import BlockOp, HeartbeatBody, ops_from_events
 from kvroute.control_plane.replication.event_log import AgentSession, EventLog, LocalEventLog, LogRefusal
+from kvroute.fleet.apply import LogApplier
+from kvroute.fleet.entries import BlockOp, HeartbeatBody, ops_from_events
+from kvroute.fleet.inflight import DuplicateReservation, InflightTracker, RouterSessionState, RouterTally
+from kvroute.fleet.registry import WorkerRecord, WorkerRegistry
+from kvroute.prefix_index import TIERS, BitmaskPrefixIndex, BoundedPrefixIndex, Tier, TierMatch, tier_of_wire
 
 if TYPE_CHECKING:
     from kvroute.control_plane.replication.inflight_sync import InflightSync
@@ -41,13 +41,6 @@ GRPC_OPTIONS = [
 
 class ControlPlaneMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.workers = Gauge("kvroute_cp_workers", "Registered live workers", registry=registry)
-        self.index_entries = Gauge("kvroute_cp_index_entries", "(block key, worker) pairs in the index",
-                                   registry=registry)
-        self.batches = Counter("kvroute_cp_event_batches_total", "Event batches applied", ["kind"],
-                               registry=registry)
-        self.block_events = Counter("kvroute_cp_block_events_total", "Block keys applied", ["op"],
-                                    registry=registry)
         self.stream_errors = Counter("kvroute_cp_stream_errors_total", "Agent streams rejected", ["reason"],
                                      registry=registry)
         self.unknown_media = Counter("kvroute_cp_unknown_medium_events_total",
@@ -55,10 +48,33 @@ class ControlPlaneMetrics:
                                      registry=registry)
         self.bad_requests = Counter("kvroute_cp_bad_requests_total", "Router requests rejected", ["rpc", "reason"],
                                     registry=registry)
-        self.expired = Counter("kvroute_cp_workers_expired_total", "Workers dropped for missing heartbeats",
-                               registry=registry)
         self.query_seconds = Histogram("kvroute_cp_query_seconds", "Query handling time", registry=registry,
                                        buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2))
+
+
+class ApplyCollector:
+    """The registry's and the applier's figures at scrape time: nothing is counted on the apply path
+    but the applier's plain integers (`kvroute.fleet.apply.ApplyCounters`)."""
+
+    def __init__(self, applier: LogApplier) -> None:
+        self.applier = applier
+
+    def collect(self):
+        applier, counters = self.applier, self.applier.counters
+        yield GaugeMetricFamily("kvroute_cp_workers", "Registered live workers", value=len(applier.registry))
+        yield GaugeMetricFamily("kvroute_cp_index_entries", "(block key, worker) pairs in the index",
+                                value=applier.registry.index.entry_count())
+        batches = CounterMetricFamily("kvroute_cp_event_batches", "Event batches applied", labels=["kind"])
+        batches.add_metric(["snapshot"], counters.snapshot_batches)
+        batches.add_metric(["delta"], counters.delta_batches)
+        yield batches
+        events = CounterMetricFamily("kvroute_cp_block_events", "Block keys applied", labels=["op"])
+        for op, value in (("snapshot", counters.snapshot_keys), ("stored", counters.stored_keys),
+                          ("removed", counters.removed_keys), ("cleared", counters.cleared)):
+            events.add_metric([op], value)
+        yield events
+        yield CounterMetricFamily("kvroute_cp_workers_expired", "Workers dropped for missing heartbeats",
+                                  value=counters.expired_workers)
 
 
 class InflightCollector:
@@ -75,7 +91,7 @@ class InflightCollector:
         yield GaugeMetricFamily("kvroute_cp_speculative_claims", "(worker, block key) speculative claims",
                                 value=inflight.claim_count())
         events = CounterMetricFamily("kvroute_cp_reservation_events_total",
-                                     "Reservation lifecycle events (see kvroute.control_plane.inflight.InflightCounters)",
+                                     "Reservation lifecycle events (see kvroute.fleet.inflight.InflightCounters)",
                                      labels=["event"])
         for name, value in dataclasses.asdict(inflight.counters).items():
             events.add_metric([name], value)
@@ -149,7 +165,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         self.registry = registry
         self.inflight = inflight
         self.metrics = metrics
-        self.applier = LogApplier(registry, inflight, metrics)
+        self.applier = LogApplier(registry, inflight)
         self._unknown_media_seen: set[int] = set()
         # Where agents' messages go: applied at once (embedded), or through Redis (replicas).
         self.log: EventLog = event_log or LocalEventLog(self.applier)
@@ -479,10 +495,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
             for worker_id in await self.log.expire_silent():
                 log.warning("worker %s missed heartbeats for %.1fs: dropped with its blocks", worker_id,
                             self.registry.heartbeat_timeout_s)
-                self.metrics.expired.inc()
             self.inflight.expire()  # claims and reservations time out even when no router asks
-            self.metrics.workers.set(len(self.registry))
-            self.metrics.index_entries.set(self.registry.index.entry_count())
             self._note_bound_reached()
 
     def _note_bound_reached(self) -> None:

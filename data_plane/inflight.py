@@ -18,7 +18,7 @@ the engine's own events.
 With a router session (`router_session.py`), each call also updates the control plane's
 reservation for the same request, which is what other routers' decisions see, one message later
 (`kvroute bench inflight` measures that delay). The control plane keeps every router's
-reservations in its own model, `kvroute.control_plane.inflight.InflightTracker`: the same
+reservations in its own model, `kvroute.fleet.inflight.InflightTracker`: the same
 requests seen from the fleet (other routers' load, speculative claims with a TTL), reported to a
 router minus its own part, so nothing is counted twice. Those are the two in-flight models, one
 per plane.

@@ -17,9 +17,9 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from kvroute.control_plane.registry import WorkerRecord
-from kvroute.control_plane.replication.apply import LogApplier
-from kvroute.control_plane.replication.entries import BlockOp, HeartbeatBody, RegisterBody
+from kvroute.fleet.apply import LogApplier
+from kvroute.fleet.entries import BlockOp, HeartbeatBody, RegisterBody
+from kvroute.fleet.registry import WorkerRecord
 from kvroute.v1 import kvroute_pb2 as pb
 
 
@@ -155,7 +155,7 @@ class LocalEventLog:
             self.registry.release(session.record, session.epoch)
 
     async def expire_silent(self) -> list[str]:
-        dropped = self.registry.expire()
-        if dropped:
-            self.applier.metrics.workers.set(len(self.registry))
+        dropped = self.registry.silent()
+        for worker_id in dropped:
+            self.applier.drop(worker_id, expired=True)
         return dropped

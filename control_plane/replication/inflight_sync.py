@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import msgspec
 from redis.exceptions import RedisError
 
-from kvroute.control_plane.inflight import DuplicateReservation, InflightTracker, RouterSessionState
-from kvroute.control_plane.registry import WorkerRegistry
-from kvroute.control_plane.replication.entries import pack_keys, unpack_keys
 from kvroute.control_plane.replication.redis_log import raise_if_cancelled
 from kvroute.control_plane.replication.redis_url import redis_backoff
+from kvroute.fleet.entries import pack_keys, unpack_keys
+from kvroute.fleet.inflight import DuplicateReservation, InflightTracker, RouterSessionState
+from kvroute.fleet.registry import WorkerRegistry
 
 log = logging.getLogger("kvroute.control_plane.inflight_sync")
 

@@ -20,9 +20,16 @@ import grpc
 import xxhash
 from redis.exceptions import RedisError
 
-from kvroute.control_plane.registry import WorkerRecord
-from kvroute.control_plane.replication.apply import LogApplier
-from kvroute.control_plane.replication.entries import (
+from kvroute.control_plane.replication.event_log import (
+    AgentSession,
+    LogRefusal,
+    check_register,
+    in_use_detail,
+    register_body,
+)
+from kvroute.control_plane.replication.redis_url import redis_backoff
+from kvroute.fleet.apply import LogApplier
+from kvroute.fleet.entries import (
     BATCH_DECODER,
     ENCODER,
     HEARTBEAT_DECODER,
@@ -36,14 +43,7 @@ from kvroute.control_plane.replication.entries import (
     tier_or_disk,
     unpack_ops,
 )
-from kvroute.control_plane.replication.event_log import (
-    AgentSession,
-    LogRefusal,
-    check_register,
-    in_use_detail,
-    register_body,
-)
-from kvroute.control_plane.replication.redis_url import redis_backoff
+from kvroute.fleet.registry import WorkerRecord
 from kvroute.v1 import kvroute_pb2 as pb
 
 log = logging.getLogger("kvroute.control_plane.redis")
@@ -453,10 +453,9 @@ class RedisEventLog:
             return
         if kind == KIND_EXPIRE:
             self.epochs[worker_id] = epoch
-            if self.applier.drop(worker_id):
+            if self.applier.drop(worker_id, expired=True):
                 log.warning("worker %s expired (no heartbeat for %.1fs): dropped with its blocks", worker_id,
                             self.heartbeat_timeout_s)
-                self.applier.metrics.expired.inc()
             return
         record = self.registry.get(worker_id)
         if record is None or self.epochs.get(worker_id) != epoch:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.control_plane.index import BitmaskPrefixIndex, BoundedPrefixIndex, PrefixIndex, SetPrefixIndex
+from kvroute.prefix_index import BitmaskPrefixIndex, BoundedPrefixIndex, PrefixIndex, SetPrefixIndex
 
 
 def BoundedPrefixIndexUnreached() -> BoundedPrefixIndex:

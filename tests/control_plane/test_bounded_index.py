@@ -11,7 +11,8 @@ from array import array
 
 import pytest
 
-from kvroute.control_plane.index import (
+from kvroute.fleet.inflight import InflightTracker
+from kvroute.prefix_index import (
     TIERS,
     BitmaskPrefixIndex,
     BoundedPrefixIndex,
@@ -19,7 +20,6 @@ from kvroute.control_plane.index import (
     Tier,
     TierMatch,
 )
-from kvroute.control_plane.inflight import InflightTracker
 
 GPU, CPU, DISK = Tier.GPU, Tier.CPU, Tier.DISK
 

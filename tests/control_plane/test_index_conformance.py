@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvroute.control_plane.index import (
+from kvroute.prefix_index import (
     TIERS,
     BitmaskPrefixIndex,
     BoundedPrefixIndex,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.control_plane.index import TierMatch
-from kvroute.control_plane.inflight import DuplicateReservation, InflightTracker
+from kvroute.fleet.inflight import DuplicateReservation, InflightTracker
+from kvroute.prefix_index import TierMatch
 
 
 class ManualClock:

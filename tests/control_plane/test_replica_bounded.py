@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
-from kvroute.control_plane.index import Tier
 from kvroute.control_plane.server import ControlPlaneServer
+from kvroute.prefix_index import Tier
 from tests.helpers import eventually
 from tests.replica_helpers import Agent, start_replica
 

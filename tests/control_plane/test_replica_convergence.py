@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from kvroute.control_plane.index import TIERS, SetPrefixIndex, Tier
 from kvroute.control_plane.server import ControlPlaneConfig, ControlPlaneServer
+from kvroute.prefix_index import TIERS, SetPrefixIndex, Tier
 from kvroute.tools.local_cluster import free_port
 from kvroute.worker_agent.vllm_wire import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.helpers import eventually

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvroute.control_plane.index import Tier
+from kvroute.prefix_index import Tier
 from kvroute.tools.redis_harness import TcpProxy
 from tests.helpers import eventually
 from tests.replica_helpers import Agent, start_replica

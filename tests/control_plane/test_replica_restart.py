@@ -10,8 +10,8 @@ import time
 import grpc
 import pytest
 
-from kvroute.control_plane.replication.entries import BlockOp, Op
 from kvroute.control_plane.replication.redis_log import RedisEventLog
+from kvroute.fleet.entries import BlockOp, Op
 from kvroute.tools.local_cluster import ManagedProcess, free_port, http_get, kvroute_argv, wait_until
 from kvroute.tools.redis_harness import temp_workdir
 from kvroute.v1 import kvroute_pb2 as pb

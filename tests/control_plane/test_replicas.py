@@ -9,8 +9,8 @@ import asyncio
 import grpc
 import pytest
 
-from kvroute.control_plane.index import Tier
 from kvroute.control_plane.server import ControlPlaneServer
+from kvroute.prefix_index import Tier
 from kvroute.tools.redis_harness import TcpProxy
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc

@@ -26,11 +26,11 @@ from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry
 
-from kvroute.control_plane.index import BitmaskPrefixIndex, BoundedPrefixIndex
-from kvroute.control_plane.inflight import InflightTracker
-from kvroute.control_plane.registry import WorkerRegistry
 from kvroute.control_plane.service import ControlPlaneMetrics, ControlPlaneService
 from kvroute.data_plane.control_plane_client import query_message
+from kvroute.fleet.inflight import InflightTracker
+from kvroute.fleet.registry import WorkerRegistry
+from kvroute.prefix_index import BitmaskPrefixIndex, BoundedPrefixIndex
 from kvroute.tools.stats import percentile
 from kvroute.v1 import kvroute_pb2 as pb
 

@@ -22,7 +22,7 @@ from array import array
 
 import msgspec
 
-from kvroute.control_plane.index import BitmaskPrefixIndex, BoundedPrefixIndex
+from kvroute.prefix_index import BitmaskPrefixIndex, BoundedPrefixIndex
 from kvroute.worker_agent.block_deltas import KeysRemoved, KeysStored
 from kvroute.worker_agent.block_resolver import BlockResolver
 from kvroute.worker_agent.vllm_wire import decode_payload

@@ -25,7 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
-from kvroute.control_plane.replication.entries import BlockOp, Op
+from kvroute.fleet.entries import BlockOp, Op
 from kvroute.prom_text import sample_sums
 from kvroute.tools.bench.ingest import make_payloads, run_ingest
 from kvroute.tools.local_cluster import ManagedProcess, free_port, http_get, kvroute_argv, wait_until

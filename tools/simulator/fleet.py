@@ -3,7 +3,7 @@
 Real code: the routing policies (kvroute.data_plane.policies), the router's candidate builder
 (kvroute.data_plane.candidates), the router's in-flight tracking (kvroute.data_plane.inflight),
 the agent's engine-hash -> block-key resolution (kvroute.worker_agent.block_resolver) and the
-control plane's index (kvroute.control_plane.index).
+control plane's index (kvroute.prefix_index).
 Simulated: each engine (sim_engine's PrefixCache + Scheduler + CostModel) and the clock.
 KV events reach the index when the engine step that produced them ends, plus `event_delay_s`.
 
@@ -25,11 +25,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvroute.block_keys import prompt_block_keys
-from kvroute.control_plane.index import BitmaskPrefixIndex
 from kvroute.data_plane.candidates import IndexColumns, build_candidates
 from kvroute.data_plane.control_plane_client import KnownWorker
 from kvroute.data_plane.inflight import InflightTicket, RouterInflight
 from kvroute.data_plane.policies import RoutingInput, make_policy
+from kvroute.prefix_index import BitmaskPrefixIndex
 from kvroute.tools.sim_engine.cost_model import CostModel
 from kvroute.tools.sim_engine.prefix_cache import ClearedEvent, PrefixCache, RemovedEvent, StoredEvent
 from kvroute.tools.sim_engine.scheduler import Scheduler, SimRequest

@@ -17,7 +17,7 @@ from enum import IntEnum
 
 import msgspec
 
-from kvroute.control_plane.index import Tier, tier_of_wire
+from kvroute.prefix_index import Tier, tier_of_wire
 
 
 class Op(IntEnum):

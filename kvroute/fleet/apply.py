@@ -6,12 +6,9 @@ the same order hold the same state, which is what makes the index a function of 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-from kvroute.control_plane.index import TIERS, Tier
-from kvroute.control_plane.inflight import InflightTracker
-from kvroute.control_plane.registry import WorkerRecord, WorkerRegistry
-from kvroute.control_plane.replication.entries import (
+from kvroute.fleet.entries import (
     BlockOp,
     HeartbeatBody,
     Op,
@@ -21,16 +18,29 @@ from kvroute.control_plane.replication.entries import (
     pack_keys,
     unpack_keys,
 )
+from kvroute.fleet.inflight import InflightTracker
+from kvroute.fleet.registry import WorkerRecord, WorkerRegistry
+from kvroute.prefix_index import TIERS, Tier
 
-if TYPE_CHECKING:
-    from kvroute.control_plane.service import ControlPlaneMetrics
+
+@dataclass(slots=True)
+class ApplyCounters:
+    """What the applier applied, as plain counters (a process exports them at scrape time)."""
+
+    snapshot_batches: int = 0
+    delta_batches: int = 0
+    snapshot_keys: int = 0
+    stored_keys: int = 0
+    removed_keys: int = 0
+    cleared: int = 0
+    expired_workers: int = 0   # dropped for missing heartbeats
 
 
 class LogApplier:
-    def __init__(self, registry: WorkerRegistry, inflight: InflightTracker, metrics: ControlPlaneMetrics) -> None:
+    def __init__(self, registry: WorkerRegistry, inflight: InflightTracker) -> None:
         self.registry = registry
         self.inflight = inflight
-        self.metrics = metrics
+        self.counters = ApplyCounters()
 
     def register(self, worker_id: str, body: RegisterBody, resume: bool) -> WorkerRecord:
         """(Re)register; with `resume` the worker's sequence runs on (the same agent instance
@@ -41,14 +51,12 @@ class LogApplier:
                                         body.engine_version, body.lora_adapters, body.data_parallel_rank, body.peer)
         record.agent_instance = body.instance
         record.last_seq = last_seq
-        self.metrics.workers.set(len(self.registry))
         return record
 
     def apply_batch(self, record: WorkerRecord, seq: int, snapshot: bool, ops: Iterable[BlockOp]) -> int:
         """Apply one accepted batch (its sequence already checked); returns how many ops it had."""
         record.last_seq = seq
-        index, slot, inflight = self.registry.index, record.slot, self.inflight
-        block_events = self.metrics.block_events
+        index, slot, inflight, counters = self.registry.index, record.slot, self.inflight, self.counters
         count = 0
         if snapshot:
             # One STORED op per tier; a tier the snapshot does not name is empty now.
@@ -60,24 +68,23 @@ class LogApplier:
             index.replace_all(slot, by_tier)
             for keys in by_tier.values():
                 inflight.confirm(slot, keys)
-            self.metrics.batches.labels("snapshot").inc()
-            block_events.labels("snapshot").inc(sum(len(keys) for keys in by_tier.values()))
+            counters.snapshot_batches += 1
+            counters.snapshot_keys += sum(len(keys) for keys in by_tier.values())
         else:
             for op in ops:
                 count += 1
                 if op.op == Op.STORED:
                     index.store(slot, op.keys, Tier(op.tier))
                     inflight.confirm(slot, op.keys)
-                    block_events.labels("stored").inc(len(op.keys))
+                    counters.stored_keys += len(op.keys)
                 elif op.op == Op.REMOVED:
                     index.remove(slot, op.keys, Tier(op.tier))
-                    block_events.labels("removed").inc(len(op.keys))
+                    counters.removed_keys += len(op.keys)
                 elif op.op == Op.CLEARED:
                     index.clear(slot)
                     inflight.slot_cleared(slot)
-                    block_events.labels("cleared").inc()
-            self.metrics.batches.labels("delta").inc()
-        self.metrics.index_entries.set(index.entry_count())
+                    counters.cleared += 1
+            counters.delta_batches += 1
         return count
 
     def heartbeat(self, record: WorkerRecord, body: HeartbeatBody) -> None:
@@ -87,11 +94,11 @@ class LogApplier:
         if tuple(body.lora_adapters) != record.lora_adapters:
             self.registry.set_lora_adapters(record, body.lora_adapters)
 
-    def drop(self, worker_id: str) -> bool:
+    def drop(self, worker_id: str, expired: bool = False) -> bool:
+        """Forget the worker and its blocks; `expired`: for missing heartbeats (counted)."""
         dropped = self.registry.drop(worker_id)
-        if dropped:
-            self.metrics.workers.set(len(self.registry))
-            self.metrics.index_entries.set(self.registry.index.entry_count())
+        if dropped and expired:
+            self.counters.expired_workers += 1
         return dropped
 
     # ------------------------------------------------------------ snapshots

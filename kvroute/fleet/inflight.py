@@ -3,7 +3,7 @@
 A router that sends a request to a worker reserves it: until released (or the router's session
 closes, or `max_age_s` passes) it counts on that worker as one reserved request, and its prefill
 tokens as reserved prefill until the first token (`prefill_done`). Its prompt's block keys make
-the worker a speculative holder of them (index claims, see kvroute.control_plane.index) for a TTL, so
+the worker a speculative holder of them (index claims, see kvroute.prefix_index) for a TTL, so
 other routers' queries see the prefix where it is about to be cached, before the engine's own
 events confirm it.
 
@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvroute.control_plane.index import PrefixIndex
+from kvroute.prefix_index import PrefixIndex
 
 # A claim is one int: (order of the reservation that created it) << _ORDER_SHIFT | vouchers.
 _ORDER_SHIFT = 32

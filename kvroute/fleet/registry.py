@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvroute.control_plane.index import PrefixIndex
+from kvroute.prefix_index import PrefixIndex
 
 
 @dataclass(slots=True)
@@ -169,13 +169,10 @@ class WorkerRegistry:
         self._free_slots.append(record.slot)
         return True
 
-    def expire(self) -> list[str]:
-        """Drop every worker not heard from within the heartbeat timeout."""
+    def silent(self) -> list[str]:
+        """Workers not heard from within the heartbeat timeout (the caller drops them through its applier)."""
         deadline = self._clock() - self.heartbeat_timeout_s
-        dead = [w.worker_id for w in self._workers.values() if w.last_seen < deadline]
-        for worker_id in dead:
-            self.drop(worker_id)
-        return dead
+        return [w.worker_id for w in self._workers.values() if w.last_seen < deadline]
 
     def _take_slot(self) -> int:
         if self._free_slots:
