@@ -64,7 +64,7 @@ class Authority:
         if peer is None:
             raise self._refuse(context, "no_certificate", "the control plane requires a client certificate")
         if not peer.is_router:
-            raise self._refuse(context, "not_a_router", f"RouterSession needs a router identity "
+            raise self._refuse(context, "not_a_router", f"RouterSession and Follow need a router identity "
                                f"(spiffe://kvroute/router/<name>); the certificate holds {peer.describe()}")
 
     def check_reader(self, context: grpc.aio.ServicerContext) -> None:

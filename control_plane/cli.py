@@ -83,6 +83,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the log behind them")
     p.add_argument("--replica-id", default="", metavar="NAME",
                    help="with --redis: this replica's name in logs, errors and the snapshot lease (default HOST-PID)")
+    p.add_argument("--follow-window-changes", type=positive(int), default=200_000, metavar="N",
+                   help="changes the follow feed keeps for routers that reconnect (ControlPlane.Follow): a router "
+                        "whose position is older gets a snapshot instead")
+    p.add_argument("--follow-window-mb", type=positive(int), default=256, metavar="MB",
+                   help="the follow feed's window in memory at most (the oldest changes go first)")
     add_tls_arguments(p)
     add_grpc_message_argument(p, DEFAULT_GRPC_MAX_MESSAGE_BYTES)
     add_log_level_argument(p)
@@ -106,4 +111,5 @@ def run(args: argparse.Namespace) -> int:
             audit_probe_deadline_s=args.audit_probe_deadline_s, redis_url=args.redis,
             redis_shards=args.redis_shards, snapshot_interval_s=args.snapshot_interval_s,
             replica_id=args.replica_id, max_index_entries=args.max_index_entries, tls=tls,
-            grpc_max_message_bytes=args.grpc_max_message_bytes), args.port_file))
+            grpc_max_message_bytes=args.grpc_max_message_bytes, follow_window_changes=args.follow_window_changes,
+            follow_window_bytes=args.follow_window_mb * 1024 * 1024), args.port_file))

@@ -22,6 +22,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 from kvroute.build_info import register_build_info
 from kvroute.control_plane.auditor import PeriodicAuditor
 from kvroute.control_plane.authority import Authority
+from kvroute.control_plane.follow import FollowFeed
 from kvroute.control_plane.replication.inflight_sync import InflightSync
 from kvroute.control_plane.replication.metrics import RedisLogCollector
 from kvroute.control_plane.replication.redis_log import RedisEventLog, RedisLogConfig
@@ -34,8 +35,7 @@ from kvroute.control_plane.service import (
     IndexCollector,
     InflightCollector,
 )
-from kvroute.fleet.inflight import InflightTracker
-from kvroute.fleet.registry import WorkerRegistry
+from kvroute.fleet.state import FleetState
 from kvroute.grpc_requests import add_servicer
 from kvroute.listeners import GrpcListener, start_status_site
 from kvroute.prefix_index import BitmaskPrefixIndex, BoundedPrefixIndex
@@ -66,6 +66,8 @@ class ControlPlaneConfig:
     max_index_entries: int = 0            # 0 = unbounded; else drop keys not matched recently past this many entries
     tls: TlsFiles = field(default_factory=TlsFiles)  # none = plaintext; cert+key = TLS; + CA = mTLS with per-identity authority
     grpc_max_message_bytes: int = GRPC_MESSAGE_LIMIT
+    follow_window_changes: int = 200_000  # the follow feed's window (routers that reconnect resume inside it)
+    follow_window_bytes: int = 256 * 1024 * 1024
 
 
 class ControlPlaneServer:
@@ -74,15 +76,18 @@ class ControlPlaneServer:
         self.metrics_registry = CollectorRegistry()
         register_build_info(self.metrics_registry, "control_plane")
         index = BoundedPrefixIndex(config.max_index_entries) if config.max_index_entries else BitmaskPrefixIndex()
-        self.inflight = InflightTracker(index, default_ttl_s=config.speculative_ttl_s,
-                                        max_age_s=config.reservation_max_age_s)
-        self.registry = WorkerRegistry(index, heartbeat_timeout_s=config.heartbeat_timeout_s, watcher=self.inflight)
-        self.service = ControlPlaneService(self.registry, self.inflight, ControlPlaneMetrics(self.metrics_registry))
+        self.state = FleetState.build(index, heartbeat_timeout_s=config.heartbeat_timeout_s,
+                                      speculative_ttl_s=config.speculative_ttl_s,
+                                      reservation_max_age_s=config.reservation_max_age_s)
+        self.inflight, self.registry = self.state.inflight, self.state.registry
+        self.service = ControlPlaneService(self.state, ControlPlaneMetrics(self.metrics_registry))
         self.tls = server_tls(config.tls)  # raises TlsConfigError (one line) for files that do not load
         authority = Authority(self.metrics_registry)  # its counter is exported (at 0) without mTLS too
         if config.tls.mutual:
             self.service.authority = authority
         self.replica_id = config.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.feed = self.service.feed = FollowFeed(self.state, self.replica_id, config.follow_window_changes,
+                                                   config.follow_window_bytes)
         self.redis_log: RedisEventLog | None = None
         self.inflight_sync: InflightSync | None = None
         if config.redis_url:
@@ -90,7 +95,7 @@ class ControlPlaneServer:
                                            RedisLogConfig(shards=config.redis_shards, replica_id=self.replica_id,
                                                           snapshot_interval_s=config.snapshot_interval_s))
             self.service.log = self.redis_log
-            self.inflight_sync = InflightSync(self.redis_log.redis, self.inflight, self.registry, self.replica_id)
+            self.inflight_sync = InflightSync(self.redis_log.redis, self.state, self.replica_id)
             self.service.router_events = self.inflight_sync
             self.service.refuse_routers = self._refuse_routers
             self.metrics_registry.register(RedisLogCollector(self.redis_log, self.inflight_sync))

@@ -17,13 +17,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvroute.control_plane.audit import eviction_metadata
 from kvroute.control_plane.authority import Authority, Refused
 from kvroute.control_plane.replication.event_log import AgentSession, EventLog, LocalEventLog, LogRefusal
+from kvroute.fleet.answer import answer_columns
 from kvroute.fleet.apply import LogApplier
 from kvroute.fleet.entries import BlockOp, HeartbeatBody, ops_from_events
 from kvroute.fleet.inflight import DuplicateReservation, InflightTracker, RouterSessionState, RouterTally
-from kvroute.fleet.registry import WorkerRecord, WorkerRegistry
-from kvroute.prefix_index import TIERS, BitmaskPrefixIndex, BoundedPrefixIndex, Tier, TierMatch, tier_of_wire
+from kvroute.fleet.registry import WorkerRecord
+from kvroute.fleet.state import FleetState
+from kvroute.prefix_index import TIERS, BitmaskPrefixIndex, BoundedPrefixIndex, Tier, tier_of_wire
 
 if TYPE_CHECKING:
+    from kvroute.control_plane.follow import FollowFeed
     from kvroute.control_plane.replication.inflight_sync import InflightSync
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
@@ -160,12 +163,12 @@ def check_query(request: pb.QueryRequest) -> None:
 
 
 class ControlPlaneService(pb_grpc.ControlPlaneServicer):
-    def __init__(self, registry: WorkerRegistry, inflight: InflightTracker, metrics: ControlPlaneMetrics,
-                 event_log: EventLog | None = None) -> None:
-        self.registry = registry
-        self.inflight = inflight
+    def __init__(self, state: FleetState, metrics: ControlPlaneMetrics, event_log: EventLog | None = None) -> None:
+        self.state = state
+        self.registry = state.registry
+        self.inflight = state.inflight
         self.metrics = metrics
-        self.applier = LogApplier(registry, inflight)
+        self.applier = state.applier
         self._unknown_media_seen: set[int] = set()
         # Where agents' messages go: applied at once (embedded), or through Redis (replicas).
         self.log: EventLog = event_log or LocalEventLog(self.applier)
@@ -176,6 +179,8 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         self._bound_reached = False  # logged once
         # With mTLS (--tls-ca): what each peer's certificate allows; None = every peer may do everything.
         self.authority: Authority | None = None
+        # Every applied change, numbered, for routers that follow the fleet (set by the server).
+        self.feed: FollowFeed | None = None
 
     async def _authorize(self, context: grpc.aio.ServicerContext, check: Callable[..., None], *args: str) -> None:
         """`check(context, *args)` of the authority (when there is one); PERMISSION_DENIED when it refuses."""
@@ -292,85 +297,36 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
 
     def answer(self, request: pb.QueryRequest, response: pb.QueryResponse, asking: RouterTally | None) -> None:
         """Fill `response` for `request`: every live worker of the model (and adapter) with its match
-        (index on any tier, or speculative) and the in-flight work every router but `asking` reserved."""
+        (index on any tier, or speculative) and the in-flight work every router but `asking` reserved
+        (`kvroute.fleet.answer`, the builder routers' own views use too)."""
         started = time.perf_counter()
         check_query(request)
-        inflight = self.inflight
-        inflight.expire()
-        index = self.registry.index
-        matches: dict[int, TierMatch] = {chain.block_size: index.match_tiers(chain.block_keys)
-                                         for chain in request.chains}
+        chains = {chain.block_size: chain.block_keys for chain in request.chains}
+        answer = answer_columns(self.state, request.model, chains, request.lora_name, asking)
         response.query_id = request.query_id
-        all_requests, all_prefill = inflight.requests, inflight.prefill_tokens
-        own_requests = asking.requests if asking is not None else {}
-        own_prefill = asking.prefill_tokens if asking is not None else {}
         if request.columnar:
-            self._answer_columns(request, response.columns, matches, all_requests, all_prefill, own_requests,
-                                 own_prefill)
-            self.metrics.query_seconds.observe(time.perf_counter() - started)
-            return
-        add = response.workers.add
-        for record in self.registry.workers(request.model, request.lora_name):
-            worker = add()
-            worker.CopyFrom(match_template(record))
-            slot = record.slot
-            if slot in all_requests:
-                reserved = all_requests[slot] - own_requests.get(slot, 0)
-                if reserved:
-                    worker.reserved_requests = reserved
-                    worker.reserved_prefill_tokens = all_prefill.get(slot, 0) - own_prefill.get(slot, 0)
-            match = matches.get(record.block_size)
-            if match is None:
-                continue
-            depth = match.depth.get(slot)
-            if depth:
-                worker.matched_blocks = depth
-                if slot in match.cpu_blocks:
-                    worker.cpu_blocks = match.cpu_blocks[slot]
-                if slot in match.disk_blocks:
-                    worker.disk_blocks = match.disk_blocks[slot]
-                if slot in match.speculative_blocks:
-                    worker.speculative_blocks = match.speculative_blocks[slot]
-        self.metrics.query_seconds.observe(time.perf_counter() - started)
-
-    def _answer_columns(self, request: pb.QueryRequest, columns: pb.WorkerColumns, matches: dict[int, TierMatch],
-                        all_requests: dict[int, int], all_prefill: dict[int, int], own_requests: dict[int, int],
-                        own_prefill: dict[int, int]) -> None:
-        """The same answer as one list per field, each written to the message in one C call; a
-        column that is all zeros (no tiers, nothing reserved: the common case) is not computed."""
-        records = self.registry.workers(request.model, request.lora_name)
-        slots = [r.slot for r in records]
-        zeros = [0] * len(records)
-        present = matches.values()
-        single = next(iter(present)) if len(matches) == 1 else None
-        if single is None or not all(r.block_size in matches for r in records):
-            single, no_match = None, TierMatch()
-            per_worker = [matches.get(r.block_size, no_match) for r in records]
-
-        def column(field: str) -> list[int]:
-            if not any(getattr(m, field) for m in present):
-                return zeros
-            if single is not None:  # one block size in the fleet: one dict, looked up in one C loop
-                return list(map(getattr(single, field).get, slots, zeros))
-            return [getattr(m, field).get(slot, 0) for m, slot in zip(per_worker, slots)]
-
-        columns.worker_id.extend([r.worker_id for r in records])
-        columns.matched_blocks.extend(column("depth"))
-        columns.cpu_blocks.extend(column("cpu_blocks"))
-        columns.disk_blocks.extend(column("disk_blocks"))
-        columns.speculative_blocks.extend(column("speculative_blocks"))
-        if all_requests:
-            columns.reserved_requests.extend(
-                [all_requests.get(slot, 0) - own_requests.get(slot, 0) for slot in slots])
-            columns.reserved_prefill_tokens.extend(
-                [all_prefill.get(slot, 0) - own_prefill.get(slot, 0) for slot in slots])
+            columns = response.columns
+            columns.worker_id.extend(answer.worker_id)
+            columns.matched_blocks.extend(answer.matched_blocks)
+            columns.cpu_blocks.extend(answer.cpu_blocks)
+            columns.disk_blocks.extend(answer.disk_blocks)
+            columns.speculative_blocks.extend(answer.speculative_blocks)
+            columns.reserved_requests.extend(answer.reserved_requests)
+            columns.reserved_prefill_tokens.extend(answer.reserved_prefill_tokens)
+            columns.running_requests.extend(answer.running_requests)
+            columns.waiting_requests.extend(answer.waiting_requests)
+            columns.kv_usage.extend(answer.kv_usage)
+            columns.cached_blocks.extend(answer.cached_blocks)
         else:
-            columns.reserved_requests.extend(zeros)
-            columns.reserved_prefill_tokens.extend(zeros)
-        loads = [r.load for r in records]
-        columns.running_requests.extend([load.running_requests for load in loads])
-        columns.waiting_requests.extend([load.waiting_requests for load in loads])
-        columns.kv_usage.extend([load.kv_usage for load in loads])
+            add, get = response.workers.add, self.registry.get
+            for i, worker_id in enumerate(answer.worker_id):
+                worker = add()
+                worker.CopyFrom(match_template(get(worker_id)))
+                worker.matched_blocks, worker.cpu_blocks = answer.matched_blocks[i], answer.cpu_blocks[i]
+                worker.disk_blocks, worker.speculative_blocks = answer.disk_blocks[i], answer.speculative_blocks[i]
+                worker.reserved_requests = answer.reserved_requests[i]
+                worker.reserved_prefill_tokens = answer.reserved_prefill_tokens[i]
+        self.metrics.query_seconds.observe(time.perf_counter() - started)
 
     async def RouterSession(self, request_iterator: AsyncIterator[pb.RouterMessage],
                             context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RouterReply]:
@@ -453,6 +409,15 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         self.metrics.bad_requests.labels("RouterSession", reason).inc()
         log.warning("rejecting router stream: %s", detail)
         await context.abort(code, detail)
+
+    async def Follow(self, request: pb.FollowRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        if self.authority is not None:
+            await self._authorize(context, self.authority.check_router)
+        await self._check_serving(context, "Follow")
+        if self.feed is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this control plane keeps no follow feed")
+        async for message in self.feed.follow(request):
+            yield message
 
     async def ListWorkers(self, request: pb.ListWorkersRequest,
                           context: grpc.aio.ServicerContext) -> pb.ListWorkersResponse:

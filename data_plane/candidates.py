@@ -8,8 +8,9 @@ tools that simulate it (the fleet simulator, the burst bench) alike.
 - `own`: this router's own in-flight requests (`RouterInflight`, in the router and in the simulator);
 - `chains`: block size -> the prompt's block keys (the speculative match of this router's own
   in-flight prompts is looked up per block size in it);
-- `columns`: the control plane's answer (`pb.WorkerColumns`, or `IndexColumns` in a simulation),
-  one entry per live worker of the model; None when the index could not be used (fail open).
+- `columns`: the index's answer (`kvroute.fleet.answer.IndexColumns` from this router's view or a
+  simulation, or `pb.WorkerColumns` from a control plane's Query), one entry per live worker of the
+  model; None when the index could not be used (fail open).
 
 With columns: one Candidate per worker of the answer that this router knows, in the answer's
 order: cached tokens = the longer of the index's match (any tier, other routers' speculative
@@ -30,7 +31,6 @@ every known worker is in it; an answer that names only avoided workers then fail
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvroute.data_plane.policies import Candidate
@@ -60,7 +60,7 @@ class OwnInflight(Protocol):
 
 
 class IndexColumnsView(Protocol):
-    """The control plane's columnar answer, as the builder reads it (`pb.WorkerColumns`)."""
+    """The index's columnar answer, as the builder reads it (`IndexColumns` or `pb.WorkerColumns`)."""
     worker_id: Sequence[str]
     matched_blocks: Sequence[int]
     cpu_blocks: Sequence[int]
@@ -70,21 +70,7 @@ class IndexColumnsView(Protocol):
     running_requests: Sequence[int]
     waiting_requests: Sequence[int]
     kv_usage: Sequence[float]
-
-
-@dataclass(slots=True)
-class IndexColumns:
-    """A columnar answer built without the wire (the fleet simulator): the fields of pb.WorkerColumns
-    that `build_candidates` reads."""
-    worker_id: list[str] = field(default_factory=list)
-    matched_blocks: list[int] = field(default_factory=list)
-    cpu_blocks: list[int] = field(default_factory=list)
-    disk_blocks: list[int] = field(default_factory=list)
-    reserved_requests: list[int] = field(default_factory=list)
-    reserved_prefill_tokens: list[int] = field(default_factory=list)
-    running_requests: list[int] = field(default_factory=list)
-    waiting_requests: list[int] = field(default_factory=list)
-    kv_usage: list[float] = field(default_factory=list)
+    cached_blocks: Sequence[int]  # empty from an older control plane: the known worker's count stands
 
 
 _NOTHING_OWN = (0, 0)
@@ -109,10 +95,11 @@ def _from_columns(columns: IndexColumnsView, known: Sequence[KnownWorkerView], m
     # on every decision.
     by_id = {w.worker_id: w for w in known}
     out = []
-    for wid, matched, cpu, disk, reserved, prefill, running, waiting, usage in zip(
+    held = columns.cached_blocks
+    for i, (wid, matched, cpu, disk, reserved, prefill, running, waiting, usage) in enumerate(zip(
             columns.worker_id, columns.matched_blocks, columns.cpu_blocks, columns.disk_blocks,
             columns.reserved_requests, columns.reserved_prefill_tokens, columns.running_requests,
-            columns.waiting_requests, columns.kv_usage):
+            columns.waiting_requests, columns.kv_usage)):
         w = by_id.get(wid)
         if w is None:
             continue
@@ -125,7 +112,7 @@ def _from_columns(columns: IndexColumnsView, known: Sequence[KnownWorkerView], m
         out.append(Candidate(wid, w.endpoint, bs, cached if cached < prompt_tokens else prompt_tokens,
                              min(cpu * bs, prompt_tokens) if cpu else 0,
                              min(disk * bs, prompt_tokens) if disk else 0, running, waiting, usage,
-                             own_requests + reserved, own_pending + prefill, w.cached_blocks))
+                             own_requests + reserved, own_pending + prefill, held[i] if held else w.cached_blocks))
     return out
 
 

@@ -33,6 +33,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="listen address (HTTP and gRPC)")
     p.add_argument("--port", type=int, default=8080, help="OpenAI-compatible HTTP port")
     p.add_argument("--grpc-port", type=int, default=50052, help="gRPC Route port (0 = off)")
+    p.add_argument("--index", default="local", choices=("local", "remote"),
+                   help="where a decision reads the prefix index: `local` = this router's own view of the fleet, "
+                        "followed from the control plane (ControlPlane.Follow), no query on a request's path; "
+                        "`remote` = a query to the control plane per decision, under --query-timeout-ms (a "
+                        "router that cannot hold a view). Only policies that read the index use either")
+    p.add_argument("--view-max-stale-s", type=_positive_float, default=60.0, metavar="S",
+                   help="--index local: with no control plane heard from for this long, decide on load alone "
+                        "(counted as fail-open `view_stale`) until one answers again")
+    p.add_argument("--view-lag-bound-s", type=_positive_float, default=2.0, metavar="S",
+                   help="--index local: /ready says degraded when no control plane was heard from for this long")
     p.add_argument("--query-timeout-ms", type=float, default=5.0,
                    help="deadline of the control-plane query, past which the router decides on load alone; with "
                         "--query-timeout-factor, the shortest deadline")
@@ -106,6 +116,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _positive_int(value: str) -> int:
     number = int(value)
     if number <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return number
+
+
+def _positive_float(value: str) -> float:
+    number = float(value)
+    if not number > 0:  # NaN too
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
     return number
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvroute.addresses import AddressRotation
+from kvroute.data_plane.fleet_view import FleetFollower, FleetView
 from kvroute.data_plane.query_deadline import QueryDeadline
 from kvroute.data_plane.router_session import RouterSessionLink, SessionUnavailable, cancel_and_wait
 from kvroute.rate_limited_log import RateLimitedLog
@@ -59,10 +60,12 @@ class ControlPlaneClient:
                  static_workers: dict[str, str] | None = None, static_block_size: int = 16,
                  router_id: str | None = None, use_session: bool = True,
                  query_deadline: QueryDeadline | None = None, tls: ClientTls | None = None,
-                 max_message_bytes: int = 64 * 1024 * 1024) -> None:
+                 max_message_bytes: int = 64 * 1024 * 1024, view: FleetView | None = None) -> None:
         """`query_deadline`: an adaptive deadline (`query_deadline.py`); without one the deadline is
         `query_timeout_s`, fixed. `tls`: TLS to the control plane (kvroute/tls.py); when its files
-        change, channels are opened anew and the old ones closed after `RETIRE_GRACE_S`."""
+        change, channels are opened anew and the old ones closed after `RETIRE_GRACE_S`. `view`: follow
+        the fleet into it (`fleet_view.py`, `--index local`): the known fleet and the index's answers
+        come from it, ListWorkers and queries are not used."""
         self.tls = tls
         self._tls_generation = tls.generation if tls is not None else 0
         self._retiring: set[asyncio.Task] = set()
@@ -80,6 +83,9 @@ class ControlPlaneClient:
         self._sessions_seen = 0
         self.session = RouterSessionLink(self._session_stub, router_id, on_lost=self._session_lost) \
             if use_session else None
+        self.view = view
+        if view is not None and self.session is not None:
+            view.router_id = self.session.router_id  # its own reservations are known exactly, not from the view
         if self.session is not None:  # answers past the deadline still tell how slow the host is
             self.session.on_late_answer = self.query_deadline.observe
         self.fleet: dict[str, KnownWorker] = {}
@@ -95,9 +101,9 @@ class ControlPlaneClient:
 
     @property
     def _stub(self) -> pb_grpc.ControlPlaneStub:
-        return self._stub_for(self.address)
+        return self.stub_for(self.address)
 
-    def _stub_for(self, address: str) -> pb_grpc.ControlPlaneStub:
+    def stub_for(self, address: str) -> pb_grpc.ControlPlaneStub:
         if self.tls is not None and self.tls.generation != self._tls_generation:
             self._retire_channels()
         entry = self._channels.get(address)
@@ -160,11 +166,13 @@ class ControlPlaneClient:
         now, so a failover does not wait for a TCP and HTTP/2 handshake."""
         if self.addresses.several:
             for address in self.addresses.round_addresses():
-                self._stub_for(address)
+                self.stub_for(address)
                 channel = self._channels[address][0]
                 channel.get_state(try_to_connect=True)
         if self._task is None:
-            self._task = asyncio.create_task(self._refresh_forever(), name="kvroute-cp-refresh")
+            self._task = (asyncio.create_task(FleetFollower(self.view, self).run(), name="kvroute-cp-follow")
+                          if self.view is not None else
+                          asyncio.create_task(self._refresh_forever(), name="kvroute-cp-refresh"))
         if self.session is not None:
             self.session.start()
 
@@ -184,8 +192,22 @@ class ControlPlaneClient:
     def ever_reached(self) -> bool:
         return self.fleet_updated_at > 0
 
+    def heard_from_control_plane(self) -> None:
+        """The follow stream delivered a message (the view's link is up)."""
+        self.fleet_updated_at = time.monotonic()
+        if not self.reachable:
+            self.reachable, self.last_error = True, ""
+            log.info("following control plane %s", self.address)
+
+    def lost_control_plane(self, address: str, reason: str) -> None:
+        """The follow stream to `address` failed: the next attempt goes to the next replica."""
+        self.reachable, self.last_error = False, reason
+        self._failover(address)
+
     def workers_for(self, model: str, lora_name: str = "") -> list[KnownWorker]:
         """Known workers of `model` (and, if given, serving the LoRA adapter `lora_name`)."""
+        if self.view is not None and self.view.synced:
+            return self.view.workers_for(model, lora_name)
         known = self._workers_for(model)
         return [w for w in known if lora_name in w.lora_adapters or not w.model] if lora_name else known
 
@@ -197,11 +219,15 @@ class ControlPlaneClient:
         return self._fleet_of(model)[1]
 
     def fleet_source(self, model: str) -> str:
-        """Where `workers_for(model)` comes from: "control_plane" (the latest ListWorkers), "last_known"
-        (the last non-empty one), "static" (--static-workers) or "none"."""
+        """Where `workers_for(model)` comes from: "view" (this router's view of the fleet, `--index local`),
+        "control_plane" (the latest ListWorkers), "last_known" (the last non-empty one), "static"
+        (--static-workers) or "none"."""
         return self._fleet_of(model)[0]
 
     def _fleet_of(self, model: str) -> tuple[str, list[KnownWorker]]:
+        if self.view is not None and self.view.synced:
+            known = self.view.workers_for(model)
+            return ("view" if known else "none"), known
         current = [w for w in self.fleet.values() if w.model == model]
         if current:
             return "control_plane", current
@@ -213,12 +239,14 @@ class ControlPlaneClient:
 
     def models(self) -> set[str]:
         """Models with known workers (static workers serve any model, so they add none)."""
+        if self.view is not None:
+            return self.view.models_served()
         return {w.model for w in self.fleet.values()} | set(self._last_known)
 
     async def refresh(self) -> None:
         address = self.address
         try:
-            response = await self._stub_for(address).ListWorkers(pb.ListWorkersRequest(),
+            response = await self.stub_for(address).ListWorkers(pb.ListWorkersRequest(),
                                                                  timeout=max(1.0, self.refresh_interval_s))
         except grpc.aio.AioRpcError:
             self._failover(address)
@@ -283,7 +311,7 @@ class ControlPlaneClient:
             address = self.address
             tried.add(address)
             try:
-                response = await self._stub_for(address).Query(message.query,
+                response = await self.stub_for(address).Query(message.query,
                                                                timeout=max(1e-4, give_up_at - loop.time()))
                 deadline.observe(time.perf_counter() - started)
                 return response.columns

@@ -77,6 +77,38 @@ class _WorkerStateCollector:
         yield sitting
 
 
+class _ViewCollector:
+    """This router's view of the fleet (--index local): how fresh, how big, how it got there."""
+
+    def __init__(self, view) -> None:
+        self.view = view
+
+    def collect(self) -> Iterator[Metric]:
+        view = self.view
+        counters, state = view.counters, view.state
+        silence = view.silence_s()
+        yield GaugeMetricFamily("kvroute_router_view_synced", "1 once this router's view of the fleet has synced "
+                                "(a snapshot applied), else 0", value=1 if view.synced else 0)
+        yield GaugeMetricFamily("kvroute_router_view_position", "The control plane's feed position the view has "
+                                "applied (changes, numbered per control-plane process)",
+                                value=view.position.seq if view.position is not None else 0)
+        yield GaugeMetricFamily("kvroute_router_view_lag_seconds", "How old the newest change applied was when it "
+                                "arrived (control plane's clock against this router's)", value=view.lag_s)
+        yield GaugeMetricFamily("kvroute_router_view_silence_seconds", "Seconds since a control plane was last heard "
+                                "on the follow stream (it sends at least every 0.5 s; -1 = never)",
+                                value=silence if silence != float("inf") else -1)
+        for name, value, what in (("changes", counters.changes, "Changes applied to the view"),
+                                  ("snapshots", counters.snapshots, "Snapshots applied (start, failover, fallen behind)"),
+                                  ("resumes", counters.resumed, "Follow streams resumed from the view's position"),
+                                  ("malformed_changes", counters.malformed, "Changes refused (the view resynchronises)"),
+                                  ("stream_failures", counters.stream_failures, "Follow streams that failed")):
+            yield CounterMetricFamily(f"kvroute_router_view_{name}", what, value=value)
+        yield GaugeMetricFamily("kvroute_router_view_workers", "Workers in the view",
+                                value=len(state.registry) if state is not None else 0)
+        yield GaugeMetricFamily("kvroute_router_view_index_entries", "(block key, worker, tier) entries in the view's "
+                                "index", value=state.index.entry_count() if state is not None else 0)
+
+
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -151,6 +183,13 @@ class RouterMetrics:
                                        registry=r)
         self._tokenizer_watched = False
         self._workers_watched = False
+        self._view_watched = False
+
+    def watch_view(self, view) -> None:
+        """Export the view's freshness and size (--index local), read at scrape time (once)."""
+        if not self._view_watched:
+            self.registry.register(_ViewCollector(view))
+            self._view_watched = True
 
     def watch_workers(self, states: WorkerStates) -> None:
         """Export each known worker's health and sit-out state, read from `states` at scrape time (once)."""

@@ -1,12 +1,13 @@
 """The router's readiness: `GET /ready` and the gRPC health status (`grpc.health.v1`) follow it.
 
-Ready: the router knows at least one worker for its model (from the control plane's latest
-ListWorkers, the last non-empty one, or `--static-workers` while the control plane was never
-reached) and at least one of them is healthy, i.e. not sitting out the proxy's cooldown after a
+Ready: the router knows at least one worker for its model (from its view of the fleet with `--index
+local` once the view has synced, else the control plane's latest ListWorkers, the last non-empty one,
+or `--static-workers` while the control plane was never reached) and at least one of them is healthy, i.e. not sitting out the proxy's cooldown after a
 failed attempt. An unreachable control plane alone does not make the router not-ready: it fails
 open (routes on load over the fleet it knows), which still serves requests, so it is "degraded".
-A router that has sent nothing to an engine since a failure becomes ready again when the
-cooldown ends (2 s): a load balancer that took it out of rotation then sends it traffic again,
+With a view, degraded also while no control plane was heard for `--view-lag-bound-s` (the view
+may be behind) and past `--view-max-stale-s` (deciding on load alone). A router that has sent
+nothing to an engine since a failure becomes ready again when the cooldown ends (2 s): a load balancer that took it out of rotation then sends it traffic again,
 which is how it finds out whether the engines are back.
 """
 
@@ -51,6 +52,18 @@ def router_readiness(control_plane: ControlPlaneClient, model: str, health: Back
                         f"{'static' if source == 'static' else 'last known'} fleet")
     elif source == "last_known":  # e.g. a restarted control plane whose agents have not registered yet
         warnings.append(f"the control plane lists no worker of model {model!r} now: routing on the last known fleet")
+    view = cp.view
+    if view is not None and workers:
+        silence = view.silence_s()
+        if not view.synced:  # ready only on the static fallback fleet, which is configured to route on load
+            (warnings if source == "static" else fatal).append(
+                "the view of the fleet has not synced yet: deciding on load alone")
+        elif silence > view.max_stale_s:
+            warnings.append(f"no control plane heard for {silence:.1f}s (over --view-max-stale-s): deciding on load "
+                            "alone")
+        elif silence > view.lag_bound_s:
+            warnings.append(f"no control plane heard for {silence:.1f}s (over --view-lag-bound-s): deciding on the "
+                            "last view")
     if workers and not healthy:
         fatal.append(f"every worker of model {model!r} failed within the last {cooldown_s:g}s "
                      f"({', '.join(sitting_out)})")
@@ -67,4 +80,7 @@ def router_readiness(control_plane: ControlPlaneClient, model: str, health: Back
         "control_plane": {"address": cp.address, "reachable": cp.reachable,
                           "last_refresh_s_ago": round(time.monotonic() - refreshed, 3) if refreshed else None,
                           "error": cp.last_error or None},
+        "view": None if view is None else {
+            "synced": view.synced, "position": view.position.seq if view.position is not None else None,
+            "silence_s": round(view.silence_s(), 3) if view.last_heard else None, "lag_s": round(view.lag_s, 6)},
         "problems": problems})

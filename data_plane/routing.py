@@ -34,6 +34,7 @@ from opentelemetry import trace
 from kvroute.data_plane.backend_health import BackendHealth
 from kvroute.data_plane.candidates import build_candidates
 from kvroute.data_plane.control_plane_client import ControlPlaneClient, KnownWorker
+from kvroute.data_plane.fleet_view import VIEW_NOT_SYNCED, VIEW_STALE
 from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.metrics import RouterMetrics
 from kvroute.data_plane.policies import Candidate, Explanation, RoutingInput, RoutingPolicy, explain_scores
@@ -48,7 +49,8 @@ tracer = trace.get_tracer("kvroute.router")
 
 
 _INDEX_REASONS = {"index has no workers for the model": "index_empty",
-                  "index answered with no known worker": "index_unknown_workers"}
+                  "index answered with no known worker": "index_unknown_workers",
+                  VIEW_NOT_SYNCED: "view_not_synced", VIEW_STALE: "view_stale"}
 
 
 def fail_open_label(reason: str) -> str:
@@ -175,7 +177,11 @@ class Router:
             candidates: list[Candidate] = []
             columns = None
             if needs.index:
-                columns, reason = await self._query(model, chains, lora_name)
+                view = self.control_plane.view
+                if view is not None:  # --index local: the answer is read in process
+                    columns, reason = view.answer(model, chains, lora_name)
+                else:
+                    columns, reason = await self._query(model, chains, lora_name)
                 if columns is not None:
                     candidates = build_candidates(known, self.inflight, chains, prompt_tokens, columns, avoid)
                     if not candidates:
@@ -230,6 +236,8 @@ class Router:
         elif label in ("index_empty", "index_unknown_workers"):
             self._log.warning(label, "deciding on load alone: %s (workers registering, or this router's fleet "
                               "view is behind)", reason)
+        elif label in ("view_not_synced", "view_stale"):
+            self._log.warning(label, "deciding on load alone: %s", reason)
         else:
             self._log.warning(label, "deciding on load alone: the control-plane query failed (%s)", reason)
 

@@ -22,11 +22,13 @@ from pathlib import Path
 
 from kvroute.data_plane.backend_health import BackendHealth
 from kvroute.data_plane.control_plane_client import ControlPlaneClient
+from kvroute.data_plane.fleet_view import FleetView
 from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.metrics import RouterMetrics
 from kvroute.data_plane.policies import RoutingPolicy, make_policy, parse_kv_aware_params
 from kvroute.data_plane.query_deadline import QueryDeadline
 from kvroute.data_plane.request_prep import RequestPreparer
+from kvroute.data_plane.router_session import default_router_id
 from kvroute.data_plane.routing import Router
 from kvroute.data_plane.tokenization import PromptTokenizer, load_tokenizer
 from kvroute.listeners import run_service
@@ -80,15 +82,21 @@ def build_routing_service(args: argparse.Namespace, command: str) -> RoutingServ
         tls_files = tls_files_from_args(args, server=False)
     except TlsConfigError as exc:
         raise SystemExit(f"kvroute {command}: error: {exc}") from None
+    # A policy that reads the index reads it from this router's own view unless --index remote.
+    view = (FleetView(args.router_id or default_router_id(), models={model}, max_stale_s=args.view_max_stale_s,
+                      lag_bound_s=args.view_lag_bound_s)
+            if policy.needs.index and args.index == "local" else None)
     # The control-plane link presents the certificate when it has one (mTLS), verifies with the CA.
     control_plane = ControlPlaneClient(args.control_plane, static_workers=parse_static(args.static_workers),
                                        router_id=args.router_id, use_session=share_inflight,
                                        query_deadline=deadline, tls=client_tls(tls_files),
-                                       max_message_bytes=args.grpc_max_message_bytes)
+                                       max_message_bytes=args.grpc_max_message_bytes, view=view)
     # Built once: the proxy writes in-flight state and backend failures, decisions read them.
     inflight = RouterInflight(control_plane.session)
     health = BackendHealth()
     metrics = RouterMetrics()
+    if view is not None:
+        metrics.watch_view(view)
     router = Router(control_plane, policy, inflight, health, metrics)
     preparer = RequestPreparer(tokenizer, model, control_plane.adapters_of, args.max_prompt_tokens)
     return RoutingService(model, tokenizer, kv_params, policy, control_plane, inflight, health, metrics, router,

@@ -57,18 +57,36 @@ async def _checked(requests: AsyncIterator, context: grpc.aio.ServicerContext, m
         yield request
 
 
+def _serializer(message_class: type[Message]) -> Callable[[Message | bytes], bytes]:
+    """A reply may also be the message already serialized (a stream that sends the same bytes to many)."""
+    serialize = message_class.SerializeToString
+
+    def dump(reply: Message | bytes) -> bytes:
+        return reply if type(reply) is bytes else serialize(reply)
+    return dump
+
+
 def _handler(method: MethodDescriptor, implementation: Callable, on_unparseable: OnUnparseable) -> grpc.RpcMethodHandler:
-    """kvroute's methods are unary (Query, Route, ...) or bidirectional streams (Connect, RouterSession)."""
+    """kvroute's methods are unary (Query, Route, ...), bidirectional streams (Connect, RouterSession)
+    or server streams (Follow)."""
     name = method.name
     deserialize = parser(GetMessageClass(method.input_type))
-    serialize = GetMessageClass(method.output_type).SerializeToString
+    serialize = _serializer(GetMessageClass(method.output_type))
     if method.client_streaming and method.server_streaming:
         async def handle_stream(requests, context):
             async for reply in implementation(_checked(requests, context, name, on_unparseable), context):
                 yield reply
         return grpc.stream_stream_rpc_method_handler(handle_stream, deserialize, serialize)
-    if method.client_streaming or method.server_streaming:
-        raise ValueError(f"{method.full_name}: only unary and bidirectional-stream methods are supported")
+    if method.server_streaming:
+        async def handle_server_stream(request, context):
+            if isinstance(request, Unparseable):
+                on_unparseable(name)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail())
+            async for reply in implementation(request, context):
+                yield reply
+        return grpc.unary_stream_rpc_method_handler(handle_server_stream, deserialize, serialize)
+    if method.client_streaming:
+        raise ValueError(f"{method.full_name}: client-streaming methods are not supported")
 
     async def handle_unary(request, context):
         if isinstance(request, Unparseable):
@@ -81,7 +99,7 @@ def _handler(method: MethodDescriptor, implementation: Callable, on_unparseable:
 def add_servicer(server: grpc.aio.Server, service: ServiceDescriptor, servicer: object,
                  on_unparseable: OnUnparseable = lambda method: None) -> None:
     """Every method of `service`, served by `servicer`'s method of the same name (an async function, or an
-    async generator for a bidirectional stream), a request that does not parse answered INVALID_ARGUMENT."""
+    async generator for a stream), a request that does not parse answered INVALID_ARGUMENT."""
     handlers = {m.name: _handler(m, getattr(servicer, m.name), on_unparseable) for m in service.methods}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)

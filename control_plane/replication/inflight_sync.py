@@ -23,8 +23,8 @@ from redis.exceptions import RedisError
 from kvroute.control_plane.replication.redis_log import raise_if_cancelled
 from kvroute.control_plane.replication.redis_url import redis_backoff
 from kvroute.fleet.entries import pack_keys, unpack_keys
-from kvroute.fleet.inflight import DuplicateReservation, InflightTracker, RouterSessionState
-from kvroute.fleet.registry import WorkerRegistry
+from kvroute.fleet.inflight import DuplicateReservation, RouterSessionState
+from kvroute.fleet.state import FleetState
 
 log = logging.getLogger("kvroute.control_plane.inflight_sync")
 
@@ -59,16 +59,15 @@ class SyncCounters:
 
 
 class InflightSync:
-    def __init__(self, redis, inflight: InflightTracker, registry: WorkerRegistry, replica_id: str,
+    def __init__(self, redis, state: FleetState, replica_id: str,
                  silent_after_s: float = 3.0, beat_s: float = 1.0, max_len: int = 100_000,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.redis, self.inflight, self.registry = redis, inflight, registry
+        self.redis, self.inflight, self.registry, self.sessions = redis, state.inflight, state.registry, state.sessions
         self.replica_id = replica_id.encode()
         self.silent_after_s, self.beat_s, self.max_len = silent_after_s, beat_s, max_len
         self.clock = clock
         self.counters = SyncCounters()
         self._outbox: list[RouterOp] = []
-        self._remote: dict[tuple[bytes, str, int], RouterSessionState] = {}  # (replica, router, session)
         self._heard: dict[bytes, float] = {}
         self._tasks: list[asyncio.Task] = []
         self._wake = asyncio.Event()
@@ -77,7 +76,7 @@ class InflightSync:
     # ------------------------------------------------------------ what local routers do
 
     def opened(self, session: RouterSessionState) -> None:
-        self._drop_remote_router(session.router.router_id)  # it moved here
+        self.sessions.drop_router(session.router.router_id)  # it moved here
         self._publish(RouterOp(OPEN, session.router.router_id, session.session_id))
 
     def reserved(self, session: RouterSessionState, reservation_id: int, worker_id: str, block_size: int,
@@ -173,12 +172,14 @@ class InflightSync:
 
     def _apply(self, replica: bytes, op: RouterOp) -> None:
         self.counters.applied += 1
-        key = (replica, op.router_id, op.session)
+        origin = replica.decode()
         if op.kind == OPEN:
-            self._drop_remote_router(op.router_id)
-            self._remote[key] = self.inflight.open_session(op.router_id)
+            self.sessions.open(origin, op.session, op.router_id)
             return
-        session = self._remote.get(key)
+        if op.kind == CLOSE:
+            self.sessions.close(origin, op.session)
+            return
+        session = self.sessions.get(origin, op.session)
         if session is None:
             return
         if op.kind == RESERVE:
@@ -196,18 +197,9 @@ class InflightSync:
             self.inflight.prefill_done(session, op.reservation_id)
         elif op.kind == RELEASE:
             self.inflight.release(session, op.reservation_id)
-        elif op.kind == CLOSE:
-            self.inflight.close_session(self._remote.pop(key))
-
-    def _drop_remote_router(self, router_id: str) -> None:
-        for key in [k for k in self._remote if k[1] == router_id]:
-            self.inflight.close_session(self._remote.pop(key))
 
     def _drop_replica(self, replica: bytes) -> None:
-        keys = [k for k in self._remote if k[0] == replica]
-        if keys:
+        if self.sessions.drop_origin(replica.decode()):
             log.warning("replica %s silent for %.0fs: dropping its routers' reservations", replica.decode(),
                         self.silent_after_s)
             self.counters.dropped_silent_replicas += 1
-        for key in keys:
-            self.inflight.close_session(self._remote.pop(key))

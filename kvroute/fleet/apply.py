@@ -5,8 +5,9 @@ the same order hold the same state, which is what makes the index a function of 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvroute.fleet.entries import (
     BlockOp,
@@ -36,11 +37,24 @@ class ApplyCounters:
     expired_workers: int = 0   # dropped for missing heartbeats
 
 
+class ApplyListener(Protocol):
+    """Told of every change once it applied (the control plane's follow feed)."""
+
+    def joined(self, record: WorkerRecord, body: RegisterBody, resume: bool) -> None: ...
+
+    def blocks(self, record: WorkerRecord, seq: int, snapshot: bool, ops: Sequence[BlockOp]) -> None: ...
+
+    def heartbeat(self, record: WorkerRecord, body: HeartbeatBody) -> None: ...
+
+    def left(self, record: WorkerRecord, expired: bool) -> None: ...
+
+
 class LogApplier:
     def __init__(self, registry: WorkerRegistry, inflight: InflightTracker) -> None:
         self.registry = registry
         self.inflight = inflight
         self.counters = ApplyCounters()
+        self.listener: ApplyListener | None = None
 
     def register(self, worker_id: str, body: RegisterBody, resume: bool) -> WorkerRecord:
         """(Re)register; with `resume` the worker's sequence runs on (the same agent instance
@@ -51,9 +65,11 @@ class LogApplier:
                                         body.engine_version, body.lora_adapters, body.data_parallel_rank, body.peer)
         record.agent_instance = body.instance
         record.last_seq = last_seq
+        if self.listener is not None:
+            self.listener.joined(record, body, resume)
         return record
 
-    def apply_batch(self, record: WorkerRecord, seq: int, snapshot: bool, ops: Iterable[BlockOp]) -> int:
+    def apply_batch(self, record: WorkerRecord, seq: int, snapshot: bool, ops: Sequence[BlockOp]) -> int:
         """Apply one accepted batch (its sequence already checked); returns how many ops it had."""
         record.last_seq = seq
         index, slot, inflight, counters = self.registry.index, record.slot, self.inflight, self.counters
@@ -85,6 +101,8 @@ class LogApplier:
                     inflight.slot_cleared(slot)
                     counters.cleared += 1
             counters.delta_batches += 1
+        if self.listener is not None:
+            self.listener.blocks(record, seq, snapshot, ops)
         return count
 
     def heartbeat(self, record: WorkerRecord, body: HeartbeatBody) -> None:
@@ -93,13 +111,20 @@ class LogApplier:
                                   body.observed_unix_ms)
         if tuple(body.lora_adapters) != record.lora_adapters:
             self.registry.set_lora_adapters(record, body.lora_adapters)
+        if self.listener is not None:
+            self.listener.heartbeat(record, body)
 
     def drop(self, worker_id: str, expired: bool = False) -> bool:
         """Forget the worker and its blocks; `expired`: for missing heartbeats (counted)."""
-        dropped = self.registry.drop(worker_id)
-        if dropped and expired:
+        record = self.registry.get(worker_id)
+        if record is None:
+            return False
+        self.registry.drop(worker_id)
+        if expired:
             self.counters.expired_workers += 1
-        return dropped
+        if self.listener is not None:
+            self.listener.left(record, expired)
+        return True
 
     # ------------------------------------------------------------ snapshots
 

@@ -27,6 +27,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvroute.prefix_index import PrefixIndex
 
@@ -54,6 +55,10 @@ class RouterSessionState:
     session_id: int
     router: RouterTally
     reservations: dict[int, Reservation] = field(default_factory=dict)  # by reservation_id
+    # Where the router's stream is (a replica's or control plane's id; "" = here) and the session's
+    # number there: the session's name in the replicated in-flight log and the follow stream.
+    origin: str = ""
+    number: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -84,6 +89,22 @@ class InflightCounters:
     claims_expired: int = 0          # reservations whose claims reached their TTL
 
 
+class InflightListener(Protocol):
+    """Told of every explicit session operation once it applied (not of what expiry, a worker's drop
+    or its events do: whoever replicates the tracker derives those itself). The control plane's
+    follow feed is one."""
+
+    def session_opened(self, session: RouterSessionState) -> None: ...
+
+    def reserved(self, reservation: Reservation, worker_keys: Sequence[int], block_size: int, ttl_ms: int) -> None: ...
+
+    def prefill_done(self, reservation: Reservation) -> None: ...
+
+    def released(self, session: RouterSessionState, reservation_id: int) -> None: ...
+
+    def session_closed(self, session: RouterSessionState) -> None: ...
+
+
 class InflightTracker:
     def __init__(self, index: PrefixIndex, default_ttl_s: float = 5.0, max_age_s: float = 600.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -105,17 +126,25 @@ class InflightTracker:
         self._claims: dict[int, dict[int, int]] = {}                # slot -> key -> claim (see _ORDER_SHIFT)
         self._claim_deadlines: list[tuple[float, int]] = []         # heap of (claims_expire_at, order)
         self.open_sessions = 0
+        self.sessions: dict[int, RouterSessionState] = {}  # open ones, by session_id
+        self.listener: InflightListener | None = None
 
     # ------------------------------------------------------------ sessions
 
-    def open_session(self, router_id: str) -> RouterSessionState:
+    def open_session(self, router_id: str, origin: str = "", number: int = 0) -> RouterSessionState:
+        """A router's session: here (`origin` "", numbered by this tracker) or elsewhere (`origin`, and
+        its `number` there)."""
         router = self.routers.get(router_id)
         if router is None:
             router = self.routers[router_id] = RouterTally(router_id)
         router.sessions += 1
         self._sessions += 1
         self.open_sessions += 1
-        return RouterSessionState(self._sessions, router)
+        session = RouterSessionState(self._sessions, router, origin=origin, number=number or self._sessions)
+        self.sessions[session.session_id] = session
+        if self.listener is not None:
+            self.listener.session_opened(session)
+        return session
 
     def close_session(self, session: RouterSessionState) -> None:
         """The router's stream ended: its reservations go (it re-reserves after reconnecting)."""
@@ -127,6 +156,9 @@ class InflightTracker:
         if router.sessions == 0:
             del self.routers[router.router_id]
         self.open_sessions -= 1
+        self.sessions.pop(session.session_id, None)
+        if self.listener is not None:
+            self.listener.session_closed(session)
 
     # ------------------------------------------------------------ reservations
 
@@ -154,6 +186,8 @@ class InflightTracker:
         if keys:
             self._claim(reservation, keys, now + min(ttl_ms / 1000 if ttl_ms else self.default_ttl_s, self.max_age_s))
         self.counters.reserved += 1
+        if self.listener is not None:
+            self.listener.reserved(reservation, keys, block_size, ttl_ms)
         return reservation
 
     def prefill_done(self, session: RouterSessionState, reservation_id: int) -> bool:
@@ -161,6 +195,8 @@ class InflightTracker:
         if reservation is not None:
             self._settle_prefill(reservation)
             self.counters.prefill_done += 1
+            if self.listener is not None:
+                self.listener.prefill_done(reservation)
         return reservation is not None
 
     def release(self, session: RouterSessionState, reservation_id: int) -> bool:
@@ -168,6 +204,8 @@ class InflightTracker:
         if reservation is not None:
             self._drop(reservation)
             self.counters.released += 1
+            if self.listener is not None:
+                self.listener.released(session, reservation_id)
         return reservation is not None
 
     def _find(self, session: RouterSessionState, reservation_id: int) -> Reservation | None:

@@ -74,12 +74,14 @@ class WorkerRegistry:
         self.watcher = watcher
         self._clock = clock
         self._workers: dict[str, WorkerRecord] = {}
+        self._by_slot: dict[int, WorkerRecord] = {}
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._generations = 0
         # workers() per (model, adapter), answered on every query; forgotten whenever membership,
         # model or adapters change (load changes mutate the records in place).
         self._rosters: dict[tuple[str, str], tuple[WorkerRecord, ...]] = {}
+        self.roster_version = 0  # +1 whenever a roster may have changed (what callers cache per roster keys on)
 
     def register(self, worker_id: str, model: str, engine: str, block_size: int, endpoint: str,
                  engine_version: str = "", lora_adapters: Iterable[str] = (),
@@ -93,7 +95,7 @@ class WorkerRegistry:
         if not model:
             raise ValueError("model must not be empty")
         self._generations += 1
-        self._rosters.clear()
+        self._forget_rosters()
         record = self._workers.get(worker_id)
         if record is not None and (record.block_size != block_size or record.model != model):
             # Keys of another block size or model are meaningless now.
@@ -104,6 +106,7 @@ class WorkerRegistry:
             record = WorkerRecord(worker_id=worker_id, slot=self._take_slot(), model=model, engine=engine,
                                   block_size=block_size, endpoint=endpoint)
             self._workers[worker_id] = record
+            self._by_slot[record.slot] = record
         record.model, record.engine, record.block_size = model, engine, block_size
         record.endpoint, record.engine_version = endpoint, engine_version
         record.lora_adapters = tuple(lora_adapters)
@@ -140,11 +143,14 @@ class WorkerRegistry:
 
     def set_lora_adapters(self, record: WorkerRecord, adapters: Iterable[str]) -> None:
         record.lora_adapters = tuple(adapters)
-        self._rosters.clear()
+        self._forget_rosters()
         record.match_template = None
 
     def get(self, worker_id: str) -> WorkerRecord | None:
         return self._workers.get(worker_id)
+
+    def at_slot(self, slot: int) -> WorkerRecord | None:
+        return self._by_slot.get(slot)
 
     def workers(self, model: str = "", lora_name: str = "") -> tuple[WorkerRecord, ...]:
         """Live workers of `model` ("" = every model) serving adapter `lora_name` ("" = the base model)."""
@@ -162,7 +168,8 @@ class WorkerRegistry:
         record = self._workers.pop(worker_id, None)
         if record is None:
             return False
-        self._rosters.clear()
+        del self._by_slot[record.slot]
+        self._forget_rosters()
         self.index.clear(record.slot)
         if self.watcher:
             self.watcher.slot_dropped(record.slot)
@@ -173,6 +180,10 @@ class WorkerRegistry:
         """Workers not heard from within the heartbeat timeout (the caller drops them through its applier)."""
         deadline = self._clock() - self.heartbeat_timeout_s
         return [w.worker_id for w in self._workers.values() if w.last_seen < deadline]
+
+    def _forget_rosters(self) -> None:
+        self._rosters.clear()
+        self.roster_version += 1
 
     def _take_slot(self) -> int:
         if self._free_slots:

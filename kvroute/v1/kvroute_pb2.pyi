@@ -13,6 +13,20 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_CPU: _ClassVar[Tier]
     TIER_DISK: _ClassVar[Tier]
 
+class BlockOpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BLOCKS_STORED: _ClassVar[BlockOpKind]
+    BLOCKS_REMOVED: _ClassVar[BlockOpKind]
+    BLOCKS_CLEARED: _ClassVar[BlockOpKind]
+
+class RouterChangeKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROUTER_SESSION_OPENED: _ClassVar[RouterChangeKind]
+    ROUTER_RESERVED: _ClassVar[RouterChangeKind]
+    ROUTER_PREFILL_DONE: _ClassVar[RouterChangeKind]
+    ROUTER_RELEASED: _ClassVar[RouterChangeKind]
+    ROUTER_SESSION_CLOSED: _ClassVar[RouterChangeKind]
+
 class RequestOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     REQUEST_OUTCOME_UNSPECIFIED: _ClassVar[RequestOutcome]
@@ -22,6 +36,14 @@ class RequestOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 TIER_GPU: Tier
 TIER_CPU: Tier
 TIER_DISK: Tier
+BLOCKS_STORED: BlockOpKind
+BLOCKS_REMOVED: BlockOpKind
+BLOCKS_CLEARED: BlockOpKind
+ROUTER_SESSION_OPENED: RouterChangeKind
+ROUTER_RESERVED: RouterChangeKind
+ROUTER_PREFILL_DONE: RouterChangeKind
+ROUTER_RELEASED: RouterChangeKind
+ROUTER_SESSION_CLOSED: RouterChangeKind
 REQUEST_OUTCOME_UNSPECIFIED: RequestOutcome
 REQUEST_OUTCOME_COMPLETED: RequestOutcome
 REQUEST_OUTCOME_FAILED: RequestOutcome
@@ -212,7 +234,7 @@ class QueryResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerMatch, _Mapping]]] = ..., query_id: _Optional[int] = ..., columns: _Optional[_Union[WorkerColumns, _Mapping]] = ...) -> None: ...
 
 class WorkerColumns(_message.Message):
-    __slots__ = ("worker_id", "matched_blocks", "cpu_blocks", "disk_blocks", "speculative_blocks", "reserved_requests", "reserved_prefill_tokens", "running_requests", "waiting_requests", "kv_usage")
+    __slots__ = ("worker_id", "matched_blocks", "cpu_blocks", "disk_blocks", "speculative_blocks", "reserved_requests", "reserved_prefill_tokens", "running_requests", "waiting_requests", "kv_usage", "cached_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +245,7 @@ class WorkerColumns(_message.Message):
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: _containers.RepeatedScalarFieldContainer[str]
     matched_blocks: _containers.RepeatedScalarFieldContainer[int]
     cpu_blocks: _containers.RepeatedScalarFieldContainer[int]
@@ -233,7 +256,8 @@ class WorkerColumns(_message.Message):
     running_requests: _containers.RepeatedScalarFieldContainer[int]
     waiting_requests: _containers.RepeatedScalarFieldContainer[int]
     kv_usage: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, worker_id: _Optional[_Iterable[str]] = ..., matched_blocks: _Optional[_Iterable[int]] = ..., cpu_blocks: _Optional[_Iterable[int]] = ..., disk_blocks: _Optional[_Iterable[int]] = ..., speculative_blocks: _Optional[_Iterable[int]] = ..., reserved_requests: _Optional[_Iterable[int]] = ..., reserved_prefill_tokens: _Optional[_Iterable[int]] = ..., running_requests: _Optional[_Iterable[int]] = ..., waiting_requests: _Optional[_Iterable[int]] = ..., kv_usage: _Optional[_Iterable[float]] = ...) -> None: ...
+    cached_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[_Iterable[str]] = ..., matched_blocks: _Optional[_Iterable[int]] = ..., cpu_blocks: _Optional[_Iterable[int]] = ..., disk_blocks: _Optional[_Iterable[int]] = ..., speculative_blocks: _Optional[_Iterable[int]] = ..., reserved_requests: _Optional[_Iterable[int]] = ..., reserved_prefill_tokens: _Optional[_Iterable[int]] = ..., running_requests: _Optional[_Iterable[int]] = ..., waiting_requests: _Optional[_Iterable[int]] = ..., kv_usage: _Optional[_Iterable[float]] = ..., cached_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RouterMessage(_message.Message):
     __slots__ = ("hello", "query", "reserve", "prefill_done", "release")
@@ -356,6 +380,142 @@ class ListWorkersResponse(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+
+class FollowRequest(_message.Message):
+    __slots__ = ("router_id", "models", "resume_after")
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_AFTER_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    models: _containers.RepeatedScalarFieldContainer[str]
+    resume_after: FollowPosition
+    def __init__(self, router_id: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., resume_after: _Optional[_Union[FollowPosition, _Mapping]] = ...) -> None: ...
+
+class FollowPosition(_message.Message):
+    __slots__ = ("feed_id", "seq")
+    FEED_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    feed_id: str
+    seq: int
+    def __init__(self, feed_id: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class FollowUpdate(_message.Message):
+    __slots__ = ("position", "snapshot_begin", "snapshot_end", "changes", "sent_unix_us")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_END_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    SENT_UNIX_US_FIELD_NUMBER: _ClassVar[int]
+    position: FollowPosition
+    snapshot_begin: bool
+    snapshot_end: bool
+    changes: _containers.RepeatedCompositeFieldContainer[FleetChange]
+    sent_unix_us: int
+    def __init__(self, position: _Optional[_Union[FollowPosition, _Mapping]] = ..., snapshot_begin: _Optional[bool] = ..., snapshot_end: _Optional[bool] = ..., changes: _Optional[_Iterable[_Union[FleetChange, _Mapping]]] = ..., sent_unix_us: _Optional[int] = ...) -> None: ...
+
+class FleetChange(_message.Message):
+    __slots__ = ("applied_unix_us", "joined", "blocks", "heartbeat", "left", "router")
+    APPLIED_UNIX_US_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    LEFT_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_FIELD_NUMBER: _ClassVar[int]
+    applied_unix_us: int
+    joined: WorkerJoined
+    blocks: WorkerBlocks
+    heartbeat: WorkerHeartbeat
+    left: WorkerLeft
+    router: RouterChange
+    def __init__(self, applied_unix_us: _Optional[int] = ..., joined: _Optional[_Union[WorkerJoined, _Mapping]] = ..., blocks: _Optional[_Union[WorkerBlocks, _Mapping]] = ..., heartbeat: _Optional[_Union[WorkerHeartbeat, _Mapping]] = ..., left: _Optional[_Union[WorkerLeft, _Mapping]] = ..., router: _Optional[_Union[RouterChange, _Mapping]] = ...) -> None: ...
+
+class WorkerJoined(_message.Message):
+    __slots__ = ("worker_id", "model", "engine", "block_size", "endpoint", "engine_version", "lora_adapters", "data_parallel_rank", "agent_instance", "resume")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
+    AGENT_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    model: str
+    engine: str
+    block_size: int
+    endpoint: str
+    engine_version: str
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    data_parallel_rank: int
+    agent_instance: str
+    resume: bool
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., block_size: _Optional[int] = ..., endpoint: _Optional[str] = ..., engine_version: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., data_parallel_rank: _Optional[int] = ..., agent_instance: _Optional[str] = ..., resume: _Optional[bool] = ...) -> None: ...
+
+class PackedBlockOp(_message.Message):
+    __slots__ = ("kind", "tier", "keys")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    kind: BlockOpKind
+    tier: Tier
+    keys: bytes
+    def __init__(self, kind: _Optional[_Union[BlockOpKind, str]] = ..., tier: _Optional[_Union[Tier, str]] = ..., keys: _Optional[bytes] = ...) -> None: ...
+
+class WorkerBlocks(_message.Message):
+    __slots__ = ("worker_id", "seq", "snapshot", "ops")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    seq: int
+    snapshot: bool
+    ops: _containers.RepeatedCompositeFieldContainer[PackedBlockOp]
+    def __init__(self, worker_id: _Optional[str] = ..., seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., ops: _Optional[_Iterable[_Union[PackedBlockOp, _Mapping]]] = ...) -> None: ...
+
+class WorkerHeartbeat(_message.Message):
+    __slots__ = ("worker_id", "load", "lora_adapters")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    load: WorkerLoad
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WorkerLeft(_message.Message):
+    __slots__ = ("worker_id", "expired")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    expired: bool
+    def __init__(self, worker_id: _Optional[str] = ..., expired: _Optional[bool] = ...) -> None: ...
+
+class RouterChange(_message.Message):
+    __slots__ = ("kind", "origin", "session", "router_id", "reservation_id", "worker_id", "block_size", "keys", "prefill_tokens", "ttl_ms")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    kind: RouterChangeKind
+    origin: str
+    session: int
+    router_id: str
+    reservation_id: int
+    worker_id: str
+    block_size: int
+    keys: bytes
+    prefill_tokens: int
+    ttl_ms: int
+    def __init__(self, kind: _Optional[_Union[RouterChangeKind, str]] = ..., origin: _Optional[str] = ..., session: _Optional[int] = ..., router_id: _Optional[str] = ..., reservation_id: _Optional[int] = ..., worker_id: _Optional[str] = ..., block_size: _Optional[int] = ..., keys: _Optional[bytes] = ..., prefill_tokens: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class ReservationRef(_message.Message):
     __slots__ = ("reservation_id",)

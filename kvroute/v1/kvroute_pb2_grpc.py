@@ -61,6 +61,11 @@ class ControlPlaneStub:
                 request_serializer=kvroute_dot_v1_dot_kvroute__pb2.GetWorkerKeysRequest.SerializeToString,
                 response_deserializer=kvroute_dot_v1_dot_kvroute__pb2.GetWorkerKeysResponse.FromString,
                 _registered_method=True)
+        self.Follow = channel.unary_stream(
+                '/kvroute.v1.ControlPlane/Follow',
+                request_serializer=kvroute_dot_v1_dot_kvroute__pb2.FollowRequest.SerializeToString,
+                response_deserializer=kvroute_dot_v1_dot_kvroute__pb2.FollowUpdate.FromString,
+                _registered_method=True)
 
 
 class ControlPlaneServicer:
@@ -107,6 +112,16 @@ class ControlPlaneServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Follow(self, request, context):
+        """A router's replica of the fleet's state, so that it decides without asking: a snapshot of
+        everything a decision reads (workers, their blocks on every tier, load, every router's
+        reservations and speculative claims), then every change in the order the control plane applied
+        it. Read-only: under mTLS any router identity may follow. See FollowUpdate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlPlaneServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -134,6 +149,11 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.GetWorkerKeys,
                     request_deserializer=kvroute_dot_v1_dot_kvroute__pb2.GetWorkerKeysRequest.FromString,
                     response_serializer=kvroute_dot_v1_dot_kvroute__pb2.GetWorkerKeysResponse.SerializeToString,
+            ),
+            'Follow': grpc.unary_stream_rpc_method_handler(
+                    servicer.Follow,
+                    request_deserializer=kvroute_dot_v1_dot_kvroute__pb2.FollowRequest.FromString,
+                    response_serializer=kvroute_dot_v1_dot_kvroute__pb2.FollowUpdate.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -273,6 +293,33 @@ class ControlPlane:
             '/kvroute.v1.ControlPlane/GetWorkerKeys',
             kvroute_dot_v1_dot_kvroute__pb2.GetWorkerKeysRequest.SerializeToString,
             kvroute_dot_v1_dot_kvroute__pb2.GetWorkerKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Follow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvroute.v1.ControlPlane/Follow',
+            kvroute_dot_v1_dot_kvroute__pb2.FollowRequest.SerializeToString,
+            kvroute_dot_v1_dot_kvroute__pb2.FollowUpdate.FromString,
             options,
             channel_credentials,
             insecure,

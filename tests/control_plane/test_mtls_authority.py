@@ -187,3 +187,23 @@ async def test_refusal_appends_nothing_to_the_replicas_log(certs, redis_single):
     finally:
         await channel.close()
         await server.stop(0)
+
+
+async def test_only_a_router_identity_may_follow_the_fleet(certs) -> None:
+    """The follow stream hands over the whole index and every router's reservations: routers only."""
+    server = await start(certs)
+    try:
+        channel, as_router = stub(server, certs["router"])
+        call = as_router.Follow(pb.FollowRequest(router_id="router-1"))
+        first = await asyncio.wait_for(call.read(), 5)
+        assert first.snapshot_begin and first.snapshot_end  # an empty fleet: one message
+        call.cancel()
+        await channel.close()
+        channel, as_agent = stub(server, certs["agent_a"])
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await asyncio.wait_for(as_agent.Follow(pb.FollowRequest(router_id="sneaky")).read(), 5)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "router identity" in refused.value.details() and denied(server, "not_a_router") == 1
+        await channel.close()
+    finally:
+        await server.stop(0)

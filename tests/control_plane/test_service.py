@@ -13,9 +13,7 @@ from kvroute.block_keys import prompt_block_keys
 from kvroute.control_plane.server import ControlPlaneConfig, ControlPlaneServer
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
-from tests.helpers import eventually
-
-MODEL = "tiny"
+from tests.helpers import MODEL, AgentStream, BidiStream, eventually, removed, stored
 
 
 @pytest.fixture
@@ -26,52 +24,6 @@ async def control_plane():
     yield server, pb_grpc.ControlPlaneStub(channel)
     await channel.close()
     await server.stop(0)
-
-
-class BidiStream:
-    """One client stream of a bidi RPC, fed from a queue (None ends it)."""
-
-    def __init__(self, rpc, message_type) -> None:
-        self.message_type = message_type
-        self.outbox: asyncio.Queue = asyncio.Queue()
-        self.call = rpc(self._messages())
-
-    async def _messages(self):
-        while (message := await self.outbox.get()) is not None:
-            yield message
-
-    async def send(self, **body) -> None:
-        await self.outbox.put(self.message_type(**body))
-
-    async def recv(self):
-        return await asyncio.wait_for(self.call.read(), 5)
-
-    async def close(self) -> None:
-        await self.outbox.put(None)
-
-
-class AgentStream(BidiStream):
-    """Drives one Connect stream the way an agent does."""
-
-    def __init__(self, stub: pb_grpc.ControlPlaneStub) -> None:
-        super().__init__(stub.Connect, pb.AgentMessage)
-
-    async def register(self, worker_id: str, block_size: int = 4, **fields) -> pb.ControlMessage:
-        await self.send(register=pb.RegisterWorker(worker_id=worker_id, model=MODEL, engine="sim",
-                                                   block_size=block_size, endpoint=f"http://{worker_id}", **fields))
-        return await self.recv()
-
-    async def batch(self, seq: int, *events: pb.BlockEvent, snapshot: bool = False) -> pb.ControlMessage:
-        await self.send(batch=pb.EventBatch(seq=seq, snapshot=snapshot, events=list(events)))
-        return await self.recv()
-
-
-def stored(keys: list[int], tier: int = pb.TIER_GPU) -> pb.BlockEvent:
-    return pb.BlockEvent(stored=pb.BlocksStored(block_keys=keys, tier=tier))
-
-
-def removed(keys: list[int], tier: int = pb.TIER_GPU) -> pb.BlockEvent:
-    return pb.BlockEvent(removed=pb.BlocksRemoved(block_keys=keys, tier=tier))
 
 
 def tier_keys(response: pb.GetWorkerKeysResponse) -> dict[str, list[int]]:

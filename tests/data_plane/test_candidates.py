@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from kvroute.block_keys import prompt_block_keys
-from kvroute.data_plane.candidates import IndexColumns, build_candidates
+from kvroute.data_plane.candidates import build_candidates
 from kvroute.data_plane.control_plane_client import KnownWorker
 from kvroute.data_plane.inflight import RouterInflight
+from kvroute.fleet.answer import IndexColumns
 from kvroute.v1 import kvroute_pb2 as pb
 
 BS = 16
@@ -18,9 +19,11 @@ def _known(*ids: str, block_size: int = BS) -> list[KnownWorker]:
 
 def _columns(ids: list[str], matched: list[int], **extra: list) -> IndexColumns:
     n = len(ids)
-    return IndexColumns(ids, matched, extra.get("cpu", [0] * n), extra.get("disk", [0] * n),
-                        extra.get("reserved", [0] * n), extra.get("prefill", [0] * n), extra.get("running", [0] * n),
-                        extra.get("waiting", [0] * n), extra.get("usage", [0.0] * n))
+    return IndexColumns(ids, matched, cpu_blocks=extra.get("cpu", [0] * n), disk_blocks=extra.get("disk", [0] * n),
+                        speculative_blocks=[0] * n, reserved_requests=extra.get("reserved", [0] * n),
+                        reserved_prefill_tokens=extra.get("prefill", [0] * n),
+                        running_requests=extra.get("running", [0] * n), waiting_requests=extra.get("waiting", [0] * n),
+                        kv_usage=extra.get("usage", [0.0] * n))
 
 
 def test_columns_give_the_index_match_tiers_and_reservations_plus_own_inflight() -> None:

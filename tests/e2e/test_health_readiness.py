@@ -173,7 +173,7 @@ def test_router_and_agent_readiness_follow_control_plane_and_engines(cluster: Lo
     # 3. The control plane dies: the router fails open (ready, degraded), the agent is not ready.
     cluster.control_plane.stop()
     status, body = _eventually(lambda: (r := _ready(router))[1]["status"] == "degraded" and r, 10, "router degraded")
-    assert status == 200 and body["fleet"] == "control_plane" and body["workers"] == 1  # its last answer
+    assert status == 200 and body["fleet"] == "view" and body["workers"] == 1  # its last view of the fleet
     assert any("unreachable" in p for p in body["problems"]) and body["control_plane"]["reachable"] is False
     assert _grpc_health(router_grpc) == SERVING
     status, body = _eventually(lambda: (r := _ready(engine.agent_metrics_url))[0] == 503 and r, 10, "agent not ready")

@@ -28,8 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from kvroute.control_plane.service import ControlPlaneMetrics, ControlPlaneService
 from kvroute.data_plane.control_plane_client import query_message
-from kvroute.fleet.inflight import InflightTracker
-from kvroute.fleet.registry import WorkerRegistry
+from kvroute.fleet.state import FleetState
 from kvroute.prefix_index import BitmaskPrefixIndex, BoundedPrefixIndex
 from kvroute.tools.stats import percentile
 from kvroute.v1 import kvroute_pb2 as pb
@@ -47,9 +46,9 @@ def build(workers: int, prompt_blocks: int, other_blocks: int, inflight_requests
           seed: int, max_index_entries: int = 0) -> Built:
     rng = random.Random(seed)
     index = BoundedPrefixIndex(max_index_entries) if max_index_entries else BitmaskPrefixIndex()
-    inflight = InflightTracker(index, default_ttl_s=3600.0, max_age_s=3600.0)
-    registry = WorkerRegistry(index, heartbeat_timeout_s=3600.0, watcher=inflight)
-    service = ControlPlaneService(registry, inflight, ControlPlaneMetrics(CollectorRegistry()))
+    state = FleetState.build(index, heartbeat_timeout_s=3600.0, speculative_ttl_s=3600.0, reservation_max_age_s=3600.0)
+    inflight, registry = state.inflight, state.registry
+    service = ControlPlaneService(state, ControlPlaneMetrics(CollectorRegistry()))
     prompt = [rng.getrandbits(64) for _ in range(prompt_blocks)]
     for w in range(workers):
         record = registry.register(f"w{w}", MODEL, "sim", block_size, f"http://127.0.0.1:{20000 + w}")

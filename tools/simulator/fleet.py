@@ -25,10 +25,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvroute.block_keys import prompt_block_keys
-from kvroute.data_plane.candidates import IndexColumns, build_candidates
+from kvroute.data_plane.candidates import build_candidates
 from kvroute.data_plane.control_plane_client import KnownWorker
 from kvroute.data_plane.inflight import InflightTicket, RouterInflight
 from kvroute.data_plane.policies import RoutingInput, make_policy
+from kvroute.fleet.answer import IndexColumns
 from kvroute.prefix_index import BitmaskPrefixIndex
 from kvroute.tools.sim_engine.cost_model import CostModel
 from kvroute.tools.sim_engine.prefix_cache import ClearedEvent, PrefixCache, RemovedEvent, StoredEvent
@@ -106,8 +107,10 @@ class _RouterView:
             known.cached_blocks = index.worker_block_count(w.slot)
         zeros = self._zeros
         return IndexColumns([w.worker_id for w in self.workers], [matched.get(w.slot, 0) for w in self.workers],
-                            zeros, zeros, zeros, zeros, [len(w.scheduler.running) for w in self.workers],
-                            [len(w.scheduler.waiting) for w in self.workers], self._usage)
+                            cpu_blocks=zeros, disk_blocks=zeros, speculative_blocks=zeros, reserved_requests=zeros,
+                            reserved_prefill_tokens=zeros,
+                            running_requests=[len(w.scheduler.running) for w in self.workers],
+                            waiting_requests=[len(w.scheduler.waiting) for w in self.workers], kv_usage=self._usage)
 
 
 def true_ttft(w: _Worker, prompt: Sequence[int], max_tokens: int, now: float,

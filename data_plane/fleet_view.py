@@ -1,0 +1,218 @@
+"""This router's own view of the fleet: the control plane's state, replicated through
+`ControlPlane.Follow`, so that a decision reads it in this process and no query is on a request's path.
+
+    view = FleetView(router_id, models={"llama"}, max_stale_s=60.0)
+    follower = FleetFollower(view, client)              # client: ControlPlaneClient (replicas, TLS, failover)
+    task = asyncio.create_task(follower.run())
+    columns, why_not = view.answer("llama", {16: keys})  # why_not "" = the columns hold the answer
+    known = view.workers_for("llama")
+
+Contract:
+- The view is `kvroute.fleet.FleetState`, changed only by `kvroute.fleet.changes.apply_change`: the
+  control plane's own apply path, so after the change numbered N it equals the control plane's state
+  after N (tests/data_plane/test_fleet_view.py compares them after every batch).
+- A snapshot arrives as a run of messages; it is applied to a fresh state while decisions keep
+  reading the old one, and replaces it at its last message (a failover to another replica, a
+  restarted control plane, or a view that fell behind the control plane's window).
+- Fresh or not: the control plane sends something at least every `FollowFeed.keepalive_s` (0.5 s);
+  `silence_s()` is the time since the last message. Past `lag_bound_s` the router says degraded
+  (`/ready`); past `max_stale_s` (every control plane unreachable for that long) decisions stop
+  reading the index (`view_stale`: load alone, counted as fail-open) until the link is back.
+  `lag_s` is how old the newest change was when it arrived (the control plane's clock against this
+  process's: meaningful on one host or with synchronised clocks).
+- Nothing here outlives the process: a router starts with a snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+
+from kvroute.backoff import Backoff
+from kvroute.fleet.answer import IndexColumns, answer_columns
+from kvroute.fleet.changes import MalformedChange, apply_change
+from kvroute.fleet.state import FleetState
+from kvroute.prefix_index import BitmaskPrefixIndex, PrefixIndex, Tier
+from kvroute.rate_limited_log import RateLimitedLog
+from kvroute.v1 import kvroute_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvroute.data_plane.control_plane_client import ControlPlaneClient, KnownWorker
+
+log = logging.getLogger("kvroute.router.view")
+
+VIEW_NOT_SYNCED = "the view of the fleet has not synced yet"
+VIEW_STALE = "the view of the fleet is stale (no control plane heard from)"
+
+
+@dataclass(slots=True)
+class ViewCounters:
+    messages: int = 0        # FollowUpdates applied (keepalives included)
+    changes: int = 0         # changes applied
+    snapshots: int = 0       # snapshots completed
+    resumed: int = 0         # streams that resumed from the view's position without a snapshot
+    malformed: int = 0       # changes refused (the view resynchronises)
+    streams: int = 0         # Follow streams opened
+    stream_failures: int = 0
+
+
+class FleetView:
+    def __init__(self, router_id: str, models: Collection[str] = (), max_stale_s: float = 60.0,
+                 lag_bound_s: float = 2.0, index_factory: Callable[[], PrefixIndex] = BitmaskPrefixIndex,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.router_id = router_id
+        self.models = frozenset(models)
+        self.max_stale_s, self.lag_bound_s = max_stale_s, lag_bound_s
+        self.index_factory = index_factory
+        self.clock = clock
+        self.state: FleetState | None = None     # None until the first snapshot completed
+        self._pending: FleetState | None = None  # a snapshot being applied
+        self.position: pb.FollowPosition | None = None
+        self.last_heard = 0.0                    # clock() of the last message (0 = never)
+        self.lag_s = 0.0
+        self.counters = ViewCounters()
+        self._known: dict[tuple[str, str], tuple[int, list[KnownWorker]]] = {}
+
+    # ------------------------------------------------------------ reading it
+
+    @property
+    def synced(self) -> bool:
+        return self.state is not None
+
+    def silence_s(self) -> float:
+        """Seconds since the control plane was last heard from (inf: never)."""
+        return self.clock() - self.last_heard if self.last_heard else float("inf")
+
+    def unusable_reason(self) -> str:
+        """Why a decision must not read the view now ("" = it may)."""
+        if self.state is None:
+            return VIEW_NOT_SYNCED
+        if self.silence_s() > self.max_stale_s:
+            return VIEW_STALE
+        return ""
+
+    def answer(self, model: str, chains: Mapping[int, Sequence[int]],
+               lora_name: str = "") -> tuple[IndexColumns | None, str]:
+        """The index's answer from the view, or None and why the index cannot be used."""
+        why = self.unusable_reason()
+        if why:
+            return None, why
+        state = self.state
+        assert state is not None
+        columns = answer_columns(state, model, chains, lora_name, state.inflight.routers.get(self.router_id))
+        if not columns.worker_id:
+            return None, "index has no workers for the model"
+        return columns, ""
+
+    def workers_for(self, model: str, lora_name: str = "") -> list[KnownWorker]:
+        """The view's workers of `model` (serving `lora_name`), as the router's fleet; [] before a snapshot."""
+        from kvroute.data_plane.control_plane_client import KnownWorker
+
+        state = self.state
+        if state is None:
+            return []
+        registry = state.registry
+        key = (model, lora_name)
+        cached = self._known.get(key)
+        if cached is not None and cached[0] == registry.roster_version:
+            return cached[1]
+        count = state.index.worker_block_count
+        known = [KnownWorker(r.worker_id, r.model, r.endpoint.rstrip("/"), r.block_size, r.load,  # type: ignore[arg-type]
+                             count(r.slot, Tier.GPU), frozenset(r.lora_adapters), r.data_parallel_rank)
+                 for r in registry.workers(model, lora_name)]
+        self._known[key] = (registry.roster_version, known)
+        return known
+
+    def models_served(self) -> set[str]:
+        return {r.model for r in self.state.registry.workers()} if self.state is not None else set()
+
+    # ------------------------------------------------------------ applying the stream
+
+    def apply_update(self, update: pb.FollowUpdate) -> None:
+        """One message of the stream. MalformedChange: the view must resynchronise (a new stream
+        without a position); what was applied before the bad change stays until the new snapshot."""
+        if update.snapshot_begin:
+            self._pending = FleetState.build(self.index_factory())
+        target = self._pending if self._pending is not None else self.state
+        if target is None:
+            raise MalformedChange("changes before any snapshot")
+        changes = update.changes
+        newest = 0
+        for change in changes:
+            apply_change(target, change)
+            newest = change.applied_unix_us
+        now = self.clock()
+        if update.snapshot_end:
+            self.state, self._pending = self._pending, None
+            self._known.clear()
+            self.counters.snapshots += 1
+        self.position = update.position
+        self.last_heard = now
+        if newest and not update.snapshot_begin:
+            self.lag_s = max(0.0, time.time() - newest / 1e6)
+        counters = self.counters
+        counters.messages += 1
+        counters.changes += len(changes)
+
+    def resume_point(self) -> pb.FollowPosition | None:
+        """Where a new stream should resume from (None: ask for a snapshot)."""
+        return self.position if self.state is not None and self._pending is None else None
+
+    def forget_position(self) -> None:
+        """The next stream starts with a snapshot (after a malformed change)."""
+        self.position = None
+        self._pending = None
+
+
+class FleetFollower:
+    """Keeps `view` following the control plane through `client`'s channels: reconnects with backoff,
+    moves to the next replica when one fails, resumes from the view's position."""
+
+    def __init__(self, view: FleetView, client: ControlPlaneClient, initial_backoff_s: float = 0.05,
+                 max_backoff_s: float = 2.0) -> None:
+        self.view = view
+        self.client = client
+        self._backoff = Backoff(initial_backoff_s, max_backoff_s, jitter=0.2)
+        self._problems = RateLimitedLog(log, period_s=30.0)
+
+    async def run(self) -> None:
+        view, client = self.view, self.client
+        while True:
+            address = client.address
+            request = pb.FollowRequest(router_id=view.router_id, models=sorted(view.models))
+            resume = view.resume_point()
+            if resume is not None:
+                request.resume_after.CopyFrom(resume)
+            try:
+                call = client.stub_for(address).Follow(request)
+                view.counters.streams += 1
+                first = True
+                async for update in call:
+                    if first:
+                        first = False
+                        if resume is not None and not update.snapshot_begin:
+                            view.counters.resumed += 1
+                    view.apply_update(update)
+                    client.heard_from_control_plane()
+                    self._backoff.reset()
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "the follow stream ended")
+            except asyncio.CancelledError:
+                raise
+            except MalformedChange as exc:
+                view.counters.malformed += 1
+                view.forget_position()
+                self._problems.warning("malformed", "refused a change from control plane %s (%s): resynchronising "
+                                       "with a snapshot", address, exc)
+            except grpc.aio.AioRpcError as exc:
+                view.counters.stream_failures += 1
+                client.lost_control_plane(address, exc.code().name)
+                self._problems.warning("lost", "follow stream to control plane %s failed (%s): deciding on the "
+                                       "last view (%.1fs old) meanwhile", address, exc.code().name,
+                                       min(view.silence_s(), 1e9))
+            await self._backoff.sleep()
