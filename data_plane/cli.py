@@ -22,7 +22,7 @@ DEFAULT_GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvroute.data_plane.admission import DEFAULT_MAX_CONCURRENT_REQUESTS
     from kvroute.data_plane.api_keys import ENV_API_KEYS
-    from kvroute.data_plane.policies import POLICIES  # pure module, cheap to import for --help
+    from kvroute.data_plane.decision.policies import POLICIES  # pure module, cheap to import for --help
     from kvroute.data_plane.traffic_capture import CAPTURE_BLOCK_TOKENS
 
     p.add_argument("--control-plane", default="127.0.0.1:50051", metavar="HOST:PORT", help="control plane gRPC address")
@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest adaptive deadline (also the deadline until 32 latencies are known)")
     p.add_argument("--kv-aware-param", action="append", default=[], metavar="NAME=VALUE",
                    help="override one of kv_aware's weights for this router's model, repeatable (names and "
-                        "meaning: kvroute.data_plane.policies.KvAwareParams, e.g. recompute_weight=0.5, load_bound=1.5)")
+                        "meaning: kvroute.data_plane.decision.policies.KvAwareParams, e.g. recompute_weight=0.5, load_bound=1.5)")
     p.add_argument("--router-id", default=None,
                    help="this router's id in the control plane's shared in-flight state (default: HOST-PID)")
     p.add_argument("--no-router-session", action="store_true",

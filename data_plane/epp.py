@@ -52,10 +52,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from kvroute.data_plane.decision.policies import request_load
 from kvroute.data_plane.http_api import BadRequest, parse_routing_body
 from kvroute.data_plane.http_errors import error_type
 from kvroute.data_plane.inflight import InflightTicket
-from kvroute.data_plane.policies import request_load
 from kvroute.data_plane.request_prep import PrepareError
 from kvroute.data_plane.routing import NoWorkersError, RouteDecision
 from kvroute.data_plane.routing_service import RoutingService

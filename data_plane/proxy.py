@@ -35,10 +35,10 @@ from opentelemetry import propagate, trace
 from prometheus_client import Counter
 
 from kvroute.data_plane.backend_health import BackendHealth
+from kvroute.data_plane.decision.policies import Candidate
 from kvroute.data_plane.http_errors import error_response
 from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.metrics import RouterMetrics
-from kvroute.data_plane.policies import Candidate
 from kvroute.data_plane.routing import RouteDecision
 from kvroute.data_plane.stage_timing import StageClock
 from kvroute.data_plane.upstream import BadEndpoint, UpstreamPool, UpstreamResponse

@@ -26,18 +26,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry import trace
 
 from kvroute.data_plane.backend_health import BackendHealth
-from kvroute.data_plane.candidates import build_candidates
 from kvroute.data_plane.control_plane_client import ControlPlaneClient, KnownWorker
+from kvroute.data_plane.decision.decide import NO_KNOWN_WORKER, RouteDecision, decide
+from kvroute.data_plane.decision.policies import RoutingInput, RoutingPolicy
 from kvroute.data_plane.fleet_view import VIEW_NOT_SYNCED, VIEW_STALE
 from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.metrics import RouterMetrics
-from kvroute.data_plane.policies import Candidate, Explanation, RoutingInput, RoutingPolicy, explain_scores
 from kvroute.data_plane.prompt_keys import PromptKeyCache
 from kvroute.data_plane.stage_timing import StageClock
 from kvroute.rate_limited_log import RateLimitedLog
@@ -49,7 +48,7 @@ tracer = trace.get_tracer("kvroute.router")
 
 
 _INDEX_REASONS = {"index has no workers for the model": "index_empty",
-                  "index answered with no known worker": "index_unknown_workers",
+                  NO_KNOWN_WORKER: "index_unknown_workers",
                   VIEW_NOT_SYNCED: "view_not_synced", VIEW_STALE: "view_stale"}
 
 
@@ -66,66 +65,6 @@ def fail_open_label(reason: str) -> str:
 
 class NoWorkersError(RuntimeError):
     """No worker is known for the model (not an index problem: there is nowhere to route)."""
-
-
-@dataclass(slots=True)
-class RouteDecision:
-    worker_id: str
-    endpoint: str
-    prompt_tokens: int
-    cached_tokens: int
-    policy: str
-    fail_open: bool
-    candidates: list[Candidate] = field(default_factory=list)
-    scores: dict[str, float] = field(default_factory=dict)
-    fail_open_reason: str = ""
-    chains: dict[int, list[int]] = field(default_factory=dict)  # block size -> the prompt's block keys
-    dp_ranks: dict[str, int] = field(default_factory=dict)      # worker_id -> X-data-parallel-rank, DP workers only
-    explanation: Explanation | None = None  # only when asked (decide(..., explain=True))
-    index_view: dict[str, dict[str, int]] | None = None  # worker_id -> what the index answered, with explanation
-
-    def ranked(self) -> list[Candidate]:
-        """Candidates best first: the chosen one, then by score (the retry order)."""
-        rest = sorted((c for c in self.candidates if c.worker_id != self.worker_id),
-                      key=lambda c: self.scores.get(c.worker_id, 0.0))
-        chosen = [c for c in self.candidates if c.worker_id == self.worker_id]
-        return chosen + rest
-
-    def as_json(self) -> dict:
-        """The POST /v1/route answer."""
-        return {"worker_id": self.worker_id, "endpoint": self.endpoint, "prompt_tokens": self.prompt_tokens,
-                "cached_tokens": self.cached_tokens, "fail_open": self.fail_open, "policy": self.policy,
-                "workers": [{"worker_id": c.worker_id, "endpoint": c.endpoint, "cached_tokens": c.cached_tokens,
-                             "score": self.scores.get(c.worker_id, 0.0), "inflight_requests": c.inflight_requests,
-                             "running_requests": c.running_requests, "waiting_requests": c.waiting_requests}
-                            for c in self.candidates]} | ({"explain": self.explanation_json()} if self.explanation else {})
-
-    def explanation_json(self) -> dict:
-        """The decision taken apart (POST /v1/route?explain=1): why the winner won, per candidate its
-        cost terms, and what the index answered for it (null: failing open, the index was not used)."""
-        e = self.explanation
-        assert e is not None
-        view = self.index_view or {}
-        return {"policy": e.policy, "reason": e.reason, "fail_open": self.fail_open,
-                "fail_open_reason": self.fail_open_reason, "params": e.params,
-                "workers": [{"worker_id": w.worker_id, "cost": w.cost, "terms": w.terms,
-                             "credited_tokens": w.credited_tokens, "within_load_bound": w.within_load_bound,
-                             "in_spread_pool": w.in_spread_pool, "index": view.get(w.worker_id)}
-                            for w in e.workers]}
-
-
-def index_view(columns: pb.WorkerColumns, known: Sequence) -> dict[str, dict[str, int]]:
-    """Per worker, the control plane's answer alone (before this router's own in-flight prompts are
-    added): matched prefix and its tiers in tokens, and other routers' reservations there."""
-    block_size = {w.worker_id: w.block_size for w in known}
-    out = {}
-    for wid, matched, cpu, disk, reserved, prefill in zip(columns.worker_id, columns.matched_blocks, columns.cpu_blocks,
-                                                          columns.disk_blocks, columns.reserved_requests,
-                                                          columns.reserved_prefill_tokens):
-        bs = block_size.get(wid, 0)
-        out[wid] = {"matched_tokens": matched * bs, "cpu_tokens": cpu * bs, "disk_tokens": disk * bs,
-                    "other_routers_requests": reserved, "other_routers_prefill_tokens": prefill}
-    return out
 
 
 class Router:
@@ -172,9 +111,7 @@ class Router:
                           for bs in sorted({w.block_size for w in known if w.block_size > 0})}
             if clock is not None:
                 clock.mark("keys")
-            avoid = self.health.cooling_down()
             reason = ""
-            candidates: list[Candidate] = []
             columns = None
             if needs.index:
                 view = self.control_plane.view
@@ -182,26 +119,13 @@ class Router:
                     columns, reason = view.answer(model, chains, lora_name)
                 else:
                     columns, reason = await self._query(model, chains, lora_name)
-                if columns is not None:
-                    candidates = build_candidates(known, self.inflight, chains, prompt_tokens, columns, avoid)
-                    if not candidates:
-                        reason = "index answered with no known worker"
             if clock is not None:
                 clock.mark("query")
-            if not candidates:  # no index wanted, or failing open: load alone over the known fleet
-                candidates = build_candidates(known, self.inflight, chains, prompt_tokens, None, avoid)
             routing_input = RoutingInput(model, prompt_tokens, token_ids=token_ids or (), session_key=session_key,
                                          chains=chains)
-            choice = self.policy.choose(routing_input, candidates)
-            dp_ranks = {w.worker_id: w.data_parallel_rank for w in known if w.data_parallel_rank is not None}
-            decision = RouteDecision(choice.worker.worker_id, choice.worker.endpoint, prompt_tokens,
-                                     choice.worker.cached_tokens, self.policy.name, bool(reason), candidates,
-                                     choice.scores, reason, chains, dp_ranks)
-            if explain:
-                explainer = getattr(self.policy, "explain", None)
-                decision.explanation = (explainer(routing_input, candidates, choice) if explainer is not None
-                                        else explain_scores(self.policy.name, choice, candidates))
-                decision.index_view = index_view(columns, known) if columns is not None and not reason else None
+            decision = decide(self.policy, routing_input, known, self.inflight, columns, reason,
+                              self.health.cooling_down(), explain)
+            reason = decision.fail_open_reason
             if clock is not None:
                 clock.mark("score")
             if reason:

@@ -22,10 +22,10 @@ from pathlib import Path
 
 from kvroute.data_plane.backend_health import BackendHealth
 from kvroute.data_plane.control_plane_client import ControlPlaneClient
+from kvroute.data_plane.decision.policies import RoutingPolicy, make_policy, parse_kv_aware_params
 from kvroute.data_plane.fleet_view import FleetView
 from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.metrics import RouterMetrics
-from kvroute.data_plane.policies import RoutingPolicy, make_policy, parse_kv_aware_params
 from kvroute.data_plane.query_deadline import QueryDeadline
 from kvroute.data_plane.request_prep import RequestPreparer
 from kvroute.data_plane.router_session import default_router_id

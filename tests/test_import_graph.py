@@ -160,8 +160,8 @@ def test_components_import_one_another_without_a_cycle() -> None:
 def test_the_graph_sees_the_imports_it_judges() -> None:
     """The checks above pass trivially if nothing is found: pin a few known edges."""
     found = {(i.source, i.target) for i in first_party()}
-    assert ("kvroute.data_plane.routing", "kvroute.data_plane.policies") in found
-    assert ("kvroute.tools.simulator.fleet", "kvroute.data_plane.policies") in found
+    assert ("kvroute.data_plane.routing", "kvroute.data_plane.decision.policies") in found
+    assert ("kvroute.tools.simulator.fleet", "kvroute.data_plane.decision.policies") in found
     assert ("kvroute.control_plane.auditor", "kvroute.control_plane.audit") in found
     assert ("kvroute.data_plane.cli", "kvroute.data_plane.routing_service") in found  # an import inside a function
     assert {"kvroute.cli", "kvroute.v1.kvroute_pb2", "kvroute.tools.sim_engine.tokenizer"} <= set(modules())

@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from kvroute.data_plane.policies import (
+from kvroute.data_plane.decision.policies import (
     POLICIES,
     ApproxTree,
     Candidate,
@@ -269,8 +269,8 @@ def test_tree_evicts_leaves_before_the_prefix_they_hang_from() -> None:
 
 
 async def test_router_passes_tokens_and_session_key_to_the_policy() -> None:
+    from kvroute.data_plane.decision.policies import PolicyNeeds
     from kvroute.data_plane.inflight import RouterInflight
-    from kvroute.data_plane.policies import PolicyNeeds
     from kvroute.data_plane.routing import Router
     from kvroute.v1 import kvroute_pb2 as pb
 

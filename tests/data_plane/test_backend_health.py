@@ -6,8 +6,8 @@ import asyncio
 
 from kvroute.data_plane.backend_health import BackendHealth
 from kvroute.data_plane.control_plane_client import KnownWorker
+from kvroute.data_plane.decision.policies import make_policy
 from kvroute.data_plane.inflight import RouterInflight
-from kvroute.data_plane.policies import make_policy
 from kvroute.data_plane.query_deadline import QueryDeadline
 from kvroute.data_plane.routing import Router
 from kvroute.v1 import kvroute_pb2 as pb

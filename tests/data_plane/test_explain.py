@@ -10,7 +10,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvroute.data_plane.policies import Candidate, KvAware, KvAwareParams, RoutingInput, explain_scores, make_policy
+from kvroute.data_plane.decision.policies import Candidate, KvAware, KvAwareParams, RoutingInput, explain_scores, make_policy
 
 BS = 16
 

@@ -23,10 +23,10 @@ from kvroute.block_keys import prompt_block_keys
 from kvroute.data_plane.app_reservations import AppReservations
 from kvroute.data_plane.backend_health import BackendHealth
 from kvroute.data_plane.control_plane_client import ControlPlaneClient
+from kvroute.data_plane.decision.policies import make_policy
 from kvroute.data_plane.grpc_api import RouterGrpcService, add_router_service
 from kvroute.data_plane.http_api import RouterHttpApi
 from kvroute.data_plane.inflight import RouterInflight
-from kvroute.data_plane.policies import make_policy
 from kvroute.data_plane.proxy import BackendProxy
 from kvroute.data_plane.request_prep import RequestPreparer
 from kvroute.data_plane.routing import Router

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvroute.data_plane.policies import Candidate, KvAware, LeastLoaded, RoutingInput, make_policy
+from kvroute.data_plane.decision.policies import Candidate, KvAware, LeastLoaded, RoutingInput, make_policy
 
 REQ = RoutingInput("m", prompt_tokens=4096)
 
@@ -52,7 +52,7 @@ def test_kv_aware_leaves_a_cached_worker_whose_engine_reports_a_deep_queue() -> 
 
 
 def test_kv_aware_cost_is_the_documented_formula() -> None:
-    from kvroute.data_plane.policies import KvAwareParams
+    from kvroute.data_plane.decision.policies import KvAwareParams
 
     p = KvAwareParams(queue_weight=0.5, mean_prompt_tokens=1000, decode_weight=10)
     c = cand("a", cached_tokens=1000, pending_prefill_tokens=300, waiting_requests=7, running_requests=3,

@@ -116,9 +116,9 @@ async def test_malformed_and_silent_engines_raise_what_the_proxy_retries_on() ->
 
 async def test_the_control_plane_hears_one_message_for_a_whole_answer_and_two_for_a_stream() -> None:
     from kvroute.data_plane.backend_health import BackendHealth
+    from kvroute.data_plane.decision.policies import Candidate
     from kvroute.data_plane.inflight import RouterInflight
     from kvroute.data_plane.metrics import RouterMetrics
-    from kvroute.data_plane.policies import Candidate
     from kvroute.data_plane.proxy import BackendProxy
     from kvroute.data_plane.routing import RouteDecision
 

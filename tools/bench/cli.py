@@ -109,7 +109,7 @@ def add_live_arguments(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("local fleet (started unless --router-url / --engine-urls are given)")
     f.add_argument("--policies", default="kv_aware,round_robin", help="comma-separated policies, one router each")
     f.add_argument("--kv-aware-param", action="append", default=[], metavar="NAME=VALUE",
-                   help="one of kv_aware's weights (kvroute.data_plane.policies.KvAwareParams) for its router and its "
+                   help="one of kv_aware's weights (kvroute.data_plane.decision.policies.KvAwareParams) for its router and its "
                         "simulation, repeatable; with --router-url, pass the router's own")
     f.add_argument("--engines", type=int, default=4, help="sim engines, each with its own agent")
     f.add_argument("--num-blocks", type=int, default=640, help="KV cache capacity of each engine, in blocks")

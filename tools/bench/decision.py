@@ -28,8 +28,8 @@ import grpc
 from kvroute import aio
 from kvroute.block_keys import prompt_block_keys
 from kvroute.data_plane.control_plane_client import ControlPlaneClient, query_message
+from kvroute.data_plane.decision.policies import make_policy
 from kvroute.data_plane.inflight import RouterInflight
-from kvroute.data_plane.policies import make_policy
 from kvroute.data_plane.routing import Router
 from kvroute.data_plane.tokenization import load_tokenizer
 from kvroute.prom_text import sample_sums

@@ -25,7 +25,7 @@ from typing import TextIO
 
 import aiohttp
 
-from kvroute.data_plane.policies import parse_kv_aware_params
+from kvroute.data_plane.decision.policies import parse_kv_aware_params
 from kvroute.tools.local_cluster import LocalCluster, ManagedProcess, engine_prefix_counters, http_get, http_post_json, wait_until
 from kvroute.tools.sim_engine.cost_model import CostModel
 from kvroute.tools.sim_engine.engine import EngineConfig

@@ -14,10 +14,10 @@ from aiohttp import web
 
 from kvroute import aio
 from kvroute.data_plane.backend_health import BackendHealth
+from kvroute.data_plane.decision.policies import Candidate
 from kvroute.data_plane.http_errors import openai_errors
 from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.metrics import RouterMetrics
-from kvroute.data_plane.policies import Candidate
 from kvroute.data_plane.proxy import BackendProxy
 from kvroute.data_plane.routing import RouteDecision
 from kvroute.process import wait_for_stop_signal

@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tokens-per-s", type=float, default=None, help="cost model: prefill rate")
     p.add_argument("--event-delay-ms", type=float, default=0.0, help="KV event propagation delay to the index")
     p.add_argument("--kv-aware-param", action="append", default=[], metavar="NAME=VALUE",
-                   help="override one of kv_aware's weights (kvroute.data_plane.policies.KvAwareParams), repeatable")
+                   help="override one of kv_aware's weights (kvroute.data_plane.decision.policies.KvAwareParams), repeatable")
     p.add_argument("--seed", type=int, default=0, help="makes a run reproducible bit for bit")
     p.add_argument("--seeds", default=None, metavar="S1,S2,...",
                    help="run the comparison once per seed and summarise it per policy (mean, min, max; on how "
@@ -70,7 +70,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvroute.data_plane.policies import parse_kv_aware_params
+    from kvroute.data_plane.decision.policies import parse_kv_aware_params
 
     try:
         kv_aware_params = parse_kv_aware_params(args.kv_aware_param)

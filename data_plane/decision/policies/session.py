@@ -6,8 +6,8 @@ import random
 
 import xxhash
 
-from kvroute.data_plane.policies.base import NEEDS_NOTHING, Candidate, Choice, RoutingInput, make_rng, require_candidates
-from kvroute.data_plane.policies.load_balancing import LeastLoaded
+from kvroute.data_plane.decision.policies.base import NEEDS_NOTHING, Candidate, Choice, RoutingInput, make_rng, require_candidates
+from kvroute.data_plane.decision.policies.load_balancing import LeastLoaded
 
 
 class SessionAffinity:

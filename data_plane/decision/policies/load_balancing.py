@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from kvroute.data_plane.policies.base import (
+from kvroute.data_plane.decision.policies.base import (
     NEEDS_NOTHING,
     Candidate,
     Choice,

@@ -10,7 +10,7 @@ from array import array
 from collections.abc import Collection, Sequence
 
 from kvroute.block_keys import pack_token_ids
-from kvroute.data_plane.policies.base import (
+from kvroute.data_plane.decision.policies.base import (
     NEEDS_TOKENS,
     Candidate,
     Choice,
@@ -21,7 +21,7 @@ from kvroute.data_plane.policies.base import (
     request_load,
     require_candidates,
 )
-from kvroute.data_plane.policies.load_balancing import LeastLoaded
+from kvroute.data_plane.decision.policies.load_balancing import LeastLoaded
 
 # SGLang router defaults (sgl-router's Python launcher, RouterArgs): cache_threshold 0.3,
 # balance_abs_threshold 64, balance_rel_threshold 1.5, eviction_interval_secs 120, max_tree_size

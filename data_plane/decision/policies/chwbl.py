@@ -10,7 +10,14 @@ from array import array
 
 import xxhash
 
-from kvroute.data_plane.policies.base import NEEDS_TOKENS, Candidate, Choice, RoutingInput, request_load, require_candidates
+from kvroute.data_plane.decision.policies.base import (
+    NEEDS_TOKENS,
+    Candidate,
+    Choice,
+    RoutingInput,
+    request_load,
+    require_candidates,
+)
 
 # KubeAI's PrefixHash defaults (its Model CRD, loadBalancing.prefixHash): meanLoadFactor 125 (%),
 # replication 256 (virtual nodes per endpoint), prefixCharLength 100. KubeAI hashes the first 100

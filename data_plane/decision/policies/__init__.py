@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from kvroute.data_plane.policies.approx_tree import ApproxTree, PromptTree
-from kvroute.data_plane.policies.base import (
+from kvroute.data_plane.decision.policies.approx_tree import ApproxTree, PromptTree
+from kvroute.data_plane.decision.policies.base import (
     Candidate,
     CandidateExplanation,
     Choice,
@@ -43,10 +43,10 @@ from kvroute.data_plane.policies.base import (
     explain_scores,
     request_load,
 )
-from kvroute.data_plane.policies.chwbl import PrefixHashBoundedLoad
-from kvroute.data_plane.policies.kv_aware import KvAware, KvAwareParams, parse_kv_aware_params
-from kvroute.data_plane.policies.load_balancing import LeastLoaded, RandomPolicy, RoundRobin
-from kvroute.data_plane.policies.session import SessionAffinity
+from kvroute.data_plane.decision.policies.chwbl import PrefixHashBoundedLoad
+from kvroute.data_plane.decision.policies.kv_aware import KvAware, KvAwareParams, parse_kv_aware_params
+from kvroute.data_plane.decision.policies.load_balancing import LeastLoaded, RandomPolicy, RoundRobin
+from kvroute.data_plane.decision.policies.session import SessionAffinity
 
 __all__ = ["POLICIES", "ApproxTree", "Candidate", "CandidateExplanation", "Choice", "Explanation", "KvAware", "KvAwareParams", "LeastLoaded",
            "PolicyNeeds", "PrefixHashBoundedLoad", "PromptTree", "RandomPolicy", "RoundRobin", "RoutingInput", "RoutingPolicy",

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 
 import xxhash
 
-from kvroute.data_plane.policies.base import (
+from kvroute.data_plane.decision.policies.base import (
     NEEDS_INDEX,
     Candidate,
     CandidateExplanation,

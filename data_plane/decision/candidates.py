@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
 
-from kvroute.data_plane.policies import Candidate
+from kvroute.data_plane.decision.policies import Candidate
 
 
 class WorkerLoadView(Protocol):
@@ -49,6 +49,7 @@ class KnownWorkerView(Protocol):
     block_size: int
     cached_blocks: int
     load: WorkerLoadView
+    data_parallel_rank: int | None
 
 
 class OwnInflight(Protocol):
