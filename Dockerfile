@@ -14,9 +14,15 @@ COPY control_plane ./control_plane
 COPY data_plane ./data_plane
 COPY worker_agent ./worker_agent
 COPY tools ./tools
-# The runtime dependencies only: no `tools` extra (the image runs the product, not the benches).
+# Run after installing the epp extra (see below); not part of the wheel.
+COPY scripts/restore_shadowed_protos.py ./scripts/
+# The runtime dependencies and the `epp` extra (Envoy's protos: `kvroute epp`, the gateway component);
+# no `tools` extra (the image runs the product, not the benches). xds-protos overwrites modules of
+# opentelemetry-proto and googleapis-common-protos: the script reinstalls those two with pip
+# (docs/epp.md), so it runs before pip is removed, and fails the build if one stays overwritten.
 # Byte-compiled here: the containers' root filesystem is read-only, so a process could not cache it.
-RUN /opt/kvroute/bin/pip install . \
+RUN /opt/kvroute/bin/pip install '.[epp]' \
+    && /opt/kvroute/bin/python scripts/restore_shadowed_protos.py \
     && /opt/kvroute/bin/pip uninstall --yes pip setuptools wheel
 
 FROM ${PYTHON_IMAGE}

