@@ -31,6 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_generated_workload_knobs(p.add_argument_group("generated workload"))
     p.add_argument("--prefill-tokens-per-s", type=float, default=None, help="cost model: prefill rate")
     p.add_argument("--event-delay-ms", type=float, default=0.0, help="KV event propagation delay to the index")
+    p.add_argument("--routers", type=_positive_int, default=1,
+                   help="routers taking the requests in turn, each deciding on its own view of the fleet and sharing "
+                        "its in-flight requests through the control plane")
+    p.add_argument("--view-delay-ms", type=_non_negative_float, default=0.0,
+                   help="how late every change (engine events and load, other routers' reservations) reaches a "
+                        "router's view; with --routers 1 and 0 the router reads the control plane's state itself")
     p.add_argument("--kv-aware-param", action="append", default=[], metavar="NAME=VALUE",
                    help="override one of kv_aware's weights (kvroute.data_plane.decision.policies.KvAwareParams), repeatable")
     p.add_argument("--seed", type=int, default=0, help="makes a run reproducible bit for bit")
@@ -52,6 +58,8 @@ def add_generated_workload_knobs(g, requests: int = 2000, rate: float = 20.0, ou
     g.add_argument("--groups", type=int, default=8, help="distinct shared prompts / documents / agents")
     g.add_argument("--system-prompt-tokens", type=int, default=2048, help="shared prefix length")
     g.add_argument("--output-tokens", type=int, default=output_tokens, help="output tokens per request")
+    g.add_argument("--burst-size", type=int, default=4, help="bursts: requests per burst (one prefix)")
+    g.add_argument("--burst-gap-ms", type=float, default=1.5, help="bursts: time between a burst's requests")
 
 
 def generated_workload(args: argparse.Namespace) -> list:
@@ -60,7 +68,8 @@ def generated_workload(args: argparse.Namespace) -> list:
 
     return generate(GeneratedWorkload(args.workload, requests=args.requests, rate_rps=args.rate, arrival=args.arrival,
                                       seed=args.seed, groups=args.groups, system_prompt_tokens=args.system_prompt_tokens,
-                                      output_tokens=args.output_tokens))
+                                      output_tokens=args.output_tokens, burst_size=args.burst_size,
+                                      burst_gap_ms=args.burst_gap_ms))
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -178,9 +187,11 @@ def _run_one_seed(args: argparse.Namespace, trace, kv_aware_params: dict, warnin
             for path in plots:
                 rel = os.path.relpath(path, os.path.dirname(os.path.abspath(args.report)))
                 f.write(f"\n![{path.stem}]({rel})\n")
+    views = {"routers": args.routers, "view_delay_ms": args.view_delay_ms} \
+        if args.routers > 1 or args.view_delay_ms > 0 else {}
     print(json.dumps({"oracle_hit_rate": round(outcome["oracle"], 4),
                       "oracle_hit_rate_infinite": round(outcome["oracle_inf"], 4), "policies": outcome["policies"],
-                      "block_size": outcome["block_size"], "warnings": warnings}))
+                      "block_size": outcome["block_size"], "warnings": warnings} | views))
     return 0
 
 
@@ -203,7 +214,8 @@ def _simulate(args: argparse.Namespace, trace, kv_aware_params: dict, log) -> di
     num_blocks = args.num_blocks or max(1, 1_048_576 // block_size)
     cost = CostModel(prefill_tokens_per_s=args.prefill_tokens_per_s) if args.prefill_tokens_per_s else CostModel()
     config = FleetConfig(workers=args.workers, num_blocks=num_blocks, block_size=block_size, cost=cost,
-                         event_delay_s=args.event_delay_ms / 1000, seed=args.seed, kv_aware_params=kv_aware_params)
+                         event_delay_s=args.event_delay_ms / 1000, seed=args.seed, kv_aware_params=kv_aware_params,
+                         routers=args.routers, view_delay_s=args.view_delay_ms / 1000)
     log(f"{source}: {len(workload)} requests, {args.workers} workers x {num_blocks} blocks of {block_size}")
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
     t0 = time.monotonic()
@@ -237,3 +249,17 @@ def _simulate(args: argparse.Namespace, trace, kv_aware_params: dict, log) -> di
                f"{time.monotonic() - started:.1f}s")
     return {"policies": results, "lines": lines, "summary": summary, "runs": runs, "oracle": oracle,
             "oracle_inf": oracle_inf, "source": source, "source_name": source_name, "block_size": block_size}
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return number
+
+
+def _non_negative_float(value: str) -> float:
+    number = float(value)
+    if not number >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return number

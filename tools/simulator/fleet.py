@@ -26,11 +26,15 @@ from dataclasses import dataclass, field
 
 from kvroute.block_keys import prompt_block_keys
 from kvroute.data_plane.control_plane_client import KnownWorker
-from kvroute.data_plane.decision.candidates import build_candidates
+from kvroute.data_plane.decision.decide import decide
 from kvroute.data_plane.decision.policies import RoutingInput, make_policy
 from kvroute.data_plane.inflight import InflightTicket, RouterInflight
-from kvroute.fleet.answer import IndexColumns
-from kvroute.prefix_index import BitmaskPrefixIndex
+from kvroute.fleet.answer import answer_columns
+from kvroute.fleet.changes import ChangeEncoder, apply_change
+from kvroute.fleet.entries import BlockOp, HeartbeatBody, Op, RegisterBody
+from kvroute.fleet.inflight import Reservation
+from kvroute.fleet.state import FleetState
+from kvroute.prefix_index import BitmaskPrefixIndex, Tier
 from kvroute.tools.sim_engine.cost_model import CostModel
 from kvroute.tools.sim_engine.prefix_cache import ClearedEvent, PrefixCache, RemovedEvent, StoredEvent
 from kvroute.tools.sim_engine.scheduler import Scheduler, SimRequest
@@ -55,6 +59,8 @@ class FleetConfig:
     event_delay_s: float = 0.0
     seed: int = 0
     kv_aware_params: dict = field(default_factory=dict)  # KvAwareParams fields (kv_aware runs only)
+    routers: int = 1            # routers deciding in turn, each on its own view of the fleet
+    view_delay_s: float = 0.0   # how late each change of the control plane's state reaches a router's view
 
 
 @dataclass
@@ -89,28 +95,68 @@ class _Worker:
         self.step_end = 0.0  # when the running step (or decode stretch) ends, while busy
 
 
-class _RouterView:
-    """What a router would know of the simulated fleet, always fresh: the known workers (as
-    ListWorkers reports them, blocks held from the index) and the control plane's columnar answer
-    (the index's match and each engine's queue at this instant). No reservations: one router."""
+class _SimRouter:
+    """One router: its own in-flight tracking and policy, and the state it decides on (the control
+    plane's own with one router and no delay, else its view, fed by the change log `view_delay_s` late)."""
 
-    def __init__(self, workers: list[_Worker], block_size: int) -> None:
-        self.workers = workers
-        self.by_id = {w.worker_id: w for w in workers}
-        self.known = [KnownWorker(w.worker_id, MODEL, "", block_size, pb.WorkerLoad()) for w in workers]
-        self._zeros = [0] * len(workers)
-        self._usage = [0.0] * len(workers)
+    def __init__(self, number: int, policy, known: list[KnownWorker], state: FleetState, view: bool) -> None:
+        self.router_id = f"router-{number}"
+        self.policy = policy
+        self.known = known
+        self.own = RouterInflight()
+        self.state = state
+        self.view = view
+        self.applied = 0       # changes of the log applied to the view
+        self.session = None    # its session at the control plane (several routers)
 
-    def answer(self, index: BitmaskPrefixIndex, keys: list[int]) -> IndexColumns:
-        matched = index.match(keys)
-        for known, w in zip(self.known, self.workers):
-            known.cached_blocks = index.worker_block_count(w.slot)
-        zeros = self._zeros
-        return IndexColumns([w.worker_id for w in self.workers], [matched.get(w.slot, 0) for w in self.workers],
-                            cpu_blocks=zeros, disk_blocks=zeros, speculative_blocks=zeros, reserved_requests=zeros,
-                            reserved_prefill_tokens=zeros,
-                            running_requests=[len(w.scheduler.running) for w in self.workers],
-                            waiting_requests=[len(w.scheduler.waiting) for w in self.workers], kv_usage=self._usage)
+    def catch_up(self, log: list[tuple[float, pb.FleetChange]], until: float) -> None:
+        """Apply the control plane's changes made at or before `until` to this router's view."""
+        if not self.view:
+            return
+        i, state = self.applied, self.state
+        while i < len(log) and log[i][0] <= until:
+            apply_change(state, log[i][1])
+            i += 1
+        self.applied = i
+
+
+class _ControlPlane:
+    """The control plane's state; with views, every change it applies is logged with its time."""
+
+    def __init__(self, workers: list[_Worker], views: bool, block_size: int) -> None:
+        self.state = FleetState.build(BitmaskPrefixIndex(), heartbeat_timeout_s=float("inf"),
+                                      reservation_max_age_s=1e12)
+        self.log: list[tuple[float, pb.FleetChange]] = []
+        self.now = 0.0
+        if views:
+            encoder = ChangeEncoder(self.state, "control-plane", lambda change, model: self.log.append((self.now, change)))
+            self.state.applier.listener = self.state.inflight.listener = encoder
+        self.records = [self.state.applier.register(w.worker_id, RegisterBody(MODEL, "sim", block_size, "", "", [], None,
+                                                                              "", ""), resume=False)
+                        for w in workers]
+        self._seq = [0] * len(workers)
+
+    def apply_events(self, w: _Worker, wire: list, now: float) -> None:
+        self.now = now
+        ops = []
+        for delta in w.resolver.apply(wire):
+            if type(delta) is KeysStored:
+                ops.append(BlockOp(Op.STORED, Tier.GPU, delta.keys))
+            elif type(delta) is KeysRemoved:
+                ops.append(BlockOp(Op.REMOVED, Tier.GPU, delta.keys))
+            else:
+                ops.append(BlockOp(Op.CLEARED, Tier.GPU))
+        if ops:
+            self._seq[w.slot] += 1
+            self.state.applier.apply_batch(self.records[w.slot], self._seq[w.slot], False, ops)
+
+    def report_load(self, w: _Worker, now: float) -> None:
+        """The worker's queues changed: the control plane hears of it at once."""
+        load = self.records[w.slot].load
+        running, waiting = len(w.scheduler.running), len(w.scheduler.waiting)
+        if (load.running_requests, load.waiting_requests) != (running, waiting):
+            self.now = now
+            self.state.applier.heartbeat(self.records[w.slot], HeartbeatBody(running, waiting, 0.0, 0, []))
 
 
 def true_ttft(w: _Worker, prompt: Sequence[int], max_tokens: int, now: float,
@@ -162,20 +208,29 @@ def _to_wire(event, block_size: int):
 def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config: FleetConfig,
                     progress=None, detail: bool = False) -> PolicyRun:
     oracle = policy_name == TTFT_ORACLE
-    policy = None if oracle else make_policy(policy_name, seed=config.seed,
-                                             **(config.kv_aware_params if policy_name == "kv_aware" else {}))
     oracle_rng = random.Random(config.seed)
     workers = [_Worker(i, config) for i in range(config.workers)]
-    router_view = _RouterView(workers, config.block_size)
-    index = BitmaskPrefixIndex()
-    load = RouterInflight()
+    views = config.routers > 1 or config.view_delay_s > 0
+    cp = _ControlPlane(workers, views, config.block_size)
+    known = [KnownWorker(w.worker_id, MODEL, "", config.block_size, pb.WorkerLoad()) for w in workers]
+    routers = []
+    for number in range(max(1, config.routers)):
+        policy = None if oracle else make_policy(policy_name, seed=config.seed + number,
+                                                 **(config.kv_aware_params if policy_name == "kv_aware" else {}))
+        router = _SimRouter(number, policy, known, FleetState.build(BitmaskPrefixIndex()) if views else cp.state,
+                            views)
+        if config.routers > 1:
+            router.session = cp.state.inflight.open_session(router.router_id)
+            router.state.applier.listener = None
+        routers.append(router)
     run = PolicyRun(policy_name)
     seq = itertools.count()
     arrivals = sorted(workload, key=lambda r: r.arrival_s)
     next_arrival = 0
     # (time, order, kind, payload): kind 1 = step done, 2 = events reach the index
     heap: list[tuple[float, int, int, object]] = []
-    tickets: dict[str, tuple[InflightTicket, float]] = {}
+    # request id -> (its router, its ticket there, arrival, its reservation at the control plane or None)
+    tickets: dict[str, tuple[_SimRouter, InflightTicket, float, Reservation | None]] = {}
     ids = itertools.count()
     now = 0.0
     done = 0
@@ -201,8 +256,10 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
             now = req.arrival_s
             keys = prompt_block_keys(req.tokens, config.block_size, MODEL)
             too_big = -(-(len(req.tokens) + req.output_tokens) // config.block_size) > config.num_blocks
+            router = routers[(next_arrival - 1) % len(routers)]
             if not oracle:  # policies decide even on a request the engine will reject (their state moves on)
-                w, cached = _policy_choice(policy, router_view, index, load, req, keys, config)
+                router.catch_up(cp.log, now - config.view_delay_s)
+                w, cached = _policy_choice(router, workers, req, keys, config)
             elif not too_big:
                 w, cached = _oracle_choice(workers, req, now, config, oracle_rng)
             if too_big:
@@ -210,8 +267,15 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
                 continue
             sim_req = SimRequest(f"r{next(ids)}", req.tokens, req.output_tokens)
             w.scheduler.add(sim_req)
-            tickets[sim_req.request_id] = (load.start(w.worker_id, max(0, len(req.tokens) - cached), keys),
-                                           req.arrival_s)
+            prefill = max(0, len(req.tokens) - cached)
+            reservation = None
+            if router.session is not None:
+                cp.now = now
+                reservation = cp.state.inflight.reserve(router.session, next(seq), w.slot, keys, prefill, 0,
+                                                        len(req.tokens), config.block_size)
+            tickets[sim_req.request_id] = (router, router.own.start(w.worker_id, prefill, keys), req.arrival_s,
+                                           reservation)
+            cp.report_load(w, now)
             if not w.busy:
                 start_step(w, now)
             continue
@@ -219,16 +283,21 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
         if kind == 1:
             w, result = payload
             w.busy = False
+            cp.now = now
             for r in result.first_tokens:
-                ticket, arrival = tickets[r.request_id]
+                router, ticket, arrival, reservation = tickets[r.request_id]
                 run.ttft_s.append(now - arrival)
                 if detail:
                     run.requests.append((arrival, workers.index(w), r.hit_tokens, len(r.prompt), now - arrival))
-                load.first_token(ticket)
+                router.own.first_token(ticket)
+                if reservation is not None:
+                    cp.state.inflight.prefill_done(reservation.session, reservation.reservation_id)
             for r in result.finished:
-                ticket, arrival = tickets.pop(r.request_id)
+                router, ticket, arrival, reservation = tickets.pop(r.request_id)
                 run.e2e_s.append(now - arrival)
-                load.finish(ticket)
+                router.own.finish(ticket)
+                if reservation is not None:
+                    cp.state.inflight.release(reservation.session, reservation.reservation_id)
                 done += 1
                 if progress and done % 500 == 0:
                     progress(done)
@@ -238,12 +307,13 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
                 if config.event_delay_s > 0:
                     heapq.heappush(heap, (now + config.event_delay_s, next(seq), 2, (w, wire)))
                 else:
-                    _apply(index, w, wire)
+                    cp.apply_events(w, wire, now)
             if w.scheduler.has_work():
                 start_step(w, now)
+            cp.report_load(w, now)
         else:
             w, wire = payload
-            _apply(index, w, wire)
+            cp.apply_events(w, wire, now)
     run.makespan_s = now
     run.busy_s = [w.busy_s for w in workers]
     run.hit_tokens = sum(w.cache.hits_tokens for w in workers)
@@ -251,15 +321,17 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
     return run
 
 
-def _policy_choice(policy, fleet: _RouterView, index: BitmaskPrefixIndex, load: RouterInflight,
-                   req: SimWorkloadRequest, keys: list[int], config: FleetConfig) -> tuple[_Worker, int]:
-    """The router's way: the index's answer and this router's in-flight tracking through the router's
-    own `build_candidates`, then the policy."""
-    candidates = build_candidates(fleet.known, load, {config.block_size: keys}, len(req.tokens),
-                                  fleet.answer(index, keys))
-    choice = policy.choose(RoutingInput(MODEL, len(req.tokens), token_ids=req.tokens, session_key=req.session,
-                                        chains={config.block_size: keys}), candidates)
-    return fleet.by_id[choice.worker.worker_id], choice.worker.cached_tokens
+def _policy_choice(router: _SimRouter, workers: list[_Worker], req: SimWorkloadRequest, keys: list[int],
+                   config: FleetConfig) -> tuple[_Worker, int]:
+    """The router's way: the index's answer from the state it decides on (`answer_columns`, as the
+    control plane answers and a router's view does), then `decide`."""
+    chains = {config.block_size: keys}
+    state = router.state
+    asking = state.inflight.routers.get(router.router_id) if router.session is not None else None
+    columns = answer_columns(state, MODEL, chains, "", asking)
+    request = RoutingInput(MODEL, len(req.tokens), token_ids=req.tokens, session_key=req.session, chains=chains)
+    decision = decide(router.policy, request, router.known, router.own, columns)
+    return workers[int(decision.worker_id[1:])], decision.cached_tokens
 
 
 def _oracle_choice(workers: list[_Worker], req: SimWorkloadRequest, now: float, config: FleetConfig,
@@ -269,16 +341,6 @@ def _oracle_choice(workers: list[_Worker], req: SimWorkloadRequest, now: float, 
     best = min(est[:2] for est, _ in options)
     tied = [(w, est[2]) for est, w in options if est[:2] == best]
     return tied[0] if len(tied) == 1 else rng.choice(tied)
-
-
-def _apply(index: BitmaskPrefixIndex, w: _Worker, wire: list) -> None:
-    for delta in w.resolver.apply(wire):
-        if type(delta) is KeysStored:
-            index.store(w.slot, delta.keys)
-        elif type(delta) is KeysRemoved:
-            index.remove(w.slot, delta.keys)
-        else:
-            index.clear(w.slot)
 
 
 def oracle_hit_rate(workload: list[SimWorkloadRequest], block_size: int, capacity_blocks: int | None) -> float:

@@ -111,9 +111,12 @@ class GeneratedWorkload:
     doc_tokens: int = 2048
     docs_per_request: int = 2
     hot_share: float = 0.6            # hot-prefix: share of requests on the one hot system prompt
+    burst_size: int = 4               # bursts: requests per burst, all on one prefix
+    burst_gap_ms: float = 1.5         # bursts: between two requests of a burst
+    new_prefix_share: float = 0.5     # bursts: share of bursts on a prefix never seen before
 
 
-WORKLOAD_NAMES = ("shared-prefix", "multi-turn", "rag", "agent", "one-shot", "hot-prefix")
+WORKLOAD_NAMES = ("shared-prefix", "multi-turn", "rag", "agent", "one-shot", "hot-prefix", "bursts")
 
 
 def _arrivals(w: GeneratedWorkload, rng: random.Random) -> list[float]:
@@ -136,6 +139,8 @@ def generate(w: GeneratedWorkload) -> list[SimWorkloadRequest]:
     def unique(n: int) -> list[int]:
         return [next(fresh) for _ in range(n)]
 
+    if w.name == "bursts":
+        return _bursts(w, rng, unique)
     arrivals = _arrivals(w, rng)
     out: list[SimWorkloadRequest] = []
     if w.name in ("shared-prefix", "agent"):
@@ -178,4 +183,27 @@ def generate(w: GeneratedWorkload) -> list[SimWorkloadRequest]:
     else:  # one-shot: nothing to share, routing can only balance load
         for t in arrivals:
             out.append(SimWorkloadRequest(t, pack_token_ids(unique(w.system_prompt_tokens + w.user_tokens)), w.output_tokens))
+    return out
+
+
+def _bursts(w: GeneratedWorkload, rng: random.Random, unique) -> list[SimWorkloadRequest]:
+    """Bursts of `burst_size` requests `burst_gap_ms` apart on one prefix, starting as a Poisson
+    process (`rate_rps` requests a second in all); a burst's prefix is new with `new_prefix_share`,
+    else one of the last `groups` prefixes. What several routers must agree on without talking: where
+    the first requests of a new prefix go, while the first one's blocks are not cached anywhere yet."""
+    if w.burst_size <= 0 or w.burst_gap_ms < 0 or not 0.0 <= w.new_prefix_share <= 1.0:
+        raise ValueError("bursts need burst_size > 0, burst_gap_ms >= 0 and new_prefix_share in [0, 1]")
+    prefixes: list[list[int]] = []
+    out: list[SimWorkloadRequest] = []
+    t = 0.0
+    while len(out) < w.requests:
+        t += rng.expovariate(w.rate_rps / w.burst_size)
+        if not prefixes or rng.random() < w.new_prefix_share:
+            prefixes.append(unique(w.system_prompt_tokens))
+            prefix = prefixes[-1]
+        else:
+            prefix = rng.choice(prefixes[-w.groups:])
+        for i in range(min(w.burst_size, w.requests - len(out))):
+            out.append(SimWorkloadRequest(t + i * w.burst_gap_ms / 1000, pack_token_ids(prefix + unique(w.user_tokens)),
+                                          w.output_tokens))
     return out
