@@ -17,6 +17,11 @@ client that keeps channels that it should open new ones). Servers and clients lo
 files the same way: files that do not load (half written, not PEM, a key that is not the
 certificate's) keep the previous certificates, with one warning per version of the files, and the
 next change is tried again.
+
+A gRPC call that failed because the TLS handshake did (no or the wrong client certificate, a
+plaintext client of a TLS server, ...) often reads as just `UNAVAILABLE ... Socket closed`;
+`tls_failure_hint` turns it into a line that says so, with the likely cause and the flags, for the
+errors and logs of every kvroute client (`describe_rpc_error`, `rpc_failure_reason`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import ssl
 import threading
 import time
@@ -275,6 +281,67 @@ def open_channel(address: str, tls: ClientTls | None, options: list[tuple[str, o
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options)
     return grpc.aio.secure_channel(address, tls.grpc_credentials(), options=options)
+
+
+TLS_FLAGS = f"--tls-cert/--tls-key/--tls-ca (or {ENV_CERT}/{ENV_KEY}/{ENV_CA})"
+_OPENSSL_REASON = re.compile(r"OPENSSL_internal:([A-Z0-9_]+)(?::\s*([^:]+))?")
+
+
+def tls_failure_hint(error: grpc.RpcError, tls: ClientTls | None) -> str | None:
+    """A one-line explanation when `error` (a failed call of a client with `tls`, None = plaintext)
+    is a TLS handshake that failed, naming the flags to check; None when it is something else.
+
+    gRPC tells only part of it: a handshake this client refused says why (the server's certificate,
+    a plaintext server), one the server refused reads "Socket closed" at connection set-up, and the
+    cause is then inferred from what this client presented."""
+    code = error.code()
+    if code is None or code.name != "UNAVAILABLE":
+        return None
+    details = error.details() or ""
+    lowered = details.lower()
+    if "handshake failed" in lowered:
+        match = _OPENSSL_REASON.search(details)
+        why, text = match.groups() if match else ("", "")
+        if why == "WRONG_VERSION_NUMBER":
+            cause = f" ({why}): the server answered in plaintext, it serves no TLS"
+        elif why == "CERTIFICATE_VERIFY_FAILED":
+            trusted = "a CA in --tls-ca" if tls is not None and tls.files.ca else "a CA this system trusts (no --tls-ca)"
+            cause = f" ({why}: {text.strip()}): the server's certificate is not signed by {trusted}"
+        else:
+            cause = f" ({details.partition('handshake failed')[2].strip(' :')})"
+    elif "hostname verification" in lowered:
+        cause = ": the server's certificate does not name the address dialled (no such DNS or IP SAN)"
+    elif "security handshaker" in lowered:
+        cause = ": this client's own certificate files do not load"
+    elif "failed to connect to all addresses" in lowered and ("socket closed" in lowered or "connection reset" in lowered):
+        closed = ": the server closed the connection at set-up"
+        if tls is None:
+            cause = f"{closed}: it probably serves TLS and this client has none"
+        elif not tls.files.cert:
+            cause = f"{closed}: it probably requires a client certificate and this client has none"
+        else:
+            cause = f"{closed}: it probably refused this client's certificate (not signed by its CA, or expired)"
+    else:
+        return None
+    return f"TLS handshake failed{cause}; check {TLS_FLAGS}"
+
+
+def rpc_failure_reason(error: BaseException, tls: ClientTls | None) -> str:
+    """Why a call failed, in a few words (logs, /ready): the TLS hint when a handshake failed, else
+    the status name (the repr of an error that is not gRPC's)."""
+    import grpc
+
+    if not isinstance(error, grpc.RpcError) or not hasattr(error, "code"):
+        return repr(error)
+    return tls_failure_hint(error, tls) or error.code().name
+
+
+def describe_rpc_error(error: grpc.RpcError, tls: ClientTls | None) -> str:
+    """`CODE: details` of a failed call, or `CODE: <hint>` when it is a failed TLS handshake
+    (`tls_failure_hint`)."""
+    code = error.code()
+    name = code.name if code is not None else "UNKNOWN"
+    return f"{name}: {tls_failure_hint(error, tls) or error.details()}"
 
 
 def client_tls(files: TlsFiles) -> ClientTls | None:

@@ -25,7 +25,10 @@ from kvroute.tls import (
     ServerTls,
     TlsConfigError,
     TlsFiles,
+    describe_rpc_error,
     open_channel,
+    rpc_failure_reason,
+    tls_failure_hint,
 )
 from kvroute.tools.local_cluster import kvroute_argv
 from kvroute.v1 import kvroute_pb2 as pb
@@ -165,6 +168,35 @@ def test_server_tls_warns_once_per_bad_version_of_its_files(tmp_path, caplog, mo
     overwrite(served.key, fresh.key.read_bytes())
     overwrite(served.cert, fresh.cert.read_bytes())
     assert tls.fetch() is not None and "TLS files reloaded" in caplog.text
+
+
+async def test_the_tls_hint_names_a_plaintext_server_and_stays_out_of_other_failures(tmp_path):
+    """A TLS client of a plaintext server is told so; a refused connection and a server's own error
+    are not TLS failures and read as before."""
+    ca = TestCA(tmp_path / "pki")
+    tls = client(ca, "router-1")
+    server = ControlPlaneServer(ControlPlaneConfig(listen="127.0.0.1:0"))
+    port = await server.start()
+
+    async def failure(address: str, tls: ClientTls | None) -> grpc.aio.AioRpcError:
+        async with open_channel(address, tls) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as failed:  # an unknown worker: NOT_FOUND once connected
+                await pb_grpc.ControlPlaneStub(channel).GetWorkerKeys(pb.GetWorkerKeysRequest(worker_id="nobody"),
+                                                                      timeout=5)
+        return failed.value
+
+    try:
+        plaintext = await failure(f"localhost:{port}", tls)
+        assert describe_rpc_error(plaintext, tls).startswith("UNAVAILABLE: TLS handshake failed (WRONG_VERSION_NUMBER):")
+        assert "serves no TLS" in describe_rpc_error(plaintext, tls) and "--tls-cert/--tls-key/--tls-ca" in \
+            describe_rpc_error(plaintext, tls)
+        unknown = await failure(f"localhost:{port}", None)
+        assert tls_failure_hint(unknown, None) is None and rpc_failure_reason(unknown, None) == unknown.code().name
+    finally:
+        await server.stop(0)
+    refused = await failure(f"127.0.0.1:{port}", tls)
+    assert tls_failure_hint(refused, tls) is None and tls_failure_hint(refused, None) is None
+    assert describe_rpc_error(refused, tls) == f"UNAVAILABLE: {refused.details()}"
 
 
 async def https_health_site(tls: ServerTls, require_client_cert: bool) -> tuple[web.AppRunner, int]:

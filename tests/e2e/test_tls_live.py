@@ -1,11 +1,12 @@
 """TLS against live processes: certificate files that do not load under a running router and agent
 keep the control-plane link up (the previous certificate stays in use) until a valid one replaces
-them."""
+them; a client whose TLS handshake fails says so, naming the flags, instead of "Socket closed"."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -14,10 +15,13 @@ import pytest
 
 from kvroute.identity import router_uri, worker_uri
 from kvroute.tls import ClientTls, TlsFiles
-from kvroute.tools.local_cluster import LocalCluster, http_get, http_post_json, long_text, wait_until
+from kvroute.tools.local_cluster import LocalCluster, http_get, http_post_json, kvroute_argv, long_text, wait_until
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 from tests.tls_certs import CertFiles, TestCA
+
+HINT = "TLS handshake failed"
+FLAGS = "--tls-cert/--tls-key/--tls-ca (or KVROUTE_TLS_CERT/KVROUTE_TLS_KEY/KVROUTE_TLS_CA)"
 
 
 def tls_args(cert: CertFiles | None, ca: Path) -> tuple[str, ...]:
@@ -114,3 +118,44 @@ def test_client_certificates_that_do_not_load_keep_the_link_until_a_valid_one(tm
     assert log_count(cluster, "agent-sim-0", "TLS files reloaded") == 1, engine.agent.log_tail()
     wait_until(lambda: kv_aware(router, body) and ready_control_plane(router)["reachable"], 30,
                "the router back with the new certificate", cluster.all_processes())
+
+
+def audit(address: str, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVROUTE_TLS_", "GRPC_VERBOSITY"))}
+    return subprocess.run(kvroute_argv("audit", "--control-plane", address, *args), capture_output=True, text=True,
+                          timeout=60, env=env, check=False)
+
+
+@pytest.mark.timeout(240)
+def test_failed_tls_handshakes_say_so_and_name_the_flags(tmp_path, local_fleet) -> None:
+    """`kvroute audit` against an mTLS control plane without a client certificate, with one from another
+    CA, with another CA altogether and in plaintext: one line on stderr saying the handshake failed and
+    naming the flags, exit 2. A router without a client certificate and an agent with one from another CA
+    say the same in their logs (and the router on /ready)."""
+    ca, other = TestCA(tmp_path / "pki", "kvroute-ca"), TestCA(tmp_path / "other", "other-ca")
+    served = ca.issue("control-plane")
+    cluster = local_fleet("tls-hints")
+    address = cluster.start_control_plane(extra_args=tls_args(served, ca.ca_path))
+    stranger = other.issue("stranger", uris=[router_uri("stranger")])
+    cases = {"no client certificate": (("--tls-ca", str(ca.ca_path)), "requires a client certificate"),
+             "a certificate from another CA": (tls_args(stranger, ca.ca_path), "refused this client's certificate"),
+             "another CA altogether": (tls_args(stranger, other.ca_path), "CERTIFICATE_VERIFY_FAILED"),
+             "plaintext": ((), "it probably serves TLS and this client has none")}
+    for case, (args, cause) in cases.items():
+        done = audit(address, *args)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, f"{case}: {done.returncode}\n{done.stderr}"
+        assert lines[0].startswith(f"error: control plane {address}: ListWorkers UNAVAILABLE: {HINT}"), (case, lines)
+        assert cause in lines[0] and FLAGS in lines[0] and "Traceback" not in done.stdout, (case, lines)
+
+    router = cluster.start_router("no-cert", "kv_aware", "--tls-ca", str(ca.ca_path))
+    wait_until(lambda: HINT in (ready_control_plane(router)["error"] or ""), 30, "the router's /ready",
+               cluster.all_processes())
+    wait_until(lambda: log_count(cluster, "router-no-cert", f"unreachable ({HINT}"), 30, "the router's log",
+               cluster.all_processes())
+    assert "requires a client certificate" in ready_control_plane(router)["error"]
+    engine = cluster.add_sim_engine("sim-0", start_agent=False)
+    cluster.start_agent(engine, *tls_args(other.issue("agent-sim-0", uris=[worker_uri("sim-0")]), ca.ca_path))
+    wait_until(lambda: log_count(cluster, "agent-sim-0", f"unavailable (attempt 1): UNAVAILABLE: {HINT}"), 30,
+               "the agent's log", cluster.all_processes())
+    assert "refused this client's certificate" in engine.agent.log_tail(50)
