@@ -80,7 +80,8 @@ class TlsFiles:
         for flag, path in (("--tls-cert", self.cert), ("--tls-key", self.key), ("--tls-ca", self.ca)):
             if path and not os.access(path, os.R_OK):
                 raise TlsConfigError(f"{flag} {path}: cannot read the file")
-        _load_pems(self)
+        if self.enabled:  # plaintext: nothing to load
+            _load_pems(self)
         return self
 
 
