@@ -478,7 +478,7 @@ async def audit_fleet(control_plane: str, workers: Sequence[str] = (), *, settle
     import grpc
 
     from kvroute.prefix_index import Tier
-    from kvroute.tls import open_channel
+    from kvroute.tls import describe_rpc_error, open_channel
     from kvroute.v1 import kvroute_pb2 as pb
     from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
@@ -488,7 +488,7 @@ async def audit_fleet(control_plane: str, workers: Sequence[str] = (), *, settle
         try:
             listed = (await stub.ListWorkers(pb.ListWorkersRequest(), timeout=timeout_s)).workers
         except grpc.aio.AioRpcError as exc:
-            return FleetAudit([], [f"control plane {control_plane}: ListWorkers {exc.code().name}: {exc.details()}"])
+            return FleetAudit([], [f"control plane {control_plane}: ListWorkers {describe_rpc_error(exc, tls)}"])
         by_id = {w.worker_id: w for w in listed}
         wanted = list(workers) or sorted(by_id)
         errors = [f"worker {w!r} is not registered with the control plane" for w in wanted if w not in by_id]

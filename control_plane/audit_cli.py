@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from kvroute.control_plane.audit import WorkerAudit, audit_fleet
@@ -42,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvroute import aio
 
+    # gRPC's own INFO lines (one per failed handshake) would precede the one-line error that says what
+    # failed and what to check; GRPC_VERBOSITY set by the caller still wins. Read when grpc loads.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     return aio.run(run_audit(args))
 
 

@@ -34,7 +34,7 @@ from kvroute.data_plane.fleet_view import FleetFollower, FleetView
 from kvroute.data_plane.query_deadline import QueryDeadline
 from kvroute.data_plane.router_session import RouterSessionLink, SessionUnavailable, cancel_and_wait
 from kvroute.rate_limited_log import RateLimitedLog
-from kvroute.tls import ClientTls, grpc_message_options, open_channel
+from kvroute.tls import ClientTls, grpc_message_options, open_channel, rpc_failure_reason
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
@@ -81,7 +81,7 @@ class ControlPlaneClient:
         self._session_address = ""
         self._session_losses = 0     # in a row, since the last session that opened
         self._sessions_seen = 0
-        self.session = RouterSessionLink(self._session_stub, router_id, on_lost=self._session_lost) \
+        self.session = RouterSessionLink(self._session_stub, router_id, on_lost=self._session_lost, tls=tls) \
             if use_session else None
         self.view = view
         if view is not None and self.session is not None:
@@ -278,7 +278,7 @@ class ControlPlaneClient:
             except Exception as exc:  # noqa: BLE001 - the refresher must never die
                 self.reachable = False
                 failures += 1
-                reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
+                reason = rpc_failure_reason(exc, self.tls)
                 self.last_error = reason
                 self._problems.warning("unreachable", "control plane %s unreachable (%s, %d times); routing on the last "
                                        "known fleet (%d workers)", self.address, reason, failures,

@@ -33,6 +33,7 @@ import grpc
 
 from kvroute.backoff import Backoff
 from kvroute.rate_limited_log import RateLimitedLog
+from kvroute.tls import ClientTls, rpc_failure_reason
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
@@ -78,11 +79,12 @@ def default_router_id() -> str:
 class RouterSessionLink:
     def __init__(self, stub: pb_grpc.ControlPlaneStub | Callable[[], pb_grpc.ControlPlaneStub],
                  router_id: str | None = None, reconnect_delay_s: float = 0.2, max_reconnect_delay_s: float = 5.0,
-                 on_lost: Callable[[], bool] | None = None) -> None:
+                 on_lost: Callable[[], bool] | None = None, tls: ClientTls | None = None) -> None:
         # A stub, or a function giving the stub of the replica to use now (several replicas).
         self._stub_of = stub if callable(stub) else (lambda: stub)
         # Called when a session fails; True = another replica was picked, reconnect without a pause.
         self._on_lost = on_lost
+        self._tls = tls  # the stubs' channels' TLS (None = plaintext): says what a failed handshake means
         self.router_id = router_id or default_router_id()
         self._backoff = Backoff(reconnect_delay_s, max_reconnect_delay_s)
         self._problems = RateLimitedLog(log, period_s=30.0)
@@ -232,7 +234,7 @@ class RouterSessionLink:
             except Exception as exc:  # noqa: BLE001 - the link must never die
                 if self.connected:  # it was up: its loss is news, not more of an outage already logged
                     self._problems.recovered("lost")
-                reason = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
+                reason = rpc_failure_reason(exc, self._tls)
                 self._problems.warning("lost", "router session to the control plane failed (%s); queries go unary "
                                        "and in-flight state stays local until it is back", reason)
             finally:

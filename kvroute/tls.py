@@ -9,12 +9,19 @@ of them set: plaintext, as before (`make demo`). The rule is one CA per process:
 - a client with a CA verifies the server against it (and presents its own certificate and key
   when it has them); without a CA but with a certificate it uses the system's trust store.
 
-Reloading: the files are read again when one of their modification times changes (a rotated
+Reloading: the files are read again when one's modification time, size or inode changes (a rotated
 certificate, e.g. cert-manager or a Kubernetes secret update). A gRPC server asks
 `ServerTls.fetch` at every handshake (`grpc.dynamic_ssl_server_credentials`), an HTTPS listener
 checks in its SNI callback, a client when it opens a channel (`ClientTls.generation` tells a
-client that keeps channels that it should open new ones). A file that fails to load (half
-written) keeps the previous certificates and is tried again at the next check.
+client that keeps channels that it should open new ones). Servers and clients load and check the
+files the same way: files that do not load (half written, not PEM, a key that is not the
+certificate's) keep the previous certificates, with one warning per version of the files, and the
+next change is tried again.
+
+A gRPC call that failed because the TLS handshake did (no or the wrong client certificate, a
+plaintext client of a TLS server, ...) often reads as just `UNAVAILABLE ... Socket closed`;
+`tls_failure_hint` turns it into a line that says so, with the likely cause and the flags, for the
+errors and logs of every kvroute client (`describe_rpc_error`, `rpc_failure_reason`).
 """
 
 from __future__ import annotations
@@ -22,10 +29,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import ssl
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -72,15 +80,8 @@ class TlsFiles:
         for flag, path in (("--tls-cert", self.cert), ("--tls-key", self.key), ("--tls-ca", self.ca)):
             if path and not os.access(path, os.R_OK):
                 raise TlsConfigError(f"{flag} {path}: cannot read the file")
-        try:
-            if self.cert:
-                _check_pair(Path(self.cert).read_bytes(), Path(self.key).read_bytes(),
-                            Path(self.ca).read_bytes() if self.ca else None)
-            elif self.ca:
-                ssl.create_default_context(cafile=self.ca)
-        except (OSError, ssl.SSLError, ValueError) as exc:
-            raise TlsConfigError(f"--tls-cert {self.cert or '-'} / --tls-key {self.key or '-'} / --tls-ca "
-                                 f"{self.ca or '-'} do not load: {exc}") from None
+        if self.enabled:  # plaintext: nothing to load
+            _load_pems(self)
         return self
 
 
@@ -100,49 +101,36 @@ def tls_files_from_args(args: argparse.Namespace, *, server: bool) -> TlsFiles:
     return TlsFiles(args.tls_cert or "", args.tls_key or "", args.tls_ca or "").check(server=server)
 
 
-class _Watched:
-    """The bytes of some files, read again when a modification time changes (checked every RECHECK_S)."""
+@dataclass(frozen=True)
+class _Pems:
+    """The bytes of a TlsFiles' files; None for a file not given."""
 
-    def __init__(self, paths: tuple[str, ...]) -> None:
-        self.paths = paths
-        self._lock = threading.Lock()  # gRPC calls the fetcher from its own threads
-        self._checked = 0.0
-        self._stamps = self._stat()
-        self.contents = self._read()
-        self.generation = 0  # bumped at every successful reload
+    cert: bytes | None
+    key: bytes | None
+    ca: bytes | None
 
-    def _stat(self) -> tuple[tuple[int, int], ...]:
-        stamps = []
-        for path in self.paths:
-            st = os.stat(path)
-            stamps.append((st.st_mtime_ns, st.st_size))
-        return tuple(stamps)
 
-    def _read(self) -> tuple[bytes, ...]:
-        return tuple(Path(p).read_bytes() for p in self.paths)
+def _read_pems(files: TlsFiles) -> _Pems:
+    """Read and validate `files`: the certificate with its key (and the CA), or the CA alone; raises
+    OSError, ssl.SSLError or ValueError. The one loader of start-up checks and reloads alike."""
+    pems = _Pems(*(Path(path).read_bytes() if path else None for path in (files.cert, files.key, files.ca)))
+    if pems.cert is not None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        _load_chain(context, pems.cert, pems.key or b"")
+    else:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if pems.ca is not None:
+        context.load_verify_locations(cadata=pems.ca.decode("ascii", "replace"))
+    return pems
 
-    def changed(self, validate: Callable[[tuple[bytes, ...]], None]) -> bool:
-        """Reload if a file changed since the last load and `validate(contents)` accepts the new
-        bytes; True when it did."""
-        now = time.monotonic()
-        with self._lock:
-            if now - self._checked < RECHECK_S:
-                return False
-            self._checked = now
-            try:
-                stamps = self._stat()
-                if stamps == self._stamps:
-                    return False
-                contents = self._read()
-                validate(contents)
-            except (OSError, ssl.SSLError, ValueError) as exc:
-                log.warning("TLS files %s changed but do not load (%s): keeping the previous ones",
-                            ", ".join(self.paths), exc)
-                return False
-            self._stamps, self.contents = stamps, contents
-            self.generation += 1
-            log.info("TLS files reloaded: %s", ", ".join(self.paths))
-            return True
+
+def _load_pems(files: TlsFiles) -> _Pems:
+    """`_read_pems`, failing with a TlsConfigError that names the flags (start-up)."""
+    try:
+        return _read_pems(files)
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        raise TlsConfigError(f"--tls-cert {files.cert or '-'} / --tls-key {files.key or '-'} / --tls-ca "
+                             f"{files.ca or '-'} do not load: {exc}") from None
 
 
 def _load_chain(context: ssl.SSLContext, cert: bytes, key: bytes) -> None:
@@ -154,15 +142,62 @@ def _load_chain(context: ssl.SSLContext, cert: bytes, key: bytes) -> None:
         cert_path.write_bytes(cert)
         key_path.touch(0o600)
         key_path.write_bytes(key)
-        context.load_cert_chain(cert_path, key_path)
+        # An encrypted key fails here instead of OpenSSL asking for its passphrase on the terminal.
+        context.load_cert_chain(cert_path, key_path, password=b"")
 
 
-def _check_pair(cert: bytes, key: bytes, ca: bytes | None) -> None:
-    """ValueError/SSLError when the PEMs do not load as a certificate with its key (and a CA)."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    _load_chain(context, cert, key)
-    if ca is not None:
-        context.load_verify_locations(cadata=ca.decode("ascii", "replace"))
+class _WatchedFiles:
+    """The loaded TLS files of a server or a client, loaded again when one of them changes.
+
+    `refresh()` (at most once per RECHECK_S) stats the files; when they changed it loads and validates
+    them (`_read_pems`), keeps the previous ones if they do not load, logging that once per version of
+    the files, and bumps `generation` when they do."""
+
+    def __init__(self, files: TlsFiles) -> None:
+        self.files = files
+        self._lock = threading.Lock()  # gRPC calls the fetcher from its own threads
+        self._checked = 0.0
+        self._stamps = self._stat()  # before the read: a write after it shows as a change
+        self.pems = _load_pems(files)
+        self.generation = 0  # bumped at every successful reload
+        self._rejected: object = None  # the stamps (or stat error) of the version that did not load
+
+    def _stat(self) -> tuple[tuple[int, int, int], ...]:
+        stamps = []
+        for path in self.files.paths():
+            st = os.stat(path)
+            stamps.append((st.st_mtime_ns, st.st_size, st.st_ino))
+        return tuple(stamps)
+
+    def refresh(self) -> bool:
+        """Reload if a file changed since the last load and the new files load; True when it did."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._checked < RECHECK_S:
+                return False
+            self._checked = now
+            try:
+                stamps = self._stat()
+            except OSError as exc:  # e.g. a secret's files swapped right now
+                self._reject(str(exc), str(exc))
+                return False
+            if stamps in (self._stamps, self._rejected):
+                return False
+            try:
+                pems = _read_pems(self.files)
+            except (OSError, ssl.SSLError, ValueError) as exc:  # e.g. half written, or a key of another certificate
+                self._reject(stamps, str(exc))
+                return False
+            self._stamps, self.pems, self._rejected = stamps, pems, None
+            self.generation += 1
+            log.info("TLS files reloaded: %s", ", ".join(self.files.paths()))
+            return True
+
+    def _reject(self, version: object, why: str) -> None:
+        if version != self._rejected:
+            log.warning("TLS files %s changed but do not load (%s): keeping the previous ones",
+                        ", ".join(self.files.paths()), why)
+            self._rejected = version
 
 
 class ServerTls:
@@ -170,27 +205,17 @@ class ServerTls:
 
     def __init__(self, files: TlsFiles) -> None:
         self.files = files.check(server=True)
-        self._watch = _Watched(files.paths())
-        self._validate(self._watch.contents)
-
-    def _split(self, contents: tuple[bytes, ...]) -> tuple[bytes, bytes, bytes | None]:
-        return contents[0], contents[1], contents[2] if self.files.ca else None
-
-    def _validate(self, contents: tuple[bytes, ...]) -> None:
-        try:
-            _check_pair(*self._split(contents))
-        except (ssl.SSLError, ValueError) as exc:
-            raise TlsConfigError(f"--tls-cert {self.files.cert} / --tls-key {self.files.key}: {exc}") from None
+        self._watch = _WatchedFiles(self.files)
 
     def _config(self) -> grpc.ServerCertificateConfiguration:
         import grpc
 
-        cert, key, ca = self._split(self._watch.contents)
-        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+        pems = self._watch.pems
+        return grpc.ssl_server_certificate_configuration([(pems.key, pems.cert)], root_certificates=pems.ca)
 
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
         """gRPC's config fetcher (called at each handshake): a new configuration, or None to keep it."""
-        return self._config() if self._watch.changed(lambda c: _check_pair(*self._split(c))) else None
+        return self._config() if self._watch.refresh() else None
 
     def grpc_credentials(self) -> grpc.ServerCredentials:
         import grpc
@@ -205,7 +230,7 @@ class ServerTls:
         current = [first]
 
         def on_hello(sock: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext) -> None:
-            if self._watch.changed(lambda c: _check_pair(*self._split(c))):
+            if self._watch.refresh():
                 current[0] = self._build_context(require_client_cert)
             if sock.context is not current[0]:
                 sock.context = current[0]
@@ -214,40 +239,40 @@ class ServerTls:
         return first
 
     def _build_context(self, require_client_cert: bool) -> ssl.SSLContext:
-        cert, key, ca = self._split(self._watch.contents)
+        pems = self._watch.pems
         # Not create_default_context: it trusts the system's CAs, and client certificates must come from ours.
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
-        _load_chain(context, cert, key)
+        _load_chain(context, pems.cert or b"", pems.key or b"")
         if require_client_cert:
-            if ca is None:
+            if pems.ca is None:
                 raise TlsConfigError("client certificates need --tls-ca (the CA that signs them)")
-            context.load_verify_locations(cadata=ca.decode("ascii", "replace"))
+            context.load_verify_locations(cadata=pems.ca.decode("ascii", "replace"))
             context.verify_mode = ssl.CERT_REQUIRED
         return context
 
 
 class ClientTls:
-    """gRPC channel credentials from the files, rebuilt when they change."""
+    """gRPC channel credentials from the files, rebuilt when they change (and load: files that do
+    not keep the previous ones, as on a server)."""
 
     def __init__(self, files: TlsFiles) -> None:
         self.files = files.check(server=False)
-        self._watch = _Watched(files.paths())
+        self._watch = _WatchedFiles(self.files)
 
     @property
     def generation(self) -> int:
         """Changes when the files were reloaded: channels opened before use the old certificate."""
-        self._watch.changed(lambda _c: None)
+        self._watch.refresh()
         return self._watch.generation
 
     def grpc_credentials(self) -> grpc.ChannelCredentials:
         import grpc
 
-        self._watch.changed(lambda _c: None)
-        by_path = dict(zip(self._watch.paths, self._watch.contents))
-        return grpc.ssl_channel_credentials(root_certificates=by_path.get(self.files.ca),
-                                            private_key=by_path.get(self.files.key),
-                                            certificate_chain=by_path.get(self.files.cert))
+        self._watch.refresh()
+        pems = self._watch.pems
+        return grpc.ssl_channel_credentials(root_certificates=pems.ca, private_key=pems.key,
+                                            certificate_chain=pems.cert)
 
 
 def open_channel(address: str, tls: ClientTls | None, options: list[tuple[str, object]] | None = None):
@@ -257,6 +282,67 @@ def open_channel(address: str, tls: ClientTls | None, options: list[tuple[str, o
     if tls is None:
         return grpc.aio.insecure_channel(address, options=options)
     return grpc.aio.secure_channel(address, tls.grpc_credentials(), options=options)
+
+
+TLS_FLAGS = f"--tls-cert/--tls-key/--tls-ca (or {ENV_CERT}/{ENV_KEY}/{ENV_CA})"
+_OPENSSL_REASON = re.compile(r"OPENSSL_internal:([A-Z0-9_]+)(?::\s*([^:]+))?")
+
+
+def tls_failure_hint(error: grpc.RpcError, tls: ClientTls | None) -> str | None:
+    """A one-line explanation when `error` (a failed call of a client with `tls`, None = plaintext)
+    is a TLS handshake that failed, naming the flags to check; None when it is something else.
+
+    gRPC tells only part of it: a handshake this client refused says why (the server's certificate,
+    a plaintext server), one the server refused reads "Socket closed" at connection set-up, and the
+    cause is then inferred from what this client presented."""
+    code = error.code()
+    if code is None or code.name != "UNAVAILABLE":
+        return None
+    details = error.details() or ""
+    lowered = details.lower()
+    if "handshake failed" in lowered:
+        match = _OPENSSL_REASON.search(details)
+        why, text = match.groups() if match else ("", "")
+        if why == "WRONG_VERSION_NUMBER":
+            cause = f" ({why}): the server answered in plaintext, it serves no TLS"
+        elif why == "CERTIFICATE_VERIFY_FAILED":
+            trusted = "a CA in --tls-ca" if tls is not None and tls.files.ca else "a CA this system trusts (no --tls-ca)"
+            cause = f" ({why}: {text.strip()}): the server's certificate is not signed by {trusted}"
+        else:
+            cause = f" ({details.partition('handshake failed')[2].strip(' :')})"
+    elif "hostname verification" in lowered:
+        cause = ": the server's certificate does not name the address dialled (no such DNS or IP SAN)"
+    elif "security handshaker" in lowered:
+        cause = ": this client's own certificate files do not load"
+    elif "failed to connect to all addresses" in lowered and ("socket closed" in lowered or "connection reset" in lowered):
+        closed = ": the server closed the connection at set-up"
+        if tls is None:
+            cause = f"{closed}: it probably serves TLS and this client has none"
+        elif not tls.files.cert:
+            cause = f"{closed}: it probably requires a client certificate and this client has none"
+        else:
+            cause = f"{closed}: it probably refused this client's certificate (not signed by its CA, or expired)"
+    else:
+        return None
+    return f"TLS handshake failed{cause}; check {TLS_FLAGS}"
+
+
+def rpc_failure_reason(error: BaseException, tls: ClientTls | None) -> str:
+    """Why a call failed, in a few words (logs, /ready): the TLS hint when a handshake failed, else
+    the status name (the repr of an error that is not gRPC's)."""
+    import grpc
+
+    if not isinstance(error, grpc.RpcError) or not hasattr(error, "code"):
+        return repr(error)
+    return tls_failure_hint(error, tls) or error.code().name
+
+
+def describe_rpc_error(error: grpc.RpcError, tls: ClientTls | None) -> str:
+    """`CODE: details` of a failed call, or `CODE: <hint>` when it is a failed TLS handshake
+    (`tls_failure_hint`)."""
+    code = error.code()
+    name = code.name if code is not None else "UNKNOWN"
+    return f"{name}: {tls_failure_hint(error, tls) or error.details()}"
 
 
 def client_tls(files: TlsFiles) -> ClientTls | None:

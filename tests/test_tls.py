@@ -5,19 +5,31 @@ files are one line at start-up; worker ids survive the URI SAN round trip."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import ssl
 import subprocess
+from pathlib import Path
 
 import aiohttp
 import grpc
 import pytest
 from aiohttp import web
 
+from kvroute import tls as tls_module
 from kvroute.control_plane.server import ControlPlaneConfig, ControlPlaneServer
 from kvroute.identity import identity_from_uris, router_uri, worker_uri
 from kvroute.listeners import start_http_site
-from kvroute.tls import ClientTls, ServerTls, TlsConfigError, TlsFiles, open_channel
+from kvroute.tls import (
+    ClientTls,
+    ServerTls,
+    TlsConfigError,
+    TlsFiles,
+    describe_rpc_error,
+    open_channel,
+    rpc_failure_reason,
+    tls_failure_hint,
+)
 from kvroute.tools.local_cluster import kvroute_argv
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
@@ -92,6 +104,99 @@ async def test_client_channels_pick_up_a_rotated_client_certificate(tmp_path):
         assert await list_workers(port, tls) == grpc.StatusCode.OK
     finally:
         await server.stop(0)
+
+
+def overwrite(path: Path, data: bytes) -> None:
+    """New contents in place, with a later modification time than the last version's (the files are
+    told apart by time and size, and two writes within one tick of the kernel's clock share a time)."""
+    before = path.stat().st_mtime_ns
+    path.write_bytes(data)
+    if path.stat().st_mtime_ns <= before:
+        os.utime(path, ns=(before + 1, before + 1))
+
+
+def do_not_load(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "do not load" in r.getMessage()]
+
+
+async def test_client_tls_keeps_the_previous_certificate_when_new_files_do_not_load(tmp_path, caplog, monkeypatch):
+    """Garbage, then a key of another certificate, in a client's files: channels opened meanwhile still
+    use the last pair that loaded (and get in), `generation` stays, and each bad version is one warning;
+    a valid new certificate is picked up."""
+    monkeypatch.setattr(tls_module, "RECHECK_S", 0.0)  # every look at the files checks them
+    ca = TestCA(tmp_path / "pki", "kvroute-ca")
+    served = ca.issue("control-plane")
+    server = ControlPlaneServer(ControlPlaneConfig(listen="127.0.0.1:0", tls=TlsFiles(
+        str(served.cert), str(served.key), str(ca.ca_path))))
+    port = await server.start()
+    caplog.set_level(logging.INFO, logger="kvroute.tls")
+    try:
+        mine = ca.issue("router-1", uris=[router_uri("router-1")])
+        tls = ClientTls(TlsFiles(str(mine.cert), str(mine.key), str(ca.ca_path)))
+        assert await list_workers(port, tls) == grpc.StatusCode.OK
+        overwrite(mine.cert, b"garbage, not a certificate\n")
+        for _ in range(3):
+            assert tls.generation == 0
+            assert await list_workers(port, tls) == grpc.StatusCode.OK
+        assert len(do_not_load(caplog)) == 1 and str(mine.cert) in do_not_load(caplog)[0], caplog.text
+        other = ca.issue("router-other", uris=[router_uri("router-1")])
+        overwrite(mine.cert, other.cert.read_bytes())  # a valid certificate, but not the key's
+        assert tls.generation == 0 and await list_workers(port, tls) == grpc.StatusCode.OK
+        assert len(do_not_load(caplog)) == 2, caplog.text
+        overwrite(mine.key, other.key.read_bytes())  # now the pair matches again: a new certificate
+        assert tls.generation == 1
+        assert await list_workers(port, tls) == grpc.StatusCode.OK
+        assert "TLS files reloaded" in caplog.text and len(do_not_load(caplog)) == 2
+    finally:
+        await server.stop(0)
+
+
+def test_server_tls_warns_once_per_bad_version_of_its_files(tmp_path, caplog, monkeypatch):
+    """The server side's reload is the same code: a bad file is one warning however many handshakes
+    look at it, and the configuration stays the last good one."""
+    monkeypatch.setattr(tls_module, "RECHECK_S", 0.0)
+    ca = TestCA(tmp_path / "pki")
+    served = ca.issue("control-plane")
+    tls = ServerTls(TlsFiles(str(served.cert), str(served.key), str(ca.ca_path)))
+    caplog.set_level(logging.INFO, logger="kvroute.tls")
+    overwrite(served.key, b"-----BEGIN PRIVATE KEY-----\nhalf writ")
+    assert [tls.fetch() for _ in range(5)] == [None] * 5
+    assert len(do_not_load(caplog)) == 1, caplog.text
+    overwrite(served.key, served.key.read_bytes()[:10])  # another bad version: said again
+    assert tls.fetch() is None and len(do_not_load(caplog)) == 2
+    fresh = ca.issue("control-plane-2")
+    overwrite(served.key, fresh.key.read_bytes())
+    overwrite(served.cert, fresh.cert.read_bytes())
+    assert tls.fetch() is not None and "TLS files reloaded" in caplog.text
+
+
+async def test_the_tls_hint_names_a_plaintext_server_and_stays_out_of_other_failures(tmp_path):
+    """A TLS client of a plaintext server is told so; a refused connection and a server's own error
+    are not TLS failures and read as before."""
+    ca = TestCA(tmp_path / "pki")
+    tls = client(ca, "router-1")
+    server = ControlPlaneServer(ControlPlaneConfig(listen="127.0.0.1:0"))
+    port = await server.start()
+
+    async def failure(address: str, tls: ClientTls | None) -> grpc.aio.AioRpcError:
+        async with open_channel(address, tls) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as failed:  # an unknown worker: NOT_FOUND once connected
+                await pb_grpc.ControlPlaneStub(channel).GetWorkerKeys(pb.GetWorkerKeysRequest(worker_id="nobody"),
+                                                                      timeout=5)
+        return failed.value
+
+    try:
+        plaintext = await failure(f"localhost:{port}", tls)
+        assert describe_rpc_error(plaintext, tls).startswith("UNAVAILABLE: TLS handshake failed (WRONG_VERSION_NUMBER):")
+        assert "serves no TLS" in describe_rpc_error(plaintext, tls) and "--tls-cert/--tls-key/--tls-ca" in \
+            describe_rpc_error(plaintext, tls)
+        unknown = await failure(f"localhost:{port}", None)
+        assert tls_failure_hint(unknown, None) is None and rpc_failure_reason(unknown, None) == unknown.code().name
+    finally:
+        await server.stop(0)
+    refused = await failure(f"127.0.0.1:{port}", tls)
+    assert tls_failure_hint(refused, tls) is None and tls_failure_hint(refused, None) is None
+    assert describe_rpc_error(refused, tls) == f"UNAVAILABLE: {refused.details()}"
 
 
 async def https_health_site(tls: ServerTls, require_client_cert: bool) -> tuple[web.AppRunner, int]:

@@ -48,7 +48,7 @@ from kvroute.addresses import AddressRotation
 from kvroute.backoff import Backoff
 from kvroute.rate_limited_log import RateLimitedLog
 from kvroute.telemetry import tracing_active
-from kvroute.tls import ClientTls, grpc_message_options, open_channel
+from kvroute.tls import ClientTls, describe_rpc_error, grpc_message_options, open_channel
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 from kvroute.worker_agent.block_deltas import BlockDelta, to_block_events
@@ -234,7 +234,7 @@ class ControlPlaneLink:
                 if refused:
                     self._on_refused(exc.details() or "")
                 else:
-                    self._log_failure(failures, f"{exc.code().name}: {exc.details()}", unreachable)
+                    self._log_failure(failures, describe_rpc_error(exc, self.tls), unreachable)
             except Exception as exc:  # noqa: BLE001 - the link must never die
                 failures += 1
                 self._log_failure(failures, f"{type(exc).__name__}: {exc}", False)
