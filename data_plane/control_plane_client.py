@@ -184,6 +184,11 @@ class ControlPlaneClient:
     def ever_reached(self) -> bool:
         return self.fleet_updated_at > 0
 
+    @property
+    def static_workers(self) -> list[KnownWorker]:
+        """The --static-workers fleet, given or not in use (it is used only until the control plane is first reached)."""
+        return list(self._static)
+
     def workers_for(self, model: str, lora_name: str = "") -> list[KnownWorker]:
         """Known workers of `model` (and, if given, serving the LoRA adapter `lora_name`)."""
         known = self._workers_for(model)

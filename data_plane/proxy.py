@@ -116,7 +116,10 @@ class BackendProxy:
                                       candidate.worker_id, failed)
                     return self._replay_error(failed, candidate)
         self._log.warning("exhausted", "no backend could serve the request: %s", "; ".join(failures))
-        return error_response(f"no backend could serve the request: all {len(failures)} workers tried failed "
+        down = self.health.down()
+        checks = ", as every one fails its health checks" if down and all(c.worker_id in down for c in attempts) \
+            else ""
+        return error_response(f"no backend could serve the request: all {len(failures)} workers tried failed{checks} "
                               "(the router's log has the details)", 502, "backend_unavailable")
 
     def _replay_error(self, failed: _Failed, candidate: Candidate) -> web.Response:

@@ -192,13 +192,16 @@ async def start_control_plane(cp: FakeControlPlane, port: int = 0) -> tuple[grpc
 
 
 async def make_stack(tiny_model_dir, *, policy: str = "kv_aware", with_cp: bool = True, static_a: bool = False,
-                     query_timeout_s: float = 0.5, max_prompt_tokens: int = 4096, block_sizes=(16, 16)) -> Stack:
+                     query_timeout_s: float = 0.5, max_prompt_tokens: int = 4096, block_sizes=(16, 16),
+                     listed: bool = True) -> Stack:
+    """`listed`: the control plane lists A and B (else no worker at all)."""
     cp = FakeControlPlane()
     a, b = FakeBackend("A"), FakeBackend("B")
     await a.start()
     await b.start()
-    cp.add_worker("A", a.url, block_sizes[0])
-    cp.add_worker("B", b.url, block_sizes[1])
+    if listed:
+        cp.add_worker("A", a.url, block_sizes[0])
+        cp.add_worker("B", b.url, block_sizes[1])
     if with_cp:
         cp_server, cp_port = await start_control_plane(cp)
     else:  # an address where nothing listens
@@ -406,6 +409,8 @@ async def test_static_workers_when_control_plane_never_reached(tiny_model_dir) -
     try:
         status, _, body = await s.post("/v1/completions", completion())
         assert status == 503 and "no workers known" in body["error"]["message"]
+        assert "not reached yet" in body["error"]["message"] and "no --static-workers were given" in \
+            body["error"]["message"]
     finally:
         await close_stack(s)
     s = await make_stack(tiny_model_dir, with_cp=False, static_a=True)
@@ -416,6 +421,25 @@ async def test_static_workers_when_control_plane_never_reached(tiny_model_dir) -
         assert d["fail_open"] is True and [w["worker_id"] for w in d["workers"]] == ["A"]
         async with s.session.get(s.url + "/v1/models") as resp:
             assert [m["id"] for m in (await resp.json())["data"]] == [MODEL]
+    finally:
+        await close_stack(s)
+
+
+async def test_the_no_workers_503_says_what_is_true_with_static_workers_given(tiny_model_dir) -> None:
+    """A reachable control plane that lists no worker of the model, with --static-workers given: they
+    are not used (only until the control plane is first reached), and the 503 and /ready say so
+    instead of "no --static-workers fallback"."""
+    s = await make_stack(tiny_model_dir, static_a=True, listed=False)
+    try:
+        status, _, body = await s.post("/v1/completions", completion())
+        message = body["error"]["message"]
+        assert status == 503 and body["error"]["code"] == "no_workers", body
+        assert f"control plane {s.client.address} is reachable but lists none" in message, message
+        assert "the 1 --static-workers are used only until the control plane is first reached" in message, message
+        assert "no --static-workers" not in message and s.a.url not in message
+        async with s.session.get(s.url + "/ready") as resp:
+            ready = await resp.json()
+        assert resp.status == 503 and ready["problems"] == [message], ready
     finally:
         await close_stack(s)
 
