@@ -14,6 +14,9 @@
   so that is invisible to it. A failed worker is reported to `BackendHealth`, which later
   decisions read (it sits out a cooldown unless nothing else is known). If every attempt fails
   the client gets the last 5xx or a 502 that names no engine address (those go to the log, at most one line per worker / kind every 5 s);
+- an engine's error read whole (status >= 400 with a Content-Length up to 1 MiB, the last 5xx
+  included) goes to the client with its status and message as OpenAI's error object
+  (`http_errors.engine_error_body`); a streamed answer is relayed as it is;
 - keeps the in-flight state honest (`RouterInflight`: this router's own count and its reservation
   in the control plane): in flight from send to finish with the prompt's block keys at that
   worker's block size, prefill pending until the first byte, always released in `finally`;
@@ -35,7 +38,7 @@ from opentelemetry import propagate, trace
 from prometheus_client import Counter
 
 from kvroute.data_plane.backend_health import BackendHealth
-from kvroute.data_plane.http_errors import error_response
+from kvroute.data_plane.http_errors import engine_error_body, error_response
 from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.metrics import RouterMetrics
 from kvroute.data_plane.policies import Candidate
@@ -124,8 +127,16 @@ class BackendProxy:
 
     def _replay_error(self, failed: _Failed, candidate: Candidate) -> web.Response:
         assert failed.upstream is not None
-        response = web.Response(status=failed.upstream.status, body=failed.body)
-        self._copy_headers(failed.upstream, response, candidate.worker_id)
+        return self._engine_error(failed.upstream, failed.body, candidate.worker_id)
+
+    def _engine_error(self, upstream: UpstreamResponse, body: bytes, worker_id: str) -> web.Response:
+        """An engine's error, read whole: its status, its message in OpenAI's error object."""
+        rewritten = engine_error_body(upstream.status, body, upstream.headers)
+        response = web.Response(status=upstream.status, reason=upstream.reason,
+                                body=body if rewritten is None else rewritten)
+        self._copy_headers(upstream, response, worker_id)
+        if rewritten is not None:
+            response.headers["Content-Type"] = "application/json"
         return response
 
     @staticmethod
@@ -191,8 +202,11 @@ class BackendProxy:
                 self._count(decision.policy, worker, prompt_tokens, candidate.cached_tokens)
                 if whole:
                     # Handed to aiohttp whole: one write with its Content-Length, no chunk loop.
-                    response = web.Response(status=upstream.status, reason=upstream.reason, body=first)
-                    self._copy_headers(upstream, response, worker)
+                    if upstream.status >= 400:
+                        response = self._engine_error(upstream, first, worker)
+                    else:
+                        response = web.Response(status=upstream.status, reason=upstream.reason, body=first)
+                        self._copy_headers(upstream, response, worker)
                     if clock is not None:
                         clock.mark("first_byte")
                     if tail is not None:
