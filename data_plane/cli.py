@@ -76,7 +76,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "each segment costs its ids plus 64 for bookkeeping, ~4 bytes each; "
                         "0 tokenizes every prompt whole")
     p.add_argument("--static-workers", default="", metavar="ID=URL,...",
-                   help="fallback fleet used only while the control plane has never been reachable")
+                   help="fallback fleet used only while the control plane has never been reachable; the router "
+                        "checks these engines itself (--health-check-*)")
+    p.add_argument("--health-check-interval-s", type=_seconds(allow_zero=True), default=5.0, metavar="S",
+                   help="active health checks of the workers no agent reports on (--static-workers): one GET "
+                        "--health-check-path to each every S seconds; 0 = none")
+    p.add_argument("--health-check-timeout-s", type=_seconds(allow_zero=False), default=5.0, metavar="S",
+                   help="a health check not answered within S seconds failed")
+    p.add_argument("--health-failure-threshold", type=_positive_int, default=3, metavar="N",
+                   help="failed health checks in a row that take a worker out of routing (its first check "
+                        "alone decides)")
+    p.add_argument("--health-success-threshold", type=_positive_int, default=2, metavar="N",
+                   help="passed health checks in a row that bring a worker that was out back")
+    p.add_argument("--health-check-path", type=_url_path, default="/health", metavar="PATH",
+                   help="the path health checks GET; a 2xx answer passes (vLLM and SGLang serve /health)")
     p.add_argument("--capture-trace", default=None, metavar="PATH",
                    help="record routed requests to PATH as a Mooncake JSONL trace for `kvroute simulate --trace` "
                         "(lengths, timestamps and dense block ids only, no prompt content; "
@@ -127,6 +140,22 @@ def _positive_float(value: str) -> float:
     return number
 
 
+def _seconds(allow_zero: bool):
+    def parse(value: str) -> float:
+        seconds = float(value)
+        if not (seconds >= 0 if allow_zero else seconds > 0) or seconds == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be {'>= 0' if allow_zero else 'positive'} seconds, got {value}")
+        return seconds
+    parse.__name__ = "seconds"  # argparse names the type in its error: "invalid seconds value"
+    return parse
+
+
+def _url_path(value: str) -> str:
+    if not value.startswith("/") or any(c.isspace() for c in value):
+        raise argparse.ArgumentTypeError(f"must be a URL path starting with / (no spaces), got {value!r}")
+    return value
+
+
 def _block_tokens(value: str) -> int:
     tokens = int(value)
     if tokens <= 0:
@@ -161,7 +190,7 @@ async def serve(args: argparse.Namespace) -> int:
     if args.reservation_ttl_ms <= 0 or args.max_reservations <= 0:
         raise SystemExit("kvroute router: error: --reservation-ttl-ms and --max-reservations must be positive")
     service = build_routing_service(args, "router")  # shared with `kvroute epp`: routing_service.py
-    model, kv_params, control_plane = service.model, service.kv_params, service.control_plane
+    model, kv_params = service.model, service.kv_params
     inflight, metrics, router, preparer = service.inflight, service.metrics, service.router, service.preparer
     tls_files = service.tls_files  # its listeners serve TLS when it has a certificate
     try:
@@ -207,7 +236,7 @@ async def serve(args: argparse.Namespace) -> int:
             await grpc_server.start(serving=http.readiness().ready)
             # grpc.health.v1 says what GET /ready says (data_plane/readiness.py)
             health_task = asyncio.create_task(grpc_server.follow(lambda: http.readiness().ready))
-        control_plane.start()  # after the listeners: a port in use is the only line printed
+        service.start(engine_ssl)  # after the listeners: a port in use is the only line printed
         log.info("router ready: %s://%s:%d grpc=%s policy=%s model=%s control-plane=%s "
                  "query-timeout=%g-%gms (x%g slowest recent)%s%s", "https" if http_ssl else "http", args.host,
                  http_port, args.grpc_port or "off",
@@ -229,7 +258,7 @@ async def serve(args: argparse.Namespace) -> int:
         await runner.cleanup()
         if capture:  # after the servers, so rows of requests that finished while stopping are kept
             await capture.aclose()
-        await control_plane.close()
+        await service.close()
     return 0
 
 

@@ -192,6 +192,11 @@ class ControlPlaneClient:
     def ever_reached(self) -> bool:
         return self.fleet_updated_at > 0
 
+    @property
+    def static_workers(self) -> list[KnownWorker]:
+        """The --static-workers fleet, given or not in use (it is used only until the control plane is first reached)."""
+        return list(self._static)
+
     def heard_from_control_plane(self) -> None:
         """The follow stream delivered a message (the view's link is up)."""
         self.fleet_updated_at = time.monotonic()

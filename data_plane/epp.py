@@ -492,7 +492,7 @@ async def serve(args: argparse.Namespace) -> int:
     await listener.start(serving=False)
     health_task = asyncio.create_task(follow_readiness())
     try:
-        service.control_plane.start()  # after the listener: a port in use is the only line printed
+        service.start()  # after the listener: a port in use is the only line printed
         log.info("epp ready: grpc=%s:%d policy=%s model=%s control-plane=%s body-mode=%s failure-mode=%s",
                  args.host, listener.port, args.policy, service.model, args.control_plane, args.body_mode,
                  args.failure_mode)
@@ -504,7 +504,7 @@ async def serve(args: argparse.Namespace) -> int:
         await listener.stop(0.5)
         if status_runner is not None:
             await status_runner.cleanup()
-        await service.control_plane.close()
+        await service.close()
     return 0
 
 

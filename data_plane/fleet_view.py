@@ -40,6 +40,7 @@ from kvroute.fleet.changes import MalformedChange, apply_change
 from kvroute.fleet.state import FleetState
 from kvroute.prefix_index import BitmaskPrefixIndex, PrefixIndex, Tier
 from kvroute.rate_limited_log import RateLimitedLog
+from kvroute.tls import rpc_failure_reason
 from kvroute.v1 import kvroute_pb2 as pb
 
 if TYPE_CHECKING:
@@ -211,8 +212,8 @@ class FleetFollower:
                                        "with a snapshot", address, exc)
             except grpc.aio.AioRpcError as exc:
                 view.counters.stream_failures += 1
-                client.lost_control_plane(address, exc.code().name)
+                reason = rpc_failure_reason(exc, client.tls)
+                client.lost_control_plane(address, reason)
                 self._problems.warning("lost", "follow stream to control plane %s failed (%s): deciding on the "
-                                       "last view (%.1fs old) meanwhile", address, exc.code().name,
-                                       min(view.silence_s(), 1e9))
+                                       "last view meanwhile", address, reason)
             await self._backoff.sleep()

@@ -209,6 +209,9 @@ class RouterHttpApi:
     def sitting_out(self) -> frozenset[str]:
         return self.router.health.cooling_down()
 
+    def failing_health_checks(self) -> frozenset[str]:
+        return self.router.health.down()
+
     # ------------------------------------------------------------ handlers
 
     async def handle_chat(self, request: web.Request) -> web.StreamResponse:

@@ -52,26 +52,29 @@ class WorkerStates(Protocol):
 
     def known_workers(self) -> list[str]: ...
     def sitting_out(self) -> frozenset[str]: ...
+    def failing_health_checks(self) -> frozenset[str]: ...
 
 
 class _WorkerStateCollector:
-    """Per worker the router knows: healthy (routable) or sitting out after a failure (the circuit breaker)."""
+    """Per worker the router knows: healthy (routable), or not: failing its active health checks or
+    sitting out after a failed request (the circuit breaker)."""
 
     def __init__(self, states: WorkerStates) -> None:
         self.states = states
 
     def collect(self) -> Iterator[Metric]:
         states = self.states
-        out = states.sitting_out()
-        known = sorted(set(states.known_workers()) | out)
+        out, down = states.sitting_out(), states.failing_health_checks()
+        known = sorted(set(states.known_workers()) | out | down)
         healthy = GaugeMetricFamily("kvroute_router_worker_healthy",
-                                    "1 for a worker the router may send requests to, 0 while it sits out after a "
-                                    "failure (each worker the control plane lists for the model)", labels=["worker"])
+                                    "1 for a worker the router may send requests to; 0 while it fails its active "
+                                    "health checks or sits out after a failed request "
+                                    "(kvroute_router_worker_sitting_out says which)", labels=["worker"])
         sitting = GaugeMetricFamily("kvroute_router_worker_sitting_out",
                                     "1 while a worker sits out the cooldown after a failed attempt (circuit open)",
                                     labels=["worker"])
         for worker in known:
-            healthy.add_metric([worker], 0 if worker in out else 1)
+            healthy.add_metric([worker], 0 if worker in out or worker in down else 1)
             sitting.add_metric([worker], 1 if worker in out else 0)
         yield healthy
         yield sitting

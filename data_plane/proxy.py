@@ -14,6 +14,9 @@
   so that is invisible to it. A failed worker is reported to `BackendHealth`, which later
   decisions read (it sits out a cooldown unless nothing else is known). If every attempt fails
   the client gets the last 5xx or a 502 that names no engine address (those go to the log, at most one line per worker / kind every 5 s);
+- an engine's error read whole (status >= 400 with a Content-Length up to 1 MiB, the last 5xx
+  included) goes to the client with its status and message as OpenAI's error object
+  (`http_errors.engine_error_body`); a streamed answer is relayed as it is;
 - keeps the in-flight state honest (`RouterInflight`: this router's own count and its reservation
   in the control plane): in flight from send to finish with the prompt's block keys at that
   worker's block size, prefill pending until the first byte, always released in `finally`;
@@ -36,7 +39,7 @@ from prometheus_client import Counter
 
 from kvroute.data_plane.backend_health import BackendHealth
 from kvroute.data_plane.decision.policies import Candidate
-from kvroute.data_plane.http_errors import error_response
+from kvroute.data_plane.http_errors import engine_error_body, error_response
 from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.metrics import RouterMetrics
 from kvroute.data_plane.routing import RouteDecision
@@ -116,13 +119,24 @@ class BackendProxy:
                                       candidate.worker_id, failed)
                     return self._replay_error(failed, candidate)
         self._log.warning("exhausted", "no backend could serve the request: %s", "; ".join(failures))
-        return error_response(f"no backend could serve the request: all {len(failures)} workers tried failed "
+        down = self.health.down()
+        checks = ", as every one fails its health checks" if down and all(c.worker_id in down for c in attempts) \
+            else ""
+        return error_response(f"no backend could serve the request: all {len(failures)} workers tried failed{checks} "
                               "(the router's log has the details)", 502, "backend_unavailable")
 
     def _replay_error(self, failed: _Failed, candidate: Candidate) -> web.Response:
         assert failed.upstream is not None
-        response = web.Response(status=failed.upstream.status, body=failed.body)
-        self._copy_headers(failed.upstream, response, candidate.worker_id)
+        return self._engine_error(failed.upstream, failed.body, candidate.worker_id)
+
+    def _engine_error(self, upstream: UpstreamResponse, body: bytes, worker_id: str) -> web.Response:
+        """An engine's error, read whole: its status, its message in OpenAI's error object."""
+        rewritten = engine_error_body(upstream.status, body, upstream.headers)
+        response = web.Response(status=upstream.status, reason=upstream.reason,
+                                body=body if rewritten is None else rewritten)
+        self._copy_headers(upstream, response, worker_id)
+        if rewritten is not None:
+            response.headers["Content-Type"] = "application/json"
         return response
 
     @staticmethod
@@ -188,8 +202,11 @@ class BackendProxy:
                 self._count(decision.policy, worker, prompt_tokens, candidate.cached_tokens)
                 if whole:
                     # Handed to aiohttp whole: one write with its Content-Length, no chunk loop.
-                    response = web.Response(status=upstream.status, reason=upstream.reason, body=first)
-                    self._copy_headers(upstream, response, worker)
+                    if upstream.status >= 400:
+                        response = self._engine_error(upstream, first, worker)
+                    else:
+                        response = web.Response(status=upstream.status, reason=upstream.reason, body=first)
+                        self._copy_headers(upstream, response, worker)
                     if clock is not None:
                         clock.mark("first_byte")
                     if tail is not None:

@@ -2,13 +2,17 @@
 
 Ready: the router knows at least one worker for its model (from its view of the fleet with `--index
 local` once the view has synced, else the control plane's latest ListWorkers, the last non-empty one,
-or `--static-workers` while the control plane was never reached) and at least one of them is healthy, i.e. not sitting out the proxy's cooldown after a
-failed attempt. An unreachable control plane alone does not make the router not-ready: it fails
-open (routes on load over the fleet it knows), which still serves requests, so it is "degraded".
-With a view, degraded also while no control plane was heard for `--view-lag-bound-s` (the view
-may be behind) and past `--view-max-stale-s` (deciding on load alone). A router that has sent
-nothing to an engine since a failure becomes ready again when the cooldown ends (2 s): a load balancer that took it out of rotation then sends it traffic again,
-which is how it finds out whether the engines are back.
+or `--static-workers` while the control plane was never reached) and at least one of them is healthy:
+not failing its active health checks and not sitting out the proxy's cooldown after a failed attempt
+(`backend_health.py`). An unreachable control plane alone does not make the router not-ready: it
+fails open (routes on load over the fleet it knows), which still serves requests, so it is
+"degraded". With a view, degraded also while no control plane was heard for `--view-lag-bound-s`
+(the view may be behind) and past `--view-max-stale-s` (deciding on load alone). A router that has
+sent nothing to an engine since a failure becomes ready again when the cooldown ends (2 s): a load
+balancer that took it out of rotation then sends it traffic again, which is how it finds out
+whether the engines are back; workers under active health checks come back when their checks pass.
+
+`no_workers_reason` says why no worker is known, for /ready and for the 503 a request gets then.
 """
 
 from __future__ import annotations
@@ -28,25 +32,38 @@ class RouterReadiness:
     body: dict = field(default_factory=dict)  # the JSON of GET /ready
 
 
+def no_workers_reason(cp: ControlPlaneClient, model: str, lora_name: str = "") -> str:
+    """Why `cp.workers_for(model, lora_name)` is empty, in one sentence that names no engine address."""
+    what = f"model {model!r}"
+    if lora_name and cp.workers_for(model):
+        return f"no workers known for {what} with LoRA adapter {lora_name!r}: none of its workers serves it"
+    given = len(cp.static_workers)
+    static = (f"; the {given} --static-workers are used only until the control plane is first reached" if given
+              else ", and no --static-workers were given")
+    error = f" ({cp.last_error})" if cp.last_error else ""
+    if cp.reachable:
+        return f"no workers known for {what}: the control plane {cp.address} is reachable but lists none{static}"
+    if not cp.ever_reached:  # never reached with static workers given: they would be known
+        return f"no workers known for {what}: control plane {cp.address} not reached yet{error}{static}"
+    return f"no workers known for {what}: control plane {cp.address} unreachable{error} and no worker of it was " \
+           f"ever known{static}"
+
+
 def router_readiness(control_plane: ControlPlaneClient, model: str, health: BackendHealth) -> RouterReadiness:
-    """`health`: the workers the proxy saw fail, sitting out their cooldown."""
-    cooling_down, cooldown_s = health.cooling_down(), health.cooldown_s
+    """`health`: the workers failing their health checks, and those the proxy saw fail, sitting out
+    their cooldown."""
+    cooling_down, cooldown_s, down = health.cooling_down(), health.cooldown_s, health.down()
     workers = [w.worker_id for w in control_plane.workers_for(model)]
     source = control_plane.fleet_source(model)
+    failing_checks = sorted(w for w in workers if w in down)
     sitting_out = sorted(w for w in workers if w in cooling_down)
-    healthy = len(workers) - len(sitting_out)
+    healthy = len(workers) - len(set(failing_checks) | set(sitting_out))
     cp = control_plane
     cp_error = f" ({cp.last_error})" if cp.last_error else ""
     fatal: list[str] = []
     warnings: list[str] = []
     if not workers:
-        if cp.reachable:
-            fatal.append(f"the control plane knows no worker serving model {model!r}")
-        elif not cp.ever_reached:
-            fatal.append(f"control plane {cp.address} not reached yet{cp_error} and no --static-workers")
-        else:
-            fatal.append(f"control plane {cp.address} unreachable{cp_error} and no worker of model {model!r} "
-                         "was ever known")
+        fatal.append(no_workers_reason(cp, model))
     elif not cp.reachable:
         warnings.append(f"control plane {cp.address} unreachable{cp_error}: routing on load over the "
                         f"{'static' if source == 'static' else 'last known'} fleet")
@@ -65,18 +82,28 @@ def router_readiness(control_plane: ControlPlaneClient, model: str, health: Back
             warnings.append(f"no control plane heard for {silence:.1f}s (over --view-lag-bound-s): deciding on the "
                             "last view")
     if workers and not healthy:
-        fatal.append(f"every worker of model {model!r} failed within the last {cooldown_s:g}s "
-                     f"({', '.join(sitting_out)})")
-    elif sitting_out:
-        warnings.append(f"{len(sitting_out)} of {len(workers)} workers sitting out after failures "
-                        f"({', '.join(sitting_out)})")
+        if failing_checks:
+            why = [f"failing their health checks: {', '.join(failing_checks)}"]
+            if sitting_out:
+                why.append(f"failed a request within the last {cooldown_s:g}s: {', '.join(sitting_out)}")
+            fatal.append(f"no worker of model {model!r} is healthy ({'; '.join(why)})")
+        else:
+            fatal.append(f"every worker of model {model!r} failed within the last {cooldown_s:g}s "
+                         f"({', '.join(sitting_out)})")
+    else:
+        if failing_checks:
+            warnings.append(f"{len(failing_checks)} of {len(workers)} workers failing their health checks "
+                            f"({', '.join(failing_checks)})")
+        if sitting_out:
+            warnings.append(f"{len(sitting_out)} of {len(workers)} workers sitting out after failures "
+                            f"({', '.join(sitting_out)})")
     ready = not fatal
     status = "not_ready" if fatal else "degraded" if warnings else "ready"
     problems = fatal + warnings
     refreshed = cp.fleet_updated_at
     return RouterReadiness(ready, status, problems, {
         "status": status, "model": model, "workers": len(workers), "healthy_workers": healthy,
-        "cooling_down": sitting_out, "fleet": source,
+        "failing_health_checks": failing_checks, "cooling_down": sitting_out, "fleet": source,
         "control_plane": {"address": cp.address, "reachable": cp.reachable,
                           "last_refresh_s_ago": round(time.monotonic() - refreshed, 3) if refreshed else None,
                           "error": cp.last_error or None},

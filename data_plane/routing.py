@@ -18,7 +18,8 @@
 Failing open: if the query times out, errors, or returns no workers while some are known, the
 decision is made over the known workers on load alone plus this router's own in-flight prompts
 (`fail_open=True`). A request never fails for an index reason; only "no worker known at all"
-raises NoWorkersError.
+raises NoWorkersError (its message says why: `readiness.no_workers_reason`). Workers failing their
+active health checks are no candidates unless every known one is (`backend_health.py`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from kvroute.data_plane.fleet_view import VIEW_NOT_SYNCED, VIEW_STALE
 from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.metrics import RouterMetrics
 from kvroute.data_plane.prompt_keys import PromptKeyCache
+from kvroute.data_plane.readiness import no_workers_reason
 from kvroute.data_plane.stage_timing import StageClock
 from kvroute.rate_limited_log import RateLimitedLog
 from kvroute.telemetry import span
@@ -85,9 +87,10 @@ class Router:
                      eligible: Callable[[KnownWorker], bool] | None = None) -> RouteDecision:
         """`token_ids`: the prompt, or None when the request was not tokenized (the policy needs no
         tokens). Block keys and the control-plane query happen only for a policy that reads them
-        (`policy.needs`). Workers cooling down after a failure (`health`) are left out unless no
-        other is known. `lora_name`: route only among workers serving that adapter (and key the
-        prompt in its namespace). `session_key`: the client's session/end-user id ("" = none).
+        (`policy.needs`). Workers failing their health checks (`health.down()`) are left out unless
+        every known one is, then workers cooling down after a failed request unless no other is
+        left. `lora_name`: route only among workers serving that adapter (and key the prompt in its
+        namespace). `session_key`: the client's session/end-user id ("" = none).
         `explain`: also take the decision apart (`RouteDecision.explanation`, `index_view`).
         `eligible`: route only among the known workers it accepts (the endpoint picker's subset hint);
         NoWorkersError when it accepts none."""
@@ -101,10 +104,10 @@ class Router:
                 if not known:
                     raise NoWorkersError(f"none of the known workers of model {model!r} is in the request's subset")
             if not known:
-                what = f"model {model!r}" + (f" with LoRA adapter {lora_name!r}" if lora_name else "")
-                raise NoWorkersError(f"no workers known for {what} (control plane "
-                                     f"{'reachable' if self.control_plane.reachable else 'unreachable'}, "
-                                     f"no --static-workers fallback)")
+                raise NoWorkersError(no_workers_reason(self.control_plane, model, lora_name))
+            down = self.health.down()
+            if down:  # failing their health checks: out, unless every one is (then all are tried)
+                known = [w for w in known if w.worker_id not in down] or known
             chains: dict[int, list[int]] = {}
             if needs.block_keys and token_ids is not None:
                 chains = {bs: self.prompt_keys.keys(token_ids, bs, model, lora_name, cache_salt)

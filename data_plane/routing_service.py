@@ -8,20 +8,22 @@
 takes exactly the router's path: request preparation (tokenizer, chat template, length checks),
 block keys, the control-plane query under its deadline, the same policy with the same weights,
 and the same in-flight state and backend health that later decisions read. Only the transports
-differ. `control_plane.start()` is left to the caller: after its listeners are up, so that a
-port in use is the only line printed.
+differ. `service.start()` (the control-plane link and the active health checks) is left to the
+caller: after its listeners are up, so that a port in use is the only line printed;
+`await service.close()` stops them.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import ssl
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvroute.data_plane.backend_health import BackendHealth
-from kvroute.data_plane.control_plane_client import ControlPlaneClient
+from kvroute.data_plane.backend_health import BackendHealth, HealthCheckConfig, HealthChecks
+from kvroute.data_plane.control_plane_client import ControlPlaneClient, KnownWorker
 from kvroute.data_plane.decision.policies import RoutingPolicy, make_policy, parse_kv_aware_params
 from kvroute.data_plane.fleet_view import FleetView
 from kvroute.data_plane.inflight import RouterInflight
@@ -49,6 +51,24 @@ class RoutingService:
     router: Router
     preparer: RequestPreparer
     tls_files: TlsFiles         # --tls-*: the control-plane link's, and the caller's listeners'
+    health_checks: HealthChecks  # active checks of the workers no agent reports on
+
+    def start(self, engine_ssl: ssl.SSLContext | None = None) -> None:
+        """The control-plane link and the active health checks (`engine_ssl`: verifies https://
+        engines, as the proxy does)."""
+        self.control_plane.start()
+        self.health_checks.start(engine_ssl)
+
+    async def close(self) -> None:
+        await self.health_checks.close()
+        await self.control_plane.close()
+
+
+def unmonitored_workers(known: list[KnownWorker]) -> dict[str, str]:
+    """worker_id -> endpoint of the workers no agent reports on: their load and liveness never reach
+    the control plane, so the router checks them itself. Today those are the --static-workers
+    (model "": they serve whatever the router serves) while that fleet is in use."""
+    return {w.worker_id: w.endpoint for w in known if not w.model}
 
 
 def parse_static(spec: str) -> dict[str, str]:
@@ -93,14 +113,22 @@ def build_routing_service(args: argparse.Namespace, command: str) -> RoutingServ
                                        max_message_bytes=args.grpc_max_message_bytes, view=view)
     # Built once: the proxy writes in-flight state and backend failures, decisions read them.
     inflight = RouterInflight(control_plane.session)
-    health = BackendHealth()
+    checks = health_check_config(args)
+    health = BackendHealth(failures_to_down=checks.failures_to_down, successes_to_up=checks.successes_to_up)
     metrics = RouterMetrics()
     if view is not None:
         metrics.watch_view(view)
     router = Router(control_plane, policy, inflight, health, metrics)
     preparer = RequestPreparer(tokenizer, model, control_plane.adapters_of, args.max_prompt_tokens)
+    health_checks = HealthChecks(health, lambda: unmonitored_workers(control_plane.workers_for(model)), checks)
     return RoutingService(model, tokenizer, kv_params, policy, control_plane, inflight, health, metrics, router,
-                          preparer, tls_files)
+                          preparer, tls_files, health_checks)
+
+
+def health_check_config(args: argparse.Namespace) -> HealthCheckConfig:
+    """The --health-check-* flags (checked by their argparse types)."""
+    return HealthCheckConfig(args.health_check_interval_s, args.health_check_timeout_s,
+                             args.health_failure_threshold, args.health_success_threshold, args.health_check_path)
 
 
 def run_routing_process(command: str, serving: Coroutine[object, object, int], log_level: str) -> int:

@@ -7,6 +7,7 @@ errors, the gRPC Route service, trace propagation and metrics."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ from kvroute.data_plane.control_plane_client import ControlPlaneClient
 from kvroute.data_plane.decision.policies import make_policy
 from kvroute.data_plane.grpc_api import RouterGrpcService, add_router_service
 from kvroute.data_plane.http_api import RouterHttpApi
+from kvroute.data_plane.http_errors import engine_error_body
 from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.proxy import BackendProxy
 from kvroute.data_plane.request_prep import RequestPreparer
@@ -102,7 +104,8 @@ class FakeControlPlane(pb_grpc.ControlPlaneServicer):
 class FakeBackend:
     """An OpenAI-ish engine: SSE when stream is true (first event, then waits for `gate`), else JSON."""
     name: str
-    mode: str = "ok"  # ok | http500 | drop (close before answering) | die (close after the first event)
+    mode: str = "ok"  # ok | http500 | drop (close before answering) | die (close after the first event) | error
+    error: tuple[int, dict[str, str], bytes] = (400, {}, b"")  # mode "error": status, headers, body (0 = chunked)
     received: list[tuple[str, dict, bytes]] = field(default_factory=list)
     requests: list[web.Request] = field(default_factory=list)
     gate: asyncio.Event | None = None
@@ -115,6 +118,14 @@ class FakeBackend:
         self.requests.append(request)
         if self.mode == "http500":
             return web.json_response({"error": {"message": f"{self.name} is broken"}}, status=500)
+        if self.mode == "error":
+            status, headers, body = self.error
+            if headers.get("Transfer-Encoding") == "chunked":  # no Content-Length: a streamed error
+                resp = web.StreamResponse(status=status, headers={"Content-Type": headers["Content-Type"]})
+                await resp.prepare(request)
+                await resp.write(body)
+                return resp
+            return web.Response(status=status, headers=headers, body=body)
         if self.mode == "drop":
             assert request.transport is not None
             request.transport.close()
@@ -192,13 +203,16 @@ async def start_control_plane(cp: FakeControlPlane, port: int = 0) -> tuple[grpc
 
 
 async def make_stack(tiny_model_dir, *, policy: str = "kv_aware", with_cp: bool = True, static_a: bool = False,
-                     query_timeout_s: float = 0.5, max_prompt_tokens: int = 4096, block_sizes=(16, 16)) -> Stack:
+                     query_timeout_s: float = 0.5, max_prompt_tokens: int = 4096, block_sizes=(16, 16),
+                     listed: bool = True) -> Stack:
+    """`listed`: the control plane lists A and B (else no worker at all)."""
     cp = FakeControlPlane()
     a, b = FakeBackend("A"), FakeBackend("B")
     await a.start()
     await b.start()
-    cp.add_worker("A", a.url, block_sizes[0])
-    cp.add_worker("B", b.url, block_sizes[1])
+    if listed:
+        cp.add_worker("A", a.url, block_sizes[0])
+        cp.add_worker("B", b.url, block_sizes[1])
     if with_cp:
         cp_server, cp_port = await start_control_plane(cp)
     else:  # an address where nothing listens
@@ -406,6 +420,8 @@ async def test_static_workers_when_control_plane_never_reached(tiny_model_dir) -
     try:
         status, _, body = await s.post("/v1/completions", completion())
         assert status == 503 and "no workers known" in body["error"]["message"]
+        assert "not reached yet" in body["error"]["message"] and "no --static-workers were given" in \
+            body["error"]["message"]
     finally:
         await close_stack(s)
     s = await make_stack(tiny_model_dir, with_cp=False, static_a=True)
@@ -416,6 +432,25 @@ async def test_static_workers_when_control_plane_never_reached(tiny_model_dir) -
         assert d["fail_open"] is True and [w["worker_id"] for w in d["workers"]] == ["A"]
         async with s.session.get(s.url + "/v1/models") as resp:
             assert [m["id"] for m in (await resp.json())["data"]] == [MODEL]
+    finally:
+        await close_stack(s)
+
+
+async def test_the_no_workers_503_says_what_is_true_with_static_workers_given(tiny_model_dir) -> None:
+    """A reachable control plane that lists no worker of the model, with --static-workers given: they
+    are not used (only until the control plane is first reached), and the 503 and /ready say so
+    instead of "no --static-workers fallback"."""
+    s = await make_stack(tiny_model_dir, static_a=True, listed=False)
+    try:
+        status, _, body = await s.post("/v1/completions", completion())
+        message = body["error"]["message"]
+        assert status == 503 and body["error"]["code"] == "no_workers", body
+        assert f"control plane {s.client.address} is reachable but lists none" in message, message
+        assert "the 1 --static-workers are used only until the control plane is first reached" in message, message
+        assert "no --static-workers" not in message and s.a.url not in message
+        async with s.session.get(s.url + "/ready") as resp:
+            ready = await resp.json()
+        assert resp.status == 503 and ready["problems"] == [message], ready
     finally:
         await close_stack(s)
 
@@ -496,6 +531,78 @@ async def test_every_backend_failing_surfaces_the_last_error(stack: Stack) -> No
     await stack.b.stop()
     status, _, body = await stack.post("/v1/completions", completion())
     assert status == 502 and "no backend could serve the request" in body["error"]["message"]
+    assert stack.router.inflight.snapshot() == {}
+
+
+# ---------------------------------------------------------------- errors relayed from an engine
+
+_VLLM_400 = {"error": {"message": "max_tokens must be at least 1, got -1.", "type": "BadRequestError",
+                       "param": "max_tokens", "code": 400}}
+_SGLANG_400 = {"object": "error", "message": "max_tokens must be positive", "type": "BadRequestError",
+               "param": None, "code": 400}
+
+
+def _json(value: object) -> bytes:
+    return json.dumps(value).encode()
+
+
+@pytest.mark.parametrize(("status", "body", "expected"), [
+    (400, _json(_VLLM_400), ("max_tokens must be at least 1, got -1.", "max_tokens", None)),
+    (400, _json(_SGLANG_400), ("max_tokens must be positive", None, None)),
+    (404, _json({"object": "error", "message": "The model `x` does not exist.", "type": "NotFoundError",
+                 "param": "model", "code": 404}), ("The model `x` does not exist.", "model", None)),
+    (400, _json({"error": {"message": "too long", "type": "invalid_request_error", "param": "messages",
+                           "code": "context_length_exceeded"}}), ("too long", "messages", "context_length_exceeded")),
+    (422, _json({"detail": [{"loc": ["body", "max_tokens"], "msg": "Input should be a valid integer",
+                             "type": "int_parsing"}]}), ("body.max_tokens: Input should be a valid integer", None, None)),
+    (404, b'{"detail": "Not Found"}', ("Not Found", None, None)),
+    (429, b'{"error": "rate limited"}', ("rate limited", None, None)),
+    (503, b"Service Unavailable: engine is draining\n", ("Service Unavailable: engine is draining", None, None)),
+    (502, b"<html><body>bad gateway</body></html>", ("<html><body>bad gateway</body></html>", None, None)),
+    (500, b"", ("the engine answered HTTP 500 with no message", None, None)),
+    (400, b"\xff\xfe not utf-8", ("\ufffd\ufffd not utf-8", None, None)),
+    (400, b'["a", 1]', ('["a", 1]', None, None)),
+    (400, b'{"message": {"nested": true}, "param": 3, "code": 400}', ('{"nested": true}', None, None)),
+])
+def test_engine_errors_take_openais_error_object(status: int, body: bytes, expected: tuple) -> None:
+    error = json.loads(engine_error_body(status, body, [("Content-Type", "application/json")]))["error"]
+    assert (error["message"], error["param"], error["code"]) == expected
+    assert error["type"] == ("server_error" if status >= 500 else "invalid_request_error")
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_a_compressed_engine_error_is_relayed_as_it_is() -> None:
+    assert engine_error_body(400, b"\x1f\x8b...", [("Content-Encoding", "gzip")]) is None
+    assert engine_error_body(400, b"{}", [("content-encoding", "identity")]) is not None
+
+
+async def test_engine_errors_reach_the_client_as_openai_errors_with_their_status(stack: Stack) -> None:
+    stack.cp.matched_blocks = {"A": 5}
+    stack.a.mode = "error"
+    for status, engine_body, message in ((400, _VLLM_400, "max_tokens must be at least 1, got -1."),
+                                         (400, _SGLANG_400, "max_tokens must be positive")):
+        stack.a.error = (status, {"Content-Type": "application/json"}, json.dumps(engine_body).encode())
+        for stream in (False, True):  # a streamed request refused before streaming: a plain JSON answer
+            got, headers, body = await stack.post("/v1/completions", completion(stream=stream))
+            assert got == status and headers["x-kvroute-worker"] == "A", body
+            assert headers["Content-Type"].startswith("application/json")
+            assert body == {"error": {"message": message, "type": "invalid_request_error",
+                                      "param": engine_body.get("param", engine_body.get("error", {}).get("param")),
+                                      "code": None}}
+    # The last engine's 5xx (every worker failed), as text: its words, OpenAI's shape, its status.
+    stack.b.mode = "error"
+    stack.a.error = stack.b.error = (503, {"Content-Type": "text/plain"}, b"engine overloaded, retry later")
+    got, _, body = await stack.post("/v1/completions", completion())
+    assert got == 503 and body == {"error": {"message": "engine overloaded, retry later", "type": "server_error",
+                                             "param": None, "code": None}}
+    # Streamed (no Content-Length) or compressed error bodies go through untouched.
+    stack.a.error = stack.b.error = (400, {"Content-Type": "text/plain", "Transfer-Encoding": "chunked"}, b"raw words")
+    async with stack.session.post(stack.url + "/v1/completions", json=completion()) as resp:
+        assert resp.status == 400 and await resp.read() == b"raw words"
+    stack.a.error = stack.b.error = (400, {"Content-Type": "application/json", "Content-Encoding": "gzip"},
+                                     gzip.compress(b'{"error": {"message": "zipped"}}'))
+    async with stack.session.post(stack.url + "/v1/completions", json=completion()) as resp:
+        assert resp.status == 400 and json.loads(await resp.read()) == {"error": {"message": "zipped"}}
     assert stack.router.inflight.snapshot() == {}
 
 

@@ -1,17 +1,18 @@
 """The official `openai` Python client, unchanged, against a live router in front of live sim
-engines (issue 18): chat, streamed chat, completions, streamed completions, the model list, and an
-error the client turns into its own exception type. Nothing here is special-cased for the client:
+engines (issue 18): chat, streamed chat, completions, streamed completions, the model list, the
+router's errors and an engine's errors, which the client turns into its own exception types. Nothing here is special-cased for the client:
 it sends what it sends to any OpenAI-compatible server.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import openai
 import pytest
 
-from kvroute.tools.local_cluster import LocalCluster
+from kvroute.tools.local_cluster import LocalCluster, http_post_json_headers
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +80,25 @@ def test_errors_are_the_clients_exception_types(fleet, client: openai.OpenAI) ->
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model=fleet[0].model, max_tokens=1, messages=[])
     assert bad.value.body and isinstance(bad.value.body, dict) and bad.value.body.get("message")
+
+
+@pytest.mark.parametrize(("extra", "param", "words"), [({"max_tokens": -1}, "max_tokens", "max_tokens must be at least 1"),
+                                                        ({"n": 2}, "n", "only supports n=1")])
+def test_an_engines_error_comes_back_as_openais_error_object(fleet, client: openai.OpenAI, extra: dict, param: str,
+                                                             words: str) -> None:
+    """The engine refuses the request (vLLM's error shape: type "BadRequestError", code 400): the
+    client gets its status and message in OpenAI's error object, raw and through the client."""
+    cluster, url = fleet
+    body = {"model": cluster.model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], **extra}
+    for stream in (False, True):
+        status, headers, raw = http_post_json_headers(url + "/v1/chat/completions", {**body, "stream": stream})
+        error = json.loads(raw)
+        assert status == 400 and headers["x-kvroute-worker"], raw
+        assert set(error) == {"error"} and error["error"]["type"] == "invalid_request_error", error
+        assert words in error["error"]["message"] and error["error"]["param"] == param
+        assert error["error"]["code"] is None, error
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**body)
+    assert refused.value.status_code == 400 and words in refused.value.message
+    assert refused.value.type == "invalid_request_error" and refused.value.param == param
+    assert refused.value.code is None
