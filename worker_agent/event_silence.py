@@ -9,12 +9,16 @@
 Contract: `silent` turns True when, over the last `window_s`, no KV event batch arrived (on any of
 the agent's workers) while the engine's own counters (`EngineWork`, worker_agent/engine_metrics.py)
 prove it stored at least `min_blocks` new full blocks. Proof, not a guess: a request that computed
-t uncached prompt tokens filled at least floor(t / block_size) new blocks, which an engine with
-prefix caching and KV events on announces; over R requests that computed W tokens in all, that is
-at least (W - (block_size - 1) * R) / block_size blocks. So an idle engine never makes the stream
-silent, nor do requests whose prompts were cached up to their last partial block (a load test
-repeating one prompt). Once silent it stays so until a batch arrives: an engine going idle does
-not repair the stream. Counters that went backwards (an engine restart) start the history over.
+t uncached prompt tokens filled at least t / block_size - 1 blocks its engine did not hold, which
+an engine with prefix caching and KV events on announces. What it computed without a new block is
+at most one block's worth: the partial last block (under block_size tokens), or, for a prompt
+cached whole whose length is a multiple of block_size, its last block again (every engine computes
+the last prompt token, and SGLang announces nothing for a page its radix tree holds). Over R
+requests that computed W tokens in all, that is at least (W - block_size * R) / block_size new
+blocks. So an idle engine never makes the stream silent, nor do requests whose prompts were cached
+but for their last block (a load test repeating one prompt). Once silent it stays so until a batch
+arrives: an engine going idle does not repair the stream. Counters that went backwards (an engine
+restart) start the history over.
 
 The window is the longest the engine may take from counting work to publishing its events, plus
 margin:
@@ -74,7 +78,7 @@ class SilenceWatch:
             return False
         tokens = work.computed_tokens - base.work.computed_tokens
         requests = work.requests - base.work.requests
-        blocks = int((tokens - (block_size - 1) * requests) // block_size)
+        blocks = int((tokens - block_size * requests) // block_size)
         if blocks >= self.min_blocks:
             self.silent, self.since = True, now
             self.reason = (f"the engine computed {tokens:.0f} uncached prompt tokens for {requests:.0f} requests in the "

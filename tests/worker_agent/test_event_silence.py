@@ -37,14 +37,16 @@ def test_an_idle_engine_is_never_silent() -> None:
     assert not feed(watch, [(t / 2, 5000.0, 20.0) for t in range(200)])  # counters from before, none moving
 
 
-def test_prompts_cached_up_to_their_last_partial_block_are_not_silence() -> None:
-    """A load test repeating one prompt: each request computes only its last 15 tokens, which fill no new block."""
+def test_prompts_cached_but_for_their_last_block_are_not_silence() -> None:
+    """A load test repeating one prompt: each request computes only its partial last block (15 tokens),
+    or, its length a multiple of the block size, its whole last block again (16): no new block."""
+    for per_request in (BLOCK - 1, BLOCK):
+        watch = SilenceWatch(10.0)
+        assert not feed(watch, steady(60, per_request * 50, 50)), per_request
+    # The bound: one request of MIN_BLOCKS + 1 blocks' worth of uncached tokens proves MIN_BLOCKS new blocks.
     watch = SilenceWatch(10.0)
-    assert not feed(watch, steady(60, 15 * 50, 50))
-    # The bound: one request of (MIN_BLOCKS + 1) blocks' worth of uncached tokens proves MIN_BLOCKS new blocks.
-    watch = SilenceWatch(10.0)
-    assert not feed(watch, [(0.0, 0.0, 0.0), (11.0, MIN_BLOCKS * BLOCK + BLOCK - 2, 1.0)])
-    assert feed(watch, [(12.0, MIN_BLOCKS * BLOCK + BLOCK - 1, 1.0)])
+    assert not feed(watch, [(0.0, 0.0, 0.0), (11.0, (MIN_BLOCKS + 1) * BLOCK - 1, 1.0)])
+    assert feed(watch, [(12.0, (MIN_BLOCKS + 1) * BLOCK, 1.0)])
 
 
 def test_events_within_the_window_mean_the_stream_follows() -> None:
