@@ -106,8 +106,8 @@ class EngineModelsPoller:
         return True
 
     async def until_answering(self, session: aiohttp.ClientSession) -> str:
-        """Poll until the engine names its model (it may start after the agent, or come back); the
-        first time, also read its /version. Returns the model."""
+        """Poll until the engine names its model (it may start after the agent, or come back), then
+        read its /version while that is unknown. Returns the model."""
         backoff = Backoff(0.5, 5.0)
         while not await self.poll_once(session):
             await backoff.sleep()
