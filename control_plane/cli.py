@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvroute.addresses import listen_address, listen_host, port, redis_url
 from kvroute.listeners import run_service
 from kvroute.process import add_log_level_argument, add_port_file_argument, process_setup
 from kvroute.tls import TlsConfigError, add_grpc_message_argument, add_tls_arguments, tls_files_from_args
@@ -31,25 +32,13 @@ def non_negative_int(text: str) -> int:
     return value
 
 
-def redis_url(text: str) -> str:
-    """argparse type: a --redis URL this control plane can use (checked now, not at the first connect)."""
-    from kvroute.control_plane.replication.redis_url import parse_redis_url
-
-    if text:
-        try:
-            parse_redis_url(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--redis {text!r}: ")) from None
-    return text
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", default="127.0.0.1:50051", metavar="HOST:PORT",
+    p.add_argument("--listen", type=listen_address, default="127.0.0.1:50051", metavar="HOST:PORT",
                    help="gRPC address agents and routers connect to")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="drop a worker (and its blocks) after this long without a message from its agent")
-    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0 = off)")
-    p.add_argument("--metrics-host", default="127.0.0.1", help="address of the /metrics listener")
+    p.add_argument("--metrics-port", type=port, default=0, help="serve Prometheus /metrics on this port (0 = off)")
+    p.add_argument("--metrics-host", type=listen_host, default="127.0.0.1", help="address of the /metrics listener")
     p.add_argument("--speculative-ttl-ms", type=positive(int), default=5000, metavar="MS",
                    help="how long a RouterSession reservation's blocks count as cached on its worker when the "
                         "router sends ttl_ms 0 (until the worker's own events confirm them)")

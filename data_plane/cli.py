@@ -6,7 +6,14 @@ import argparse
 import asyncio
 import logging
 
-from kvroute.process import add_log_level_argument, add_port_file_argument, wait_for_stop_signal, write_port_file
+from kvroute.addresses import control_plane_addresses, listen_host, port, static_workers
+from kvroute.process import (
+    add_log_level_argument,
+    add_port_file_argument,
+    announce_when_ready,
+    wait_for_stop_signal,
+    write_port_file,
+)
 from kvroute.tls import (
     TlsConfigError,
     add_grpc_message_argument,
@@ -22,17 +29,18 @@ DEFAULT_GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvroute.data_plane.admission import DEFAULT_MAX_CONCURRENT_REQUESTS
     from kvroute.data_plane.api_keys import ENV_API_KEYS
-    from kvroute.data_plane.policies import POLICIES  # pure module, cheap to import for --help
+    from kvroute.data_plane.policies import POLICIES, kv_aware_param  # pure module, cheap to import for --help
     from kvroute.data_plane.traffic_capture import CAPTURE_BLOCK_TOKENS
 
-    p.add_argument("--control-plane", default="127.0.0.1:50051", metavar="HOST:PORT", help="control plane gRPC address")
+    p.add_argument("--control-plane", type=control_plane_addresses, default="127.0.0.1:50051", metavar="HOST:PORT",
+                   help="control plane gRPC address (replicas: HOST:PORT,HOST:PORT,...)")
     p.add_argument("--policy", default="kv_aware", choices=sorted(POLICIES), help="routing policy")
     p.add_argument("--tokenizer", required=True, metavar="PATH", help="local model directory with tokenizer.json")
     p.add_argument("--model", default=None, help="served model name the tokenizer belongs to; other models get a 404 "
                         "(unset: the tokenizer directory's name)")
-    p.add_argument("--host", default="127.0.0.1", help="listen address (HTTP and gRPC)")
-    p.add_argument("--port", type=int, default=8080, help="OpenAI-compatible HTTP port")
-    p.add_argument("--grpc-port", type=int, default=50052, help="gRPC Route port (0 = off)")
+    p.add_argument("--host", type=listen_host, default="127.0.0.1", help="listen address (HTTP and gRPC)")
+    p.add_argument("--port", type=port, default=8080, help="OpenAI-compatible HTTP port")
+    p.add_argument("--grpc-port", type=port, default=50052, help="gRPC Route port (0 = off)")
     p.add_argument("--query-timeout-ms", type=float, default=5.0,
                    help="deadline of the control-plane query, past which the router decides on load alone; with "
                         "--query-timeout-factor, the shortest deadline")
@@ -40,14 +48,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="adaptive deadline: this x the slowest of the last 256 query latencies (late answers "
                         "included), within [--query-timeout-ms, --query-timeout-max-ms]; 0 (default) = fixed. "
                         "On a loaded host 2 with --query-timeout-ms 25 kept every decision on the index (README)")
-    p.add_argument("--reservation-ttl-ms", type=int, default=60_000,
+    p.add_argument("--reservation-ttl-ms", type=_positive_int, default=60_000,
                    help="gRPC Route(reserve=true): how long a reservation counts as in flight unless released "
                         "(a request may ask for its own, up to an hour)")
-    p.add_argument("--max-reservations", type=int, default=100_000,
+    p.add_argument("--max-reservations", type=_positive_int, default=100_000,
                    help="gRPC Route(reserve=true): reservations held at once; past it Route answers RESOURCE_EXHAUSTED")
     p.add_argument("--query-timeout-max-ms", type=float, default=100.0,
                    help="longest adaptive deadline (also the deadline until 32 latencies are known)")
-    p.add_argument("--kv-aware-param", action="append", default=[], metavar="NAME=VALUE",
+    p.add_argument("--kv-aware-param", type=kv_aware_param, action="append", default=[], metavar="NAME=VALUE",
                    help="override one of kv_aware's weights for this router's model, repeatable (names and "
                         "meaning: kvroute.data_plane.policies.KvAwareParams, e.g. recompute_weight=0.5, load_bound=1.5)")
     p.add_argument("--router-id", default=None,
@@ -65,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="budget of the cache of already-seen prompt segments (system prompts, earlier turns), in tokens: "
                         "each segment costs its ids plus 64 for bookkeeping, ~4 bytes each; "
                         "0 tokenizes every prompt whole")
-    p.add_argument("--static-workers", default="", metavar="ID=URL,...",
+    p.add_argument("--static-workers", type=static_workers, default="", metavar="ID=URL,...",
                    help="fallback fleet used only while the control plane has never been reachable")
     p.add_argument("--capture-trace", default=None, metavar="PATH",
                    help="record routed requests to PATH as a Mooncake JSONL trace for `kvroute simulate --trace` "
@@ -101,6 +109,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_grpc_message_argument(p, DEFAULT_GRPC_MAX_MESSAGE_BYTES)
     add_log_level_argument(p)
     add_port_file_argument(p)
+
+
+def validate(args: argparse.Namespace) -> None:
+    """The router's (and `kvroute epp`'s) checks of flags that are valid alone but not together, run when
+    its configuration is parsed (at start and by `kvroute config check`): ValueError naming the flags.
+    Whether TLS files load is checked at start only (they live where the process runs)."""
+    if args.kv_aware_param and args.policy != "kv_aware":
+        raise ValueError("--kv-aware-param needs --policy kv_aware")
+    http_tls = getattr(args, "http_tls", "")  # the picker has no HTTP API
+    if http_tls and not args.tls_cert:
+        raise ValueError("--http-tls needs --tls-cert and --tls-key")
+    if http_tls == "mtls" and not args.tls_ca:
+        raise ValueError("--http-tls mtls needs --tls-ca (the CA that signs client certificates)")
 
 
 def _positive_int(value: str) -> int:
@@ -141,17 +162,11 @@ async def serve(args: argparse.Namespace) -> int:
     from kvroute.v1 import kvroute_pb2 as pb
 
     log = logging.getLogger("kvroute.router")
-    if args.reservation_ttl_ms <= 0 or args.max_reservations <= 0:
-        raise SystemExit("kvroute router: error: --reservation-ttl-ms and --max-reservations must be positive")
     service = build_routing_service(args, "router")  # shared with `kvroute epp`: routing_service.py
     model, kv_params, control_plane = service.model, service.kv_params, service.control_plane
     inflight, metrics, router, preparer = service.inflight, service.metrics, service.router, service.preparer
     tls_files = service.tls_files  # its listeners serve TLS when it has a certificate
     try:
-        if args.http_tls and not tls_files.cert:
-            raise TlsConfigError("--http-tls needs --tls-cert and --tls-key")
-        if args.http_tls == "mtls" and not tls_files.ca:
-            raise TlsConfigError("--http-tls mtls needs --tls-ca (the CA that signs client certificates)")
         engine_ssl = engine_client_context(args.engine_tls_ca, tls_files) if args.engine_tls_ca else None
         api_keys = ApiKeys.from_environment(args.api_keys_file)
     except (TlsConfigError, KeyFileError, OSError) as exc:
@@ -173,7 +188,7 @@ async def serve(args: argparse.Namespace) -> int:
     await runner.setup()
     grpc_server: GrpcListener | None = None
     reservations: AppReservations | None = None
-    health_task = None
+    health_task = ready_task = None
     try:
         http_ssl = listener_tls.ssl_context(require_client_cert=args.http_tls == "mtls") \
             if args.http_tls and listener_tls else None
@@ -191,20 +206,26 @@ async def serve(args: argparse.Namespace) -> int:
             # grpc.health.v1 says what GET /ready says (data_plane/readiness.py)
             health_task = asyncio.create_task(grpc_server.follow(lambda: http.readiness().ready))
         control_plane.start()  # after the listeners: a port in use is the only line printed
-        log.info("router ready: %s://%s:%d grpc=%s policy=%s model=%s control-plane=%s "
-                 "query-timeout=%g-%gms (x%g slowest recent)%s%s", "https" if http_ssl else "http", args.host,
-                 http_port, args.grpc_port or "off",
-                 args.policy, model, args.control_plane, args.query_timeout_ms, args.query_timeout_max_ms,
-                 args.query_timeout_factor, "".join(f" {k}={v:g}" for k, v in kv_params.items()),
+        log.info("router listening: %s://%s:%d grpc=%s policy=%s model=%s control-plane=%s%s%s; %s",
+                 "https" if http_ssl else "http", args.host, http_port, args.grpc_port or "off", args.policy, model,
+                 args.control_plane, "".join(f" {k}={v:g}" for k, v in kv_params.items()),
                  (f" tls={'mtls' if tls_files.mutual else 'tls'}" if tls_files.enabled else "")
-                 + (f" api-keys={len(api_keys)}" if api_keys.enabled else ""))
+                 + (f" api-keys={len(api_keys)}" if api_keys.enabled else ""),
+                 control_plane.query_deadline.describe())
         log.info("%s", http.prompt_bound_note)
+
+        def announce_ready() -> None:
+            body = http.readiness().body
+            log.info("router ready: %d of %d workers of model %s healthy (GET /ready answers 200)",
+                     body["healthy_workers"], body["workers"], model)
+        ready_task = asyncio.create_task(announce_when_ready(lambda: http.readiness().ready, announce_ready))
         write_port_file(args.port_file, {"http": http_port, **({"grpc": grpc_server.port} if grpc_server else {})})
         await wait_for_stop_signal()
         log.info("router stopping")
     finally:
-        if health_task:
-            health_task.cancel()
+        for task in (health_task, ready_task):
+            if task:
+                task.cancel()
         if grpc_server:
             await grpc_server.stop(0.5)
         if reservations:

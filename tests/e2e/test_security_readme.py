@@ -134,7 +134,7 @@ def test_mtls_setup_works_as_written(tmp_path: Path) -> None:
         finally:
             intruder.stop()
         router_log = (tmp_path / "router.log").read_text()
-        assert "router ready: https://" in router_log and "tls=mtls" in router_log, router_log[-2000:]
+        assert "router listening: https://" in router_log and "tls=mtls" in router_log, router_log[-2000:]
     finally:
         if process_group_alive(proc.pid):
             os.killpg(proc.pid, signal.SIGTERM)

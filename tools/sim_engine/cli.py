@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 
+from kvroute.addresses import listen_host, port
 from kvroute.listeners import run_service
 from kvroute.process import add_log_level_argument, add_port_file_argument, process_setup, wait_for_stop_signal, write_port_file
 
@@ -25,8 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvroute.tools.sim_engine.dialects import DEFAULT_DIALECT, DIALECTS
 
     d = CostModel()
-    p.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI-compatible API (0 = any free port)")
+    p.add_argument("--host", type=listen_host, default="127.0.0.1", help="HTTP listen address")
+    p.add_argument("--port", type=port, default=8000, help="HTTP port of the OpenAI-compatible API (0 = any free port)")
     p.add_argument("--model", default="tiny-llama", help="served model name")
     p.add_argument("--tokenizer", required=True, help="local model directory holding tokenizer.json (+ tokenizer_config.json)")
     p.add_argument("--num-blocks", type=int, default=2048, help="KV cache capacity in blocks")
