@@ -11,6 +11,8 @@ from kvroute.process import (
     add_log_level_argument,
     add_port_file_argument,
     announce_when_ready,
+    non_negative,
+    positive,
     wait_for_stop_signal,
     write_port_file,
 )
@@ -41,19 +43,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", type=listen_host, default="127.0.0.1", help="listen address (HTTP and gRPC)")
     p.add_argument("--port", type=port, default=8080, help="OpenAI-compatible HTTP port")
     p.add_argument("--grpc-port", type=port, default=50052, help="gRPC Route port (0 = off)")
-    p.add_argument("--query-timeout-ms", type=float, default=5.0,
+    p.add_argument("--query-timeout-ms", type=positive(float), default=5.0,
                    help="deadline of the control-plane query, past which the router decides on load alone; with "
                         "--query-timeout-factor, the shortest deadline")
-    p.add_argument("--query-timeout-factor", type=float, default=0.0,
+    p.add_argument("--query-timeout-factor", type=non_negative(float), default=0.0,
                    help="adaptive deadline: this x the slowest of the last 256 query latencies (late answers "
                         "included), within [--query-timeout-ms, --query-timeout-max-ms]; 0 (default) = fixed. "
                         "On a loaded host 2 with --query-timeout-ms 25 kept every decision on the index (README)")
-    p.add_argument("--reservation-ttl-ms", type=_positive_int, default=60_000,
+    p.add_argument("--reservation-ttl-ms", type=positive(int), default=60_000,
                    help="gRPC Route(reserve=true): how long a reservation counts as in flight unless released "
                         "(a request may ask for its own, up to an hour)")
-    p.add_argument("--max-reservations", type=_positive_int, default=100_000,
+    p.add_argument("--max-reservations", type=positive(int), default=100_000,
                    help="gRPC Route(reserve=true): reservations held at once; past it Route answers RESOURCE_EXHAUSTED")
-    p.add_argument("--query-timeout-max-ms", type=float, default=100.0,
+    p.add_argument("--query-timeout-max-ms", type=positive(float), default=100.0,
                    help="longest adaptive deadline (also the deadline until 32 latencies are known)")
     p.add_argument("--kv-aware-param", type=kv_aware_param, action="append", default=[], metavar="NAME=VALUE",
                    help="override one of kv_aware's weights for this router's model, repeatable (names and "
@@ -63,13 +65,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-router-session", action="store_true",
                    help="do not share in-flight requests with other routers (unary queries only); a policy that "
                         "reads no index (all but kv_aware) never opens the session")
-    p.add_argument("--max-prompt-tokens", type=int, default=131072,
+    p.add_argument("--max-prompt-tokens", type=positive(int), default=131072,
                    help="reject longer prompts with a 400 (context_length_exceeded); a prompt whose text is longer "
                         "than this many tokens of the tokenizer's longest could cover is rejected without tokenizing")
-    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, metavar="N",
+    p.add_argument("--max-body-bytes", type=positive(int), default=4 * 1024 * 1024, metavar="N",
                    help="reject larger request bodies with a 413, from their Content-Length before reading them "
                         "(default 4 MiB: ~3x a 128k-token chat as JSON; raise it for inline base64 images)")
-    p.add_argument("--tokenizer-cache-tokens", type=int, default=4_000_000, metavar="N",
+    p.add_argument("--tokenizer-cache-tokens", type=non_negative(int), default=4_000_000, metavar="N",
                    help="budget of the cache of already-seen prompt segments (system prompts, earlier turns), in tokens: "
                         "each segment costs its ids plus 64 for bookkeeping, ~4 bytes each; "
                         "0 tokenizes every prompt whole")
@@ -79,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="record routed requests to PATH as a Mooncake JSONL trace for `kvroute simulate --trace` "
                         "(lengths, timestamps and dense block ids only, no prompt content; "
                         "the file is truncated at startup)")
-    p.add_argument("--capture-block-tokens", type=_block_tokens, default=CAPTURE_BLOCK_TOKENS, metavar="N",
+    p.add_argument("--capture-block-tokens", type=positive(int), default=CAPTURE_BLOCK_TOKENS, metavar="N",
                    help="tokens per captured block id, written into every row; sharing shorter than this is invisible "
                         "in the trace (Mooncake's own traces use 512)")
     p.add_argument("--capture-sample-rate", type=_sample_rate, default=1.0, metavar="FLOAT",
@@ -87,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage-timing", action="store_true",
                    help="keep per-stage timings of proxied requests (parse, prepare, keys, query, score, connect, "
                         "first_byte) and serve them at GET /debug/stages (kvroute bench proxy turns this on)")
-    p.add_argument("--max-concurrent-requests", type=_positive_int, default=DEFAULT_MAX_CONCURRENT_REQUESTS,
+    p.add_argument("--max-concurrent-requests", type=positive(int), default=DEFAULT_MAX_CONCURRENT_REQUESTS,
                    metavar="N", help="HTTP requests in progress at once (proxied streams included); past it a 429 "
                                      "with Retry-After, never a queue")
     p.add_argument("--api-keys-file", default="", metavar="PATH",
@@ -122,20 +124,6 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--http-tls needs --tls-cert and --tls-key")
     if http_tls == "mtls" and not args.tls_ca:
         raise ValueError("--http-tls mtls needs --tls-ca (the CA that signs client certificates)")
-
-
-def _positive_int(value: str) -> int:
-    number = int(value)
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return number
-
-
-def _block_tokens(value: str) -> int:
-    tokens = int(value)
-    if tokens <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return tokens
 
 
 def _sample_rate(value: str) -> float:

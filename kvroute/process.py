@@ -62,6 +62,29 @@ def name_list(choices: Collection[str] | None, what: str, *, allow_empty: bool =
     return parse
 
 
+def _number(kind: type, holds: Callable[[int | float], bool], wanted: str) -> Callable[[str], int | float]:
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number {wanted}, got {text!r}") from None
+        if not holds(value):  # written so that NaN fails too
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def positive(kind: type) -> Callable[[str], int | float]:
+    """argparse type: a number > 0 of `kind` (int or float; a usage error, not a traceback at start-up)."""
+    return _number(kind, lambda value: value > 0, "> 0")
+
+
+def non_negative(kind: type) -> Callable[[str], int | float]:
+    """argparse type: a number >= 0 of `kind`."""
+    return _number(kind, lambda value: value >= 0, ">= 0")
+
+
 def int_list(text: str) -> str:
     """argparse type: N[,N...] of integers, none twice (e.g. seeds); returns them comma-joined."""
     items = [item.strip() for item in text.split(",") if item.strip()]

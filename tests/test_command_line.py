@@ -106,6 +106,10 @@ def test_good_addresses_of_every_form_pass_as_written() -> None:
     (["router", "--tokenizer", "t", "--policy", "chwbl", "--kv-aware-param", "load_bound=2"],
      "--kv-aware-param needs --policy kv_aware"),
     (["router", "--tokenizer", "t", "--bogus"], "unrecognized arguments: --bogus"),
+    (["router", "--tokenizer", "t", "--query-timeout-ms", "0"], "argument --query-timeout-ms: must be > 0, got 0"),
+    (["router", "--tokenizer", "t", "--max-reservations", "0"], "argument --max-reservations: must be > 0, got 0"),
+    (["sim-engine", "--tokenizer", "t", "--block-size", "0"], "argument --block-size/--page-size: must be > 0, got 0"),
+    (["bench", "live", "--router-url", "http://r:8080", "--direct"], "--direct needs --engine-urls"),
 ])
 def test_a_bad_list_or_combination_fails_before_any_work_in_one_line(argv: list[str], message: str) -> None:
     started = time.monotonic()

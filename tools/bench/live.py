@@ -449,8 +449,6 @@ def run_remote(args: argparse.Namespace, workload: list[SimWorkloadRequest],
                log: Callable[..., None]) -> tuple[dict[str, LiveRun], int]:
     """Bench an already running router (its own policy) and/or its engines directly."""
     engine_urls = _split(args.engine_urls)
-    if args.direct and not engine_urls:
-        raise SystemExit("kvroute bench live: --direct needs --engine-urls")
     if not engine_urls:
         log("no --engine-urls: engine caches are not reset between runs and there is no live hit rate")
     bodies = request_bodies(workload, args.model, args.vocab_size)
@@ -499,6 +497,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.epp and (args.router_url or args.engine_urls):
         raise ValueError("--epp starts its endpoint pickers on a local fleet (no --router-url "
                          "/ --engine-urls)")
+    if args.direct and args.router_url and not args.engine_urls:
+        raise ValueError("--direct needs --engine-urls")
     if not args.router_url and args.engine_urls and not args.direct:
         raise ValueError("--engine-urls without --router-url needs --direct")
     if not args.router_url and not args.engine_urls and not _split(args.policies) and not args.direct:
