@@ -128,7 +128,7 @@ def _known_to_another_command(key: str) -> bool:
 
 
 def parse_configured(name: str, argv: Sequence[str],
-                     allow_missing: bool = False) -> tuple[argparse.Namespace, EffectiveConfig]:
+                     allow_missing: bool = False, warn_environment: bool = True) -> tuple[argparse.Namespace, EffectiveConfig]:
     """NAME's arguments from flags over KVROUTE_* environment over its --config file (kvroute/config.py)."""
     from kvroute import config  # loaded with a command, not for `kvroute --help`
 
@@ -136,7 +136,7 @@ def parse_configured(name: str, argv: Sequence[str],
     args, effective = config.parse_args(
         name, parser, argv, os.environ, known_elsewhere=_known_to_another_command,
         commands=[n for n, c in SUBCOMMANDS.items() if c.configurable], allow_missing=allow_missing,
-        validate=getattr(module, "validate", None))
+        validate=getattr(module, "validate", None), warn_environment=warn_environment)
     args.command, args._run = name, module.run
     return args, effective
 

@@ -300,7 +300,8 @@ def _fail(parser: argparse.ArgumentParser, message: str) -> None:
 def parse_args(command: str, parser: argparse.ArgumentParser, argv: Sequence[str],
                environ: Mapping[str, str] | None = None, *, known_elsewhere: Callable[[str], bool] | None = None,
                commands: Sequence[str] = (), allow_missing: bool = False,
-               validate: Callable[[argparse.Namespace], None] | None = None) -> tuple[argparse.Namespace, EffectiveConfig]:
+               validate: Callable[[argparse.Namespace], None] | None = None,
+               warn_environment: bool = True) -> tuple[argparse.Namespace, EffectiveConfig]:
     """Parse `argv` for `command` with its file and environment layers under the flags.
 
     `known_elsewhere(key)` says whether another command has a key ([common] may hold keys for others);
@@ -308,7 +309,8 @@ def parse_args(command: str, parser: argparse.ArgumentParser, argv: Sequence[str
     that only fail together, raising ValueError naming them (`--http-tls needs --tls-cert`). Exits 2
     with one line on any bad input, naming where each value came from, unless `allow_missing` (for
     `config show` and `config check`): then a required flag that nobody set is reported, not fatal.
-    An environment variable named like a setting that no command has is warned about (one line).
+    A KVROUTE_* variable that no command has is warned about (one line each; `warn_environment` False:
+    not again, for a caller that parses several commands in one process).
     """
     environ = os.environ if environ is None else environ
     add_config_flag(parser)
@@ -367,7 +369,8 @@ def parse_args(command: str, parser: argparse.ArgumentParser, argv: Sequence[str
                 source = "default"
             missing = source == "default" and action.required
             effective.settings.append(Setting(action.dest, getattr(args, action.dest, None), source, _flag(action), missing))
-    warn_unknown_environment(chain[-1][1].prog, environ, chain, known_elsewhere)
+    if warn_environment:
+        warn_unknown_environment(chain[-1][1].prog, environ, chain, known_elsewhere)
     if validate is not None:
         try:
             validate(args)
@@ -487,13 +490,14 @@ def check(path: str) -> int:
     except ConfigError as exc:
         print(f"kvroute config check: error: {exc}", file=sys.stderr)
         return cli.EXIT_USAGE
-    for line in command_lines or [[n] for n, c in cli.SUBCOMMANDS.items() if c.configurable and not c.extra]:
+    for i, line in enumerate(command_lines or [[n] for n, c in cli.SUBCOMMANDS.items() if c.configurable and not c.extra]):
         configurable = [n for n, c in cli.SUBCOMMANDS.items() if c.configurable]
         if line[0] not in configurable:
             print(f"kvroute config check: error: {_unknown(line[0], [COMMON_SECTION, *configurable], f'--config {path}', 'table')}",
                   file=sys.stderr)
             return cli.EXIT_USAGE
-        cli.parse_configured(line[0], [*line[1:], "--config", path], allow_missing=True)  # exits 2 naming what is bad
+        cli.parse_configured(line[0], [*line[1:], "--config", path], allow_missing=True,  # exits 2 naming what is bad
+                             warn_environment=i == 0)
         print(f"{' '.join(line)}: ok")
     return 0
 

@@ -170,3 +170,8 @@ def test_an_unknown_kvroute_environment_variable_is_warned_about(tmp_path: Path)
         "kvroute router: warning: environment variable KVROUTE_CONFIG_DIR is not a kvroute setting; ignored",
         ("kvroute router: warning: environment variable KVROUTE_CONTROL_PLAIN is not a kvroute setting "
          "(did you mean KVROUTE_CONTROL_PLANE?); ignored")], result.stderr
+    config = tmp_path / "k.toml"  # several tables checked in one process: the warning once
+    config.write_text('[router]\ntokenizer = "/models/tiny"\n[agent]\nengine = "vllm"\n[control-plane]\n')
+    result = kvroute("config", "check", str(config), env={"KVROUTE_CONTROL_PLAIN": "cp:50051"})
+    assert result.returncode == 0 and result.stdout.splitlines() == ["router: ok", "agent: ok", "control-plane: ok"]
+    assert len(result.stderr.strip().splitlines()) == 1 and "KVROUTE_CONTROL_PLAIN" in result.stderr, result.stderr
