@@ -19,10 +19,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/kvroute demo
 
+# PYTEST_ARGS: passed on to pytest, e.g. make test PYTEST_ARGS="-k audit -x" (a -m replaces -m 'not vllm').
 test: $(STAMP)
 	PYTHON=$(BIN)/python scripts/gen_protos.sh --check
 	$(BIN)/ruff check
-	$(BIN)/pytest
+	$(BIN)/pytest $(PYTEST_ARGS)
 
 # Real vLLM (CPU build) in its own cached virtualenv; see tests/vllm/.
 test-vllm: $(STAMP)

@@ -2,7 +2,8 @@
 logic is `audit.py`'s; this is its arguments and printing).
 
 Exit status: 0 no divergence, 1 divergence, 2 errors (control plane or an engine unreachable,
-unknown --worker, an engine answering garbage). The last stdout line is one JSON object.
+unknown --worker, an engine answering garbage) or nothing audited (no worker listed, or none whose
+engine could be compared; --allow-empty accepts that). The last stdout line is one JSON object.
 Missing blocks that a control plane with --max-index-entries dropped on purpose (its `evicted`
 count for that worker and tier) are shown but are not divergence.
 """
@@ -14,12 +15,14 @@ import json
 import os
 import sys
 
+from kvroute.addresses import connect_address
 from kvroute.control_plane.audit import WorkerAudit, audit_fleet
 from kvroute.tls import add_tls_arguments, client_tls, tls_files_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--control-plane", required=True, metavar="HOST:PORT", help="the control plane's gRPC address")
+    p.add_argument("--control-plane", type=connect_address, required=True, metavar="HOST:PORT",
+                   help="the control plane's gRPC address (one replica)")
     p.add_argument("--worker", action="append", default=[], metavar="ID",
                    help="audit this worker (repeatable; default: every worker ListWorkers returns)")
     p.add_argument("--settle-ms", type=float, default=500.0, metavar="MS",
@@ -37,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-s", type=float, default=10.0, help="per request to the control plane or an engine")
     p.add_argument("--concurrency", type=int, default=8, help="workers audited at once")
     p.add_argument("--json", action="store_true", help="print only the JSON result")
+    p.add_argument("--allow-empty", action="store_true",
+                   help="exit 0 when there is nothing to audit (the control plane lists no worker, or no worker's "
+                        "engine can be compared), e.g. a fleet that is still starting; by default that is an error")
     add_tls_arguments(p)
 
 
@@ -59,7 +65,22 @@ async def run_audit(args: argparse.Namespace) -> int:
 
 
 
+def nothing_audited(audits: list[WorkerAudit]) -> str:
+    """Why an audit compared no worker ("" when it compared one)."""
+    if any(a.status == "ok" for a in audits):
+        return ""
+    if not audits:
+        return "nothing audited: the control plane lists no worker"
+    if all(a.status == "not_auditable" for a in audits):
+        return (f"nothing audited: none of the {len(audits)} workers' engines serves its block set "
+                "(--probe audits those)")
+    return ""  # some failed: their errors say why
+
+
 def report(audits: list[WorkerAudit], errors: list[str], args: argparse.Namespace) -> int:
+    empty = "" if errors or args.allow_empty else nothing_audited(audits)
+    if empty:
+        errors = [*errors, f"{empty} (--allow-empty accepts that)"]
     divergence = sum(a.divergence for a in audits)
     explained = sum(len(t.missing) - t.unexplained_missing for a in audits for t in a.tiers.values())
     result = {"divergence": divergence, "missing_explained_by_eviction": explained,

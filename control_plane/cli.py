@@ -5,57 +5,28 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvroute.addresses import listen_address, listen_host, port, redis_url
 from kvroute.listeners import run_service
-from kvroute.process import add_log_level_argument, add_port_file_argument, process_setup
+from kvroute.process import add_log_level_argument, add_port_file_argument, non_negative, positive, process_setup
 from kvroute.tls import TlsConfigError, add_grpc_message_argument, add_tls_arguments, tls_files_from_args
 
 # Snapshots of large caches exceed gRPC's 4 MB default (a million keys is ~9 MB).
 DEFAULT_GRPC_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
-def positive(kind: type):
-    """argparse type: a number > 0 of `kind` (a clear usage error, not a traceback at start-up)."""
-    def parse(text: str):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
-
-
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def redis_url(text: str) -> str:
-    """argparse type: a --redis URL this control plane can use (checked now, not at the first connect)."""
-    from kvroute.control_plane.replication.redis_url import parse_redis_url
-
-    if text:
-        try:
-            parse_redis_url(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--redis {text!r}: ")) from None
-    return text
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", default="127.0.0.1:50051", metavar="HOST:PORT",
+    p.add_argument("--listen", type=listen_address, default="127.0.0.1:50051", metavar="HOST:PORT",
                    help="gRPC address agents and routers connect to")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="drop a worker (and its blocks) after this long without a message from its agent")
-    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0 = off)")
-    p.add_argument("--metrics-host", default="127.0.0.1", help="address of the /metrics listener")
+    p.add_argument("--metrics-port", type=port, default=0, help="serve Prometheus /metrics on this port (0 = off)")
+    p.add_argument("--metrics-host", type=listen_host, default="127.0.0.1", help="address of the /metrics listener")
     p.add_argument("--speculative-ttl-ms", type=positive(int), default=5000, metavar="MS",
                    help="how long a RouterSession reservation's blocks count as cached on its worker when the "
                         "router sends ttl_ms 0 (until the worker's own events confirm them)")
     p.add_argument("--reservation-max-age-s", type=positive(float), default=600.0, metavar="SECONDS",
                    help="drop a RouterSession reservation never released after this long")
-    p.add_argument("--max-index-entries", type=non_negative_int, default=0, metavar="N",
+    p.add_argument("--max-index-entries", type=non_negative(int), default=0, metavar="N",
                    help="hold at most N (block key, worker, tier) entries in the prefix index: past it, keys no query "
                         "matched recently are dropped (routers then under-estimate those workers' caches, never "
                         "over-estimate). An entry costs ~150 bytes (kvroute_cp_index_bytes_per_entry), so N = memory "

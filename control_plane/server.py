@@ -19,6 +19,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
 
+from kvroute.addresses import parse_redis_url
 from kvroute.build_info import register_build_info
 from kvroute.control_plane.auditor import PeriodicAuditor
 from kvroute.control_plane.authority import Authority
@@ -26,7 +27,7 @@ from kvroute.control_plane.follow import FollowFeed
 from kvroute.control_plane.replication.inflight_sync import InflightSync
 from kvroute.control_plane.replication.metrics import RedisLogCollector
 from kvroute.control_plane.replication.redis_log import RedisEventLog, RedisLogConfig
-from kvroute.control_plane.replication.redis_url import connect, parse_redis_url
+from kvroute.control_plane.replication.redis_url import connect
 from kvroute.control_plane.service import (
     GRPC_MESSAGE_LIMIT,
     ApplyCollector,
@@ -39,7 +40,7 @@ from kvroute.fleet.state import FleetState
 from kvroute.grpc_requests import add_servicer
 from kvroute.listeners import GrpcListener, start_status_site
 from kvroute.prefix_index import BitmaskPrefixIndex, BoundedPrefixIndex
-from kvroute.process import wait_for_stop_signal, write_port_file
+from kvroute.process import announce_when_ready, wait_for_stop_signal, write_port_file
 from kvroute.tls import TlsFiles, grpc_message_options, server_tls
 from kvroute.v1 import kvroute_pb2 as pb
 
@@ -113,6 +114,7 @@ class ControlPlaneServer:
         self._audit_task: asyncio.Task[None] | None = None
         self._metrics_runner: web.AppRunner | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._ready_task: asyncio.Task[None] | None = None
         self._accepting = False  # the gRPC server has started and is not stopping
 
     def _refuse_routers(self) -> str | None:
@@ -152,14 +154,17 @@ class ControlPlaneServer:
         self._sweeper = asyncio.create_task(self.service.expire_forever(max(0.05, self.config.heartbeat_timeout_s / 5)))
         if self.auditor:
             self._audit_task = asyncio.create_task(self.auditor.run_forever(), name="kvroute-cp-audit")
-        log.info("control plane ready on %s:%d (%s)", self._grpc.host, self.port,
+        log.info("control plane listening on %s:%d (%s)", self._grpc.host, self.port,
                  "mTLS, writes checked against client certificates" if self.config.tls.mutual
                  else "TLS" if self.tls else "plaintext")
+        self._ready_task = asyncio.create_task(announce_when_ready(
+            lambda: self.ready, lambda: log.info("control plane ready%s", " (caught up with the log)"
+                                                  if self.redis_log is not None else "")), name="kvroute-cp-ready")
         return self.port
 
     async def stop(self, grace_s: float = 0.5) -> None:
         self._accepting = False
-        for task in (self._sweeper, self._audit_task, self._health_task):
+        for task in (self._sweeper, self._audit_task, self._health_task, self._ready_task):
             if task:
                 task.cancel()
         if self._grpc:  # health goes NOT_SERVING first, while /ready still answers 503

@@ -52,6 +52,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from kvroute.addresses import port
 from kvroute.data_plane.decision.policies import request_load
 from kvroute.data_plane.http_api import BadRequest, parse_routing_body
 from kvroute.data_plane.http_errors import error_type
@@ -105,11 +106,18 @@ class _WithoutFlags:
         return getattr(self._parser, name)
 
 
+def validate(args: argparse.Namespace) -> None:
+    """The router's checks of flags that only fail together (the picker takes its routing flags)."""
+    from kvroute.data_plane import cli as router_cli
+
+    router_cli.validate(args)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvroute.data_plane import cli as router_cli
 
     router_cli.add_arguments(_WithoutFlags(p, ROUTER_ONLY_FLAGS))  # type: ignore[arg-type]
-    p.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port (GAIE's conventional 9002)")
+    p.add_argument("--grpc-port", type=port, default=9002, help="ext_proc gRPC port (GAIE's conventional 9002)")
     p.add_argument("--body-mode", choices=("streamed", "buffered"), default="streamed",
                    help="the request body mode of Envoy's ext_proc filter when its messages do not say "
                         "(protocol_config): streamed = FULL_DUPLEX_STREAMED (GAIE's), buffered = BUFFERED")
@@ -122,7 +130,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sheddable-objectives", default="", metavar="NAME,...",
                    help="x-gateway-inference-objective values whose requests may be shed (429) when every "
                         "candidate is saturated (GAIE: objectives with a negative priority)")
-    p.add_argument("--metrics-port", type=int, default=0,
+    p.add_argument("--metrics-port", type=port, default=0,
                    help="serve Prometheus /metrics (the router's metrics: decisions, fail-open by reason), /health and "
                         "/ready on this HTTP port (0 = off)")
     p.add_argument("--saturation-load", type=int, default=0, metavar="N",
@@ -453,7 +461,7 @@ async def serve(args: argparse.Namespace) -> int:
     from kvroute.data_plane.readiness import router_readiness
     from kvroute.data_plane.routing_service import build_routing_service
     from kvroute.listeners import GrpcListener, check_port, start_status_site
-    from kvroute.process import wait_for_stop_signal, write_port_file
+    from kvroute.process import announce_when_ready, wait_for_stop_signal, write_port_file
     from kvroute.tls import grpc_message_options, server_tls
 
     if args.fallback_endpoints < 0 or args.saturation_load < 0:
@@ -491,16 +499,21 @@ async def serve(args: argparse.Namespace) -> int:
                                                    status_routes(service))
     await listener.start(serving=False)
     health_task = asyncio.create_task(follow_readiness())
+    ready_task = None
     try:
         service.start()  # after the listener: a port in use is the only line printed
-        log.info("epp ready: grpc=%s:%d policy=%s model=%s control-plane=%s body-mode=%s failure-mode=%s",
+        log.info("epp listening: grpc=%s:%d policy=%s model=%s control-plane=%s body-mode=%s failure-mode=%s",
                  args.host, listener.port, args.policy, service.model, args.control_plane, args.body_mode,
                  args.failure_mode)
+        ready_task = asyncio.create_task(announce_when_ready(
+            ready, lambda: log.info("epp ready: the router's readiness holds (gRPC readiness SERVING)")))
         write_port_file(args.port_file, {"grpc": listener.port})
         await wait_for_stop_signal()
         log.info("epp stopping")
     finally:
         health_task.cancel()
+        if ready_task:
+            ready_task.cancel()
         await listener.stop(0.5)
         if status_runner is not None:
             await status_runner.cleanup()

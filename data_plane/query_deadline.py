@@ -45,6 +45,17 @@ class QueryDeadline:
         self._slowest = 0.0
         self._current = self.max_s if self.adaptive else min_s
 
+    def describe(self) -> str:
+        """What the deadline is, for the router's start-up line."""
+        def ms(seconds: float) -> str:
+            return f"{seconds * 1000:g} ms"
+
+        if not self.adaptive:
+            return f"control-plane query deadline {ms(self.min_s)}, fixed"
+        return (f"control-plane query deadline {self.factor:g} x the slowest of the last {self._recent.maxlen} "
+                f"answers, kept within {ms(self.min_s)}-{ms(self.max_s)} ({ms(self.max_s)} until {self.warmup} "
+                "answers are known)")
+
     @classmethod
     def fixed(cls, seconds: float) -> QueryDeadline:
         return cls(seconds)

@@ -13,18 +13,28 @@ import argparse
 import importlib
 import os
 import re
+import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
     from kvroute.config import EffectiveConfig
 
 DISTRIBUTION = "kvroute"
 EXIT_USAGE = 2
+EXIT_READER_GONE = 128 + signal.SIGPIPE  # what a shell reports for a program that SIGPIPE ended
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse with a usage error as one line, `kvroute router: error: argument --port: ...` (exit 2):
+    the usage text it would print first is what --help shows, and it buried the line that matters."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
 @dataclass(frozen=True)
@@ -62,7 +72,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser: every subcommand with its help line (each one's own flags load with it)."""
-    parser = argparse.ArgumentParser(prog="kvroute", description="KV-cache-aware routing for LLM inference fleets.")
+    parser = CommandParser(prog="kvroute", description="KV-cache-aware routing for LLM inference fleets.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, command in SUBCOMMANDS.items():
         sub.add_parser(name, help=command.help, add_help=False)
@@ -98,8 +108,8 @@ def command_parser(name: str) -> tuple[argparse.ArgumentParser, ModuleType]:
         raise SystemExit(EXIT_USAGE)
     module = importlib.import_module(command.module)
     # No abbreviations: `--port` must not quietly mean `--port-file` to a command without `--port`.
-    parser = argparse.ArgumentParser(prog=f"kvroute {name}", description=command.help, allow_abbrev=False,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = CommandParser(prog=f"kvroute {name}", description=command.help, allow_abbrev=False,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     module.add_arguments(parser)
     return parser, module
 
@@ -118,14 +128,15 @@ def _known_to_another_command(key: str) -> bool:
 
 
 def parse_configured(name: str, argv: Sequence[str],
-                     allow_missing: bool = False) -> tuple[argparse.Namespace, EffectiveConfig]:
+                     allow_missing: bool = False, warn_environment: bool = True) -> tuple[argparse.Namespace, EffectiveConfig]:
     """NAME's arguments from flags over KVROUTE_* environment over its --config file (kvroute/config.py)."""
     from kvroute import config  # loaded with a command, not for `kvroute --help`
 
     parser, module = command_parser(name)
     args, effective = config.parse_args(
         name, parser, argv, os.environ, known_elsewhere=_known_to_another_command,
-        commands=[n for n, c in SUBCOMMANDS.items() if c.configurable], allow_missing=allow_missing)
+        commands=[n for n, c in SUBCOMMANDS.items() if c.configurable], allow_missing=allow_missing,
+        validate=getattr(module, "validate", None), warn_environment=warn_environment)
     args.command, args._run = name, module.run
     return args, effective
 
@@ -147,11 +158,21 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    """Every command's entry: a reader of stdout that goes away (`kvroute audit | head -5`) ends the
+    command quietly with EXIT_READER_GONE, whether it was printing help, a table or its last line."""
     try:
-        return int(args._run(args) or 0)
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        code = int(args._run(args) or 0)
+        sys.stdout.flush()  # inside the try: buffered output meets a closed pipe here, not at exit
+        return code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # Python's own flush at exit would fail again and print a traceback: point stdout at nothing.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_READER_GONE
 
 
 if __name__ == "__main__":

@@ -299,12 +299,18 @@ def _fail(parser: argparse.ArgumentParser, message: str) -> None:
 
 def parse_args(command: str, parser: argparse.ArgumentParser, argv: Sequence[str],
                environ: Mapping[str, str] | None = None, *, known_elsewhere: Callable[[str], bool] | None = None,
-               commands: Sequence[str] = (), allow_missing: bool = False) -> tuple[argparse.Namespace, EffectiveConfig]:
+               commands: Sequence[str] = (), allow_missing: bool = False,
+               validate: Callable[[argparse.Namespace], None] | None = None,
+               warn_environment: bool = True) -> tuple[argparse.Namespace, EffectiveConfig]:
     """Parse `argv` for `command` with its file and environment layers under the flags.
 
     `known_elsewhere(key)` says whether another command has a key ([common] may hold keys for others);
-    `commands` lists the table names the file may hold. Exits 2 with one line on any bad input,
-    unless `allow_missing` (for `config show`): then a required flag that nobody set is reported, not fatal.
+    `commands` lists the table names the file may hold. `validate(args)`: the command's checks of flags
+    that only fail together, raising ValueError naming them (`--http-tls needs --tls-cert`). Exits 2
+    with one line on any bad input, naming where each value came from, unless `allow_missing` (for
+    `config show` and `config check`): then a required flag that nobody set is reported, not fatal.
+    A KVROUTE_* variable that no command has is warned about (one line each; `warn_environment` False:
+    not again, for a caller that parses several commands in one process).
     """
     environ = os.environ if environ is None else environ
     add_config_flag(parser)
@@ -363,7 +369,53 @@ def parse_args(command: str, parser: argparse.ArgumentParser, argv: Sequence[str
                 source = "default"
             missing = source == "default" and action.required
             effective.settings.append(Setting(action.dest, getattr(args, action.dest, None), source, _flag(action), missing))
+    if warn_environment:
+        warn_unknown_environment(chain[-1][1].prog, environ, chain, known_elsewhere)
+    if validate is not None:
+        try:
+            validate(args)
+        except ValueError as exc:
+            _fail(chain[-1][1], with_sources(str(exc), effective))
     return args, effective
+
+
+# Documented KVROUTE_* variables that are not a flag's: the config file's name, TLS files (tls.py) and API
+# keys (data_plane/api_keys.py) read from the environment, and the project's scripts' own.
+NOT_SETTINGS = RESERVED_ENV | {env_name(CONFIG_DEST), "KVROUTE_API_KEYS"}
+NOT_SETTINGS_PREFIXES = ("KVROUTE_TLS_",)
+
+
+def warn_unknown_environment(prog: str, environ: Mapping[str, str], chain: Sequence[tuple[str, argparse.ArgumentParser]],
+                             known_elsewhere: Callable[[str], bool] | None) -> None:
+    """One line on stderr per KVROUTE_* variable no command reads (a typo is otherwise silently ignored)."""
+    own = {env_name(a.dest) for _, p in chain for a in configurable_actions(p)}
+    for name in sorted(environ):
+        if (not name.startswith(ENV_PREFIX) or name in own or name in NOT_SETTINGS
+                or name.startswith(NOT_SETTINGS_PREFIXES)):
+            continue
+        key = name.removeprefix(ENV_PREFIX).lower()
+        if known_elsewhere is not None and known_elsewhere(key):
+            continue  # another command's setting, e.g. a shared environment for several processes
+        # Compared without the prefix every name shares, which would make any two look alike.
+        close = difflib.get_close_matches(key, sorted(n.removeprefix(ENV_PREFIX).lower() for n in own), n=1, cutoff=0.75)
+        hint = f" (did you mean {env_name(close[0])}?)" if close else ""
+        print(f"{prog}: warning: environment variable {name} is not a kvroute setting{hint}; ignored", file=sys.stderr)
+
+
+_FLAG_IN_MESSAGE = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+def with_sources(message: str, effective: EffectiveConfig) -> str:
+    """`message` followed by where each flag it names got its value, when not from the command line:
+    `--kv-aware-param needs --policy kv_aware (--kv-aware-param from file k.toml [router]; --policy left at its
+    default)`."""
+    by_flag = {s.flag: s for s in effective.settings}
+    notes = []
+    for flag in dict.fromkeys(_FLAG_IN_MESSAGE.findall(message)):
+        setting = by_flag.get(flag)
+        if setting is not None and setting.source != "flag":
+            notes.append(f"{flag} left at its default" if setting.source == "default" else f"{flag} from {setting.source}")
+    return f"{message} ({'; '.join(notes)})" if notes else message
 
 
 # ------------------------------------------------------------------------------------- `config show`
@@ -438,13 +490,14 @@ def check(path: str) -> int:
     except ConfigError as exc:
         print(f"kvroute config check: error: {exc}", file=sys.stderr)
         return cli.EXIT_USAGE
-    for line in command_lines or [[n] for n, c in cli.SUBCOMMANDS.items() if c.configurable and not c.extra]:
+    for i, line in enumerate(command_lines or [[n] for n, c in cli.SUBCOMMANDS.items() if c.configurable and not c.extra]):
         configurable = [n for n, c in cli.SUBCOMMANDS.items() if c.configurable]
         if line[0] not in configurable:
             print(f"kvroute config check: error: {_unknown(line[0], [COMMON_SECTION, *configurable], f'--config {path}', 'table')}",
                   file=sys.stderr)
             return cli.EXIT_USAGE
-        cli.parse_configured(line[0], [*line[1:], "--config", path], allow_missing=True)  # exits 2 naming what is bad
+        cli.parse_configured(line[0], [*line[1:], "--config", path], allow_missing=True,  # exits 2 naming what is bad
+                             warn_environment=i == 0)
         print(f"{' '.join(line)}: ok")
     return 0
 

@@ -13,15 +13,16 @@ by itself; here it only becomes the same one line.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import errno
 import socket
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvroute import aio
+from kvroute import addresses, aio
+from kvroute.addresses import HostPort
 
 if TYPE_CHECKING:
     import ssl
@@ -44,15 +45,6 @@ class ListenError(Exception):
         self.flag, self.address, self.reason = flag, address, reason
 
 
-@dataclass(frozen=True, slots=True)
-class HostPort:
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
-
 def check_port(flag: str, host: str, port: int) -> HostPort:
     if not 0 <= port <= 65535:
         raise ListenError(flag, f"{host}:{port}", "port must be 0..65535")
@@ -60,13 +52,11 @@ def check_port(flag: str, host: str, port: int) -> HostPort:
 
 
 def parse_host_port(flag: str, address: str) -> HostPort:
-    """HOST:PORT, [IPv6]:PORT; port 0 = any free port."""
-    host, sep, port = address.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port.isdigit():
-        raise ListenError(flag, address, "not HOST:PORT (e.g. 0.0.0.0:50051)")
-    return check_port(flag, host, int(port))
+    """HOST:PORT, [IPv6]:PORT; port 0 = any free port (kvroute.addresses.listen_address, the flags' type)."""
+    try:
+        return addresses.parse_host_port(address, allow_zero=True)
+    except argparse.ArgumentTypeError as exc:
+        raise ListenError(flag, address, str(exc)) from None
 
 
 def describe_os_error(exc: OSError) -> str:

@@ -4,6 +4,7 @@
         ...
         add_log_level_argument(p)                 # --log-level, checked at parse time
         add_port_file_argument(p)                 # --port-file: where the bound ports go once listening
+        p.add_argument("--workers", type=name_list(KNOWN, "worker"))  # NAME,NAME: checked when parsed
 
     def run(args):
         with process_setup("kvroute-router", args.log_level):  # logging, then tracing; tracing flushed at exit
@@ -12,6 +13,8 @@
     async def serve(args):
         ...                                       # listen (port 0 = any free port), then
         write_port_file(args.port_file, {"http": http_port})
+        log.info("listening on ...")              # then, once: log.info("ready") when /ready would say 200
+        ready_task = asyncio.create_task(announce_when_ready(is_ready, lambda: log.info("... ready")))
         await wait_for_stop_signal()              # SIGINT or SIGTERM: stop cleanly
 
 Tracing stays off unless the OTel variables ask for it (`kvroute.telemetry`).
@@ -25,7 +28,7 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 
 from kvroute.telemetry import setup_tracing, shutdown_tracing
@@ -40,6 +43,56 @@ def log_level(value: str) -> str:
     if not isinstance(logging.getLevelName(level), int):
         raise argparse.ArgumentTypeError(f"unknown log level {value!r} (DEBUG, INFO, WARNING, ERROR)")
     return level
+
+
+def name_list(choices: Collection[str] | None, what: str, *, allow_empty: bool = False) -> Callable[[str], str]:
+    """argparse type: NAME[,NAME...], each one of `choices` (any name when None), none twice; returns the
+    names comma-joined (so the flag keeps its string form). `what` names one entry in messages."""
+    def parse(text: str) -> str:
+        names = [name.strip() for name in text.split(",") if name.strip()]
+        if not names and not allow_empty:
+            raise argparse.ArgumentTypeError(f"no {what} in {text!r}")
+        for name in names:
+            if choices is not None and name not in choices:
+                raise argparse.ArgumentTypeError(f"unknown {what} {name!r} (choose from {', '.join(choices)})")
+        if len(set(names)) != len(names):
+            raise argparse.ArgumentTypeError(f"{text!r} names a {what} twice")
+        return ",".join(names)
+    parse.__name__ = f"{what} list"
+    return parse
+
+
+def _number(kind: type, holds: Callable[[int | float], bool], wanted: str) -> Callable[[str], int | float]:
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number {wanted}, got {text!r}") from None
+        if not holds(value):  # written so that NaN fails too
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def positive(kind: type) -> Callable[[str], int | float]:
+    """argparse type: a number > 0 of `kind` (int or float; a usage error, not a traceback at start-up)."""
+    return _number(kind, lambda value: value > 0, "> 0")
+
+
+def non_negative(kind: type) -> Callable[[str], int | float]:
+    """argparse type: a number >= 0 of `kind`."""
+    return _number(kind, lambda value: value >= 0, ">= 0")
+
+
+def int_list(text: str) -> str:
+    """argparse type: N[,N...] of integers, none twice (e.g. seeds); returns them comma-joined."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items or not all(item.lstrip("-").isdigit() for item in items):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers")
+    if len(set(map(int, items))) != len(items):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected distinct integers")
+    return ",".join(items)
 
 
 def add_log_level_argument(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +133,14 @@ def on_stop_signal(callback: Callable[[], object]) -> None:
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, callback)
+
+
+async def announce_when_ready(ready: Callable[[], bool], announce: Callable[[], None], interval_s: float = 0.1) -> None:
+    """Call `announce()` once, the first time `ready()` holds (checked every `interval_s`): a process
+    logs "listening" when it binds and "ready" only when its readiness (GET /ready) says so."""
+    while not ready():
+        await asyncio.sleep(interval_s)
+    announce()
 
 
 async def wait_for_stop_signal() -> None:

@@ -158,6 +158,26 @@ def readme_sh_blocks(heading: str, count: int = 1) -> list[str]:
     return blocks[:count]
 
 
+def readme_commands(block: str, *prefixes: str) -> str:
+    """The commands of `block` that start with one of `prefixes`, each with its continuation lines
+    (a block that says "after the X lines of another block" runs those first)."""
+    picked, taking = [], False
+    for line in block.splitlines():
+        if not taking and line.startswith(prefixes):
+            taking = True
+        if taking:
+            picked.append(line)
+            taking = line.rstrip().endswith("\\")
+    return "\n".join(picked) + "\n"
+
+
+def readme_env() -> dict[str, str]:
+    """The environment a README block runs in: this test run's `kvroute` first on PATH (as after
+    `. .venv/bin/activate`), and none of the machine's KVROUTE_* settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
+    return {**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
 def with_free_ports(block: str, readme_ports: tuple[int, ...]) -> tuple[str, dict[int, int]]:
     """`block` with each of `readme_ports` (which it must use) replaced by a free port, and the mapping."""
     ports = {port: free_port() for port in readme_ports}

@@ -67,14 +67,15 @@ audit_probe = true
 
 
 def test_file_and_env_satisfy_required_flags_and_lists_replace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    config = write(tmp_path / "k.toml", '[router]\ntokenizer = "/models/tiny"\nkv_aware_param = ["a=1", "b=2"]\n'
+    config = write(tmp_path / "k.toml", '[router]\ntokenizer = "/models/tiny"\nkv_aware_param = ["queue_weight=1", "decode_weight=2"]\n'
                                         '[common]\nlisten = "ignored: a control-plane key"\n')
     args = cli.parse_configured("router", ["--config", str(config)])[0]
-    assert (args.tokenizer, args.kv_aware_param) == ("/models/tiny", ["a=1", "b=2"])
-    monkeypatch.setenv("KVROUTE_KV_AWARE_PARAM", "c=3, d=4")
-    assert cli.parse_configured("router", ["--config", str(config)])[0].kv_aware_param == ["c=3", "d=4"]
+    assert (args.tokenizer, args.kv_aware_param) == ("/models/tiny", ["queue_weight=1", "decode_weight=2"])
+    monkeypatch.setenv("KVROUTE_KV_AWARE_PARAM", "temperature=3, load_bound=4")
+    assert cli.parse_configured("router", ["--config", str(config)])[0].kv_aware_param == ["temperature=3", "load_bound=4"]
     # Repeated flags replace the lower layers' list rather than extending it.
-    assert cli.parse_configured("router", ["--config", str(config), "--kv-aware-param", "e=5"])[0].kv_aware_param == ["e=5"]
+    assert cli.parse_configured("router", ["--config", str(config), "--kv-aware-param",
+                                           "recompute_weight=5"])[0].kv_aware_param == ["recompute_weight=5"]
     monkeypatch.setenv("KVROUTE_NO_ROUTER_SESSION", "yes")
     assert cli.parse_configured("router", ["--config", str(config)])[0].no_router_session is True
 
@@ -116,11 +117,17 @@ def test_a_mutually_exclusive_flag_beats_its_partner_from_the_file(tmp_path: Pat
     ("[router]\nprot = 1\n", {}, "[router]: unknown key 'prot' (did you mean 'port'?)"),
     ("[common]\nlisen = 'x'\n", {}, "[common]: unknown key 'lisen'"),
     ("[routr]\nport = 1\n", {}, "unknown table 'routr' (did you mean 'router'?)"),
-    ("[router]\nport = 'http'\n", {}, "[router] port: invalid int value: 'http'"),
+    ("[router]\nport = 'http'\n", {}, "[router] port: port 'http' is not a number"),
+    ("[router]\nport = 70000\n", {}, "[router] port: port 70000 is out of range (0..65535)"),
+    ("[router]\nkv_aware_param = ['load_bund=1.5']\n", {}, "[router] kv_aware_param: 'load_bund=1.5': expected NAME=VALUE"),
+    ("[router]\ncontrol_plane = '127.0.0.1:500051'\n", {},
+     "[router] control_plane: port 500051 in '127.0.0.1:500051' is out of range (1..65535)"),
     ("[router]\npolicy = 'fastest'\n", {}, "[router] policy: invalid choice: 'fastest'"),
     ("[router]\nstage_timing = 'maybe'\n", {}, "[router] stage_timing: expected true or false"),
     ("[router]\nport = true\n", {}, "[router] port: --port takes a value, not true/false"),
-    ("[router]\nport = 1\n", {"KVROUTE_PORT": "eighty"}, "environment KVROUTE_PORT: invalid int value: 'eighty'"),
+    ("[router]\nport = 1\n", {"KVROUTE_PORT": "eighty"}, "environment KVROUTE_PORT: port 'eighty' is not a number"),
+    ("[router]\nport = 1\n", {"KVROUTE_CONTROL_PLANE": "http://127.0.0.1:50051"},
+     "environment KVROUTE_CONTROL_PLANE: 'http://127.0.0.1:50051' is a URL: give HOST:PORT (no scheme)"),
     ("[router]\nport = 1\n", {"KVROUTE_CAPTURE_SAMPLE_RATE": "2"}, "environment KVROUTE_CAPTURE_SAMPLE_RATE:"),
     ("[router\n", {}, "not valid TOML"),
 ])

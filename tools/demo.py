@@ -25,6 +25,7 @@ from pathlib import Path
 
 import aiohttp
 
+from kvroute.process import name_list
 from kvroute.prom_text import sample_sums
 from kvroute.tools.disturbance import Disturbance, DisturbanceMonitor
 from kvroute.tools.local_cluster import LocalCluster, engine_prefix_counters, http_get, http_post_json, wait_until
@@ -36,7 +37,10 @@ _WORDS = ["cache", "token", "prefix", "router", "worker", "model", "request", "l
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", type=int, default=4, help="sim engines (each with its own agent) in each policy's fleet")
-    p.add_argument("--policies", default="kv_aware,round_robin", help="comma-separated routing policies to compare")
+    from kvroute.data_plane.decision.policies import POLICIES
+
+    p.add_argument("--policies", type=name_list(POLICIES, "policy"), default="kv_aware,round_robin",
+                   help="comma-separated routing policies to compare")
     p.add_argument("--system-prompts", type=int, default=16, help="distinct shared system prompts")
     p.add_argument("--system-prompt-words", type=int, default=1000, help="words per system prompt")
     p.add_argument("--conversations", type=int, default=96, help="conversations per policy run")

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import sys
 
+from kvroute.addresses import control_plane_addresses, http_url, listen_host, port, zmq_endpoint
 from kvroute.listeners import run_service
 from kvroute.process import add_log_level_argument, on_stop_signal, process_setup
 from kvroute.tls import TlsConfigError, add_grpc_message_argument, add_tls_arguments, tls_files_from_args
@@ -77,18 +78,9 @@ def _positive_seconds(value: str) -> float:
     return n
 
 
-def _port(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"port must be 0..65535, got {value!r}") from None
-    if not 0 <= n <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be 0..65535, got {value!r}")
-    return n
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--control-plane", default="127.0.0.1:50051", metavar="HOST:PORT", help="control plane gRPC address")
+    p.add_argument("--control-plane", type=control_plane_addresses, default="127.0.0.1:50051", metavar="HOST:PORT",
+                   help="control plane gRPC address (replicas: HOST:PORT,HOST:PORT,...)")
     p.add_argument("--engine", default="vllm", type=_engine, metavar="{vllm,sglang,trtllm}",
                    help="engine kind whose KV events to read (each has its own wire format)")
     p.add_argument("--kv-events-transport", default="auto", type=_transport, metavar="{zmq,http,auto}",
@@ -96,13 +88,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "TensorRT-LLM's streaming publisher); http = TensorRT-LLM's pull path, POST /kv_cache_events on "
                         "--engine-url (trtllm-serve with kv_cache_config.event_buffer_max_size > 0; one poller per "
                         "server); auto = http for trtllm, zmq otherwise")
-    p.add_argument("--kv-events", default="tcp://127.0.0.1:5557", metavar="ENDPOINT",
+    p.add_argument("--kv-events", type=zmq_endpoint, default="tcp://127.0.0.1:5557", metavar="ENDPOINT",
                    help="engine's ZMQ KV-event PUB endpoint (the agent connects to it; default: vLLM's own default on "
                         "this host); with data parallelism, rank 0's: rank r publishes on port + r. A publisher not "
                         "connected, or a stream silent while the engine works, is logged and makes /ready 503")
     p.add_argument("--kv-events-bind", action="store_true",
                    help="bind --kv-events instead of connecting (vLLM connects when its endpoint has no '*')")
-    p.add_argument("--replay-endpoint", default=None, metavar="ENDPOINT",
+    p.add_argument("--replay-endpoint", type=zmq_endpoint, default=None, metavar="ENDPOINT",
                    help="engine's ZMQ replay (ROUTER) endpoint: fills sequence gaps and catches up at start; "
                         "with data parallelism, rank 0's (rank r: port + r)")
     p.add_argument("--topic", default="", help="ZMQ topic prefix to subscribe to (the engine's kv-events-config topic)")
@@ -124,7 +116,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "rank (routers pin requests with X-data-parallel-rank). Unset: not a data-parallel engine")
     p.add_argument("--data-parallel-rank-start", type=_non_negative_int, default=0, metavar="R",
                    help="first global rank this agent serves (multi-node DP: ranks R..R+N-1 publish on port + rank)")
-    p.add_argument("--engine-url", default="http://127.0.0.1:8000", metavar="URL",
+    p.add_argument("--engine-url", type=http_url, default="http://127.0.0.1:8000", metavar="URL",
                    help="engine's OpenAI-compatible base URL (default: vLLM's own default on this host): advertised to "
                         "routers, polled for /metrics (load) and /v1/models (model when --model is not given, LoRA "
                         "adapters every 5 s); the workers are registered only while it answers GET /v1/models")
@@ -137,9 +129,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
                    help="engine KV block size in tokens (SGLang: page size; TRT-LLM: tokens_per_block); if events "
                         "carry another, the agent re-registers with it")
-    p.add_argument("--metrics-port", type=_port, default=0,
+    p.add_argument("--metrics-port", type=port, default=0,
                    help="serve the agent's /metrics, /health (liveness) and /ready (readiness) on this port (0 = off)")
-    p.add_argument("--metrics-host", default="127.0.0.1", help="address of the /metrics listener")
+    p.add_argument("--metrics-host", type=listen_host, default="127.0.0.1", help="address of the /metrics listener")
     add_tls_arguments(p)
     add_grpc_message_argument(p, DEFAULT_GRPC_MAX_MESSAGE_BYTES)
     add_log_level_argument(p)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.control_plane.replication.redis_url import parse_redis_url
+from kvroute.addresses import parse_redis_url
 
 
 def test_single_server_forms() -> None:
@@ -39,8 +39,8 @@ def test_cluster_form() -> None:
     ("h:6379", "scheme must be one of"),
     ("redis://", "no host"),
     ("redis://a,b", "several hosts need"),
-    ("redis://h:port", "port must be a number"),
-    ("redis://h:70000", "port out of range"),
+    ("redis://h:port", "port 'port' in 'h:port' is not a number"),
+    ("redis://h:70000", r"port 70000 in 'h:70000' is out of range"),
     ("redis://h/x", "database must be a number"),
     ("redis://h/1/2", "unexpected path"),
     ("redis+sentinel://s1", "names the master's service"),

@@ -19,15 +19,17 @@ from kvroute.tools.local_cluster import free_port
 
 
 def test_the_picker_takes_the_routers_routing_flags_and_not_its_listeners(tiny_model_dir) -> None:
-    args = parse_args(["epp", "--tokenizer", str(tiny_model_dir), "--policy", "chwbl", "--query-timeout-ms", "7",
+    args = parse_args(["epp", "--tokenizer", str(tiny_model_dir), "--policy", "kv_aware", "--query-timeout-ms", "7",
                        "--kv-aware-param", "load_bound=2", "--no-router-session", "--failure-mode", "FailOpen"])
-    assert (args.policy, args.query_timeout_ms, args.no_router_session) == ("chwbl", 7.0, True)
+    assert (args.policy, args.query_timeout_ms, args.no_router_session) == ("kv_aware", 7.0, True)
     assert args.kv_aware_param == ["load_bound=2"] and args.failure_mode == "FailOpen"
     assert args.grpc_port == 9002 and args.body_mode == "streamed"
     for flag in ROUTER_ONLY_FLAGS - {"--grpc-port"}:
         assert not hasattr(args, flag.lstrip("-").replace("-", "_")), flag
     with pytest.raises(SystemExit):
         parse_args(["epp", "--tokenizer", str(tiny_model_dir), "--port", "8080"])
+    with pytest.raises(SystemExit):  # the router's own checks of flags that only fail together
+        parse_args(["epp", "--tokenizer", str(tiny_model_dir), "--policy", "chwbl", "--kv-aware-param", "load_bound=2"])
 
 
 def test_endpoints_are_named_as_gaie_names_them() -> None:

@@ -128,3 +128,27 @@ async def test_audit_exits_2_when_the_control_plane_is_unreachable() -> None:
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, _ = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2 and "ListWorkers" in json.loads(out.decode().splitlines()[-1])["errors"][0]
+
+
+async def test_an_audit_that_audits_nothing_says_so_and_exits_2_unless_allowed() -> None:
+    """A control plane that lists no worker: "audited 0, divergence 0" is not a clean audit."""
+    from kvroute.control_plane.server import ControlPlaneConfig, ControlPlaneServer
+
+    server = ControlPlaneServer(ControlPlaneConfig(listen="127.0.0.1:0"))
+    port = await server.start()
+    try:
+        async def audit(*args: str) -> tuple[int, dict, str]:
+            proc = await asyncio.create_subprocess_exec(
+                *kvroute_argv("audit", "--control-plane", f"127.0.0.1:{port}", *args),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), 60)
+            return proc.returncode, json.loads(out.decode().splitlines()[-1]), err.decode()
+
+        code, result, err = await audit()
+        assert code == 2 and result["audited"] == 0, (code, result, err)
+        assert result["errors"] == ["nothing audited: the control plane lists no worker (--allow-empty accepts that)"]
+        assert "error: nothing audited: the control plane lists no worker" in err
+        code, result, err = await audit("--allow-empty", "--json")
+        assert code == 0 and result["audited"] == 0 and result["errors"] == [], (code, result, err)
+    finally:
+        await server.stop(0)

@@ -189,3 +189,36 @@ def test_router_and_agent_readiness_follow_control_plane_and_engines(cluster: Lo
     # The agent of the dead engine: its publisher connection went away.
     status, body = _eventually(lambda: (r := get_ready(engine.agent_metrics_url))[0] == 503 and r, 10, "agent not ready")
     assert any("engine-0: not receiving KV events" in p for p in body["problems"]), body
+
+
+async def test_a_router_says_listening_at_bind_and_ready_only_once_its_ready_answers_200(tmp_path, tiny_model_dir) -> None:
+    """"router ready" while GET /ready answers 503 sends operators (and scripts that grep logs) the wrong way."""
+    from kvroute.tools.local_cluster import ManagedProcess, kvroute_argv, wait_until
+    from tests.helpers import FakeAgent, eventually
+
+    server = ControlPlaneServer(ControlPlaneConfig(listen="127.0.0.1:0"))
+    cp_port = await server.start()
+    port_file = tmp_path / "router.ports"
+    router = ManagedProcess("router", kvroute_argv(
+        "router", "--control-plane", f"127.0.0.1:{cp_port}", "--tokenizer", str(tiny_model_dir), "--port", "0",
+        "--port-file", str(port_file), "--grpc-port", "0"), tmp_path / "router.log", port_file=port_file)
+    agent = None
+    try:
+        router.start()
+        url = f"http://127.0.0.1:{router.wait_ports()['http']}"
+        log = tmp_path / "router.log"
+        wait_until(lambda: "router listening: http://127.0.0.1:" in log.read_text(), 30, "the listening line", [router])
+        assert "control-plane query deadline 5 ms, fixed" in log.read_text(), log.read_text()
+        await eventually(lambda: http_get(url + "/ready")[0] == 503, 30)  # the control plane lists no worker
+        assert "router ready" not in log.read_text(), log.read_text()
+        agent = FakeAgent(f"127.0.0.1:{cp_port}")
+        await agent.claim("w0", "http://127.0.0.1:1", {"gpu": [1]})
+        await eventually(lambda: http_get(url + "/ready")[0] == 200, 30)
+        await eventually(lambda: "router ready: 1 of 1 workers of model tiny-llama healthy" in log.read_text(), 10)
+        text = log.read_text()
+        assert text.index("router listening") < text.index("router ready"), text
+    finally:
+        router.stop()
+        if agent is not None:
+            await agent.close()
+        await server.stop(0)

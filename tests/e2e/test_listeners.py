@@ -85,15 +85,21 @@ def test_http_and_zmq_ports_in_use_exit_2(process: str, busy_port: int, tiny_mod
     refused(argv, flag, address, "address already in use")
 
 
-@pytest.mark.parametrize("address,reason", [("notaport", "not HOST:PORT"), ("127.0.0.1:99999", "port must be 0..65535"),
-                                            ("no-such-host.invalid:50051", "cannot resolve the host")])
-def test_a_malformed_listen_address_exits_2(address: str, reason: str) -> None:
-    refused(["control-plane", "--listen", address], "--listen", address, reason)
+def test_a_listen_address_that_does_not_resolve_exits_2() -> None:
+    refused(["control-plane", "--listen", "no-such-host.invalid:50051"], "--listen", "no-such-host.invalid:50051",
+            "cannot resolve the host")
 
 
-def test_a_router_grpc_port_out_of_range_exits_2(tiny_model_dir: Path) -> None:
-    refused(["router", "--tokenizer", str(tiny_model_dir), "--port", str(free_port()), "--grpc-port", "70000"],
-            "--grpc-port", "127.0.0.1:70000", "port must be 0..65535")
+@pytest.mark.parametrize("argv,message", [
+    (["control-plane", "--listen", "notaport"], "argument --listen: no port in 'notaport'"),
+    (["control-plane", "--listen", "127.0.0.1:99999"], "argument --listen: port 99999 in '127.0.0.1:99999' is out of range"),
+    (["router", "--tokenizer", "t", "--grpc-port", "70000"], "argument --grpc-port: port 70000 is out of range (0..65535)"),
+])
+def test_a_malformed_listen_address_is_refused_when_parsed(argv: list[str], message: str) -> None:
+    """Before anything starts (tests/test_command_line.py has every address flag)."""
+    proc = subprocess.run(kvroute_argv(*argv), check=False, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"kvroute {argv[0]}: error: {message}"), lines
 
 
 async def test_no_grpc_server_can_share_a_kvroute_grpc_port() -> None:

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, process_group_alive, readme_sh_blocks, with_free_ports
+from tests.helpers import REPO, process_group_alive, readme_commands, readme_env, readme_sh_blocks, with_free_ports
 
 README_PORTS = (50051, 50052, 8000, 8080, 5557, 5558, 9400)
 
@@ -33,7 +34,7 @@ def test_running_the_pieces_yourself_works_as_written(tmp_path: Path) -> None:
     script = tmp_path / "pieces.sh"
     # set -e: a failing curl or audit fails the run; the kill line is the README's own.
     script.write_text("set -e\n" + block + "kill %1 %2 %3 %4\nwait\n")
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = readme_env()
     proc = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -87,7 +88,7 @@ def test_the_readme_trace_command_runs_on_the_shipped_trace(tmp_path: Path) -> N
     assert trace.stat().st_size < 300_000  # a slice, not the whole trace
     command = readme_line("kvroute simulate --trace traces/mooncake_conversation_trace.jsonl")
     (tmp_path / "traces").symlink_to(REPO / "traces")  # the command as written, from a clone's root
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = readme_env()
     out = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
                          check=False)
     assert out.returncode == 0, out.stderr
@@ -95,3 +96,50 @@ def test_the_readme_trace_command_runs_on_the_shipped_trace(tmp_path: Path) -> N
     assert result["block_size"] == 512 and result["warnings"] == []
     assert result["policies"]["kv_aware"]["hit_rate"] > 2 * result["policies"]["round_robin"]["hit_rate"] > 0
     assert {p.name for p in (tmp_path / "out").iterdir()} == {"report.md", "ttft_cdf.png", "hit_rate.png"}
+
+
+HA_PORTS = (6380, 15050, 15051, 15052, 15060, 15061, 15062, 8080, 15080, 8000, 5557, 5558)
+
+
+@pytest.mark.timeout(240)
+def test_the_high_availability_block_works_as_written(tmp_path: Path) -> None:
+    """Three replicas over one Redis, an agent and a router: the block waits for each to be ready before
+    its audit, after the `kvroute tiny-model` / `kvroute sim-engine` lines of "Running the pieces yourself"."""
+    assert shutil.which("redis-server") and shutil.which("redis-cli"), "the replica tests need redis-server"
+    pieces = readme_commands(readme_sh_blocks("## Running the pieces yourself")[0], "kvroute tiny-model",
+                             "kvroute sim-engine")
+    ha = readme_sh_blocks("## High availability: control-plane replicas over Redis")[0]
+    assert all(port < 32768 for port in map(int, re.findall(r":(\d+)\b", ha))), "a port in the ephemeral range"
+    block, ports = with_free_ports(pieces + ha, HA_PORTS)
+    script = tmp_path / "ha.sh"
+    script.write_text("set -e\n" + block)
+    proc = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=readme_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        try:
+            out, err = proc.communicate(timeout=200)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        logs = "\n".join(f"--- {log.name}\n{log.read_text()[-1500:]}" for log in sorted(tmp_path.glob("*.log")))
+        assert proc.returncode == 0, f"exit {proc.returncode} (ports {ports})\nstdout:\n{out}\nstderr:\n{err}\n{logs}"
+        lines = out.splitlines()
+        assert lines[0].startswith("tiny model in models/tiny-llama"), out
+        replicas = [json.loads(line) for line in lines[1:4]]
+        assert [r["status"] for r in replicas] == ["ready"] * 3, out
+        router = json.loads(lines[4])
+        assert router["status"] in ("ready", "degraded") and router["workers"] == 1, out
+        audit = json.loads(lines[-1])
+        assert audit["audited"] == 1 and audit["divergence"] == 0 and not audit["errors"], f"{audit}\n{logs}"
+        router_log = (tmp_path / "router.log").read_text()
+        assert router_log.index("router listening") < router_log.index("router ready: 1 of 1 workers"), router_log
+    finally:
+        subprocess.run(["redis-cli", "-p", str(ports[6380]), "shutdown", "nosave"], capture_output=True, timeout=10,
+                       check=False)  # daemonized: not in the script's process group
+        if process_group_alive(proc.pid):  # the block's background processes outlive the script
+            os.killpg(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while process_group_alive(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if process_group_alive(proc.pid):
+                os.killpg(proc.pid, signal.SIGKILL)

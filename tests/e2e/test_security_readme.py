@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from kvroute.tls import ClientTls, TlsFiles, open_channel
 from kvroute.tools.local_cluster import ManagedProcess, kvroute_argv, wait_until
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
-from tests.helpers import process_group_alive, readme_sh_blocks, with_free_ports
+from tests.helpers import process_group_alive, readme_env, readme_sh_blocks, with_free_ports
 from tests.tls_certs import TestCA
 
 README_PORTS = (50051, 50052, 8000, 8443, 5557, 5558)
@@ -90,9 +89,7 @@ def test_mtls_setup_works_as_written(tmp_path: Path) -> None:
     script = tmp_path / "mtls.sh"
     # set -e: a failing openssl, curl or audit fails the run; the processes stay up for the checks below.
     script.write_text("set -e\n" + certs + fleet + "echo READY\nwait\n")
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    for name in ("KVROUTE_TLS_CERT", "KVROUTE_TLS_KEY", "KVROUTE_TLS_CA", "KVROUTE_API_KEYS"):
-        env.pop(name, None)
+    env = readme_env()
     proc = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     lines: list[str] = []
@@ -134,7 +131,7 @@ def test_mtls_setup_works_as_written(tmp_path: Path) -> None:
         finally:
             intruder.stop()
         router_log = (tmp_path / "router.log").read_text()
-        assert "router ready: https://" in router_log and "tls=mtls" in router_log, router_log[-2000:]
+        assert "router listening: https://" in router_log and "tls=mtls" in router_log, router_log[-2000:]
     finally:
         if process_group_alive(proc.pid):
             os.killpg(proc.pid, signal.SIGTERM)

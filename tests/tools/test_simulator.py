@@ -205,7 +205,7 @@ def test_simulate_over_several_seeds(tmp_path: Path) -> None:
     assert json.loads(single.stdout.strip().splitlines()[-1])["policies"] == result["seeds"]["2"]  # same runs
     assert "lowest p99" in report.read_text()
     bad = subprocess.run(argv[:argv.index("--seeds")] + ["--seeds", "1,1"], capture_output=True, text=True, timeout=60, check=False)
-    assert bad.returncode == 2 and "distinct seeds" in bad.stderr
+    assert bad.returncode == 2 and "expected distinct integers" in bad.stderr
 
 
 def test_routers_that_see_each_other_at_once_decide_exactly_as_one_router() -> None:

@@ -8,8 +8,21 @@ import argparse
 import json
 from pathlib import Path
 
+from kvroute.addresses import http_url_or_none, http_urls
+from kvroute.process import int_list, name_list
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Flags valid alone but not together (checked when parsed, by `kvroute config check` too)."""
+    if args.bench == "live":
+        from kvroute.tools.bench.live import check_args
+
+        check_args(args)
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvroute.data_plane.decision.policies import POLICIES
+
     sub = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     ingest = sub.add_parser("ingest", help="event decode -> key resolution -> index update (block events/s, bytes/entry)")
     ingest.add_argument("--batches", type=int, default=4000, help="vLLM event batches to ingest")
@@ -39,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     proxy = sub.add_parser("proxy", help="what a router adds to a request: per target (kvroute per policy, a pass-through "
                            "floor, peers) and per stage inside the router, p50/p99")
     proxy.add_argument("--requests", type=int, default=2000, help="requests per target")
-    proxy.add_argument("--policies", default="round_robin,kv_aware", help="kvroute routers to measure, comma-separated")
+    proxy.add_argument("--policies", type=name_list(POLICIES, "policy"), default="round_robin,kv_aware",
+                       help="kvroute routers to measure, comma-separated")
     proxy.add_argument("--peer", action="append", default=[], choices=["smg", "vllm-router"],
                        help="also measure this router, installed from the package index into a cached venv "
                             "(smg: SGLang's gateway; vllm-router: vLLM's router; each with round_robin and "
@@ -58,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           help="vLLM event batches for the ingest figures (20000: a window of ~1 s through Redis, so "
                                "the last batch's propagation and the metric polling are not a large share of it)")
     replicas.add_argument("--trials", type=int, default=200, help="freshness samples")
-    replicas.add_argument("--catchup-blocks", default="100000,1000000", metavar="N,N",
+    replicas.add_argument("--catchup-blocks", type=int_list, default="100000,1000000", metavar="N,N",
                           help="log sizes the catch-up is measured at")
     replicas.add_argument("--chaos-s", type=float, default=0.0, metavar="SECONDS",
                           help="also run the chaos scenario (kill -9, Redis cut, restart under 100 req/s) with phases "
@@ -99,6 +113,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def add_live_arguments(p: argparse.ArgumentParser) -> None:
     """Defaults: a load where round-robin thrashes 640-block caches (8 x 2048-token prefixes = 1024
     blocks, more than one engine holds, less than the fleet's 2560) and queues; ~35 s on 2 cores."""
+    from kvroute.data_plane.decision.policies import POLICIES, kv_aware_param
     from kvroute.tools.simulator.cli import add_generated_workload_knobs
     from kvroute.tools.simulator.workloads import WORKLOAD_NAMES  # light; keeps `kvroute --help` from importing aiohttp
 
@@ -107,8 +122,9 @@ def add_live_arguments(p: argparse.ArgumentParser) -> None:
     add_generated_workload_knobs(w, requests=600, rate=20.0, output_tokens=16)
     w.add_argument("--seed", type=int, default=0, help="workload and simulator seed")
     f = p.add_argument_group("local fleet (started unless --router-url / --engine-urls are given)")
-    f.add_argument("--policies", default="kv_aware,round_robin", help="comma-separated policies, one router each")
-    f.add_argument("--kv-aware-param", action="append", default=[], metavar="NAME=VALUE",
+    f.add_argument("--policies", type=name_list(POLICIES, "policy", allow_empty=True), default="kv_aware,round_robin",
+                   help="comma-separated policies, one router each")
+    f.add_argument("--kv-aware-param", type=kv_aware_param, action="append", default=[], metavar="NAME=VALUE",
                    help="one of kv_aware's weights (kvroute.data_plane.decision.policies.KvAwareParams) for its router and its "
                         "simulation, repeatable; with --router-url, pass the router's own")
     f.add_argument("--engines", type=int, default=4, help="sim engines, each with its own agent")
@@ -123,8 +139,10 @@ def add_live_arguments(p: argparse.ArgumentParser) -> None:
                         "latencies multiplied back)")
     f.add_argument("--workdir", default="", help="directory for logs and the tiny model (empty: a temp dir)")
     t = p.add_argument_group("an already running fleet (--num-blocks, --block-size, --speedup must describe it)")
-    t.add_argument("--router-url", default="", help="bench this router (its own policy) instead of a local fleet")
-    t.add_argument("--engine-urls", default="", help="comma-separated engine URLs: /metrics hit rate, cache reset, --direct")
+    t.add_argument("--router-url", type=http_url_or_none, default="",
+                   help="bench this router (its own policy) instead of a local fleet")
+    t.add_argument("--engine-urls", type=http_urls, default="",
+                   help="comma-separated engine URLs: /metrics hit rate, cache reset, --direct")
     t.add_argument("--model", default="tiny-llama", help="served model name")
     t.add_argument("--vocab-size", type=int, default=2048,
                    help="vocabulary the workload's token ids are folded into (a local fleet uses the tiny model's own)")

@@ -19,6 +19,7 @@ import time
 
 import grpc
 
+from kvroute.addresses import port
 from kvroute.listeners import GrpcListener, run_service
 
 METHOD = "/kvroute.bench.Echo/Stream"
@@ -62,7 +63,7 @@ async def round_trips_ms(address: str, request_bytes: int, iterations: int, warm
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=port, required=True)
     p.add_argument("--reply-bytes", type=int, default=1024)
     args = p.parse_args()
     return run_service("bench grpc-echo", serve(args.port, args.reply_bytes))

@@ -13,6 +13,7 @@ import argparse
 from aiohttp import web
 
 from kvroute import aio
+from kvroute.addresses import http_url, listen_host, port
 from kvroute.data_plane.backend_health import BackendHealth
 from kvroute.data_plane.decision.policies import Candidate
 from kvroute.data_plane.http_errors import openai_errors
@@ -54,9 +55,9 @@ async def serve(engine_url: str, host: str, port: int) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--engine", required=True, help="engine base URL")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--engine", type=http_url, required=True, help="engine base URL")
+    p.add_argument("--host", type=listen_host, default="127.0.0.1")
+    p.add_argument("--port", type=port, required=True)
     args = p.parse_args()
     return aio.run(serve(args.engine, args.host, args.port))
 

@@ -10,8 +10,16 @@ import argparse
 import logging
 import sys
 
+from kvroute.addresses import listen_host, port
 from kvroute.listeners import run_service
-from kvroute.process import add_log_level_argument, add_port_file_argument, process_setup, wait_for_stop_signal, write_port_file
+from kvroute.process import (
+    add_log_level_argument,
+    add_port_file_argument,
+    positive,
+    process_setup,
+    wait_for_stop_signal,
+    write_port_file,
+)
 
 log = logging.getLogger("kvroute.sim_engine")
 
@@ -25,15 +33,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvroute.tools.sim_engine.dialects import DEFAULT_DIALECT, DIALECTS
 
     d = CostModel()
-    p.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI-compatible API (0 = any free port)")
+    p.add_argument("--host", type=listen_host, default="127.0.0.1", help="HTTP listen address")
+    p.add_argument("--port", type=port, default=8000, help="HTTP port of the OpenAI-compatible API (0 = any free port)")
     p.add_argument("--model", default="tiny-llama", help="served model name")
     p.add_argument("--tokenizer", required=True, help="local model directory holding tokenizer.json (+ tokenizer_config.json)")
     p.add_argument("--num-blocks", type=int, default=2048, help="KV cache capacity in blocks")
     p.add_argument("--dialect", choices=list(DIALECTS), default=DEFAULT_DIALECT,
                    help="engine and version to imitate on the wire, in its metrics and its hashes "
                         f"(default {DEFAULT_DIALECT})")
-    p.add_argument("--block-size", "--page-size", dest="block_size", type=int, default=None,
+    p.add_argument("--block-size", "--page-size", dest="block_size", type=positive(int), default=None,
                    help="tokens per KV block (SGLang: page size); default 16, TensorRT-LLM 32")
     p.add_argument("--max-model-len", type=int, default=32768, help="longest prompt + output accepted")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per scheduler step")
@@ -97,8 +105,6 @@ def build_engine(args: argparse.Namespace):
     from kvroute.tools.sim_engine.tokenizer import load_engine_tokenizer
 
     block_size = args.block_size or get_dialect(args.dialect).default_block_size
-    if block_size <= 0:
-        raise ValueError("--block-size must be positive")
     config = EngineConfig(model=args.model, num_blocks=args.num_blocks, block_size=block_size,
                           max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_num_seqs=args.max_num_seqs, speedup=args.speedup, hash_seed=args.hash_seed,

@@ -9,14 +9,19 @@ import os
 import sys
 import time
 
+from kvroute.process import int_list, name_list, non_negative, positive
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvroute.data_plane.decision.policies import POLICIES, kv_aware_param
+    from kvroute.tools.simulator.fleet import TTFT_ORACLE
     from kvroute.tools.simulator.workloads import WORKLOAD_NAMES
 
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="Mooncake JSONL trace (timestamp ms, input_length, output_length, hash_ids)")
     src.add_argument("--workload", choices=WORKLOAD_NAMES, help="generated workload")
-    p.add_argument("--policies", default="round_robin,random,least_loaded,kv_aware",
+    p.add_argument("--policies", type=name_list([*POLICIES, TTFT_ORACLE], "policy"),
+                   default="round_robin,random,least_loaded,kv_aware",
                    help="comma-separated policies; ttft_oracle (simulator only) is a reference that reads the "
                         "engines' exact state")
     p.add_argument("--workers", type=int, default=8, help="simulated engines")
@@ -31,16 +36,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_generated_workload_knobs(p.add_argument_group("generated workload"))
     p.add_argument("--prefill-tokens-per-s", type=float, default=None, help="cost model: prefill rate")
     p.add_argument("--event-delay-ms", type=float, default=0.0, help="KV event propagation delay to the index")
-    p.add_argument("--routers", type=_positive_int, default=1,
+    p.add_argument("--routers", type=positive(int), default=1,
                    help="routers taking the requests in turn, each deciding on its own view of the fleet and sharing "
                         "its in-flight requests through the control plane")
-    p.add_argument("--view-delay-ms", type=_non_negative_float, default=0.0,
+    p.add_argument("--view-delay-ms", type=non_negative(float), default=0.0,
                    help="how late every change (engine events and load, other routers' reservations) reaches a "
                         "router's view; with --routers 1 and 0 the router reads the control plane's state itself")
-    p.add_argument("--kv-aware-param", action="append", default=[], metavar="NAME=VALUE",
+    p.add_argument("--kv-aware-param", type=kv_aware_param, action="append", default=[], metavar="NAME=VALUE",
                    help="override one of kv_aware's weights (kvroute.data_plane.decision.policies.KvAwareParams), repeatable")
     p.add_argument("--seed", type=int, default=0, help="makes a run reproducible bit for bit")
-    p.add_argument("--seeds", default=None, metavar="S1,S2,...",
+    p.add_argument("--seeds", type=int_list, default=None, metavar="S1,S2,...",
                    help="run the comparison once per seed and summarise it per policy (mean, min, max; on how "
                         "many seeds each had the lowest p50 and p99): tells a win from a tie (replaces --seed)")
     p.add_argument("--jobs", type=int, default=None, help="policies simulated in parallel (default: one per core)")
@@ -78,17 +83,21 @@ def _pct(values: list[float], q: float) -> float:
     return percentile(values, q)
 
 
+def validate(args: argparse.Namespace) -> None:
+    """Flags valid alone but not together (checked when parsed, by `kvroute config check` too)."""
+    if args.seeds and args.plots:
+        raise ValueError("--plots draws one seed's runs; use it with --seed, not --seeds")
+    if args.workload and args.requests <= 0:
+        raise ValueError(f"--requests {args.requests}: nothing to simulate")
+
+
 def run(args: argparse.Namespace) -> int:
     from kvroute.data_plane.decision.policies import parse_kv_aware_params
 
+    kv_aware_params = parse_kv_aware_params(args.kv_aware_param)
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
     try:
-        kv_aware_params = parse_kv_aware_params(args.kv_aware_param)
-        seeds = _parse_seeds(args.seeds) if args.seeds else None
-        if seeds and args.plots:
-            raise ValueError("--plots draws one seed's runs; use it with --seed, not --seeds")
         trace = _load_trace(args) if args.trace else None
-        if trace is None and args.requests <= 0:
-            raise ValueError(f"--requests {args.requests}: nothing to simulate")
     except (ValueError, OSError) as exc:
         print(f"kvroute simulate: error: {exc}", file=sys.stderr)
         return 2
@@ -126,16 +135,6 @@ def _trace_warnings(trace) -> list[str]:
              "blocks, which it can only show as shared when a whole prompt repeats: hit rates are understated and "
              "kv_aware's advantage with them (a prefix-aware policy can even trail round_robin); capture with a "
              "smaller `kvroute router --capture-block-tokens` for prompts this short")]
-
-
-def _parse_seeds(text: str) -> list[int]:
-    try:
-        seeds = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise ValueError(f"--seeds {text!r}: expected comma-separated integers") from None
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds {text!r}: expected distinct seeds")
-    return seeds
 
 
 def _run_seeds(args: argparse.Namespace, trace, kv_aware_params: dict, seeds: list[int], warnings: list[str],
@@ -249,17 +248,3 @@ def _simulate(args: argparse.Namespace, trace, kv_aware_params: dict, log) -> di
                f"{time.monotonic() - started:.1f}s")
     return {"policies": results, "lines": lines, "summary": summary, "runs": runs, "oracle": oracle,
             "oracle_inf": oracle_inf, "source": source, "source_name": source_name, "block_size": block_size}
-
-
-def _positive_int(value: str) -> int:
-    number = int(value)
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return number
-
-
-def _non_negative_float(value: str) -> float:
-    number = float(value)
-    if not number >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return number

@@ -44,13 +44,13 @@ from kvroute.data_plane.decision.policies.base import (
     request_load,
 )
 from kvroute.data_plane.decision.policies.chwbl import PrefixHashBoundedLoad
-from kvroute.data_plane.decision.policies.kv_aware import KvAware, KvAwareParams, parse_kv_aware_params
+from kvroute.data_plane.decision.policies.kv_aware import KvAware, KvAwareParams, kv_aware_param, parse_kv_aware_params
 from kvroute.data_plane.decision.policies.load_balancing import LeastLoaded, RandomPolicy, RoundRobin
 from kvroute.data_plane.decision.policies.session import SessionAffinity
 
 __all__ = ["POLICIES", "ApproxTree", "Candidate", "CandidateExplanation", "Choice", "Explanation", "KvAware", "KvAwareParams", "LeastLoaded",
            "PolicyNeeds", "PrefixHashBoundedLoad", "PromptTree", "RandomPolicy", "RoundRobin", "RoutingInput", "RoutingPolicy",
-           "SessionAffinity", "explain_scores", "make_policy", "parse_kv_aware_params", "request_load"]
+           "SessionAffinity", "explain_scores", "kv_aware_param", "make_policy", "parse_kv_aware_params", "request_load"]
 
 POLICIES: dict[str, type] = {
     "kv_aware": KvAware,

@@ -3,6 +3,8 @@ router's in-flight load, with a recompute penalty and a load bound (the formula:
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import math
 import random
 from collections.abc import Sequence
@@ -290,11 +292,23 @@ def parse_kv_aware_params(items: Sequence[str]) -> dict[str, float]:
         name, sep, value = item.partition("=")
         name = name.strip().replace("-", "_")
         if not sep or name not in _KV_AWARE_FIELDS:
+            close = difflib.get_close_matches(name, _KV_AWARE_FIELDS, n=1) if sep else []
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(f"--kv-aware-param {item!r}: expected NAME=VALUE with NAME one of "
-                             f"{', '.join(sorted(_KV_AWARE_FIELDS))}")
+                             f"{', '.join(sorted(_KV_AWARE_FIELDS))}{hint}")
         try:
             out[name] = float(value)
         except ValueError:
             raise ValueError(f"--kv-aware-param {item!r}: {value!r} is not a number") from None
     KvAwareParams(**out)  # validates ranges
     return out
+
+
+def kv_aware_param(text: str) -> str:
+    """argparse type: one --kv-aware-param NAME=VALUE, its name, number and range checked when the
+    command line (or a config file, or KVROUTE_KV_AWARE_PARAM) is parsed."""
+    try:
+        parse_kv_aware_params([text])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--kv-aware-param ")) from None
+    return text
