@@ -13,6 +13,7 @@ from kvroute.process import (
     announce_when_ready,
     non_negative,
     positive,
+    seconds,
     wait_for_stop_signal,
     write_port_file,
 )
@@ -48,11 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "followed from the control plane (ControlPlane.Follow), no query on a request's path; "
                         "`remote` = a query to the control plane per decision, under --query-timeout-ms (a "
                         "router that cannot hold a view). Only policies that read the index use either")
-    p.add_argument("--view-max-stale-s", type=positive(float), default=120.0, metavar="S",
+    p.add_argument("--view-max-stale-s", type=seconds(), default=120.0, metavar="S",
                    help="--index local: with no control plane heard from for this long, decide on load alone "
                         "(counted as fail-open `view_stale`) until one answers again. Generous on purpose: the cached "
                         "prefixes move slowly, and a view a minute old still routes most requests to their cache")
-    p.add_argument("--view-lag-bound-s", type=positive(float), default=2.0, metavar="S",
+    p.add_argument("--view-lag-bound-s", type=seconds(), default=2.0, metavar="S",
                    help="--index local: /ready says degraded when no control plane was heard from for this long")
     p.add_argument("--query-timeout-ms", type=positive(float), default=5.0,
                    help="deadline of the control-plane query, past which the router decides on load alone; with "
@@ -89,10 +90,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--static-workers", type=static_workers, default="", metavar="ID=URL,...",
                    help="fallback fleet used only while the control plane has never been reachable; the router "
                         "checks these engines itself (--health-check-*)")
-    p.add_argument("--health-check-interval-s", type=non_negative(float), default=5.0, metavar="S",
+    p.add_argument("--health-check-interval-s", type=seconds(allow_zero=True), default=5.0, metavar="S",
                    help="active health checks of the workers no agent reports on (--static-workers): one GET "
                         "--health-check-path to each every S seconds; 0 = none")
-    p.add_argument("--health-check-timeout-s", type=positive(float), default=5.0, metavar="S",
+    p.add_argument("--health-check-timeout-s", type=seconds(), default=5.0, metavar="S",
                    help="a health check not answered within S seconds failed")
     p.add_argument("--health-failure-threshold", type=positive(int), default=3, metavar="N",
                    help="failed health checks in a row that take a worker out of routing (its first check "

@@ -67,7 +67,7 @@ def _number(kind: type, holds: Callable[[int | float], bool], wanted: str) -> Ca
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number {wanted}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value {text!r}: expected a number {wanted}") from None
         if not holds(value):  # written so that NaN fails too
             raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
         return value
@@ -83,6 +83,15 @@ def positive(kind: type) -> Callable[[str], int | float]:
 def non_negative(kind: type) -> Callable[[str], int | float]:
     """argparse type: a number >= 0 of `kind`."""
     return _number(kind, lambda value: value >= 0, ">= 0")
+
+
+def seconds(allow_zero: bool = False) -> Callable[[str], float]:
+    """argparse type: a finite number of seconds, > 0 (>= 0 with `allow_zero`, where 0 usually means off)."""
+    wanted = ">= 0 seconds" if allow_zero else "positive seconds"
+    parse = _number(float, (lambda value: 0 <= value < float("inf")) if allow_zero
+                    else (lambda value: 0 < value < float("inf")), wanted)
+    parse.__name__ = "seconds"  # argparse names the type in its error: "invalid seconds value"
+    return parse
 
 
 def int_list(text: str) -> str:

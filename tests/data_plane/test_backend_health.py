@@ -113,7 +113,7 @@ def test_the_health_check_flags_take_their_defaults_and_refuse_bad_values(tiny_m
     for flag, value, says in (("--health-check-interval-s", "-1", "must be >= 0 seconds"),
                               ("--health-check-interval-s", "nan", "must be >= 0 seconds"),
                               ("--health-check-timeout-s", "0", "must be positive seconds"),
-                              ("--health-failure-threshold", "0", "must be positive"),
+                              ("--health-failure-threshold", "0", "must be > 0"),
                               ("--health-success-threshold", "1.5", "invalid"),
                               ("--health-check-path", "health", "must be a URL path starting with /")):
         with pytest.raises(SystemExit) as exited:
