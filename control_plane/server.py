@@ -94,7 +94,7 @@ class ControlPlaneServer:
             self.service.router_events = self.inflight_sync
             self.service.refuse_routers = self._refuse_routers
             self.metrics_registry.register(RedisLogCollector(self.redis_log, self.inflight_sync))
-        self.metrics_registry.register(InflightCollector(self.inflight))
+        self.metrics_registry.register(InflightCollector(self.inflight, lambda: self.service.router_sessions))
         self.metrics_registry.register(IndexCollector(index))
         self.auditor = (PeriodicAuditor(self.registry, self.metrics_registry, config.audit_interval_s,
                                         settle_s=config.audit_settle_s, probe=config.audit_probe,

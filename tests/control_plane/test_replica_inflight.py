@@ -244,6 +244,32 @@ async def test_a_replayed_state_brings_back_nothing_expired_meanwhile(redis_sing
                 await server.stop(0)
 
 
+async def test_the_router_sessions_gauge_tells_local_streams_from_mirrored_ones(redis_single) -> None:
+    a, b = await start_replica(redis_single.url, "a"), await start_replica(redis_single.url, "b")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{a.port}")
+    link = RouterSessionLink(pb_grpc.ControlPlaneStub(channel), "router-1")
+
+    def sessions(replica: ControlPlaneServer) -> tuple[float | None, float | None]:
+        return tuple(replica.metrics_registry.get_sample_value("kvroute_cp_router_sessions", {"origin": origin})
+                     for origin in ("local", "replica"))
+
+    try:
+        assert sessions(a) == sessions(b) == (0, 0)
+        link.start()
+        assert await link.wait_connected(5)
+        await eventually(lambda: b.inflight.open_sessions == 1, what="b mirrors router-1's session")
+        assert sessions(a) == (1, 0)
+        assert sessions(b) == (0, 1)  # a mirrored session is no stream of b's
+        await link.close()
+        await eventually(lambda: sessions(b) == (0, 0), what="b dropped the closed session")
+        assert sessions(a) == (0, 0)
+    finally:
+        await link.close()
+        await channel.close()
+        await a.stop(0)
+        await b.stop(0)
+
+
 async def test_a_router_that_moved_counts_once_while_its_old_replica_still_holds_it(redis_single) -> None:
     """router-1 moves from a to b while a still holds its old stream (half-open): b's open drops the
     old session everywhere, and a's later states, which still hold it, do not bring it back."""
