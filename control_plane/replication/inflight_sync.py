@@ -139,9 +139,11 @@ class InflightSync:
         self._state_due = False
         self._local: dict[int, RouterSessionState] = {}  # this replica's router sessions, by session id
         self._remote: dict[tuple[bytes, str, int], RouterSessionState] = {}  # (replica, router, session)
-        self._where: dict[str, bytes] = {}  # router -> replica of its latest open (this one included)
+        # router -> (replica, session) of its latest open (this replica's included): its older sessions
+        # are gone for the others even while the replica that held one still lists it.
+        self._latest: dict[str, tuple[bytes, int]] = {}
         self._heard: dict[bytes, float] = {}
-        self._states_read: set[bytes] = set()  # replicas whose state this one has applied
+        self._states_read: set[bytes] = set()  # replicas whose state this one holds (applied, not dropped since)
         self._latest_ms = 0  # the newest stream id's time seen: Redis' clock
         self._replay: tuple[bytes, bytes] | None = None  # (from, to) while replaying
         self._problems = RateLimitedLog(log, period_s=60.0)
@@ -155,7 +157,7 @@ class InflightSync:
         router_id = session.router.router_id
         self._drop_remote_router(router_id)  # it moved here
         self._local[session.session_id] = session
-        self._where[router_id] = self.replica_id
+        self._latest[router_id] = (self.replica_id, session.session_id)
         self._publish(RouterOp(OPEN, router_id, session.session_id))
 
     def reserved(self, session: RouterSessionState, reservation_id: int, worker_id: str, block_size: int,
@@ -340,7 +342,7 @@ class InflightSync:
         if op.kind == OPEN:
             self._drop_remote_router(op.router_id)
             self._remote[key] = self.inflight.open_session(op.router_id)
-            self._where[op.router_id] = replica
+            self._latest[op.router_id] = (replica, op.session)
             return
         session = self._remote.get(key)
         if session is None:
@@ -389,13 +391,18 @@ class InflightSync:
         """Make this replica's mirror of `replica` what its state says."""
         self.counters.states_applied += 1
         self._states_read.add(replica)
+        held_there = {(held.router_id, held.session) for held in state}
+        for router_id, (at, session) in list(self._latest.items()):
+            if at == replica and (router_id, session) not in held_there:
+                del self._latest[router_id]  # that session ended there (or that replica restarted)
         listed = set()
         for held in state:
             key = (replica, held.router_id, held.session)
             session = self._remote.get(key)
             if session is None:
-                if self._where.get(held.router_id, replica) != replica:
-                    continue  # the router opened a session elsewhere since: that one counts
+                latest = self._latest.get(held.router_id)
+                if latest is not None and (latest[0] != replica or held.session < latest[1]):
+                    continue  # the router opened a session since: that one counts
                 session = self._remote[key] = self.inflight.open_session(held.router_id)
                 self.counters.restored_sessions += 1
             listed.add(key)
@@ -437,7 +444,7 @@ class InflightSync:
 
     def _forget_if_gone(self, router_id: str) -> None:
         if router_id not in self.inflight.routers:
-            self._where.pop(router_id, None)
+            self._latest.pop(router_id, None)
 
     def _drop_remote_router(self, router_id: str) -> None:
         for key in [k for k in self._remote if k[1] == router_id]:
@@ -451,8 +458,9 @@ class InflightSync:
             self.counters.dropped_silent_replicas += 1
         for key in keys:
             self._close(key)
-        for router_id in [r for r, at in self._where.items() if at == replica]:
-            del self._where[router_id]
+        for router_id in [r for r, (at, _) in self._latest.items() if at == replica]:
+            del self._latest[router_id]
+        self._states_read.discard(replica)  # what it sends before its next state: that state covers it
 
 
 def _held(reservation: Reservation, record: WorkerRecord, now: float) -> HeldReservation:

@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 from kvroute.control_plane.replication.entries import pack_keys
 from kvroute.control_plane.replication.inflight_sync import (
     BEAT,
+    OPEN,
     RESERVE,
     STREAM,
     HeldReservation,
@@ -304,3 +305,32 @@ async def test_a_router_that_moved_counts_once_while_its_old_replica_still_holds
             await channel.close()
         for replica in (a, b, c):
             await replica.stop(0)
+
+
+async def test_a_restarted_replica_is_mirrored_again_while_its_router_holds_a_session_elsewhere(redis_single) -> None:
+    """router-1 holds a stream on b and a later one on "ghost"; ghost restarts (same id, sessions
+    numbered from 1 again) and its open of router-1's new session never arrives: its states bring
+    that session to b all the same."""
+    b = await start_replica(redis_single.url, "b")
+    b.inflight_sync.silent_after_s = 600.0  # the ghost replica writes no beats
+    agent = Agent(f"127.0.0.1:{b.port}")
+    redis = Redis.from_url(redis_single.url)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{b.port}")
+    link = RouterSessionLink(pb_grpc.ControlPlaneStub(channel), "router-1")
+    try:
+        await agent.chain_past_held()
+        link.start()
+        assert await link.wait_connected(5)
+        await redis.xadd(STREAM, ghost_entry(RouterOp(OPEN, "router-1", 7)))
+        await eventually(lambda: b.inflight.open_sessions == 2, what="b mirrors ghost's session 7")
+        await redis.xadd(STREAM, ghost_entry(state=[]))  # ghost's first entry after its restart
+        held = HeldReservation(1, "w1", 4, 8, max_age_ms=60_000)
+        await redis.xadd(STREAM, ghost_entry(state=[HeldSession("router-1", 1, [held])]))
+        await eventually(lambda: b.inflight.reservation_count() == 1, what="b restored ghost's new session")
+        assert b.inflight.open_sessions == 2
+    finally:
+        await link.close()
+        await agent.close()
+        await channel.close()
+        await redis.aclose()
+        await b.stop(0)
