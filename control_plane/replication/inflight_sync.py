@@ -23,7 +23,9 @@ lists are dropped. Hence:
 - an op that never reached a replica (the writer could not reach Redis, entries trimmed while the
   reader was cut off) is repaired by the writer's next state; an op for a session not mirrored
   here is counted (`unknown_session`, logged at most once a minute; `before_state` for a replica
-  whose first state this one has not read yet, which that state covers), never dropped unseen;
+  whose first state this one has not read yet, which that state covers; `superseded` for a
+  router's session older than one it opened since, where it re-sent its reservations), never
+  dropped unseen;
 - nothing released, expired or past its claims' TTL comes back: a state lists only live
   reservations, and the time from an entry to its reading (stream ids: Redis' clock, not the
   hosts') is taken off their ages, as it is off replayed reserves'.
@@ -113,6 +115,8 @@ class SyncCounters:
     states_applied: int = 0
     unknown_session: int = 0         # reserve/prefill_done/release for a session not mirrored here (ops lost)
     before_state: int = 0            # the same from a replica whose first state this one has not read yet
+    superseded: int = 0              # the same for a router's older session after it opened a newer one (its
+                                     # reservations were re-sent there: nothing lost)
     restored_sessions: int = 0       # sessions a state held that the ops had not opened here (all, at start)
     restored_reservations: int = 0   # the same for reservations
     dropped_by_state: int = 0        # sessions and reservations a state no longer held (they ended at their
@@ -359,6 +363,9 @@ class InflightSync:
             self._close(key)
 
     def _unknown_session(self, replica: bytes, op: RouterOp) -> None:
+        if self._superseded(op.router_id, replica, op.session):
+            self.counters.superseded += 1
+            return
         if replica not in self._states_read:
             self.counters.before_state += 1
             return
@@ -400,8 +407,7 @@ class InflightSync:
             key = (replica, held.router_id, held.session)
             session = self._remote.get(key)
             if session is None:
-                latest = self._latest.get(held.router_id)
-                if latest is not None and (latest[0] != replica or held.session < latest[1]):
+                if self._superseded(held.router_id, replica, held.session):
                     continue  # the router opened a session since: that one counts
                 session = self._remote[key] = self.inflight.open_session(held.router_id)
                 self.counters.restored_sessions += 1
@@ -419,6 +425,11 @@ class InflightSync:
         for key in [k for k in self._remote if k[0] == replica and k not in listed]:
             self._close(key)
             self.counters.dropped_by_state += 1
+
+    def _superseded(self, router_id: str, replica: bytes, session: int) -> bool:
+        """The router has opened a session since `replica`'s `session`."""
+        latest = self._latest.get(router_id)
+        return latest is not None and (latest[0] != replica or session < latest[1])
 
     def _restore(self, session: RouterSessionState, held: HeldReservation, age_s: float) -> None:
         max_age_s = held.max_age_ms / 1000 - age_s

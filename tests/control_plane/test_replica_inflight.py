@@ -284,7 +284,7 @@ async def test_a_router_that_moved_counts_once_while_its_old_replica_still_holds
         await eventually(lambda: all(r.registry.get("w1") for r in (a, b, c)), what="w1 known everywhere")
         old.start()
         assert await old.wait_connected(5)
-        old.reserve("w1", 4, [], prefill_tokens=8)
+        first = old.reserve("w1", 4, [], prefill_tokens=8)
         await eventually(lambda: b.inflight.reservation_count() == c.inflight.reservation_count() == 1)
         new.start()  # the same router on b, re-sending its reservation; its stream on a stays open
         assert await new.wait_connected(5)
@@ -297,6 +297,9 @@ async def test_a_router_that_moved_counts_once_while_its_old_replica_still_holds
             assert replica.inflight.reservation_count() == 1, replica.replica_id
             assert replica.inflight_sync.counters.restored_sessions == 0, replica.replica_id
         assert a.inflight.reservation_count() == 2  # a holds both: its own stream and b's mirror
+        old.release(first)  # on the old stream: for b and c an op of a superseded session, nothing lost
+        await eventually(lambda: all(r.inflight_sync.counters.superseded == 1 for r in (b, c)))
+        assert all(r.inflight_sync.counters.unknown_session == 0 for r in (b, c))
     finally:
         await old.close()
         await new.close()
