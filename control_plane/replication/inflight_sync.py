@@ -186,7 +186,7 @@ class InflightSync:
 
     async def _flush_forever(self) -> None:
         """One task writes, so ops go out in order (a release never overtakes its reserve), each XADD
-        carrying whatever accumulated meanwhile, and a state the state those ops leave."""
+        carrying whatever accumulated meanwhile and, when one is due, the state those ops leave."""
         while True:
             await self._wake.wait()
             self._wake.clear()
