@@ -121,7 +121,7 @@ class ControlPlaneServer:
 
     @property
     def ready(self) -> bool:
-        """Serving (between start and stop) and, for a replica, caught up with the log."""
+        """Serving (between start and stop) and, for a replica, caught up (`_replica_ready`)."""
         return self._accepting and self._replica_ready()
 
     async def start(self) -> int:

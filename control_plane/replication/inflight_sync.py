@@ -244,7 +244,7 @@ class InflightSync:
         self._tasks.clear()
 
     def problems(self) -> list[str]:
-        return [] if self.ready else ["replaying the other replicas' router sessions"]
+        return [] if self.ready else ["the other replicas' router sessions not replayed yet"]
 
     async def _beat_forever(self) -> None:
         next_state = self.clock() + self.state_s
