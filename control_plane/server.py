@@ -4,8 +4,9 @@ Health: `grpc.health.v1.Health` on the gRPC port ("" and "kvroute.v1.ControlPlan
 metrics port, `GET /health` (liveness) and `GET /ready` (200 while serving, 503 once stopping).
 The control plane is ready as soon as it serves: an empty registry is a normal state (agents
 register after it starts), not a fault. A replica (--redis) is ready once it has loaded the log's
-snapshots and caught up with the heads it saw at start; until then it refuses agents and routers
-with UNAVAILABLE so they ask another replica."""
+snapshots, caught up with the heads it saw at start, and replayed the other replicas' router
+sessions (control_plane.replication.inflight_sync); until then it refuses agents and routers with
+UNAVAILABLE so they ask another replica."""
 
 from __future__ import annotations
 
@@ -96,12 +97,12 @@ class ControlPlaneServer:
                                            RedisLogConfig(shards=config.redis_shards, replica_id=self.replica_id,
                                                           snapshot_interval_s=config.snapshot_interval_s))
             self.service.log = self.redis_log
-            self.inflight_sync = InflightSync(self.redis_log.redis, self.state, self.replica_id)
+            self.inflight_sync = InflightSync(self.redis_log.redis, self.inflight, self.registry, self.replica_id)
             self.service.router_events = self.inflight_sync
             self.service.refuse_routers = self._refuse_routers
             self.metrics_registry.register(RedisLogCollector(self.redis_log, self.inflight_sync))
         self.metrics_registry.register(ApplyCollector(self.service.applier))
-        self.metrics_registry.register(InflightCollector(self.inflight))
+        self.metrics_registry.register(InflightCollector(self.inflight, lambda: self.service.router_sessions))
         self.metrics_registry.register(IndexCollector(index))
         self.auditor = (PeriodicAuditor(self.registry, self.metrics_registry, config.audit_interval_s,
                                         settle_s=config.audit_settle_s, probe=config.audit_probe,
@@ -118,15 +119,19 @@ class ControlPlaneServer:
         self._accepting = False  # the gRPC server has started and is not stopping
 
     def _refuse_routers(self) -> str | None:
-        if self.redis_log is not None and not self.redis_log.ready:
+        if not self._replica_ready():
             return (f"control plane replica {self.replica_id} is catching up with the log; "
                     "try another replica")
         return None
 
+    def _replica_ready(self) -> bool:
+        """Not a replica, or caught up with the log and with the other replicas' router sessions."""
+        return self.redis_log is None or (self.redis_log.ready and self.inflight_sync.ready)
+
     @property
     def ready(self) -> bool:
-        """Serving (between start and stop) and, for a replica, caught up with the log."""
-        return self._accepting and (self.redis_log is None or self.redis_log.ready)
+        """Serving (between start and stop) and, for a replica, caught up (`_replica_ready`)."""
+        return self._accepting and self._replica_ready()
 
     async def start(self) -> int:
         """Listen and serve; raises ListenError (nothing left running) when a port cannot be had."""
@@ -148,7 +153,8 @@ class ControlPlaneServer:
             raise
         if self.redis_log is not None:
             await self.redis_log.start()
-            await self.inflight_sync.start()
+            # Reservations name workers: the registry is loaded from the log before they are replayed.
+            await self.inflight_sync.start(lambda: self.redis_log.wait_ready(None))
             self._health_task = asyncio.create_task(self._grpc.follow(lambda: self.ready, 0.05),
                                                     name="kvroute-cp-health")
         self._sweeper = asyncio.create_task(self.service.expire_forever(max(0.05, self.config.heartbeat_timeout_s / 5)))
@@ -191,7 +197,7 @@ class ControlPlaneServer:
     async def _ready(self, request: web.Request) -> web.Response:
         problems = [] if self._accepting else ["the gRPC server is not serving (starting or stopping)"]
         if self.redis_log is not None:
-            problems += self.redis_log.problems()
+            problems += self.redis_log.problems() + self.inflight_sync.problems()
         body = {"serving": self.ready, "workers": len(self.registry)}
         if self.redis_log is not None:
             body["replica_id"] = self.replica_id

@@ -81,14 +81,23 @@ class ApplyCollector:
 
 
 class InflightCollector:
-    """Exports the in-flight tracker's counters and sizes at scrape time (nothing on the hot path)."""
+    """Exports the in-flight tracker's counters and sizes at scrape time (nothing on the hot path).
+    `local_sessions()`: the RouterSession streams this process serves; the tracker's other sessions
+    mirror other replicas' routers."""
 
-    def __init__(self, inflight: InflightTracker) -> None:
+    def __init__(self, inflight: InflightTracker, local_sessions: Callable[[], int]) -> None:
         self.inflight = inflight
+        self.local_sessions = local_sessions
 
     def collect(self):
         inflight = self.inflight
-        yield GaugeMetricFamily("kvroute_cp_router_sessions", "Open RouterSession streams", value=inflight.open_sessions)
+        sessions = GaugeMetricFamily("kvroute_cp_router_sessions", "Open router sessions: origin=local, RouterSession "
+                                     "streams served here; origin=replica, mirrored from other replicas",
+                                     labels=["origin"])
+        local = self.local_sessions()
+        sessions.add_metric(["local"], local)
+        sessions.add_metric(["replica"], inflight.open_sessions - local)
+        yield sessions
         yield GaugeMetricFamily("kvroute_cp_reservations", "Live in-flight reservations",
                                 value=inflight.reservation_count())
         yield GaugeMetricFamily("kvroute_cp_speculative_claims", "(worker, block key) speculative claims",
@@ -176,6 +185,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         self.refuse_routers: Callable[[], str | None] = lambda: None
         # Replicas: tells the other replicas what this one's router sessions do (None: embedded).
         self.router_events: InflightSync | None = None
+        self.router_sessions = 0  # RouterSession streams past their hello, open now
         self._bound_reached = False  # logged once
         # With mTLS (--tls-ca): what each peer's certificate allows; None = every peer may do everything.
         self.authority: Authority | None = None
@@ -345,6 +355,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                         await self._reject_router(context, "bad_hello", grpc.StatusCode.INVALID_ARGUMENT,
                                                   "hello needs a router_id (unique per router process)")
                     session = self.inflight.open_session(message.hello.router_id)
+                    self.router_sessions += 1
                     if self.router_events is not None:
                         self.router_events.opened(session)
                     yield pb.RouterReply(welcome=pb.RouterWelcome(
@@ -379,6 +390,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         finally:
             if session is not None:
                 self.inflight.close_session(session)
+                self.router_sessions -= 1
                 if self.router_events is not None:
                     self.router_events.closed(session)
 

@@ -9,6 +9,7 @@ from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.worker_agent.block_resolver import BlockResolver
 from kvroute.worker_agent.control_plane_client import ControlPlaneLink, WorkerIdentity
 from kvroute.worker_agent.vllm_wire import BlockStored
+from tests.helpers import eventually
 
 MODEL = "tiny"
 TOKENS = list(range(1, 257))
@@ -19,7 +20,7 @@ async def start_replica(url: str, name: str, **options) -> ControlPlaneServer:
     server = ControlPlaneServer(ControlPlaneConfig(listen="127.0.0.1:0", redis_url=url, replica_id=name,
                                                    redis_shards=4, **options))
     await server.start()
-    assert await server.redis_log.wait_ready(10)
+    await eventually(lambda: server.ready, 10, what=f"replica {name} ready (log and router sessions)")
     return server
 
 
@@ -40,6 +41,14 @@ class Agent:
         hashes = list(range(start, start + blocks))
         self.next_hash += blocks
         self.apply(BlockStored(hashes, None, [start * 1000 + i for i in range(blocks * 4)], 4))
+
+    async def chain_past_held(self, timeout_s: float = 10.0) -> list[int]:
+        """Once connected, store 4 blocks and wait until they are acked; returns a prompt's chain that
+        runs 2 blocks past them (what a router's reservation would claim)."""
+        await eventually(lambda: self.link.connected, timeout_s, what="the agent registered")
+        self.store_chain(4)
+        await eventually(self.settled, timeout_s, what="its blocks acked")
+        return list(self.resolver.held_keys()) + [111, 222]
 
     def settled(self) -> bool:
         """Everything the engine reported so far is acked."""

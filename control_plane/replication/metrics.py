@@ -23,7 +23,9 @@ class RedisLogCollector:
         for name, value in dataclasses.asdict(rlog.counters).items():
             events.add_metric([name], value)
         yield events
-        yield GaugeMetricFamily("kvroute_cp_redis_ready", "1 once the log is loaded and caught up", value=int(rlog.ready))
+        ready = rlog.ready and (self.inflight_sync is None or self.inflight_sync.ready)
+        yield GaugeMetricFamily("kvroute_cp_redis_ready", "1 once the log is loaded and caught up and the other "
+                                "replicas' router sessions replayed", value=int(ready))
         yield GaugeMetricFamily("kvroute_cp_redis_reachable", "1 while the last Redis call succeeded",
                                 value=int(rlog.redis_ok))
         applied = GaugeMetricFamily("kvroute_cp_redis_shard_entries_applied", "Entry number applied per shard",

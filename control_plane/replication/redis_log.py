@@ -336,7 +336,8 @@ class RedisEventLog:
         except Exception as exc:  # noqa: BLE001 - closing a client whose server is gone
             log.debug("closing the redis client: %r", exc)
 
-    async def wait_ready(self, timeout_s: float) -> bool:
+    async def wait_ready(self, timeout_s: float | None) -> bool:
+        """Whether the log got caught up within `timeout_s` (None: wait as long as it takes)."""
         try:
             await asyncio.wait_for(self._caught_up.wait(), timeout_s)
         except TimeoutError:

@@ -163,9 +163,13 @@ class InflightTracker:
     # ------------------------------------------------------------ reservations
 
     def reserve(self, session: RouterSessionState, reservation_id: int, slot: int, keys: Sequence[int],
-                prefill_tokens: int, ttl_ms: int = 0, prompt_tokens: int = 0, block_size: int = 0) -> Reservation:
+                prefill_tokens: int, ttl_ms: int = 0, prompt_tokens: int = 0, block_size: int = 0,
+                max_age_s: float | None = None) -> Reservation:
         """`prompt_tokens` and `block_size` (both known): the prefill charged is at most what the
-        worker has to compute past the blocks it holds or that live claims there already cover."""
+        worker has to compute past the blocks it holds or that live claims there already cover.
+        `max_age_s`: what is left of the max age of a reservation made elsewhere earlier (a replica
+        restoring another's); expiry goes in creation order, so such a one may outlive it until the
+        reservations made before it expire."""
         if reservation_id in session.reservations:
             raise DuplicateReservation(f"reservation_id {reservation_id} is already live in this session "
                                        "(ids must be unique within a router session)")
@@ -174,7 +178,8 @@ class InflightTracker:
             prefill_tokens = min(prefill_tokens, max(0, prompt_tokens - self.covered_blocks(slot, keys) * block_size))
         now = self.clock()
         self._orders += 1
-        reservation = Reservation(session, reservation_id, slot, prefill_tokens, self._orders, now + self.max_age_s)
+        max_age_s = self.max_age_s if max_age_s is None else min(max_age_s, self.max_age_s)
+        reservation = Reservation(session, reservation_id, slot, prefill_tokens, self._orders, now + max_age_s)
         session.reservations[reservation_id] = reservation
         self._live[reservation.order] = reservation
         self._by_slot.setdefault(slot, {})[reservation.order] = reservation
@@ -184,7 +189,7 @@ class InflightTracker:
             _add(self.prefill_tokens, slot, prefill_tokens)
             _add(session.router.prefill_tokens, slot, prefill_tokens)
         if keys:
-            self._claim(reservation, keys, now + min(ttl_ms / 1000 if ttl_ms else self.default_ttl_s, self.max_age_s))
+            self._claim(reservation, keys, now + min(ttl_ms / 1000 if ttl_ms else self.default_ttl_s, max_age_s))
         self.counters.reserved += 1
         if self.listener is not None:
             self.listener.reserved(reservation, keys, block_size, ttl_ms)

@@ -200,7 +200,7 @@ def test_the_alert_rules_cover_what_operators_are_paged_for() -> None:
         assert rule["labels"].get("severity") in {"page", "ticket", "info"}, rule["alert"]
         assert rule["annotations"].get("summary") and rule["annotations"].get("description"), rule["alert"]
     assert {"KvrouteIndexStale", "KvrouteIndexDivergent", "KvrouteFailOpenRateHigh", "KvrouteAgentDisconnected",
-            "KvrouteReplicaLagging"} <= names
+            "KvrouteReplicaLagging", "KvrouteReplicaRouterSessionsDiverge"} <= names
 
 
 def test_the_dashboard_is_importable_json_with_one_routing_quality_panel() -> None:

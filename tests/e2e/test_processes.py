@@ -86,7 +86,7 @@ def test_control_plane_down_fails_open(cluster: LocalCluster) -> None:
 
 
 def test_only_a_router_whose_policy_reads_the_index_opens_a_router_session(local_fleet) -> None:
-    from kvroute.prom_text import sample_sums
+    from kvroute.prom_text import sample_value
     from kvroute.tools.local_cluster import free_port, http_get, http_ok
 
     cluster = local_fleet("sessions")
@@ -98,7 +98,8 @@ def test_only_a_router_whose_policy_reads_the_index_opens_a_router_session(local
 
     def sessions() -> float:
         text = http_get(f"http://127.0.0.1:{metrics_port}/metrics")[1].decode()
-        return sample_sums(text, {"kvroute_cp_router_sessions"}).get("kvroute_cp_router_sessions", -1)
+        value = sample_value(text, "kvroute_cp_router_sessions", {"origin": "local"})
+        return -1 if value is None else value
 
     wait_until(lambda: sessions() == 1, 15, "the kv_aware router's session")
     for name in ("rr", "kv"):

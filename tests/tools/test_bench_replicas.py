@@ -12,7 +12,8 @@ import pytest
 pytestmark = pytest.mark.e2e  # starts kvroute processes
 
 KEYS = ("freshness_p50_ms", "freshness_p99_ms", "ingest_events_per_s", "ingest_in_process_events_per_s", "ingest_ratio",
-        "catchup_s_100k", "answers_per_s_1_replica", "answers_per_s_2_replicas", "bytes_per_entry")
+        "catchup_s_100k", "answers_per_s_1_replica", "answers_per_s_2_replicas", "bytes_per_entry",
+        "sessions_state_bytes", "sessions_restart_ready_s", "sessions_restart_visible_s")
 
 
 def test_replicas_bench_cli_prints_json_last() -> None:
@@ -25,3 +26,4 @@ def test_replicas_bench_cli_prints_json_last() -> None:
     assert not missing, result
     assert result["ingest_block_events"] == 200 * 18 and result["catchup_entries_100k"] >= 100_000
     assert 0 < result["freshness_p50_ms"] <= result["freshness_p99_ms"] and result["bytes_per_entry"] > 0
+    assert 0 < result["sessions_restart_ready_s"] <= result["sessions_restart_visible_s"]

@@ -14,6 +14,9 @@ vLLM payloads through the real decoder and resolver) and as the router (gRPC que
 - answers: queries per second one replica answers with p99 <= 5 ms (64 workers, a 256-key chain,
   columnar, open loop at rising rates), with 1 replica and spread over 2 (per replica).
 - bytes per entry: the replica's RSS growth per index entry over the 1M-block catch-up.
+- router sessions: a router on replica A holds 1000 live reservations, 200 of them with 256 claimed
+  keys; B is killed -9 and restarted: seconds until its /ready and until its answers count all of
+  them, and the bytes of A's state entry in the in-flight stream (control_plane.replication.inflight_sync).
 - chaos (`--chaos-s`, 0 = skip): the chaos scenario of tests/e2e/test_replica_chaos.py with longer phases.
 """
 
@@ -278,6 +281,59 @@ async def answers(replicas: list[ReplicaProcess], redis: RedisServer, workers: i
     return {"answers_per_s": best, "steps": table}
 
 
+async def router_sessions(a: ReplicaProcess, b: ReplicaProcess, redis_url: str, reservations: int = 1000,
+                          claiming: int = 200, keys: int = 256) -> dict:
+    """A router on A reserves `reservations` on the answer fleet's workers, the first `claiming` with
+    `keys` claimed keys each (TTL 60 s); then B is killed -9 and restarted."""
+    import grpc
+    from redis.asyncio import Redis
+
+    from kvroute.control_plane.replication.inflight_sync import STREAM
+    from kvroute.tools.bench.inflight import open_router
+
+    rng = random.Random(11)
+    claims = claiming * keys
+    redis = Redis.from_url(redis_url)
+    try:
+        async with grpc.aio.insecure_channel(a.address) as channel:
+            router = await open_router(pb_grpc.ControlPlaneStub(channel), "bench-sessions")
+            for i in range(reservations):
+                chain = [rng.getrandbits(63) for _ in range(keys)] if i < claiming else []
+                await router.write(pb.RouterMessage(reserve=pb.Reservation(
+                    reservation_id=i + 1, worker_id=f"answer-{i % 16}", block_size=16, block_keys=chain,
+                    prefill_tokens=1000, ttl_ms=60_000)))
+
+            def counts_all() -> bool:
+                return (b.metric("kvroute_cp_reservations") >= reservations
+                        and b.metric("kvroute_cp_speculative_claims") >= claims)
+
+            await _until(counts_all, 60)
+
+            async def state_bytes() -> int:
+                for _, fields in await redis.xrevrange(STREAM, count=100):
+                    if fields.get(b"r") == a.process.name.encode() and b"s" in fields:
+                        return len(fields[b"s"])
+                return 0
+
+            size = 0
+            deadline = time.monotonic() + 30
+            while size < claims * 8:  # A's next state holds them all
+                if time.monotonic() > deadline:
+                    raise TimeoutError("bench: no state entry of A's holds the reservations")
+                size = await state_bytes()
+                await asyncio.sleep(0.1)
+            b.process.kill()
+            started = time.monotonic()
+            ready_s = await asyncio.to_thread(b.start)
+            await _until(counts_all, 60)
+            visible_s = time.monotonic() - started
+            router.cancel()
+    finally:
+        await redis.aclose()
+    return {"sessions_state_bytes": size, "sessions_restart_ready_s": round(ready_s, 3),
+            "sessions_restart_visible_s": round(visible_s, 3)}
+
+
 async def prepare_answer_fleet(a: ReplicaProcess, workers: int, chain: int = 256) -> None:
     """`workers` workers of "answer-model", each holding a different prefix of the query's chain."""
     from kvroute.worker_agent.block_deltas import KeysStored
@@ -324,6 +380,7 @@ async def run_async(batches: int, trials: int, sizes: tuple[int, ...], workdir: 
             result["answers_per_s_2_replicas"] = two["answers_per_s"]
             result["answers_steps_1_replica"] = one["steps"]
             result["answers_steps_2_replicas"] = two["steps"]
+            result.update(await router_sessions(a, b, redis.url))
         finally:
             a.stop()
             b.stop()
