@@ -237,9 +237,8 @@ class EngineDiscovery:
         state = self.states[target.spec]
         state.failures += 1
         why = str(exc) if isinstance(exc, ResolutionFailed) else f"{type(exc).__name__}: {exc}"
-        self._problems.warning(f"failed {target.spec}", "cannot resolve %s (%s; %d failed resolutions so far); keeping its %d "
-                               "engines",
-                               target.spec, why, state.failures, len(state.engines))
+        self._problems.warning(f"failed {target.spec}", "cannot resolve %s (%s; %d failed resolutions so far); "
+                               "keeping its %d engines", target.spec, why, state.failures, len(state.engines))
 
     # ------------------------------------------------------------ asking the DNS
 
