@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from kvroute.addresses import control_plane_addresses, listen_host, port, static_workers
+from kvroute.addresses import control_plane_addresses, dns_server, listen_host, port, static_workers
 from kvroute.process import (
     add_log_level_argument,
     add_port_file_argument,
@@ -90,9 +90,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--static-workers", type=static_workers, default="", metavar="ID=URL,...",
                    help="fallback fleet used only while the control plane has never been reachable; the router "
                         "checks these engines itself (--health-check-*)")
+    p.add_argument("--discover-engines", action="append", default=[], type=_discovery_target, metavar="TARGET",
+                   help="engines without an agent, found by DNS and followed as the answer changes, repeatable: "
+                        "dns://NAME:PORT (NAME's A records, else AAAA: each address an engine at PORT, e.g. a "
+                        "Kubernetes headless Service) or dnssrv://NAME (SRV records, e.g. "
+                        "_http._tcp.SERVICE.NAMESPACE.svc.cluster.local: each target at its port). Routed on load "
+                        "and health-checked (--health-check-*); an engine an agent also reports on (same "
+                        "endpoint) is that agent's worker, on the index")
+    p.add_argument("--discovery-interval-s", type=seconds(), default=5.0, metavar="S",
+                   help="--discover-engines: resolve every S seconds")
+    p.add_argument("--discovery-empty-grace-s", type=seconds(allow_zero=True), default=30.0, metavar="S",
+                   help="--discover-engines: an empty answer (NXDOMAIN, no records) after engines were found "
+                        "removes them only once answers stayed empty this long (a failed resolution never does)")
+    p.add_argument("--dns-server", type=dns_server, default="", metavar="IP[:PORT]",
+                   help="--discover-engines: ask this DNS server (port 53 unless given) instead of those of "
+                        "/etc/resolv.conf (whose search list then does not apply: give full names)")
     p.add_argument("--health-check-interval-s", type=seconds(allow_zero=True), default=5.0, metavar="S",
-                   help="active health checks of the workers no agent reports on (--static-workers): one GET "
-                        "--health-check-path to each every S seconds; 0 = none")
+                   help="active health checks of the workers no agent reports on (--static-workers, "
+                        "--discover-engines): one GET --health-check-path to each every S seconds; 0 = none")
     p.add_argument("--health-check-timeout-s", type=seconds(), default=5.0, metavar="S",
                    help="a health check not answered within S seconds failed")
     p.add_argument("--health-failure-threshold", type=positive(int), default=3, metavar="N",
@@ -136,6 +151,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_grpc_message_argument(p, DEFAULT_GRPC_MAX_MESSAGE_BYTES)
     add_log_level_argument(p)
     add_port_file_argument(p)
+
+
+def _discovery_target(value: str) -> str:
+    from kvroute.data_plane.engine_discovery import DiscoveryError, parse_target
+
+    try:
+        return parse_target(value).spec
+    except DiscoveryError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
 
 
 def _url_path(value: str) -> str:

@@ -6,7 +6,9 @@ of to errors (`kvroute.data_plane.routing` does the failing open):
 
 - `workers_for(model)` is the latest `ListWorkers` snapshot for the model; if that is empty (a
   restarted control plane whose agents have not re-registered yet) it is the last non-empty
-  snapshot; if the control plane has never answered, the `--static-workers` fleet.
+  snapshot; if the control plane has never answered, the `--static-workers` fleet. Engines found
+  by DNS (`--discover-engines`, `engine_discovery.py`) follow, in every case and in both index
+  modes, except those an agent reports on (the same endpoint: one worker, the agent's).
 - `query()` goes over the router session stream when it is open (`router_session.py`, which also
   carries this router's in-flight reservations), else the unary Query RPC; it raises on timeout
   or error (TimeoutError, grpc.aio.AioRpcError).
@@ -25,7 +27,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -38,6 +42,9 @@ from kvroute.tls import ClientTls, grpc_message_options, open_channel, rpc_failu
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
+if TYPE_CHECKING:
+    from kvroute.data_plane.engine_discovery import EngineDiscovery
+
 log = logging.getLogger("kvroute.router.cp")
 RETIRE_GRACE_S = 30.0  # channels opened with certificates since rotated stay this long for calls in progress
 DOWN_S = 2.0  # a replica that failed is not picked again by a failover for this long (unless all failed)
@@ -46,7 +53,7 @@ DOWN_S = 2.0  # a replica that failed is not picked again by a failover for this
 @dataclass(slots=True)
 class KnownWorker:
     worker_id: str
-    model: str  # "" for a static worker: serves whatever model the router serves
+    model: str  # "" for a worker no agent reports on (static, found by DNS): serves whatever the router serves
     endpoint: str
     block_size: int
     load: pb.WorkerLoad
@@ -60,12 +67,14 @@ class ControlPlaneClient:
                  static_workers: dict[str, str] | None = None, static_block_size: int = 16,
                  router_id: str | None = None, use_session: bool = True,
                  query_deadline: QueryDeadline | None = None, tls: ClientTls | None = None,
-                 max_message_bytes: int = 64 * 1024 * 1024, view: FleetView | None = None) -> None:
+                 max_message_bytes: int = 64 * 1024 * 1024, view: FleetView | None = None,
+                 discovery: EngineDiscovery | None = None) -> None:
         """`query_deadline`: an adaptive deadline (`query_deadline.py`); without one the deadline is
         `query_timeout_s`, fixed. `tls`: TLS to the control plane (kvroute/tls.py); when its files
         change, channels are opened anew and the old ones closed after `RETIRE_GRACE_S`. `view`: follow
         the fleet into it (`fleet_view.py`, `--index local`): the known fleet and the index's answers
-        come from it, ListWorkers and queries are not used."""
+        come from it, ListWorkers and queries are not used. `discovery`: engines found by DNS join
+        the known fleet (started and closed by its owner)."""
         self.tls = tls
         self._tls_generation = tls.generation if tls is not None else 0
         self._retiring: set[asyncio.Task] = set()
@@ -101,6 +110,12 @@ class ControlPlaneClient:
                         for wid, url in (static_workers or {}).items()]
         self._task: asyncio.Task | None = None
         self._tls_task: asyncio.Task | None = None
+        self.discovery = discovery
+        self._block_size_unreported = static_block_size
+        self._found: tuple[int, list[tuple[str, KnownWorker]]] = (-1, [])  # (discovery version, its engines)
+        self._taken: tuple[object, bool, frozenset[str]] = (None, False, frozenset())  # (roster, static, endpoints)
+        self._merged: dict[tuple[str, str], tuple[list[KnownWorker], int, list[KnownWorker]]] = {}
+        self._already_known: frozenset[str] = frozenset()  # engines found by DNS that are another worker
 
     # ------------------------------------------------------------ lifecycle
 
@@ -228,9 +243,12 @@ class ControlPlaneClient:
     def workers_for(self, model: str, lora_name: str = "") -> list[KnownWorker]:
         """Known workers of `model` (and, if given, serving the LoRA adapter `lora_name`)."""
         if self.view is not None and self.view.synced:
-            return self.view.workers_for(model, lora_name)
-        known = self._workers_for(model)
-        return [w for w in known if lora_name in w.lora_adapters or not w.model] if lora_name else known
+            known = self.view.workers_for(model, lora_name)
+        else:
+            known = self._workers_for(model)
+            if lora_name:
+                known = [w for w in known if lora_name in w.lora_adapters or not w.model]
+        return self._with_found(model, lora_name, known) if self.discovery is not None else known
 
     def adapters_of(self, model: str) -> set[str]:
         """LoRA adapters some known worker of `model` serves (requests name them as `model`)."""
@@ -242,8 +260,11 @@ class ControlPlaneClient:
     def fleet_source(self, model: str) -> str:
         """Where `workers_for(model)` comes from: "view" (this router's view of the fleet, `--index local`),
         "control_plane" (the latest ListWorkers), "last_known" (the last non-empty one), "static"
-        (--static-workers) or "none"."""
-        return self._fleet_of(model)[0]
+        (--static-workers), "discovered" (engines found by DNS alone) or "none"."""
+        source = self._fleet_of(model)[0]
+        if source == "none" and self.discovery is not None and self.discovery.engines():
+            return "discovered"
+        return source
 
     def _fleet_of(self, model: str) -> tuple[str, list[KnownWorker]]:
         if self.view is not None and self.view.synced:
@@ -256,6 +277,69 @@ class ControlPlaneClient:
         if not self.ever_reached and self._static:
             return "static", list(self._static)  # control plane never reached: static fallback fleet
         return "none", []
+
+    # ------------------------------------------------------------ engines found by DNS
+
+    def _with_found(self, model: str, lora_name: str, known: list[KnownWorker]) -> list[KnownWorker]:
+        """`known` and, after it, the engines found by DNS that are no known worker already (the same
+        HOST:PORT as one an agent reports on, of any model, or a static one in use). Read on every
+        decision: with a view, the list is rebuilt only when the roster or the engines found change."""
+        assert self.discovery is not None
+        version = self.discovery.version
+        cached = self._merged.get((model, lora_name))
+        if cached is not None and cached[0] is known and cached[1] == version:
+            return cached[2]
+        found = self._found_workers()
+        merged = known
+        if found:
+            taken = self._taken_endpoints()
+            extra = [w for key, w in found if key not in taken]
+            merged = known + extra if extra else known
+            if not lora_name:
+                self._log_already_known({w.worker_id for key, w in found if key in taken})
+        if len(self._merged) > 64:  # adapters requested over time; a handful stay in use
+            self._merged.clear()
+        self._merged[(model, lora_name)] = (known, version, merged)
+        return merged
+
+    def _found_workers(self) -> list[tuple[str, KnownWorker]]:
+        """(HOST:PORT, worker) of each engine found by DNS."""
+        assert self.discovery is not None
+        version = self.discovery.version
+        if self._found[0] != version:
+            self._found = (version, [(_host_port(url), KnownWorker(wid, "", url, self._block_size_unreported,
+                                                                   pb.WorkerLoad()))
+                                     for wid, url in self.discovery.engines().items()])
+        return self._found[1]
+
+    def _taken_endpoints(self) -> frozenset[str]:
+        """HOST:PORT of every known worker of any model that is not an engine found by DNS: the agents'
+        (an engine found there is that worker, or another model's engine), and the static ones in use.
+        Re-read when the roster it comes from is replaced."""
+        view = self.view
+        if view is not None and view.synced:
+            assert view.state is not None
+            workers = view.state.registry.workers()  # one tuple per roster: its identity says when to re-read
+            roster, static = workers, False
+            endpoints: Iterable[str] = [r.endpoint for r in workers]
+        else:
+            roster, static = self.fleet, not self.ever_reached  # self.fleet: replaced by every ListWorkers
+            endpoints = [w.endpoint for w in self.fleet.values()] + \
+                [w.endpoint for known in self._last_known.values() for w in known] + \
+                ([w.endpoint for w in self._static] if static else [])
+        if self._taken[0] is not roster or self._taken[1] != static:
+            self._taken = (roster, static, frozenset(map(_host_port, endpoints)))
+        return self._taken[2]
+
+    def _log_already_known(self, ids: set[str]) -> None:
+        if ids != self._already_known:
+            if ids - self._already_known:
+                log.info("found by DNS and known already as another worker (an agent reports on it, routed as "
+                         "that worker): %s", ", ".join(sorted(ids - self._already_known)))
+            if self._already_known - ids:
+                log.info("found by DNS, no longer known as another worker: %s",
+                         ", ".join(sorted(self._already_known - ids)))
+            self._already_known = frozenset(ids)
 
     def models(self) -> set[str]:
         """Models with known workers (static workers serve any model, so they add none)."""
@@ -340,6 +424,11 @@ class ControlPlaneClient:
                     raise  # a slow answer (DEADLINE_EXCEEDED) is a busy replica, not a gone one: stay
                 if not self._failover(address) or self.address in tried or loop.time() >= give_up_at:
                     raise
+
+
+def _host_port(endpoint: str) -> str:
+    """An endpoint URL's HOST:PORT, lower-cased (the port as written: agents and DNS both name it)."""
+    return endpoint.partition("://")[2].partition("/")[0].rpartition("@")[2].lower()
 
 
 def query_message(model: str, chains: dict[int, list[int]], lora_name: str = "") -> pb.RouterMessage:

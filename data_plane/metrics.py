@@ -112,6 +112,39 @@ class _ViewCollector:
                                 "index", value=state.index.entry_count() if state is not None else 0)
 
 
+class DiscoveredTarget(Protocol):
+    engines: dict[str, str]
+    failures: int
+    last_success_unix: float
+
+
+class Discovering(Protocol):
+    """What the discovery collector reads (`engine_discovery.EngineDiscovery`)."""
+    states: dict[str, DiscoveredTarget]
+
+
+class _DiscoveryCollector:
+    """Engines found by DNS (--discover-engines), per target as given."""
+
+    def __init__(self, discovery: Discovering) -> None:
+        self.discovery = discovery
+
+    def collect(self) -> Iterator[Metric]:
+        engines = GaugeMetricFamily("kvroute_router_discovered_engines", "Engines the target's DNS answer holds "
+                                    "(kept through failed resolutions and an empty answer's grace)", labels=["target"])
+        failures = CounterMetricFamily("kvroute_router_discovery_failures", "Resolutions of the target that failed "
+                                       "(timeout, SERVFAIL, refused...): its engines were kept", labels=["target"])
+        last = GaugeMetricFamily("kvroute_router_discovery_last_success_timestamp_seconds", "Unix time of the "
+                                 "target's last DNS answer, empty ones included (0 = none yet)", labels=["target"])
+        for target, state in self.discovery.states.items():
+            engines.add_metric([target], len(state.engines))
+            failures.add_metric([target], state.failures)
+            last.add_metric([target], state.last_success_unix)
+        yield engines
+        yield failures
+        yield last
+
+
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -187,6 +220,13 @@ class RouterMetrics:
         self._tokenizer_watched = False
         self._workers_watched = False
         self._view_watched = False
+        self._discovery_watched = False
+
+    def watch_discovery(self, discovery: Discovering) -> None:
+        """Export what --discover-engines found, read at scrape time (once)."""
+        if not self._discovery_watched:
+            self.registry.register(_DiscoveryCollector(discovery))
+            self._discovery_watched = True
 
     def watch_view(self, view) -> None:
         """Export the view's freshness and size (--index local), read at scrape time (once)."""

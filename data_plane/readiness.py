@@ -2,7 +2,8 @@
 
 Ready: the router knows at least one worker for its model (from its view of the fleet with `--index
 local` once the view has synced, else the control plane's latest ListWorkers, the last non-empty one,
-or `--static-workers` while the control plane was never reached) and at least one of them is healthy:
+or `--static-workers` while the control plane was never reached; and the engines found by DNS,
+`--discover-engines`) and at least one of them is healthy:
 not failing its active health checks and not sitting out the proxy's cooldown after a failed attempt
 (`backend_health.py`). An unreachable control plane alone does not make the router not-ready: it
 fails open (routes on load over the fleet it knows), which still serves requests, so it is
@@ -41,6 +42,8 @@ def no_workers_reason(cp: ControlPlaneClient, model: str, lora_name: str = "") -
     static = (f"; the {given} --static-workers are used only until the control plane is first reached" if given
               else ", and no --static-workers were given")
     error = f" ({cp.last_error})" if cp.last_error else ""
+    if cp.discovery is not None:
+        static += f"; --discover-engines: {cp.discovery.describe()}"
     if cp.reachable:
         return f"no workers known for {what}: the control plane {cp.address} is reachable but lists none{static}"
     if not cp.ever_reached:  # never reached with static workers given: they would be known
@@ -65,15 +68,15 @@ def router_readiness(control_plane: ControlPlaneClient, model: str, health: Back
     if not workers:
         fatal.append(no_workers_reason(cp, model))
     elif not cp.reachable:
-        warnings.append(f"control plane {cp.address} unreachable{cp_error}: routing on load over the "
-                        f"{'static' if source == 'static' else 'last known'} fleet")
+        fleet = {"static": "static", "discovered": "DNS-discovered"}.get(source, "last known")
+        warnings.append(f"control plane {cp.address} unreachable{cp_error}: routing on load over the {fleet} fleet")
     elif source == "last_known":  # e.g. a restarted control plane whose agents have not registered yet
         warnings.append(f"the control plane lists no worker of model {model!r} now: routing on the last known fleet")
     view = cp.view
     if view is not None and workers:
         silence = view.silence_s()
-        if not view.synced:  # ready only on the static fallback fleet, which is configured to route on load
-            (warnings if source == "static" else fatal).append(
+        if not view.synced:  # ready only on a fleet configured to route on load: static or found by DNS
+            (warnings if source in ("static", "discovered") else fatal).append(
                 "the view of the fleet has not synced yet: deciding on load alone")
         elif silence > view.max_stale_s:
             warnings.append(f"no control plane heard for {silence:.1f}s (over --view-max-stale-s): deciding on load "

@@ -20,6 +20,12 @@ decision is made over the known workers on load alone plus this router's own in-
 (`fail_open=True`). A request never fails for an index reason; only "no worker known at all"
 raises NoWorkersError (its message says why: `readiness.no_workers_reason`). Workers failing their
 active health checks are no candidates unless every known one is (`backend_health.py`).
+
+Workers no agent reports on (found by DNS, static) are candidates on load beside the index's
+answer (`candidates.py`). When every known worker is one of them and the control plane is
+reachable, the index is not asked: it knows none of them, and the decision on load is no failure
+(not counted as failing open). With the control plane unreachable it is asked as ever, and fails
+open as ever, so that a lost control plane still shows.
 """
 
 from __future__ import annotations
@@ -63,6 +69,11 @@ def fail_open_label(reason: str) -> str:
     if reason.startswith("SessionUnavailable"):  # the session stream ended under the query: a replica gone
         return "unavailable"
     return "error"
+
+
+def _unreported_only(known: Sequence[KnownWorker]) -> bool:
+    """No agent reports on any of `known` (the first worker settles it in a fleet with agents)."""
+    return not any(w.model for w in known)
 
 
 class NoWorkersError(RuntimeError):
@@ -116,7 +127,7 @@ class Router:
                 clock.mark("keys")
             reason = ""
             columns = None
-            if needs.index:
+            if needs.index and (not _unreported_only(known) or not self.control_plane.reachable):
                 view = self.control_plane.view
                 if view is not None:  # --index local: the answer is read in process
                     columns, reason = view.answer(model, chains, lora_name)

@@ -26,6 +26,7 @@ from kvroute.addresses import parse_static_workers
 from kvroute.data_plane.backend_health import BackendHealth, HealthCheckConfig, HealthChecks
 from kvroute.data_plane.control_plane_client import ControlPlaneClient, KnownWorker
 from kvroute.data_plane.decision.policies import RoutingPolicy, make_policy, parse_kv_aware_params
+from kvroute.data_plane.engine_discovery import DiscoveryError, EngineDiscovery, make_resolver, parse_target
 from kvroute.data_plane.fleet_view import FleetView
 from kvroute.data_plane.inflight import RouterInflight
 from kvroute.data_plane.metrics import RouterMetrics
@@ -53,23 +54,42 @@ class RoutingService:
     preparer: RequestPreparer
     tls_files: TlsFiles         # --tls-*: the control-plane link's, and the caller's listeners'
     health_checks: HealthChecks  # active checks of the workers no agent reports on
+    discovery: EngineDiscovery | None = None  # --discover-engines
 
     def start(self, engine_ssl: ssl.SSLContext | None = None) -> None:
-        """The control-plane link and the active health checks (`engine_ssl`: verifies https://
-        engines, as the proxy does)."""
+        """The control-plane link, engine discovery and the active health checks (`engine_ssl`:
+        verifies https:// engines, as the proxy does)."""
         self.control_plane.start()
+        if self.discovery is not None:
+            self.discovery.start()
         self.health_checks.start(engine_ssl)
 
     async def close(self) -> None:
         await self.health_checks.close()
+        if self.discovery is not None:
+            await self.discovery.close()
         await self.control_plane.close()
 
 
 def unmonitored_workers(known: list[KnownWorker]) -> dict[str, str]:
     """worker_id -> endpoint of the workers no agent reports on: their load and liveness never reach
-    the control plane, so the router checks them itself. Today those are the --static-workers
-    (model "": they serve whatever the router serves) while that fleet is in use."""
+    the control plane, so the router checks them itself: the --static-workers while that fleet is
+    in use and the engines found by DNS (model "": they serve whatever the router serves)."""
     return {w.worker_id: w.endpoint for w in known if not w.model}
+
+
+def engine_discovery(args: argparse.Namespace, command: str) -> EngineDiscovery | None:
+    """The --discover-engines targets (checked by their argparse type), or None without any."""
+    if not args.discover_engines:
+        if args.dns_server:
+            raise SystemExit(f"kvroute {command}: error: --dns-server needs --discover-engines")
+        return None
+    try:
+        resolver = make_resolver(args.dns_server)
+    except DiscoveryError as exc:
+        raise SystemExit(f"kvroute {command}: error: --discover-engines: {exc}") from None
+    targets = list({t.spec: t for t in map(parse_target, args.discover_engines)}.values())  # each once
+    return EngineDiscovery(targets, resolver, args.discovery_interval_s, args.discovery_empty_grace_s)
 
 
 def build_routing_service(args: argparse.Namespace, command: str) -> RoutingService:
@@ -91,11 +111,12 @@ def build_routing_service(args: argparse.Namespace, command: str) -> RoutingServ
     view = (FleetView(args.router_id or default_router_id(), models={model}, max_stale_s=args.view_max_stale_s,
                       lag_bound_s=args.view_lag_bound_s)
             if policy.needs.index and args.index == "local" else None)
+    discovery = engine_discovery(args, command)
     # The control-plane link presents the certificate when it has one (mTLS), verifies with the CA.
     control_plane = ControlPlaneClient(args.control_plane, static_workers=parse_static_workers(args.static_workers),
                                        router_id=args.router_id, use_session=share_inflight,
                                        query_deadline=deadline, tls=client_tls(tls_files),
-                                       max_message_bytes=args.grpc_max_message_bytes, view=view)
+                                       max_message_bytes=args.grpc_max_message_bytes, view=view, discovery=discovery)
     # Built once: the proxy writes in-flight state and backend failures, decisions read them.
     inflight = RouterInflight(control_plane.session)
     checks = health_check_config(args)
@@ -103,11 +124,13 @@ def build_routing_service(args: argparse.Namespace, command: str) -> RoutingServ
     metrics = RouterMetrics()
     if view is not None:
         metrics.watch_view(view)
+    if discovery is not None:
+        metrics.watch_discovery(discovery)
     router = Router(control_plane, policy, inflight, health, metrics)
     preparer = RequestPreparer(tokenizer, model, control_plane.adapters_of, args.max_prompt_tokens)
     health_checks = HealthChecks(health, lambda: unmonitored_workers(control_plane.workers_for(model)), checks)
     return RoutingService(model, tokenizer, kv_params, policy, control_plane, inflight, health, metrics, router,
-                          preparer, tls_files, health_checks)
+                          preparer, tls_files, health_checks, discovery)
 
 
 def health_check_config(args: argparse.Namespace) -> HealthCheckConfig:

@@ -124,7 +124,31 @@ def split_list(spec: str, what: str) -> list[str]:
     return entries
 
 
+def parse_dns_server(text: str) -> HostPort:
+    """A DNS server to ask: IP, IP:PORT or [IPv6]:PORT (a bare IPv6 address too); port 53 unless given.
+    A name is refused: resolving the resolver would need a resolver."""
+    text = text.strip()
+    try:
+        return HostPort(str(ipaddress.ip_address(text)), 53)
+    except ValueError:
+        pass
+    target = parse_host_port(text, default_port=53)
+    try:
+        ipaddress.ip_address(target.host)
+    except ValueError:
+        raise _bad(f"{text!r}: the DNS server must be an IP address (IP[:PORT])") from None
+    return target
+
+
 # ------------------------------------------------------------------------------- argparse types
+
+
+def dns_server(text: str) -> str:
+    """argparse type of a DNS server (`parse_dns_server`); "" is the system's resolvers."""
+    if not text.strip():
+        return ""
+    parse_dns_server(text)
+    return text.strip()
 
 
 def port(text: str) -> int:

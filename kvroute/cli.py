@@ -55,6 +55,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                       "epp"),
     "sim-engine": Subcommand("kvroute.tools.sim_engine.cli",
                              "run a GPU-free vLLM stand-in (OpenAI API, real vLLM KV events)", "tools"),
+    "sim-dns": Subcommand("kvroute.tools.sim_dns",
+                          "run a DNS server answering from a records file (a cluster DNS stand-in)", "tools"),
     "tiny-model": Subcommand("kvroute.tools.tiny_model",
                              "write the demo's tiny local model (tokenizer + config) for --tokenizer", "tools"),
     "audit": Subcommand("kvroute.control_plane.audit_cli",

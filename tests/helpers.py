@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 from packaging.requirements import Requirement
 
-from kvroute.tools.local_cluster import LocalCluster, free_port, http_get, kvroute_argv
+from kvroute.tools.local_cluster import LocalCluster, free_port, http_get, http_post_json_headers, kvroute_argv
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
@@ -144,6 +144,16 @@ class FakeAgent:
             self.heartbeats.cancel()
         await self.outbox.put(None)
         await self.channel.close()
+
+
+def served_by(router: str, request: dict, n: int) -> set[str]:
+    """The workers (x-kvroute-worker) that answered `n` chat requests through `router`, each a success."""
+    chosen = set()
+    for _ in range(n):
+        status, headers, body = http_post_json_headers(router + "/v1/chat/completions", request)
+        assert status == 200, body
+        chosen.add(headers["x-kvroute-worker"])
+    return chosen
 
 
 # ---------------------------------------------------------------- README blocks run as written

@@ -153,6 +153,7 @@ def test_a_missing_config_file_and_a_bad_control_plane_value_fail_at_start(tmp_p
 SHOW_ARGS: dict[str, list[str]] = {
     "control-plane": [], "agent": [], "router": [], "sim-engine": [], "tiny-model": ["model-dir"], "audit": [],
     "demo": [], "simulate": ["--workload", "rag"], "bench": ["live"], "epp": ["--tokenizer", "/models/tiny"],
+    "sim-dns": ["--records", "records.txt"],
 }
 # One value per command that differs from its default: `config show` must report it as the file's
 # (tiny-model has no flag, only its directory argument).

@@ -17,7 +17,9 @@ order: cached tokens = the longer of the index's match (any tier, other routers'
 holders included) and this router's own in-flight prompts on that worker, x the worker's block
 size, capped at the prompt; cpu/disk-tier parts; the answer's engine load; in-flight requests and
 pending prefill = this router's own (exact) + other routers' reservations. A worker that joined
-since the last ListWorkers is left out until the next one.
+since the last ListWorkers is left out until the next one. Known workers no agent reports on
+(model "": found by DNS, or static) cannot be in the answer: they follow it as candidates without
+an index match, as when failing open (below), provided the answer named some known worker.
 
 Without columns (failing open): every known worker, in the known fleet's order, with no index
 and no other routers' reservations, but this router's own in-flight work and the prompts it has in
@@ -46,6 +48,7 @@ class WorkerLoadView(Protocol):
 class KnownWorkerView(Protocol):
     """What the builder reads of a known worker (`control_plane_client.KnownWorker`)."""
     worker_id: str
+    model: str  # "": no agent reports on it, so the index never names it
     endpoint: str
     block_size: int
     cached_blocks: int
@@ -119,6 +122,11 @@ def _from_columns(columns: IndexColumnsView, known: Sequence[KnownWorkerView], m
                              min(disk * bs, prompt_tokens) if disk else 0, running, waiting, usage,
                              own_requests + reserved, own_pending + prefill, held[i] if held else w.cached_blocks,
                              in_flight if in_flight < prompt_tokens else prompt_tokens))
+    if out and len(out) < len(by_id):  # some known worker is not in the answer: one no agent reports on?
+        answered = set(columns.worker_id)
+        unreported = [w for w in known if not w.model and w.worker_id not in answered]
+        if unreported:
+            out += _from_known(unreported, mine, speculative, prompt_tokens)
     return out
 
 

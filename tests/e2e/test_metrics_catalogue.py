@@ -1,6 +1,6 @@
 """The metrics users read, checked against live processes: a control plane (replica over Redis, with its
-periodic audit), a sim engine with its agent and a router, each scraped on its /metrics after real
-traffic. Fails if README's "Metrics" table names a metric no process exposes (or with another type or
+periodic audit), a sim engine with its agent and a router (which also finds the engine by DNS), each
+scraped on its /metrics after real traffic. Fails if README's "Metrics" table names a metric no process exposes (or with another type or
 labels), if a kvroute metric is missing from the table, or if a panel of the Grafana dashboard or an
 alert rule names a metric that does not exist."""
 
@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvroute.prom_text import metric_names
 from kvroute.tools.local_cluster import LocalCluster, free_port, http_get, http_post_json, wait_until
 from kvroute.tools.redis_harness import RedisServer, temp_workdir
+from kvroute.tools.sim_dns import SimDns
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 from tests.helpers import REPO
@@ -61,7 +62,14 @@ def redis_server() -> Iterator[RedisServer]:
 
 
 @pytest.fixture(scope="module")
-def scrape(module_local_fleet, redis_server: RedisServer) -> Scrape:
+def dns() -> Iterator[SimDns]:
+    server = SimDns().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def scrape(module_local_fleet, redis_server: RedisServer, dns: SimDns) -> Scrape:
     cluster: LocalCluster = module_local_fleet("catalogue")
     cp_metrics = f"http://127.0.0.1:{free_port()}"
     cluster.start_control_plane(extra_args=(
@@ -69,7 +77,11 @@ def scrape(module_local_fleet, redis_server: RedisServer) -> Scrape:
     wait_until(lambda: http_get(cp_metrics + "/ready")[0] == 200, 30, "the replica ready", [cluster.control_plane])
     engine = cluster.start_sim_fleet(1)[0]
     grpc_port = free_port()
-    router = cluster.start_router("r", "kv_aware", "--grpc-port", str(grpc_port))
+    # The engine is also found by DNS (and so is one worker, its agent's): the discovery metrics exist.
+    dns.set("engines.catalogue.test", "A", ["127.0.0.1"])
+    router = cluster.start_router("r", "kv_aware", "--grpc-port", str(grpc_port), "--discover-engines",
+                                  f"dns://engines.catalogue.test:{engine.url.rsplit(':', 1)[1]}",
+                                  "--dns-server", f"127.0.0.1:{dns.port}")
     wait_until(lambda: http_get(router + "/ready")[0] == 200, 30, "the router ready", cluster.all_processes())
     chat = cluster.chat_request("You are a terse assistant. " * 20, "Say hi.")
     for body in (chat, chat, {**chat, "stream": True}):
@@ -87,6 +99,8 @@ def scrape(module_local_fleet, redis_server: RedisServer) -> Scrape:
         return "kvroute_cp_audit_last_success_timestamp_seconds{" in http_get(cp_metrics + "/metrics")[1].decode()
 
     wait_until(audited, 20, "a periodic audit", cluster.all_processes())
+    wait_until(lambda: "kvroute_router_discovered_engines{" in http_get(router + "/metrics")[1].decode(), 20,
+               "the engine found by DNS", cluster.all_processes())
     families: dict[str, Family] = {}
     names: set[str] = set()
     for url in urls:

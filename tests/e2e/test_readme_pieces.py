@@ -5,7 +5,8 @@ would: `kvroute tiny-model`, a control plane, a sim engine, its agent and a rout
 background, a chat request through the router with curl, the agent's /ready, and `kvroute audit`.
 Only its fixed ports are swapped for free ones (other tests and helpers share this machine); then
 the README's `kill %1 %2 %3 %4` must stop all four. The log lines the README says tell that the
-agent follows its engine are in the agent's log.
+agent follows its engine are in the agent's log. The DNS discovery block ("Engines without an
+agent") is run the same way.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,13 +30,19 @@ from tests.helpers import REPO, process_group_alive, readme_commands, readme_env
 README_PORTS = (50051, 50052, 8000, 8080, 5557, 5558, 9400)
 
 
-@pytest.mark.timeout(180)
-def test_running_the_pieces_yourself_works_as_written(tmp_path: Path) -> None:
-    block, ports = with_free_ports(readme_sh_blocks("## Running the pieces yourself")[0], README_PORTS)
-    prose = (REPO / "README.md").read_text()
-    assert "`kill %1 %2 %3 %4` stops the four processes" in prose
-    script = tmp_path / "pieces.sh"
-    # set -e: a failing curl or audit fails the run; the kill line is the README's own.
+@dataclass
+class BlockRun:
+    returncode: int
+    out: str
+    err: str
+    logs: str   # the tail of every *.log the block wrote
+    pgid: int   # the block's process group: every process it started
+
+
+def run_block(tmp_path: Path, block: str) -> BlockRun:
+    """`block` run by bash in `tmp_path` as a user pasting it would, under `set -e`, then the README's
+    `kill %1 %2 %3 %4` and a wait; the processes left (if any) are the caller's to check and end."""
+    script = tmp_path / "block.sh"
     script.write_text("set -e\n" + block + "kill %1 %2 %3 %4\nwait\n")
     env = readme_env()
     proc = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
@@ -42,10 +52,34 @@ def test_running_the_pieces_yourself_works_as_written(tmp_path: Path) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-    finally:
-        logs = "\n".join(f"--- {log.name}\n{log.read_text()[-1500:]}" for log in sorted(tmp_path.glob("*.log")))
+    logs = "\n".join(f"--- {log.name}\n{log.read_text()[-1500:]}" for log in sorted(tmp_path.glob("*.log")))
+    return BlockRun(proc.returncode, out, err, logs, proc.pid)
+
+
+@contextmanager
+def stopped_by_the_kill_line(run: BlockRun) -> Iterator[None]:
+    """The checks inside, then: the README's kill line stopped every process the block started (those
+    left are killed either way)."""
     try:
-        assert proc.returncode == 0, f"exit {proc.returncode} (ports {ports})\nstdout:\n{out}\nstderr:\n{err}\n{logs}"
+        yield
+        deadline = time.monotonic() + 10
+        while process_group_alive(run.pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not process_group_alive(run.pgid), f"processes outlived `kill %1 %2 %3 %4`:\n{run.logs}"
+    finally:
+        if process_group_alive(run.pgid):
+            os.killpg(run.pgid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(180)
+def test_running_the_pieces_yourself_works_as_written(tmp_path: Path) -> None:
+    block, ports = with_free_ports(readme_sh_blocks("## Running the pieces yourself")[0], README_PORTS)
+    prose = (REPO / "README.md").read_text()
+    assert "`kill %1 %2 %3 %4` stops the four processes" in prose
+    run = run_block(tmp_path, block)
+    out, logs = run.out, run.logs
+    with stopped_by_the_kill_line(run):
+        assert run.returncode == 0, f"exit {run.returncode} (ports {ports})\nstdout:\n{out}\nstderr:\n{run.err}\n{logs}"
         lines = out.splitlines()
         assert lines[0].startswith("tiny model in models/tiny-llama"), out
         # One line from curl: the answer, not the 503s it retried through.
@@ -67,14 +101,6 @@ def test_running_the_pieces_yourself_works_as_written(tmp_path: Path) -> None:
         assert audit["audited"] == 1 and audit["divergence"] == 0 and not audit["errors"], audit
         assert audit["workers"][0]["worker_id"] == "sim-0" and audit["workers"][0]["tiers"]["gpu"]["engine"] > 0, audit
         assert {"control-plane.log", "sim-engine.log", "agent.log", "router.log"} <= {p.name for p in tmp_path.iterdir()}
-        # The README's kill line stopped every process the block started.
-        deadline = time.monotonic() + 10
-        while process_group_alive(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not process_group_alive(proc.pid), f"processes outlived `kill %1 %2 %3 %4`:\n{logs}"
-    finally:
-        if process_group_alive(proc.pid):
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def readme_line(prefix: str) -> str:
@@ -143,3 +169,25 @@ def test_the_high_availability_block_works_as_written(tmp_path: Path) -> None:
                 time.sleep(0.1)
             if process_group_alive(proc.pid):
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+DISCOVERY_PORTS = (8001, 8002, 8053, 8081, 50051)
+
+
+@pytest.mark.timeout(180)
+def test_dns_discovery_works_as_written(tmp_path: Path) -> None:
+    """The README's DNS discovery block: two sim engines without agents, `kvroute sim-dns` answering
+    SRV records from a file, a router that finds both through it (its --control-plane on a port where
+    nothing listens) and four requests that land on both; then its `kill %1 %2 %3 %4` stops all four."""
+    block, ports = with_free_ports(readme_sh_blocks("### Engines without an agent: DNS discovery")[0], DISCOVERY_PORTS)
+    prose = (REPO / "README.md").read_text()
+    assert "Engines found this way are routed on load" in prose and "routed on the index as well" in prose
+    assert "`kill %1 %2 %3 %4` stops the four processes" in prose.split("### Engines without an agent")[1]
+    run = run_block(tmp_path, block)
+    out, logs = run.out, run.logs
+    with stopped_by_the_kill_line(run):
+        assert run.returncode == 0, f"exit {run.returncode} (ports {ports})\nstdout:\n{out}\nstderr:\n{run.err}\n{logs}"
+        workers = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.lower().startswith("x-kvroute")]
+        assert len(workers) == 4, f"{out}\n{logs}"
+        assert set(workers) == {f"127.0.0.1:{ports[8001]}", f"127.0.0.1:{ports[8002]}"}, f"{out}\n{logs}"
+        assert "_http._tcp.engines.kvroute.test: 2 engines" in (tmp_path / "router.log").read_text(), logs

@@ -12,6 +12,7 @@ import time
 
 from kvroute.prom_text import sample_value
 from kvroute.tools.local_cluster import LocalCluster, free_port, http_get, http_post_json_headers, wait_until
+from tests.helpers import served_by as served_by_router
 
 INTERVAL_S, FAILURES, SUCCESSES = 0.3, 2, 2
 
@@ -41,13 +42,7 @@ def test_a_dead_static_engine_is_routed_around_before_a_request_fails_on_it(loca
     request = cluster.chat_request("You are terse.", "Say hi.")
 
     def served_by(n: int) -> set[str]:
-        """The workers that answered `n` requests (every one of them a success)."""
-        chosen = set()
-        for _ in range(n):
-            status, headers, body = http_post_json_headers(router + "/v1/chat/completions", request)
-            assert status == 200, body
-            chosen.add(headers["x-kvroute-worker"])
-        return chosen
+        return served_by_router(router, request, n)
 
     wait_until(lambda: _healthy(router, "engine-0") == 1 and _healthy(router, "engine-1") == 1, 30,
                "both static engines checked healthy", [alive.engine, doomed.engine, cluster.routers["r"]])
