@@ -1,12 +1,16 @@
 """One conformance suite, run against every PrefixIndex implementation (tiers and speculative
-holders included)."""
+holders included); then what only the native index adds (packed keys, columns, errors, its memory)."""
 
 from __future__ import annotations
 
+import gc
 import random
+import tracemalloc
+from array import array
 
 import pytest
 
+from kvroute.fleet.entries import pack_keys
 from kvroute.prefix_index import (
     TIERS,
     BitmaskPrefixIndex,
@@ -17,6 +21,7 @@ from kvroute.prefix_index import (
     TierMatch,
     tier_of_wire,
 )
+from kvroute.prefix_index.native import NativeBoundedPrefixIndex, NativePrefixIndex
 from kvroute.v1 import kvroute_pb2 as pb
 
 GPU, CPU, DISK = Tier.GPU, Tier.CPU, Tier.DISK
@@ -200,17 +205,22 @@ def test_tiers_are_the_wire_enum() -> None:
 
 @pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("tiered", [True, False], ids=["tiers", "gpu-only"])
-@pytest.mark.parametrize("impl", [BitmaskPrefixIndex, lambda: BoundedPrefixIndex(1 << 40)],
-                         ids=["BitmaskPrefixIndex", "BoundedPrefixIndexUnreached"])
-def test_random_operations_agree_with_reference(impl: type, tiered: bool, seed: int) -> None:
-    """SetPrefixIndex is the oracle every other implementation must agree with."""
+@pytest.mark.parametrize(("impl", "workers"), [
+    (NativePrefixIndex, 8), (lambda: NativeBoundedPrefixIndex(1 << 40), 8), (BitmaskPrefixIndex, 8),
+    (lambda: BoundedPrefixIndex(1 << 40), 8), (NativePrefixIndex, 300), (lambda: NativeBoundedPrefixIndex(1 << 40), 300),
+], ids=["NativePrefixIndex", "NativeBoundedPrefixIndexUnreached", "BitmaskPrefixIndex", "BoundedPrefixIndexUnreached",
+        "NativePrefixIndex-300-workers", "NativeBoundedPrefixIndexUnreached-300-workers"])
+def test_random_operations_agree_with_reference(impl: type, tiered: bool, seed: int, workers: int) -> None:
+    """SetPrefixIndex is the oracle every other implementation must agree with. With 300 workers a key
+    has many holders (the native index then keeps them out of line, sorted, and bisects them)."""
     index = impl()
     rng = random.Random(seed)
     reference = SetPrefixIndex()
     keys = list(range(40))
-    for _ in range(2000):
+    check = getattr(index, "_check", lambda: None)  # the native index's own invariants (O(index): now and then)
+    for step in range(2000 if workers < 100 else 600):  # the reference walks every worker: slow with 300
         op = rng.random()
-        worker = rng.randrange(8)
+        worker = rng.randrange(workers)
         tier = rng.choice(TIERS) if tiered and rng.random() < 0.4 else GPU
         batch = rng.sample(keys, rng.randint(1, 6))
         if op < 0.5:
@@ -237,4 +247,153 @@ def test_random_operations_agree_with_reference(impl: type, tiered: bool, seed: 
         assert index.worker_keys(worker, tier) == reference.worker_keys(worker, tier)
         assert index.worker_block_count(worker) == reference.worker_block_count(worker)
         assert index.held_prefix(worker, probe) == reference.held_prefix(worker, probe)
+        if step % 50 == 0:
+            check()
+    check()
     assert index.entry_count() == reference.entry_count()
+
+
+# ------------------------------------------------------------ the native index only
+
+NATIVE = [NativePrefixIndex, lambda: NativeBoundedPrefixIndex(1 << 40)]
+NATIVE_IDS = ["NativePrefixIndex", "NativeBoundedPrefixIndexUnreached"]
+
+
+def repeated_fixed64(keys: list[int]):
+    """Keys as the control plane receives them: a protobuf repeated fixed64 field."""
+    event = pb.BlocksStored()
+    event.block_keys.extend(keys)
+    return event.block_keys
+
+
+@pytest.mark.parametrize("make", NATIVE, ids=NATIVE_IDS)
+def test_native_takes_keys_packed_or_as_any_iterable(make) -> None:
+    """Packed little-endian u64 bytes (pack_keys), array('Q'), protobuf repeated fields, tuples, sets and
+    generators all mean the same keys as a list."""
+    rng = random.Random(1)
+    keys = [rng.getrandbits(64) for _ in range(100)] + [0, 2**64 - 1]
+    forms = [list, tuple, pack_keys, lambda k: bytearray(pack_keys(k)), lambda k: memoryview(pack_keys(k)),
+             lambda k: array("Q", k), repeated_fixed64, iter, lambda k: (key for key in k)]
+    for worker, form in enumerate(forms):
+        index = make()
+        assert index.store(worker, form(keys), CPU) == len(keys)
+        assert index.worker_keys(worker, CPU) == set(keys)
+        assert index.match_tiers(form(keys)) == TierMatch(depth={worker: len(keys)}, cpu_blocks={worker: len(keys)})
+        assert index.held_prefix(worker, form(keys)) == len(keys)
+        assert index.remove(worker, form(keys), CPU) == len(keys)
+        assert index.entry_count() == 0
+        index._check()
+    assert make().store(0, set(keys)) == len(keys)
+
+
+@pytest.mark.parametrize("make", NATIVE, ids=NATIVE_IDS)
+def test_native_refuses_bad_input_and_changes_nothing(make) -> None:
+    index = make()
+    index.store(0, [1, 2, 3])
+    for bad, error, words in (
+        ([1, -5], OverflowError, "unsigned 64-bit"),
+        ([1, 2**64], OverflowError, "unsigned 64-bit"),
+        ([1, "2"], TypeError, "ints"),
+        ([1, 2.0], TypeError, "ints"),
+        (b"\x01" * 12, ValueError, "64-bit words"),
+        (array("i", [1, 2]), ValueError, "64-bit words"),
+        (None, TypeError, "not iterable"),
+    ):
+        for call in (index.store, index.remove, index.speculate, index.replace):
+            with pytest.raises(error, match=words):
+                call(0, bad)
+        with pytest.raises(error, match=words):
+            index.match(bad)
+    for slot in (-1, 2**27, 2**40):
+        with pytest.raises((ValueError, OverflowError)):
+            index.store(slot, [1])
+    with pytest.raises(ValueError, match="tier"):
+        index.store(0, [1], 3)
+    with pytest.raises(TypeError):
+        index.store(0, [1], tier="gpu")
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        index.store(0, [1], level=0)
+    assert index.store(worker=0, keys=[4], tier=GPU) == 1  # keywords as the protocol names them
+    assert index.worker_keys(0, GPU) == {1, 2, 3, 4} and index.entry_count() == 4
+    assert index.match([1, 2, 3, 4]) == {0: 4} and index.speculative_keys(0) == set()
+    index._check()
+
+
+@pytest.mark.parametrize("make", NATIVE, ids=NATIVE_IDS)
+def test_native_columns_are_match_tiers_in_slot_order(make) -> None:
+    rng = random.Random(5)
+    index = make()
+    prompt = [rng.getrandbits(64) for _ in range(64)]
+    for worker in range(20):
+        held = prompt[: rng.randrange(65)]
+        cut = rng.randrange(len(held) + 1)
+        index.store(worker, held[:cut], GPU)
+        index.store(worker, held[cut:], rng.choice([CPU, DISK]))
+        if worker % 3 == 0:
+            index.speculate(worker, prompt[len(held): len(held) + 5])
+    match = index.match_tiers(prompt)
+    slots = [7, 3, 19, 0, 25, 1000, 12]  # any order; slots the index never saw answer 0
+    columns = index.match_columns(prompt, slots)
+    for column, counts in zip(columns, (match.depth, match.cpu_blocks, match.disk_blocks, match.speculative_blocks)):
+        assert column == [counts.get(slot, 0) for slot in slots]
+    assert index.match_columns([], slots) == ([0] * 7,) * 4 and index.match_columns(prompt, []) == ([], [], [], [])
+    index._check()
+
+
+def test_native_keys_with_thousands_of_holders() -> None:
+    """A system prompt every worker of a large fleet holds: holders stay sorted, found by bisection, and
+    removing them one by one in any order leaves nothing behind."""
+    index, reference = NativePrefixIndex(), SetPrefixIndex()
+    system = list(range(1, 9))
+    workers = list(range(3000))
+    random.Random(2).shuffle(workers)
+    for worker in workers:
+        for impl in (index, reference):
+            impl.store(worker, system + [10_000 + worker])
+    assert index.match(system) == reference.match(system) and len(index.match(system)) == 3000
+    assert index.held_prefix(2999, system + [12_999]) == 9
+    index._check()
+    for worker in workers[:2990]:
+        assert index.remove(worker, system) == reference.remove(worker, system) == 8
+        assert index.clear(worker) == reference.clear(worker) == 1
+    assert index.match(system) == reference.match(system) and len(index.match(system)) == 10
+    assert index.entry_count() == reference.entry_count() == 90
+    index._check()
+
+
+def test_native_memory_per_entry_and_no_leak_across_cycles() -> None:
+    """Below 64 bytes per (key, worker, tier) entry (estimated_bytes is exact, and tracemalloc sees the
+    same), and store/remove/clear cycles leave the index's memory where it was."""
+    rng = random.Random(0)
+    keys = rng.sample(range(1, 2**63), 120_000)
+    per_worker = [pack_keys(keys[w::8] + keys[:2000]) for w in range(8)]  # some keys on every worker
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    index = NativePrefixIndex()
+    for worker, packed in enumerate(per_worker):
+        index.store(worker, packed)
+    after = tracemalloc.take_snapshot()
+    measured = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+    tracemalloc.stop()
+    entries = index.entry_count()
+    assert entries == 120_000 + 7 * 2000
+    assert 0.95 < index.estimated_bytes() / measured < 1.05, (index.estimated_bytes(), measured)
+    assert index.estimated_bytes() / entries <= 64, index.estimated_bytes() / entries
+    full = index.estimated_bytes()
+    for cycle in range(5):
+        for worker, packed in enumerate(per_worker):
+            index.remove(worker, packed[: len(packed) // 2])
+            if worker % 2:
+                index.clear(worker)
+            index.speculate(worker, packed[:800])
+        for worker, packed in enumerate(per_worker):
+            index.unspeculate(worker, packed[:800])
+            index.store(worker, packed)
+        assert index.entry_count() == entries
+        assert index.estimated_bytes() <= full * 1.02, (cycle, index.estimated_bytes(), full)
+    index._check()
+    for worker in range(8):
+        index.clear(worker)
+    assert index.entry_count() == 0 and index.estimated_bytes() < 4096  # tables shrink, the last key frees the records
+
