@@ -38,7 +38,7 @@ from kvroute.fleet.inflight import InflightTracker
 from kvroute.fleet.registry import WorkerRegistry
 from kvroute.grpc_requests import add_servicer
 from kvroute.listeners import GrpcListener, start_status_site
-from kvroute.prefix_index import BitmaskPrefixIndex, BoundedPrefixIndex
+from kvroute.prefix_index import make_index
 from kvroute.process import wait_for_stop_signal, write_port_file
 from kvroute.tls import TlsFiles, grpc_message_options, server_tls
 from kvroute.v1 import kvroute_pb2 as pb
@@ -64,6 +64,7 @@ class ControlPlaneConfig:
     snapshot_interval_s: float = 10.0
     replica_id: str = ""                  # "" = HOST-PID
     max_index_entries: int = 0            # 0 = unbounded; else drop keys not matched recently past this many entries
+    index_backend: str = "auto"           # kvroute.prefix_index.backends: auto (native when built), native, bitmask
     tls: TlsFiles = field(default_factory=TlsFiles)  # none = plaintext; cert+key = TLS; + CA = mTLS with per-identity authority
     grpc_max_message_bytes: int = GRPC_MESSAGE_LIMIT
 
@@ -73,7 +74,9 @@ class ControlPlaneServer:
         self.config = config
         self.metrics_registry = CollectorRegistry()
         register_build_info(self.metrics_registry, "control_plane")
-        index = BoundedPrefixIndex(config.max_index_entries) if config.max_index_entries else BitmaskPrefixIndex()
+        index = make_index(config.index_backend, config.max_index_entries)  # IndexBackendError: one line
+        log.info("prefix index: %s%s", type(index).__name__,
+                 f", at most {config.max_index_entries} entries" if config.max_index_entries else "")
         self.inflight = InflightTracker(index, default_ttl_s=config.speculative_ttl_s,
                                         max_age_s=config.reservation_max_age_s)
         self.registry = WorkerRegistry(index, heartbeat_timeout_s=config.heartbeat_timeout_s, watcher=self.inflight)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import random
+import subprocess
+import sys
 import tracemalloc
 from array import array
 
@@ -397,3 +399,37 @@ def test_native_memory_per_entry_and_no_leak_across_cycles() -> None:
         index.clear(worker)
     assert index.entry_count() == 0 and index.estimated_bytes() < 4096  # tables shrink, the last key frees the records
 
+
+
+# ------------------------------------------------------------ choosing the backend
+
+@pytest.mark.parametrize(("backend", "bound", "kind"), [
+    ("auto", 0, NativePrefixIndex), ("native", 10, NativeBoundedPrefixIndex), ("bitmask", 0, BitmaskPrefixIndex),
+    ("bitmask", 10, BoundedPrefixIndex)])
+def test_the_control_plane_holds_the_backend_it_is_configured_with(backend: str, bound: int, kind: type) -> None:
+    """--index-backend and --max-index-entries pick the index; its bound and evictions are exported whichever it is."""
+    from kvroute.control_plane.server import ControlPlaneConfig, ControlPlaneServer
+
+    server = ControlPlaneServer(ControlPlaneConfig(index_backend=backend, max_index_entries=bound))
+    index = server.registry.index
+    assert type(index) is kind and server.inflight.index is index
+    index.store(0, list(range(1, 31)))
+    metrics = server.metrics_registry
+    assert metrics.get_sample_value("kvroute_cp_index_max_entries") == bound
+    assert metrics.get_sample_value("kvroute_cp_index_evicted_entries_total", {"recently_matched": "false"}) == (
+        20 if bound else 0)
+    assert metrics.get_sample_value("kvroute_cp_index_bytes_per_entry") > 0
+
+
+def test_native_asked_for_without_the_build_is_one_line_and_exit_2() -> None:
+    """An install that did not build the extension: `native` says so in one line (exit 2); `auto` falls back."""
+    blocked = "import sys; sys.modules['kvroute.prefix_index._native'] = None; "  # import fails as without the .so
+    asked = subprocess.run([sys.executable, "-c", blocked + "from kvroute.cli import main; sys.exit(main(["
+                            "'control-plane', '--index-backend', 'native', '--listen', '127.0.0.1:0']))"],
+                           capture_output=True, text=True, timeout=60, check=False)
+    assert asked.returncode == 2 and asked.stdout == "", asked
+    assert asked.stderr.count("\n") == 1 and "--index-backend native" in asked.stderr and "not built" in asked.stderr
+    fallback = subprocess.run([sys.executable, "-c", blocked + "from kvroute.prefix_index import make_index; "
+                               "print(type(make_index('auto')).__name__, type(make_index('auto', 5)).__name__)"],
+                              capture_output=True, text=True, timeout=60, check=False)
+    assert fallback.stdout.split() == ["BitmaskPrefixIndex", "BoundedPrefixIndex"], fallback
