@@ -1108,6 +1108,8 @@ typedef struct {
     uint32_t slot, depth, cpu, disk, spec;
 } Hit;
 
+#define PREFETCH 8
+
 /* Walk `keys` from the start: per worker holding keys[0] (on a tier, or a claim when `qualify`
  * includes F_SPEC), the depth of its held prefix and, with `tiers`, its cpu/disk/speculative-only
  * block counts, left in the scratch for the `*nt` slots listed in touched. Returns the walk's end;
@@ -1137,7 +1139,10 @@ static Py_ssize_t walk(Index *ix, const uint64_t *keys, Py_ssize_t n, uint32_t q
     if (!nt) return 0;
     if (mark) mark_rec(ix, id);
     Py_ssize_t pos;
+    uint32_t shift = 32 - ix->kbits;
     for (pos = 1; pos < n; pos++) {
+        if (pos + PREFETCH < n) /* the table slot of a key a few blocks on: its miss overlaps this block's work */
+            __builtin_prefetch(&ix->kslots[key_tag(keys[pos + PREFETCH]) >> shift]);
         id = kfind(ix, keys[pos]);
         if (!id) break;
         p = holders(ix, REC(ix, id), &cnt);
