@@ -21,6 +21,7 @@ from kvroute.prefix_index import (
     SetPrefixIndex,
     Tier,
     TierMatch,
+    make_index,
     tier_of_wire,
 )
 from kvroute.prefix_index.native import NativeBoundedPrefixIndex, NativePrefixIndex
@@ -433,3 +434,17 @@ def test_native_asked_for_without_the_build_is_one_line_and_exit_2() -> None:
                                "print(type(make_index('auto')).__name__, type(make_index('auto', 5)).__name__)"],
                               capture_output=True, text=True, timeout=60, check=False)
     assert fallback.stdout.split() == ["BitmaskPrefixIndex", "BoundedPrefixIndex"], fallback
+
+
+def test_the_simulator_is_bit_for_bit_the_same_on_either_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole simulation (policies reading the index, caches small enough to evict) agrees to the last float."""
+    from kvroute.tools.simulator import fleet
+    from kvroute.tools.simulator.workloads import GeneratedWorkload, generate
+
+    workload = generate(GeneratedWorkload("shared-prefix", requests=300, rate_rps=8, groups=32, seed=3))
+    config = fleet.FleetConfig(workers=8, num_blocks=256, block_size=16, seed=3)
+    runs = {}
+    for backend in ("native", "bitmask"):
+        monkeypatch.setattr(fleet, "BitmaskPrefixIndex", lambda backend=backend: make_index(backend))
+        runs[backend] = fleet.simulate_policy("kv_aware", workload, config)
+    assert runs["native"] == runs["bitmask"] and runs["native"].hit_rate > 0
