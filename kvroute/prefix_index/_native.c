@@ -306,10 +306,10 @@ static void set_holder_count(Index *ix, Rec *r, uint32_t n) {
         r->h[0] = x;
         r->h[1] = y;
     } else if (n * 4 <= v->cap && v->cap > 4) {
-        uint32_t cap = v->cap / 2;
+        uint32_t old = v->cap, cap = old / 2;
         HVec *w = PyMem_Realloc(v, sizeof(HVec) + cap * sizeof(uint32_t));
         if (w) { /* else keep the larger one: shrinking is optional */
-            ix->bytes -= (size_t)(v->cap - cap) * sizeof(uint32_t);
+            ix->bytes -= (size_t)(old - cap) * sizeof(uint32_t);
             w->cap = cap;
             ix->vecs[id] = w;
         }
@@ -1591,6 +1591,17 @@ static PyObject *Index_check(PyObject *self, PyObject *unused) {
               (unsigned long long)counts[s * 4 + 3]);
     }
     CHECK(entries == ix->entries, "entries %llu, counted %llu", (unsigned long long)ix->entries, (unsigned long long)entries);
+    /* what every structure holds, against what the allocation counter says */
+    size_t bytes = ((size_t)1 << ix->kbits) * sizeof(KSlot) + ix->chunks_cap * sizeof(Rec *) +
+                   (size_t)ix->nchunks * CHUNK * sizeof(Rec) + ix->vecs_cap * sizeof(HVec *) +
+                   ix->vec_free_cap * sizeof(uint32_t) + ix->nworkers * (sizeof(Worker) + 5 * sizeof(uint32_t)) +
+                   ix->ring_cap * sizeof(uint32_t);
+    if (ix->marks) bytes += ix->chunks_cap * sizeof(uint32_t *) + (size_t)ix->nchunks * CHUNK * sizeof(uint32_t);
+    for (uint32_t v = 0; v < ix->nvecs; v++)
+        if (ix->vecs[v]) bytes += sizeof(HVec) + ix->vecs[v]->cap * sizeof(uint32_t);
+    for (uint32_t s = 0; s < ix->nworkers; s++)
+        if (ix->workers[s].set) bytes += ((size_t)1 << ix->workers[s].bits) * sizeof(uint32_t);
+    CHECK(bytes == ix->bytes, "%zu bytes held, %zu counted", bytes, ix->bytes);
     for (uint32_t s = 0; s < 4 * ix->nworkers; s++) CHECK(!ix->scratch[s], "scratch left dirty");
     if (ix->marks) {
         CHECK(ringed == ix->ring_len, "%llu keys flagged in the clock, ring of %llu", (unsigned long long)ringed,

@@ -364,6 +364,19 @@ def test_native_keys_with_thousands_of_holders() -> None:
     index._check()
 
 
+def test_native_holders_shrinking_back_are_counted_right() -> None:
+    """A key many workers held, then few: its holder array shrinks (and moves), and the count of what the
+    index holds stays exact (_check recounts every structure against it)."""
+    index = NativePrefixIndex()
+    for worker in range(64):
+        index.store(worker, [1, 2, 3])
+    full = index.estimated_bytes()
+    for worker in range(60):
+        index.remove(worker, [1, 2, 3])
+        index._check()
+    assert index.estimated_bytes() < full and index.match([1, 2, 3]) == {60: 3, 61: 3, 62: 3, 63: 3}
+
+
 def test_native_memory_per_entry_and_no_leak_across_cycles() -> None:
     """Below 64 bytes per (key, worker, tier) entry (estimated_bytes is exact, and tracemalloc sees the
     same), and store/remove/clear cycles leave the index's memory where it was."""
