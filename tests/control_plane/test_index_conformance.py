@@ -379,40 +379,54 @@ def test_native_holders_shrinking_back_are_counted_right() -> None:
 
 def test_native_memory_per_entry_and_no_leak_across_cycles() -> None:
     """Below 64 bytes per (key, worker, tier) entry (estimated_bytes is exact, and tracemalloc sees the
-    same), and store/remove/clear cycles leave the index's memory where it was."""
+    same), and store/remove/clear/claim cycles leave the process's traced memory where it was: no
+    native block and no Python object (a result, a key) is lost on the way."""
     rng = random.Random(0)
     keys = rng.sample(range(1, 2**63), 120_000)
     per_worker = [pack_keys(keys[w::8] + keys[:2000]) for w in range(8)]  # some keys on every worker
-    gc.collect()
-    tracemalloc.start()
-    before = tracemalloc.take_snapshot()
-    index = NativePrefixIndex()
-    for worker, packed in enumerate(per_worker):
-        index.store(worker, packed)
-    after = tracemalloc.take_snapshot()
-    measured = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
-    tracemalloc.stop()
-    entries = index.entry_count()
-    assert entries == 120_000 + 7 * 2000
-    assert 0.95 < index.estimated_bytes() / measured < 1.05, (index.estimated_bytes(), measured)
-    assert index.estimated_bytes() / entries <= 64, index.estimated_bytes() / entries
-    full = index.estimated_bytes()
-    for cycle in range(5):
+    probe = keys[:2000]
+
+    def cycle(index) -> None:
         for worker, packed in enumerate(per_worker):
             index.remove(worker, packed[: len(packed) // 2])
             if worker % 2:
                 index.clear(worker)
             index.speculate(worker, packed[:800])
+            index.match_tiers(probe)
+            index.worker_keys(worker, GPU)
         for worker, packed in enumerate(per_worker):
             index.unspeculate(worker, packed[:800])
             index.store(worker, packed)
-        assert index.entry_count() == entries
-        assert index.estimated_bytes() <= full * 1.02, (cycle, index.estimated_bytes(), full)
+            index.match_columns(probe, list(range(8)))
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        index = NativePrefixIndex()
+        for worker, packed in enumerate(per_worker):
+            index.store(worker, packed)
+        after = tracemalloc.take_snapshot()
+        measured = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+        entries = index.entry_count()
+        assert entries == 120_000 + 7 * 2000
+        assert 0.95 < index.estimated_bytes() / measured < 1.05, (index.estimated_bytes(), measured)
+        assert index.estimated_bytes() / entries <= 64, index.estimated_bytes() / entries
+        full = index.estimated_bytes()
+        cycle(index)  # tables at their working size
+        gc.collect()
+        traced = tracemalloc.get_traced_memory()[0]
+        for _ in range(5):
+            cycle(index)
+        gc.collect()
+        assert tracemalloc.get_traced_memory()[0] - traced < 4096  # a leaked int per walk would be 10x that
+    finally:
+        tracemalloc.stop()
+    assert index.entry_count() == entries and index.estimated_bytes() <= full * 1.02
     index._check()
     for worker in range(8):
         index.clear(worker)
     assert index.entry_count() == 0 and index.estimated_bytes() < 4096  # tables shrink, the last key frees the records
-
 
 
 # ------------------------------------------------------------ choosing the backend
