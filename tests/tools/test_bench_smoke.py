@@ -50,6 +50,7 @@ def test_answer_bench_cli_prints_json_last(backend: str) -> None:
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["workers"] == 4 and result["back_to_back_p50_us"] > 0 and result["pause_ms"] == 0.1
     assert result["index_backend"] == backend and result["match_tiers_p50_us"] > 0 and result["match_tiers_cpu_p99_us"] > 0
+    assert result["skewed_match_tiers_cpu_p50_us"] > 0
     assert ("match_columns_p50_us" in result) == (backend == "native")
 
 

@@ -14,7 +14,8 @@ The walk itself is timed apart too (`match_tiers_*`: the index's `match_tiers` o
 the service hands them over, a protobuf repeated field; `match_tiers_list_*`: a list of ints;
 `match_columns_*`: the native index's columnar walk, which returns the per-worker lists the answer is
 built from), in wall time and, as `*_cpu_*`, in this thread's CPU time (what a walk costs a core when
-other processes share it). `index_backend` picks the index (`kvroute control-plane --index-backend`).
+other processes share it). `skewed_match_tiers_cpu_*` walks the same prompt over another fleet, where a
+few workers hold most of it (`skewed_index`). `index_backend` picks the index (`kvroute control-plane --index-backend`).
 
 With `max_index_entries` the index is the bounded one (`kvroute control-plane
 --max-index-entries`) whose bound the fleet stays under: the walk then also marks what it matched.
@@ -90,6 +91,18 @@ def _build(workers: int, prompt_blocks: int, other_blocks: int, inflight_request
     return Built(answer, len(data), index), prompt, slots
 
 
+def skewed_index(backend: str, workers: int, prompt_blocks: int, other_blocks: int, seed: int) -> tuple[PrefixIndex, list[int]]:
+    """A fleet where a few workers hold most of the prompt: 4 hold 90-100% of it, the rest under 10%
+    (each also `other_blocks` unrelated blocks); its index and the prompt."""
+    rng = random.Random(seed)
+    index = make_index(backend)
+    prompt = [rng.getrandbits(64) for _ in range(prompt_blocks)]
+    for w in range(workers):
+        held = rng.randrange(prompt_blocks * 9 // 10, prompt_blocks + 1) if w < 4 else rng.randrange(prompt_blocks // 10)
+        index.store(w, prompt[:held] + [rng.getrandbits(64) for _ in range(other_blocks)])
+    return index, prompt
+
+
 def _timed(answer: Callable[[], object], iterations: int, before: Callable[[], None], name: str,
            clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     samples = []
@@ -131,6 +144,9 @@ def run_answer(workers: int = 64, prompt_tokens: int = 8192, block_size: int = 1
         result.update(_timed(walk, iterations, lambda: None, name))
         # this thread's CPU time: what the walk costs a core, without the time other processes took it away
         result.update(_timed(walk, iterations, lambda: None, f"{name}_cpu", time.thread_time))
+    skewed, skewed_prompt = skewed_index(backend, workers, prompt_tokens // block_size, other_blocks, seed)
+    result.update(_timed(lambda: skewed.match_tiers(skewed_prompt), iterations, lambda: None, "skewed_match_tiers_cpu",
+                         time.thread_time))
     if is_bounded(index):
         def unmark() -> None:  # a new lap, twice: nothing is marked (private: only a bench wants this)
             index._new_lap()
