@@ -59,10 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-index-entries", type=non_negative_int, default=0, metavar="N",
                    help="hold at most N (block key, worker, tier) entries in the prefix index: past it, keys no query "
                         "matched recently are dropped (routers then under-estimate those workers' caches, never "
-                        "over-estimate). An entry costs ~30-55 bytes with the native index, ~150 with the bitmask one "
+                        "over-estimate). An entry costs ~40-45 bytes with the native index, ~150 with the bitmask one "
                         "(kvroute_cp_index_bytes_per_entry), so N = memory budget / that; 0 = unbounded")
     p.add_argument("--index-backend", choices=BACKENDS, default="auto",
-                   help="the prefix index's implementation: native (C, built by pip install: ~30-55 bytes per entry, "
+                   help="the prefix index's implementation: native (C, built by pip install: ~40 bytes per entry, "
                         "millions of block events/s), bitmask (pure Python, ~150 bytes per entry) or auto (native "
                         "when its extension is built, else bitmask). Both answer every query the same way")
     p.add_argument("--audit-interval-s", type=float, default=0.0, metavar="SECONDS",

@@ -7,7 +7,7 @@
 
 The contract (`PrefixIndex`, its semantics, `Tier`, `TierMatch`) is in `base.py`; the
 implementations, all checked by one conformance suite (tests/control_plane/test_index_conformance.py):
-`NativePrefixIndex` and `NativeBoundedPrefixIndex` (native.py over _native.c: the default, ~30-55
+`NativePrefixIndex` and `NativeBoundedPrefixIndex` (native.py over _native.c: the default, ~40
 bytes per entry), `BitmaskPrefixIndex` (bitmask.py), `BoundedPrefixIndex` (bounded.py: a memory
 bound, CLOCK eviction) and `SetPrefixIndex` (reference.py: the oracle). backends.py chooses one by
 configuration (`--index-backend`). The control plane and every router's view of the fleet

@@ -18,9 +18,10 @@ table key -> record of 8-byte slots; per worker an open-addressing set of its re
 and its entry counts. A key's holders cost 4 bytes each, not a bit per slot in the fleet.
 
 Measured (docs/benchmarks/2026-12-04-native-index.md, `kvroute bench ingest` and `kvroute bench answer`,
-2 shared cores): 27-54 bytes per (key, worker, tier) entry against the bitmask index's ~150;
-2.6-6.0M block events/s applied from packed bytes or lists against 0.5-0.6M; the 512-block walk over
-64 workers in ~20 us against ~70.
+2 shared cores, CPU time): 40.5 bytes per entry at 1M entries (42 by RSS) against the bitmask index's
+111-151; 9.5-12M block events applied per second from packed bytes or lists, 6M from protobuf fields,
+against 1.4-3.0M; `match_tiers` of a 512-block prompt over 64 workers 41-44 us p50, 100-138 us p99,
+against 79-81 and 176-233.
 
 The import fails when the extension was not built (an install without a C compiler); `backends.py`
 turns that into a clear error for `--index-backend native`.
