@@ -81,6 +81,7 @@ typedef struct {
     uint64_t kused;
     Rec **chunks;
     uint32_t nchunks, chunks_cap;
+    uint32_t chunk0_cap; /* records chunk 0 holds: it grows from 16 to CHUNK, so a small index stays small */
     uint32_t rec_top, free_head;
     HVec **vecs;
     uint32_t nvecs, vecs_cap;
@@ -136,6 +137,7 @@ static void ix_free(Index *ix, void *p, size_t n) {
 static inline Rec *REC(Index *ix, uint32_t id) { return &ix->chunks[id >> CHUNK_BITS][id & (CHUNK - 1)]; }
 static inline uint32_t *MARK(Index *ix, uint32_t id) { return &ix->marks[id >> CHUNK_BITS][id & (CHUNK - 1)]; }
 static inline int in_ring(Index *ix, uint32_t id) { return ix->marks && (*MARK(ix, id) & IN_RING); }
+static inline size_t chunk_recs(Index *ix, uint32_t c) { return c ? CHUNK : ix->chunk0_cap; }
 
 static inline uint64_t mix64(uint64_t z) {
     z ^= z >> 30;
@@ -425,18 +427,38 @@ static uint32_t rec_insert(Index *ix, uint64_t key) {
                 }
                 ix->chunks_cap = cap;
             }
-            Rec *chunk = ix_malloc(ix, CHUNK * sizeof(Rec));
+            size_t n = c ? CHUNK : 16;
+            Rec *chunk = ix_malloc(ix, n * sizeof(Rec));
             if (!chunk) return 0;
             if (ix->max_entries) {
-                uint32_t *m = ix_malloc(ix, CHUNK * sizeof(uint32_t));
+                uint32_t *m = ix_malloc(ix, n * sizeof(uint32_t));
                 if (!m) {
-                    ix_free(ix, chunk, CHUNK * sizeof(Rec));
+                    ix_free(ix, chunk, n * sizeof(Rec));
                     return 0;
                 }
                 ix->marks[c] = m;
             }
             ix->chunks[c] = chunk;
             ix->nchunks++;
+            if (!c) ix->chunk0_cap = (uint32_t)n;
+        } else if (!c && ix->rec_top == ix->chunk0_cap) {
+            /* chunk 0 doubles: no record pointer lives across an insert, so ids stay valid */
+            size_t old = ix->chunk0_cap, n = old * 2;
+            Rec *chunk = ix_malloc(ix, n * sizeof(Rec));
+            uint32_t *m = chunk && ix->max_entries ? ix_malloc(ix, n * sizeof(uint32_t)) : NULL;
+            if (!chunk || (ix->max_entries && !m)) {
+                ix_free(ix, chunk, n * sizeof(Rec));
+                return 0;
+            }
+            memcpy(chunk, ix->chunks[0], old * sizeof(Rec));
+            ix_free(ix, ix->chunks[0], old * sizeof(Rec));
+            ix->chunks[0] = chunk;
+            if (m) {
+                memcpy(m, ix->marks[0], old * sizeof(uint32_t));
+                ix_free(ix, ix->marks[0], old * sizeof(uint32_t));
+                ix->marks[0] = m;
+            }
+            ix->chunk0_cap = (uint32_t)n;
         }
         id = ix->rec_top++;
     }
@@ -462,10 +484,11 @@ static void rec_free(Index *ix, uint32_t id) {
     ix->free_head = id;
     if (ix->kused) return;
     for (uint32_t c = 0; c < ix->nchunks; c++) {
-        ix_free(ix, ix->chunks[c], CHUNK * sizeof(Rec));
-        if (ix->marks) ix_free(ix, ix->marks[c], CHUNK * sizeof(uint32_t));
+        ix_free(ix, ix->chunks[c], chunk_recs(ix, c) * sizeof(Rec));
+        if (ix->marks) ix_free(ix, ix->marks[c], chunk_recs(ix, c) * sizeof(uint32_t));
     }
     ix->nchunks = 0;
+    ix->chunk0_cap = 0;
     ix->rec_top = 1;
     ix->free_head = 0;
     ix_free(ix, ix->vecs, ix->vecs_cap * sizeof(HVec *)); /* no record, so no vec in use */
@@ -962,6 +985,7 @@ static int64_t store_keys(Index *ix, uint32_t slot, const uint64_t *keys, Py_ssi
         while (nfresh) ring_push(ix, fresh[--nfresh]); /* deepest first: the hand reaches a chain's tail first */
         PyMem_Free(fresh);
         if (ix->entries > ix->max_entries) evict(ix);
+        else ring_maybe_shrink(ix); /* the room reserved for keys that were not new */
     }
     return failed ? -1 : added;
 }
@@ -1592,11 +1616,13 @@ static PyObject *Index_check(PyObject *self, PyObject *unused) {
     }
     CHECK(entries == ix->entries, "entries %llu, counted %llu", (unsigned long long)ix->entries, (unsigned long long)entries);
     /* what every structure holds, against what the allocation counter says */
+    size_t recs_held = 0;
+    for (uint32_t c = 0; c < ix->nchunks; c++) recs_held += chunk_recs(ix, c);
     size_t bytes = ((size_t)1 << ix->kbits) * sizeof(KSlot) + ix->chunks_cap * sizeof(Rec *) +
-                   (size_t)ix->nchunks * CHUNK * sizeof(Rec) + ix->vecs_cap * sizeof(HVec *) +
+                   recs_held * sizeof(Rec) + ix->vecs_cap * sizeof(HVec *) +
                    ix->vec_free_cap * sizeof(uint32_t) + ix->nworkers * (sizeof(Worker) + 5 * sizeof(uint32_t)) +
                    ix->ring_cap * sizeof(uint32_t);
-    if (ix->marks) bytes += ix->chunks_cap * sizeof(uint32_t *) + (size_t)ix->nchunks * CHUNK * sizeof(uint32_t);
+    if (ix->marks) bytes += ix->chunks_cap * sizeof(uint32_t *) + recs_held * sizeof(uint32_t);
     for (uint32_t v = 0; v < ix->nvecs; v++)
         if (ix->vecs[v]) bytes += sizeof(HVec) + ix->vecs[v]->cap * sizeof(uint32_t);
     for (uint32_t s = 0; s < ix->nworkers; s++)

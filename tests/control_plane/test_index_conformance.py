@@ -377,6 +377,17 @@ def test_native_holders_shrinking_back_are_counted_right() -> None:
     assert index.estimated_bytes() < full and index.match([1, 2, 3]) == {60: 3, 61: 3, 62: 3, 63: 3}
 
 
+@pytest.mark.parametrize("make", NATIVE, ids=NATIVE_IDS)
+def test_native_small_index_stays_small(make) -> None:
+    """A fleet's first blocks: the records' first chunk grows with them (kvroute_cp_index_bytes_per_entry
+    of a young control plane says what an entry costs, not what an empty chunk does)."""
+    index = make()
+    for prompt in range(14):
+        index.store(0, range(100 * (prompt + 1), 100 * (prompt + 1) + 5))
+    index._check()
+    assert index.entry_count() == 70 and index.estimated_bytes() / 70 < 100, index.estimated_bytes()
+
+
 def test_native_memory_per_entry_and_no_leak_across_cycles() -> None:
     """Below 64 bytes per (key, worker, tier) entry (estimated_bytes is exact, and tracemalloc sees the
     same), and store/remove/clear/claim cycles leave the process's traced memory where it was: no
