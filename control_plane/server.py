@@ -75,8 +75,6 @@ class ControlPlaneServer:
         self.metrics_registry = CollectorRegistry()
         register_build_info(self.metrics_registry, "control_plane")
         index = make_index(config.index_backend, config.max_index_entries)  # IndexBackendError: one line
-        log.info("prefix index: %s%s", type(index).__name__,
-                 f", at most {config.max_index_entries} entries" if config.max_index_entries else "")
         self.inflight = InflightTracker(index, default_ttl_s=config.speculative_ttl_s,
                                         max_age_s=config.reservation_max_age_s)
         self.registry = WorkerRegistry(index, heartbeat_timeout_s=config.heartbeat_timeout_s, watcher=self.inflight)
@@ -150,9 +148,10 @@ class ControlPlaneServer:
         self._sweeper = asyncio.create_task(self.service.expire_forever(max(0.05, self.config.heartbeat_timeout_s / 5)))
         if self.auditor:
             self._audit_task = asyncio.create_task(self.auditor.run_forever(), name="kvroute-cp-audit")
-        log.info("control plane ready on %s:%d (%s)", self._grpc.host, self.port,
+        log.info("control plane ready on %s:%d (%s; prefix index %s%s)", self._grpc.host, self.port,
                  "mTLS, writes checked against client certificates" if self.config.tls.mutual
-                 else "TLS" if self.tls else "plaintext")
+                 else "TLS" if self.tls else "plaintext", type(self.registry.index).__name__,
+                 f", at most {self.config.max_index_entries} entries" if self.config.max_index_entries else "")
         return self.port
 
     async def stop(self, grace_s: float = 0.5) -> None:
