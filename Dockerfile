@@ -6,6 +6,12 @@ ARG PYTHON_IMAGE=python:3.12-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
+# A C compiler for the prefix index's extension (kvroute/prefix_index/_native.c; the image has Python's
+# headers). Only this stage has it; unpinned: the distribution's own gcc is what builds for its libc.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/kvroute
 # Every folder the wheel packages (pyproject's package-dir), nothing else.
 COPY pyproject.toml README.md ./

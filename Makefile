@@ -8,7 +8,8 @@ BIN    := $(VENV)/bin
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# The C extension (kvroute/prefix_index/_native.c) is built into the tree by the editable install: rebuild on change.
+$(STAMP): pyproject.toml kvroute/prefix_index/_native.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[tools,dev]'

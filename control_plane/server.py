@@ -40,7 +40,7 @@ from kvroute.control_plane.service import (
 from kvroute.fleet.state import FleetState
 from kvroute.grpc_requests import add_servicer
 from kvroute.listeners import GrpcListener, start_status_site
-from kvroute.prefix_index import BitmaskPrefixIndex, BoundedPrefixIndex
+from kvroute.prefix_index import make_index
 from kvroute.process import announce_when_ready, wait_for_stop_signal, write_port_file
 from kvroute.tls import TlsFiles, grpc_message_options, server_tls
 from kvroute.v1 import kvroute_pb2 as pb
@@ -66,6 +66,7 @@ class ControlPlaneConfig:
     snapshot_interval_s: float = 10.0
     replica_id: str = ""                  # "" = HOST-PID
     max_index_entries: int = 0            # 0 = unbounded; else drop keys not matched recently past this many entries
+    index_backend: str = "auto"           # kvroute.prefix_index.backends: auto (native when built), native, bitmask
     tls: TlsFiles = field(default_factory=TlsFiles)  # none = plaintext; cert+key = TLS; + CA = mTLS with per-identity authority
     grpc_max_message_bytes: int = GRPC_MESSAGE_LIMIT
     follow_window_changes: int = 200_000  # the follow feed's window (routers that reconnect resume inside it)
@@ -77,7 +78,7 @@ class ControlPlaneServer:
         self.config = config
         self.metrics_registry = CollectorRegistry()
         register_build_info(self.metrics_registry, "control_plane")
-        index = BoundedPrefixIndex(config.max_index_entries) if config.max_index_entries else BitmaskPrefixIndex()
+        index = make_index(config.index_backend, config.max_index_entries)  # IndexBackendError: one line
         self.state = FleetState.build(index, heartbeat_timeout_s=config.heartbeat_timeout_s,
                                       speculative_ttl_s=config.speculative_ttl_s,
                                       reservation_max_age_s=config.reservation_max_age_s)
@@ -160,9 +161,10 @@ class ControlPlaneServer:
         self._sweeper = asyncio.create_task(self.service.expire_forever(max(0.05, self.config.heartbeat_timeout_s / 5)))
         if self.auditor:
             self._audit_task = asyncio.create_task(self.auditor.run_forever(), name="kvroute-cp-audit")
-        log.info("control plane listening on %s:%d (%s)", self._grpc.host, self.port,
+        log.info("control plane listening on %s:%d (%s; prefix index %s%s)", self._grpc.host, self.port,
                  "mTLS, writes checked against client certificates" if self.config.tls.mutual
-                 else "TLS" if self.tls else "plaintext")
+                 else "TLS" if self.tls else "plaintext", type(self.registry.index).__name__,
+                 f", at most {self.config.max_index_entries} entries" if self.config.max_index_entries else "")
         self._ready_task = asyncio.create_task(announce_when_ready(
             lambda: self.ready, lambda: log.info("control plane ready%s", " (caught up with the log)"
                                                   if self.redis_log is not None else "")), name="kvroute-cp-ready")

@@ -23,7 +23,7 @@ from kvroute.fleet.entries import BlockOp, HeartbeatBody, ops_from_events
 from kvroute.fleet.inflight import DuplicateReservation, InflightTracker, RouterSessionState, RouterTally
 from kvroute.fleet.registry import WorkerRecord
 from kvroute.fleet.state import FleetState
-from kvroute.prefix_index import TIERS, BitmaskPrefixIndex, BoundedPrefixIndex, Tier, tier_of_wire
+from kvroute.prefix_index import TIERS, PrefixIndex, Tier, is_bounded, tier_of_wire
 
 if TYPE_CHECKING:
     from kvroute.control_plane.follow import FollowFeed
@@ -115,12 +115,12 @@ class IndexCollector:
     byte figures are `estimated_bytes()`: O(workers) per scrape, nothing on the hot path).
     `kvroute_cp_index_entries` itself is a gauge of ControlPlaneMetrics, set as batches apply."""
 
-    def __init__(self, index: BitmaskPrefixIndex) -> None:
+    def __init__(self, index: PrefixIndex) -> None:
         self.index = index
 
     def collect(self):
         index = self.index
-        bounded = isinstance(index, BoundedPrefixIndex)
+        bounded = is_bounded(index)
         entries, size = index.entry_count(), index.estimated_bytes()
         yield GaugeMetricFamily("kvroute_cp_index_max_entries", "The index's bound (--max-index-entries); 0 = unbounded",
                                 value=index.max_entries if bounded else 0)
@@ -477,7 +477,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
 
     def _note_bound_reached(self) -> None:
         index = self.registry.index
-        if isinstance(index, BoundedPrefixIndex) and index.counters.entries and not self._bound_reached:
+        if is_bounded(index) and index.counters.entries and not self._bound_reached:
             self._bound_reached = True
             log.warning("the index reached --max-index-entries %d: dropping keys not matched recently (routers "
                         "under-estimate those caches; kvroute_cp_index_evicted_entries_total)", index.max_entries)

@@ -34,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvroute.data_plane.api_keys import ENV_API_KEYS
     from kvroute.data_plane.decision.policies import POLICIES, kv_aware_param  # pure module, cheap to import for --help
     from kvroute.data_plane.traffic_capture import CAPTURE_BLOCK_TOKENS
+    from kvroute.prefix_index.backends import BACKENDS
 
     p.add_argument("--control-plane", type=control_plane_addresses, default="127.0.0.1:50051", metavar="HOST:PORT",
                    help="control plane gRPC address (replicas: HOST:PORT,HOST:PORT,...)")
@@ -53,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--index local: with no control plane heard from for this long, decide on load alone "
                         "(counted as fail-open `view_stale`) until one answers again. Generous on purpose: the cached "
                         "prefixes move slowly, and a view a minute old still routes most requests to their cache")
+    p.add_argument("--index-backend", choices=BACKENDS, default="auto",
+                   help="--index local: the view's prefix index, as the control plane's (native: C, ~40 bytes per "
+                        "entry; bitmask: pure Python; auto: native when its extension is built)")
     p.add_argument("--view-lag-bound-s", type=seconds(), default=2.0, metavar="S",
                    help="--index local: /ready says degraded when no control plane was heard from for this long")
     p.add_argument("--query-timeout-ms", type=positive(float), default=5.0,

@@ -38,7 +38,7 @@ from kvroute.backoff import Backoff
 from kvroute.fleet.answer import IndexColumns, answer_columns
 from kvroute.fleet.changes import MalformedChange, apply_change
 from kvroute.fleet.state import FleetState
-from kvroute.prefix_index import BitmaskPrefixIndex, PrefixIndex, Tier
+from kvroute.prefix_index import PrefixIndex, Tier, make_index
 from kvroute.rate_limited_log import RateLimitedLog
 from kvroute.tls import rpc_failure_reason
 from kvroute.v1 import kvroute_pb2 as pb
@@ -65,7 +65,7 @@ class ViewCounters:
 
 class FleetView:
     def __init__(self, router_id: str, models: Collection[str] = (), max_stale_s: float = 120.0,
-                 lag_bound_s: float = 2.0, index_factory: Callable[[], PrefixIndex] = BitmaskPrefixIndex,
+                 lag_bound_s: float = 2.0, index_factory: Callable[[], PrefixIndex] = make_index,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.router_id = router_id
         self.models = frozenset(models)

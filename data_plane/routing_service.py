@@ -20,6 +20,7 @@ import logging
 import ssl
 from collections.abc import Coroutine
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from kvroute.addresses import parse_static_workers
@@ -36,6 +37,7 @@ from kvroute.data_plane.router_session import default_router_id
 from kvroute.data_plane.routing import Router
 from kvroute.data_plane.tokenization import PromptTokenizer, load_tokenizer
 from kvroute.listeners import run_service
+from kvroute.prefix_index.backends import IndexBackendError, make_index, resolve_backend
 from kvroute.process import process_setup
 from kvroute.tls import TlsConfigError, TlsFiles, client_tls, tls_files_from_args
 
@@ -108,9 +110,14 @@ def build_routing_service(args: argparse.Namespace, command: str) -> RoutingServ
     except TlsConfigError as exc:
         raise SystemExit(f"kvroute {command}: error: {exc}") from None
     # A policy that reads the index reads it from this router's own view unless --index remote.
-    view = (FleetView(args.router_id or default_router_id(), models={model}, max_stale_s=args.view_max_stale_s,
-                      lag_bound_s=args.view_lag_bound_s)
-            if policy.needs.index and args.index == "local" else None)
+    view = None
+    if policy.needs.index and args.index == "local":
+        try:
+            resolve_backend(args.index_backend)
+        except IndexBackendError as exc:
+            raise SystemExit(f"kvroute {command}: error: {exc}") from None
+        view = FleetView(args.router_id or default_router_id(), models={model}, max_stale_s=args.view_max_stale_s,
+                         lag_bound_s=args.view_lag_bound_s, index_factory=partial(make_index, args.index_backend))
     discovery = engine_discovery(args, command)
     # The control-plane link presents the certificate when it has one (mTLS), verifies with the CA.
     control_plane = ControlPlaneClient(args.control_plane, static_workers=parse_static_workers(args.static_workers),

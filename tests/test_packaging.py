@@ -45,9 +45,11 @@ def test_the_wheel_holds_kvroute_only(kvroute_wheel: Path) -> None:
     with zipfile.ZipFile(kvroute_wheel) as wheel:
         names = wheel.namelist()
         metadata = wheel.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
-    assert {n.split("/")[0] for n in names} == {"kvroute", kvroute_wheel.name.split("-py3")[0] + ".dist-info"}
+    name, version = kvroute_wheel.name.split("-")[:2]  # a platform wheel: it holds the prefix index's C extension
+    assert {n.split("/")[0] for n in names} == {"kvroute", f"{name}-{version}.dist-info"}
     for module in ("kvroute/control_plane/server.py", "kvroute/tools/sim_engine/tokenizer.py", "kvroute/v1/kvroute_pb2.py"):
         assert module in names
+    assert any(n.startswith("kvroute/prefix_index/_native.") and n.endswith((".so", ".pyd")) for n in names), names
     requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
     for line in requires:
         if line.split()[1].split(">")[0].split("=")[0].lower() in TOOLS_ONLY:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Sequence
 
-from kvroute.fleet.entries import BlockOp, HeartbeatBody, Op, RegisterBody, pack_keys, unpack_keys
+from kvroute.fleet.entries import BlockOp, HeartbeatBody, Op, RegisterBody, key_array, pack_keys
 from kvroute.fleet.inflight import DuplicateReservation, Reservation, RouterSessionState
 from kvroute.fleet.registry import WorkerRecord
 from kvroute.fleet.state import FleetState
@@ -233,10 +233,10 @@ def _known(state: FleetState, worker_id: str) -> WorkerRecord:
     return record
 
 
-def _keys(data: bytes) -> list[int]:
+def _keys(data: bytes) -> Sequence[int]:
     if len(data) % 8:
         raise MalformedChange(f"packed block keys of {len(data)} bytes: not a whole number of 8-byte keys")
-    return unpack_keys(data)
+    return key_array(data)
 
 
 def _apply_blocks(state: FleetState, blocks: pb.WorkerBlocks) -> None:

@@ -85,11 +85,17 @@ def pack_keys(keys: Iterable[int]) -> bytes:
 
 
 def unpack_keys(data: bytes) -> list[int]:
+    return key_array(data).tolist()
+
+
+def key_array(data: bytes) -> array:
+    """Packed keys as an array('Q'): one copy in C, no int object per key until one is read (the native
+    index takes the array's buffer as it is)."""
     words = array("Q")
     words.frombytes(data)
     if not _LITTLE:
         words.byteswap()
-    return words.tolist()
+    return words
 
 
 def pack_ops(ops: Iterable[BlockOp]) -> list[PackedOp]:

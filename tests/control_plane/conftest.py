@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvroute.prefix_index import BitmaskPrefixIndex, BoundedPrefixIndex, PrefixIndex, SetPrefixIndex
+from kvroute.prefix_index.native import NativeBoundedPrefixIndex, NativePrefixIndex
 
 
 def BoundedPrefixIndexUnreached() -> BoundedPrefixIndex:
@@ -13,8 +14,15 @@ def BoundedPrefixIndexUnreached() -> BoundedPrefixIndex:
     return BoundedPrefixIndex(1 << 40)
 
 
-# The index the control plane serves (unbounded, or bounded) and the plain reference they are checked against.
-INDEX_IMPLEMENTATIONS = [BitmaskPrefixIndex, BoundedPrefixIndexUnreached, SetPrefixIndex]
+def NativeBoundedPrefixIndexUnreached() -> NativeBoundedPrefixIndex:
+    """The same for the native backend (--index-backend native --max-index-entries)."""
+    return NativeBoundedPrefixIndex(1 << 40)
+
+
+# The indexes the control plane serves (each backend, unbounded or bounded) and the plain reference they are
+# checked against.
+INDEX_IMPLEMENTATIONS = [NativePrefixIndex, NativeBoundedPrefixIndexUnreached, BitmaskPrefixIndex,
+                         BoundedPrefixIndexUnreached, SetPrefixIndex]
 
 
 @pytest.fixture(params=INDEX_IMPLEMENTATIONS, ids=lambda c: c.__name__)

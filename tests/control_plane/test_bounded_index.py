@@ -1,7 +1,8 @@
 """BoundedPrefixIndex past its bound (`--max-index-entries`): what it drops and in which order, that a
 match only ever under-claims against the unbounded reference, and what stays consistent around it
 (speculative claims, per-worker eviction counts, the clock's own memory). Below the bound it is the
-conformance suite's third implementation (conftest.py)."""
+conformance suite's third implementation (conftest.py). Every test runs on both backends' bounded index
+(BoundedPrefixIndex, NativeBoundedPrefixIndex)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,15 @@ from kvroute.prefix_index import (
     Tier,
     TierMatch,
 )
+from kvroute.prefix_index.native import NativeBoundedPrefixIndex, NativePrefixIndex
 
 GPU, CPU, DISK = Tier.GPU, Tier.CPU, Tier.DISK
+
+
+@pytest.fixture(params=[BoundedPrefixIndex, NativeBoundedPrefixIndex], ids=lambda c: c.__name__)
+def Bounded(request: pytest.FixtureRequest) -> type:
+    """Each backend's bounded index class."""
+    return request.param
 
 
 class ChainForest:
@@ -51,6 +59,8 @@ def claims(index, workers: range) -> dict[int, set[int]]:
     """Per worker, the keys it holds a speculative claim on (both implementations)."""
     if isinstance(index, SetPrefixIndex):
         return {w: set(index._speculative.get(w, ())) for w in workers}
+    if isinstance(index, NativePrefixIndex):
+        return {w: index.speculative_keys(w) for w in workers}
     return {w: {key for key, mask in index._speculative.items() if mask >> w & 1} for w in workers}
 
 
@@ -65,7 +75,7 @@ def at_tier_or_better(match: TierMatch, worker: int) -> tuple[int, int, int, int
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("tiered", [True, False], ids=["tiers", "gpu-only"])
-def test_bounded_match_never_claims_more_than_the_reference(seed: int, tiered: bool) -> None:
+def test_bounded_match_never_claims_more_than_the_reference(Bounded: type, seed: int, tiered: bool) -> None:
     """Engines' events and routers' claims applied to the bounded index and to the unbounded
     reference alike: per worker and tier, the bounded index holds a subset, its answer for any chain
     is at most the reference's (blocks on gpu, on gpu or cpu, on any tier, and in all), its eviction
@@ -73,7 +83,7 @@ def test_bounded_match_never_claims_more_than_the_reference(seed: int, tiered: b
     equal."""
     rng = random.Random(seed)
     bound = 60
-    index, reference = BoundedPrefixIndex(bound), SetPrefixIndex()
+    index, reference = Bounded(bound), SetPrefixIndex()
     forest = ChainForest(rng)
     workers = range(6)
     evicted_before = 0
@@ -102,6 +112,8 @@ def test_bounded_match_never_claims_more_than_the_reference(seed: int, tiered: b
             getattr(index, call)(worker, keys)
             getattr(reference, call)(worker, keys)
         assert index.entry_count() <= bound
+        if isinstance(index, NativePrefixIndex) and step % 20 == 0:
+            index._check()
         assert index.entry_count() == sum(len(index.worker_keys(w, t)) for w in workers for t in TIERS)
         for w in workers:
             evicted = index.evicted_entries(w)
@@ -125,10 +137,10 @@ def test_bounded_match_never_claims_more_than_the_reference(seed: int, tiered: b
     assert index.counters.entries > 500  # the bound was reached, and often
 
 
-def test_equal_to_the_reference_until_the_bound_is_reached() -> None:
+def test_equal_to_the_reference_until_the_bound_is_reached(Bounded: type) -> None:
     rng = random.Random(7)
     forest = ChainForest(rng)
-    index, reference = BoundedPrefixIndex(500), SetPrefixIndex()
+    index, reference = Bounded(500), SetPrefixIndex()
     while True:
         chain = forest.new_chain()
         if reference.entry_count() + len(chain) > 500:
@@ -141,9 +153,9 @@ def test_equal_to_the_reference_until_the_bound_is_reached() -> None:
     assert index.counters.entries == 0 and index.evicted_entries(0) == {}
 
 
-def test_a_chain_loses_its_deepest_blocks_first() -> None:
+def test_a_chain_loses_its_deepest_blocks_first(Bounded: type) -> None:
     """One store past the bound: what stays is the chain's head, so it still matches that far."""
-    index = BoundedPrefixIndex(10)
+    index = Bounded(10)
     chain = list(range(100, 130))
     index.store(0, chain)
     assert index.entry_count() == 10
@@ -153,8 +165,8 @@ def test_a_chain_loses_its_deepest_blocks_first() -> None:
     assert index.counters.keys == index.counters.entries == 20
 
 
-def test_a_matched_prefix_outlives_prefixes_nobody_asks_for() -> None:
-    index = BoundedPrefixIndex(100)
+def test_a_matched_prefix_outlives_prefixes_nobody_asks_for(Bounded: type) -> None:
+    index = Bounded(100)
     hot = list(range(1, 41))
     index.store(0, hot)
     for n in range(30):  # 40 new keys a round, the hot prompt asked for in between
@@ -167,9 +179,9 @@ def test_a_matched_prefix_outlives_prefixes_nobody_asks_for() -> None:
     assert index.match(hot) == {}
 
 
-def test_a_shared_prefix_matched_through_its_descendants_stays() -> None:
+def test_a_shared_prefix_matched_through_its_descendants_stays(Bounded: type) -> None:
     """Prompts that share a system prompt each mark it: the head of every chain is the last to go."""
-    index = BoundedPrefixIndex(200)
+    index = Bounded(200)
     system = list(range(1, 21))
     for n in range(200):
         turn = system + list(range(10_000 * (n + 1), 10_000 * (n + 1) + 10))
@@ -179,9 +191,9 @@ def test_a_shared_prefix_matched_through_its_descendants_stays() -> None:
     assert index.counters.entries > 1000 and index.entry_count() <= 200
 
 
-def test_a_working_set_beyond_the_bound_is_cut_without_scanning_everything() -> None:
+def test_a_working_set_beyond_the_bound_is_cut_without_scanning_everything(Bounded: type) -> None:
     """Every key recently matched: second chances run out and marked keys go too (and are counted)."""
-    index = BoundedPrefixIndex(1000)
+    index = Bounded(1000)
     chains = [list(range(100 * n, 100 * n + 50)) for n in range(1, 21)]
     for chain in chains[:20]:
         index.store(0, chain)
@@ -193,10 +205,10 @@ def test_a_working_set_beyond_the_bound_is_cut_without_scanning_everything() -> 
     assert index.counters.recently_matched_entries >= 1
 
 
-def test_claims_survive_the_eviction_of_their_keys_and_end_cleanly() -> None:
+def test_claims_survive_the_eviction_of_their_keys_and_end_cleanly(Bounded: type) -> None:
     """Claims are not entries: dropping a key's entries keeps a live reservation's claim on it, and
     the claim ends (release) with nothing left over in the index or the tracker."""
-    index = BoundedPrefixIndex(20)
+    index = Bounded(20)
     tracker = InflightTracker(index, default_ttl_s=60.0)
     prompt = list(range(1, 11))
     index.store(0, prompt[:4])
@@ -211,11 +223,14 @@ def test_claims_survive_the_eviction_of_their_keys_and_end_cleanly() -> None:
     assert index.match_tiers(prompt) == TierMatch(depth={0: 10}, speculative_blocks={0: 6})
     tracker.release(session, 1)
     assert tracker.claim_count() == 0 and claims(index, range(2)) == {0: set(), 1: set()}
-    assert not index._aux and not index._speculative
+    if isinstance(index, NativePrefixIndex):
+        index._check()
+    else:
+        assert not index._aux and not index._speculative
 
 
-def test_evictions_are_counted_per_worker_and_tier_until_its_snapshot() -> None:
-    index = BoundedPrefixIndex(6)
+def test_evictions_are_counted_per_worker_and_tier_until_its_snapshot(Bounded: type) -> None:
+    index = Bounded(6)
     index.store(0, [1, 2, 3], GPU)
     index.store(0, [1, 2, 3], CPU)
     index.store(1, [7, 8])
@@ -230,10 +245,10 @@ def test_evictions_are_counted_per_worker_and_tier_until_its_snapshot() -> None:
     assert index.evicted_entries(0) == index.evicted_entries(1) == {}
 
 
-def test_the_clock_holds_each_key_once_and_forgets_departed_keys() -> None:
+def test_the_clock_holds_each_key_once_and_forgets_departed_keys(Bounded: type) -> None:
     """Engines remove and re-store blocks all the time: the clock must not grow with that churn."""
     rng = random.Random(3)
-    index = BoundedPrefixIndex(1 << 30)
+    index = Bounded(1 << 30)
     live = list(range(1, 5001))
     index.store(0, live)
     for _ in range(200):
@@ -242,9 +257,14 @@ def test_the_clock_holds_each_key_once_and_forgets_departed_keys() -> None:
         index.store(0, gone[:150])  # most come back
         index.store(1, rng.sample(live, 20))
     held = set().union(*(index.worker_keys(w, GPU) for w in range(2)))
-    assert len(index._ring) == len(set(index._ring)) == len(held) + len(index._departed)
-    assert len(index._departed) * 8 <= len(index._ring) + 8 * 64
-    assert not index._departed & held
+    if isinstance(index, NativePrefixIndex):
+        index._check()  # each key in the ring once, flagged; departed ones counted right
+        ring, departed, _ = index._clock()
+    else:
+        assert len(index._ring) == len(set(index._ring)) and not index._departed & held
+        ring, departed = len(index._ring), len(index._departed)
+    assert ring == len(held) + departed
+    assert departed * 8 <= ring + 8 * 64
 
 
 def test_estimated_bytes_agree_with_tracemalloc() -> None:
@@ -252,7 +272,8 @@ def test_estimated_bytes_agree_with_tracemalloc() -> None:
     rng = random.Random(0)
     keys = rng.sample(range(1, 2**63), 60_000)
     per_worker = [array("Q", keys[worker::16] + keys[:1000]) for worker in range(16)]
-    for make in (BitmaskPrefixIndex, lambda: BoundedPrefixIndex(1 << 30)):
+    for make in (BitmaskPrefixIndex, lambda: BoundedPrefixIndex(1 << 30), NativePrefixIndex,
+                 lambda: NativeBoundedPrefixIndex(1 << 30)):
         tracemalloc.start()
         before = tracemalloc.take_snapshot()
         index = make()
@@ -264,6 +285,6 @@ def test_estimated_bytes_agree_with_tracemalloc() -> None:
         assert 0.8 < index.estimated_bytes() / measured < 1.2, (make, index.estimated_bytes(), measured)
 
 
-def test_a_bound_must_be_positive() -> None:
+def test_a_bound_must_be_positive(Bounded: type) -> None:
     with pytest.raises(ValueError, match="positive"):
-        BoundedPrefixIndex(0)
+        Bounded(0)

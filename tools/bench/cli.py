@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ingest.add_argument("--max-index-entries", type=int, default=0, metavar="N",
                         help="ingest into the bounded index (control-plane --max-index-entries); below what the "
                              "batches leave, the ingest evicts as it stores")
+    ingest.add_argument("--memory-entries", type=int, default=1_000_000, metavar="N",
+                        help="entries of the index whose bytes per entry are measured (tracemalloc, and RSS in a "
+                             "fresh interpreter)")
     decision = sub.add_parser("decision", help="tokenize + hash + control-plane query over gRPC + score (p50/p99)")
     decision.add_argument("--prompt-tokens", type=int, default=8192, help="prompt length")
     decision.add_argument("--workers", type=int, default=64, help="registered workers")
@@ -49,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     answer.add_argument("--max-index-entries", type=int, default=0, metavar="N",
                         help="serve from the bounded index (control-plane --max-index-entries), N above the fleet's "
                              "entries: walks mark what they match; adds unmarked_* (marks cleared before each answer)")
+    for sp in (ingest, answer):
+        sp.add_argument("--index-backend", choices=("auto", "native", "bitmask"), default="auto",
+                        help="the prefix index measured (control-plane --index-backend)")
     proxy = sub.add_parser("proxy", help="what a router adds to a request: per target (kvroute per policy, a pass-through "
                            "floor, peers) and per stage inside the router, p50/p99")
     proxy.add_argument("--requests", type=int, default=2000, help="requests per target")
@@ -168,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
         from kvroute.tools.bench.ingest import run_ingest
 
         result = run_ingest(args.batches, args.blocks_per_event, workers=args.workers,
-                            max_index_entries=args.max_index_entries)
+                            max_index_entries=args.max_index_entries, index_backend=args.index_backend,
+                            memory_entries=args.memory_entries)
     elif args.bench == "burst":
         from kvroute.tools.bench.burst import run_burst
 
@@ -182,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         from kvroute.tools.bench.answer import run_answer
 
         result = run_answer(args.workers, iterations=args.iterations, pause_ms=args.pause_ms,
-                            max_index_entries=args.max_index_entries)
+                            max_index_entries=args.max_index_entries, index_backend=args.index_backend)
     elif args.bench == "replicas":
         from kvroute.tools.bench.replicas import run_replicas
 

@@ -34,7 +34,7 @@ from kvroute.fleet.changes import ChangeEncoder, apply_change
 from kvroute.fleet.entries import BlockOp, HeartbeatBody, Op, RegisterBody
 from kvroute.fleet.inflight import Reservation
 from kvroute.fleet.state import FleetState
-from kvroute.prefix_index import BitmaskPrefixIndex, Tier
+from kvroute.prefix_index import Tier, make_index
 from kvroute.tools.sim_engine.cost_model import CostModel
 from kvroute.tools.sim_engine.prefix_cache import ClearedEvent, PrefixCache, RemovedEvent, StoredEvent
 from kvroute.tools.sim_engine.scheduler import Scheduler, SimRequest
@@ -61,6 +61,7 @@ class FleetConfig:
     kv_aware_params: dict = field(default_factory=dict)  # KvAwareParams fields (kv_aware runs only)
     routers: int = 1            # routers deciding in turn, each on its own view of the fleet
     view_delay_s: float = 0.0   # how late each change of the control plane's state reaches a router's view
+    index_backend: str = "auto"  # the prefix index's (kvroute.prefix_index.make_index): results are the same on each
 
 
 @dataclass
@@ -123,8 +124,8 @@ class _SimRouter:
 class _ControlPlane:
     """The control plane's state; with views, every change it applies is logged with its time."""
 
-    def __init__(self, workers: list[_Worker], views: bool, block_size: int) -> None:
-        self.state = FleetState.build(BitmaskPrefixIndex(), heartbeat_timeout_s=float("inf"),
+    def __init__(self, workers: list[_Worker], views: bool, block_size: int, index_backend: str) -> None:
+        self.state = FleetState.build(make_index(index_backend), heartbeat_timeout_s=float("inf"),
                                       reservation_max_age_s=1e12)
         self.log: list[tuple[float, pb.FleetChange]] = []
         self.now = 0.0
@@ -211,13 +212,13 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
     oracle_rng = random.Random(config.seed)
     workers = [_Worker(i, config) for i in range(config.workers)]
     views = config.routers > 1 or config.view_delay_s > 0
-    cp = _ControlPlane(workers, views, config.block_size)
+    cp = _ControlPlane(workers, views, config.block_size, config.index_backend)
     known = [KnownWorker(w.worker_id, MODEL, "", config.block_size, pb.WorkerLoad()) for w in workers]
     routers = []
     for number in range(max(1, config.routers)):
         policy = None if oracle else make_policy(policy_name, seed=config.seed + number,
                                                  **(config.kv_aware_params if policy_name == "kv_aware" else {}))
-        router = _SimRouter(number, policy, known, FleetState.build(BitmaskPrefixIndex()) if views else cp.state,
+        router = _SimRouter(number, policy, known, FleetState.build(make_index(config.index_backend)) if views else cp.state,
                             views)
         if config.routers > 1:
             router.session = cp.state.inflight.open_session(router.router_id)
