@@ -107,6 +107,16 @@ def test_report_and_plots_are_written(tmp_path: Path) -> None:
     assert "simulated 100%" in out.stderr  # progress, as plain lines when stderr is not a terminal
 
 
+def first_token_at(w, req: SimRequest) -> float:
+    """When `req` (queued on `w`) gets its first token: step on from the end of `w`'s running step."""
+    clock = w.step_end
+    while True:
+        result = w.scheduler.step()
+        clock += result.seconds
+        if req in result.first_tokens:
+            return clock
+
+
 def test_true_ttft_is_what_the_engine_then_takes() -> None:
     """The oracle's estimate, mid-step, with chunked prefill, a queue ahead and a cached prefix,
     equals the TTFT the scheduler then produces when nothing else arrives."""
@@ -137,14 +147,35 @@ def test_true_ttft_is_what_the_engine_then_takes() -> None:
     blocked, estimate, hit = true_ttft(w, prompt, 10, now, config.max_num_batched_tokens)
 
     measured = submit(prompt, "c")
-    clock = w.step_end
-    while True:
-        result = sched.step()
-        clock += result.seconds
-        if measured in result.first_tokens:
-            break
+    clock = first_token_at(w, measured)
     assert not blocked and hit == 320 and measured.hit_tokens == 320
     assert abs(estimate - (clock - now)) < 1e-9
+
+
+def test_true_ttft_counts_the_prefix_that_requests_ahead_cache_before_it_is_admitted() -> None:
+    """Blocks are cached when their chunk is scheduled, and every prompt ahead is scheduled in full
+    before this one is admitted: a prefix still being prefilled (or only queued) ahead is a hit."""
+    from kvroute.tools.simulator.fleet import _Worker, true_ttft
+
+    config = FleetConfig(workers=1, num_blocks=512, block_size=16, max_num_batched_tokens=256, seed=1)
+    w = _Worker(0, config)
+    fresh = iter(range(1000, 100_000))
+    first, second = [next(fresh) for _ in range(320)], [next(fresh) for _ in range(160)]
+    sched = w.scheduler
+    sched.add(SimRequest("a", first + [next(fresh) for _ in range(280)], 100))  # 600 tokens: three steps
+    step = sched.step()  # a's first chunk: 16 of first's 20 blocks cached so far
+    w.busy, w.step_end = True, step.seconds
+    sched.add(SimRequest("b", first + second + [next(fresh) for _ in range(40)], 100))  # queued; hits a's blocks
+    prompt = first + second + [next(fresh) for _ in range(100)]
+
+    blocked, estimate, hit = true_ttft(w, prompt, 10, 0.0, config.max_num_batched_tokens)
+
+    measured = SimRequest("c", prompt, 10)
+    sched.add(measured)
+    clock = first_token_at(w, measured)
+    assert sched.running[1].hit_tokens == 320 and measured.hit_tokens == 480  # a's 20 blocks, then b's next 10
+    assert not blocked and hit == measured.hit_tokens
+    assert abs(estimate - clock) < 1e-9
 
 
 def test_true_ttft_flags_an_engine_without_a_free_sequence_slot() -> None:

@@ -15,73 +15,31 @@ never pass silently.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from kvroute.prom_text import sample_sums
 from kvroute.tools.local_cluster import (
-    EngineHandle,
     LocalCluster,
-    ManagedProcess,
     engine_prefix_counters,
-    free_port,
     http_get,
-    http_ok,
     http_post_json,
     http_post_json_headers,
     kvroute_argv,
     long_text,
     wait_until,
 )
-from kvroute.tools.tiny_model import build_model_dir
+from tests.vllm.real_vllm import BLOCK_SIZE, new_cluster, start_vllm, vllm_env, wait_vllm_healthy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-BLOCK_SIZE = 32  # the CPU attention backend rejects 16
 LATE_DOC = 50    # documents LATE_DOC + i are served by vLLM i before any agent runs
-VLLM_START_S = 240
 
 
 def document(seed: int) -> str:
     return long_text(seed, 300)  # ~310 prompt tokens with the chat template: 9 full blocks
-
-
-def vllm_python() -> str:
-    python = os.environ.get("KVROUTE_VLLM_PYTHON", "")
-    if not python or not Path(python).exists():
-        pytest.fail("KVROUTE_VLLM_PYTHON must point at a Python with vLLM installed (run `make test-vllm`)")
-    return python
-
-
-def vllm_env(index: int) -> dict[str, str]:
-    return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_CPU_OMP_THREADS_BIND": str(index % 2)}
-
-
-def start_vllm(cluster: LocalCluster, model_dir: Path, index: int) -> EngineHandle:
-    port, ev_port, replay_port = free_port(), free_port(), free_port()
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ev_port}",
-              "replay_endpoint": f"tcp://*:{replay_port}", "topic": ""}
-    proc = ManagedProcess(f"vllm-{index}", [
-        vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--served-model-name", cluster.model, "--load-format", "dummy", "--block-size", str(BLOCK_SIZE),
-        "--enable-prefix-caching", "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048",
-        "--max-num-seqs", "8", "--num-gpu-blocks-override", "128", "--host", "127.0.0.1", "--port", str(port),
-        "--kv-events-config", json.dumps(config)], cluster.workdir / f"vllm-{index}.log")
-    proc.start(env=vllm_env(index))
-    handle = EngineHandle(f"vllm-{index}", f"http://127.0.0.1:{port}", ev_port, replay_port, proc,
-                          block_size=BLOCK_SIZE)
-    cluster.engines.append(handle)
-    return handle
-
-
-def wait_vllm_healthy(engine: EngineHandle) -> None:
-    wait_until(lambda: http_ok(engine.url + "/health"), VLLM_START_S, f"{engine.worker_id} healthy", [engine.engine],
-               interval=1)
 
 
 def chat(url: str, body: dict) -> dict:
@@ -128,9 +86,7 @@ def router_fail_opens(router_url: str) -> float:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("real-vllm")
-    model_dir = build_model_dir(workdir / "tiny-llama")
-    c = LocalCluster(workdir=workdir, tokenizer_dir=model_dir, block_size=BLOCK_SIZE)
+    c, model_dir = new_cluster(tmp_path_factory, "real-vllm")
     try:
         c.start_control_plane()
         engines = [start_vllm(c, model_dir, i) for i in range(2)]

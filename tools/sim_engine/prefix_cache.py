@@ -14,8 +14,10 @@ Life of a block, as in vLLM's BlockPool:
   working blocks for the rest of the request (prompt + max_tokens; reserving up front means
   the scheduler never has to preempt).
 - `commit()` turns newly full working blocks into cached blocks and records BlockStored
-  (one event per run of new blocks, with `parent_block_hash` and the run's token ids).
-  A block another request already cached under the same hash is shared, not stored twice.
+  (one event per run of new blocks, with `parent_block_hash` and the run's token ids); the
+  scheduler commits per scheduled chunk, so one prompt's blocks come in several events.
+  A block another request already cached under the same hash is shared, not stored twice
+  (vLLM keeps a second copy and announces it again).
 - `release()` unpins; a cached block nobody pins goes to the most-recently-used end of an
   LRU free queue, the request's tail blocks first (vLLM frees in reverse so a prefix's last
   blocks are evicted before its first ones).
@@ -51,7 +53,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -278,11 +280,12 @@ class PrefixCache:
 
     # ---------------------------------------------------------------- request lifecycle
 
-    def longest_cached_prefix(self, hashes: Sequence[int]) -> int:
-        """Number of leading blocks of `hashes` that are cached (on either tier)."""
+    def longest_cached_prefix(self, hashes: Sequence[int], also: Container[int] = ()) -> int:
+        """Number of leading blocks of `hashes` that are cached (on either tier) or in `also`
+        (blocks a caller knows will be cached by the time it asks)."""
         n = 0
         for h in hashes:
-            if h not in self._refcount and h not in self._cpu:
+            if h not in self._refcount and h not in self._cpu and h not in also:
                 break
             n += 1
         return n

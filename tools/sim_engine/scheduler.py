@@ -9,10 +9,21 @@ Each `step()`:
    reserves blocks (a prefix found on the cache's CPU tier is loaded back and its copy time
    charged to this step); a head-of-line request that does not fit waits (vLLM's FCFS);
 4. produces the first output token for every request whose prefill completed in this step
-   (so TTFT = queueing + prefill of the uncached tokens + the steps it shares with others),
-   caches newly full blocks (prompt blocks when prefill completes, decode blocks as output
-   fills them) and finishes requests that reached max_tokens, unpinning their blocks;
+   (so TTFT = queueing + prefill of the uncached tokens + the steps it shares with others)
+   and finishes requests that reached max_tokens, unpinning their blocks;
 5. prices the step with the cost model and returns a `StepResult`.
+
+Caching per scheduled chunk, as vLLM v1 does (read in vLLM 0.32.0: `vllm/v1/core/kv_cache_manager.py`
+`allocate_slots`, `vllm/v1/core/sched/scheduler.py` `schedule`): a request's full blocks enter the
+prefix cache, and record BlockStored, when the chunk (or decode token) that computes them is scheduled
+in steps 1-3, not when the step ends, so a request admitted later in the same step already hits them.
+The prefix is looked up only when a waiting request is tried for admission, so one that waited finds
+what was cached meanwhile; a running request never looks again and computes the rest of its prompt
+itself, even blocks another request caches meanwhile. With FCFS and no per-request chunk cap (vLLM's
+`long_prefill_token_threshold`, off by default; not modelled), every prompt ahead is scheduled in full
+before the next one is admitted, so an admitted request sees all of their full blocks. Hits are
+counted once, at admission (`PrefixCache.allocate`), as vLLM records them. A step's events are its
+batch: the caller publishes them when the step ends, as vLLM does after the forward pass.
 
 The caller owns the clock: run `step()`, wait `result.seconds` (or advance simulated time),
 deliver `result.new_tokens`, repeat while `has_work()`. Output length is always `max_tokens`
@@ -134,6 +145,8 @@ class Scheduler:
         context_tokens = sum(len(r.prompt) + len(r.output) for r in decoders)
         prefill_tokens = 0
         first: list[SimRequest] = []
+        for req in decoders:  # this step computes the KV of every token it has, the newest output token's too
+            self._cache_full_blocks(req, len(req.prompt) + len(req.output))
 
         def prefill(req: SimRequest) -> None:
             nonlocal budget, prefill_tokens
@@ -141,6 +154,9 @@ class Scheduler:
             req.computed += chunk
             budget -= chunk
             prefill_tokens += chunk
+            # Cached when scheduled, as vLLM's allocate_slots does: a request admitted later in this
+            # very step already finds these blocks.
+            self._cache_full_blocks(req, req.computed)
             if req.prefill_done:
                 first.append(req)
 
@@ -153,6 +169,7 @@ class Scheduler:
         loaded_tokens = 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            # Looked up on every try, so a request kept waiting finds what was cached meanwhile.
             alloc = self.cache.allocate(req.prompt_hashes, len(req.prompt), len(req.prompt) + req.max_tokens,
                                         req.namespace)
             if alloc is None:
@@ -170,7 +187,6 @@ class Scheduler:
             token = self._rng.randrange(self.min_token_id, self.vocab_size)
             req.output.append(token)
             new_tokens.append((req, token))
-            self._cache_full_blocks(req)
         finished = [r for r in self.running if r.finished]
         for req in finished:
             self.running.remove(req)
@@ -198,7 +214,7 @@ class Scheduler:
         context0 = sum(len(r.prompt) + len(r.output) for r in self.running)
         for req in self.running:
             req.output.extend(self._random_tokens(k))
-            self._cache_full_blocks(req)
+            self._cache_full_blocks(req, len(req.prompt) + len(req.output) - 1)  # the newest token has no KV yet
         finished = [r for r in self.running if r.finished]
         for req in finished:
             self.running.remove(req)
@@ -223,10 +239,9 @@ class Scheduler:
         """Duration of the next step if it only decodes every running sequence (0.0 if none run)."""
         return self.cost.step_seconds(0, len(self.running), sum(len(r.prompt) + len(r.output) for r in self.running))
 
-    def _cache_full_blocks(self, req: SimRequest) -> None:
+    def _cache_full_blocks(self, req: SimRequest, tokens_known: int) -> None:
+        """Cache `req`'s blocks that the first `tokens_known` tokens (prompt, then output) fill."""
         bs = self.cache.block_size
-        # An output token's KV exists once it has been fed back, i.e. for all but the newest one.
-        tokens_known = len(req.prompt) + len(req.output) - 1
         full = (tokens_known // bs) * bs
         if full <= req.hashed_tokens:
             return

@@ -165,17 +165,30 @@ def true_ttft(w: _Worker, prompt: Sequence[int], max_tokens: int, now: float,
     """(would wait for KV blocks or a sequence slot, TTFT in s, cached tokens) of `prompt` on `w`
     if nothing else arrived: the rest of the running step, then FIFO steps that prefill the queue
     ahead and this prompt's uncached tokens within the token budget, each priced by the engine's
-    cost model. Exact (tested) but for requests finishing meanwhile (their decode slots are still
-    counted) and blocks that requests ahead cache before this one is admitted (not counted as hits)."""
+    cost model. Cached means cached now or in a prompt ahead: blocks are cached when their chunk
+    is scheduled, and FCFS schedules every prompt ahead in full before it admits the next one.
+    Exact (tested) but for requests finishing meanwhile (their decode slots are still counted) and
+    blocks that the allocations ahead evict."""
     cache, sched = w.cache, w.scheduler
     bs = cache.block_size
-    hit = min(cache.longest_cached_prefix(cache.chain_hashes(prompt)), (len(prompt) - 1) // bs) * bs
-    ahead = [len(r.prompt) - r.computed for r in sched.running if not r.prefill_done]
-    need = cache.blocks_for(len(prompt) + max_tokens) - hit // bs
+    ahead_blocks: set[int] = set()  # prompt blocks that requests ahead will have cached by then
+
+    def cached_blocks(hashes: Sequence[int], prompt_len: int) -> int:
+        return min(cache.longest_cached_prefix(hashes, ahead_blocks), (prompt_len - 1) // bs)
+
+    ahead = []
+    for r in sched.running:
+        if not r.prefill_done:
+            ahead.append(len(r.prompt) - r.computed)
+            ahead_blocks.update(r.prompt_hashes)
+    need = 0
     for r in sched.waiting:
-        held = min(cache.longest_cached_prefix(r.prompt_hashes), (len(r.prompt) - 1) // bs)
+        held = cached_blocks(r.prompt_hashes, len(r.prompt))
         ahead.append(len(r.prompt) - held * bs)
         need += cache.blocks_for(len(r.prompt) + r.max_tokens) - held
+        ahead_blocks.update(r.prompt_hashes)
+    hit = cached_blocks(cache.chain_hashes(prompt), len(prompt)) * bs
+    need += cache.blocks_for(len(prompt) + max_tokens) - hit // bs
     blocked = (need > cache.free_blocks() + cache.evictable_blocks
                or len(sched.running) + len(sched.waiting) >= sched.max_num_seqs)
     queue = ahead + [len(prompt) - hit]
