@@ -357,6 +357,11 @@ def router_counts(args: argparse.Namespace) -> list[int]:
     return [int(n) for n in _split(args.routers)]
 
 
+def router_name(policy: str, i: int) -> str:
+    """The i-th router of a policy: POLICY for the first (its log is router-POLICY.log), POLICY#i after."""
+    return policy if i == 0 else f"{policy}#{i}"
+
+
 def run_name(policy: str, routers: int, counts: list[int]) -> str:
     """POLICY, or POLICY@N when several router counts run (POLICY alone is its one-router run)."""
     return policy if routers == 1 else f"{policy}@{routers}"
@@ -438,7 +443,7 @@ def run_local(args: argparse.Namespace, workload: list[SimWorkloadRequest], log:
         counts = router_counts(args)
         for policy in _split(args.policies):
             for i in range(max(counts)):
-                cluster.start_router(f"{policy}#{i}", policy, *(weights if policy == "kv_aware" else ()))
+                cluster.start_router(router_name(policy, i), policy, *(weights if policy == "kv_aware" else ()))
             if args.epp:
                 epps[policy] = cluster.start_epp(policy, policy, *(weights if policy == "kv_aware" else ()))
         engine_urls = [e.url for e in cluster.engines]
@@ -446,7 +451,7 @@ def run_local(args: argparse.Namespace, workload: list[SimWorkloadRequest], log:
             for n in counts:
                 name = run_name(policy, n, counts)
                 log(f"live: {name} ...")
-                urls = [cluster.router_urls[f"{policy}#{i}"] for i in range(n)]
+                urls = [cluster.router_urls[router_name(policy, i)] for i in range(n)]
 
                 def ready(urls=urls) -> None:
                     for url in urls:
