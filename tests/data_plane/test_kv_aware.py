@@ -151,3 +151,38 @@ def test_parameters_are_validated_and_settable_flat() -> None:
                 {"spread_new_prefixes": -1}, {"spread_while_fill_below": 1.5}):
         with pytest.raises(ValueError, match="kv_aware"):
             make_policy("kv_aware", **bad)
+
+
+AGENT_PREFIX = 8192  # an agent's tool schema: a long prefix, then a short turn of its own
+AGENT_PROMPT = 8448
+
+
+def test_a_burst_is_not_spilled_off_the_worker_still_prefilling_its_prefix() -> None:
+    """One holder, one long pending prefill, a burst for the same prefix: the burst's first request
+    is prefilling the 8k prefix on w0 (claimed there, pending), and the next arrives. It needs 256
+    tokens of its own on w0 once those blocks are computed; anywhere else it recomputes all 8.4k. The
+    pending prefill on w0 is the very work this request waits for on any worker, so it does not count
+    against w0 in the load bound: w0. Counted like any other queue (the old bound), it left w0 out
+    and the request recomputed the prefix on an idle worker."""
+    tokens = list(range(AGENT_PROMPT))
+    holder = cand("w0", cached_tokens=AGENT_PREFIX, inflight_cached_tokens=AGENT_PREFIX, inflight_requests=1,
+                  pending_prefill_tokens=AGENT_PROMPT)
+    others = [cand(f"w{i}") for i in range(1, 8)]
+    assert KvAware().choose(request(tokens), [holder, *others]).worker.worker_id == "w0"
+    old = KvAware(KvAwareParams(inflight_prefix_credit=0.0)).choose(request(tokens), [holder, *others])
+    assert old.worker.worker_id != "w0"
+
+
+def test_waiting_for_a_prefill_in_progress_beats_recomputing_unless_the_queue_behind_it_is_long() -> None:
+    """Wait for T: w0 is computing the prompt's prefix for another request (ready once its pending
+    prefill is done, the T the cost counts in prefill-token equivalents); w1 is idle. Going to w0 costs
+    the wait for those blocks plus 256 tokens; going to w1 costs 8.4k tokens of prefill and the fleet
+    recomputing a prefix it holds. So w0. With a long queue of unrelated prefill on w0 as well (40k
+    tokens of other requests), waiting costs more than recomputing: w1."""
+    tokens = list(range(AGENT_PROMPT))
+    computing = cand("w0", cached_tokens=AGENT_PREFIX, inflight_cached_tokens=AGENT_PREFIX, inflight_requests=1,
+                     pending_prefill_tokens=AGENT_PREFIX)
+    assert KvAware().choose(request(tokens), [computing, cand("w1")]).worker.worker_id == "w0"
+    queued = cand("w0", cached_tokens=AGENT_PREFIX, inflight_cached_tokens=AGENT_PREFIX, inflight_requests=6,
+                  pending_prefill_tokens=AGENT_PREFIX + 40_000)
+    assert KvAware().choose(request(tokens), [queued, cand("w1")]).worker.worker_id == "w1"

@@ -91,7 +91,7 @@ class KvAwareParams:
     temperature: float = 0.0
     spread_new_prefixes: float = 0.25
     spread_while_fill_below: float = 0.9
-    inflight_prefix_credit: float = 0.0
+    inflight_prefix_credit: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("queue_weight", "mean_prompt_tokens", "decode_weight", "recompute_weight",
