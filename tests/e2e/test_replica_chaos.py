@@ -1,7 +1,8 @@
 """Chaos under load, live processes and a real Redis: 3 control-plane replicas, 2 routers, 8 sim engines
 with agents, ~100 req/s of a shared-prefix chat workload. kill -9 one replica; cut another's Redis
-connection for 5 s; restart the killed one. Zero failed client requests; fail-open decisions only
-within one query deadline of a fault; every live replica audits clean within 2 s after each fault;
+connection for 5 s; restart the killed one. Zero failed client requests; no decision without the
+index (routers decide on their own views of the fleet, which outlive a replica); every live replica
+audits clean within 2 s after each fault;
 the engines' hit rate within 5 points of the same run without faults. (A longer run:
 `kvroute bench replicas --chaos-s`.)"""
 
@@ -15,10 +16,6 @@ from kvroute.tools.replica_cluster import ReplicaCluster, run_chaos
 from kvroute.tools.tiny_model import build_model_dir
 
 ENGINES, ROUTERS, RATE = 8, 2, 100.0
-# Fail-open decisions the faults cause are `unavailable` (the replica in use is gone) within one query
-# deadline of the fault. On this shared 2-core machine, with ~25 processes busy, a fault-free run also
-# misses the default 5 ms deadline now and then (CPU stalls: `deadline`, 4-55 per 2000 decisions in
-# the runs we made); those are load, not faults, and are reported for both runs, not asserted.
 
 
 def start_fleet(workdir, redis_port: int, redis_url: str = ""):
@@ -59,9 +56,8 @@ def check(baseline, chaos) -> None:
     print("chaos", json.dumps(chaos.to_json()))
     assert baseline.failed == 0 and chaos.failed == 0, chaos.errors
     assert chaos.requests >= 0.8 * RATE * (chaos.wall_s - 1), chaos.to_json()  # the load really ran
-    outside = {r: n for r, n in chaos.fail_open_outside_deadline.items() if r != "deadline_exceeded"}
-    assert not outside, chaos.to_json()
-    assert not {r: n for r, n in baseline.fail_open.items() if r != "deadline_exceeded"}, baseline.to_json()
+    assert not chaos.fail_open, chaos.to_json()
+    assert not baseline.fail_open, baseline.to_json()
     # After the kill, after the cut ends, and after the restarted replica is ready (it refuses agents and
     # routers until then; its start-up time is reported as restart_ready_s).
     assert all(t <= 2.0 for t in chaos.audit_clean_s.values()), chaos.audit_clean_s
