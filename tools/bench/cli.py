@@ -1,4 +1,4 @@
-"""`kvroute bench {ingest,decision,answer,proxy,inflight,burst,live,replicas,fuzz}`: hot-path micro-benchmarks, the
+"""`kvroute bench {ingest,decision,answer,proxy,inflight,burst,live,replicas,follow,saturate,fuzz}`: hot-path micro-benchmarks, the
 staleness of shared in-flight state (`bench/inflight.py`), the live-vs-simulator benchmark (`bench/live.py`), control-plane
 replicas over Redis (`bench/replicas.py`) and hostile input at live processes (`bench/fuzz.py`); the last stdout line is JSON."""
 
@@ -66,7 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     replicas.add_argument("--answer-step-s", type=float, default=3.0, metavar="SECONDS",
                           help="how long each offered query rate is held")
     replicas.add_argument("--workdir", default="", help="logs and Redis files (empty: a temp dir)")
-    for sp in (ingest, decision, answer, proxy, inflight, burst, replicas):
+    follow = sub.add_parser("follow", help="a router's own view of the fleet (--index local): agent batch and "
+                            "reservation -> another router's view (embedded and over Redis), a 1M-entry catch-up, "
+                            "the view's bytes per entry and block events/s applied")
+    add_follow_arguments(follow)
+    for sp in (ingest, decision, answer, proxy, inflight, burst, replicas, follow):
         sp.add_argument("--json", action="store_true", help="print only the JSON result")
     live = sub.add_parser("live", help="a simulator workload live over HTTP (routers + sim engines as processes), "
                           "side by side with the simulator", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -94,6 +98,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "valid traffic: alive, answering, every valid message applied, every bad one counted",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_fuzz_arguments(fuzz)
+
+
+def add_follow_arguments(p: argparse.ArgumentParser) -> None:
+    from kvroute.tools.bench.follower import index_backends
+
+    p.add_argument("--batches", type=int, default=2000, help="agent batches timed for the view's lag (per mode)")
+    p.add_argument("--rate", type=float, default=400.0, help="agent batches per second over all workers")
+    p.add_argument("--workers", type=int, default=8, help="synthetic agents (one worker each)")
+    p.add_argument("--batch-keys", type=int, default=16,
+                   help="keys stored per batch (as many old ones removed once a worker holds 4096)")
+    p.add_argument("--reserve-interval-s", type=float, default=0.02, help="between router A's timed reservations")
+    p.add_argument("--catchup-entries", type=int, default=1 << 20, help="entries the new follower syncs (0 = skip)")
+    p.add_argument("--catchup-runs", type=int, default=3, help="new followers timed (the median is reported)")
+    p.add_argument("--memory-entries", type=int, default=1 << 20,
+                   help="entries of the in-process view for bytes_per_entry and ingest (0 = skip)")
+    p.add_argument("--ingest-batches", type=int, default=20000, help="recorded agent batches the view applies")
+    p.add_argument("--ingest-batches-per-message", type=int, default=4, help="agent batches per FollowUpdate")
+    p.add_argument("--index-backend", default="bitmask", choices=sorted(index_backends()),
+                   help="the prefix index the views hold (FleetView's index_factory)")
+    p.add_argument("--no-redis", dest="redis", action="store_false", help="skip the two replicas over Redis")
+    p.add_argument("--repeat", type=int, default=1, help="run the process measurements this many times (medians)")
+    p.add_argument("--taskset-control-plane", default="", metavar="CPUS", help="pin the control plane(s), e.g. 1")
+    p.add_argument("--taskset-follower", default="", metavar="CPUS", help="pin the follower process(es), e.g. 0")
+    p.add_argument("--taskset-agents", default="", metavar="CPUS", help="pin the synthetic agents, e.g. 1")
+    p.add_argument("--workdir", default="", help="logs and reports (empty: a temp dir)")
 
 
 def add_live_arguments(p: argparse.ArgumentParser) -> None:
@@ -147,6 +176,10 @@ def run(args: argparse.Namespace) -> int:
 
         result = run_ingest(args.batches, args.blocks_per_event, workers=args.workers,
                             max_index_entries=args.max_index_entries)
+    elif args.bench == "follow":
+        from kvroute.tools.bench.follow import run_follow
+
+        result = run_follow(args)
     elif args.bench == "burst":
         from kvroute.tools.bench.burst import run_burst
 

@@ -1,0 +1,304 @@
+"""`kvroute bench follow`: how fresh, how fast to sync, how big and how fast to apply a router's own view
+of the fleet (`--index local`: `ControlPlane.Follow` into a `FleetView`).
+
+Every process is real and on this machine: a control plane (`kvroute control-plane`), synthetic agents
+sending EventBatches over Connect with each batch's send time stamped (`synthetic_agents.py`), a
+follower (`FleetView` + `ControlPlaneClient`, `follower.py`) stamping when each change became visible
+in its view, and this process as router A (a RouterSession reserving). One host, so the wall clocks
+of the processes are one clock.
+
+- view_lag_*: an agent batch written to the Connect stream -> the follower's view has applied it.
+  Embedded (one control plane: agents and follower on it) and `view_lag_redis_*` over Redis (two
+  replicas over a redis-server of the bench's own: the agents on replica A, the follower on B).
+- placement_visible_*: router A's `reserve()` -> the follower's view holds the reservation (embedded;
+  `placement_visible_redis_*`: router A on replica A).
+- router_catchup_s_1m: a new follower process against a control plane holding >= 1M (key, worker, tier)
+  entries: from its Follow call to the snapshot applied (median of `catchup_runs`; `_max` too;
+  `router_catchup_process_s_1m` from the process's start, imports included).
+- bytes_per_entry: what a view built from a 1M-entry snapshot allocated, per entry (tracemalloc, in
+  this process, after the snapshot's messages are gone); `rss_bytes_per_entry`: the catch-up
+  follower process's RSS growth per entry (allocator overhead and freed garbage included).
+- ingest_events_per_s: block events (keys stored + removed) per second a view applies from
+  FollowUpdates recorded from a real feed (`FollowFeed` over a real state): parse -> apply_change ->
+  index, in this process, on top of the 1M-entry view.
+
+The machine is shared: `--taskset-*` pin the processes (see the defaults) and `--repeat` runs the
+process measurements several times (each figure reported per run and as the median).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import random
+import signal
+import statistics
+import time
+import tracemalloc
+from pathlib import Path
+
+from kvroute import aio
+from kvroute.control_plane.follow import FollowFeed
+from kvroute.data_plane.control_plane_client import ControlPlaneClient
+from kvroute.data_plane.fleet_view import FleetView
+from kvroute.fleet.entries import BlockOp, Op, RegisterBody
+from kvroute.fleet.state import FleetState
+from kvroute.tools.bench.children import pin, start_agents, start_follower
+from kvroute.tools.bench.follower import index_backends
+from kvroute.tools.bench.replicas import ReplicaProcess
+from kvroute.tools.redis_harness import RedisServer, temp_workdir
+from kvroute.tools.stats import percentile
+from kvroute.v1 import kvroute_pb2 as pb
+
+MODEL = "bench-model"
+
+
+def _ms_stats(prefix: str, values: list[float]) -> dict[str, float]:
+    if not values:
+        return {f"{prefix}_p50_ms": float("nan"), f"{prefix}_p99_ms": float("nan")}
+    return {f"{prefix}_p50_ms": round(percentile(values, 50), 3), f"{prefix}_p99_ms": round(percentile(values, 99), 3),
+            f"{prefix}_max_ms": round(max(values), 3)}
+
+
+def _lags_ms(sent_ns: dict[str, int], seen_ns: dict[str, int]) -> tuple[list[float], int]:
+    """Per key sent: ms until seen; and how many were never seen."""
+    lags = [(seen_ns[k] - t) / 1e6 for k, t in sent_ns.items() if k in seen_ns]
+    return lags, len(sent_ns) - len(lags)
+
+
+# ------------------------------------------------------------------ freshness, as processes
+
+
+async def _reserve_trials(address: str, worker_ids: list[str], trials: int, interval_s: float) -> dict[str, int]:
+    """Router A: `trials` reservations (8 keys each), each released `interval_s` later; send ns by
+    "router_id/reservation_id"."""
+    rng = random.Random(5)
+    client = ControlPlaneClient(address, use_session=True)
+    client.start()
+    session = client.session
+    assert session is not None
+    sent: dict[str, int] = {}
+    try:
+        if not await session.wait_connected(30):
+            raise RuntimeError(f"router A's session to {address} did not open")
+        previous = 0
+        for i in range(trials):
+            keys = [rng.getrandbits(64) for _ in range(8)]
+            stamp = time.time_ns()
+            rid = session.reserve(worker_ids[i % len(worker_ids)], 16, keys, prefill_tokens=128, prompt_tokens=128)
+            sent[f"{session.router_id}/{rid}"] = stamp
+            if previous:
+                session.release(previous)
+            previous = rid
+            await asyncio.sleep(interval_s)
+        await asyncio.sleep(0.5)  # the last ones reach the view before it is stopped
+    finally:
+        await client.close()
+    return sent
+
+
+def freshness(workdir: Path, agents_at: str, follower_at: str, label: str, args) -> dict:
+    """Agents on `agents_at` at args.rate batches/s, the follower on `follower_at`, router A reserving on `agents_at`."""
+    workers = args.workers
+    agents = start_agents(workdir, f"agents-{label}", agents_at, "--workers", str(workers), "--model", MODEL,
+                          "--rate", str(args.rate * args.batch_keys * 2), "--batch-keys", str(args.batch_keys),
+                          "--wait-signal", taskset=args.taskset_agents)
+    follower = None
+    try:
+        agents.wait_ready(60)
+        follower = start_follower(workdir, f"follower-{label}", follower_at, "--index-backend", args.index_backend,
+                                  taskset=args.taskset_follower)
+        follower.wait_ready(60)
+        agents.signal(signal.SIGUSR1)
+        duration = args.batches / args.rate
+        trials = max(1, int(duration / args.reserve_interval_s))
+        reserved = aio.run_value(_reserve_trials(agents_at, [f"synthetic-{i}" for i in range(workers)],
+                                                 trials, args.reserve_interval_s))
+        sent = agents.finish()
+        time.sleep(0.5)
+        seen = follower.finish()
+    finally:
+        agents.process.stop()
+        if follower is not None:
+            follower.process.stop()
+    lags, unseen = _lags_ms(sent["sent_ns"], seen["batches"])
+    placed, unplaced = _lags_ms(reserved, seen["reserved"])
+    suffix = "" if label == "embedded" else f"_{label}"
+    return {**_ms_stats(f"view_lag{suffix}", lags), f"view_lag{suffix}_samples": len(lags),
+            f"view_lag{suffix}_unseen": unseen, f"agent_events_per_s{suffix}": sent["events_per_s"],
+            **_ms_stats(f"placement_visible{suffix}", placed), f"placement_visible{suffix}_samples": len(placed),
+            f"placement_visible{suffix}_unseen": unplaced}
+
+
+def catchup(workdir: Path, address: str, entries: int, runs: int, args) -> dict:
+    """Fill the control plane at `address` to >= `entries` entries (8 workers), then time `runs` new followers."""
+    per_worker = -(-entries // 8)
+    agents = start_agents(workdir, "agents-catchup", address, "--workers", "8", "--worker-prefix", "catchup-",
+                          "--model", MODEL, "--snapshot-keys", str(per_worker), "--seed", "9",
+                          taskset=args.taskset_agents)
+    out: dict = {}
+    try:
+        filled = agents.wait_ready(600)
+        stream, process, rss = [], [], []
+        for run in range(runs):
+            follower = start_follower(workdir, f"follower-catchup-{run}", address, "--index-backend",
+                                      args.index_backend, taskset=args.taskset_follower)
+            try:
+                ready = follower.wait_ready(600)
+            finally:
+                follower.process.stop()
+            if ready["entries"] < entries:
+                raise RuntimeError(f"the follower synced {ready['entries']} entries, fewer than {entries}")
+            stream.append(ready["stream_to_synced_s"])
+            process.append(ready["process_to_synced_s"])
+            rss.append((ready["rss_synced_bytes"] - ready["rss_before_bytes"]) / ready["entries"])
+        out = {"router_catchup_s_1m": round(statistics.median(stream), 3), "router_catchup_s_1m_max": max(stream),
+               "router_catchup_runs_s": stream, "router_catchup_process_s_1m": round(statistics.median(process), 3),
+               "catchup_entries": ready["entries"], "catchup_agent_entries": filled["entries"],
+               "rss_bytes_per_entry": round(statistics.median(rss), 1)}
+    finally:
+        agents.process.stop()
+    return out
+
+
+def embedded(workdir: Path, args) -> dict:
+    cp = ReplicaProcess(workdir, "", "cp-embedded", extra=("--speculative-ttl-ms", "600000"))
+    cp.start()
+    try:
+        if args.taskset_control_plane and cp.process.popen is not None:
+            pin(cp.process.popen.pid, args.taskset_control_plane)
+        out = freshness(workdir, cp.address, cp.address, "embedded", args)
+        if args.catchup_entries:
+            out.update(catchup(workdir, cp.address, args.catchup_entries, args.catchup_runs, args))
+    finally:
+        cp.stop()
+    return out
+
+
+def over_redis(workdir: Path, args) -> dict:
+    redis = RedisServer(workdir).start()
+    a = ReplicaProcess(workdir, redis.url, "replica-a")
+    b = ReplicaProcess(workdir, redis.url, "replica-b")
+    try:
+        a.start()
+        b.start()
+        for replica in (a, b):
+            if args.taskset_control_plane and replica.process.popen is not None:
+                pin(replica.process.popen.pid, args.taskset_control_plane)
+        return freshness(workdir, a.address, b.address, "redis", args)
+    finally:
+        a.stop()
+        b.stop()
+        redis.stop()
+
+
+# ------------------------------------------------------------------ memory and ingest, in process
+
+
+def fleet_state(workers: int, keys_per_worker: int, seed: int = 1) -> FleetState:
+    """A control plane's state: `workers` workers of MODEL, each holding its own random keys."""
+    rng = random.Random(seed)
+    state = FleetState.build()
+    for w in range(workers):
+        record = state.applier.register(f"w{w}", RegisterBody(MODEL, "sim", 16, f"http://127.0.0.1:{20000 + w}",
+                                                               "", [], None, f"i{w}", ""), resume=False)
+        state.applier.apply_batch(record, 1, True, [BlockOp(Op.STORED, 0, [rng.getrandbits(64)
+                                                                             for _ in range(keys_per_worker)])])
+    return state
+
+
+async def recorded_updates(state: FleetState, batches: int, batch_keys: int, batches_per_message: int,
+                           seed: int = 2) -> tuple[list[bytes], list[bytes], int]:
+    """(the snapshot's messages, then `batches` agent batches as the feed sends them, block events in
+    those). Each batch stores `batch_keys` new keys on a worker and removes as many of its oldest."""
+    feed = FollowFeed(state, "bench", window_changes=batches + 16, window_bytes=1 << 40)
+    stream = feed.follow(pb.FollowRequest(router_id="bench"))
+    snapshot = []
+    while True:
+        message = await anext(stream)
+        snapshot.append(message)
+        if pb.FollowUpdate.FromString(message).snapshot_end:
+            break
+    rng = random.Random(seed)
+    records = state.registry.workers()
+    fifo = {r.slot: list(state.index.worker_keys(r.slot, 0)) for r in records}
+    deltas, events = [], 0
+    seqs = {r.slot: r.last_seq for r in records}
+    for i in range(batches):
+        record = records[i % len(records)]
+        new = [rng.getrandbits(64) for _ in range(batch_keys)]
+        old = fifo[record.slot][:batch_keys]
+        del fifo[record.slot][:batch_keys]
+        fifo[record.slot].extend(new)
+        seqs[record.slot] += 1
+        state.applier.apply_batch(record, seqs[record.slot], False,
+                                  [BlockOp(Op.STORED, 0, new), BlockOp(Op.REMOVED, 0, old)])
+        events += len(new) + len(old)
+        if (i + 1) % batches_per_message == 0 or i == batches - 1:
+            deltas.append(await anext(stream))
+    await stream.aclose()
+    return snapshot, deltas, events
+
+
+def view_memory_and_ingest(entries: int, workers: int, batches: int, batch_keys: int, batches_per_message: int,
+                           index_backend: str) -> dict:
+    state = fleet_state(workers, -(-entries // workers))
+    snapshot, deltas, events = aio.run_value(recorded_updates(state, batches, batch_keys, batches_per_message))
+    del state
+    factory = index_backends()[index_backend]
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    view = FleetView("bench", index_factory=factory)
+    for message in snapshot:
+        view.apply_update(pb.FollowUpdate.FromString(message))
+    gc.collect()
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    assert view.state is not None
+    held = view.state.index.entry_count()
+    allocated = sum(s.size_diff for s in after.compare_to(before, "filename"))
+    del before, after
+    parse = pb.FollowUpdate.FromString
+    apply = view.apply_update
+    started = time.perf_counter()
+    for message in deltas:
+        apply(parse(message))
+    elapsed = time.perf_counter() - started
+    return {"bytes_per_entry": round(allocated / held, 1), "view_entries": held,
+            "ingest_events_per_s": round(events / elapsed), "ingest_block_events": events,
+            "ingest_seconds": round(elapsed, 3), "ingest_batches_per_message": batches_per_message,
+            "ingest_batch_keys": batch_keys}
+
+
+# ------------------------------------------------------------------ the whole bench
+
+
+def run_follow(args) -> dict:
+    """`args`: the `kvroute bench follow` flags (tools/bench/cli.py)."""
+    workdir = Path(args.workdir) if args.workdir else temp_workdir("kvroute-bench-follow-")
+    result: dict = {"index_backend": args.index_backend, "rate_batches_per_s": args.rate, "workers": args.workers,
+                    "batch_keys": args.batch_keys}
+    runs: list[dict] = []
+    for _ in range(args.repeat):
+        run: dict = {}
+        run.update(embedded(workdir, args))
+        if args.redis:
+            run.update(over_redis(workdir, args))
+        runs.append(run)
+    result.update(_median_of(runs))
+    if args.repeat > 1:
+        result["runs"] = runs
+    if args.memory_entries:
+        result.update(view_memory_and_ingest(args.memory_entries, 64, args.ingest_batches, args.batch_keys,
+                                             args.ingest_batches_per_message, args.index_backend))
+    return result
+
+
+def _median_of(runs: list[dict]) -> dict:
+    """Per key, the median over runs of the numbers (the first run's value for anything else)."""
+    out: dict = {}
+    for key, value in runs[0].items():
+        values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
+        out[key] = round(statistics.median(values), 3) if len(values) == len(runs) and len(runs) > 1 else value
+    return out

@@ -1,0 +1,130 @@
+"""A router's view of the fleet as a process of its own, for benches: a `FleetView` following a
+control plane through a `ControlPlaneClient`, stamping when each change became visible in it.
+
+    python -m kvroute.tools.bench.follower --control-plane 127.0.0.1:50051 --ready-file R --report-file P \\
+        [--index-backend bitmask]
+
+Contract:
+- Once the first snapshot is applied, `--ready-file` gets {"entries", "stream_to_synced_s" (from the
+  Follow call to the snapshot applied), "snapshot_s" (first snapshot message to the last applied),
+  "process_to_synced_s" (from this process's start, imports included), "rss_before_bytes",
+  "rss_synced_bytes"}.
+- After that, every message applied outside a snapshot is stamped (wall-clock ns, after it applied)
+  per change: agent batches as "worker/seq", reservations as "router_id/reservation_id".
+- On SIGTERM/SIGINT `--report-file` gets {"batches": {...}, "reserved": {...}, "changes", "messages",
+  "snapshots", "lag_s"} and the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kvroute import aio
+from kvroute.data_plane.control_plane_client import ControlPlaneClient
+from kvroute.data_plane.fleet_view import FleetView
+from kvroute.prefix_index import PrefixIndex
+from kvroute.process import on_stop_signal, write_port_file
+from kvroute.v1 import kvroute_pb2 as pb
+
+STARTED = time.monotonic()
+
+
+def index_backends() -> dict[str, Callable[[], PrefixIndex]]:
+    """The prefix indexes a view can hold, by name: every `*PrefixIndex` of kvroute.prefix_index that
+    is built without arguments ("bitmask", "set", and any other one that lands there)."""
+    import kvroute.prefix_index as indexes
+
+    out: dict[str, Callable[[], PrefixIndex]] = {}
+    for name in indexes.__all__:
+        cls = getattr(indexes, name)
+        if not name.endswith("PrefixIndex") or name == "PrefixIndex" or not isinstance(cls, type):
+            continue
+        try:
+            cls()
+        except TypeError:  # needs arguments (the bounded index's bound)
+            continue
+        out[name[: -len("PrefixIndex")].lower()] = cls
+    return out
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class StampingView(FleetView):
+    """A FleetView that notes when each agent batch and reservation became visible in it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.batches: dict[str, int] = {}
+        self.reserved: dict[str, int] = {}
+        self.snapshot_started = 0.0
+        self.snapshot_done = 0.0
+
+    def apply_update(self, update: pb.FollowUpdate) -> None:
+        if update.snapshot_begin and not self.snapshot_started:
+            self.snapshot_started = time.monotonic()
+        in_snapshot = self._pending is not None or update.snapshot_begin
+        super().apply_update(update)
+        if update.snapshot_end and not self.snapshot_done:
+            self.snapshot_done = time.monotonic()
+        if in_snapshot or not update.changes:
+            return
+        now = time.time_ns()
+        for change in update.changes:
+            kind = change.WhichOneof("change")
+            if kind == "blocks":
+                self.batches[f"{change.blocks.worker_id}/{change.blocks.seq}"] = now
+            elif kind == "router" and change.router.kind == pb.ROUTER_RESERVED:
+                self.reserved[f"{change.router.router_id}/{change.router.reservation_id}"] = now
+
+
+async def run(args: argparse.Namespace) -> int:
+    stop = asyncio.Event()
+    on_stop_signal(stop.set)
+    view = StampingView(args.router_id, index_factory=index_backends()[args.index_backend])
+    client = ControlPlaneClient(args.control_plane, use_session=False, view=view,
+                                max_message_bytes=256 * 1024 * 1024)
+    rss_before = rss_bytes()
+    opened = time.monotonic()
+    client.start()
+    try:
+        while not view.synced and not stop.is_set():
+            await asyncio.sleep(0.001)
+        if view.synced:
+            synced = time.monotonic()
+            write_port_file(args.ready_file, {
+                "entries": view.state.index.entry_count() if view.state is not None else 0,
+                "stream_to_synced_s": round(synced - opened, 4),
+                "snapshot_s": round(view.snapshot_done - view.snapshot_started, 4),
+                "process_to_synced_s": round(synced - STARTED, 4),
+                "rss_before_bytes": rss_before, "rss_synced_bytes": rss_bytes()})
+        await stop.wait()
+    finally:
+        await client.close()
+    counters = view.counters
+    write_port_file(args.report_file, {"batches": view.batches, "reserved": view.reserved, "changes": counters.changes,
+                                       "messages": counters.messages, "snapshots": counters.snapshots,
+                                       "lag_s": view.lag_s})
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--control-plane", required=True)
+    p.add_argument("--router-id", default="bench-follower")
+    p.add_argument("--index-backend", default="bitmask", choices=sorted(index_backends()))
+    p.add_argument("--ready-file", default="")
+    p.add_argument("--report-file", default="")
+    return aio.run(run(p.parse_args()))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
