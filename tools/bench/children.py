@@ -31,6 +31,10 @@ class ChildProcess:
             pin(self.process.popen.pid, taskset)
         return self
 
+    @property
+    def pid(self) -> int:
+        return pid_of_managed(self.process)
+
     def wait_ready(self, timeout_s: float) -> dict:
         return wait_until(lambda: _read(self.ready_file), timeout_s, f"{self.process.name} ready", [self.process],
                           interval=0.01)
@@ -46,6 +50,13 @@ class ChildProcess:
         if report is None:
             raise RuntimeError(f"{self.process.name} wrote no report:\n{self.process.log_tail()}")
         return report
+
+
+def pid_of_managed(process: ManagedProcess) -> int:
+    """The pid of a started process."""
+    if process.popen is None:
+        raise RuntimeError(f"{process.name} was not started")
+    return process.popen.pid
 
 
 def pin(pid: int, cpus: str) -> None:

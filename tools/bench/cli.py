@@ -117,7 +117,8 @@ def add_follow_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ingest-batches-per-message", type=int, default=4, help="agent batches per FollowUpdate")
     p.add_argument("--index-backend", default="bitmask", choices=sorted(index_backends()),
                    help="the prefix index the views hold (FleetView's index_factory)")
-    p.add_argument("--no-redis", dest="redis", action="store_false", help="skip the two replicas over Redis")
+    p.add_argument("--modes", default="embedded,redis",
+                   help="comma-separated: embedded (one control plane; the catch-up runs there), redis (two replicas)")
     p.add_argument("--repeat", type=int, default=1, help="run the process measurements this many times (medians)")
     p.add_argument("--taskset-control-plane", default="", metavar="CPUS", help="pin the control plane(s), e.g. 1")
     p.add_argument("--taskset-follower", default="", metavar="CPUS", help="pin the follower process(es), e.g. 0")

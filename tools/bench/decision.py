@@ -182,6 +182,12 @@ def control_plane_answer_mean_ms(metrics_url: str) -> float:
 def measure_echo_floor(request_bytes: int, reply_bytes: int, iterations: int, core: int | None,
                        workdir: Path) -> float:
     """p50 ms of a bare gRPC stream round trip to a `kvroute.tools.bench.grpc_echo` process (on `core` if given)."""
+    return round(percentile(echo_round_trips_ms(request_bytes, reply_bytes, iterations, core, workdir), 50), 3)
+
+
+def echo_round_trips_ms(request_bytes: int, reply_bytes: int, iterations: int, core: int | None,
+                        workdir: Path) -> list[float]:
+    """Bare gRPC stream round trips (ms) to a `kvroute.tools.bench.grpc_echo` process (on `core` if given)."""
     port = free_port()
     server = ManagedProcess("grpc-echo", [sys.executable, "-m", "kvroute.tools.bench.grpc_echo", "--port", str(port),
                                           "--reply-bytes", str(reply_bytes)], workdir / "grpc-echo.log")
@@ -189,10 +195,9 @@ def measure_echo_floor(request_bytes: int, reply_bytes: int, iterations: int, co
     try:
         if core is not None:
             os.sched_setaffinity(server.popen.pid, {core})
-        samples = aio.run_value(round_trips_ms(f"127.0.0.1:{port}", request_bytes, iterations))
+        return aio.run_value(round_trips_ms(f"127.0.0.1:{port}", request_bytes, iterations))
     finally:
         server.stop()
-    return round(percentile(samples, 50), 3)
 
 
 def pin_apart(control_plane_pid: int) -> int | None:

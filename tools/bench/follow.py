@@ -14,13 +14,18 @@ of the processes are one clock.
   `placement_visible_redis_*`: router A on replica A).
 - router_catchup_s_1m: a new follower process against a control plane holding >= 1M (key, worker, tier)
   entries: from its Follow call to the snapshot applied (median of `catchup_runs`; `_max` too;
-  `router_catchup_process_s_1m` from the process's start, imports included).
+  `router_catchup_process_s_1m` from the process's start, imports included; `router_catchup_cpu_s_1m`
+  the follower's CPU time for it and `control_plane_catchup_cpu_s_1m` the control plane's, which say
+  what it takes on cores of their own).
 - bytes_per_entry: what a view built from a 1M-entry snapshot allocated, per entry (tracemalloc, in
   this process, after the snapshot's messages are gone); `rss_bytes_per_entry`: the catch-up
   follower process's RSS growth per entry (allocator overhead and freed garbage included).
+- grpc_echo_*: the floor under a lag, a bare gRPC stream round trip of a batch's size between this
+  process and another (two one-way hops, as agent -> control plane -> follower), in the same run.
 - ingest_events_per_s: block events (keys stored + removed) per second a view applies from
   FollowUpdates recorded from a real feed (`FollowFeed` over a real state): parse -> apply_change ->
-  index, in this process, on top of the 1M-entry view.
+  index, in this process, on top of the 1M-entry view; `ingest_events_per_cpu_s`: per second of this
+  process's CPU time (on a shared machine the wall-clock rate also says how much of a core it got).
 
 The machine is shared: `--taskset-*` pin the processes (see the defaults) and `--repeat` runs the
 process measurements several times (each figure reported per run and as the median).
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import random
 import signal
 import statistics
@@ -43,9 +49,11 @@ from kvroute.data_plane.control_plane_client import ControlPlaneClient
 from kvroute.data_plane.fleet_view import FleetView
 from kvroute.fleet.entries import BlockOp, Op, RegisterBody
 from kvroute.fleet.state import FleetState
-from kvroute.tools.bench.children import pin, start_agents, start_follower
+from kvroute.tools.bench.children import pid_of_managed, pin, start_agents, start_follower
+from kvroute.tools.bench.decision import echo_round_trips_ms
 from kvroute.tools.bench.follower import index_backends
 from kvroute.tools.bench.replicas import ReplicaProcess
+from kvroute.tools.disturbance import DisturbanceMonitor, process_cpu_s
 from kvroute.tools.redis_harness import RedisServer, temp_workdir
 from kvroute.tools.stats import percentile
 from kvroute.v1 import kvroute_pb2 as pb
@@ -97,8 +105,12 @@ async def _reserve_trials(address: str, worker_ids: list[str], trials: int, inte
     return sent
 
 
-def freshness(workdir: Path, agents_at: str, follower_at: str, label: str, args) -> dict:
-    """Agents on `agents_at` at args.rate batches/s, the follower on `follower_at`, router A reserving on `agents_at`."""
+def freshness(workdir: Path, agents_at: str, follower_at: str, label: str, args, control_planes: list[int],
+              others: tuple[int, ...] = ()) -> dict:
+    """Agents on `agents_at` at args.rate batches/s, the follower on `follower_at`, router A reserving on
+    `agents_at`. The CPU that processes other than ours (`control_planes`, `others`, the agents, the
+    follower, this one) took meanwhile, and how long the control planes' and the follower's event loops
+    waited for a CPU, are reported as `disturbance` (tools/disturbance.py)."""
     workers = args.workers
     agents = start_agents(workdir, f"agents-{label}", agents_at, "--workers", str(workers), "--model", MODEL,
                           "--rate", str(args.rate * args.batch_keys * 2), "--batch-keys", str(args.batch_keys),
@@ -109,12 +121,16 @@ def freshness(workdir: Path, agents_at: str, follower_at: str, label: str, args)
         follower = start_follower(workdir, f"follower-{label}", follower_at, "--index-backend", args.index_backend,
                                   taskset=args.taskset_follower)
         follower.wait_ready(60)
+        loops = [*control_planes, follower.pid]
+        monitor = DisturbanceMonitor([os.getpid(), agents.pid, *loops, *others], loops)
+        monitor.start()
         agents.signal(signal.SIGUSR1)
         duration = args.batches / args.rate
         trials = max(1, int(duration / args.reserve_interval_s))
         reserved = aio.run_value(_reserve_trials(agents_at, [f"synthetic-{i}" for i in range(workers)],
                                                  trials, args.reserve_interval_s))
         sent = agents.finish()
+        disturbance = monitor.stop()
         time.sleep(0.5)
         seen = follower.finish()
     finally:
@@ -127,11 +143,12 @@ def freshness(workdir: Path, agents_at: str, follower_at: str, label: str, args)
     return {**_ms_stats(f"view_lag{suffix}", lags), f"view_lag{suffix}_samples": len(lags),
             f"view_lag{suffix}_unseen": unseen, f"agent_events_per_s{suffix}": sent["events_per_s"],
             **_ms_stats(f"placement_visible{suffix}", placed), f"placement_visible{suffix}_samples": len(placed),
-            f"placement_visible{suffix}_unseen": unplaced}
+            f"placement_visible{suffix}_unseen": unplaced, f"disturbance{suffix}": disturbance.to_json()}
 
 
-def catchup(workdir: Path, address: str, entries: int, runs: int, args) -> dict:
-    """Fill the control plane at `address` to >= `entries` entries (8 workers), then time `runs` new followers."""
+def catchup(workdir: Path, address: str, cp_pid: int, entries: int, runs: int, args) -> dict:
+    """Fill the control plane at `address` (process `cp_pid`) to >= `entries` entries (8 workers), then
+    time `runs` new followers."""
     per_worker = -(-entries // 8)
     agents = start_agents(workdir, "agents-catchup", address, "--workers", "8", "--worker-prefix", "catchup-",
                           "--model", MODEL, "--snapshot-keys", str(per_worker), "--seed", "9",
@@ -139,21 +156,26 @@ def catchup(workdir: Path, address: str, entries: int, runs: int, args) -> dict:
     out: dict = {}
     try:
         filled = agents.wait_ready(600)
-        stream, process, rss = [], [], []
+        stream, process, cpu, cp_cpu, rss = [], [], [], [], []
         for run in range(runs):
+            cp_before = process_cpu_s(cp_pid)
             follower = start_follower(workdir, f"follower-catchup-{run}", address, "--index-backend",
                                       args.index_backend, taskset=args.taskset_follower)
             try:
                 ready = follower.wait_ready(600)
+                cp_cpu.append(process_cpu_s(cp_pid) - cp_before)  # the snapshot's share, and the process start's wait
             finally:
                 follower.process.stop()
             if ready["entries"] < entries:
                 raise RuntimeError(f"the follower synced {ready['entries']} entries, fewer than {entries}")
             stream.append(ready["stream_to_synced_s"])
             process.append(ready["process_to_synced_s"])
+            cpu.append(ready["sync_cpu_s"])
             rss.append((ready["rss_synced_bytes"] - ready["rss_before_bytes"]) / ready["entries"])
         out = {"router_catchup_s_1m": round(statistics.median(stream), 3), "router_catchup_s_1m_max": max(stream),
                "router_catchup_runs_s": stream, "router_catchup_process_s_1m": round(statistics.median(process), 3),
+               "router_catchup_cpu_s_1m": round(statistics.median(cpu), 3),
+               "control_plane_catchup_cpu_s_1m": round(statistics.median(cp_cpu), 3),
                "catchup_entries": ready["entries"], "catchup_agent_entries": filled["entries"],
                "rss_bytes_per_entry": round(statistics.median(rss), 1)}
     finally:
@@ -165,14 +187,18 @@ def embedded(workdir: Path, args) -> dict:
     cp = ReplicaProcess(workdir, "", "cp-embedded", extra=("--speculative-ttl-ms", "600000"))
     cp.start()
     try:
-        if args.taskset_control_plane and cp.process.popen is not None:
-            pin(cp.process.popen.pid, args.taskset_control_plane)
-        out = freshness(workdir, cp.address, cp.address, "embedded", args)
+        if args.taskset_control_plane:
+            pin(pid_of(cp), args.taskset_control_plane)
+        out = freshness(workdir, cp.address, cp.address, "embedded", args, [pid_of(cp)])
         if args.catchup_entries:
-            out.update(catchup(workdir, cp.address, args.catchup_entries, args.catchup_runs, args))
+            out.update(catchup(workdir, cp.address, pid_of(cp), args.catchup_entries, args.catchup_runs, args))
     finally:
         cp.stop()
     return out
+
+
+def pid_of(cp: ReplicaProcess) -> int:
+    return pid_of_managed(cp.process)
 
 
 def over_redis(workdir: Path, args) -> dict:
@@ -183,9 +209,11 @@ def over_redis(workdir: Path, args) -> dict:
         a.start()
         b.start()
         for replica in (a, b):
-            if args.taskset_control_plane and replica.process.popen is not None:
-                pin(replica.process.popen.pid, args.taskset_control_plane)
-        return freshness(workdir, a.address, b.address, "redis", args)
+            if args.taskset_control_plane:
+                pin(pid_of(replica), args.taskset_control_plane)
+        assert redis.process is not None
+        return freshness(workdir, a.address, b.address, "redis", args, [pid_of(a), pid_of(b)],
+                         (pid_of_managed(redis.process),))
     finally:
         a.stop()
         b.stop()
@@ -261,13 +289,15 @@ def view_memory_and_ingest(entries: int, workers: int, batches: int, batch_keys:
     del before, after
     parse = pb.FollowUpdate.FromString
     apply = view.apply_update
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     for message in deltas:
         apply(parse(message))
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    # Per CPU second too: on a shared machine the wall-clock rate is also how much of a core this got.
     return {"bytes_per_entry": round(allocated / held, 1), "view_entries": held,
-            "ingest_events_per_s": round(events / elapsed), "ingest_block_events": events,
-            "ingest_seconds": round(elapsed, 3), "ingest_batches_per_message": batches_per_message,
+            "ingest_events_per_s": round(events / elapsed), "ingest_events_per_cpu_s": round(events / max(cpu, 1e-9)),
+            "ingest_block_events": events, "ingest_seconds": round(elapsed, 3), "ingest_cpu_seconds": round(cpu, 3),
+            "ingest_batches_per_message": batches_per_message,
             "ingest_batch_keys": batch_keys}
 
 
@@ -277,14 +307,22 @@ def view_memory_and_ingest(entries: int, workers: int, batches: int, batch_keys:
 def run_follow(args) -> dict:
     """`args`: the `kvroute bench follow` flags (tools/bench/cli.py)."""
     workdir = Path(args.workdir) if args.workdir else temp_workdir("kvroute-bench-follow-")
-    result: dict = {"index_backend": args.index_backend, "rate_batches_per_s": args.rate, "workers": args.workers,
+    result: dict = {"loadavg_1m_start": round(os.getloadavg()[0], 2), "index_backend": args.index_backend, "rate_batches_per_s": args.rate, "workers": args.workers,
                     "batch_keys": args.batch_keys}
     runs: list[dict] = []
     for _ in range(args.repeat):
         run: dict = {}
-        run.update(embedded(workdir, args))
-        if args.redis:
+        modes = {m for m in args.modes.split(",") if m}
+        if modes - {"embedded", "redis"}:
+            raise SystemExit(f"kvroute bench follow: error: --modes takes embedded and redis, got {args.modes!r}")
+        if "embedded" in modes:
+            run.update(embedded(workdir, args))
+        if "redis" in modes:
             run.update(over_redis(workdir, args))
+        # The floor under a lag: a bare gRPC round trip (two one-way hops, as agent -> control plane ->
+        # follower) of a batch's size between two processes, on this machine at this time.
+        echo = echo_round_trips_ms(200, 200, 500, None, workdir)
+        run.update({"grpc_echo_p50_ms": round(percentile(echo, 50), 3), "grpc_echo_p99_ms": round(percentile(echo, 99), 3)})
         runs.append(run)
     result.update(_median_of(runs))
     if args.repeat > 1:
@@ -292,6 +330,7 @@ def run_follow(args) -> dict:
     if args.memory_entries:
         result.update(view_memory_and_ingest(args.memory_entries, 64, args.ingest_batches, args.batch_keys,
                                              args.ingest_batches_per_message, args.index_backend))
+    result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     return result
 
 

@@ -6,7 +6,7 @@ control plane through a `ControlPlaneClient`, stamping when each change became v
 
 Contract:
 - Once the first snapshot is applied, `--ready-file` gets {"entries", "stream_to_synced_s" (from the
-  Follow call to the snapshot applied), "snapshot_s" (first snapshot message to the last applied),
+  Follow call to the snapshot applied), "sync_cpu_s" (this process's CPU time meanwhile), "snapshot_s" (first snapshot message to the last applied),
   "process_to_synced_s" (from this process's start, imports included), "rss_before_bytes",
   "rss_synced_bytes"}.
 - After that, every message applied outside a snapshot is stamped (wall-clock ns, after it applied)
@@ -93,7 +93,7 @@ async def run(args: argparse.Namespace) -> int:
     client = ControlPlaneClient(args.control_plane, use_session=False, view=view,
                                 max_message_bytes=256 * 1024 * 1024)
     rss_before = rss_bytes()
-    opened = time.monotonic()
+    opened, cpu_opened = time.monotonic(), time.process_time()
     client.start()
     try:
         while not view.synced and not stop.is_set():
@@ -103,6 +103,7 @@ async def run(args: argparse.Namespace) -> int:
             write_port_file(args.ready_file, {
                 "entries": view.state.index.entry_count() if view.state is not None else 0,
                 "stream_to_synced_s": round(synced - opened, 4),
+                "sync_cpu_s": round(time.process_time() - cpu_opened, 4),
                 "snapshot_s": round(view.snapshot_done - view.snapshot_started, 4),
                 "process_to_synced_s": round(synced - STARTED, 4),
                 "rss_before_bytes": rss_before, "rss_synced_bytes": rss_bytes()})
