@@ -1,0 +1,55 @@
+"""A router whose view of the fleet fell behind gets long Follow messages; its follower applies them a
+slice at a time, so the router's decisions run in between on a state the control plane had, and the
+view still ends equal to the control plane's."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from kvroute.control_plane.server import ControlPlaneConfig, ControlPlaneServer
+from kvroute.data_plane.control_plane_client import ControlPlaneClient
+from kvroute.data_plane.fleet_view import APPLY_SLICE_CHANGES, FleetView
+from kvroute.fleet.entries import BlockOp, Op, RegisterBody
+from kvroute.prefix_index import Tier
+from tests.helpers import MODEL, eventually
+
+
+async def test_a_long_message_is_applied_in_slices_with_other_work_in_between() -> None:
+    server = ControlPlaneServer(ControlPlaneConfig(listen="127.0.0.1:0", heartbeat_timeout_s=600))
+    port = await server.start()
+    view = FleetView("slices")
+    client = ControlPlaneClient(f"127.0.0.1:{port}", use_session=False, view=view)
+    client.start()
+    ticks: list[int] = []
+
+    async def decisions() -> None:  # what a router's requests do meanwhile: read the view, let others run
+        while True:
+            if view.state is not None:
+                ticks.append(view.state.index.entry_count())
+            await asyncio.sleep(0)
+
+    ticker = None
+    try:
+        await eventually(lambda: view.synced, 10, what="the view's first snapshot")
+        applier = server.state.applier
+        record = applier.register("w0", RegisterBody(MODEL, "sim", 4, "http://w0", "", [], None, "i0", ""), False)
+        await eventually(lambda: view.state.registry.get("w0") is not None, 10, what="w0 in the view")
+        batches = 10 * APPLY_SLICE_CHANGES
+        rng = random.Random(3)
+        # Applied with no await in between: the follower's next message carries all of them.
+        for seq in range(1, batches + 1):
+            applier.apply_batch(record, seq, False, [BlockOp(Op.STORED, Tier.GPU, [rng.getrandbits(64)])])
+        ticker = asyncio.create_task(decisions())
+        await eventually(lambda: view.position.seq == server.feed.seq, 10, what="the view caught up")
+        assert view.state.index.entry_count() == batches
+        seen = sorted(set(ticks))
+        # Decisions ran while the message applied, each on the state after a whole slice.
+        between = [n for n in seen if 0 < n < batches]
+        assert len(between) >= 5, seen
+        assert all(n % APPLY_SLICE_CHANGES == 0 for n in between), between
+    finally:
+        if ticker is not None:
+            ticker.cancel()
+        await client.close()
+        await server.stop(0)
