@@ -60,8 +60,14 @@ def pid_of_managed(process: ManagedProcess) -> int:
 
 
 def pin(pid: int, cpus: str) -> None:
-    """Run `pid` on the CPUs `cpus` names ("1", "0,1"), as `taskset -p` would."""
-    os.sched_setaffinity(pid, {int(c) for c in cpus.split(",")})
+    """Run process `pid` on the CPUs `cpus` names ("1", "0,1"), as `taskset -a -p` would: every thread it
+    has now (gRPC's, tokio's...) and, through them, the ones they start later."""
+    cores = {int(c) for c in cpus.split(",")}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
 
 
 def _read(path: Path) -> dict | None:

@@ -18,7 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ingest.add_argument("--max-index-entries", type=int, default=0, metavar="N",
                         help="ingest into the bounded index (control-plane --max-index-entries); below what the "
                              "batches leave, the ingest evicts as it stores")
-    decision = sub.add_parser("decision", help="tokenize + hash + control-plane query over gRPC + score (p50/p99)")
+    decision = sub.add_parser("decision", help="tokenize + hash + the index's answer (the router's own view, or a "
+                              "control-plane query) + score (p50/p99), optionally while the fleet changes")
     decision.add_argument("--prompt-tokens", type=int, default=8192, help="prompt length")
     decision.add_argument("--workers", type=int, default=64, help="registered workers")
     decision.add_argument("--iterations", type=int, default=300, help="timed decisions")
@@ -28,6 +29,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                "separate hosts; without it they share the machine's cores as the OS schedules them")
     decision.add_argument("--max-index-entries", type=int, default=0, metavar="N",
                           help="start the control plane with --max-index-entries N (0: unbounded)")
+    decision.add_argument("--index", default="local", choices=("local", "remote"),
+                          help="as the router's --index: decide on this router's own view of the fleet, or ask the "
+                               "control plane (query over the router session)")
+    decision.add_argument("--follow-rate", type=float, nargs="?", const=200_000.0, default=0.0, metavar="N",
+                          help="meanwhile the agents store and remove N block events/s (alone: 200000) and the index "
+                               "holds >= 1M entries; decisions are spaced --interval-ms apart")
+    decision.add_argument("--other-blocks", type=int, default=None, metavar="N",
+                          help="unrelated blocks per worker (default: 16384 with --follow-rate, else 2000)")
+    decision.add_argument("--interval-ms", type=float, default=None,
+                          help="pause between decisions (default: 2 with --follow-rate, else none)")
+    decision.add_argument("--max-seconds", type=float, default=300.0,
+                          help="stop the timed decisions after this long (a host too busy for the view to keep up)")
     answer = sub.add_parser("answer", help="the control plane's answer to one query, in-process: back to back, "
                             "after an idle pause, after other memory traffic (p50/p99 us)")
     answer.add_argument("--workers", type=int, default=64, help="registered workers")
@@ -70,7 +83,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                             "reservation -> another router's view (embedded and over Redis), a 1M-entry catch-up, "
                             "the view's bytes per entry and block events/s applied")
     add_follow_arguments(follow)
-    for sp in (ingest, decision, answer, proxy, inflight, burst, replicas, follow):
+    saturate = sub.add_parser("saturate", help="each router pinned to one core, saturated by wrk in front of nginx "
+                              "engines: requests/s and CPU us per request (kvroute's with its control plane's share)")
+    saturate.add_argument("--peer", action="append", default=[], choices=["smg", "vllm-router"],
+                          help="also measure this router with round_robin and cache_aware (tools/bench/peers.py), "
+                               "repeatable")
+    saturate.add_argument("--seconds", type=float, default=10.0, help="wrk run per target and round")
+    saturate.add_argument("--rounds", type=int, default=3, help="rounds over every target (medians reported)")
+    saturate.add_argument("--connections", type=int, default=32, help="wrk connections")
+    saturate.add_argument("--engines", type=int, default=4, help="nginx ports, one worker each")
+    saturate.add_argument("--router-core", type=int, default=0, help="the core every router is pinned to")
+    saturate.add_argument("--workdir", default="", help="logs and configuration (empty: a temp dir)")
+    for sp in (ingest, decision, answer, proxy, inflight, burst, replicas, follow, saturate):
         sp.add_argument("--json", action="store_true", help="print only the JSON result")
     live = sub.add_parser("live", help="a simulator workload live over HTTP (routers + sim engines as processes), "
                           "side by side with the simulator", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -181,6 +205,17 @@ def run(args: argparse.Namespace) -> int:
         from kvroute.tools.bench.follow import run_follow
 
         result = run_follow(args)
+    elif args.bench == "saturate":
+        import sys
+
+        from kvroute.tools.bench.saturate import MissingTool, run_saturate
+
+        try:
+            result = run_saturate(tuple(args.peer), args.seconds, args.rounds, args.connections, args.engines,
+                                  args.router_core, args.workdir)
+        except MissingTool as exc:
+            print(exc, file=sys.stderr)
+            return 2
     elif args.bench == "burst":
         from kvroute.tools.bench.burst import run_burst
 
@@ -189,7 +224,10 @@ def run(args: argparse.Namespace) -> int:
         from kvroute.tools.bench.decision import run_decision
 
         result = run_decision(args.prompt_tokens, args.workers, args.block_size, args.iterations,
-                              pin_cores=args.pin_cores, max_index_entries=args.max_index_entries)
+                              other_blocks=args.other_blocks, pin_cores=args.pin_cores,
+                              max_index_entries=args.max_index_entries, index=args.index,
+                              follow_rate=args.follow_rate, interval_ms=args.interval_ms,
+                              max_seconds=args.max_seconds)
     elif args.bench == "answer":
         from kvroute.tools.bench.answer import run_answer
 

@@ -20,12 +20,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvroute import aio
 from kvroute.data_plane.control_plane_client import ControlPlaneClient
-from kvroute.data_plane.fleet_view import FleetView
+from kvroute.data_plane.fleet_view import APPLY_SLICE_CHANGES, FleetView
 from kvroute.prefix_index import PrefixIndex
 from kvroute.process import on_stop_signal, write_port_file
 from kvroute.v1 import kvroute_pb2 as pb
@@ -68,11 +68,11 @@ class StampingView(FleetView):
         self.snapshot_started = 0.0
         self.snapshot_done = 0.0
 
-    def apply_update(self, update: pb.FollowUpdate) -> None:
+    def applying(self, update: pb.FollowUpdate, slice_changes: int = APPLY_SLICE_CHANGES) -> Iterator[int]:
         if update.snapshot_begin and not self.snapshot_started:
             self.snapshot_started = time.monotonic()
         in_snapshot = self._pending is not None or update.snapshot_begin
-        super().apply_update(update)
+        yield from super().applying(update, slice_changes)
         if update.snapshot_end and not self.snapshot_done:
             self.snapshot_done = time.monotonic()
         if in_snapshot or not update.changes:

@@ -7,8 +7,8 @@ costs lands neither on the control plane nor on the router being measured.
 
 Contract:
 - Worker i is `<prefix>i` of `--model`, endpoint `--endpoints[i % n]` (default http://127.0.0.1:<20000+i>).
-  Its first batch is a snapshot: `--snapshot-keys` random keys, after a prefix of `--prefix-file`'s
-  keys (a JSON list: the prompt a decision bench asks about) of a length drawn per worker.
+  Its first batch is a snapshot: `--snapshot-keys` random keys, after a prefix, of a length drawn per
+  worker, of chain i mod n of `--prefix-file` (a JSON list of key chains: the prompts a bench asks about).
 - Once every worker's snapshot is acknowledged, `--ready-file` gets {"workers": n, "entries": n}.
 - Then (at once, or on SIGUSR1 with `--wait-signal`) `--rate` block events per second over all workers
   in round robin: each batch stores `--batch-keys` new keys and, once a worker holds more than its
@@ -106,7 +106,7 @@ async def run(args: argparse.Namespace) -> int:
     else:
         go.set()
     endpoints = [e for e in args.endpoints.split(",") if e]
-    prefix = json.loads(Path(args.prefix_file).read_text()) if args.prefix_file else []
+    chains = json.loads(Path(args.prefix_file).read_text()) if args.prefix_file else []
     rng = random.Random(args.seed)
     channel = grpc.aio.insecure_channel(args.control_plane, options=[("grpc.max_send_message_length", 256 << 20)])
     stub = pb_grpc.ControlPlaneStub(channel)
@@ -114,7 +114,8 @@ async def run(args: argparse.Namespace) -> int:
     for i in range(args.workers):
         worker_id = f"{args.worker_prefix}{i}"
         endpoint = endpoints[i % len(endpoints)] if endpoints else f"http://127.0.0.1:{20000 + i}"
-        held = prefix[:rng.randrange(len(prefix) + 1)] if prefix else []
+        chain = chains[i % len(chains)] if chains else []
+        held = chain[:rng.randrange(len(chain) + 1)]
         own = [rng.getrandbits(64) for _ in range(args.snapshot_keys)]
         register = pb.RegisterWorker(worker_id=worker_id, model=args.model, engine="sim", block_size=args.block_size,
                                      endpoint=endpoint, agent_instance=f"synthetic-{i}")
@@ -169,7 +170,8 @@ def main() -> int:
     p.add_argument("--model", default="bench-model")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--endpoints", default="", help="comma-separated engine URLs, worker i gets the (i mod n)th")
-    p.add_argument("--prefix-file", default="", help="JSON list of keys: each worker holds a prefix of it")
+    p.add_argument("--prefix-file", default="",
+                   help="JSON list of key chains: worker i holds a prefix of chain i mod n (its length drawn per worker)")
     p.add_argument("--snapshot-keys", type=int, default=0, help="random keys per worker in its snapshot")
     p.add_argument("--hold-keys", type=int, default=4096, help="a worker removes its oldest keys past this many")
     p.add_argument("--rate", type=float, default=0.0, help="block events per second (stored + removed), 0 = none")
