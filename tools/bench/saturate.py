@@ -180,16 +180,20 @@ def run_wrk(url: str, script: Path, seconds: float, connections: int, core: int)
     return {"requests": int(m.group(1)), "seconds": duration, "non_2xx": bad, "socket_errors": errors}
 
 
-def measure(name: str, url: str, pids: list[int], script: Path, seconds: float, connections: int,
+def measure(name: str, url: str, pids: dict[str, int], script: Path, seconds: float, connections: int,
             wrk_core: int) -> dict:
-    before = sum(tree_cpu_s(pid) for pid in pids)
+    """wrk against `url`; the CPU time of the processes `pids` (by part: "router", "control_plane", ...)
+    over the window, per request and in cores."""
+    before = {part: tree_cpu_s(pid) for part, pid in pids.items()}
     started = time.monotonic()
     stats = run_wrk(url, script, seconds, connections, wrk_core)
-    cpu = sum(tree_cpu_s(pid) for pid in pids) - before
+    parts = {part: tree_cpu_s(pid) - before[part] for part, pid in pids.items()}
     wall = time.monotonic() - started
     requests = max(1, stats["requests"])
+    cpu = sum(parts.values())
     return {"target": name, "requests_per_s": round(stats["requests"] / stats["seconds"], 1),
             "cpu_us_per_request": round(cpu / requests * 1e6, 1), "cpu_cores": round(cpu / wall, 3),
+            "cpu_us_per_request_by_part": {part: round(v / requests * 1e6, 1) for part, v in parts.items()},
             "requests": stats["requests"], "non_2xx": stats["non_2xx"], "socket_errors": stats["socket_errors"]}
 
 
@@ -220,20 +224,20 @@ def run_saturate(peers: tuple[str, ...] = (), seconds: float = 10.0, rounds: int
                               "--model", model, "--endpoints", ",".join(urls), "--prefix-file",
                               str(path / "prefixes.json"), "--heartbeat-s", "1", taskset=str(other))
         agents.wait_ready(60)
-        targets: dict[str, tuple[str, list[int]]] = {"direct": (urls[0], [pid_of_managed(nginx)])}
+        targets: dict[str, tuple[str, dict[str, int]]] = {"direct": (urls[0], {"engine": pid_of_managed(nginx)})}
         for policy in ("round_robin", "kv_aware"):
             url = cluster.start_router(policy, policy)
             router = cluster.routers[policy]
             pin(pid_of_managed(router), str(router_core))
             wait_until(lambda u=url: http_ok(u + "/ready"), 60, f"router {policy} ready", [router])
-            targets[f"kvroute:{policy}"] = (url, [pid_of_managed(router), control_plane])
+            targets[f"kvroute:{policy}"] = (url, {"router": pid_of_managed(router), "control_plane": control_plane})
         for name in peers:
             peer = PEERS[name]
             for policy in peer.policies:
                 proc, url = start_peer(peer, policy, urls, path)
                 procs.append(proc)
                 pin(pid_of_managed(proc), str(router_core))
-                targets[f"{name}:{policy}"] = (url, [pid_of_managed(proc)])
+                targets[f"{name}:{policy}"] = (url, {"router": pid_of_managed(proc)})
         for name, (url, _) in targets.items():  # warm-up: connections, caches, the kv_aware view's first claims
             run_wrk(url, script, 1.0, connections, other)
         runs = [[measure(name, url, pids, script, seconds, connections, other)
@@ -268,6 +272,9 @@ def summarize(runs: list[list[dict]], seconds: float, connections: int, engines:
     return {"requests_per_s": {n: median(n, "requests_per_s") for n in names},
             "cpu_us_per_request": {n: median(n, "cpu_us_per_request") for n in names},
             "cpu_cores": {n: median(n, "cpu_cores", 3) for n in names},
+            "cpu_us_per_request_by_part": {n: {part: round(statistics.median(
+                m["cpu_us_per_request_by_part"][part] for run in runs for m in run if m["target"] == n), 1)
+                for part in runs[0][i]["cpu_us_per_request_by_part"]} for i, n in enumerate(names)},
             "non_2xx": {n: sum(m["non_2xx"] for run in runs for m in run if m["target"] == n) for n in names},
             "socket_errors": {n: sum(m["socket_errors"] for run in runs for m in run if m["target"] == n)
                               for n in names},
