@@ -48,9 +48,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvroute.router.view")
 
-# Changes applied before a long message lets other work run (FleetFollower): agent batches of tens
-# of keys, so ~1-3 ms of a decision's wait on a router whose view is catching up.
-APPLY_SLICE_CHANGES = 32
+# How long a long message is applied before other work runs (FleetFollower): what a decision waits
+# at most behind a view catching up or building a new snapshot (plus one change: a snapshot chunk
+# of kvroute.fleet.changes.SNAPSHOT_CHUNK_KEYS keys, a few ms).
+APPLY_SLICE_S = 0.002
 
 VIEW_NOT_SYNCED = "the view of the fleet has not synced yet"
 VIEW_STALE = "the view of the fleet is stale (no control plane heard from)"
@@ -145,12 +146,14 @@ class FleetView:
         for _ in self.applying(update):
             pass
 
-    def applying(self, update: pb.FollowUpdate, slice_changes: int = APPLY_SLICE_CHANGES) -> Iterator[int]:
-        """`apply_update` a slice of `slice_changes` changes at a time, yielding (changes applied so far)
-        between slices, so that a caller can let decisions run in between: a message of a follower that
-        fell behind holds up to `FollowFeed.max_update_bytes` of changes. Between slices the view is the
-        control plane's state after one of the message's changes (a snapshot is built apart and read only
-        once whole); the position, freshness and counters move when the last slice has applied."""
+    def applying(self, update: pb.FollowUpdate, slice_s: float | None = None) -> Iterator[int]:
+        """`apply_update` in slices of about `slice_s` seconds (default APPLY_SLICE_S), yielding (changes
+        applied so far) between them, so that a caller can let decisions run in between: a message holds
+        up to `FollowFeed.max_update_bytes` of changes (a snapshot, or a follower that fell behind).
+        Between slices the view is the control plane's state after one of the message's changes (a
+        snapshot is built apart and read only once whole); the position, freshness and counters move
+        when the last slice has applied."""
+        budget = APPLY_SLICE_S if slice_s is None else slice_s
         if update.snapshot_begin:
             self._pending = FleetState.build(self.index_factory())
         target = self._pending if self._pending is not None else self.state
@@ -158,11 +161,15 @@ class FleetView:
             raise MalformedChange("changes before any snapshot")
         changes = update.changes
         newest = 0
+        total = len(changes)
+        clock = time.perf_counter
+        slice_ends = clock() + budget
         for done, change in enumerate(changes, 1):
             apply_change(target, change)
             newest = change.applied_unix_us
-            if done % slice_changes == 0 and done < len(changes):
+            if done < total and clock() >= slice_ends:
                 yield done
+                slice_ends = clock() + budget
         now = self.clock()
         if update.snapshot_end:
             self.state, self._pending = self._pending, None

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from kvroute import aio
 from kvroute.data_plane.control_plane_client import ControlPlaneClient
-from kvroute.data_plane.fleet_view import APPLY_SLICE_CHANGES, FleetView
+from kvroute.data_plane.fleet_view import FleetView
 from kvroute.prefix_index import PrefixIndex
 from kvroute.process import on_stop_signal, write_port_file
 from kvroute.v1 import kvroute_pb2 as pb
@@ -68,11 +68,11 @@ class StampingView(FleetView):
         self.snapshot_started = 0.0
         self.snapshot_done = 0.0
 
-    def applying(self, update: pb.FollowUpdate, slice_changes: int = APPLY_SLICE_CHANGES) -> Iterator[int]:
+    def applying(self, update: pb.FollowUpdate, slice_s: float | None = None) -> Iterator[int]:
         if update.snapshot_begin and not self.snapshot_started:
             self.snapshot_started = time.monotonic()
         in_snapshot = self._pending is not None or update.snapshot_begin
-        yield from super().applying(update, slice_changes)
+        yield from super().applying(update, slice_s)
         if update.snapshot_end and not self.snapshot_done:
             self.snapshot_done = time.monotonic()
         if in_snapshot or not update.changes:
