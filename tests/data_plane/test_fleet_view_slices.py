@@ -55,3 +55,33 @@ async def test_a_long_message_is_applied_in_slices_with_other_work_in_between(mo
         await client.close()
         await server.stop(0)
 
+
+async def test_a_large_worker_comes_in_snapshot_chunks_the_router_runs_between(monkeypatch) -> None:
+    monkeypatch.setattr(fleet_view, "APPLY_SLICE_S", 0.0)  # a slice per change
+    server = ControlPlaneServer(ControlPlaneConfig(listen="127.0.0.1:0", heartbeat_timeout_s=600))
+    port = await server.start()
+    applier = server.state.applier
+    record = applier.register("big", RegisterBody(MODEL, "sim", 4, "http://big", "", [], None, "i0", ""), False)
+    rng = random.Random(4)
+    keys = [rng.getrandbits(64) for _ in range(60_000)]
+    applier.apply_batch(record, 1, True, [BlockOp(Op.STORED, Tier.GPU, keys)])
+    view = FleetView("chunks")
+    building: list[bool] = []
+
+    async def decisions() -> None:  # a router serving (on load alone) while its first snapshot builds
+        while True:
+            building.append(view._pending is not None)
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(decisions())
+    client = ControlPlaneClient(f"127.0.0.1:{port}", use_session=False, view=view)
+    client.start()
+    try:
+        await eventually(lambda: view.synced, 30, what="the view's snapshot")
+        assert view.state.index.worker_keys(view.state.registry.get("big").slot, Tier.GPU) == set(keys)
+        # The worker's 60,000 keys came as several changes, with the router's other work run between them.
+        assert sum(building) >= 6, sum(building)
+    finally:
+        ticker.cancel()
+        await client.close()
+        await server.stop(0)
