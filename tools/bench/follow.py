@@ -20,6 +20,8 @@ of the processes are one clock.
 - bytes_per_entry: what a view built from a 1M-entry snapshot allocated, per entry (tracemalloc, in
   this process, after the snapshot's messages are gone); `rss_bytes_per_entry`: the catch-up
   follower process's RSS growth per entry (allocator overhead and freed garbage included).
+- cpu_us_per_batch_*: the control plane(s)' and the follower's CPU time over the freshness run per
+  agent batch: the work on the path, against which the lag is mostly waiting for a CPU on a busy host.
 - grpc_echo_*: the floor under a lag, a bare gRPC stream round trip of a batch's size between this
   process and another (two one-way hops, as agent -> control plane -> follower), in the same run.
 - ingest_events_per_s: block events (keys stored + removed) per second a view applies from
@@ -124,6 +126,7 @@ def freshness(workdir: Path, agents_at: str, follower_at: str, label: str, args,
         loops = [*control_planes, follower.pid]
         monitor = DisturbanceMonitor([os.getpid(), agents.pid, *loops, *others], loops)
         monitor.start()
+        cpu_before = {pid: process_cpu_s(pid) for pid in loops}
         agents.signal(signal.SIGUSR1)
         duration = args.batches / args.rate
         trials = max(1, int(duration / args.reserve_interval_s))
@@ -132,6 +135,7 @@ def freshness(workdir: Path, agents_at: str, follower_at: str, label: str, args,
         sent = agents.finish()
         disturbance = monitor.stop()
         time.sleep(0.5)
+        cpu = {pid: process_cpu_s(pid) - cpu_before[pid] for pid in loops}
         seen = follower.finish()
     finally:
         agents.process.stop()
@@ -140,7 +144,12 @@ def freshness(workdir: Path, agents_at: str, follower_at: str, label: str, args,
     lags, unseen = _lags_ms(sent["sent_ns"], seen["batches"])
     placed, unplaced = _lags_ms(reserved, seen["reserved"])
     suffix = "" if label == "embedded" else f"_{label}"
-    return {**_ms_stats(f"view_lag{suffix}", lags), f"view_lag{suffix}_samples": len(lags),
+    # The work on the path, per batch (heartbeats, reservations and keepalives included): what a lag
+    # would be with a CPU always free; the rest of the lag is waiting.
+    batches = max(1, len(sent["sent_ns"]))
+    work = {f"cpu_us_per_batch{suffix}": {"control_planes": round(sum(cpu[p] for p in control_planes) / batches * 1e6, 1),
+                                          "follower": round(cpu[follower.pid] / batches * 1e6, 1)}}
+    return {**_ms_stats(f"view_lag{suffix}", lags), f"view_lag{suffix}_samples": len(lags), **work,
             f"view_lag{suffix}_unseen": unseen, f"agent_events_per_s{suffix}": sent["events_per_s"],
             **_ms_stats(f"placement_visible{suffix}", placed), f"placement_visible{suffix}_samples": len(placed),
             f"placement_visible{suffix}_unseen": unplaced, f"disturbance{suffix}": disturbance.to_json()}
