@@ -242,6 +242,12 @@ def measure_echo_floor(request_bytes: int, reply_bytes: int, iterations: int, co
 def echo_round_trips_ms(request_bytes: int, reply_bytes: int, iterations: int, core: int | None,
                         workdir: Path) -> list[float]:
     """Bare gRPC stream round trips (ms) to a `kvroute.tools.bench.grpc_echo` process (on `core` if given)."""
+    return aio.run_value(echo_round_trips(request_bytes, reply_bytes, iterations, core, workdir))
+
+
+async def echo_round_trips(request_bytes: int, reply_bytes: int, iterations: int, core: int | None,
+                           workdir: Path) -> list[float]:
+    """`echo_round_trips_ms` on the running event loop (grpc.aio keeps to the first loop a process runs)."""
     port = free_port()
     server = ManagedProcess("grpc-echo", [sys.executable, "-m", "kvroute.tools.bench.grpc_echo", "--port", str(port),
                                           "--reply-bytes", str(reply_bytes)], workdir / "grpc-echo.log")
@@ -249,7 +255,7 @@ def echo_round_trips_ms(request_bytes: int, reply_bytes: int, iterations: int, c
     try:
         if core is not None:
             os.sched_setaffinity(server.popen.pid, {core})
-        return aio.run_value(round_trips_ms(f"127.0.0.1:{port}", request_bytes, iterations))
+        return await round_trips_ms(f"127.0.0.1:{port}", request_bytes, iterations)
     finally:
         server.stop()
 

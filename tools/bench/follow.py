@@ -52,7 +52,7 @@ from kvroute.data_plane.fleet_view import FleetView
 from kvroute.fleet.entries import BlockOp, Op, RegisterBody
 from kvroute.fleet.state import FleetState
 from kvroute.tools.bench.children import pid_of_managed, pin, start_agents, start_follower
-from kvroute.tools.bench.decision import echo_round_trips_ms
+from kvroute.tools.bench.decision import echo_round_trips
 from kvroute.tools.bench.follower import index_backends
 from kvroute.tools.bench.replicas import ReplicaProcess
 from kvroute.tools.disturbance import DisturbanceMonitor, process_cpu_s
@@ -107,8 +107,8 @@ async def _reserve_trials(address: str, worker_ids: list[str], trials: int, inte
     return sent
 
 
-def freshness(workdir: Path, agents_at: str, follower_at: str, label: str, args, control_planes: list[int],
-              others: tuple[int, ...] = ()) -> dict:
+async def freshness(workdir: Path, agents_at: str, follower_at: str, label: str, args, control_planes: list[int],
+                    others: tuple[int, ...] = ()) -> dict:
     """Agents on `agents_at` at args.rate batches/s, the follower on `follower_at`, router A reserving on
     `agents_at`. The CPU that processes other than ours (`control_planes`, `others`, the agents, the
     follower, this one) took meanwhile, and how long the control planes' and the follower's event loops
@@ -130,11 +130,11 @@ def freshness(workdir: Path, agents_at: str, follower_at: str, label: str, args,
         agents.signal(signal.SIGUSR1)
         duration = args.batches / args.rate
         trials = max(1, int(duration / args.reserve_interval_s))
-        reserved = aio.run_value(_reserve_trials(agents_at, [f"synthetic-{i}" for i in range(workers)],
-                                                 trials, args.reserve_interval_s))
+        reserved = await _reserve_trials(agents_at, [f"synthetic-{i}" for i in range(workers)], trials,
+                                         args.reserve_interval_s)
         sent = agents.finish()
         disturbance = monitor.stop()
-        time.sleep(0.5)
+        await asyncio.sleep(0.5)  # the last batches reach the view
         cpu = {pid: process_cpu_s(pid) - cpu_before[pid] for pid in loops}
         seen = follower.finish()
     finally:
@@ -192,13 +192,13 @@ def catchup(workdir: Path, address: str, cp_pid: int, entries: int, runs: int, a
     return out
 
 
-def embedded(workdir: Path, args) -> dict:
+async def embedded(workdir: Path, args) -> dict:
     cp = ReplicaProcess(workdir, "", "cp-embedded", extra=("--speculative-ttl-ms", "600000"))
     cp.start()
     try:
         if args.taskset_control_plane:
             pin(pid_of(cp), args.taskset_control_plane)
-        out = freshness(workdir, cp.address, cp.address, "embedded", args, [pid_of(cp)])
+        out = await freshness(workdir, cp.address, cp.address, "embedded", args, [pid_of(cp)])
         if args.catchup_entries:
             out.update(catchup(workdir, cp.address, pid_of(cp), args.catchup_entries, args.catchup_runs, args))
     finally:
@@ -210,7 +210,7 @@ def pid_of(cp: ReplicaProcess) -> int:
     return pid_of_managed(cp.process)
 
 
-def over_redis(workdir: Path, args) -> dict:
+async def over_redis(workdir: Path, args) -> dict:
     redis = RedisServer(workdir).start()
     a = ReplicaProcess(workdir, redis.url, "replica-a")
     b = ReplicaProcess(workdir, redis.url, "replica-b")
@@ -221,8 +221,8 @@ def over_redis(workdir: Path, args) -> dict:
             if args.taskset_control_plane:
                 pin(pid_of(replica), args.taskset_control_plane)
         assert redis.process is not None
-        return freshness(workdir, a.address, b.address, "redis", args, [pid_of(a), pid_of(b)],
-                         (pid_of_managed(redis.process),))
+        return await freshness(workdir, a.address, b.address, "redis", args, [pid_of(a), pid_of(b)],
+                               (pid_of_managed(redis.process),))
     finally:
         a.stop()
         b.stop()
@@ -277,10 +277,10 @@ async def recorded_updates(state: FleetState, batches: int, batch_keys: int, bat
     return snapshot, deltas, events
 
 
-def view_memory_and_ingest(entries: int, workers: int, batches: int, batch_keys: int, batches_per_message: int,
-                           index_backend: str) -> dict:
+async def view_memory_and_ingest(entries: int, workers: int, batches: int, batch_keys: int,
+                                 batches_per_message: int, index_backend: str) -> dict:
     state = fleet_state(workers, -(-entries // workers))
-    snapshot, deltas, events = aio.run_value(recorded_updates(state, batches, batch_keys, batches_per_message))
+    snapshot, deltas, events = await recorded_updates(state, batches, batch_keys, batches_per_message)
     del state
     factory = index_backends()[index_backend]
     gc.collect()
@@ -314,7 +314,13 @@ def view_memory_and_ingest(entries: int, workers: int, batches: int, batch_keys:
 
 
 def run_follow(args) -> dict:
-    """`args`: the `kvroute bench follow` flags (tools/bench/cli.py)."""
+    """`args`: the `kvroute bench follow` flags (tools/bench/cli.py). One event loop for every async part
+    of this process (grpc.aio keeps to the first loop a process runs); the waits on the processes
+    block it, with nothing else on it meanwhile."""
+    return aio.run_value(_run_follow(args))
+
+
+async def _run_follow(args) -> dict:
     workdir = Path(args.workdir) if args.workdir else temp_workdir("kvroute-bench-follow-")
     result: dict = {"loadavg_1m_start": round(os.getloadavg()[0], 2), "index_backend": args.index_backend, "rate_batches_per_s": args.rate, "workers": args.workers,
                     "batch_keys": args.batch_keys}
@@ -325,28 +331,34 @@ def run_follow(args) -> dict:
         if modes - {"embedded", "redis"}:
             raise SystemExit(f"kvroute bench follow: error: --modes takes embedded and redis, got {args.modes!r}")
         if "embedded" in modes:
-            run.update(embedded(workdir, args))
+            run.update(await embedded(workdir, args))
         if "redis" in modes:
-            run.update(over_redis(workdir, args))
+            run.update(await over_redis(workdir, args))
         # The floor under a lag: a bare gRPC round trip (two one-way hops, as agent -> control plane ->
         # follower) of a batch's size between two processes, on this machine at this time.
-        echo = echo_round_trips_ms(200, 200, 500, None, workdir)
+        echo = await echo_round_trips(200, 200, 500, None, workdir)
         run.update({"grpc_echo_p50_ms": round(percentile(echo, 50), 3), "grpc_echo_p99_ms": round(percentile(echo, 99), 3)})
         runs.append(run)
     result.update(_median_of(runs))
     if args.repeat > 1:
         result["runs"] = runs
     if args.memory_entries:
-        result.update(view_memory_and_ingest(args.memory_entries, 64, args.ingest_batches, args.batch_keys,
-                                             args.ingest_batches_per_message, args.index_backend))
+        result.update(await view_memory_and_ingest(args.memory_entries, 64, args.ingest_batches, args.batch_keys,
+                                                   args.ingest_batches_per_message, args.index_backend))
     result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     return result
 
 
 def _median_of(runs: list[dict]) -> dict:
-    """Per key, the median over runs of the numbers (the first run's value for anything else)."""
+    """Per key, the median over runs of the numbers, of a dict's numbers key by key (the first run's
+    value for anything else)."""
     out: dict = {}
     for key, value in runs[0].items():
-        values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
-        out[key] = round(statistics.median(values), 3) if len(values) == len(runs) and len(runs) > 1 else value
+        values = [r.get(key) for r in runs]
+        if len(runs) > 1 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            out[key] = round(statistics.median(values), 3)
+        elif len(runs) > 1 and all(isinstance(v, dict) for v in values):
+            out[key] = _median_of(values)
+        else:
+            out[key] = value
     return out
