@@ -38,9 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "followed from the control plane (ControlPlane.Follow), no query on a request's path; "
                         "`remote` = a query to the control plane per decision, under --query-timeout-ms (a "
                         "router that cannot hold a view). Only policies that read the index use either")
-    p.add_argument("--view-max-stale-s", type=_positive_float, default=60.0, metavar="S",
+    p.add_argument("--view-max-stale-s", type=_positive_float, default=120.0, metavar="S",
                    help="--index local: with no control plane heard from for this long, decide on load alone "
-                        "(counted as fail-open `view_stale`) until one answers again")
+                        "(counted as fail-open `view_stale`) until one answers again. Generous on purpose: the cached "
+                        "prefixes move slowly, and a view a minute old still routes most requests to their cache")
     p.add_argument("--view-lag-bound-s", type=_positive_float, default=2.0, metavar="S",
                    help="--index local: /ready says degraded when no control plane was heard from for this long")
     p.add_argument("--query-timeout-ms", type=float, default=5.0,

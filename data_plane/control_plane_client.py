@@ -69,7 +69,11 @@ class ControlPlaneClient:
         self.tls = tls
         self._tls_generation = tls.generation if tls is not None else 0
         self._retiring: set[asyncio.Task] = set()
-        self._grpc_options = grpc_message_options(max_message_bytes)
+        # gRPC backs off reconnecting a channel up to 120 s by default: after a long outage a returning
+        # control plane would wait that long for its routers. Retrying at least every second costs one
+        # refused connect.
+        self._grpc_options = [*grpc_message_options(max_message_bytes), ("grpc.initial_reconnect_backoff_ms", 100),
+                              ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
         self.addresses = AddressRotation(address)
         self.address = self.addresses.next()[0]  # the replica in use
         self.query_deadline = query_deadline or QueryDeadline.fixed(query_timeout_s)
@@ -96,6 +100,7 @@ class ControlPlaneClient:
         self._static = [KnownWorker(wid, "", url.rstrip("/"), static_block_size, pb.WorkerLoad())
                         for wid, url in (static_workers or {}).items()]
         self._task: asyncio.Task | None = None
+        self._tls_task: asyncio.Task | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -173,14 +178,25 @@ class ControlPlaneClient:
             self._task = (asyncio.create_task(FleetFollower(self.view, self).run(), name="kvroute-cp-follow")
                           if self.view is not None else
                           asyncio.create_task(self._refresh_forever(), name="kvroute-cp-refresh"))
+        if self.view is not None and self.tls is not None and self._tls_task is None:
+            self._tls_task = asyncio.create_task(self._watch_tls_forever(), name="kvroute-cp-tls")
         if self.session is not None:
             self.session.start()
+
+    async def _watch_tls_forever(self, period_s: float = 1.0) -> None:
+        """With a view nothing opens channels while the follow stream lasts: look at the certificate
+        files anyway, so a rotated certificate is used (and a bad one reported) within seconds."""
+        while True:
+            await asyncio.sleep(period_s)
+            if self.tls is not None and self.tls.generation != self._tls_generation:
+                self._retire_channels()
 
     async def close(self) -> None:
         if self.session is not None:
             await self.session.close()
         await cancel_and_wait(self._task)
-        self._task = None
+        await cancel_and_wait(self._tls_task)
+        self._task = self._tls_task = None
         for channel, _ in self._channels.values():
             await channel.close()
         for task in list(self._retiring):
@@ -231,8 +247,7 @@ class ControlPlaneClient:
 
     def _fleet_of(self, model: str) -> tuple[str, list[KnownWorker]]:
         if self.view is not None and self.view.synced:
-            known = self.view.workers_for(model)
-            return ("view" if known else "none"), known
+            return self.view.fleet_source(model), self.view.workers_for(model)
         current = [w for w in self.fleet.values() if w.model == model]
         if current:
             return "control_plane", current

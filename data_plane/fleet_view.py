@@ -69,7 +69,7 @@ class ViewCounters:
 
 
 class FleetView:
-    def __init__(self, router_id: str, models: Collection[str] = (), max_stale_s: float = 60.0,
+    def __init__(self, router_id: str, models: Collection[str] = (), max_stale_s: float = 120.0,
                  lag_bound_s: float = 2.0, index_factory: Callable[[], PrefixIndex] = BitmaskPrefixIndex,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.router_id = router_id
@@ -84,6 +84,9 @@ class FleetView:
         self.lag_s = 0.0
         self.counters = ViewCounters()
         self._known: dict[tuple[str, str], tuple[int, list[KnownWorker]]] = {}
+        # The last non-empty fleet per (model, adapter): a restarted control plane lists no worker until
+        # the agents are back, and requests still go somewhere meanwhile (on load alone).
+        self._last_known: dict[tuple[str, str], list[KnownWorker]] = {}
 
     # ------------------------------------------------------------ reading it
 
@@ -117,26 +120,40 @@ class FleetView:
         return columns, ""
 
     def workers_for(self, model: str, lora_name: str = "") -> list[KnownWorker]:
-        """The view's workers of `model` (serving `lora_name`), as the router's fleet; [] before a snapshot."""
+        """The view's workers of `model` (serving `lora_name`), as the router's fleet; when the view
+        lists none now, the last ones it listed (`fleet_source`); [] before a snapshot."""
+        return self._fleet(model, lora_name)[1]
+
+    def fleet_source(self, model: str, lora_name: str = "") -> str:
+        """"view", "last_known" (the view lists no worker of the model now) or "none"."""
+        return self._fleet(model, lora_name)[0]
+
+    def _fleet(self, model: str, lora_name: str) -> tuple[str, list[KnownWorker]]:
         from kvroute.data_plane.control_plane_client import KnownWorker
 
         state = self.state
         if state is None:
-            return []
+            return "none", []
         registry = state.registry
         key = (model, lora_name)
         cached = self._known.get(key)
-        if cached is not None and cached[0] == registry.roster_version:
-            return cached[1]
-        count = state.index.worker_block_count
-        known = [KnownWorker(r.worker_id, r.model, r.endpoint.rstrip("/"), r.block_size, r.load,  # type: ignore[arg-type]
-                             count(r.slot, Tier.GPU), frozenset(r.lora_adapters), r.data_parallel_rank)
-                 for r in registry.workers(model, lora_name)]
-        self._known[key] = (registry.roster_version, known)
-        return known
+        if cached is None or cached[0] != registry.roster_version:
+            count = state.index.worker_block_count
+            known = [KnownWorker(r.worker_id, r.model, r.endpoint.rstrip("/"), r.block_size, r.load,  # type: ignore[arg-type]
+                                 count(r.slot, Tier.GPU), frozenset(r.lora_adapters), r.data_parallel_rank)
+                     for r in registry.workers(model, lora_name)]
+            cached = self._known[key] = (registry.roster_version, known)
+            if known:
+                self._last_known[key] = known
+        if cached[1]:
+            return "view", cached[1]
+        last = self._last_known.get(key)
+        return ("last_known", last) if last else ("none", [])
 
     def models_served(self) -> set[str]:
-        return {r.model for r in self.state.registry.workers()} if self.state is not None else set()
+        """Models the view lists a worker of, or listed one of before."""
+        listed = {r.model for r in self.state.registry.workers()} if self.state is not None else set()
+        return listed | {model for model, _ in self._last_known}
 
     # ------------------------------------------------------------ applying the stream
 
@@ -198,7 +215,9 @@ class FleetFollower:
     moves to the next replica when one fails, resumes from the view's position."""
 
     def __init__(self, view: FleetView, client: ControlPlaneClient, initial_backoff_s: float = 0.05,
-                 max_backoff_s: float = 2.0) -> None:
+                 max_backoff_s: float = 0.5) -> None:
+        """A dead control plane is retried every `max_backoff_s` at most: an attempt is one refused TCP
+        connect, and a router should follow a returning control plane within a second."""
         self.view = view
         self.client = client
         self._backoff = Backoff(initial_backoff_s, max_backoff_s, jitter=0.2)
@@ -237,6 +256,6 @@ class FleetFollower:
                 view.counters.stream_failures += 1
                 reason = rpc_failure_reason(exc, client.tls)
                 client.lost_control_plane(address, reason)
-                self._problems.warning("lost", "follow stream to control plane %s failed (%s): deciding on the "
-                                       "last view meanwhile", address, reason)
+                self._problems.warning("lost", "control plane %s unreachable (%s): the follow stream is down, "
+                                       "deciding on the last view of the fleet meanwhile", address, reason)
             await self._backoff.sleep()

@@ -1,5 +1,6 @@
-"""Periodic HTTP polling, the one loop every poller of an engine runs (its /metrics, /v1/models,
-TensorRT-LLM's /kv_cache_events): one aiohttp session for the poller's life, whose requests time out
+"""Periodic HTTP polling, the loop the pollers of an engine run (its /metrics, TensorRT-LLM's
+/kv_cache_events; the agent's /v1/models poll retries faster while the engine does not answer, see
+worker_agent/engine_models.py): one aiohttp session for the poller's life, whose requests time out
 after `timeout_s`; a poll now, then one every `interval_s` after the previous one ended. A poll
 handles its own failures (counts them, logs them through `RateLimitedLog`): one that raises ends the
 loop, as a bug should.

@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 from packaging.requirements import Requirement
 
-from kvroute.tools.local_cluster import LocalCluster, free_port, kvroute_argv
+from kvroute.tools.local_cluster import LocalCluster, free_port, http_get, kvroute_argv
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
@@ -43,6 +43,15 @@ async def eventually(predicate: Callable[[], object], timeout: float = 10.0, int
             return result
         assert loop.time() < deadline, f"{what} not reached in time"
         await asyncio.sleep(interval)
+
+
+def get_ready(url: str) -> tuple[int, dict]:
+    """A process's GET /ready at base `url`: (status, JSON body); (0, {}) while nothing answers yet."""
+    try:
+        status, raw = http_get(url + "/ready")
+    except OSError:
+        return 0, {}
+    return status, json.loads(raw)
 
 
 def pyproject() -> dict:

@@ -9,9 +9,22 @@ stream. Event sources by engine and transport:
   attention-DP rank.
 Tasks (one asyncio loop): the event sources (decode + resolve run inline, no I/O), one control-plane
 link per worker (gRPC writes in their own tasks, so a slow or absent control plane never stalls
-the event readers), the engine load poller, the model / LoRA adapter poller, and the optional
-metrics HTTP server: `/metrics`, `/health` (liveness: always 200 with the agent's state) and
-`/ready` (200 or 503 with what is wrong, `WorkerAgent.readiness`).
+the event readers), the engine load poller, the model / LoRA adapter poller, a watch that checks
+once a second that the agent follows its engine, and the optional metrics HTTP server: `/metrics`,
+`/health` (liveness: always 200 with the agent's state) and `/ready` (200 or 503 with what is
+wrong, `WorkerAgent.readiness`).
+
+Following the engine:
+- a worker is registered (its control-plane link runs) only while the engine answers `GET
+  /v1/models`: not before its first answer, and not after `engine_gone_after_s` without one. Then
+  the links end, the control plane drops the workers after its heartbeat timeout (routers stop
+  sending there) and the agent registers them again, with a snapshot, when the engine answers.
+  Until that bound the routers' own backend health covers requests that fail (a busy engine may
+  miss a poll or two; a restarted one takes minutes to load its weights anyway);
+- the event sources start once the served model is known (it namespaces every block key);
+- a ZMQ publisher not connected for `PUBLISHER_GRACE_S` is logged (rate-limited) until it is;
+- a stream silent while the engine's own counters prove it stored new blocks
+  (`worker_agent/event_silence.py`) is logged, not ready, and `kvroute_agent_event_stream_silent`.
 """
 
 from __future__ import annotations
@@ -34,6 +47,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvroute.build_info import register_build_info
 from kvroute.listeners import start_status_site
+from kvroute.rate_limited_log import RateLimitedLog
 from kvroute.tls import TlsFiles, client_tls
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.worker_agent import sglang_wire, vllm_wire
@@ -42,6 +56,7 @@ from kvroute.worker_agent.control_plane_client import ControlPlaneLink, WorkerId
 from kvroute.worker_agent.dp_endpoints import check_no_overlap, offset_endpoint, rank_endpoints
 from kvroute.worker_agent.engine_metrics import EngineLoadPoller
 from kvroute.worker_agent.engine_models import EngineModelsPoller
+from kvroute.worker_agent.event_silence import SILENCE_WINDOWS_S, SilenceWatch
 from kvroute.worker_agent.events import DecodedBatch
 from kvroute.worker_agent.limits import (
     DEFAULT_GRPC_MAX_MESSAGE_BYTES,
@@ -59,6 +74,9 @@ tracer = trace.get_tracer("kvroute.agent")
 SUPPORTED_ENGINES = ("vllm", "sglang", "trtllm")
 TRANSPORTS = ("zmq", "http")
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0", "::", ""}
+WATCH_INTERVAL_S = 1.0
+PUBLISHER_GRACE_S = 10.0  # a publisher not connected this long is logged (ZMQ reconnects within 0.1 s of its return)
+PROBLEM_LOG_PERIOD_S = 60.0
 
 # Counters exported as kvroute_agent_<name>_total (summed over a data-parallel engine's ranks): name -> help text.
 COUNTER_HELP = {
@@ -129,6 +147,7 @@ class AgentConfig:
     kv_events_max_batch_events: int = DEFAULT_MAX_BATCH_EVENTS
     kv_events_max_poll_bytes: int = DEFAULT_MAX_POLL_BYTES
     replay_timeout_s: float = 1.0
+    engine_gone_after_s: float = 30.0  # no answer from GET /v1/models this long: stop advertising the workers
     heartbeat_interval_s: float | None = None  # None: min(1 s, control plane's heartbeat_timeout / 3)
     tls: TlsFiles = field(default_factory=TlsFiles)  # to the control plane: none = plaintext (kvroute/tls.py)
     grpc_max_message_bytes: int = DEFAULT_GRPC_MAX_MESSAGE_BYTES
@@ -149,6 +168,8 @@ class AgentConfig:
             raise ValueError(f"unsupported engine {self.engine!r}: supported engines are {', '.join(SUPPORTED_ENGINES)}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if not self.engine_gone_after_s > 0:
+            raise ValueError(f"engine_gone_after_s must be positive, got {self.engine_gone_after_s}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown KV event transport {self.transport!r}: choose zmq or http")
         if self.transport == "http" and self.engine != "trtllm":
@@ -192,12 +213,14 @@ class RankWorker:
                                      tls=client_tls(config.tls), max_message_bytes=config.grpc_max_message_bytes)
         self.source: ZmqEventSource | None = None  # ZMQ transports: this rank's publisher
         self.state_resets = 0
+        self.last_batch_at: float | None = None  # monotonic; when the last KV event batch arrived
 
     def set_model(self, model: str) -> None:
         self.identity.model = model
         self.resolver.model = model
 
     def on_batch(self, batch: DecodedBatch) -> None:
+        self.last_batch_at = time.monotonic()
         with tracer.start_as_current_span("kvroute.agent.apply_batch") as span:
             out = self.resolver.apply(batch.events)
             if out:
@@ -239,6 +262,10 @@ class _AgentCollector:
                                 value=sum(len(w.resolver) for w in agent.workers))
         yield GaugeMetricFamily("kvroute_agent_control_plane_connected", "1 while every worker's control-plane stream is up",
                                 value=int(all(w.link.connected for w in agent.workers)))
+        yield GaugeMetricFamily("kvroute_agent_engine_answering", "1 while the engine answers GET /v1/models "
+                                "(the agent registers its workers only then)", value=int(agent.models.answering))
+        yield GaugeMetricFamily("kvroute_agent_event_stream_silent", "1 while no KV event arrives although the "
+                                "engine's own counters show it stored new blocks", value=int(agent.silence.silent))
         tiers = GaugeMetricFamily("kvroute_agent_tier_blocks", "distinct block keys held, per worker and tier",
                                   labels=["worker", "medium"])
         last_seq = GaugeMetricFamily("kvroute_agent_last_seq", "last engine KV event sequence number (or event_id) "
@@ -293,6 +320,14 @@ class WorkerAgent:
         self.metrics_registry.register(_AgentCollector(self))
         self._metrics_runner: web.AppRunner | None = None
         self.model_known = bool(config.model)  # False until the engine's GET /v1/models answered
+        self.silence = SilenceWatch(SILENCE_WINDOWS_S[config.engine])
+        self.advertised = False  # the workers' control-plane links run (the engine answers)
+        self._tasks: asyncio.TaskGroup | None = None
+        self._links: list[asyncio.Task] = []
+        self._events_started = False
+        self._registered_once = False
+        self._unfollowed_since: dict[str, float] = {}  # worker id -> since when its publisher is not connected
+        self._problems = RateLimitedLog(log, period_s=PROBLEM_LOG_PERIOD_S)
 
     # ------------------------------------------------------------------ engine state
 
@@ -339,32 +374,62 @@ class WorkerAgent:
     # ------------------------------------------------------------------ readiness
 
     def readiness(self) -> tuple[bool, dict]:
-        """Ready: the engine's model is known, and every worker (DP rank) is registered with the control
-        plane over a live stream and follows the engine's KV events: its ZMQ SUB has a connection to
-        the publisher (a handshake and no disconnect since), or, on TRT-LLM's pull path, a poll was
-        answered within two poll timeouts. (ready, the JSON body of GET /ready)"""
+        """Ready: the engine answers GET /v1/models (so its model is known and its workers are
+        advertised), and every worker (DP rank) is registered with the control plane over a live stream
+        and follows the engine's KV events: its ZMQ SUB has a connection to the publisher (a handshake
+        and no disconnect since), or, on TRT-LLM's pull path, a poll was answered within two poll
+        timeouts; and the event stream is not silent while the engine works. (ready, the JSON body of
+        GET /ready)"""
         problems: list[str] = []
-        if not self.model_known:
-            problems.append(f"engine {self.config.engine_url} has not told its model yet (GET /v1/models)")
+        engine = self._engine_problem()
+        if engine is not None:
+            problems.append(engine)
         workers = []
         for w in self.workers:
             wid = w.identity.worker_id
-            if not w.link.connected:
+            if self.advertised and not w.link.connected:
                 problems.append(f"{wid}: not connected to the control plane: {w.link.not_connected_reason}")
             following = self._following(w)
             if not following and w.source is not None:
-                where = (f"bound to {w.source.bound_endpoint or w.source.endpoint}, no engine connected" if w.source.bind
-                         else f"no connection to the engine's publisher at {w.source.endpoint}")
-                problems.append(f"{wid}: not receiving KV events ({where})")
-            workers.append({"worker_id": wid, "control_plane_connected": w.link.connected,
+                problems.append(f"{wid}: not receiving KV events ({self._publisher_problem(w.source)})")
+            workers.append({"worker_id": wid, "registered": self.advertised,
+                            "control_plane_connected": w.link.connected,
                             "control_plane": w.link.not_connected_reason or "connected", "following_events": following})
         poller = self.poller
-        if poller is not None and not self._poller_fresh():
+        if poller is not None and self._events_started and not self._poller_fresh():
             fresh = 2 * poller.timeout_s
             problems.append(f"not receiving KV events: no POST {poller.url} answered in the last {fresh:g}s"
                             + (f" ({poller.last_error})" if poller.last_error else ""))
+        if self.silence.silent:
+            problems.append(f"KV event stream silent: {self.silence.reason}")
         ready = not problems
-        return ready, {"status": "ready" if ready else "not_ready", "problems": problems, "workers": workers}
+        return ready, {"status": "ready" if ready else "not_ready", "problems": problems,
+                       "engine_answering": self.models.answering, "event_stream_silent": self.silence.silent,
+                       "workers": workers}
+
+    def _engine_problem(self) -> str | None:
+        """Why the workers are not (or soon no longer) registered: the engine does not answer."""
+        models = self.models
+        if models.answering and self.advertised:
+            return None
+        url = f"{self.config.engine_url.rstrip('/')}/v1/models"
+        why = f" ({models.last_error})" if models.last_error else ""
+        ids = ", ".join(w.identity.worker_id for w in self.workers)
+        if models.answering:
+            return f"engine {url} answers: registering {ids}"
+        if not self._registered_once:
+            state = "does not answer" if models.failures else "not asked yet"
+            return f"engine {url} {state}{why}: {ids} not registered until it answers"
+        down = time.monotonic() - (models.failing_since or time.monotonic())
+        if self.advertised:
+            return (f"engine {url} has not answered for {down:.0f}s{why}: {ids} withdrawn from the control plane after "
+                    f"{self.config.engine_gone_after_s:g}s")
+        return f"engine {url} has not answered for {down:.0f}s{why}: {ids} withdrawn from the control plane until it answers"
+
+    def _publisher_problem(self, source: ZmqEventSource) -> str:
+        if source.bind:
+            return f"bound to {source.bound_endpoint or source.endpoint}, no engine connected"
+        return f"no connection to the engine's publisher at {source.endpoint}"
 
     def _poller_fresh(self) -> bool:
         poller = self.poller
@@ -385,27 +450,118 @@ class WorkerAgent:
                     w.source.open()
             if self.config.metrics_port:
                 await self.start_metrics_server()
-            if not self.config.model:
-                model = await self.models.discover()
-                log.info("engine %s serves model %s", self.config.engine_url, model)
-                for w in self.workers:
-                    w.set_model(model)
-                    w.identity.engine_version = self.models.engine_version
-                self.model_known = True
             c = self.config
-            log.info("agent for %s engine %s: workers %s, model %s, KV events %s (%s), control plane %s", c.engine,
-                     c.engine_url, ", ".join(w.identity.worker_id for w in self.workers), self.workers[0].identity.model,
+            log.info("agent for %s engine %s: workers %s, model %s, KV events %s (%s), control plane %s; the workers "
+                     "register once the engine answers GET /v1/models", c.engine, c.engine_url,
+                     ", ".join(w.identity.worker_id for w in self.workers), c.model or "asked from the engine",
                      c.engine_url + "/kv_cache_events" if self.poller else c.kv_events,
                      c.transport if self.poller else ("bind" if c.kv_events_bind else "connect"), c.control_plane)
-            tasks = [w.link.run() for w in self.workers] + [self.load.run(), self.models.run()]
-            tasks += [w.source.run() for w in self.workers if w.source is not None]
-            if self.poller is not None:
-                tasks.append(self.poller.run())
-            await asyncio.gather(*tasks)
+            async with asyncio.TaskGroup() as tasks:
+                self._tasks = tasks
+                tasks.create_task(self.load.run())
+                tasks.create_task(self._follow_engine())
+                tasks.create_task(self._watch())
+                if self.model_known:
+                    self._start_events()
         finally:
+            self._tasks, self._links, self.advertised = None, [], False
             if self._zmq is not None:
                 self._zmq.destroy(linger=0)
             await self.stop_metrics_server()
+
+    def _start_events(self) -> None:
+        """Read the engine's KV events (once the model, which namespaces every key, is known)."""
+        if self._events_started or self._tasks is None:
+            return
+        self._events_started = True
+        for w in self.workers:
+            if w.source is not None:
+                self._tasks.create_task(w.source.run())
+        if self.poller is not None:
+            self._tasks.create_task(self.poller.run())
+
+    async def _follow_engine(self) -> None:
+        """Advertise the workers (run their control-plane links) only while the engine answers."""
+        models, ids = self.models, ", ".join(w.identity.worker_id for w in self.workers)
+        async with models.session() as http:
+            while True:
+                model = await models.until_answering(http)
+                if not self.model_known:
+                    for w in self.workers:
+                        w.set_model(model)
+                    self.model_known = True
+                for w in self.workers:
+                    w.identity.engine_version = models.engine_version
+                self._start_events()
+                log.info("engine %s answers (model %s): registering %s with the control plane", self.config.engine_url,
+                         self.workers[0].identity.model, ids)
+                self._advertise()
+                await models.until_gone(http, self.config.engine_gone_after_s)
+                log.warning("engine %s has not answered GET /v1/models for %gs (%s): withdrawing %s from the control "
+                            "plane (it drops them after its heartbeat timeout) until the engine answers again",
+                            self.config.engine_url, self.config.engine_gone_after_s, models.last_error, ids)
+                await self._withdraw()
+
+    def _advertise(self) -> None:
+        assert self._tasks is not None
+        self._links = [self._tasks.create_task(w.link.run()) for w in self.workers]
+        self.advertised = self._registered_once = True
+
+    async def _withdraw(self) -> None:
+        links, self._links, self.advertised = self._links, [], False
+        for task in links:
+            task.cancel()
+        await asyncio.gather(*links, return_exceptions=True)
+
+    async def _watch(self) -> None:
+        """Once a second: log a publisher that stays unconnected, and judge whether the event stream is
+        silent while the engine works (on each new sample of the engine's counters)."""
+        sampled_at: float | None = None
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            if not self._events_started:
+                continue
+            self._check_publishers(time.monotonic())
+            last_event = max((w.last_batch_at for w in self.workers if w.last_batch_at is not None), default=None)
+            was_silent = self.silence.silent
+            load = self.load
+            if load.work is not None and load.work_at is not None and load.work_at != sampled_at:
+                sampled_at = load.work_at
+                self.silence.observe(load.work_at, load.work, last_event, self.workers[0].identity.block_size)
+            else:
+                self.silence.events_seen(last_event)
+            if self.silence.silent:
+                self._problems.warning("silent", "KV event stream silent: %s. The control plane learns none of this "
+                                       "engine's blocks: check %s", self.silence.reason, self._stream_hint())
+            elif was_silent:
+                self._problems.recovered("silent", "KV events arrive again")
+
+    def _stream_hint(self) -> str:
+        c = self.config
+        if self.poller is not None:
+            return ("that the engine's kv_cache_config has event_buffer_max_size > 0 and block reuse on "
+                    f"(POST {self.poller.url} answers without events)")
+        where = "--kv-events-bind" if c.kv_events_bind else "--kv-events"
+        return (f"that {where} {c.kv_events} and --topic {c.topic!r} are the engine's kv-events-config endpoint and "
+                "topic, and that its prefix caching and KV events are on")
+
+    def _check_publishers(self, now: float) -> None:
+        for w in self.workers:
+            source, wid = w.source, w.identity.worker_id
+            if source is None:
+                continue
+            kind = f"publisher {wid}"
+            if source.publisher_connected:
+                self._unfollowed_since.pop(wid, None)
+                self._problems.recovered(kind, "%s: connected to the engine's KV event publisher at %s", wid,
+                                         source.bound_endpoint or source.endpoint)
+                continue
+            since = self._unfollowed_since.setdefault(wid, now)
+            if now - since >= PUBLISHER_GRACE_S:
+                self._problems.warning(kind, "%s: %s for %.0fs: the control plane learns none of its blocks (check "
+                                       "%s against the engine's kv-events-config endpoint)", wid,
+                                       self._publisher_problem(source), now - since,
+                                       "--kv-events-bind" if source.bind else "--kv-events")
 
     async def start_metrics_server(self) -> int:
         self._metrics_runner, self.metrics_port = await start_status_site(
@@ -431,6 +587,8 @@ class WorkerAgent:
             "worker_id": first.identity.worker_id if len(self.workers) == 1 else None,
             "block_size": first.identity.block_size, "blocks": sum(len(w.resolver) for w in self.workers),
             "control_plane_connected": all(w.link.connected for w in self.workers), "last_seq": self.last_seq(first),
+            "engine_answering": self.models.answering, "registered": self.advertised,
+            "event_stream_silent": self.silence.silent,
             "lora_adapters": first.identity.lora_adapters,
             "workers": [{"worker_id": w.identity.worker_id, "data_parallel_rank": w.rank, "blocks": w.resolver.tier_sizes(),
                          "control_plane_connected": w.link.connected, "last_seq": self.last_seq(w)} for w in self.workers]})

@@ -67,6 +67,16 @@ def _non_negative_int(value: str) -> int:
     return n
 
 
+def _positive_seconds(value: str) -> float:
+    try:
+        n = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}") from None
+    if not 0 < n < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}")
+    return n
+
+
 def _port(value: str) -> int:
     try:
         n = int(value)
@@ -87,8 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--engine-url (trtllm-serve with kv_cache_config.event_buffer_max_size > 0; one poller per "
                         "server); auto = http for trtllm, zmq otherwise")
     p.add_argument("--kv-events", default="tcp://127.0.0.1:5557", metavar="ENDPOINT",
-                   help="engine's ZMQ KV-event PUB endpoint (the agent connects to it); with data parallelism, "
-                        "rank 0's: rank r publishes on port + r")
+                   help="engine's ZMQ KV-event PUB endpoint (the agent connects to it; default: vLLM's own default on "
+                        "this host); with data parallelism, rank 0's: rank r publishes on port + r. A publisher not "
+                        "connected, or a stream silent while the engine works, is logged and makes /ready 503")
     p.add_argument("--kv-events-bind", action="store_true",
                    help="bind --kv-events instead of connecting (vLLM connects when its endpoint has no '*')")
     p.add_argument("--replay-endpoint", default=None, metavar="ENDPOINT",
@@ -114,8 +125,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-parallel-rank-start", type=_non_negative_int, default=0, metavar="R",
                    help="first global rank this agent serves (multi-node DP: ranks R..R+N-1 publish on port + rank)")
     p.add_argument("--engine-url", default="http://127.0.0.1:8000", metavar="URL",
-                   help="engine's OpenAI-compatible base URL: advertised to routers, polled for /metrics (load) and "
-                        "/v1/models (model when --model is not given, LoRA adapters every 5 s)")
+                   help="engine's OpenAI-compatible base URL (default: vLLM's own default on this host): advertised to "
+                        "routers, polled for /metrics (load) and /v1/models (model when --model is not given, LoRA "
+                        "adapters every 5 s); the workers are registered only while it answers GET /v1/models")
+    p.add_argument("--engine-gone-after-s", type=_positive_seconds, default=30.0, metavar="SECONDS",
+                   help="after this long without an answer from the engine's GET /v1/models, withdraw its workers from "
+                        "the control plane (routers stop sending there); they register again when it answers")
     p.add_argument("--worker-id", default=None, metavar="ID",
                    help="worker id; when unset, HOST:PORT of --engine-url (a loopback host becomes this machine's hostname)")
     p.add_argument("--model", default=None, metavar="NAME", help="served model name; when unset, asked from the engine (GET /v1/models)")
@@ -143,6 +158,7 @@ def config_from_args(args: argparse.Namespace):
                        kv_events_max_batch_events=args.kv_events_max_batch_events,
                        kv_events_max_poll_bytes=args.kv_events_max_poll_bytes,
                        data_parallel_size=args.data_parallel_size, data_parallel_rank_start=args.data_parallel_rank_start,
+                       engine_gone_after_s=args.engine_gone_after_s,
                        metrics_host=args.metrics_host, metrics_port=args.metrics_port,
                        tls=tls_files_from_args(args, server=False),
                        grpc_max_message_bytes=args.grpc_max_message_bytes)

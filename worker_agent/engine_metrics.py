@@ -9,7 +9,20 @@
   (`usedNumBlocks / maxNumBlocks`). Missing fields count as unknown (usage kept as last known); an
   empty list means the executor did not step since the last poll, i.e. nothing ran.
 Prometheus counts are summed over label sets (one per engine core / DP rank / model name), usage is
-averaged (a sum of per-engine fractions would exceed 1). The text is read by prometheus_client's
+averaged (a sum of per-engine fractions would exceed 1).
+
+Work (`EngineWork`, cumulative; `worker_agent/event_silence.py` compares it with the KV events that
+arrived): the prompt tokens the engine computed rather than served from its prefix cache, and the
+requests they belong to, from the same poll:
+- vLLM: `vllm:prefix_cache_queries_total - vllm:prefix_cache_hits_total` (before vLLM 0.10:
+  `vllm:gpu_prefix_cache_*`), counted when a request is scheduled; requests =
+  `vllm:time_to_first_token_seconds_count`, one per request right after its prefill;
+- SGLang: `sglang:prompt_tokens_total - sglang:cached_tokens_total` (every `cache_source`), requests
+  = `sglang:num_requests_total`, all three counted when a request finishes;
+- TensorRT-LLM: each drained iteration's `inflightBatchingStats.numCtxTokens` (context tokens run,
+  reused ones not included) and `numContextRequests` (a chunked context counts once per chunk:
+  more requests, so less proven work), summed by the poller.
+An engine that exports none of these (SGLang without `--enable-metrics`, an older vLLM) has no work. The text is read by prometheus_client's
 parser (`kvroute.prom_text`); a malformed line naming a load metric is skipped, the others still count. When the engine is unreachable (or answers without any
 of these metrics) the load stays last-known (its `observed_unix_ms` ages) and `failures` rises.
 """
@@ -34,21 +47,46 @@ log = logging.getLogger("kvroute.agent.engine_metrics")
 
 
 @dataclass(frozen=True)
+class EngineWork:
+    """Prompt work an engine did since it started: tokens computed (not served from its prefix cache)
+    and the requests they belong to. Cumulative, so two samples' difference is the work in between."""
+
+    computed_tokens: float
+    requests: float
+
+    def __add__(self, other: EngineWork) -> EngineWork:
+        return EngineWork(self.computed_tokens + other.computed_tokens, self.requests + other.requests)
+
+
+@dataclass(frozen=True)
 class PrometheusLoadNames:
-    """The metric names an engine reports its load under."""
+    """The metric names an engine reports its load and its work under."""
 
     running: str
     waiting: str
     usage: tuple[str, ...]    # KV usage 0..1, newest name first
+    # (prompt tokens looked up, of those served from the cache), newest names first; and the requests counter
+    prompt_cached: tuple[tuple[str, str], ...] = ()
+    requests: str = ""
+
+    @property
+    def load_names(self) -> tuple[str, ...]:
+        return (self.running, self.waiting, *self.usage)
 
     @property
     def wanted(self) -> tuple[str, ...]:
-        return (self.running, self.waiting, *self.usage)
+        work = [name for pair in self.prompt_cached for name in pair] + ([self.requests] if self.requests else [])
+        return (*self.load_names, *work)
 
 
 VLLM_METRICS = PrometheusLoadNames("vllm:num_requests_running", "vllm:num_requests_waiting",
-                                   ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"))
-SGLANG_METRICS = PrometheusLoadNames("sglang:num_running_reqs", "sglang:num_queue_reqs", ("sglang:token_usage",))
+                                   ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+                                   (("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"),
+                                    ("vllm:gpu_prefix_cache_queries_total", "vllm:gpu_prefix_cache_hits_total")),
+                                   "vllm:time_to_first_token_seconds_count")
+SGLANG_METRICS = PrometheusLoadNames("sglang:num_running_reqs", "sglang:num_queue_reqs", ("sglang:token_usage",),
+                                     (("sglang:prompt_tokens_total", "sglang:cached_tokens_total"),),
+                                     "sglang:num_requests_total")
 PROMETHEUS_ENGINES = {"vllm": VLLM_METRICS, "sglang": SGLANG_METRICS}
 
 
@@ -73,20 +111,31 @@ def _now_ms(now_ms: int | None) -> int:
     return int(time.time() * 1000) if now_ms is None else now_ms
 
 
-def parse_load(text: str, names: PrometheusLoadNames = VLLM_METRICS, now_ms: int | None = None) -> pb.WorkerLoad:
-    """WorkerLoad from a Prometheus text exposition. Raises ValueError if it holds none of the engine's load metrics."""
+def parse_metrics(text: str, names: PrometheusLoadNames = VLLM_METRICS,
+                  now_ms: int | None = None) -> tuple[pb.WorkerLoad, EngineWork | None]:
+    """(WorkerLoad, EngineWork or None when the engine exports no work counters) from a Prometheus text
+    exposition. Raises ValueError if it holds none of the engine's load metrics."""
     sums = {name: 0.0 for name in names.wanted}
     counts = {name: 0 for name in names.wanted}
     for name, value in _samples(text, names):
         sums[name] += value
         counts[name] += 1
-    if not any(counts.values()):
+    if not any(counts[name] for name in names.load_names):
         raise ValueError(f"no {names.running} / {names.waiting} / {names.usage[0]} metrics in the response")
     usage_name = next((n for n in names.usage if counts[n]), None)
     usage = sums[usage_name] / counts[usage_name] if usage_name else 0.0
-    return pb.WorkerLoad(running_requests=max(0, int(sums[names.running])),
+    load = pb.WorkerLoad(running_requests=max(0, int(sums[names.running])),
                          waiting_requests=max(0, int(sums[names.waiting])),
                          kv_usage=min(1.0, max(0.0, usage)), observed_unix_ms=_now_ms(now_ms))
+    pair = next((p for p in names.prompt_cached if counts[p[0]]), None)
+    if pair is None or not counts[names.requests]:
+        return load, None
+    return load, EngineWork(max(0.0, sums[pair[0]] - sums[pair[1]]), sums[names.requests])
+
+
+def parse_load(text: str, names: PrometheusLoadNames = VLLM_METRICS, now_ms: int | None = None) -> pb.WorkerLoad:
+    """WorkerLoad from a Prometheus text exposition. Raises ValueError if it holds none of the engine's load metrics."""
+    return parse_metrics(text, names, now_ms)[0]
 
 
 class _KvCacheStats(msgspec.Struct):
@@ -94,21 +143,42 @@ class _KvCacheStats(msgspec.Struct):
     used_blocks: int | None = msgspec.field(default=None, name="usedNumBlocks")
 
 
+class _InflightBatchingStats(msgspec.Struct):
+    context_requests: int | None = msgspec.field(default=None, name="numContextRequests")
+    context_tokens: int | None = msgspec.field(default=None, name="numCtxTokens")
+
+
 class _IterationStats(msgspec.Struct):
     active: int | None = msgspec.field(default=None, name="numActiveRequests")
     queued: int | None = msgspec.field(default=None, name="numQueuedRequests")
     kv_cache: _KvCacheStats | None = msgspec.field(default=None, name="kvCacheStats")
+    batching: _InflightBatchingStats | None = msgspec.field(default=None, name="inflightBatchingStats")
 
 
 _dec_trtllm_stats = msgspec.json.Decoder(list[_IterationStats])
 
 
-def parse_trtllm_stats(body: bytes, last: pb.WorkerLoad, now_ms: int | None = None) -> pb.WorkerLoad:
-    """WorkerLoad from trtllm-serve's `GET /metrics` JSON (iteration stats). Raises ValueError if it is not that."""
+def parse_trtllm_metrics(body: bytes, last: pb.WorkerLoad,
+                         now_ms: int | None = None) -> tuple[pb.WorkerLoad, EngineWork | None]:
+    """(WorkerLoad, the work of these iterations or None when they carry no batching stats) from
+    trtllm-serve's `GET /metrics` JSON (iteration stats, drained by each call). Raises ValueError if
+    it is not that."""
     try:
         stats = _dec_trtllm_stats.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ValueError(f"not a JSON list of TensorRT-LLM iteration stats: {exc}") from None
+    batching = [s.batching for s in stats if s.batching is not None]
+    work = EngineWork(float(sum(max(0, b.context_tokens or 0) for b in batching)),
+                      float(sum(max(0, b.context_requests or 0) for b in batching))) if batching or not stats else None
+    return _trtllm_load(stats, last, now_ms), work
+
+
+def parse_trtllm_stats(body: bytes, last: pb.WorkerLoad, now_ms: int | None = None) -> pb.WorkerLoad:
+    """WorkerLoad from trtllm-serve's `GET /metrics` JSON (iteration stats). Raises ValueError if it is not that."""
+    return parse_trtllm_metrics(body, last, now_ms)[0]
+
+
+def _trtllm_load(stats: list[_IterationStats], last: pb.WorkerLoad, now_ms: int | None) -> pb.WorkerLoad:
     if not stats:
         return pb.WorkerLoad(running_requests=0, waiting_requests=0, kv_usage=last.kv_usage, observed_unix_ms=_now_ms(now_ms))
     newest = stats[-1]
@@ -128,6 +198,8 @@ class EngineLoadPoller:
         self.url = engine_url.rstrip("/") + "/metrics"
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.latest = pb.WorkerLoad()
+        self.work: EngineWork | None = None  # cumulative; None while the engine exported no work counters
+        self.work_at: float | None = None    # monotonic time of the poll that read `work`
         self.polls = 0
         self.failures = 0
         self._problems = RateLimitedLog(log, period_s=60.0)
@@ -137,16 +209,20 @@ class EngineLoadPoller:
         try:
             async with session.get(self.url) as resp:
                 resp.raise_for_status()
-                if self.engine == "trtllm":
-                    self.latest = parse_trtllm_stats(await resp.read(), self.latest)
+                if self.engine == "trtllm":  # the iterations since the last call: their work adds up here
+                    self.latest, work = parse_trtllm_metrics(await resp.read(), self.latest)
+                    if work is not None:
+                        work = work if self.work is None else self.work + work
                 else:
-                    self.latest = parse_load(await resp.text(), PROMETHEUS_ENGINES[self.engine])
+                    self.latest, work = parse_metrics(await resp.text(), PROMETHEUS_ENGINES[self.engine])
         except (TimeoutError, aiohttp.ClientError, ValueError, UnicodeDecodeError) as exc:
             self.failures += 1
             self._problems.warning("unavailable", "engine metrics %s unavailable (%d failures), keeping the last known "
                                    "load: %s", self.url, self.failures, exc or type(exc).__name__)
             return False
         self._problems.recovered("unavailable", "engine metrics %s available again", self.url)
+        if work is not None:
+            self.work, self.work_at = work, time.monotonic()
         return True
 
     async def run(self) -> None:

@@ -7,18 +7,24 @@ unrelated model) are not. Requests name an adapter in their `model` field, so th
 list to send a request for adapter X only to workers that have X loaded: the agent polls it (the
 set changes at run time with vLLM's dynamic LoRA loading) and reports it in `RegisterWorker` and
 every `Heartbeat`.
+
+The same poll is how the agent knows its engine answers at all (every engine kvroute reads serves
+`/v1/models`): `until_answering` retries (0.5 s doubling to 5 s) until it does, `until_gone` polls
+every `interval_s` and returns once it has not answered for a given time (retrying meanwhile from
+0.5 s up to `interval_s`). `answering`, `last_error` and `failing_since` say how it stands.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import aiohttp
 import msgspec
 
 from kvroute.backoff import Backoff
-from kvroute.poller import poll_forever
 from kvroute.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger("kvroute.agent.models")
@@ -68,7 +74,13 @@ class EngineModelsPoller:
         self.adapters: list[str] | None = None  # None until the engine answered once
         self.engine_version = ""
         self.failures = 0
+        self.answering = False               # the last poll was answered with a model list
+        self.last_error = ""                 # why the last poll failed ("" after an answer)
+        self.failing_since: float | None = None  # monotonic time of the first failure in the current run of them
         self._problems = RateLimitedLog(log, period_s=60.0)
+
+    def session(self) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
 
     async def poll_once(self, session: aiohttp.ClientSession) -> bool:
         try:
@@ -77,10 +89,14 @@ class EngineModelsPoller:
                 model, adapters = parse_models(await resp.read(), self.model)
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             self.failures += 1
+            self.answering, self.last_error = False, str(exc) or type(exc).__name__
+            if self.failing_since is None:
+                self.failing_since = time.monotonic()
             self._problems.warning("unavailable", "%s/v1/models unavailable (attempt %d): %s", self.base, self.failures,
-                                   exc or type(exc).__name__)
+                                   self.last_error)
             return False
         self._problems.recovered("unavailable", "%s/v1/models available again", self.base)
+        self.answering, self.last_error, self.failing_since = True, "", None
         self.model = model
         if adapters != self.adapters:
             if self.adapters is not None or adapters:
@@ -89,21 +105,41 @@ class EngineModelsPoller:
             self.on_adapters(adapters)
         return True
 
-    async def discover(self) -> str:
-        """Poll until the engine names its model (it may start after the agent); also reads /version."""
+    async def until_answering(self, session: aiohttp.ClientSession) -> str:
+        """Poll until the engine names its model (it may start after the agent, or come back), then
+        read its /version while that is unknown. Returns the model."""
         backoff = Backoff(0.5, 5.0)
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as session:
-            while not await self.poll_once(session):
-                await backoff.sleep()
-            try:
-                async with session.get(self.base + "/version") as resp:
-                    if resp.status == 200:
-                        self.engine_version = str((await resp.json(content_type=None)).get("version", ""))
-            except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
-                pass
+        while not await self.poll_once(session):
+            await backoff.sleep()
+        if not self.engine_version:
+            await self._read_version(session)
         assert self.model is not None
         return self.model
 
-    async def run(self) -> None:
-        """Poll forever (first poll at once); failures keep the last known adapters."""
-        await poll_forever(self.poll_once, self.interval_s, self.timeout_s)
+    async def until_gone(self, session: aiohttp.ClientSession, gone_s: float) -> None:
+        """Poll every `interval_s` (failures keep the last known adapters); return once the engine has
+        not answered for `gone_s`."""
+        backoff = Backoff(0.5, max(0.5, self.interval_s))
+        while True:
+            if await self.poll_once(session):
+                backoff.reset()
+                await asyncio.sleep(self.interval_s)
+                continue
+            assert self.failing_since is not None
+            left = gone_s - (time.monotonic() - self.failing_since)
+            if left <= 0:
+                return
+            await asyncio.sleep(min(left, backoff.next_delay()))
+
+    async def discover(self) -> str:
+        """`until_answering` in a session of its own."""
+        async with self.session() as session:
+            return await self.until_answering(session)
+
+    async def _read_version(self, session: aiohttp.ClientSession) -> None:
+        try:
+            async with session.get(self.base + "/version") as resp:
+                if resp.status == 200:
+                    self.engine_version = str((await resp.json(content_type=None)).get("version", ""))
+        except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
+            pass

@@ -31,6 +31,7 @@ every known worker is in it; an answer that names only avoided workers then fail
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from itertools import repeat
 from typing import Protocol
 
 from kvroute.data_plane.decision.policies import Candidate
@@ -97,23 +98,27 @@ def _from_columns(columns: IndexColumnsView, known: Sequence[KnownWorkerView], m
     by_id = {w.worker_id: w for w in known}
     out = []
     held = columns.cached_blocks
-    for i, (wid, matched, cpu, disk, reserved, prefill, running, waiting, usage) in enumerate(zip(
+    claims = columns.speculative_blocks or repeat(0)  # an answer may leave it out: nothing claimed
+    for i, (wid, matched, cpu, disk, claimed, reserved, prefill, running, waiting, usage) in enumerate(zip(
             columns.worker_id, columns.matched_blocks, columns.cpu_blocks, columns.disk_blocks,
-            columns.reserved_requests, columns.reserved_prefill_tokens, columns.running_requests,
-            columns.waiting_requests, columns.kv_usage)):
+            claims, columns.reserved_requests, columns.reserved_prefill_tokens,
+            columns.running_requests, columns.waiting_requests, columns.kv_usage)):
         w = by_id.get(wid)
         if w is None:
             continue
         bs = w.block_size
         own_requests, own_pending = mine.get(wid, _NOTHING_OWN) if mine else _NOTHING_OWN
+        confirmed = matched - claimed  # a claim continues a chain the events confirmed: it is the tail
         if own_requests and bs in speculative:
             matched = max(matched, speculative[bs].get(wid, 0))
         # Conditionals, not min(): this runs per worker per decision and tiers are mostly empty.
         cached = matched * bs
+        in_flight = (matched - confirmed) * bs
         out.append(Candidate(wid, w.endpoint, bs, cached if cached < prompt_tokens else prompt_tokens,
                              min(cpu * bs, prompt_tokens) if cpu else 0,
                              min(disk * bs, prompt_tokens) if disk else 0, running, waiting, usage,
-                             own_requests + reserved, own_pending + prefill, held[i] if held else w.cached_blocks))
+                             own_requests + reserved, own_pending + prefill, held[i] if held else w.cached_blocks,
+                             in_flight if in_flight < prompt_tokens else prompt_tokens))
     return out
 
 
@@ -123,7 +128,8 @@ def _from_known(known: Sequence[KnownWorkerView], mine: dict[str, tuple[int, int
     for w in known:
         own_requests, own_pending = mine.get(w.worker_id, _NOTHING_OWN)
         blocks = speculative[w.block_size].get(w.worker_id, 0) if w.block_size in speculative else 0
-        out.append(Candidate(w.worker_id, w.endpoint, w.block_size, min(blocks * w.block_size, prompt_tokens),
-                             0, 0, w.load.running_requests, w.load.waiting_requests, w.load.kv_usage,
-                             own_requests, own_pending, w.cached_blocks))
+        in_flight = min(blocks * w.block_size, prompt_tokens)  # without the index all of it is this router's own
+        out.append(Candidate(w.worker_id, w.endpoint, w.block_size, in_flight, 0, 0, w.load.running_requests,
+                             w.load.waiting_requests, w.load.kv_usage, own_requests, own_pending, w.cached_blocks,
+                             in_flight))
     return out

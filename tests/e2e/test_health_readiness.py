@@ -5,7 +5,6 @@ control plane and engine come and go."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 
@@ -16,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvroute.control_plane.server import ControlPlaneConfig, ControlPlaneServer
 from kvroute.tools.local_cluster import LocalCluster, free_port, http_get, http_post_json
+from tests.helpers import get_ready
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -110,15 +110,6 @@ async def test_a_trtllm_agent_is_ready_only_while_its_polls_are_answered() -> No
         await engine.cleanup()
 
 
-def _ready(url: str) -> tuple[int, dict]:
-    """GET /ready: (status, JSON body); (0, {}) while nothing answers yet."""
-    try:
-        status, raw = http_get(url + "/ready")
-    except OSError:
-        return 0, {}
-    return status, json.loads(raw)
-
-
 def _grpc_health(target: str, service: str = "") -> int:
     with grpc.insecure_channel(target) as channel:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
@@ -151,11 +142,11 @@ def test_router_and_agent_readiness_follow_control_plane_and_engines(cluster: Lo
 
     # 1. No control plane, no static fleet: alive, not ready, and both say why.
     assert http_get(router + "/health")[0] == 200
-    status, body = _ready(router)
+    status, body = get_ready(router)
     assert status == 503 and body["status"] == "not_ready" and body["fleet"] == "none"
     assert any(f"control plane {cluster.control_plane_addr} not reached" in p for p in body["problems"]), body
     assert _grpc_health(router_grpc) == NOT_SERVING and _grpc_health(router_grpc, "kvroute.v1.Router") == NOT_SERVING
-    status, body = _eventually(lambda: (r := _ready(engine.agent_metrics_url))[0] and r[1]["workers"][0]["control_plane"]
+    status, body = _eventually(lambda: (r := get_ready(engine.agent_metrics_url))[0] and r[1]["workers"][0]["control_plane"]
                                != "connecting" and r, 20, "the agent's first connection attempt")
     assert status == 503 and any("engine-0: not connected to the control plane: control plane "
                                  f"{cluster.control_plane_addr} unreachable" in p for p in body["problems"]), body
@@ -164,37 +155,37 @@ def test_router_and_agent_readiness_follow_control_plane_and_engines(cluster: Lo
     # 2. The control plane comes: all ready.
     cluster.start_control_plane(cp_port)
     cluster.wait_workers_registered()
-    _eventually(lambda: _ready(router)[0] == 200, 10, "router ready")
+    _eventually(lambda: get_ready(router)[0] == 200, 10, "router ready")
     _eventually(lambda: _grpc_health(router_grpc) == SERVING, 5, "router gRPC health SERVING")
     assert _grpc_health(cluster.control_plane_addr, "kvroute.v1.ControlPlane") == SERVING
-    status, body = _eventually(lambda: (r := _ready(engine.agent_metrics_url))[0] == 200 and r, 10, "agent ready")
+    status, body = _eventually(lambda: (r := get_ready(engine.agent_metrics_url))[0] == 200 and r, 10, "agent ready")
     assert body["problems"] == [] and body["workers"][0]["following_events"] is True
 
     # 3. The control plane dies: the router fails open (ready, degraded), the agent is not ready.
     cluster.control_plane.stop()
-    status, body = _eventually(lambda: (r := _ready(router))[1]["status"] == "degraded" and r, 10, "router degraded")
+    status, body = _eventually(lambda: (r := get_ready(router))[1]["status"] == "degraded" and r, 10, "router degraded")
     assert status == 200 and body["fleet"] == "view" and body["workers"] == 1  # its last view of the fleet
     assert any("unreachable" in p for p in body["problems"]) and body["control_plane"]["reachable"] is False
     assert _grpc_health(router_grpc) == SERVING
-    status, body = _eventually(lambda: (r := _ready(engine.agent_metrics_url))[0] == 503 and r, 10, "agent not ready")
+    status, body = _eventually(lambda: (r := get_ready(engine.agent_metrics_url))[0] == 503 and r, 10, "agent not ready")
     assert any("not connected to the control plane" in p for p in body["problems"]), body
 
     # 4. Every engine down: once requests failed on it, the router is not ready (gRPC health too).
     cluster.restart_control_plane()
     cluster.wait_workers_registered()
-    _eventually(lambda: _ready(router)[1]["status"] == "ready", 10, "router ready again")
+    _eventually(lambda: get_ready(router)[1]["status"] == "ready", 10, "router ready again")
     engine.engine.stop()
     request = cluster.chat_request("You are terse.", "Say hi.")
 
     def fail_a_request() -> None:  # each failure restarts the proxy's 2 s cooldown for the worker
         assert http_post_json(router + "/v1/chat/completions", request)[0] == 502
 
-    status, body = _eventually(lambda: (r := _ready(router))[0] == 503 and r, 10, "router not ready",
+    status, body = _eventually(lambda: (r := get_ready(router))[0] == 503 and r, 10, "router not ready",
                                every=fail_a_request)
     assert body["cooling_down"] == ["engine-0"] and body["healthy_workers"] == 0
     assert any("every worker of model 'tiny-llama' failed" in p for p in body["problems"]), body
     _eventually(lambda: _grpc_health(router_grpc, "kvroute.v1.Router") == NOT_SERVING, 10,
                 "router gRPC health NOT_SERVING", every=fail_a_request)
     # The agent of the dead engine: its publisher connection went away.
-    status, body = _eventually(lambda: (r := _ready(engine.agent_metrics_url))[0] == 503 and r, 10, "agent not ready")
+    status, body = _eventually(lambda: (r := get_ready(engine.agent_metrics_url))[0] == 503 and r, 10, "agent not ready")
     assert any("engine-0: not receiving KV events" in p for p in body["problems"]), body

@@ -87,7 +87,7 @@ def test_control_plane_down_fails_open(cluster: LocalCluster) -> None:
 
 def test_only_a_router_whose_policy_reads_the_index_opens_a_router_session(local_fleet) -> None:
     from kvroute.prom_text import sample_sums
-    from kvroute.tools.local_cluster import free_port, http_get
+    from kvroute.tools.local_cluster import free_port, http_get, http_ok
 
     cluster = local_fleet("sessions")
     metrics_port = free_port()
@@ -101,6 +101,8 @@ def test_only_a_router_whose_policy_reads_the_index_opens_a_router_session(local
         return sample_sums(text, {"kvroute_cp_router_sessions"}).get("kvroute_cp_router_sessions", -1)
 
     wait_until(lambda: sessions() == 1, 15, "the kv_aware router's session")
+    for name in ("rr", "kv"):
+        wait_until(lambda name=name: http_ok(cluster.router_urls[name] + "/ready"), 30, f"router {name} ready")
     for name in ("rr", "kv"):  # both route; round_robin's requests are neither queried nor announced
         status, raw = http_post_json(cluster.router_urls[name] + "/v1/completions",
                                      {"model": cluster.model, "prompt": "hello", "max_tokens": 2})

@@ -2,9 +2,10 @@
 
 The block is read out of README.md and run by bash in an empty directory, as a user pasting it
 would: `kvroute tiny-model`, a control plane, a sim engine, its agent and a router in the
-background, a chat request through the router with curl, and `kvroute audit`. Only its fixed
-ports are swapped for free ones (other tests and helpers share this machine); then the README's
-`kill %1 %2 %3 %4` must stop all four.
+background, a chat request through the router with curl, the agent's /ready, and `kvroute audit`.
+Only its fixed ports are swapped for free ones (other tests and helpers share this machine); then
+the README's `kill %1 %2 %3 %4` must stop all four. The log lines the README says tell that the
+agent follows its engine are in the agent's log.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 
 from tests.helpers import REPO, process_group_alive, readme_sh_blocks, with_free_ports
 
-README_PORTS = (50051, 50052, 8000, 8080, 5557, 5558)
+README_PORTS = (50051, 50052, 8000, 8080, 5557, 5558, 9400)
 
 
 @pytest.mark.timeout(180)
@@ -51,6 +52,16 @@ def test_running_the_pieces_yourself_works_as_written(tmp_path: Path) -> None:
         assert completion.get("object") == "chat.completion" and completion["model"] == "tiny-llama", f"{out}\n{logs}"
         assert completion["choices"][0]["message"]["content"], completion
         assert completion["usage"]["completion_tokens"] == 8, completion
+        agent_ready = json.loads(lines[2])  # curl -f: a 503 would have stopped the script
+        assert agent_ready["status"] == "ready" and agent_ready["problems"] == [], agent_ready
+        assert agent_ready["engine_answering"] is True and agent_ready["event_stream_silent"] is False, agent_ready
+        # The log lines the README quotes, on this run's ports.
+        agent_log = (tmp_path / "agent.log").read_text()
+        for quoted in ("engine http://127.0.0.1:8000 answers (model tiny-llama):\nregistering sim-0",
+                       "registered with control plane 127.0.0.1:50051 as sim-0"):
+            assert f"`{quoted}`" in prose, quoted
+            line = quoted.replace("\n", " ").replace("8000", str(ports[8000])).replace("50051", str(ports[50051]))
+            assert line in agent_log, f"{line!r} not in the agent's log:\n{agent_log}"
         audit = json.loads(lines[-1])
         assert audit["audited"] == 1 and audit["divergence"] == 0 and not audit["errors"], audit
         assert audit["workers"][0]["worker_id"] == "sim-0" and audit["workers"][0]["tiers"]["gpu"]["engine"] > 0, audit

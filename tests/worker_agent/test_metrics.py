@@ -9,7 +9,15 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from kvroute.v1 import kvroute_pb2 as pb
-from kvroute.worker_agent.engine_metrics import SGLANG_METRICS, EngineLoadPoller, parse_load, parse_trtllm_stats
+from kvroute.worker_agent.engine_metrics import (
+    SGLANG_METRICS,
+    EngineLoadPoller,
+    EngineWork,
+    parse_load,
+    parse_metrics,
+    parse_trtllm_metrics,
+    parse_trtllm_stats,
+)
 from kvroute.worker_agent.engine_models import EngineModelsPoller, parse_models
 
 VLLM_METRICS = """\
@@ -79,6 +87,48 @@ def test_parse_trtllm_iteration_stats() -> None:
     for bad in (b"{}", b"nope", b'[{"numActiveRequests": "x"}]'):
         with pytest.raises(ValueError):
             parse_trtllm_stats(bad, last)
+
+
+def test_parse_work_counters_of_each_engine() -> None:
+    vllm = VLLM_METRICS + (
+        'vllm:prefix_cache_queries_total{engine="0"} 1000\nvllm:prefix_cache_queries_total{engine="1"} 600\n'
+        'vllm:prefix_cache_hits_total{engine="1"} 366\n'  # + engine 0's 1234 above: 1600 - 1600 hits
+        'vllm:gpu_prefix_cache_queries_total 99999\n'       # the older name is not read beside the newer one
+        'vllm:time_to_first_token_seconds_count{engine="0"} 7\nvllm:time_to_first_token_seconds_sum 1.5\n')
+    assert parse_metrics(vllm)[1] == EngineWork(0.0, 7.0)
+    older = ("vllm:num_requests_running 1\nvllm:gpu_prefix_cache_queries_total 500\n"
+             "vllm:gpu_prefix_cache_hits_total 100\nvllm:time_to_first_token_seconds_count 3\n")
+    assert parse_metrics(older)[1] == EngineWork(400.0, 3.0)
+    assert parse_metrics(VLLM_METRICS)[1] is None  # no request counter: no work known
+    sglang = SGLANG_TEXT + ('sglang:prompt_tokens_total{model_name="tiny"} 900\n'
+                            'sglang:cached_tokens_total{model_name="tiny",cache_source="device"} 300\n'
+                            'sglang:cached_tokens_total{model_name="tiny",cache_source="host"} 100\n'
+                            'sglang:num_requests_total{model_name="tiny"} 4\n')
+    assert parse_metrics(sglang, SGLANG_METRICS)[1] == EngineWork(500.0, 4.0)
+    assert parse_metrics(SGLANG_TEXT, SGLANG_METRICS)[1] is None  # started without --enable-metrics' counters
+
+
+def test_parse_trtllm_work_of_the_drained_iterations() -> None:
+    body = (b'[{"numActiveRequests": 1, "inflightBatchingStats": {"numContextRequests": 2, "numCtxTokens": 640}},'
+            b' {"numActiveRequests": 1, "inflightBatchingStats": {"numContextRequests": 0, "numCtxTokens": 0}},'
+            b' {"numActiveRequests": 1, "inflightBatchingStats": {"numContextRequests": 1, "numCtxTokens": 64}}]')
+    assert parse_trtllm_metrics(body, pb.WorkerLoad())[1] == EngineWork(704.0, 3.0)
+    assert parse_trtllm_metrics(b"[]", pb.WorkerLoad())[1] == EngineWork(0.0, 0.0)  # idle: no work
+    assert parse_trtllm_metrics(b'[{"numActiveRequests": 4}]', pb.WorkerLoad())[1] is None  # not reported
+
+
+async def test_trtllm_poller_adds_up_the_work_of_each_drained_poll() -> None:
+    async def metrics(request: web.Request) -> web.Response:
+        return web.json_response([{"inflightBatchingStats": {"numContextRequests": 1, "numCtxTokens": 100}}])
+
+    server = await serve("/metrics", metrics)
+    poller = EngineLoadPoller(str(server.make_url("")), engine="trtllm")
+    try:
+        async with aiohttp.ClientSession() as session:
+            assert await poller.poll_once(session) and await poller.poll_once(session)
+        assert poller.work == EngineWork(200.0, 2.0) and poller.work_at is not None
+    finally:
+        await server.close()
 
 
 def test_parse_without_vllm_metrics_is_an_error() -> None:

@@ -166,6 +166,10 @@ def add_live_arguments(p: argparse.ArgumentParser) -> None:
                    help="one of kv_aware's weights (kvroute.data_plane.decision.policies.KvAwareParams) for its router and its "
                         "simulation, repeatable; with --router-url, pass the router's own")
     f.add_argument("--engines", type=int, default=4, help="sim engines, each with its own agent")
+    f.add_argument("--routers", default="1", metavar="N[,N...]",
+                   help="routers per policy, taking the requests in turn (each its own process with its own view of "
+                        "the fleet); several counts (e.g. 1,4) run one after another on the same fleet, named POLICY@N, "
+                        "and the simulator models each with --routers N")
     f.add_argument("--num-blocks", type=int, default=640, help="KV cache capacity of each engine, in blocks")
     f.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     f.add_argument("--speedup", type=float, default=2.0,

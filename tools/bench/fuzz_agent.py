@@ -29,8 +29,10 @@ import grpc
 import msgspec
 import zmq
 import zmq.asyncio
+from aiohttp import web
 
 from kvroute.block_keys import prompt_block_keys
+from kvroute.listeners import start_status_site
 from kvroute.prom_text import samples
 from kvroute.tools.bench.fuzz import FuzzReport
 from kvroute.tools.local_cluster import LocalCluster, ManagedProcess, free_port, http_get, kvroute_argv, wait_until
@@ -125,6 +127,16 @@ class HostileEngine:
         self.junk_sent = 0
         self.replay_requests = 0
         self._task = asyncio.create_task(self._serve_replay())
+        self._http: web.AppRunner | None = None
+
+    async def serve_models(self) -> str:
+        """The engine's `GET /v1/models` (an agent registers its worker only while its engine answers
+        there); its other endpoints stay absent: the agent's load polls fail and are counted. Returns the URL."""
+        async def models(_: web.Request) -> web.Response:
+            return web.json_response({"object": "list", "data": [{"id": MODEL}]})
+
+        self._http, port = await start_status_site("--engine-url", "127.0.0.1", 0, {"/v1/models": models})
+        return f"http://127.0.0.1:{port}"
 
     async def subscribed(self, timeout: float = 30.0) -> None:
         """Until a subscriber (re)subscribes (an XPUB also reports one that left)."""
@@ -153,6 +165,8 @@ class HostileEngine:
     async def close(self) -> None:
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
+        if self._http is not None:
+            await self._http.cleanup()
         self.pub.close(linger=0)
         self.router.close(linger=0)
 
@@ -330,11 +344,12 @@ def run_fuzz(messages: int, seed: int, workdir: Path) -> FuzzReport:
         nonlocal agent
         ctx = zmq.asyncio.Context()
         engine = HostileEngine(ctx)
+        engine_url = await engine.serve_models()
         metrics_port = free_port()
         agent = ManagedProcess("agent", kvroute_argv(
             "agent", "--control-plane", cluster.control_plane_addr, "--engine", "vllm",
             "--kv-events", f"tcp://127.0.0.1:{engine.port}", "--replay-endpoint", f"tcp://127.0.0.1:{engine.replay_port}",
-            "--engine-url", f"http://127.0.0.1:{free_port()}",  # nothing listens: load polls fail, counted
+            "--engine-url", engine_url,
             "--worker-id", WORKER, "--model", MODEL, "--block-size", str(BLOCK_SIZE), "--metrics-port", str(metrics_port),
             "--kv-events-max-frame-bytes", str(MAX_FRAME_BYTES), "--kv-events-max-batch-events", str(MAX_BATCH_EVENTS)),
             workdir / "agent.log")

@@ -232,9 +232,12 @@ async def drive(targets: Iterator[tuple[str, str]], bodies: list[bytes], workloa
             await channel.close()
 
 
-def router_targets(url: str) -> Iterator[tuple[str, str]]:
+def router_targets(*urls: str) -> Iterator[tuple[str, str]]:
+    """The routers in turn, request by request (a burst of one prefix spreads over them)."""
+    i = 0
     while True:
-        yield url, "?"
+        yield urls[i % len(urls)], "?"
+        i += 1
 
 
 def direct_targets(engine_urls: list[str]) -> Iterator[tuple[str, str]]:
@@ -285,19 +288,20 @@ def wait_router_ready(router_url: str, model: str, workers: int, probes: list[li
                interval=0.2)
 
 
-def run_live(name: str, url: str | None, engine_urls: list[str], bodies: list[bytes],
+def run_live(name: str, url: str | list[str] | None, engine_urls: list[str], bodies: list[bytes],
              workload: list[SimWorkloadRequest], args: argparse.Namespace,
              ready: Callable[[], None] | None = None, epp: str | None = None) -> LiveRun:
-    """One policy (url None: direct to the engines; `epp`: through that endpoint picker, the client
-    sending to the engines as Envoy would): reset caches, wait until `ready`, replay, read the
-    engines' counter deltas."""
+    """One policy (url None: direct to the engines; several: its routers in turn; `epp`: through that
+    endpoint picker, the client sending to the engines as Envoy would): reset caches, wait until
+    `ready`, replay, read the engines' counter deltas."""
     if engine_urls:
         reset_engines(engine_urls)
     if ready:
         ready()
     before = engines_counters(engine_urls)
     run = LiveRun(name, args.speedup)
-    targets = router_targets(url or epp or "") if url or epp else direct_targets(engine_urls)
+    urls = [url] if isinstance(url, str) else url or []
+    targets = router_targets(*(urls or [epp or ""])) if urls or epp else direct_targets(engine_urls)
     names = {u.split("//", 1)[-1]: f"engine-{i}" for i, u in enumerate(engine_urls)}
     asyncio.run(drive(targets, bodies, workload, args.speedup, args.concurrency, run, epp, names))
     after = engines_counters(engine_urls)
@@ -339,8 +343,23 @@ def simulate(policy: str, workload: list[SimWorkloadRequest], config: FleetConfi
 
 
 def sim_policy_for(name: str) -> str:
-    """direct is round-robin without a router; an endpoint picker's run (epp:POLICY) is its policy's."""
-    return "round_robin" if name == DIRECT else name.removeprefix(EPP_PREFIX)
+    """direct is round-robin without a router; an endpoint picker's run (epp:POLICY) is its policy's,
+    and so is a run with several routers (POLICY@N)."""
+    return "round_robin" if name == DIRECT else name.removeprefix(EPP_PREFIX).partition("@")[0]
+
+
+def routers_of(name: str) -> int:
+    """How many routers a run's name says it had (POLICY@N), 1 otherwise."""
+    return int(name.partition("@")[2] or 1)
+
+
+def router_counts(args: argparse.Namespace) -> list[int]:
+    return [int(n) for n in _split(args.routers)]
+
+
+def run_name(policy: str, routers: int, counts: list[int]) -> str:
+    """POLICY, or POLICY@N when several router counts run (POLICY alone is its one-router run)."""
+    return policy if routers == 1 else f"{policy}@{routers}"
 
 
 def sim_workload(workload: list[SimWorkloadRequest], run: LiveRun, closed: bool) -> list[SimWorkloadRequest]:
@@ -416,17 +435,25 @@ def run_local(args: argparse.Namespace, workload: list[SimWorkloadRequest], log:
         cluster.start_sim_fleet(args.engines, *sim_engine_args(args))
         weights = [a for item in args.kv_aware_param for a in ("--kv-aware-param", item)]
         epps = {}
+        counts = router_counts(args)
         for policy in _split(args.policies):
-            cluster.start_router(policy, policy, *(weights if policy == "kv_aware" else ()))
+            for i in range(max(counts)):
+                cluster.start_router(f"{policy}#{i}", policy, *(weights if policy == "kv_aware" else ()))
             if args.epp:
                 epps[policy] = cluster.start_epp(policy, policy, *(weights if policy == "kv_aware" else ()))
         engine_urls = [e.url for e in cluster.engines]
         for policy in _split(args.policies):
-            log(f"live: {policy} ...")
-            url = cluster.router_urls[policy]
-            ready = partial(wait_router_ready, url, cluster.model, args.engines, probes,
-                            procs=tuple(cluster.all_processes()), fleet_idle=partial(fleet_idle, cluster))
-            runs[policy] = run_live(policy, url, engine_urls, bodies, workload, args, ready)
+            for n in counts:
+                name = run_name(policy, n, counts)
+                log(f"live: {name} ...")
+                urls = [cluster.router_urls[f"{policy}#{i}"] for i in range(n)]
+
+                def ready(urls=urls) -> None:
+                    for url in urls:
+                        wait_router_ready(url, cluster.model, args.engines, probes, procs=tuple(cluster.all_processes()),
+                                          fleet_idle=partial(fleet_idle, cluster))
+
+                runs[name] = run_live(name, urls, engine_urls, bodies, workload, args, ready)
             if args.epp:  # the same caches' state checked through the router, then the picker's own readiness
                 log(f"live: {EPP_PREFIX}{policy} ...")
 
@@ -503,6 +530,12 @@ def check_args(args: argparse.Namespace) -> None:
     if not args.router_url and not args.engine_urls and not _split(args.policies) and not args.direct:
         raise SystemExit("kvroute bench live: no policy to run")
     try:
+        counts = router_counts(args)
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise SystemExit(f"kvroute bench live: --routers takes counts >= 1 separated by commas, got {args.routers!r}")
+    try:
         parse_kv_aware_params(args.kv_aware_param)
     except ValueError as exc:
         raise SystemExit(f"kvroute bench live: {exc}") from None
@@ -520,18 +553,21 @@ def run(args: argparse.Namespace) -> int:
     config = fleet_config(args, engines)
     closed = args.concurrency > 0
     sims: dict[str, dict] = {}
+    def sim_key(name: str) -> str:  # open loop: direct and round_robin simulate alike
+        return name if closed else f"{sim_policy_for(name)}@{routers_of(name)}"
+
     for name, live in runs.items():
-        key = name if closed else sim_policy_for(name)  # open loop: direct and round_robin simulate alike
-        if key not in sims:
-            log(f"simulating {sim_policy_for(name)} ...")
-            sims[key] = simulate(sim_policy_for(name), sim_workload(workload, live, closed), config)
-    policies = {name: {"live": r.summary(), "sim": sims[name if closed else sim_policy_for(name)]}
-                for name, r in runs.items()}
+        if sim_key(name) not in sims:
+            log(f"simulating {sim_policy_for(name)} with {routers_of(name)} router(s) ...")
+            sims[sim_key(name)] = simulate(sim_policy_for(name), sim_workload(workload, live, closed),
+                                           dataclasses.replace(config, routers=routers_of(name)))
+    policies = {name: {"live": r.summary(), "sim": sims[sim_key(name)]} for name, r in runs.items()}
     ordering = compare(policies)
     result = {"workload": {"name": args.workload, "requests": len(workload), "rate_rps": args.rate,
                            "groups": args.groups, "system_prompt_tokens": args.system_prompt_tokens,
                            "output_tokens": args.output_tokens, "seed": args.seed},
-              "fleet": {"engines": engines, "num_blocks": args.num_blocks, "block_size": args.block_size,
+              "fleet": {"engines": engines, "routers": args.routers, "num_blocks": args.num_blocks,
+                        "block_size": args.block_size,
                         "speedup": args.speedup, "loop": f"closed x{args.concurrency}" if closed else "open",
                         "sim_arrivals": "live send times" if closed else "workload",
                         "kv_aware_params": config.kv_aware_params},

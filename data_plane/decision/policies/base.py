@@ -31,6 +31,7 @@ class Candidate:
     inflight_requests: int = 0       # routed by kvroute routers (this one exactly, others via the control plane), not finished
     pending_prefill_tokens: int = 0  # of those, uncached prompt tokens whose prefill is not done yet
     worker_cached_blocks: int = 0    # blocks the worker's cache holds in all (index), for spreading new prefixes
+    inflight_cached_tokens: int = 0  # of cached_tokens, those only in-flight requests are computing there now
 
 
 @dataclass(slots=True)

@@ -68,6 +68,12 @@ class KvAwareParams:
                         of the moment, which left some workers with twice the prefixes of others and a
                         p99 ~10 ms worse on shared-prefix. Once caches are full, block counts differ by
                         in-flight work, not by prefixes held, and the cost alone decides. 0 = off.
+    inflight_prefix_credit: in the load bound, the share of a worker's pending prefill that is computing
+                        blocks of this very prompt (other requests in flight there with its prefix) not
+                        counted against it: this request would wait for those blocks on any worker that
+                        does not hold them, by recomputing them, so their prefill is not a queue it could
+                        avoid by going elsewhere. 1 = not counted; 0 = counted like any other (a prefix
+                        whose first request is still prefilling is then spilled off its only holder).
 
     Defaults were chosen with `kvroute simulate` over the generated suite (README: "Choosing kv_aware's
     weights"); they are not fitted to one workload.
@@ -83,13 +89,14 @@ class KvAwareParams:
     temperature: float = 0.0
     spread_new_prefixes: float = 0.25
     spread_while_fill_below: float = 0.9
+    inflight_prefix_credit: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("queue_weight", "mean_prompt_tokens", "decode_weight", "recompute_weight",
                      "load_bound_slack_tokens", "temperature", "spread_new_prefixes"):
             if not getattr(self, name) >= 0:  # also rejects NaN
                 raise ValueError(f"kv_aware {name} must be >= 0, got {getattr(self, name)}")
-        for name in ("cpu_tier_credit", "disk_tier_credit", "spread_while_fill_below"):
+        for name in ("cpu_tier_credit", "disk_tier_credit", "spread_while_fill_below", "inflight_prefix_credit"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"kv_aware {name} must be in [0, 1], got {getattr(self, name)}")
         if self.load_bound and not self.load_bound >= 1.0:
@@ -241,7 +248,9 @@ class KvAware:
         p = self.params
         uncached = [prompt - cr if cr < prompt else 0.0 for cr in credited]
         pending = [c.pending_prefill_tokens for c in candidates]
-        work = [q + u for q, u in zip(pending, uncached)]
+        credit = p.inflight_prefix_credit
+        work = [q - min(q, credit * c.inflight_cached_tokens) + u if credit else q + u
+                for q, u, c in zip(pending, uncached, candidates)]
         least = min(work)
         scale, total, slack = p.load_bound / len(candidates), sum(pending), p.load_bound_slack_tokens
         return _keep(candidates, costs,
