@@ -1,6 +1,9 @@
 """`kvroute bench follow`: how fresh, how fast to sync, how big and how fast to apply a router's own view
 of the fleet (`--index local`: `ControlPlane.Follow` into a `FleetView`).
 
+    kvroute bench follow [--modes embedded,redis] [--repeat 3] [--index-backend bitmask] \
+        [--taskset-control-plane 1 --taskset-agents 1 --taskset-follower 0] --json
+
 Every process is real and on this machine: a control plane (`kvroute control-plane`), synthetic agents
 sending EventBatches over Connect with each batch's send time stamped (`synthetic_agents.py`), a
 follower (`FleetView` + `ControlPlaneClient`, `follower.py`) stamping when each change became visible
@@ -29,8 +32,9 @@ of the processes are one clock.
   index, in this process, on top of the 1M-entry view; `ingest_events_per_cpu_s`: per second of this
   process's CPU time (on a shared machine the wall-clock rate also says how much of a core it got).
 
-The machine is shared: `--taskset-*` pin the processes (see the defaults) and `--repeat` runs the
-process measurements several times (each figure reported per run and as the median).
+On a shared machine: `--taskset-*` pin the processes (nothing is pinned unless asked) and `--repeat`
+runs the process measurements several times, embedded and Redis in turn (the figures are the medians,
+every run's are in `runs`).
 """
 
 from __future__ import annotations
