@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,6 +47,11 @@ if TYPE_CHECKING:
     from kvroute.data_plane.control_plane_client import ControlPlaneClient, KnownWorker
 
 log = logging.getLogger("kvroute.router.view")
+
+# How long a long message is applied before other work runs (FleetFollower): what a decision waits
+# at most behind a view catching up or building a new snapshot (plus one change: a snapshot chunk
+# of kvroute.fleet.changes.SNAPSHOT_CHUNK_KEYS keys, a few ms).
+APPLY_SLICE_S = 0.002
 
 VIEW_NOT_SYNCED = "the view of the fleet has not synced yet"
 VIEW_STALE = "the view of the fleet is stale (no control plane heard from)"
@@ -155,6 +160,17 @@ class FleetView:
     def apply_update(self, update: pb.FollowUpdate) -> None:
         """One message of the stream. MalformedChange: the view must resynchronise (a new stream
         without a position); what was applied before the bad change stays until the new snapshot."""
+        for _ in self.applying(update):
+            pass
+
+    def applying(self, update: pb.FollowUpdate, slice_s: float | None = None) -> Iterator[int]:
+        """`apply_update` in slices of about `slice_s` seconds (default APPLY_SLICE_S), yielding (changes
+        applied so far) between them, so that a caller can let decisions run in between: a message holds
+        up to `FollowFeed.max_update_bytes` of changes (a snapshot, or a follower that fell behind).
+        Between slices the view is the control plane's state after one of the message's changes (a
+        snapshot is built apart and read only once whole); the position, freshness and counters move
+        when the last slice has applied."""
+        budget = APPLY_SLICE_S if slice_s is None else slice_s
         if update.snapshot_begin:
             self._pending = FleetState.build(self.index_factory())
         target = self._pending if self._pending is not None else self.state
@@ -162,9 +178,15 @@ class FleetView:
             raise MalformedChange("changes before any snapshot")
         changes = update.changes
         newest = 0
-        for change in changes:
+        total = len(changes)
+        clock = time.perf_counter
+        slice_ends = clock() + budget
+        for done, change in enumerate(changes, 1):
             apply_change(target, change)
             newest = change.applied_unix_us
+            if done < total and clock() >= slice_ends:
+                yield done
+                slice_ends = clock() + budget
         now = self.clock()
         if update.snapshot_end:
             self.state, self._pending = self._pending, None
@@ -218,7 +240,8 @@ class FleetFollower:
                         first = False
                         if resume is not None and not update.snapshot_begin:
                             view.counters.resumed += 1
-                    view.apply_update(update)
+                    for _ in view.applying(update):
+                        await asyncio.sleep(0)  # decisions run between slices of a long message
                     client.heard_from_control_plane()
                     self._backoff.reset()
                 raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "the follow stream ended")

@@ -49,7 +49,7 @@ def _machine_times(proc: Path) -> tuple[float, float]:
     return (user + nice + system + irq + softirq) * _TICK_S, steal * _TICK_S
 
 
-def _process_cpu_s(proc: Path, pid: int) -> float:
+def process_cpu_s(pid: int, proc: Path = Path("/proc")) -> float:
     """utime + stime of every thread of `pid` (0 if it is gone)."""
     try:
         stat = (proc / str(pid) / "stat").read_text()
@@ -69,7 +69,7 @@ def _run_queue_wait_s(proc: Path, pid: int) -> float | None:
 
 def read_snapshot(own_pids: Iterable[int], loop_pids: Iterable[int], proc: Path = Path("/proc")) -> CpuSnapshot:
     busy, steal = _machine_times(proc)
-    own = sum(_process_cpu_s(proc, pid) for pid in set(own_pids))
+    own = sum(process_cpu_s(pid, proc) for pid in set(own_pids))
     waits = {pid: w for pid in loop_pids if (w := _run_queue_wait_s(proc, pid)) is not None}
     return CpuSnapshot(time.monotonic(), busy, steal, own, waits)
 

@@ -31,8 +31,9 @@ from kvroute.prefix_index import TIERS, tier_of_wire
 from kvroute.v1 import kvroute_pb2 as pb
 
 # Keys per PackedBlockOp in a snapshot: a worker with a million cached blocks is 8 MB of keys, sent
-# as 64 changes of 512 kB instead of one message near gRPC's limits.
-SNAPSHOT_CHUNK_KEYS = 65_536
+# as 128 changes of 64 kB instead of one message near gRPC's limits; a follower applies one in a few
+# ms, so a router building a new snapshot lets its decisions run between them (data_plane/fleet_view.py).
+SNAPSHOT_CHUNK_KEYS = 8_192
 
 _OP_KIND = {Op.STORED: pb.BLOCKS_STORED, Op.REMOVED: pb.BLOCKS_REMOVED, Op.CLEARED: pb.BLOCKS_CLEARED}
 _KIND_OP = {v: k for k, v in _OP_KIND.items()}

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.e2e  # starts kvroute processes
 
 
 def test_decision_bench_runs_against_a_control_plane_with_requests_in_flight() -> None:
-    result = run_decision(prompt_tokens=512, workers=4, iterations=5, other_blocks=10)
+    result = run_decision(prompt_tokens=512, workers=4, iterations=5, other_blocks=10, index="remote")
     assert result["fail_open"] == 0  # every decision used the index's answer
     assert result["inflight_elsewhere"] == 128 and result["workers"] == 4
     assert 0 < result["p50_ms"] <= result["p99_ms"]
@@ -19,6 +19,14 @@ def test_decision_bench_runs_against_a_control_plane_with_requests_in_flight() -
     assert result["query_bytes"] > 512 // 16 * 8 and result["answer_bytes"] > 4 * 2
     assert result["grpc_echo_p50_ms"] > 0
     assert 0 < result["control_plane_answer_mean_ms"] < result["query_p50_ms"] * 10
+
+
+def test_decision_bench_on_the_routers_own_view_sees_the_requests_in_flight() -> None:
+    result = run_decision(prompt_tokens=512, workers=4, iterations=5, other_blocks=10, index="local")
+    assert result["fail_open"] == 0 and result["index"] == "local"
+    assert result["view_entries"] >= 4 * 10 and result["view_snapshots"] == 1
+    assert 0 < result["query_p50_ms"] <= result["p50_ms"]  # the view's answer, in this process
+    assert "grpc_echo_p50_ms" not in result  # no query to put a floor under
 
 
 def test_grpc_echo_answers_every_message_on_one_stream() -> None:

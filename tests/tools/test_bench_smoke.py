@@ -1,13 +1,17 @@
-"""The micro-benchmarks run and report sane figures (their speed is measured by `kvroute bench`, not here)."""
+"""The benchmarks run and report sane figures (their speed, and their targets, are `kvroute bench`'s
+business, not the tests')."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
+from kvroute.prefix_index.backends import resolve_backend
 from kvroute.tools.bench.ingest import run_ingest
 
 pytestmark = pytest.mark.e2e  # starts kvroute processes
@@ -67,3 +71,63 @@ def test_proxy_bench_reports_every_target_and_the_router_stages() -> None:
     assert set(stages["kvroute:kv_aware"]) == {"parse", "prepare", "keys", "query", "score", "connect", "first_byte"}
     # round_robin neither tokenizes nor queries: those stages are next to nothing.
     assert stages["kvroute:round_robin"]["query"]["p50"] < stages["kvroute:kv_aware"]["query"]["p50"]
+    # kv_aware decides on its own view of the fleet (--index local, the router's default); round_robin holds none.
+    assert result["decides_on_own_view"] == {"kvroute:round_robin": False, "kvroute:kv_aware": True}
+
+
+def _bench_json(*args: str, timeout: float = 600, env: dict | None = None) -> dict:
+    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "bench", *args, "--json"], capture_output=True,
+                         text=True, timeout=timeout, check=False, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_follow_bench_measures_lag_placement_catchup_memory_and_ingest(tmp_path) -> None:
+    result = _bench_json("follow", "--batches", "100", "--rate", "100", "--catchup-entries", "5000",
+                         "--catchup-runs", "1", "--memory-entries", "5000", "--ingest-batches", "400",
+                         "--workdir", str(tmp_path))
+    for mode in ("", "_redis"):  # embedded, and two replicas over a redis-server of the bench's own
+        assert result[f"view_lag{mode}_samples"] >= 50 and result[f"view_lag{mode}_unseen"] == 0
+        assert 0 < result[f"view_lag{mode}_p50_ms"] <= result[f"view_lag{mode}_p99_ms"] < 60_000
+        assert result[f"placement_visible{mode}_samples"] >= 10 and result[f"placement_visible{mode}_unseen"] == 0
+        assert 0 < result[f"placement_visible{mode}_p50_ms"] <= result[f"placement_visible{mode}_p99_ms"] < 60_000
+        assert result[f"disturbance{mode}"]["measured"]
+    assert result["catchup_entries"] >= 5000 and 0 < result["router_catchup_s_1m"] < 120
+    assert result["router_catchup_process_s_1m"] >= result["router_catchup_s_1m"]
+    assert result["view_entries"] >= 5000 and 20 < result["bytes_per_entry"] < 2000
+    assert result["ingest_block_events"] == 400 * 16 * 2 and result["ingest_events_per_s"] > 0
+    assert result["grpc_echo_p50_ms"] > 0 and result["index_backend"] == resolve_backend("auto")
+
+
+@pytest.mark.parametrize("index", ["local", "remote"])
+def test_decision_bench_decides_while_the_fleet_changes(index: str) -> None:
+    result = _bench_json("decision", "--prompt-tokens", "512", "--workers", "4", "--iterations", "20",
+                         "--follow-rate", "5000", "--other-blocks", "500", "--index", index)
+    assert result["index"] == index and result["follow_rate"] == 5000 and result["fail_open"] == 0
+    assert result["decisions"] == 20 and 0 < result["p50_ms"] <= result["p99_ms"]
+    assert result["query_p50_ms"] > 0 and result["control_plane_applied_events_per_s"] > 0
+    if index == "local":  # the view applied the feed's changes meanwhile, in this process
+        assert result["view_applied_events_per_s"] > 0 and result["view_entries"] >= 4 * 500
+    else:
+        assert result["grpc_echo_p50_ms"] > 0 and result["control_plane_answer_mean_ms"] > 0
+
+
+def test_saturate_bench_says_in_one_line_when_nginx_or_wrk_is_missing(tmp_path) -> None:
+    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "bench", "saturate", "--json"], capture_output=True,
+                         text=True, timeout=120, check=False, env={**os.environ, "PATH": str(tmp_path)})
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and "apt-get install -y nginx wrk" in out.stderr
+
+
+@pytest.mark.skipif(not (shutil.which("nginx") and shutil.which("wrk")),
+                    reason="nginx and wrk are not installed (apt-get install -y nginx wrk)")
+def test_saturate_bench_reports_rate_and_cpu_per_request_per_target(tmp_path) -> None:
+    result = _bench_json("saturate", "--seconds", "1", "--rounds", "1", "--engines", "2", "--workdir", str(tmp_path))
+    targets = {"direct", "kvroute:round_robin", "kvroute:kv_aware"}
+    assert set(result["requests_per_s"]) == set(result["cpu_us_per_request"]) == targets
+    assert all(result["requests_per_s"][t] > 0 and result["cpu_us_per_request"][t] > 0 for t in targets)
+    assert all(n == 0 for n in result["non_2xx"].values())
+    # kvroute's figure counts its control plane's share; the router's own part is in it.
+    parts = result["cpu_us_per_request_by_part"]["kvroute:kv_aware"]
+    assert set(parts) == {"router", "control_plane"}
+    assert abs(parts["router"] + parts["control_plane"] - result["cpu_us_per_request"]["kvroute:kv_aware"]) < 1

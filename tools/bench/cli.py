@@ -1,4 +1,4 @@
-"""`kvroute bench {ingest,decision,answer,proxy,inflight,burst,live,replicas,fuzz}`: hot-path micro-benchmarks, the
+"""`kvroute bench {ingest,decision,answer,proxy,inflight,burst,live,replicas,follow,saturate,fuzz}`: hot-path micro-benchmarks, the
 staleness of shared in-flight state (`bench/inflight.py`), the live-vs-simulator benchmark (`bench/live.py`), control-plane
 replicas over Redis (`bench/replicas.py`) and hostile input at live processes (`bench/fuzz.py`); the last stdout line is JSON."""
 
@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ingest.add_argument("--memory-entries", type=int, default=1_000_000, metavar="N",
                         help="entries of the index whose bytes per entry are measured (tracemalloc, and RSS in a "
                              "fresh interpreter)")
-    decision = sub.add_parser("decision", help="tokenize + hash + control-plane query over gRPC + score (p50/p99)")
+    decision = sub.add_parser("decision", help="tokenize + hash + the index's answer (the router's own view, or a "
+                              "control-plane query) + score (p50/p99), optionally while the fleet changes")
     decision.add_argument("--prompt-tokens", type=int, default=8192, help="prompt length")
     decision.add_argument("--workers", type=int, default=64, help="registered workers")
     decision.add_argument("--iterations", type=int, default=300, help="timed decisions")
@@ -44,6 +45,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                "separate hosts; without it they share the machine's cores as the OS schedules them")
     decision.add_argument("--max-index-entries", type=int, default=0, metavar="N",
                           help="start the control plane with --max-index-entries N (0: unbounded)")
+    decision.add_argument("--index", default="local", choices=("local", "remote"),
+                          help="as the router's --index: decide on this router's own view of the fleet, or ask the "
+                               "control plane (query over the router session)")
+    decision.add_argument("--follow-rate", type=float, nargs="?", const=200_000.0, default=0.0, metavar="N",
+                          help="meanwhile the agents store and remove N block events/s (alone: 200000) and the index "
+                               "holds >= 1M entries; decisions are spaced --interval-ms apart")
+    decision.add_argument("--other-blocks", type=int, default=None, metavar="N",
+                          help="unrelated blocks per worker (default: 16384 with --follow-rate, else 2000)")
+    decision.add_argument("--interval-ms", type=float, default=None,
+                          help="pause between decisions (default: 2 with --follow-rate, else none)")
+    decision.add_argument("--max-seconds", type=float, default=300.0,
+                          help="stop the timed decisions after this long (a host too busy for the view to keep up)")
     answer = sub.add_parser("answer", help="the control plane's answer to one query, in-process: back to back, "
                             "after an idle pause, after other memory traffic (p50/p99 us)")
     answer.add_argument("--workers", type=int, default=64, help="registered workers")
@@ -86,7 +99,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     replicas.add_argument("--answer-step-s", type=float, default=3.0, metavar="SECONDS",
                           help="how long each offered query rate is held")
     replicas.add_argument("--workdir", default="", help="logs and Redis files (empty: a temp dir)")
-    for sp in (ingest, decision, answer, proxy, inflight, burst, replicas):
+    follow = sub.add_parser("follow", help="a router's own view of the fleet (--index local): agent batch and "
+                            "reservation -> another router's view (embedded and over Redis), a 1M-entry catch-up, "
+                            "the view's bytes per entry and block events/s applied")
+    add_follow_arguments(follow)
+    saturate = sub.add_parser("saturate", help="each router pinned to one core, saturated by wrk in front of nginx "
+                              "engines: requests/s and CPU us per request (kvroute's with its control plane's share)")
+    saturate.add_argument("--peer", action="append", default=[], choices=["smg", "vllm-router"],
+                          help="also measure this router with round_robin and cache_aware (tools/bench/peers.py), "
+                               "repeatable")
+    saturate.add_argument("--seconds", type=float, default=10.0, help="wrk run per target and round")
+    saturate.add_argument("--rounds", type=int, default=3, help="rounds over every target (medians reported)")
+    saturate.add_argument("--connections", type=int, default=32, help="wrk connections")
+    saturate.add_argument("--engines", type=int, default=4, help="nginx ports, one worker each")
+    saturate.add_argument("--router-core", type=int, default=0, help="the core every router is pinned to")
+    saturate.add_argument("--workdir", default="", help="logs and configuration (empty: a temp dir)")
+    for sp in (ingest, decision, answer, proxy, inflight, burst, replicas, follow, saturate):
         sp.add_argument("--json", action="store_true", help="print only the JSON result")
     live = sub.add_parser("live", help="a simulator workload live over HTTP (routers + sim engines as processes), "
                           "side by side with the simulator", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -114,6 +142,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "valid traffic: alive, answering, every valid message applied, every bad one counted",
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_fuzz_arguments(fuzz)
+
+
+def add_follow_arguments(p: argparse.ArgumentParser) -> None:
+    from kvroute.prefix_index.backends import BACKENDS
+
+    p.add_argument("--batches", type=int, default=2000, help="agent batches timed for the view's lag (per mode)")
+    p.add_argument("--rate", type=float, default=400.0, help="agent batches per second over all workers")
+    p.add_argument("--workers", type=int, default=8, help="synthetic agents (one worker each)")
+    p.add_argument("--batch-keys", type=int, default=16,
+                   help="keys stored per batch (as many old ones removed once a worker holds 4096)")
+    p.add_argument("--reserve-interval-s", type=float, default=0.02, help="between router A's timed reservations")
+    p.add_argument("--catchup-entries", type=int, default=1 << 20, help="entries the new follower syncs (0 = skip)")
+    p.add_argument("--catchup-runs", type=int, default=3, help="new followers timed (the median is reported)")
+    p.add_argument("--memory-entries", type=int, default=1 << 20,
+                   help="entries of the in-process view for bytes_per_entry and ingest (0 = skip)")
+    p.add_argument("--ingest-batches", type=int, default=20000, help="recorded agent batches the view applies")
+    p.add_argument("--ingest-batches-per-message", type=int, default=4, help="agent batches per FollowUpdate")
+    p.add_argument("--index-backend", default="auto", choices=BACKENDS,
+                   help="the prefix index the views hold (FleetView's index_factory)")
+    p.add_argument("--modes", default="embedded,redis",
+                   help="comma-separated: embedded (one control plane; the catch-up runs there), redis (two replicas)")
+    p.add_argument("--repeat", type=int, default=1, help="run the process measurements this many times (medians)")
+    p.add_argument("--taskset-control-plane", default="", metavar="CPUS", help="pin the control plane(s), e.g. 1")
+    p.add_argument("--taskset-follower", default="", metavar="CPUS", help="pin the follower process(es), e.g. 0")
+    p.add_argument("--taskset-agents", default="", metavar="CPUS", help="pin the synthetic agents, e.g. 1")
+    p.add_argument("--workdir", default="", help="logs and reports (empty: a temp dir)")
 
 
 def add_live_arguments(p: argparse.ArgumentParser) -> None:
@@ -176,6 +230,21 @@ def run(args: argparse.Namespace) -> int:
         result = run_ingest(args.batches, args.blocks_per_event, workers=args.workers,
                             max_index_entries=args.max_index_entries, index_backend=args.index_backend,
                             memory_entries=args.memory_entries)
+    elif args.bench == "follow":
+        from kvroute.tools.bench.follow import run_follow
+
+        result = run_follow(args)
+    elif args.bench == "saturate":
+        import sys
+
+        from kvroute.tools.bench.saturate import MissingTool, run_saturate
+
+        try:
+            result = run_saturate(tuple(args.peer), args.seconds, args.rounds, args.connections, args.engines,
+                                  args.router_core, args.workdir)
+        except MissingTool as exc:
+            print(exc, file=sys.stderr)
+            return 2
     elif args.bench == "burst":
         from kvroute.tools.bench.burst import run_burst
 
@@ -184,7 +253,10 @@ def run(args: argparse.Namespace) -> int:
         from kvroute.tools.bench.decision import run_decision
 
         result = run_decision(args.prompt_tokens, args.workers, args.block_size, args.iterations,
-                              pin_cores=args.pin_cores, max_index_entries=args.max_index_entries)
+                              other_blocks=args.other_blocks, pin_cores=args.pin_cores,
+                              max_index_entries=args.max_index_entries, index=args.index,
+                              follow_rate=args.follow_rate, interval_ms=args.interval_ms,
+                              max_seconds=args.max_seconds)
     elif args.bench == "answer":
         from kvroute.tools.bench.answer import run_answer
 

@@ -12,6 +12,8 @@ every round once directly to an engine and once through each target, in the same
 on the machine lands on all of them alike. A target's added latency is its p50 (p99) minus the
 direct requests' p50 (p99). The routers' own stage samples give the per-stage p50/p99; the time
 outside them (accepting, HTTP parsing, writing the response) is what the pass-through floor shows.
+`decides_on_own_view` says per kvroute router whether its decisions read its own view of the fleet
+(`--index local`, the router's default for kv_aware) rather than a control-plane query.
 """
 
 from __future__ import annotations
@@ -26,8 +28,17 @@ from pathlib import Path
 
 import aiohttp
 
+from kvroute.prom_text import sample_sums
 from kvroute.tools.bench.peers import PEERS, start_peer
-from kvroute.tools.local_cluster import LocalCluster, ManagedProcess, free_port, http_ok, http_post_json, wait_until
+from kvroute.tools.local_cluster import (
+    LocalCluster,
+    ManagedProcess,
+    free_port,
+    http_get,
+    http_ok,
+    http_post_json,
+    wait_until,
+)
 from kvroute.tools.stats import percentile
 from kvroute.tools.tiny_model import build_model_dir
 
@@ -52,6 +63,16 @@ async def measure(direct_url: str, targets: dict[str, str], model: str, requests
                 if i >= WARMUP:
                     samples[name].append((time.perf_counter() - started) * 1000)
     return samples
+
+
+def decides_on_own_view(router_url: str) -> bool:
+    """Does the router decide on its own view of the fleet (`--index local`)? Such a router exports
+    kvroute_router_view_synced, 1 once its view synced; one that asks the control plane, or whose
+    policy reads no index, holds no view."""
+    status, body = http_get(router_url + "/metrics")
+    if status != 200:
+        raise RuntimeError(f"{router_url}/metrics answered {status}")
+    return bool(sample_sums(body.decode(), {"kvroute_router_view_synced"}).get("kvroute_router_view_synced"))
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -94,6 +115,7 @@ def run_proxy(requests: int = 2000, policies: tuple[str, ...] = ("round_robin", 
                 targets[f"{name}:{policy}"] = url
         for name in [n for n in targets if n.startswith("kvroute:")]:  # warm-up and probes are not measured
             _stage_samples(targets[name])
+        own_view = {name: decides_on_own_view(url) for name, url in targets.items() if name.startswith("kvroute:")}
         samples = asyncio.run(measure(engine_urls[0], targets, cluster.model, requests))
         stages = {name: {stage: _stats(values) for stage, values in _stage_samples(targets[name]).items() if values}
                   for name in targets if name.startswith("kvroute:")}
@@ -107,6 +129,7 @@ def run_proxy(requests: int = 2000, policies: tuple[str, ...] = ("round_robin", 
     by_target = {name: _stats(values) for name, values in samples.items()}
     result["latency_ms"] = by_target
     result["stages_ms"] = stages
+    result["decides_on_own_view"] = own_view
     result["added_p50_ms"] = {name: round(s["p50"] - direct["p50"], 3) for name, s in by_target.items()}
     result["added_p99_ms"] = {name: round(s["p99"] - direct["p99"], 3) for name, s in by_target.items()}
     return result

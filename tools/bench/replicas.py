@@ -45,14 +45,17 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class ReplicaProcess:
-    def __init__(self, workdir: Path, redis_url: str, name: str, shards: int = 16, heartbeat_s: float = 600.0) -> None:
+    """A `kvroute control-plane` process: a replica over Redis at `redis_url`, or ("") an embedded one."""
+
+    def __init__(self, workdir: Path, redis_url: str, name: str, shards: int = 16, heartbeat_s: float = 600.0,
+                 extra: tuple[str, ...] = ()) -> None:
         self.metrics_port = free_port()  # --metrics-port 0 means none: this one is picked
         self.address = ""                # its gRPC address once started (it listens on port 0)
+        redis = ("--redis", redis_url, "--redis-shards", str(shards), "--snapshot-interval-s", "3600") if redis_url else ()
         self.process = ManagedProcess(name, kvroute_argv(
             "control-plane", "--listen", "127.0.0.1:0", "--port-file", str(workdir / f"{name}.ports"),
-            "--metrics-port", str(self.metrics_port), "--redis", redis_url,
-            "--redis-shards", str(shards), "--replica-id", name, "--heartbeat-timeout", str(heartbeat_s),
-            "--snapshot-interval-s", "3600", "--log-level", "WARNING"), workdir / f"{name}.log",
+            "--metrics-port", str(self.metrics_port), *redis, "--replica-id", name,
+            "--heartbeat-timeout", str(heartbeat_s), "--log-level", "WARNING", *extra), workdir / f"{name}.log",
             port_file=workdir / f"{name}.ports")
 
     def start(self) -> float:
