@@ -68,7 +68,8 @@ class FollowFeed:
         self.counters = FeedCounters()
         self.followers = 0
         # The window: the change numbered s is at s % window_changes while s >= self._oldest.
-        self._ring: list[tuple[str, bytes] | None] = [None] * window_changes  # (model, framed change)
+        # (model, router id of a router session's change, framed change)
+        self._ring: list[tuple[str, str, bytes] | None] = [None] * window_changes
         self._oldest = 1
         self._ring_bytes = 0
         self._changed: asyncio.Event | None = None
@@ -89,7 +90,7 @@ class FollowFeed:
         slot = self._oldest % self.window_changes
         entry = self._ring[slot]
         if entry is not None:
-            self._ring_bytes -= len(entry[1])
+            self._ring_bytes -= len(entry[2])
             self._ring[slot] = None
         self._oldest += 1
 
@@ -98,7 +99,8 @@ class FollowFeed:
         if seq - self._oldest >= self.window_changes:
             self._drop_oldest()
         framed = _framed(change)
-        self._ring[seq % self.window_changes] = (model, framed)
+        router_id = change.router.router_id if change.HasField("router") else ""
+        self._ring[seq % self.window_changes] = (model, router_id, framed)
         self._ring_bytes += len(framed)
         while self._ring_bytes > self.window_bytes and self._oldest < seq:
             self._drop_oldest()
@@ -117,11 +119,13 @@ class FollowFeed:
         update.position.feed_id, update.position.seq = self.feed_id, position
         return update.SerializeToString()
 
-    def _snapshot(self, models: Collection[str]) -> list[bytes]:
-        """A snapshot at the current position, as serialized FollowUpdates."""
+    def _snapshot(self, models: Collection[str], leave_out: str) -> list[bytes]:
+        """A snapshot at the current position, as serialized FollowUpdates (without router `leave_out`'s
+        sessions when it is not "")."""
         self.counters.snapshots += 1
         position = self.seq
-        changes = [_framed(c) for c in snapshot_changes(self.state, self.origin, models)]
+        changes = [_framed(c) for c in snapshot_changes(self.state, self.origin, models)
+                   if not leave_out or c.router.router_id != leave_out]
         messages: list[list[bytes]] = [[]]
         size = 0
         for framed in changes:
@@ -137,6 +141,7 @@ class FollowFeed:
     async def follow(self, request: pb.FollowRequest) -> AsyncIterator[bytes]:
         """The serialized FollowUpdates for one follower, until it goes away."""
         models = frozenset(request.models)
+        leave_out = request.router_id if request.leave_out_own else ""
         resume = request.resume_after
         self.followers += 1
         try:
@@ -145,7 +150,7 @@ class FollowFeed:
                 self.counters.resumed += 1
             else:
                 position = self.seq
-                for message in self._snapshot(models):
+                for message in self._snapshot(models, leave_out):
                     yield message
             while True:
                 try:
@@ -159,17 +164,17 @@ class FollowFeed:
                     log.warning("router %s fell %d changes behind the follow window: sending a snapshot",
                                 request.router_id or "?", self.seq - position)
                     position = self.seq
-                    for message in self._snapshot(models):
+                    for message in self._snapshot(models, leave_out):
                         yield message
                     continue
                 parts, size, last = [], 0, position
                 ring, capacity = self._ring, self.window_changes
                 for seq in range(position + 1, self.seq + 1):
-                    model, framed = ring[seq % capacity]
+                    model, router_id, framed = ring[seq % capacity]
                     if size + len(framed) > self.max_update_bytes and parts:
                         break
                     last = seq
-                    if not models or not model or model in models:
+                    if (not models or not model or model in models) and (not leave_out or router_id != leave_out):
                         parts.append(framed)
                         size += len(framed)
                 position = last

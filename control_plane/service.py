@@ -370,29 +370,43 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                         await self._reject_router(context, "bad_query", grpc.StatusCode.INVALID_ARGUMENT,
                                                   f"query {message.query.query_id}: {exc}")
                     yield reply
+                elif body == "ops":
+                    ops = message.ops
+                    for reservation in ops.reserve:
+                        await self._reserve(session, reservation, context)
+                    for reservation_id in ops.prefill_done:
+                        self._prefill_done(session, reservation_id)
+                    for reservation_id in ops.release:
+                        self._release(session, reservation_id)
                 elif body == "reserve":
                     await self._reserve(session, message.reserve, context)
                 elif body == "prefill_done":
-                    self.inflight.prefill_done(session, message.prefill_done.reservation_id)
-                    if self.router_events is not None:
-                        self.router_events.prefill_done(session, message.prefill_done.reservation_id)
+                    self._prefill_done(session, message.prefill_done.reservation_id)
                 elif body == "release":
-                    self.inflight.release(session, message.release.reservation_id)
-                    if self.router_events is not None:
-                        self.router_events.released(session, message.release.reservation_id)
+                    self._release(session, message.release.reservation_id)
                 elif body == "hello":
                     await self._reject_router(context, "double_hello", grpc.StatusCode.FAILED_PRECONDITION,
                                               "hello may only be sent once per stream")
                 else:
                     await self._reject_router(context, "empty_message", grpc.StatusCode.INVALID_ARGUMENT,
-                                              "RouterMessage with no body (hello, query, reserve, prefill_done "
-                                              "or release)")
+                                              "RouterMessage with no body (hello, query, reserve, prefill_done, "
+                                              "release or ops)")
         finally:
             if session is not None:
                 self.inflight.close_session(session)
                 self.router_sessions -= 1
                 if self.router_events is not None:
                     self.router_events.closed(session)
+
+    def _prefill_done(self, session: RouterSessionState, reservation_id: int) -> None:
+        self.inflight.prefill_done(session, reservation_id)
+        if self.router_events is not None:
+            self.router_events.prefill_done(session, reservation_id)
+
+    def _release(self, session: RouterSessionState, reservation_id: int) -> None:
+        self.inflight.release(session, reservation_id)
+        if self.router_events is not None:
+            self.router_events.released(session, reservation_id)
 
     async def _reserve(self, session: RouterSessionState, reservation: pb.Reservation,
                        context: grpc.aio.ServicerContext) -> None:

@@ -98,7 +98,8 @@ class ControlPlaneClient:
             if use_session else None
         self.view = view
         if view is not None and self.session is not None:
-            view.router_id = self.session.router_id  # its own reservations are known exactly, not from the view
+            # Its own reservations are known exactly (RouterInflight): the view leaves them out.
+            view.router_id, view.knows_own = self.session.router_id, True
         if self.session is not None:  # answers past the deadline still tell how slow the host is
             self.session.on_late_answer = self.query_deadline.observe
         self.fleet: dict[str, KnownWorker] = {}

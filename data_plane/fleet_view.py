@@ -73,6 +73,7 @@ class FleetView:
                  lag_bound_s: float = 2.0, index_factory: Callable[[], PrefixIndex] = make_index,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.router_id = router_id
+        self.knows_own = False  # the router's own session's changes are left out of the stream (set by its client)
         self.models = frozenset(models)
         self.max_stale_s, self.lag_bound_s = max_stale_s, lag_bound_s
         self.index_factory = index_factory
@@ -227,7 +228,9 @@ class FleetFollower:
         view, client = self.view, self.client
         while True:
             address = client.address
-            request = pb.FollowRequest(router_id=view.router_id, models=sorted(view.models))
+            # Its own sessions are known here exactly: their echo is left out (`leave_out_own`).
+            request = pb.FollowRequest(router_id=view.router_id, models=sorted(view.models),
+                                       leave_out_own=view.knows_own)
             resume = view.resume_point()
             if resume is not None:
                 request.resume_after.CopyFrom(resume)

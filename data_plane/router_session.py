@@ -40,6 +40,7 @@ from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 log = logging.getLogger("kvroute.router.session")
 _MAX_LATE = 1024  # queries past their deadline whose answer is still awaited (for its latency)
 _STALL_S = 0.005  # a deadline timer this late means this process was held up, not the control plane
+FLUSH_COALESCE_S = 0.001  # reservations wait this long for others to share their write (their visibility too)
 
 
 class SessionUnavailable(RuntimeError):
@@ -89,7 +90,7 @@ class RouterSessionLink:
         self._backoff = Backoff(reconnect_delay_s, max_reconnect_delay_s)
         self._problems = RateLimitedLog(log, period_s=30.0)
         self._call = None                       # the open stream, or None
-        self._outbox: list[pb.RouterMessage] = []
+        self._outbox = pb.RouterMessage()  # `ops` filled as reservations come and go; one write takes it all
         self._outbox_ready = asyncio.Event()
         self._write_lock = asyncio.Lock()
         self._pending: dict[int, asyncio.Future] = {}
@@ -184,41 +185,43 @@ class RouterSessionLink:
                                  block_keys=block_keys, prefill_tokens=max(0, prefill_tokens),
                                  prompt_tokens=max(0, prompt_tokens))
         self._live[reservation_id] = _Live(message)
-        self._send(pb.RouterMessage(reserve=message))
+        if self.connected:  # else: kept in _live, re-sent after the reconnect
+            self._outbox.ops.reserve.append(message)
+            self._outbox_ready.set()
         return reservation_id
 
     def prefill_done(self, reservation_id: int) -> None:
         live = self._live.get(reservation_id)
         if live is not None and not live.prefill_done:
             live.prefill_done = True
-            self._send(pb.RouterMessage(prefill_done=pb.ReservationDone(reservation_id=reservation_id)))
+            if self.connected:
+                self._outbox.ops.prefill_done.append(reservation_id)
+                self._outbox_ready.set()
 
     def release(self, reservation_id: int) -> None:
-        if self._live.pop(reservation_id, None) is not None:
-            self._send(pb.RouterMessage(release=pb.ReservationDone(reservation_id=reservation_id)))
-
-    def _send(self, message: pb.RouterMessage) -> None:
-        if self.connected:
-            self._outbox.append(message)
+        if self._live.pop(reservation_id, None) is not None and self.connected:
+            self._outbox.ops.release.append(reservation_id)
             self._outbox_ready.set()
-        # else: kept in _live, re-sent after the reconnect
 
     async def _write(self, message: pb.RouterMessage | None = None) -> None:
-        """Write the outbox, then `message`, as one uninterrupted run."""
+        """Write the outbox (what accumulated since the last write, one message), then `message`, as one
+        uninterrupted run."""
         async with self._write_lock:
             call = self._call
             if call is None:
                 raise SessionUnavailable("router session is not connected")
-            while self._outbox:
-                batch, self._outbox = self._outbox, []
-                for queued in batch:
-                    await call.write(queued)
+            while self._outbox.HasField("ops"):
+                batch, self._outbox = self._outbox, pb.RouterMessage()
+                await call.write(batch)
             if message is not None:
                 await call.write(message)
 
     async def _flush_forever(self) -> None:
         while True:
             await self._outbox_ready.wait()
+            # A write on the stream costs more than a request's bookkeeping: what the next moment adds
+            # (other requests' reservations and releases) goes in the same message.
+            await asyncio.sleep(FLUSH_COALESCE_S)
             self._outbox_ready.clear()
             await self._write()
 
@@ -253,12 +256,11 @@ class RouterSessionLink:
             if first is grpc.aio.EOF or first.WhichOneof("body") != "welcome":
                 raise RuntimeError("control plane did not welcome the router session")
             # Re-announce what is still in flight (the control plane dropped it with the old stream).
-            self._outbox = []
+            self._outbox = pb.RouterMessage()
             for live in self._live.values():
-                self._outbox.append(pb.RouterMessage(reserve=live.message))
+                self._outbox.ops.reserve.append(live.message)
                 if live.prefill_done:
-                    self._outbox.append(pb.RouterMessage(
-                        prefill_done=pb.ReservationDone(reservation_id=live.message.reservation_id)))
+                    self._outbox.ops.prefill_done.append(live.message.reservation_id)
             self._call = call
             self.connected = True
             self.sessions += 1
@@ -281,7 +283,7 @@ class RouterSessionLink:
         finally:
             self._call = None
             self.connected = False
-            self._outbox = []
+            self._outbox = pb.RouterMessage()
             await cancel_and_wait(flusher)
             call.cancel()
 

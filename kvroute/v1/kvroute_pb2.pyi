@@ -260,18 +260,30 @@ class WorkerColumns(_message.Message):
     def __init__(self, worker_id: _Optional[_Iterable[str]] = ..., matched_blocks: _Optional[_Iterable[int]] = ..., cpu_blocks: _Optional[_Iterable[int]] = ..., disk_blocks: _Optional[_Iterable[int]] = ..., speculative_blocks: _Optional[_Iterable[int]] = ..., reserved_requests: _Optional[_Iterable[int]] = ..., reserved_prefill_tokens: _Optional[_Iterable[int]] = ..., running_requests: _Optional[_Iterable[int]] = ..., waiting_requests: _Optional[_Iterable[int]] = ..., kv_usage: _Optional[_Iterable[float]] = ..., cached_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RouterMessage(_message.Message):
-    __slots__ = ("hello", "query", "reserve", "prefill_done", "release")
+    __slots__ = ("hello", "query", "reserve", "prefill_done", "release", "ops")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     QUERY_FIELD_NUMBER: _ClassVar[int]
     RESERVE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_DONE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
     hello: RouterHello
     query: QueryRequest
     reserve: Reservation
     prefill_done: ReservationDone
     release: ReservationDone
-    def __init__(self, hello: _Optional[_Union[RouterHello, _Mapping]] = ..., query: _Optional[_Union[QueryRequest, _Mapping]] = ..., reserve: _Optional[_Union[Reservation, _Mapping]] = ..., prefill_done: _Optional[_Union[ReservationDone, _Mapping]] = ..., release: _Optional[_Union[ReservationDone, _Mapping]] = ...) -> None: ...
+    ops: RouterOps
+    def __init__(self, hello: _Optional[_Union[RouterHello, _Mapping]] = ..., query: _Optional[_Union[QueryRequest, _Mapping]] = ..., reserve: _Optional[_Union[Reservation, _Mapping]] = ..., prefill_done: _Optional[_Union[ReservationDone, _Mapping]] = ..., release: _Optional[_Union[ReservationDone, _Mapping]] = ..., ops: _Optional[_Union[RouterOps, _Mapping]] = ...) -> None: ...
+
+class RouterOps(_message.Message):
+    __slots__ = ("reserve", "prefill_done", "release")
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DONE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    reserve: _containers.RepeatedCompositeFieldContainer[Reservation]
+    prefill_done: _containers.RepeatedScalarFieldContainer[int]
+    release: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reserve: _Optional[_Iterable[_Union[Reservation, _Mapping]]] = ..., prefill_done: _Optional[_Iterable[int]] = ..., release: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RouterHello(_message.Message):
     __slots__ = ("router_id",)
@@ -382,14 +394,16 @@ class ListWorkersResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
 
 class FollowRequest(_message.Message):
-    __slots__ = ("router_id", "models", "resume_after")
+    __slots__ = ("router_id", "models", "resume_after", "leave_out_own")
     ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     RESUME_AFTER_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_OUT_OWN_FIELD_NUMBER: _ClassVar[int]
     router_id: str
     models: _containers.RepeatedScalarFieldContainer[str]
     resume_after: FollowPosition
-    def __init__(self, router_id: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., resume_after: _Optional[_Union[FollowPosition, _Mapping]] = ...) -> None: ...
+    leave_out_own: bool
+    def __init__(self, router_id: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., resume_after: _Optional[_Union[FollowPosition, _Mapping]] = ..., leave_out_own: _Optional[bool] = ...) -> None: ...
 
 class FollowPosition(_message.Message):
     __slots__ = ("feed_id", "seq")

@@ -308,3 +308,32 @@ async def test_with_every_control_plane_gone_the_view_serves_until_it_is_stale()
     assert view.answer(MODEL, {BS: [1, 2]}) == (None, "the view of the fleet is stale (no control plane heard from)")
     view.apply_update(_update(2))  # a keepalive: heard again
     assert view.answer(MODEL, {BS: [1, 2]})[0].matched_blocks == [2]
+
+
+async def test_a_router_s_own_sessions_are_left_out_of_its_view(control_plane) -> None:
+    """It knows its own requests exactly (RouterInflight) and leaves them out of its answers: the
+    control plane does not echo them back to it (`leave_out_own`), and still sends every other router's."""
+    server, stub, port = control_plane
+    agent = AgentStream(stub)
+    await agent.register("w0", block_size=BS)
+    me, other = RouterStream(stub, "me"), RouterStream(stub, "other")
+    for router in (me, other):
+        await router.hello()
+    view = FleetView("me")
+    view.knows_own = True
+    client = ControlPlaneClient(f"127.0.0.1:{port}", use_session=False, view=view)
+    client.start()
+    try:
+        await eventually(lambda: view.synced, 10, what="the view's first snapshot")
+        for router in (me, other):
+            await router.send(reserve=pb.Reservation(reservation_id=1, worker_id="w0", block_size=BS,
+                                                     block_keys=[7, 8], prefill_tokens=32))
+        await eventually(lambda: server.state.inflight.reservation_count() == 2, 10, what="both reservations")
+        await caught_up(server, view)
+        assert sorted(server.state.inflight.routers) == ["me", "other"]
+        assert sorted(view.state.inflight.routers) == ["other"]
+        assert view.state.inflight.reserved_by_others(view.state.registry.get("w0").slot, None) == (1, 32)
+    finally:
+        for stream in (me, other, agent):
+            await stream.close()
+        await client.close()
