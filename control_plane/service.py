@@ -372,14 +372,18 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                     yield reply
                 elif body == "ops":
                     ops = message.ops
-                    for reservation in ops.reserve:
-                        await self._reserve(session, reservation, context)
+                    trimmed = [await self._reserve(session, reservation, context) for reservation in ops.reserve]
                     for reservation_id in ops.prefill_done:
                         self._prefill_done(session, reservation_id)
                     for reservation_id in ops.release:
                         self._release(session, reservation_id)
+                    for reply in trimmed:
+                        if reply is not None:
+                            yield reply
                 elif body == "reserve":
-                    await self._reserve(session, message.reserve, context)
+                    reply = await self._reserve(session, message.reserve, context)
+                    if reply is not None:
+                        yield reply
                 elif body == "prefill_done":
                     self._prefill_done(session, message.prefill_done.reservation_id)
                 elif body == "release":
@@ -409,26 +413,32 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
             self.router_events.released(session, reservation_id)
 
     async def _reserve(self, session: RouterSessionState, reservation: pb.Reservation,
-                       context: grpc.aio.ServicerContext) -> None:
+                       context: grpc.aio.ServicerContext) -> pb.RouterReply | None:
+        """Apply it; the reply telling the router when its prefill was charged less than it said."""
         if not reservation.worker_id:
             await self._reject_router(context, "bad_reservation", grpc.StatusCode.INVALID_ARGUMENT,
                                       f"reservation {reservation.reservation_id} needs a worker_id")
         record = self.registry.get(reservation.worker_id)
         if record is None:
             self.inflight.counters.unknown_worker += 1  # dropped meanwhile, or not yet registered
-            return
+            return None
         keys = reservation.block_keys
         if keys and reservation.block_size != record.block_size:
             self.inflight.counters.block_size_mismatch += 1  # the load still counts, the keys cannot
             keys = ()
         try:
-            self.inflight.reserve(session, reservation.reservation_id, record.slot, keys, reservation.prefill_tokens,
-                                  reservation.ttl_ms, reservation.prompt_tokens, record.block_size)
+            held = self.inflight.reserve(session, reservation.reservation_id, record.slot, keys,
+                                         reservation.prefill_tokens, reservation.ttl_ms, reservation.prompt_tokens,
+                                         record.block_size)
         except DuplicateReservation as exc:
             await self._reject_router(context, "duplicate_reservation", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self.router_events is not None:
             self.router_events.reserved(session, reservation.reservation_id, record.worker_id, record.block_size, keys,
                                         reservation.prefill_tokens, reservation.ttl_ms, reservation.prompt_tokens)
+        if held.prefill_tokens < reservation.prefill_tokens:
+            return pb.RouterReply(trimmed=pb.ReservationTrimmed(reservation_id=reservation.reservation_id,
+                                                                prefill_tokens=held.prefill_tokens))
+        return None
 
     async def _reject_router(self, context: grpc.aio.ServicerContext, reason: str, code: grpc.StatusCode,
                              detail: str) -> None:

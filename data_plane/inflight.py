@@ -56,6 +56,9 @@ class RouterInflight:
         in the simulator and the benches)."""
         self.session = session
         self._workers: dict[str, _WorkerInflight] = {}
+        self._by_reservation: dict[int, InflightTicket] = {}  # announced tickets, until finished
+        if session is not None:
+            session.on_trimmed = self.trimmed
         # block key -> {worker_id: in-flight requests whose prompt holds it}
         self._speculative: dict[int, dict[str, int]] = {}
 
@@ -78,7 +81,17 @@ class RouterInflight:
         if self.session is not None:
             ticket.reservation_id = self.session.reserve(worker_id, block_size, block_keys, uncached_tokens,
                                                          prompt_tokens)
+            self._by_reservation[ticket.reservation_id] = ticket
         return ticket
+
+    def trimmed(self, reservation_id: int, prefill_tokens: int) -> None:
+        """The control plane charged this reservation's prefill less than announced (part of the prompt is
+        held there or being computed for a request another router sent first): count it as that."""
+        ticket = self._by_reservation.get(reservation_id)
+        if ticket is None or ticket.prefill_done or prefill_tokens >= ticket.prefill_tokens:
+            return
+        self._workers[ticket.worker_id].pending_prefill_tokens -= ticket.prefill_tokens - prefill_tokens
+        ticket.prefill_tokens = prefill_tokens
 
     def first_token(self, ticket: InflightTicket) -> None:
         """The backend streamed its first byte: the prefill is done."""
@@ -101,6 +114,7 @@ class RouterInflight:
         ticket.released = True
         if ticket.reservation_id and self.session is not None:
             self.session.release(ticket.reservation_id)
+            self._by_reservation.pop(ticket.reservation_id, None)
         worker_id = ticket.worker_id
         w = self._workers[worker_id]
         w.requests -= 1

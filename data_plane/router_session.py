@@ -40,7 +40,7 @@ from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 log = logging.getLogger("kvroute.router.session")
 _MAX_LATE = 1024  # queries past their deadline whose answer is still awaited (for its latency)
 _STALL_S = 0.005  # a deadline timer this late means this process was held up, not the control plane
-FLUSH_COALESCE_S = 0.001  # reservations wait this long for others to share their write (their visibility too)
+FLUSH_COALESCE_S = 0.001  # at most one write of reservations per this long (under load they share it)
 
 
 class SessionUnavailable(RuntimeError):
@@ -97,6 +97,8 @@ class RouterSessionLink:
         # Queries given up on (past their deadline): id -> when sent, so their late answer is timed.
         self._late: OrderedDict[int, float] = OrderedDict()
         self.on_late_answer: Callable[[float], None] | None = None  # seconds from send to a late answer
+        # (reservation id, prefill tokens): the control plane charged a reservation less than announced
+        self.on_trimmed: Callable[[int, int], None] | None = None
         self._query_ids = itertools.count(1)
         self._reservation_ids = itertools.count(1)
         self._live: dict[int, _Live] = {}
@@ -217,12 +219,18 @@ class RouterSessionLink:
                 await call.write(message)
 
     async def _flush_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        last_write = 0.0
         while True:
             await self._outbox_ready.wait()
-            # A write on the stream costs more than a request's bookkeeping: what the next moment adds
-            # (other requests' reservations and releases) goes in the same message.
-            await asyncio.sleep(FLUSH_COALESCE_S)
+            # A write on the stream costs more than a request's bookkeeping. The first op after a quiet
+            # moment goes out at once (other routers see a new placement soonest); under load the ops of
+            # the next FLUSH_COALESCE_S share one write.
+            wait = last_write + FLUSH_COALESCE_S - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
             self._outbox_ready.clear()
+            last_write = loop.time()
             await self._write()
 
     # ------------------------------------------------------------ the stream
@@ -272,7 +280,11 @@ class RouterSessionLink:
                 reply = await call.read()
                 if reply is grpc.aio.EOF:
                     raise RuntimeError("control plane closed the router session")
-                if reply.WhichOneof("body") == "result":
+                body = reply.WhichOneof("body")
+                if body == "trimmed":
+                    if self.on_trimmed is not None:
+                        self.on_trimmed(reply.trimmed.reservation_id, reply.trimmed.prefill_tokens)
+                elif body == "result":
                     future = self._pending.get(reply.result.query_id)
                     if future is not None and not future.done():
                         future.set_result(reply.result)

@@ -316,12 +316,22 @@ class ReservationDone(_message.Message):
     def __init__(self, reservation_id: _Optional[int] = ...) -> None: ...
 
 class RouterReply(_message.Message):
-    __slots__ = ("welcome", "result")
+    __slots__ = ("welcome", "result", "trimmed")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    TRIMMED_FIELD_NUMBER: _ClassVar[int]
     welcome: RouterWelcome
     result: QueryResponse
-    def __init__(self, welcome: _Optional[_Union[RouterWelcome, _Mapping]] = ..., result: _Optional[_Union[QueryResponse, _Mapping]] = ...) -> None: ...
+    trimmed: ReservationTrimmed
+    def __init__(self, welcome: _Optional[_Union[RouterWelcome, _Mapping]] = ..., result: _Optional[_Union[QueryResponse, _Mapping]] = ..., trimmed: _Optional[_Union[ReservationTrimmed, _Mapping]] = ...) -> None: ...
+
+class ReservationTrimmed(_message.Message):
+    __slots__ = ("reservation_id", "prefill_tokens")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: int
+    prefill_tokens: int
+    def __init__(self, reservation_id: _Optional[int] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class RouterWelcome(_message.Message):
     __slots__ = ("router_id", "reservation_max_age_ms")

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from kvroute.control_plane.server import ControlPlaneConfig, ControlPlaneServer
 from kvroute.data_plane.control_plane_client import ControlPlaneClient, query_message
+from kvroute.data_plane.inflight import RouterInflight
+from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
+from tests.helpers import AgentStream, eventually
 
 
 async def test_a_query_given_up_on_mid_write_leaves_the_session_usable() -> None:
@@ -47,4 +51,36 @@ async def test_a_deadline_missed_because_this_process_stalled_waits_once_more() 
         assert answer.query_id == 2 and client.session.stalled_deadlines == 1
     finally:
         await client.close()
+        await server.stop(0)
+
+
+async def test_a_first_request_another_router_already_sent_is_recounted_as_the_control_plane_charged_it() -> None:
+    """Two routers send the first request of one new prefix to one worker at the same moment, neither
+    seeing the other's: both announce its whole prefill. The control plane charges the second only what
+    the first's claims do not cover, and says so; that router then counts its own request as charged, so
+    its next decisions do not see the prefix's prefill twice on that worker."""
+    server = ControlPlaneServer(ControlPlaneConfig(listen="127.0.0.1:0"))
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    agent = AgentStream(pb_grpc.ControlPlaneStub(channel))
+    await agent.register("w0", block_size=16)
+    first = ControlPlaneClient(f"127.0.0.1:{server.port}", router_id="first")
+    second = ControlPlaneClient(f"127.0.0.1:{server.port}", router_id="second")
+    for client in (first, second):
+        client.start()
+    try:
+        for client in (first, second):
+            assert await client.session.wait_connected(10)
+        prefix = list(range(1, 65))  # 64 blocks of 16 tokens
+        mine, theirs = RouterInflight(first.session), RouterInflight(second.session)
+        mine.start("w0", 64 * 16 + 16, [*prefix, 1000], 16, 64 * 16 + 16)
+        await eventually(lambda: server.state.inflight.reservation_count() == 1, 10, what="the first reservation")
+        theirs.start("w0", 64 * 16 + 16, [*prefix, 2000], 16, 64 * 16 + 16)
+        await eventually(lambda: theirs.inflight("w0") == (1, 16), 10, what="the second one recounted")
+        assert mine.inflight("w0") == (1, 64 * 16 + 16)
+    finally:
+        for client in (first, second):
+            await client.close()
+        await agent.close()
+        await channel.close()
         await server.stop(0)

@@ -9,12 +9,13 @@ when one decision sees every earlier one (`burst.reference_workers`).
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
 
 from kvroute.tools.bench.burst import BURST_REQUESTS, burst_prompts, reference_workers, send_burst
-from kvroute.tools.local_cluster import LocalCluster
+from kvroute.tools.local_cluster import LocalCluster, http_get, wait_until
 
 WORKERS = 8
 
@@ -24,8 +25,12 @@ def cluster(module_local_fleet):
     c = module_local_fleet("burst", block_size=16)
     # speedup 2: a 4096-token prefill takes ~130 ms, so the whole burst is in flight at once.
     c.start_sim_fleet(WORKERS, "--num-blocks", "4096", "--speedup", "2")
-    c.start_router("a", "kv_aware")
-    c.start_router("b", "kv_aware")
+    c.wait_workers_registered(WORKERS)
+    for name in ("a", "b"):
+        url = c.start_router(name, "kv_aware")
+        # Every worker in its view: a burst sent to a router still syncing would be decided on load alone.
+        wait_until(lambda url=url: json.loads(http_get(url + "/ready")[1]).get("workers") == WORKERS, 30,
+                   f"router {name} with all {WORKERS} workers", c.all_processes())
     return c
 
 

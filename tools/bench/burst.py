@@ -1,21 +1,22 @@
-"""`kvroute bench burst`: one new prefix arriving all at once, through two routers.
+"""`kvroute bench burst`: one new prefix arriving all at once, through several routers (`--routers`, 2).
 
 64 requests share a new 4096-token prefix (each with its own 64-token tail) and are sent at
-the same instant, alternating between two router processes. No engine event about the prefix
+the same instant, in turn to each router process. No engine event about the prefix
 exists yet, so where the burst lands is decided by the routers' in-flight state alone. Three
 numbers, side by side:
 
 - `reference_workers`: how many workers kv_aware picks when ONE decision sequence sees every
   earlier decision (what the load bound requires: the bound, not affinity, decides when to add
   a worker);
-- `shared`: workers used by two routers sharing in-flight state through the control plane
-  (RouterSession reservations; the default);
+- `shared`: workers used by the routers sharing in-flight state through the control plane
+  (RouterSession reservations, reaching each other's views; the default);
 - `unshared`: the same with `--no-router-session` (each router sees only its own requests).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import tempfile
 import time
@@ -81,20 +82,27 @@ def send_burst(router_urls: list[str], model: str, prompts: list[list[int]], max
     return asyncio.run(main())
 
 
-def run_burst(workers: int = 8, seed: int = 11) -> dict:
-    from kvroute.tools.local_cluster import LocalCluster
+def run_burst(workers: int = 8, seed: int = 11, routers: int = 2) -> dict:
+    from kvroute.tools.local_cluster import LocalCluster, http_get, wait_until
     from kvroute.tools.tiny_model import build_model_dir
 
     workdir = Path(tempfile.mkdtemp(prefix="kvroute-burst-"))
     cluster = LocalCluster(workdir=workdir, tokenizer_dir=build_model_dir(workdir / "tiny-llama"))
-    result: dict = {"workers": workers, "requests": BURST_REQUESTS, "prefix_tokens": PREFIX_TOKENS}
+    result: dict = {"workers": workers, "routers": routers, "requests": BURST_REQUESTS, "prefix_tokens": PREFIX_TOKENS}
     try:
         cluster.start_sim_fleet(workers, "--num-blocks", "4096", "--speedup", "2")
-        cluster.start_router("a", "kv_aware")
-        cluster.start_router("b", "kv_aware")
-        cluster.start_router("a-unshared", "kv_aware", "--no-router-session")
-        cluster.start_router("b-unshared", "kv_aware", "--no-router-session")
-        for label, names, seed_offset in (("shared", ("a", "b"), 0), ("unshared", ("a-unshared", "b-unshared"), 1)):
+        shared = [f"r{i}" for i in range(routers)]
+        unshared = [f"r{i}-unshared" for i in range(routers)]
+        cluster.wait_workers_registered(workers)
+        for name in shared:
+            cluster.start_router(name, "kv_aware")
+        for name in unshared:
+            cluster.start_router(name, "kv_aware", "--no-router-session")
+        for name in (*shared, *unshared):  # every worker known: a router still syncing decides on load alone
+            url = cluster.router_urls[name]
+            wait_until(lambda url=url: json.loads(http_get(url + "/ready")[1]).get("workers") == workers, 30,
+                       f"router {name} with all {workers} workers", cluster.all_processes())
+        for label, names, seed_offset in (("shared", shared, 0), ("unshared", unshared, 1)):
             prompts = burst_prompts(seed + seed_offset)  # a new prefix for each run
             started = time.perf_counter()
             served = send_burst([cluster.router_urls[n] for n in names], cluster.model, prompts)

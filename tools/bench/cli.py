@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from kvroute.addresses import http_url_or_none, http_urls
-from kvroute.process import int_list, name_list
+from kvroute.process import int_list, name_list, positive
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -82,9 +82,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                               "visible to another router's queries (p50/p99)")
     inflight.add_argument("--trials", type=int, default=200, help="timed reserve + release pairs")
     inflight.add_argument("--block-keys", type=int, default=64, help="block keys per reservation")
-    burst = sub.add_parser("burst", help="64 simultaneous requests with one new 4k-token prefix through two routers: "
+    burst = sub.add_parser("burst", help="64 simultaneous requests with one new 4k-token prefix through several routers: "
                            "workers used with and without shared in-flight state, next to what the load bound requires")
     burst.add_argument("--workers", type=int, default=8, help="sim engines")
+    burst.add_argument("--routers", type=positive(int), default=2, help="router processes the burst is spread over")
     replicas = sub.add_parser("replicas", help="control-plane replicas over Redis, real processes: ingest through "
                               "Redis vs in-process, freshness, catch-up of a restarted replica, answers/s at p99 <= 5 ms")
     replicas.add_argument("--batches", type=int, default=20000,
@@ -248,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench == "burst":
         from kvroute.tools.bench.burst import run_burst
 
-        result = run_burst(args.workers)
+        result = run_burst(args.workers, routers=args.routers)
     elif args.bench == "decision":
         from kvroute.tools.bench.decision import run_decision
 
