@@ -40,7 +40,7 @@ from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 log = logging.getLogger("kvroute.router.session")
 _MAX_LATE = 1024  # queries past their deadline whose answer is still awaited (for its latency)
 _STALL_S = 0.005  # a deadline timer this late means this process was held up, not the control plane
-FLUSH_COALESCE_S = 0.001  # at most one write of reservations per this long (under load they share it)
+FLUSH_COALESCE_S = 0.001  # reservations wait this long for their write (other routers see them that much later)
 
 
 class SessionUnavailable(RuntimeError):
@@ -219,18 +219,13 @@ class RouterSessionLink:
                 await call.write(message)
 
     async def _flush_forever(self) -> None:
-        loop = asyncio.get_running_loop()
-        last_write = 0.0
         while True:
             await self._outbox_ready.wait()
-            # A write on the stream costs more than a request's bookkeeping. The first op after a quiet
-            # moment goes out at once (other routers see a new placement soonest); under load the ops of
-            # the next FLUSH_COALESCE_S share one write.
-            wait = last_write + FLUSH_COALESCE_S - loop.time()
-            if wait > 0:
-                await asyncio.sleep(wait)
+            # A write on the stream costs more than a request's bookkeeping, and it runs on this event
+            # loop: written FLUSH_COALESCE_S later it is off the path of the request that reserved (its
+            # answer is usually relayed by then) and carries the ops of every request of that moment.
+            await asyncio.sleep(FLUSH_COALESCE_S)
             self._outbox_ready.clear()
-            last_write = loop.time()
             await self._write()
 
     # ------------------------------------------------------------ the stream
