@@ -136,7 +136,7 @@ class Router:
             if clock is not None:
                 clock.mark("query")
             routing_input = RoutingInput(model, prompt_tokens, token_ids=token_ids or (), session_key=session_key,
-                                         chains=chains)
+                                         chains=chains, now_s=started)
             decision = decide(self.policy, routing_input, known, self.inflight, columns, reason,
                               self.health.cooling_down(), explain)
             reason = decision.fail_open_reason

@@ -186,3 +186,32 @@ def test_waiting_for_a_prefill_in_progress_beats_recomputing_unless_the_queue_be
     queued = cand("w0", cached_tokens=AGENT_PREFIX, inflight_cached_tokens=AGENT_PREFIX, inflight_requests=6,
                   pending_prefill_tokens=AGENT_PREFIX + 40_000)
     assert KvAware().choose(request(tokens), [queued, cand("w1")]).worker.worker_id == "w1"
+
+
+def test_a_prefix_is_replicated_for_sustained_demand_not_for_one_busy_moment() -> None:
+    """Replication by demand: a prefix asked for by few of the requests a router sees stays on its one
+    holder while the holder's queue is within the hard bound, however busy that moment looks against
+    the fleet mean; a prefix asked for by most requests (more than its holders can serve) is spread by
+    the load bound, which then adds a holder."""
+    def holder_busy(tokens: list[int]) -> list[Candidate]:
+        return [cand("holder", cached_tokens=2048, pending_prefill_tokens=4000),
+                *(cand(f"w{i}", pending_prefill_tokens=300) for i in range(7))]
+
+    rare, hot = list(range(2304)), list(range(10_000, 12_304))
+    background = [list(range(50_000 + 3000 * i, 50_000 + 3000 * i + 2304)) for i in range(40)]
+
+    quiet = KvAware()
+    for i, tokens in enumerate(background):  # a fleet busy with other prefixes: this one is 1 request in 41
+        quiet.choose(RoutingInput("m", len(tokens), chains=request(tokens).chains, now_s=i * 0.1),
+                     [cand("w0", cached_tokens=2048), cand("w1")])
+    rare_request = RoutingInput("m", len(rare), chains=request(rare).chains, now_s=4.1)
+    assert quiet.choose(rare_request, holder_busy(rare)).worker.worker_id == "holder"
+
+    busy = KvAware()
+    for i in range(40):  # the same prefix, request after request
+        busy.choose(RoutingInput("m", len(hot), chains=request(hot).chains, now_s=i * 0.1), holder_busy(hot))
+    hot_request = RoutingInput("m", len(hot), chains=request(hot).chains, now_s=4.1)
+    assert busy.choose(hot_request, holder_busy(hot)).worker.worker_id != "holder"
+    # Without demand tracking the bound spreads both alike (one busy moment is enough).
+    plain = KvAware(KvAwareParams(demand_half_life_s=0.0))
+    assert plain.choose(rare_request, holder_busy(rare)).worker.worker_id != "holder"

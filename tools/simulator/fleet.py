@@ -343,7 +343,8 @@ def _policy_choice(router: _SimRouter, workers: list[_Worker], req: SimWorkloadR
     state = router.state
     asking = state.inflight.routers.get(router.router_id) if router.session is not None else None
     columns = answer_columns(state, MODEL, chains, "", asking)
-    request = RoutingInput(MODEL, len(req.tokens), token_ids=req.tokens, session_key=req.session, chains=chains)
+    request = RoutingInput(MODEL, len(req.tokens), token_ids=req.tokens, session_key=req.session, chains=chains,
+                           now_s=req.arrival_s)
     decision = decide(router.policy, request, router.known, router.own, columns)
     return workers[int(decision.worker_id[1:])], decision.cached_tokens
 

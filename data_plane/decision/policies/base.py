@@ -41,6 +41,7 @@ class RoutingInput:
     token_ids: Sequence[int] = ()  # the prompt itself, for policies that read it (chwbl, approx_tree)
     session_key: str = ""          # x-session-id header or OpenAI `user`; "" = none (session policy)
     chains: Mapping[int, Sequence[int]] = field(default_factory=dict)  # block size -> the prompt's block keys
+    now_s: float = 0.0             # when it arrived (monotonic, or simulated), for policies that keep rates
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,6 +76,14 @@ class KvAwareParams:
                         does not hold them, by recomputing them, so their prefill is not a queue it could
                         avoid by going elsewhere. 1 = not counted; 0 = counted like any other (a prefix
                         whose first request is still prefilling is then spilled off its only holder).
+    demand_half_life_s, demand_holders_headroom, demand_hard_bound: replication by sustained demand (0 =
+                        off). Each router keeps, per shared prefix (the key of the deepest block the best
+                        holder has cached), a rate of the requests that asked for it, decayed with this half
+                        life, beside the rate of all its requests. A prefix asking for more holders than it
+                        has, share x workers > holders x demand_holders_headroom, is spread by the load bound
+                        as above; one whose holders can serve its demand stays on them unless a holder's work
+                        passes demand_hard_bound x the fleet mean + slack (a queue no affinity is worth), so
+                        a passing burst does not replicate a prefix that does not need it.
 
     Defaults were chosen with `kvroute simulate` over the generated suite (README: "Choosing kv_aware's
     weights"); they are not fitted to one workload.
@@ -92,10 +100,14 @@ class KvAwareParams:
     spread_new_prefixes: float = 0.25
     spread_while_fill_below: float = 0.9
     inflight_prefix_credit: float = 1.0
+    demand_half_life_s: float = 10.0
+    demand_holders_headroom: float = 1.0
+    demand_hard_bound: float = 4.0
 
     def __post_init__(self) -> None:
         for name in ("queue_weight", "mean_prompt_tokens", "decode_weight", "recompute_weight",
-                     "load_bound_slack_tokens", "temperature", "spread_new_prefixes"):
+                     "load_bound_slack_tokens", "temperature", "spread_new_prefixes", "demand_half_life_s",
+                     "demand_holders_headroom", "demand_hard_bound"):
             if not getattr(self, name) >= 0:  # also rejects NaN
                 raise ValueError(f"kv_aware {name} must be >= 0, got {getattr(self, name)}")
         for name in ("cpu_tier_credit", "disk_tier_credit", "spread_while_fill_below", "inflight_prefix_credit"):
@@ -121,6 +133,8 @@ class KvAware:
                  rng: random.Random | None = None) -> None:
         self.params = params or KvAwareParams()
         self._rng = make_rng(seed, rng)
+        self.demand = PrefixDemand(self.params.demand_half_life_s) if self.params.demand_half_life_s else None
+        self._last_bound = self.params.load_bound
 
     def credited_tokens(self, c: Candidate) -> float:
         return self._credited([c])[0]
@@ -159,7 +173,8 @@ class KvAware:
         costs = self._costs(prompt, candidates, credited, max(credited))
         scores = dict(zip([c.worker_id for c in candidates], costs))
         if p.load_bound and len(candidates) > 1:
-            pool, pool_costs = self._within_bound(candidates, credited, prompt, costs)
+            self._last_bound = self._bound_for(request, candidates, credited)
+            pool, pool_costs = self._within_bound(candidates, credited, prompt, costs, self._last_bound)
         else:
             pool, pool_costs = candidates, costs
         if p.spread_new_prefixes and len(pool) > 1 and not max(credited):
@@ -184,7 +199,9 @@ class KvAware:
         best, prompt = max(credited), request.prompt_tokens
         costs = self._costs(prompt, candidates, credited, best)
         bounded = bool(p.load_bound) and len(candidates) > 1
-        pool, pool_costs = self._within_bound(candidates, credited, prompt, costs) if bounded else (candidates, costs)
+        # The bound `choose` used for this request (with demand tracking it depends on what came before).
+        pool, pool_costs = (self._within_bound(candidates, credited, prompt, costs, self._last_bound) if bounded
+                            else (candidates, costs))
         in_bound = {c.worker_id for c in pool}
         spreading = bool(p.spread_new_prefixes) and len(pool) > 1 and not best
         if spreading:
@@ -197,7 +214,7 @@ class KvAware:
         steps = []
         if bounded and len(in_bound) < len(candidates):
             out = [c.worker_id for c in candidates if c.worker_id not in in_bound]
-            steps.append(f"the load bound ({p.load_bound:g} x the fleet's mean pending prefill + "
+            steps.append(f"the load bound ({self._last_bound:g} x the fleet's mean pending prefill + "
                          f"{p.load_bound_slack_tokens:g} tokens) left out {', '.join(out)}")
         if spreading and len(in_spread) < len(in_bound):
             steps.append(f"no worker holds the prompt and caches are still filling: only the {len(in_spread)} "
@@ -243,8 +260,27 @@ class KvAware:
         key = chain[min(len(chain) - 1, max(c.cached_tokens for c in tied) // bs)].to_bytes(8, "little")
         return max(tied, key=lambda c: (xxhash.xxh3_64_intdigest(key + c.worker_id.encode()), c.worker_id))
 
+    def _bound_for(self, request: RoutingInput, candidates: list[Candidate], credited: list[float]) -> float:
+        """The load bound for this request: `load_bound`, or with demand tracking `demand_hard_bound`
+        for a prefix whose holders can serve its demand (this request is counted first)."""
+        p, demand = self.params, self.demand
+        if demand is None:
+            return p.load_bound
+        best = max(credited)
+        bs = candidates[0].block_size
+        chain = request.chains.get(bs)
+        if not best or not chain:
+            demand.count(None, request.now_s)
+            return p.load_bound
+        anchor = chain[min(len(chain), int(best) // bs) - 1] if int(best) >= bs else chain[0]
+        share = demand.count(anchor, request.now_s)
+        holders = sum(1 for cr in credited if cr >= 0.5 * best)
+        if share * len(candidates) > holders * p.demand_holders_headroom:
+            return p.load_bound
+        return max(p.load_bound, p.demand_hard_bound)
+
     def _within_bound(self, candidates: list[Candidate], credited: list[float], prompt: int,
-                      costs: list[float]) -> tuple[list[Candidate], list[float]]:
+                      costs: list[float], bound: float | None = None) -> tuple[list[Candidate], list[float]]:
         """Workers whose pending prefill with this request's stays within the bound (or is the
         least), with their costs."""
         p = self.params
@@ -254,7 +290,8 @@ class KvAware:
         work = [q - min(q, credit * c.inflight_cached_tokens) + u if credit else q + u
                 for q, u, c in zip(pending, uncached, candidates)]
         least = min(work)
-        scale, total, slack = p.load_bound / len(candidates), sum(pending), p.load_bound_slack_tokens
+        bound = p.load_bound if bound is None else bound
+        scale, total, slack = bound / len(candidates), sum(pending), p.load_bound_slack_tokens
         return _keep(candidates, costs,
                      [i for i, (w, u) in enumerate(zip(work, uncached)) if w <= least or w <= scale * (total + u) + slack])
 
@@ -273,6 +310,34 @@ class KvAware:
         low = min(costs)
         weights = [math.exp(-(cost - low) / self.params.temperature) for cost in costs]
         return self._rng.choices(pool, weights)[0]
+
+
+class PrefixDemand:
+    """Requests per shared prefix, decayed with a half life, beside all requests: a prefix's share of
+    the demand a router sees. Kept for the prefixes seen lately (bounded), in the policy's own state."""
+
+    MAX_PREFIXES = 65_536
+
+    def __init__(self, half_life_s: float) -> None:
+        self.decay_per_s = math.log(2) / half_life_s
+        self.total = (0.0, 0.0)  # (decayed count, at)
+        self.prefixes: dict[int, tuple[float, float]] = {}
+
+    def _bump(self, value: tuple[float, float], now: float) -> tuple[float, float]:
+        count, at = value
+        return count * math.exp(-self.decay_per_s * max(0.0, now - at)) + 1.0, now
+
+    def count(self, anchor: int | None, now: float) -> float:
+        """Count a request (for `anchor`, None = none shared) at `now`; the anchor's share of all."""
+        self.total = self._bump(self.total, now)
+        if anchor is None:
+            return 0.0
+        prefixes = self.prefixes
+        value = prefixes.pop(anchor, (0.0, now))
+        prefixes[anchor] = value = self._bump(value, now)  # re-inserted: the dict's order is recency
+        if len(prefixes) > self.MAX_PREFIXES:
+            del prefixes[next(iter(prefixes))]
+        return value[0] / self.total[0]
 
 
 def _keep(pool: list[Candidate], costs: list[float], kept: list[int]) -> tuple[list[Candidate], list[float]]:
