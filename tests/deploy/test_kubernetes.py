@@ -22,8 +22,8 @@ import pytest
 import yaml
 
 from kvroute import cli
+from kvroute.addresses import parse_redis_url
 from kvroute.config import has_key
-from kvroute.control_plane.replication.redis_url import parse_redis_url
 from tests.deploy.conftest import DeployTools
 from tests.deploy.manifests import (
     CONFIG_DIR,

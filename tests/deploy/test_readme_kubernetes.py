@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from kvroute.control_plane.replication.redis_url import parse_redis_url
+from kvroute.addresses import parse_redis_url
 from tests.deploy.conftest import DeployTools
 from tests.helpers import REPO, readme_sh_blocks
 
