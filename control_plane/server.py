@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from kvroute.addresses import parse_redis_url
+from kvroute.aio import cancel_and_wait
 from kvroute.build_info import register_build_info
 from kvroute.control_plane.auditor import PeriodicAuditor
 from kvroute.control_plane.authority import Authority
@@ -172,9 +173,7 @@ class ControlPlaneServer:
 
     async def stop(self, grace_s: float = 0.5) -> None:
         self._accepting = False
-        for task in (self._sweeper, self._audit_task, self._health_task, self._ready_task):
-            if task:
-                task.cancel()
+        await cancel_and_wait(self._sweeper, self._audit_task, self._health_task, self._ready_task)
         if self._grpc:  # health goes NOT_SERVING first, while /ready still answers 503
             await self._grpc.stop(grace_s)
         if self.inflight_sync is not None:

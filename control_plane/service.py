@@ -14,6 +14,7 @@ from opentelemetry import propagate, trace
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvroute.bad_request import BadRequest
 from kvroute.control_plane.audit import eviction_metadata
 from kvroute.control_plane.authority import Authority, Refused
 from kvroute.control_plane.replication.event_log import AgentSession, EventLog, LocalEventLog, LogRefusal
@@ -157,10 +158,6 @@ def match_template(record: WorkerRecord) -> pb.WorkerMatch:
                                   load=load_to_pb(record), data_parallel_rank=record.data_parallel_rank)
         record.match_template = template
     return template  # type: ignore[return-value]
-
-
-class BadRequest(ValueError):
-    """A router request that cannot be answered as sent (INVALID_ARGUMENT)."""
 
 
 def check_query(request: pb.QueryRequest) -> None:

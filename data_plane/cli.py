@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from kvroute.addresses import control_plane_addresses, dns_server, listen_host, port, static_workers
+from kvroute.aio import cancel_and_wait
 from kvroute.process import (
     add_log_level_argument,
     add_port_file_argument,
@@ -30,10 +31,10 @@ DEFAULT_GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvroute.data_plane.admission import DEFAULT_MAX_CONCURRENT_REQUESTS
-    from kvroute.data_plane.api_keys import ENV_API_KEYS
+    from kvroute.data_plane.access.admission import DEFAULT_MAX_CONCURRENT_REQUESTS
+    from kvroute.data_plane.access.api_keys import ENV_API_KEYS
     from kvroute.data_plane.decision.policies import POLICIES, kv_aware_param  # pure module, cheap to import for --help
-    from kvroute.data_plane.traffic_capture import CAPTURE_BLOCK_TOKENS
+    from kvroute.data_plane.ops.traffic_capture import CAPTURE_BLOCK_TOKENS
     from kvroute.prefix_index.backends import BACKENDS
 
     p.add_argument("--control-plane", type=control_plane_addresses, default="127.0.0.1:50051", metavar="HOST:PORT",
@@ -158,7 +159,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _discovery_target(value: str) -> str:
-    from kvroute.data_plane.engine_discovery import DiscoveryError, parse_target
+    from kvroute.data_plane.engines.engine_discovery import DiscoveryError, parse_target
 
     try:
         return parse_target(value).spec
@@ -196,15 +197,15 @@ def _sample_rate(value: str) -> float:
 async def serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from kvroute.data_plane.admission import Admission, ApiKeyInterceptor
-    from kvroute.data_plane.api_keys import ApiKeys, KeyFileError
-    from kvroute.data_plane.app_reservations import AppReservations
-    from kvroute.data_plane.grpc_api import RouterGrpcService, add_router_service
-    from kvroute.data_plane.http_api import RouterHttpApi
-    from kvroute.data_plane.proxy import BackendProxy
-    from kvroute.data_plane.routing_service import build_routing_service
-    from kvroute.data_plane.stage_timing import StageSamples
-    from kvroute.data_plane.traffic_capture import TrafficCapture
+    from kvroute.data_plane.access.admission import Admission, ApiKeyInterceptor
+    from kvroute.data_plane.access.api_keys import ApiKeys, KeyFileError
+    from kvroute.data_plane.grpc.api import RouterGrpcService, add_router_service
+    from kvroute.data_plane.grpc.app_reservations import AppReservations
+    from kvroute.data_plane.http.api import RouterHttpApi
+    from kvroute.data_plane.http.proxy import BackendProxy
+    from kvroute.data_plane.ops.stage_timing import StageSamples
+    from kvroute.data_plane.ops.traffic_capture import TrafficCapture
+    from kvroute.data_plane.service.routing_service import build_routing_service
     from kvroute.listeners import GrpcListener, check_port, start_http_site
     from kvroute.tls import grpc_message_options
     from kvroute.v1 import kvroute_pb2 as pb
@@ -251,7 +252,7 @@ async def serve(args: argparse.Namespace) -> int:
                                            max_held=args.max_reservations)
             add_router_service(RouterGrpcService(router, preparer, reservations, capture), grpc_server.server)
             await grpc_server.start(serving=http.readiness().ready)
-            # grpc.health.v1 says what GET /ready says (data_plane/readiness.py)
+            # grpc.health.v1 says what GET /ready says (data_plane/service/readiness.py)
             health_task = asyncio.create_task(grpc_server.follow(lambda: http.readiness().ready))
         service.start(engine_ssl)  # after the listeners: a port in use is the only line printed
         log.info("router listening: %s://%s:%d grpc=%s policy=%s model=%s control-plane=%s%s%s; %s",
@@ -272,9 +273,7 @@ async def serve(args: argparse.Namespace) -> int:
         await wait_for_stop_signal()
         log.info("router stopping")
     finally:
-        for task in (health_task, ready_task):
-            if task:
-                task.cancel()
+        await cancel_and_wait(health_task, ready_task)
         if grpc_server:
             await grpc_server.stop(0.5)
         if reservations:
@@ -287,6 +286,6 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvroute.data_plane.routing_service import run_routing_process
+    from kvroute.data_plane.service.routing_service import run_routing_process
 
     return run_routing_process("router", serve(args), args.log_level)

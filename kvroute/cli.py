@@ -50,7 +50,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                                 "run the control plane (global prefix index + worker registry, gRPC)"),
     "agent": Subcommand("kvroute.worker_agent.cli", "run a worker agent: engine KV events -> control plane"),
     "router": Subcommand("kvroute.data_plane.cli", "run a stateless router (OpenAI-compatible HTTP + gRPC Route)"),
-    "epp": Subcommand("kvroute.data_plane.epp",
+    "epp": Subcommand("kvroute.data_plane.epp_cli",
                       "run a Gateway API Inference Extension endpoint picker (Envoy ext_proc) on the router's decision",
                       "epp"),
     "sim-engine": Subcommand("kvroute.tools.sim_engine.cli",

@@ -380,7 +380,7 @@ def parse_args(command: str, parser: argparse.ArgumentParser, argv: Sequence[str
 
 
 # Documented KVROUTE_* variables that are not a flag's: the config file's name, TLS files (tls.py) and API
-# keys (data_plane/api_keys.py) read from the environment, and the project's scripts' own.
+# keys (data_plane/access/api_keys.py) read from the environment, and the project's scripts' own.
 NOT_SETTINGS = RESERVED_ENV | {env_name(CONFIG_DEST), "KVROUTE_API_KEYS"}
 NOT_SETTINGS_PREFIXES = ("KVROUTE_TLS_",)
 

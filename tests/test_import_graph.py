@@ -157,14 +157,73 @@ def test_components_import_one_another_without_a_cycle() -> None:
     assert cycles == [], "components import each other in a circle:\n" + "\n".join(sorted(set(cycles)))
 
 
+# The data plane's rooms, lowest layer first. A room imports its own layer and those below; the
+# transports (the last layer but the entry point) never import one another.
+DATA_PLANE_LAYERS: tuple[frozenset[str], ...] = (
+    frozenset({"decision", "ops"}),
+    frozenset({"prepare"}),
+    frozenset({"api"}),
+    frozenset({"access", "cp_link", "engines"}),
+    frozenset({"service"}),
+    frozenset({"http", "grpc", "epp"}),
+    frozenset({"cli", "epp_cli"}),
+)
+TRANSPORTS = DATA_PLANE_LAYERS[-2]
+DATA_PLANE = "kvroute.data_plane"
+# What the pure decision may import: first-party, only itself and the key algorithm; otherwise
+# computation only (no event loop, clock, socket or file).
+PURE_IMPORTS = {"__future__", "array", "argparse", "bisect", "collections", "dataclasses", "difflib", "enum",
+                "functools", "heapq", "itertools", "math", "operator", "random", "typing", "xxhash"}
+
+
+def room(module: str) -> str | None:
+    """A data-plane module's room (its first folder, or its own name at the top: cli)."""
+    if not module.startswith(DATA_PLANE + "."):
+        return None
+    return module.removeprefix(DATA_PLANE + ".").split(".")[0]
+
+
+def layer(name: str) -> int:
+    return next(i for i, rooms in enumerate(DATA_PLANE_LAYERS) if name in rooms)
+
+
+def test_every_data_plane_module_lives_in_a_room_of_a_layer() -> None:
+    rooms = {room(m) for m in modules() if room(m)}
+    known = set().union(*DATA_PLANE_LAYERS)
+    assert rooms <= known, f"rooms without a layer: {sorted(rooms - known)}"
+
+
+def test_data_plane_rooms_import_only_their_layer_and_below() -> None:
+    upward, across = [], []
+    for i in first_party():
+        a, b = room(i.source), room(i.target)
+        if a is None or b is None or a == b:
+            continue
+        if layer(b) > layer(a):
+            upward.append(str(i))
+        elif a in TRANSPORTS and b in TRANSPORTS:
+            across.append(str(i))
+    assert upward == [], "a room imports a layer above it:\n" + "\n".join(upward)
+    assert across == [], "transports never import one another:\n" + "\n".join(across)
+
+
+def test_the_decision_imports_nothing_with_io() -> None:
+    found = [str(i) for i in all_imports() if room(i.source) == "decision"
+             and not (room(i.target) == "decision" or i.target == "kvroute.block_keys"
+                      or i.target.split(".")[0] in PURE_IMPORTS)]
+    assert found == [], "the decision is pure (no await, no network, no clock):\n" + "\n".join(found)
+
+
 def test_the_graph_sees_the_imports_it_judges() -> None:
     """The checks above pass trivially if nothing is found: pin a few known edges."""
     found = {(i.source, i.target) for i in first_party()}
-    assert ("kvroute.data_plane.routing", "kvroute.data_plane.decision.policies") in found
+    assert ("kvroute.data_plane.service.routing", "kvroute.data_plane.decision.policies") in found
     assert ("kvroute.tools.simulator.fleet", "kvroute.data_plane.decision.policies") in found
     assert ("kvroute.control_plane.auditor", "kvroute.control_plane.audit") in found
-    assert ("kvroute.data_plane.cli", "kvroute.data_plane.routing_service") in found  # an import inside a function
+    assert ("kvroute.data_plane.cli", "kvroute.data_plane.service.routing_service") in found  # an import inside a function
     assert {"kvroute.cli", "kvroute.v1.kvroute_pb2", "kvroute.tools.sim_engine.tokenizer"} <= set(modules())
+    assert ("kvroute.data_plane.http.proxy", "kvroute.data_plane.engines.backend_health") in found
+    assert ("kvroute.data_plane.decision.decide", "kvroute.data_plane.decision.candidates") in found
 
 
 # ---------------------------------------------------------------- what a process loads
@@ -206,7 +265,7 @@ def test_kvroute_router_help_loads_the_router_and_the_core_only(tmp_path: Path) 
 
 def test_kvroute_epp_help_loads_the_data_plane_and_the_core_only(tmp_path: Path) -> None:
     code, modules = loaded_by(tmp_path, "epp", "--help")
-    assert code == 0 and {"kvroute.data_plane.epp", "kvroute.data_plane.cli"} <= modules
+    assert code == 0 and {"kvroute.data_plane.epp_cli", "kvroute.data_plane.epp.picker", "kvroute.data_plane.cli"} <= modules
     assert foreign(modules, "kvroute.data_plane") == []
 
 
@@ -229,5 +288,5 @@ def test_a_running_router_loads_no_tool_and_no_other_plane(tmp_path: Path, tiny_
         stderr = proc.communicate(timeout=30)[1]
     assert proc.returncode == 0, stderr[-2000:]
     modules = set(json.loads(dump.read_text()))
-    assert {"kvroute.data_plane.http_api", "kvroute.data_plane.tokenization", "grpc"} <= modules
+    assert {"kvroute.data_plane.http.api", "kvroute.data_plane.prepare.tokenization", "grpc"} <= modules
     assert foreign(modules, "kvroute.data_plane") == []

@@ -45,6 +45,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvroute.aio import cancel_and_wait
 from kvroute.build_info import register_build_info
 from kvroute.listeners import start_status_site
 from kvroute.rate_limited_log import RateLimitedLog
@@ -509,9 +510,7 @@ class WorkerAgent:
 
     async def _withdraw(self) -> None:
         links, self._links, self.advertised = self._links, [], False
-        for task in links:
-            task.cancel()
-        await asyncio.gather(*links, return_exceptions=True)
+        await cancel_and_wait(*links)
 
     async def _watch(self) -> None:
         """Once a second: log a publisher that stays unconnected, and judge whether the event stream is

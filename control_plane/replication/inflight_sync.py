@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import msgspec
 from redis.exceptions import RedisError
 
+from kvroute.aio import cancel_and_wait
 from kvroute.control_plane.replication.redis_log import NO_ID, parse_id, raise_if_cancelled
 from kvroute.control_plane.replication.redis_url import redis_backoff
 from kvroute.fleet.entries import pack_keys, unpack_keys
@@ -237,10 +238,7 @@ class InflightSync:
 
     async def stop(self) -> None:
         self._stopping = True
-        for task in self._tasks:
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=2.0)
+        await cancel_and_wait(*self._tasks, timeout_s=2.0)
         self._tasks.clear()
 
     def problems(self) -> list[str]:

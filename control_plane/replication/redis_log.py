@@ -20,6 +20,7 @@ import grpc
 import xxhash
 from redis.exceptions import RedisError
 
+from kvroute.aio import cancel_and_wait
 from kvroute.control_plane.replication.event_log import (
     AgentSession,
     LogRefusal,
@@ -322,10 +323,7 @@ class RedisEventLog:
 
     async def stop(self) -> None:
         self._stopping = True
-        for task in self._tasks:
-            task.cancel()
-        _, pending = await asyncio.wait(self._tasks, timeout=2.0) if self._tasks else (set(), set())
-        for task in pending:
+        for task in await cancel_and_wait(*self._tasks, timeout_s=2.0):
             log.error("task %s did not stop when cancelled", task.get_name())
         if not self._tasks and self._closed:
             return

@@ -7,5 +7,5 @@ the endpoint picker and the fleet simulator all run it.
   router's own in-flight state, and `RouteDecision`, what a transport makes of it.
 
 Where the index's answer comes from (the router's own view of the fleet, or a control-plane query)
-is the caller's business (`kvroute.data_plane.routing`).
+is the caller's business (`kvroute.data_plane.service.routing`).
 """

@@ -32,7 +32,7 @@ from kvroute.v1 import kvroute_pb2 as pb
 
 # Keys per PackedBlockOp in a snapshot: a worker with a million cached blocks is 8 MB of keys, sent
 # as 128 changes of 64 kB instead of one message near gRPC's limits; a follower applies one in a few
-# ms, so a router building a new snapshot lets its decisions run between them (data_plane/fleet_view.py).
+# ms, so a router building a new snapshot lets its decisions run between them (data_plane/cp_link/fleet_view.py).
 SNAPSHOT_CHUNK_KEYS = 8_192
 
 _OP_KIND = {Op.STORED: pb.BLOCKS_STORED, Op.REMOVED: pb.BLOCKS_REMOVED, Op.CLEARED: pb.BLOCKS_CLEARED}

@@ -23,7 +23,7 @@ from kvroute.control_plane.replication.inflight_sync import (
 )
 from kvroute.control_plane.replication.redis_log import parse_id
 from kvroute.control_plane.server import ControlPlaneConfig, ControlPlaneServer
-from kvroute.data_plane.router_session import RouterSessionLink
+from kvroute.data_plane.cp_link.router_session import RouterSessionLink
 from kvroute.fleet.entries import pack_keys
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc

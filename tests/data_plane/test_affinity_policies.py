@@ -269,16 +269,16 @@ def test_tree_evicts_leaves_before_the_prefix_they_hang_from() -> None:
 
 
 async def test_router_passes_tokens_and_session_key_to_the_policy() -> None:
+    from kvroute.data_plane.cp_link.inflight import RouterInflight
     from kvroute.data_plane.decision.policies import PolicyNeeds
-    from kvroute.data_plane.inflight import RouterInflight
-    from kvroute.data_plane.routing import Router
+    from kvroute.data_plane.service.routing import Router
     from kvroute.v1 import kvroute_pb2 as pb
 
     class Workers:  # a control plane that knows two workers and whose queries fail (fail open)
         reachable = False
 
         def workers_for(self, model, lora_name=""):
-            from kvroute.data_plane.control_plane_client import KnownWorker
+            from kvroute.data_plane.cp_link.control_plane_client import KnownWorker
             return [KnownWorker(w, model, f"http://{w}", 16, pb.WorkerLoad()) for w in ("a", "b")]
 
         async def query(self, model, chains, lora_name=""):
@@ -302,15 +302,12 @@ async def test_router_passes_tokens_and_session_key_to_the_policy() -> None:
 
 
 def test_http_session_key_is_the_header_then_the_openai_user() -> None:
-    from aiohttp.test_utils import make_mocked_request
+    from kvroute.data_plane.api.body import session_key_of
 
-    from kvroute.data_plane.http_api import _session_key
-
-    with_header = make_mocked_request("POST", "/v1/chat/completions", headers={"x-session-id": "s-1"})
-    bare = make_mocked_request("POST", "/v1/chat/completions")
-    assert _session_key(with_header, {"user": "alice"}) == "s-1"
-    assert _session_key(bare, {"user": "alice"}) == "alice"
-    assert _session_key(bare, {"user": 12}) == "" and _session_key(bare, {}) == ""
+    with_header, bare = {"x-session-id": "s-1"}, {}
+    assert session_key_of(with_header, {"user": "alice"}) == "s-1"
+    assert session_key_of(bare, {"user": "alice"}) == "alice"
+    assert session_key_of(bare, {"user": 12}) == "" and session_key_of(bare, {}) == ""
 
 
 # ---------------------------------------------------------------- simulator

@@ -1,4 +1,4 @@
-"""data_plane/api_keys.py: the keys file holds digests only, keys from the environment, Bearer parsing,
+"""data_plane/access/api_keys.py: the keys file holds digests only, keys from the environment, Bearer parsing,
 scopes, and the file read again when it changes."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from kvroute.data_plane import api_keys
-from kvroute.data_plane.api_keys import ApiKeys, KeyFileError, Verdict, bearer_token, parse_key_file
+from kvroute.data_plane.access import api_keys
+from kvroute.data_plane.access.api_keys import ApiKeys, KeyFileError, Verdict, bearer_token, parse_key_file
 from kvroute.tools.local_cluster import free_port, kvroute_argv
 
 

@@ -9,13 +9,13 @@ import pytest
 from aiohttp import web
 
 from kvroute.cli import parse_args
-from kvroute.data_plane.backend_health import BackendHealth, HealthCheckConfig, HealthChecks
-from kvroute.data_plane.control_plane_client import KnownWorker
+from kvroute.data_plane.cp_link.control_plane_client import KnownWorker
+from kvroute.data_plane.cp_link.inflight import RouterInflight
+from kvroute.data_plane.cp_link.query_deadline import QueryDeadline
 from kvroute.data_plane.decision.policies import make_policy
-from kvroute.data_plane.inflight import RouterInflight
-from kvroute.data_plane.query_deadline import QueryDeadline
-from kvroute.data_plane.routing import Router
-from kvroute.data_plane.routing_service import health_check_config
+from kvroute.data_plane.engines.backend_health import BackendHealth, HealthCheckConfig, HealthChecks
+from kvroute.data_plane.service.routing import Router
+from kvroute.data_plane.service.routing_service import health_check_config
 from kvroute.tools.local_cluster import free_port
 from kvroute.v1 import kvroute_pb2 as pb
 from tests.helpers import eventually

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from kvroute.block_keys import prompt_block_keys
-from kvroute.data_plane.control_plane_client import KnownWorker
+from kvroute.data_plane.cp_link.control_plane_client import KnownWorker
+from kvroute.data_plane.cp_link.inflight import RouterInflight
 from kvroute.data_plane.decision.candidates import build_candidates
-from kvroute.data_plane.inflight import RouterInflight
 from kvroute.fleet.answer import IndexColumns
 from kvroute.v1 import kvroute_pb2 as pb
 

@@ -1,4 +1,4 @@
-"""The character bound (data_plane/char_bound.py): K is the most characters one token can cover, so
+"""The character bound (data_plane/prepare/char_bound.py): K is the most characters one token can cover, so
 no prompt that fits in N tokens is ever longer than N * K characters; pipelines that can drop text
 get no bound. Also: an over-long prompt never reaches the tokenizer, and one that is tokenized and
 rejected leaves nothing in the segment cache."""
@@ -11,8 +11,8 @@ import unicodedata
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
-from kvroute.data_plane.char_bound import CANONICAL_DECOMPOSITION_MAX, char_bound
-from kvroute.data_plane.tokenization import PromptTokenizer, PromptTooLong, load_tokenizer
+from kvroute.data_plane.prepare.char_bound import CANONICAL_DECOMPOSITION_MAX, char_bound
+from kvroute.data_plane.prepare.tokenization import PromptTokenizer, PromptTooLong, load_tokenizer
 from kvroute.tools.tiny_model import CHAT_TEMPLATE
 
 

@@ -9,7 +9,7 @@ import logging
 import os
 
 from kvroute.control_plane.server import ControlPlaneConfig, ControlPlaneServer
-from kvroute.data_plane.control_plane_client import ControlPlaneClient
+from kvroute.data_plane.cp_link.control_plane_client import ControlPlaneClient
 from kvroute.identity import router_uri
 from kvroute.tls import ClientTls, TlsFiles
 from tests.helpers import eventually

@@ -12,22 +12,22 @@ import grpc
 import pytest
 
 from kvroute.control_plane.server import ControlPlaneConfig, ControlPlaneServer
-from kvroute.data_plane.backend_health import BackendHealth
-from kvroute.data_plane.control_plane_client import ControlPlaneClient, KnownWorker
+from kvroute.data_plane.cp_link.control_plane_client import ControlPlaneClient, KnownWorker
+from kvroute.data_plane.cp_link.fleet_view import FleetView
+from kvroute.data_plane.cp_link.inflight import RouterInflight
 from kvroute.data_plane.decision.candidates import build_candidates
 from kvroute.data_plane.decision.policies import make_policy
-from kvroute.data_plane.engine_discovery import (
+from kvroute.data_plane.engines.backend_health import BackendHealth
+from kvroute.data_plane.engines.engine_discovery import (
     DiscoveryError,
     EngineDiscovery,
     make_resolver,
     parse_dns_server,
     parse_target,
 )
-from kvroute.data_plane.fleet_view import FleetView
-from kvroute.data_plane.inflight import RouterInflight
-from kvroute.data_plane.readiness import router_readiness
-from kvroute.data_plane.routing import Router
-from kvroute.data_plane.routing_service import unmonitored_workers
+from kvroute.data_plane.service.readiness import router_readiness
+from kvroute.data_plane.service.routing import Router
+from kvroute.data_plane.service.routing_service import unmonitored_workers
 from kvroute.fleet.answer import IndexColumns
 from kvroute.tools.sim_dns import SimDns, parse_records
 from kvroute.v1 import kvroute_pb2 as pb

@@ -12,8 +12,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
 from kvroute.cli import parse_args
-from kvroute.data_plane.epp import ROUTER_ONLY_FLAGS, EndpointPicker, host_port
-from kvroute.data_plane.routing_service import build_routing_service
+from kvroute.data_plane.epp.picker import EndpointPicker, host_port
+from kvroute.data_plane.epp_cli import ROUTER_ONLY_FLAGS
+from kvroute.data_plane.service.routing_service import build_routing_service
 from kvroute.tools.ext_proc_client import EnvoyExtProcStream
 from kvroute.tools.local_cluster import free_port
 

@@ -7,7 +7,7 @@ import asyncio
 
 import grpc
 
-from kvroute.data_plane.control_plane_client import ControlPlaneClient
+from kvroute.data_plane.cp_link.control_plane_client import ControlPlaneClient
 from tests.helpers import eventually
 from tests.replica_helpers import MODEL, Agent, start_replica
 

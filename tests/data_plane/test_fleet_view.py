@@ -13,8 +13,8 @@ import pytest
 
 from kvroute.block_keys import prompt_block_keys
 from kvroute.control_plane.server import ControlPlaneConfig, ControlPlaneServer
-from kvroute.data_plane.control_plane_client import ControlPlaneClient
-from kvroute.data_plane.fleet_view import FleetView
+from kvroute.data_plane.cp_link.control_plane_client import ControlPlaneClient
+from kvroute.data_plane.cp_link.fleet_view import FleetView
 from kvroute.fleet.changes import MalformedChange
 from kvroute.fleet.entries import pack_keys
 from kvroute.fleet.state import FleetState

@@ -8,9 +8,9 @@ import asyncio
 import random
 
 from kvroute.control_plane.server import ControlPlaneConfig, ControlPlaneServer
-from kvroute.data_plane import fleet_view
-from kvroute.data_plane.control_plane_client import ControlPlaneClient
-from kvroute.data_plane.fleet_view import FleetView
+from kvroute.data_plane.cp_link import fleet_view
+from kvroute.data_plane.cp_link.control_plane_client import ControlPlaneClient
+from kvroute.data_plane.cp_link.fleet_view import FleetView
 from kvroute.fleet.entries import BlockOp, Op, RegisterBody
 from kvroute.prefix_index import Tier
 from tests.helpers import MODEL, eventually

@@ -21,18 +21,18 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvroute.block_keys import prompt_block_keys
-from kvroute.data_plane.app_reservations import AppReservations
-from kvroute.data_plane.backend_health import BackendHealth
-from kvroute.data_plane.control_plane_client import ControlPlaneClient
+from kvroute.data_plane.api.errors import engine_error_body
+from kvroute.data_plane.cp_link.control_plane_client import ControlPlaneClient
+from kvroute.data_plane.cp_link.inflight import RouterInflight
 from kvroute.data_plane.decision.policies import make_policy
-from kvroute.data_plane.grpc_api import RouterGrpcService, add_router_service
-from kvroute.data_plane.http_api import RouterHttpApi
-from kvroute.data_plane.http_errors import engine_error_body
-from kvroute.data_plane.inflight import RouterInflight
-from kvroute.data_plane.proxy import BackendProxy
-from kvroute.data_plane.request_prep import RequestPreparer
-from kvroute.data_plane.routing import Router
-from kvroute.data_plane.tokenization import PromptTokenizer, load_tokenizer
+from kvroute.data_plane.engines.backend_health import BackendHealth
+from kvroute.data_plane.grpc.api import RouterGrpcService, add_router_service
+from kvroute.data_plane.grpc.app_reservations import AppReservations
+from kvroute.data_plane.http.api import RouterHttpApi
+from kvroute.data_plane.http.proxy import BackendProxy
+from kvroute.data_plane.prepare.request_prep import RequestPreparer
+from kvroute.data_plane.prepare.tokenization import PromptTokenizer, load_tokenizer
+from kvroute.data_plane.service.routing import Router
 from kvroute.prom_text import sample_value
 from kvroute.telemetry import install_tracer_provider
 from kvroute.tools.local_cluster import free_port

@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 
 from kvroute.block_keys import prompt_block_keys
+from kvroute.data_plane.cp_link.inflight import RouterInflight
 from kvroute.data_plane.decision.policies import Candidate, KvAware, KvAwareParams, RoutingInput, make_policy
-from kvroute.data_plane.inflight import RouterInflight
 from kvroute.tools.bench.burst import burst_decisions
 
 BS = 16

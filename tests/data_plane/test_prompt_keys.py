@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from kvroute.block_keys import prompt_block_keys
-from kvroute.data_plane.prompt_keys import CHECKPOINT_BLOCKS, PromptKeyCache
+from kvroute.data_plane.prepare.prompt_keys import CHECKPOINT_BLOCKS, PromptKeyCache
 
 
 def test_same_keys_as_the_plain_chain_for_shared_and_unrelated_prompts() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.data_plane.query_deadline import QueryDeadline
+from kvroute.data_plane.cp_link.query_deadline import QueryDeadline
 
 
 def test_fixed_deadline_never_moves() -> None:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.data_plane.grpc_api import route_input
-from kvroute.data_plane.request_prep import PrepareError, RequestPreparer, RouteInput
-from kvroute.data_plane.tokenization import load_tokenizer
+from kvroute.data_plane.grpc.api import route_input
+from kvroute.data_plane.prepare.request_prep import PrepareError, RequestPreparer, RouteInput
+from kvroute.data_plane.prepare.tokenization import load_tokenizer
 from kvroute.v1 import kvroute_pb2 as pb
 
 

@@ -6,8 +6,8 @@ import grpc
 import pytest
 
 from kvroute.control_plane.server import ControlPlaneConfig, ControlPlaneServer
-from kvroute.data_plane.control_plane_client import ControlPlaneClient, query_message
-from kvroute.data_plane.inflight import RouterInflight
+from kvroute.data_plane.cp_link.control_plane_client import ControlPlaneClient, query_message
+from kvroute.data_plane.cp_link.inflight import RouterInflight
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 from tests.helpers import AgentStream, eventually
 

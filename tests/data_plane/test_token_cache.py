@@ -8,8 +8,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from kvroute.data_plane.token_cache import SegmentTokenCache, safe_boundary_tokens
-from kvroute.data_plane.tokenization import load_tokenizer
+from kvroute.data_plane.prepare.token_cache import SegmentTokenCache, safe_boundary_tokens
+from kvroute.data_plane.prepare.tokenization import load_tokenizer
 
 
 def _random_chat_text(rng: random.Random) -> str:

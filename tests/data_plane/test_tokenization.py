@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
-from kvroute.data_plane.tokenization import TokenizationError, load_tokenizer
+from kvroute.data_plane.prepare.tokenization import TokenizationError, load_tokenizer
 
 
 def test_chat_render_and_encode_match_manual(tiny_model_dir) -> None:
@@ -35,7 +35,7 @@ def test_missing_tokenizer_is_clear(tmp_path) -> None:
 def test_encode_prompt_is_hf_encode_and_chat_adds_no_special_tokens(tiny_model_dir) -> None:
     from tokenizers.processors import TemplateProcessing
 
-    from kvroute.data_plane.tokenization import PromptTokenizer
+    from kvroute.data_plane.prepare.tokenization import PromptTokenizer
 
     raw = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
     bos = raw.token_to_id("<s>")
@@ -49,7 +49,7 @@ def test_encode_prompt_is_hf_encode_and_chat_adds_no_special_tokens(tiny_model_d
 
 
 def test_template_environment_matches_hf(tiny_model_dir) -> None:
-    from kvroute.data_plane.tokenization import PromptTokenizer
+    from kvroute.data_plane.prepare.tokenization import PromptTokenizer
 
     raw = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
     template = (

@@ -20,8 +20,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvroute.data_plane.metrics import RouterMetrics
-from kvroute.data_plane.traffic_capture import TrafficCapture, reported_output_tokens, requested_output_tokens, trace_block_keys
+from kvroute.data_plane.ops.metrics import RouterMetrics
+from kvroute.data_plane.ops.traffic_capture import (
+    TrafficCapture,
+    reported_output_tokens,
+    requested_output_tokens,
+    trace_block_keys,
+)
 from kvroute.tools.local_cluster import LocalCluster, free_port, http_get, http_post_json, wait_until
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc

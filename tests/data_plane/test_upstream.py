@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from aiohttp import web
 
-from kvroute.data_plane.upstream import UpstreamPool
+from kvroute.data_plane.http.upstream import UpstreamPool
 
 
 async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
@@ -115,12 +115,12 @@ async def test_malformed_and_silent_engines_raise_what_the_proxy_retries_on() ->
 
 
 async def test_the_control_plane_hears_one_message_for_a_whole_answer_and_two_for_a_stream() -> None:
-    from kvroute.data_plane.backend_health import BackendHealth
+    from kvroute.data_plane.cp_link.inflight import RouterInflight
     from kvroute.data_plane.decision.policies import Candidate
-    from kvroute.data_plane.inflight import RouterInflight
-    from kvroute.data_plane.metrics import RouterMetrics
-    from kvroute.data_plane.proxy import BackendProxy
-    from kvroute.data_plane.routing import RouteDecision
+    from kvroute.data_plane.engines.backend_health import BackendHealth
+    from kvroute.data_plane.http.proxy import BackendProxy
+    from kvroute.data_plane.ops.metrics import RouterMetrics
+    from kvroute.data_plane.service.routing import RouteDecision
 
     class Session:  # what RouterInflight tells the router session
         def __init__(self) -> None:

@@ -12,7 +12,7 @@ import asyncio
 import grpc
 import pytest
 
-from kvroute.data_plane.router_session import RouterSessionLink, SessionUnavailable
+from kvroute.data_plane.cp_link.router_session import RouterSessionLink, SessionUnavailable
 from kvroute.tools.redis_harness import RedisServer
 from kvroute.tools.replica_cluster import ReplicaCluster
 from kvroute.v1 import kvroute_pb2 as pb

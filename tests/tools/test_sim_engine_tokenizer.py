@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.data_plane.tokenization import load_tokenizer
+from kvroute.data_plane.prepare.tokenization import load_tokenizer
 from kvroute.tools.sim_engine.tokenizer import PromptError, load_engine_tokenizer
 from kvroute.tools.tiny_model import CHAT_TEMPLATE
 

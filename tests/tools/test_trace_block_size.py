@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.data_plane.traffic_capture import CAPTURE_BLOCK_TOKENS, TrafficCapture
+from kvroute.data_plane.ops.traffic_capture import CAPTURE_BLOCK_TOKENS, TrafficCapture
 from kvroute.tools.simulator.workloads import load_mooncake_trace
 
 

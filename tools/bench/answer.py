@@ -34,7 +34,7 @@ from typing import NamedTuple
 from prometheus_client import CollectorRegistry
 
 from kvroute.control_plane.service import ControlPlaneMetrics, ControlPlaneService
-from kvroute.data_plane.control_plane_client import query_message
+from kvroute.data_plane.cp_link.control_plane_client import query_message
 from kvroute.fleet.state import FleetState
 from kvroute.prefix_index import PrefixIndex, is_bounded, make_index, resolve_backend
 from kvroute.tools.stats import percentile

@@ -26,10 +26,10 @@ from pathlib import Path
 import aiohttp
 
 from kvroute.block_keys import prompt_block_keys
-from kvroute.data_plane.control_plane_client import KnownWorker
+from kvroute.data_plane.cp_link.control_plane_client import KnownWorker
+from kvroute.data_plane.cp_link.inflight import RouterInflight
 from kvroute.data_plane.decision.candidates import build_candidates
 from kvroute.data_plane.decision.policies import RoutingInput, RoutingPolicy, make_policy
-from kvroute.data_plane.inflight import RouterInflight
 from kvroute.v1 import kvroute_pb2 as pb
 
 BURST_REQUESTS = 64

@@ -43,12 +43,12 @@ from pathlib import Path
 
 from kvroute import aio
 from kvroute.block_keys import prompt_block_keys
-from kvroute.data_plane.control_plane_client import ControlPlaneClient, query_message
+from kvroute.data_plane.cp_link.control_plane_client import ControlPlaneClient, query_message
+from kvroute.data_plane.cp_link.fleet_view import FleetView
+from kvroute.data_plane.cp_link.inflight import RouterInflight
 from kvroute.data_plane.decision.policies import make_policy
-from kvroute.data_plane.fleet_view import FleetView
-from kvroute.data_plane.inflight import RouterInflight
-from kvroute.data_plane.routing import Router
-from kvroute.data_plane.tokenization import load_tokenizer
+from kvroute.data_plane.prepare.tokenization import load_tokenizer
+from kvroute.data_plane.service.routing import Router
 from kvroute.prom_text import sample_sums, sums_by_label
 from kvroute.tools.bench.children import ChildProcess, start_agents
 from kvroute.tools.bench.grpc_echo import round_trips_ms

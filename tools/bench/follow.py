@@ -52,8 +52,8 @@ from pathlib import Path
 
 from kvroute import aio
 from kvroute.control_plane.follow import FollowFeed
-from kvroute.data_plane.control_plane_client import ControlPlaneClient
-from kvroute.data_plane.fleet_view import FleetView
+from kvroute.data_plane.cp_link.control_plane_client import ControlPlaneClient
+from kvroute.data_plane.cp_link.fleet_view import FleetView
 from kvroute.fleet.entries import BlockOp, Op, RegisterBody
 from kvroute.fleet.state import FleetState
 from kvroute.prefix_index.backends import make_index, resolve_backend

@@ -25,8 +25,8 @@ from functools import partial
 from pathlib import Path
 
 from kvroute import aio
-from kvroute.data_plane.control_plane_client import ControlPlaneClient
-from kvroute.data_plane.fleet_view import FleetView
+from kvroute.data_plane.cp_link.control_plane_client import ControlPlaneClient
+from kvroute.data_plane.cp_link.fleet_view import FleetView
 from kvroute.prefix_index.backends import BACKENDS, make_index
 from kvroute.process import on_stop_signal, write_port_file
 from kvroute.v1 import kvroute_pb2 as pb

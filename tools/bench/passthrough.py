@@ -14,13 +14,13 @@ from aiohttp import web
 
 from kvroute import aio
 from kvroute.addresses import http_url, listen_host, port
-from kvroute.data_plane.backend_health import BackendHealth
+from kvroute.data_plane.api.errors import openai_errors
+from kvroute.data_plane.cp_link.inflight import RouterInflight
 from kvroute.data_plane.decision.policies import Candidate
-from kvroute.data_plane.http_errors import openai_errors
-from kvroute.data_plane.inflight import RouterInflight
-from kvroute.data_plane.metrics import RouterMetrics
-from kvroute.data_plane.proxy import BackendProxy
-from kvroute.data_plane.routing import RouteDecision
+from kvroute.data_plane.engines.backend_health import BackendHealth
+from kvroute.data_plane.http.proxy import BackendProxy
+from kvroute.data_plane.ops.metrics import RouterMetrics
+from kvroute.data_plane.service.routing import RouteDecision
 from kvroute.process import wait_for_stop_signal
 
 WORKER_ID = "passthrough-0"

@@ -255,7 +255,7 @@ def system_prompt_chains(tokenizer_dir: Path, bodies: list[str]) -> list[list[in
     """Each system prompt's block keys as the router computes them (chat template, tiny tokenizer,
     16-token blocks): what the synthetic agents say their workers hold."""
     from kvroute.block_keys import prompt_block_keys
-    from kvroute.data_plane.tokenization import load_tokenizer
+    from kvroute.data_plane.prepare.tokenization import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
     model = tokenizer_dir.name

@@ -6,7 +6,7 @@ variables, `{% generation %}` blocks rendered as their body), then encoded witho
 a completion prompt is encoded with them. OpenAI content-part lists become their text parts joined
 by newlines (vLLM's "string" content format).
 
-Deliberately not the router's tokenizer (`kvroute.data_plane.tokenization`): the sim engine stands
+Deliberately not the router's tokenizer (`kvroute.data_plane.prepare.tokenization`): the sim engine stands
 in for vLLM, which renders and tokenizes on its own, so a router that renders differently from the
 engine shows up as a routing miss in the tests instead of being hidden by shared code.
 """

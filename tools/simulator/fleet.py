@@ -1,7 +1,7 @@
 """Discrete-event simulation of a fleet behind one router.
 
 Real code: the routing policies (kvroute.data_plane.decision.policies), the router's candidate builder
-(kvroute.data_plane.decision.candidates), the router's in-flight tracking (kvroute.data_plane.inflight),
+(kvroute.data_plane.decision.candidates), the router's in-flight tracking (kvroute.data_plane.cp_link.inflight),
 the agent's engine-hash -> block-key resolution (kvroute.worker_agent.block_resolver) and the
 control plane's index (kvroute.prefix_index).
 Simulated: each engine (sim_engine's PrefixCache + Scheduler + CostModel) and the clock.
@@ -25,10 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvroute.block_keys import prompt_block_keys
-from kvroute.data_plane.control_plane_client import KnownWorker
+from kvroute.data_plane.cp_link.control_plane_client import KnownWorker
+from kvroute.data_plane.cp_link.inflight import InflightTicket, RouterInflight
 from kvroute.data_plane.decision.decide import decide
 from kvroute.data_plane.decision.policies import RoutingInput, make_policy
-from kvroute.data_plane.inflight import InflightTicket, RouterInflight
 from kvroute.fleet.answer import answer_columns
 from kvroute.fleet.changes import ChangeEncoder, apply_change
 from kvroute.fleet.entries import BlockOp, HeartbeatBody, Op, RegisterBody

@@ -1,112 +1,63 @@
 """OpenAI-compatible HTTP front of the router: where a request's path starts.
 
     POST /v1/chat/completions, /v1/completions
-        _parse: JSON body -> the routing fields (model, prompt or messages, adapter, salt,
+        parse_routing_body (api/body.py): JSON body -> the routing fields (model, prompt or messages, adapter, salt,
                 session key)
-        RequestPreparer.prepare (request_prep.py, shared with gRPC): model/adapter check,
+        RequestPreparer.prepare (prepare/request_prep.py, shared with gRPC): model/adapter check,
                 token ids (the model's own tokenizer and chat template), length check
-        Router.decide (routing.py): block keys per block size -> control-plane query -> policy
+        Router.decide (service/routing.py): block keys per block size -> control-plane query -> policy
                 (session key for the session policy: `x-session-id` header, else the body's `user`)
         BackendProxy.forward (proxy.py): the original body to the chosen engine, streamed back
     POST /v1/route      the decision alone, as JSON (same body as completions or chat);
                         ?explain=1 adds why: per candidate the policy's cost terms and the index's answer
-    GET  /v1/models, /health (liveness), /ready (readiness.py), /metrics
+    GET  /v1/models, /health (liveness), /ready (service/readiness.py), /metrics
 
-Every error is OpenAI's error object (`http_errors.py`): bad input 400, unknown model 404, body
+Every error is OpenAI's error object (`api/errors.py`): bad input 400, unknown model 404, body
 over `max_body_bytes` 413 (refused from its Content-Length before it is read, or as soon as a
 chunked body passes the cap), no worker known 503. A prompt longer than `max_prompt_tokens` is a
 400 `context_length_exceeded`, from its characters alone when it is past the tokenizer's
-character bound (`char_bound.py`), so megabytes of text are never tokenized to find that out.
+character bound (`prepare/char_bound.py`), so megabytes of text are never tokenized to find that out.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from collections.abc import Mapping
-from typing import Any
 
 import aiohttp
-import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from opentelemetry import propagate, trace
 from prometheus_client import Counter, Histogram
 from prometheus_client.aiohttp import make_aiohttp_handler
 
-from kvroute.data_plane.admission import Admission
-from kvroute.data_plane.http_errors import error_response, openai_errors
-from kvroute.data_plane.proxy import BackendProxy
-from kvroute.data_plane.readiness import RouterReadiness, router_readiness
-from kvroute.data_plane.request_prep import PrepareError, RequestPreparer, RouteInput
-from kvroute.data_plane.routing import NoWorkersError, Router
-from kvroute.data_plane.stage_timing import StageSamples
-from kvroute.data_plane.tokenization import lone_surrogate
-from kvroute.data_plane.traffic_capture import (
+from kvroute.bad_request import BadRequest
+from kvroute.data_plane.access.admission import Admission
+from kvroute.data_plane.api.body import RoutingFields, parse_routing_body
+from kvroute.data_plane.api.errors import error_response, openai_errors
+from kvroute.data_plane.http.proxy import BackendProxy
+from kvroute.data_plane.ops.stage_timing import StageSamples
+from kvroute.data_plane.ops.traffic_capture import (
     TrafficCapture,
     reported_cached_tokens,
     reported_output_tokens,
     reported_usage,
-    requested_output_tokens,
 )
+from kvroute.data_plane.prepare.request_prep import PrepareError, RequestPreparer, RouteInput
+from kvroute.data_plane.service.readiness import RouterReadiness, router_readiness
+from kvroute.data_plane.service.routing import NoWorkersError, Router
 from kvroute.telemetry import tracing_active
 
 log = logging.getLogger("kvroute.router.http")
 tracer = trace.get_tracer("kvroute.router")
 
-SESSION_HEADER = "x-session-id"
 # 131072 tokens of chat as JSON is ~0.5 MB of English, ~1.2 MB of CJK written as \uXXXX escapes
 # (Python's json.dumps default): 4 MiB is three times the worst of those. Inline images
 # (base64 content parts, not tokenized here) may need more: --max-body-bytes.
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-_ROUTING_FIELDS = ("model", "lora_name", "cache_salt", "user")  # strings the router hashes or compares
 # PrepareError.kind -> (HTTP status, OpenAI error code)
 _PREPARE_STATUS = {"invalid": (400, None), "model_not_found": (404, "model_not_found"),
                    "too_long": (400, "context_length_exceeded")}
-
-
-class RoutingFields(msgspec.Struct):
-    """The body fields the router reads; everything else goes to the engine untouched."""
-    model: Any = None
-    messages: Any = msgspec.UNSET  # UNSET: absent (for /v1/route, which takes either kind)
-    prompt: Any = None
-    lora_name: Any = None
-    cache_salt: Any = None
-    user: Any = None
-    tools: Any = None
-    chat_template_kwargs: Any = None
-    add_generation_prompt: Any = True
-    max_tokens: Any = None
-    max_completion_tokens: Any = None
-
-    def requested_output_tokens(self) -> int:
-        return requested_output_tokens({"max_tokens": self.max_tokens,
-                                        "max_completion_tokens": self.max_completion_tokens})
-
-
-_FIELDS_DECODER = msgspec.json.Decoder(RoutingFields)
-_FIELD_NAMES = RoutingFields.__struct_fields__
-
-
-def _fields_from_json(raw: bytes) -> RoutingFields:
-    """The slow path: Python's json (it keeps lone surrogates, so they can be named) and its errors."""
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:  # also an integer of more digits than Python converts (sys.get_int_max_str_digits)
-        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    for name in _ROUTING_FIELDS:
-        if (found := lone_surrogate(body.get(name), name)) is not None:
-            raise BadRequest(f"{found} contains a lone UTF-16 surrogate: text must be valid Unicode", param=name)
-    return RoutingFields(**{name: body[name] for name in _FIELD_NAMES if name in body})
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400, code: str | None = None, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.code, self.param = status, code, param
 
 
 def _asks_to_explain(request: web.Request) -> bool:
@@ -116,22 +67,6 @@ def _asks_to_explain(request: web.Request) -> bool:
 def _body_too_large(size: int, limit: int) -> BadRequest:
     return BadRequest(f"the request body ({size} bytes) is larger than this router accepts ({limit} bytes; "
                       "see --max-body-bytes)", 413, "request_too_large")
-
-
-def _session_key(request: web.Request, body: dict) -> str:
-    return session_key_of(request.headers, body)
-
-
-def session_key_of(headers: Mapping[str, str], body: dict) -> str:
-    """The session policy's key: the `x-session-id` header, else OpenAI's end-user id (`user`), else ""."""
-    header = headers.get(SESSION_HEADER, "").strip()
-    if header:
-        # aiohttp keeps undecodable header bytes as lone surrogates (surrogateescape); the key is hashed as UTF-8.
-        if lone_surrogate(header, SESSION_HEADER) is not None:
-            raise BadRequest(f"the {SESSION_HEADER} header is not valid UTF-8")
-        return header
-    user = body.get("user")
-    return user if isinstance(user, str) else ""
 
 
 class RouterHttpApi:
@@ -343,31 +278,3 @@ class RouterHttpApi:
         accepts) is parsed again by json, for the precise error."""
         raw = await self._read_body(request)
         return raw, *parse_routing_body(raw, kind, request.headers)
-
-
-def parse_routing_body(raw: bytes, kind: str, headers: Mapping[str, str]) -> tuple[RoutingFields, RouteInput]:
-    """A request body -> (the fields routing reads, what request preparation takes); `headers` give the
-    session key. Shared with the endpoint picker (epp.py), which gets the same body from Envoy."""
-    try:  # msgspec does not look at the text of the fields it skips, and the engine gets these bytes as they are
-        raw.decode()
-    except UnicodeDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: it is not UTF-8 (byte {exc.start}: {exc.reason})") from None
-    try:
-        fields = _FIELDS_DECODER.decode(raw)
-    except msgspec.ValidationError as exc:  # not an object, or a number out of range
-        message = "must be a JSON object" if str(exc).startswith("Expected `object`") else f"is not valid: {exc}"
-        raise BadRequest(f"request body {message}") from None
-    except msgspec.DecodeError:
-        fields = _fields_from_json(raw)
-    for name in ("lora_name", "cache_salt", "user"):  # hashed or compared as text: another type is no name
-        value = getattr(fields, name)
-        if value is not None and not isinstance(value, str):
-            raise BadRequest(f"'{name}' must be a string, got {type(value).__name__}", param=name)
-    if kind == "either" and fields.messages is not msgspec.UNSET:
-        kind = "chat"
-    session_key = session_key_of(headers, {"user": fields.user})
-    return fields, RouteInput(
-        fields.model, kind, None if fields.messages is msgspec.UNSET else fields.messages, fields.prompt,
-        lora_name=str(fields.lora_name or ""), cache_salt=str(fields.cache_salt or ""), session_key=session_key,
-        tools=fields.tools, template_kwargs=fields.chat_template_kwargs,
-        add_generation_prompt=fields.add_generation_prompt is not False)

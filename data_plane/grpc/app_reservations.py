@@ -21,9 +21,9 @@ import asyncio
 import random
 from dataclasses import dataclass
 
-from kvroute.data_plane.inflight import InflightTicket, RouterInflight
-from kvroute.data_plane.metrics import RouterMetrics
-from kvroute.data_plane.routing import RouteDecision
+from kvroute.data_plane.cp_link.inflight import InflightTicket, RouterInflight
+from kvroute.data_plane.ops.metrics import RouterMetrics
+from kvroute.data_plane.service.routing import RouteDecision
 
 
 class TooManyReservations(RuntimeError):

@@ -181,7 +181,7 @@ class RouterMetrics:
         self.query_deadline_seconds = Gauge("kvroute_router_query_deadline_seconds",
                                             "The control-plane query's current deadline (adaptive: --query-timeout-*)",
                                             registry=r)
-        # gRPC application path: Route with `reserve` (data_plane/app_reservations.py).
+        # gRPC application path: Route with `reserve` (data_plane/grpc/app_reservations.py).
         self.reservations = Counter("kvroute_router_reservations",
                                     "Reservations of Route(reserve=true) by event: reserved, then completed, failed, "
                                     "cancelled (Release's outcome, unspecified if none) or expired (TTL passed)",

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from kvroute.data_plane.router_session import cancel_and_wait
+from kvroute.aio import cancel_and_wait
 from kvroute.poller import poll_forever
 
 log = logging.getLogger("kvroute.router.health")

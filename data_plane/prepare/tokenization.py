@@ -37,8 +37,8 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from kvroute.data_plane.char_bound import CharBound, char_bound
-from kvroute.data_plane.token_cache import SegmentTokenCache
+from kvroute.data_plane.prepare.char_bound import CharBound, char_bound
+from kvroute.data_plane.prepare.token_cache import SegmentTokenCache
 
 # Tokenizing peaks at ~150-170 bytes per character (the encoding's ids, offsets and token strings).
 # glibc keeps what it freed: the heap is fragmented, so free() cannot shrink it, and a router that

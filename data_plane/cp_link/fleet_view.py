@@ -44,7 +44,7 @@ from kvroute.tls import rpc_failure_reason
 from kvroute.v1 import kvroute_pb2 as pb
 
 if TYPE_CHECKING:
-    from kvroute.data_plane.control_plane_client import ControlPlaneClient, KnownWorker
+    from kvroute.data_plane.cp_link.control_plane_client import ControlPlaneClient, KnownWorker
 
 log = logging.getLogger("kvroute.router.view")
 
@@ -130,7 +130,7 @@ class FleetView:
         return self._fleet(model, lora_name)[0]
 
     def _fleet(self, model: str, lora_name: str) -> tuple[str, list[KnownWorker]]:
-        from kvroute.data_plane.control_plane_client import KnownWorker
+        from kvroute.data_plane.cp_link.control_plane_client import KnownWorker
 
         state = self.state
         if state is None:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from kvroute.block_keys import chain_block_keys, namespace_seed
-from kvroute.data_plane.metrics import RouterMetrics
+from kvroute.data_plane.ops.metrics import RouterMetrics
 
 log = logging.getLogger("kvroute.router.capture")
 

@@ -37,14 +37,14 @@ from aiohttp import web
 from opentelemetry import propagate, trace
 from prometheus_client import Counter
 
-from kvroute.data_plane.backend_health import BackendHealth
+from kvroute.data_plane.api.errors import engine_error_body, error_response
+from kvroute.data_plane.cp_link.inflight import RouterInflight
 from kvroute.data_plane.decision.policies import Candidate
-from kvroute.data_plane.http_errors import engine_error_body, error_response
-from kvroute.data_plane.inflight import RouterInflight
-from kvroute.data_plane.metrics import RouterMetrics
-from kvroute.data_plane.routing import RouteDecision
-from kvroute.data_plane.stage_timing import StageClock
-from kvroute.data_plane.upstream import BadEndpoint, UpstreamPool, UpstreamResponse
+from kvroute.data_plane.engines.backend_health import BackendHealth
+from kvroute.data_plane.http.upstream import BadEndpoint, UpstreamPool, UpstreamResponse
+from kvroute.data_plane.ops.metrics import RouterMetrics
+from kvroute.data_plane.ops.stage_timing import StageClock
+from kvroute.data_plane.service.routing import RouteDecision
 from kvroute.rate_limited_log import RateLimitedLog
 from kvroute.telemetry import span, tracing_active
 

@@ -26,7 +26,7 @@ import asyncio
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from kvroute.data_plane.tokenization import PromptTokenizer, PromptTooLong, TokenizationError
+from kvroute.data_plane.prepare.tokenization import PromptTokenizer, PromptTooLong, TokenizationError
 
 # Tokenizing costs a few tenths of a millisecond per 1000 characters; longer inputs go to a worker
 # thread (the encode releases the GIL) so the event loop keeps streaming meanwhile.

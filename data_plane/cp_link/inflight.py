@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvroute.data_plane.router_session import RouterSessionLink
+from kvroute.data_plane.cp_link.router_session import RouterSessionLink
 
 
 @dataclass(slots=True)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvroute.data_plane.backend_health import BackendHealth
-from kvroute.data_plane.control_plane_client import ControlPlaneClient
+from kvroute.data_plane.cp_link.control_plane_client import ControlPlaneClient
+from kvroute.data_plane.engines.backend_health import BackendHealth
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,16 +37,16 @@ from collections.abc import Callable, Sequence
 import grpc
 from opentelemetry import trace
 
-from kvroute.data_plane.backend_health import BackendHealth
-from kvroute.data_plane.control_plane_client import ControlPlaneClient, KnownWorker
+from kvroute.data_plane.cp_link.control_plane_client import ControlPlaneClient, KnownWorker
+from kvroute.data_plane.cp_link.fleet_view import VIEW_NOT_SYNCED, VIEW_STALE
+from kvroute.data_plane.cp_link.inflight import RouterInflight
 from kvroute.data_plane.decision.decide import NO_KNOWN_WORKER, RouteDecision, decide
 from kvroute.data_plane.decision.policies import RoutingInput, RoutingPolicy
-from kvroute.data_plane.fleet_view import VIEW_NOT_SYNCED, VIEW_STALE
-from kvroute.data_plane.inflight import RouterInflight
-from kvroute.data_plane.metrics import RouterMetrics
-from kvroute.data_plane.prompt_keys import PromptKeyCache
-from kvroute.data_plane.readiness import no_workers_reason
-from kvroute.data_plane.stage_timing import StageClock
+from kvroute.data_plane.engines.backend_health import BackendHealth
+from kvroute.data_plane.ops.metrics import RouterMetrics
+from kvroute.data_plane.ops.stage_timing import StageClock
+from kvroute.data_plane.prepare.prompt_keys import PromptKeyCache
+from kvroute.data_plane.service.readiness import no_workers_reason
 from kvroute.rate_limited_log import RateLimitedLog
 from kvroute.telemetry import span
 from kvroute.v1 import kvroute_pb2 as pb

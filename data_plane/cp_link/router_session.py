@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvroute.aio import cancel_and_wait
 from kvroute.backoff import Backoff
 from kvroute.rate_limited_log import RateLimitedLog
 from kvroute.tls import ClientTls, rpc_failure_reason
@@ -51,19 +52,6 @@ class SessionUnavailable(RuntimeError):
 class _Live:
     message: pb.Reservation
     prefill_done: bool = False
-
-
-async def cancel_and_wait(task: asyncio.Task | None) -> None:
-    """Cancel a background task and wait until it has stopped."""
-    if task is None:
-        return
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
-    except Exception as exc:  # noqa: BLE001 - it failed before we stopped it; nothing to add
-        log.debug("background task %s had failed: %r", task.get_name(), exc)
 
 
 def _retrieve(task: asyncio.Task) -> None:

@@ -24,11 +24,11 @@ from types import SimpleNamespace
 import grpc
 from opentelemetry import propagate, trace
 
-from kvroute.data_plane.app_reservations import AppReservations, TooManyReservations
-from kvroute.data_plane.metrics import RouterMetrics
-from kvroute.data_plane.request_prep import PrepareError, RequestPreparer, RouteInput
-from kvroute.data_plane.routing import NoWorkersError, RouteDecision, Router
-from kvroute.data_plane.traffic_capture import TrafficCapture
+from kvroute.data_plane.grpc.app_reservations import AppReservations, TooManyReservations
+from kvroute.data_plane.ops.metrics import RouterMetrics
+from kvroute.data_plane.ops.traffic_capture import TrafficCapture
+from kvroute.data_plane.prepare.request_prep import PrepareError, RequestPreparer, RouteInput
+from kvroute.data_plane.service.routing import NoWorkersError, RouteDecision, Router
 from kvroute.grpc_requests import add_servicer
 from kvroute.telemetry import span, tracing_active
 from kvroute.v1 import kvroute_pb2 as pb

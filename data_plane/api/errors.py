@@ -27,13 +27,11 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from aiohttp import web
 
+from kvroute.data_plane.api.body import error_type
+
 log = logging.getLogger("kvroute.router.http")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def error_type(status: int) -> str:
-    return "server_error" if status >= 500 else "invalid_request_error"
 
 
 def error_response(message: str, status: int, code: str | None = None, param: str | None = None,

@@ -2,7 +2,7 @@
 `ListWorkers` refresher that keeps the known fleet (ids, endpoints, block sizes, load).
 
 The known fleet is what lets a slow or dead control plane degrade routing to load-only instead
-of to errors (`kvroute.data_plane.routing` does the failing open):
+of to errors (`kvroute.data_plane.service.routing` does the failing open):
 
 - `workers_for(model)` is the latest `ListWorkers` snapshot for the model; if that is empty (a
   restarted control plane whose agents have not re-registered yet) it is the last non-empty
@@ -34,16 +34,17 @@ from typing import TYPE_CHECKING
 import grpc
 
 from kvroute.addresses import AddressRotation
-from kvroute.data_plane.fleet_view import FleetFollower, FleetView
-from kvroute.data_plane.query_deadline import QueryDeadline
-from kvroute.data_plane.router_session import RouterSessionLink, SessionUnavailable, cancel_and_wait
+from kvroute.aio import cancel_and_wait
+from kvroute.data_plane.cp_link.fleet_view import FleetFollower, FleetView
+from kvroute.data_plane.cp_link.query_deadline import QueryDeadline
+from kvroute.data_plane.cp_link.router_session import RouterSessionLink, SessionUnavailable
 from kvroute.rate_limited_log import RateLimitedLog
 from kvroute.tls import ClientTls, grpc_message_options, open_channel, rpc_failure_reason
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from kvroute.data_plane.engine_discovery import EngineDiscovery
+    from kvroute.data_plane.engines.engine_discovery import EngineDiscovery
 
 log = logging.getLogger("kvroute.router.cp")
 RETIRE_GRACE_S = 30.0  # channels opened with certificates since rotated stay this long for calls in progress
@@ -215,8 +216,7 @@ class ControlPlaneClient:
         self._task = self._tls_task = None
         for channel, _ in self._channels.values():
             await channel.close()
-        for task in list(self._retiring):
-            task.cancel()
+        await cancel_and_wait(*self._retiring)
 
     # ------------------------------------------------------------ the known fleet
 

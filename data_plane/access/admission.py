@@ -1,7 +1,7 @@
 """Who gets in and how many at once: the router's API keys and its concurrency limit, in front of the
 HTTP handlers (an aiohttp middleware) and the gRPC Router API (a server interceptor).
 
-HTTP, in this order (each an OpenAI error object, `http_errors.py`):
+HTTP, in this order (each an OpenAI error object, `api/errors.py`):
     401 invalid_api_key     no `Authorization: Bearer`, or a key that is not configured
                             (with `WWW-Authenticate: Bearer`)
     403 permission_denied   a `scope=route` key asking for a proxied request
@@ -22,8 +22,8 @@ import grpc
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from kvroute.data_plane.api_keys import ApiKeys, Verdict
-from kvroute.data_plane.http_errors import error_response
+from kvroute.data_plane.access.api_keys import ApiKeys, Verdict
+from kvroute.data_plane.api.errors import error_response
 from kvroute.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger("kvroute.router.auth")

@@ -24,18 +24,18 @@ from functools import partial
 from pathlib import Path
 
 from kvroute.addresses import parse_static_workers
-from kvroute.data_plane.backend_health import BackendHealth, HealthCheckConfig, HealthChecks
-from kvroute.data_plane.control_plane_client import ControlPlaneClient, KnownWorker
+from kvroute.data_plane.cp_link.control_plane_client import ControlPlaneClient, KnownWorker
+from kvroute.data_plane.cp_link.fleet_view import FleetView
+from kvroute.data_plane.cp_link.inflight import RouterInflight
+from kvroute.data_plane.cp_link.query_deadline import QueryDeadline
+from kvroute.data_plane.cp_link.router_session import default_router_id
 from kvroute.data_plane.decision.policies import RoutingPolicy, make_policy, parse_kv_aware_params
-from kvroute.data_plane.engine_discovery import DiscoveryError, EngineDiscovery, make_resolver, parse_target
-from kvroute.data_plane.fleet_view import FleetView
-from kvroute.data_plane.inflight import RouterInflight
-from kvroute.data_plane.metrics import RouterMetrics
-from kvroute.data_plane.query_deadline import QueryDeadline
-from kvroute.data_plane.request_prep import RequestPreparer
-from kvroute.data_plane.router_session import default_router_id
-from kvroute.data_plane.routing import Router
-from kvroute.data_plane.tokenization import PromptTokenizer, load_tokenizer
+from kvroute.data_plane.engines.backend_health import BackendHealth, HealthCheckConfig, HealthChecks
+from kvroute.data_plane.engines.engine_discovery import DiscoveryError, EngineDiscovery, make_resolver, parse_target
+from kvroute.data_plane.ops.metrics import RouterMetrics
+from kvroute.data_plane.prepare.request_prep import RequestPreparer
+from kvroute.data_plane.prepare.tokenization import PromptTokenizer, load_tokenizer
+from kvroute.data_plane.service.routing import Router
 from kvroute.listeners import run_service
 from kvroute.prefix_index.backends import IndexBackendError, make_index, resolve_backend
 from kvroute.process import process_setup

@@ -6,7 +6,7 @@ docs/proposals/004-endpoint-picker-protocol): Envoy sends the request's headers 
 picker answers with the chosen engine as the `x-gateway-destination-endpoint` header and the same
 value under `x-gateway-destination-endpoint` in the `envoy.lb` dynamic metadata, and Envoy sends
 the request there itself. The decision is the router's (`routing_service.py`): the same body
-parsing (`http_api.parse_routing_body`), request preparation, block keys, control-plane query and
+parsing (`api/body.py`), request preparation, block keys, control-plane query and
 policy, so for the same request and fleet state it picks what `POST /v1/route` answers.
 
 Per stream (body modes from the first message's protocol_config, else --body-mode; NONE: decided
@@ -36,11 +36,9 @@ failureMode says. gRPC health serves GAIE's `liveness` and `readiness` (and the 
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Collection, Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -52,14 +50,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from kvroute.addresses import port
+from kvroute.bad_request import BadRequest
+from kvroute.data_plane.api.body import error_type, parse_routing_body
+from kvroute.data_plane.cp_link.inflight import InflightTicket
 from kvroute.data_plane.decision.policies import request_load
-from kvroute.data_plane.http_api import BadRequest, parse_routing_body
-from kvroute.data_plane.http_errors import error_type
-from kvroute.data_plane.inflight import InflightTicket
-from kvroute.data_plane.request_prep import PrepareError
-from kvroute.data_plane.routing import NoWorkersError, RouteDecision
-from kvroute.data_plane.routing_service import RoutingService
+from kvroute.data_plane.prepare.request_prep import PrepareError
+from kvroute.data_plane.service.routing import NoWorkersError, RouteDecision
+from kvroute.data_plane.service.routing_service import RoutingService
 
 log = logging.getLogger("kvroute.epp")
 
@@ -72,13 +69,6 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 DP_RANK_HEADER = "x-data-parallel-rank"  # as the router's proxy sends it to a data-parallel worker
 BODY_ECHO_CHUNK = 64 * 1024  # streamed mode: the body goes back to Envoy in pieces of this size
-# The router's flags the picker does not take: its listeners, and what only a proxying router does
-# (HTTP API keys, HTTPS, concurrency, the engine link). It keeps the routing flags and the
-# control-plane link's (--tls-*, --grpc-max-message-bytes).
-ROUTER_ONLY_FLAGS = frozenset({"--port", "--grpc-port", "--reservation-ttl-ms", "--max-reservations", "--capture-trace",
-                               "--capture-block-tokens", "--capture-sample-rate", "--stage-timing",
-                               "--max-concurrent-requests", "--api-keys-file", "--forward-authorization",
-                               "--http-tls", "--engine-tls-ca"})
 _BodyMode = processing_mode_pb2.ProcessingMode.BodySendMode
 _BUFFERED_MODES = (_BodyMode.Value("BUFFERED"), _BodyMode.Value("BUFFERED_PARTIAL"))
 _FULL_DUPLEX = _BodyMode.Value("FULL_DUPLEX_STREAMED")
@@ -88,57 +78,6 @@ _STREAMED_REFUSED = ("the ext_proc filter's request_body_mode is STREAMED: Envoy
                      "(GAIE's) or BUFFERED")
 _PREPARE_STATUS = {"invalid": (400, None), "model_not_found": (404, "model_not_found"),
                    "too_long": (400, "context_length_exceeded")}
-
-
-class _WithoutFlags:
-    """An argparse parser that ignores the flags named in `skip` (so the router's flag definitions
-    in cli.py are the picker's too, minus the router-only ones)."""
-
-    def __init__(self, parser: argparse.ArgumentParser, skip: Collection[str]) -> None:
-        self._parser, self._skip = parser, skip
-
-    def add_argument(self, *names: str, **kwargs):
-        if any(n in self._skip for n in names):
-            return None
-        return self._parser.add_argument(*names, **kwargs)
-
-    def __getattr__(self, name: str):
-        return getattr(self._parser, name)
-
-
-def validate(args: argparse.Namespace) -> None:
-    """The router's checks of flags that only fail together (the picker takes its routing flags)."""
-    from kvroute.data_plane import cli as router_cli
-
-    router_cli.validate(args)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvroute.data_plane import cli as router_cli
-
-    router_cli.add_arguments(_WithoutFlags(p, ROUTER_ONLY_FLAGS))  # type: ignore[arg-type]
-    p.add_argument("--grpc-port", type=port, default=9002, help="ext_proc gRPC port (GAIE's conventional 9002)")
-    p.add_argument("--body-mode", choices=("streamed", "buffered"), default="streamed",
-                   help="the request body mode of Envoy's ext_proc filter when its messages do not say "
-                        "(protocol_config): streamed = FULL_DUPLEX_STREAMED (GAIE's), buffered = BUFFERED")
-    p.add_argument("--failure-mode", choices=("FailClose", "FailOpen"), default="FailClose",
-                   help="the InferencePool's endpointPickerRef.failureMode: on an internal error, FailClose "
-                        "answers 500, FailOpen lets Envoy pick an endpoint itself")
-    p.add_argument("--fallback-endpoints", type=int, default=0, metavar="N",
-                   help="also name the next N candidates (in the policy's order) after the chosen one, for "
-                        "Envoy's retries")
-    p.add_argument("--sheddable-objectives", default="", metavar="NAME,...",
-                   help="x-gateway-inference-objective values whose requests may be shed (429) when every "
-                        "candidate is saturated (GAIE: objectives with a negative priority)")
-    p.add_argument("--metrics-port", type=port, default=0,
-                   help="serve Prometheus /metrics (the router's metrics: decisions, fail-open by reason), /health and "
-                        "/ready on this HTTP port (0 = off)")
-    p.add_argument("--saturation-load", type=int, default=0, metavar="N",
-                   help="a worker is saturated at this many requests (max of in flight and running + waiting); "
-                        "0 = never shed")
-
-
-# ---------------------------------------------------------------------------- wire helpers
 
 
 def host_port(endpoint: str) -> str:
@@ -430,98 +369,3 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
     def _finish(self, ex: _Exchange) -> None:
         if ex.ticket is not None:
             self.service.inflight.finish(ex.ticket)
-
-
-# ---------------------------------------------------------------------------- process
-
-
-def status_routes(service: RoutingService) -> dict:
-    """GET /metrics, /health, /ready on --metrics-port: what the router serves on its HTTP port."""
-    from aiohttp import web
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-    from kvroute.data_plane.readiness import router_readiness
-
-    async def metrics(_request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(service.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def health(_request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "model": service.model, "policy": service.policy.name})
-
-    async def ready(_request: web.Request) -> web.Response:
-        readiness = router_readiness(service.control_plane, service.model, service.health)
-        return web.json_response(readiness.body, status=200 if readiness.ready else 503)
-
-    return {"/metrics": metrics, "/health": health, "/ready": ready}
-
-
-async def serve(args: argparse.Namespace) -> int:
-    from grpc_health.v1 import health_pb2
-
-    from kvroute.data_plane.readiness import router_readiness
-    from kvroute.data_plane.routing_service import build_routing_service
-    from kvroute.listeners import GrpcListener, check_port, start_status_site
-    from kvroute.process import announce_when_ready, wait_for_stop_signal, write_port_file
-    from kvroute.tls import grpc_message_options, server_tls
-
-    if args.fallback_endpoints < 0 or args.saturation_load < 0:
-        raise SystemExit("kvroute epp: error: --fallback-endpoints and --saturation-load must be >= 0")
-    service = build_routing_service(args, "epp")
-    picker = EndpointPicker(service, buffered=args.body_mode == "buffered", fail_open=args.failure_mode == "FailOpen",
-                            max_body_bytes=args.max_body_bytes, fallback_endpoints=args.fallback_endpoints,
-                            sheddable_objectives=[s.strip() for s in args.sheddable_objectives.split(",") if s.strip()],
-                            saturation_load=args.saturation_load)
-    # Like the router's gRPC port: TLS whenever --tls-cert is set, client certificates with --tls-ca.
-    tls = service.tls_files
-    listener = GrpcListener("--grpc-port", str(check_port("--grpc-port", args.host, args.grpc_port)),
-                            (EXT_PROC_SERVICE,), grpc_message_options(args.grpc_max_message_bytes),
-                            credentials=server_tls(tls).grpc_credentials() if tls.cert else None)
-    ext_grpc.add_ExternalProcessorServicer_to_server(picker, listener.server)
-
-    def ready() -> bool:
-        return router_readiness(service.control_plane, service.model, service.health).ready
-
-    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-
-    async def follow_readiness() -> None:
-        """GAIE's health services: `liveness` while the process answers, `readiness` (and "" and the
-        ext_proc service, GrpcListener's) while the router would say /ready."""
-        await listener.health.set("liveness", serving)
-        while True:
-            is_ready = ready()
-            await listener.set_serving(is_ready)
-            await listener.health.set("readiness", serving if is_ready else not_serving)
-            await asyncio.sleep(0.5)
-
-    status_runner = None
-    if args.metrics_port:  # before serving: a busy port must not leave a half-started picker
-        status_runner, _ = await start_status_site("--metrics-port", args.host, args.metrics_port,
-                                                   status_routes(service))
-    await listener.start(serving=False)
-    health_task = asyncio.create_task(follow_readiness())
-    ready_task = None
-    try:
-        service.start()  # after the listener: a port in use is the only line printed
-        log.info("epp listening: grpc=%s:%d policy=%s model=%s control-plane=%s body-mode=%s failure-mode=%s",
-                 args.host, listener.port, args.policy, service.model, args.control_plane, args.body_mode,
-                 args.failure_mode)
-        ready_task = asyncio.create_task(announce_when_ready(
-            ready, lambda: log.info("epp ready: the router's readiness holds (gRPC readiness SERVING)")))
-        write_port_file(args.port_file, {"grpc": listener.port})
-        await wait_for_stop_signal()
-        log.info("epp stopping")
-    finally:
-        health_task.cancel()
-        if ready_task:
-            ready_task.cancel()
-        await listener.stop(0.5)
-        if status_runner is not None:
-            await status_runner.cleanup()
-        await service.close()
-    return 0
-
-
-def run(args: argparse.Namespace) -> int:
-    from kvroute.data_plane.routing_service import run_routing_process
-
-    return run_routing_process("epp", serve(args), args.log_level)

@@ -44,7 +44,7 @@ import dns.name
 import dns.resolver
 
 from kvroute import addresses
-from kvroute.data_plane.router_session import cancel_and_wait
+from kvroute.aio import cancel_and_wait
 from kvroute.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger("kvroute.router.discovery")

@@ -1,0 +1,1 @@
+"""The OpenAI API's shapes, for every transport: the routing fields of a request body and the error object."""

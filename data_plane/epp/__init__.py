@@ -1,0 +1,1 @@
+"""The Gateway API Inference Extension endpoint picker transport (`kvroute epp`)."""

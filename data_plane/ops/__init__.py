@@ -1,0 +1,1 @@
+"""Operations: the router's metrics, stage timing and traffic capture."""
