@@ -26,18 +26,12 @@ from kvroute.build_info import register_build_info
 from kvroute.control_plane.auditor import PeriodicAuditor
 from kvroute.control_plane.authority import Authority
 from kvroute.control_plane.follow import FollowFeed
+from kvroute.control_plane.metrics import ApplyCollector, ControlPlaneMetrics, IndexCollector, InflightCollector
 from kvroute.control_plane.replication.inflight_sync import InflightSync
 from kvroute.control_plane.replication.metrics import RedisLogCollector
 from kvroute.control_plane.replication.redis_log import RedisEventLog, RedisLogConfig
 from kvroute.control_plane.replication.redis_url import connect
-from kvroute.control_plane.service import (
-    GRPC_MESSAGE_LIMIT,
-    ApplyCollector,
-    ControlPlaneMetrics,
-    ControlPlaneService,
-    IndexCollector,
-    InflightCollector,
-)
+from kvroute.control_plane.service import GRPC_MESSAGE_LIMIT, ControlPlaneService
 from kvroute.fleet.state import FleetState
 from kvroute.grpc_requests import add_servicer
 from kvroute.listeners import GrpcListener, start_status_site

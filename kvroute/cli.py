@@ -67,7 +67,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                            "simulate a fleet on a trace or generated workload under several policies", "tools"),
     "bench": Subcommand("kvroute.tools.bench.cli",
                         "hot-path micro-benchmarks (ingest, decision, proxy) and the live workload bench (live)", "tools"),
-    "config": Subcommand("kvroute.config", "show a command's effective configuration (file, KVROUTE_* env, flags)",
+    "config": Subcommand("kvroute.config_cli", "show a command's effective configuration (file, KVROUTE_* env, flags)",
                          configurable=False),
 }
 

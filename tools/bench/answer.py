@@ -33,7 +33,8 @@ from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry
 
-from kvroute.control_plane.service import ControlPlaneMetrics, ControlPlaneService
+from kvroute.control_plane.metrics import ControlPlaneMetrics
+from kvroute.control_plane.service import ControlPlaneService
 from kvroute.data_plane.cp_link.control_plane_client import query_message
 from kvroute.fleet.state import FleetState
 from kvroute.prefix_index import PrefixIndex, is_bounded, make_index, resolve_backend
