@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvroute.addresses import listen_address, listen_host, port, redis_url
+from kvroute.addresses import listen_address, listen_host, port_or_off, redis_url
 from kvroute.listeners import run_service
 from kvroute.prefix_index.backends import BACKENDS, IndexBackendError, resolve_backend
 from kvroute.process import add_log_level_argument, add_port_file_argument, non_negative, positive, process_setup
@@ -20,7 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gRPC address agents and routers connect to")
     p.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="drop a worker (and its blocks) after this long without a message from its agent")
-    p.add_argument("--metrics-port", type=port, default=0, help="serve Prometheus /metrics on this port (0 = off)")
+    p.add_argument("--metrics-port", type=port_or_off, default=None,
+                   help="serve Prometheus /metrics, /health and /ready on this port (0 = any free port; default off)")
     p.add_argument("--metrics-host", type=listen_host, default="127.0.0.1", help="address of the /metrics listener")
     p.add_argument("--speculative-ttl-ms", type=positive(int), default=5000, metavar="MS",
                    help="how long a RouterSession reservation's blocks count as cached on its worker when the "

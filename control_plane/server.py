@@ -49,7 +49,7 @@ class ControlPlaneConfig:
     listen: str = "127.0.0.1:50051"
     heartbeat_timeout_s: float = 5.0
     metrics_host: str = "127.0.0.1"
-    metrics_port: int = 0  # 0 = no metrics endpoint
+    metrics_port: int | None = None  # None = no metrics endpoint; 0 = any free port
     speculative_ttl_s: float = 5.0       # a reservation's blocks count as cached there this long (ttl_ms = 0)
     reservation_max_age_s: float = 600.0  # reservations never released are dropped after this
     audit_interval_s: float = 0.0         # compare the index with engines serving /kvroute/blocks (0 = off)
@@ -105,7 +105,7 @@ class ControlPlaneServer:
                                         probe_deadline_s=config.audit_probe_deadline_s)
                         if config.audit_interval_s > 0 else None)
         self.port = 0
-        self.metrics_port = 0  # the bound /metrics port (0 = none)
+        self.metrics_port = 0  # the bound /metrics port, once listening
         self._grpc: GrpcListener | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._audit_task: asyncio.Task[None] | None = None
@@ -138,7 +138,7 @@ class ControlPlaneServer:
         add_servicer(self._grpc.server, pb.DESCRIPTOR.services_by_name["ControlPlane"], self.service,
                      on_unparseable=self.service.count_unparseable)
         try:
-            if self.config.metrics_port:  # before serving: a busy metrics port must not leave a half-started plane
+            if self.config.metrics_port is not None:  # before serving: a busy metrics port must not leave a half-started plane
                 self._metrics_runner, self.metrics_port = await start_status_site(
                     "--metrics-port", self.config.metrics_host, self.config.metrics_port,
                     {"/metrics": make_aiohttp_handler(self.metrics_registry), "/health": self._health, "/ready": self._ready})
@@ -205,7 +205,7 @@ class ControlPlaneServer:
 async def serve(config: ControlPlaneConfig, port_file: str = "") -> int:
     server = ControlPlaneServer(config)
     await server.start()
-    write_port_file(port_file, {"grpc": server.port, **({"metrics": server.metrics_port} if server.metrics_port else {})})
+    write_port_file(port_file, {"grpc": server.port, **({"metrics": server.metrics_port} if server.config.metrics_port is not None else {})})
     await wait_for_stop_signal()
     await server.stop()
     return 0

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from kvroute.addresses import control_plane_addresses, dns_server, listen_host, port, static_workers
+from kvroute.addresses import control_plane_addresses, dns_server, listen_host, port, port_or_off, static_workers
 from kvroute.aio import cancel_and_wait
 from kvroute.process import (
     add_log_level_argument,
@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(unset: the tokenizer directory's name)")
     p.add_argument("--host", type=listen_host, default="127.0.0.1", help="listen address (HTTP and gRPC)")
     p.add_argument("--port", type=port, default=8080, help="OpenAI-compatible HTTP port")
-    p.add_argument("--grpc-port", type=port, default=50052, help="gRPC Route port (0 = off)")
+    p.add_argument("--grpc-port", type=port_or_off, default=50052,
+                   help="gRPC Route port (0 = any free port; off = no gRPC listener)")
     p.add_argument("--index", default="local", choices=("local", "remote"),
                    help="where a decision reads the prefix index: `local` = this router's own view of the fleet, "
                         "followed from the control plane (ControlPlane.Follow), no query on a request's path; "
@@ -242,7 +243,7 @@ async def serve(args: argparse.Namespace) -> int:
         http_ssl = listener_tls.ssl_context(require_client_cert=args.http_tls == "mtls") \
             if args.http_tls and listener_tls else None
         http_port = await start_http_site(runner, "--port", args.host, args.port, ssl_context=http_ssl)
-        if args.grpc_port:
+        if args.grpc_port is not None:
             grpc_server = GrpcListener("--grpc-port", str(check_port("--grpc-port", args.host, args.grpc_port)),
                                        (pb.DESCRIPTOR.services_by_name["Router"].full_name,),  # + "" for grpc.health
                                        grpc_message_options(args.grpc_max_message_bytes),
@@ -256,7 +257,7 @@ async def serve(args: argparse.Namespace) -> int:
             health_task = asyncio.create_task(grpc_server.follow(lambda: http.readiness().ready))
         service.start(engine_ssl)  # after the listeners: a port in use is the only line printed
         log.info("router listening: %s://%s:%d grpc=%s policy=%s model=%s control-plane=%s%s%s; %s",
-                 "https" if http_ssl else "http", args.host, http_port, args.grpc_port or "off", args.policy, model,
+                 "https" if http_ssl else "http", args.host, http_port, grpc_server.port if grpc_server else "off", args.policy, model,
                  args.control_plane, "".join(f" {k}={v:g}" for k, v in kv_params.items()),
                  (f" tls={'mtls' if tls_files.mutual else 'tls'}" if tls_files.enabled else "")
                  + (f" api-keys={len(api_keys)}" if api_keys.enabled else ""),

@@ -17,7 +17,7 @@ from collections.abc import Collection
 
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
-from kvroute.addresses import port
+from kvroute.addresses import port, port_or_off
 from kvroute.aio import cancel_and_wait
 from kvroute.data_plane.epp.picker import EXT_PROC_SERVICE, EndpointPicker
 from kvroute.data_plane.service.routing_service import RoutingService
@@ -72,9 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sheddable-objectives", default="", metavar="NAME,...",
                    help="x-gateway-inference-objective values whose requests may be shed (429) when every "
                         "candidate is saturated (GAIE: objectives with a negative priority)")
-    p.add_argument("--metrics-port", type=port, default=0,
+    p.add_argument("--metrics-port", type=port_or_off, default=None,
                    help="serve Prometheus /metrics (the router's metrics: decisions, fail-open by reason), /health and "
-                        "/ready on this HTTP port (0 = off)")
+                        "/ready on this HTTP port (0 = any free port; default off)")
     p.add_argument("--saturation-load", type=int, default=0, metavar="N",
                    help="a worker is saturated at this many requests (max of in flight and running + waiting); "
                         "0 = never shed")
@@ -146,8 +146,8 @@ async def serve(args: argparse.Namespace) -> int:
             await asyncio.sleep(0.5)
 
     status_runner = None
-    if args.metrics_port:  # before serving: a busy port must not leave a half-started picker
-        status_runner, _ = await start_status_site("--metrics-port", args.host, args.metrics_port,
+    if args.metrics_port is not None:  # before serving: a busy port must not leave a half-started picker
+        status_runner, metrics_port = await start_status_site("--metrics-port", args.host, args.metrics_port,
                                                    status_routes(service))
     await listener.start(serving=False)
     health_task = asyncio.create_task(follow_readiness())
@@ -159,7 +159,7 @@ async def serve(args: argparse.Namespace) -> int:
                  args.failure_mode)
         ready_task = asyncio.create_task(announce_when_ready(
             ready, lambda: log.info("epp ready: the router's readiness holds (gRPC readiness SERVING)")))
-        write_port_file(args.port_file, {"grpc": listener.port})
+        write_port_file(args.port_file, {"grpc": listener.port, **({"metrics": metrics_port} if status_runner else {})})
         await wait_for_stop_signal()
         log.info("epp stopping")
     finally:

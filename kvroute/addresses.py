@@ -152,8 +152,16 @@ def dns_server(text: str) -> str:
 
 
 def port(text: str) -> int:
-    """A port to listen on: 0..65535 (0: any free port, or off where the flag says so)."""
+    """A port to listen on: 0..65535, 0 = any free port (the bound one is read back from --port-file)."""
     return check_port(text.strip(), None, allow_zero=True)
+
+
+OFF = "off"
+
+
+def port_or_off(text: str) -> int | None:
+    """A port for a listener that may be turned off: `off` -> None, else as `port` (0 = any free port)."""
+    return None if text.strip().lower() == OFF else port(text)
 
 
 def listen_host(text: str) -> str:

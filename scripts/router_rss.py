@@ -55,7 +55,7 @@ def main() -> int:
         with open(Path(tmp) / "router.log", "wb") as log:
             router = subprocess.Popen(kvroute_argv(
                 "router", "--control-plane", f"127.0.0.1:{free_port()}", "--tokenizer", str(model), "--model", "tiny",
-                "--port", str(port), "--grpc-port", "0", *args.router_args), stdout=log, stderr=subprocess.STDOUT)
+                "--port", str(port), "--grpc-port", "off", *args.router_args), stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
             wait_until(lambda: http_ok(url + "/health"), 30, "router")

@@ -9,8 +9,8 @@ ports they bound to their `--port-file`, which `ManagedProcess.wait_ports` reads
 before its process binds it, so two fleets (or two test runs) cannot race for one. Once known, a
 process's ports are written into its argv, so a restart (kill -9 benches, the soak) comes back on
 the same address its peers were given (`replica_cluster.py` does the same for control-plane
-replicas, as `bench/replicas.py` does). The agents' and replicas' /metrics ports stay picked by `free_port`: `--metrics-port 0`
-means no metrics listener.
+replicas, as `bench/replicas.py` does). The agents' and replicas' /metrics ports are still picked by `free_port` before they start
+(their addresses are in the tests' expectations from the first start on).
 """
 
 from __future__ import annotations
@@ -431,7 +431,7 @@ class LocalCluster:
         router = ManagedProcess(f"router-{name}", kvroute_argv(
             "router", "--control-plane", self.control_plane_addr, "--policy", policy,
             "--tokenizer", str(self.tokenizer_dir), "--model", self.model,
-            "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file), "--grpc-port", "0", *extra),
+            "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file), "--grpc-port", "off", *extra),
             self.workdir / f"router-{name}.log", port_file=port_file)
         router.start(env=env)
         port = router.wait_ports()["http"]

@@ -57,7 +57,7 @@ class ReplicaCluster(LocalCluster):
         self.redis_port = redis_port
         for i in range(count):
             proxy = None if redis_url else TcpProxy(redis_port).start()
-            metrics = free_port()  # --metrics-port 0 means none: this one is picked
+            metrics = free_port()  # known before start: a restarted replica keeps its /metrics address
             name = f"r{i}"
             port_file = self.workdir / f"replica-{name}.ports"
             process = ManagedProcess(f"replica-{name}", kvroute_argv(

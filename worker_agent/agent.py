@@ -48,6 +48,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from kvroute.aio import cancel_and_wait
 from kvroute.build_info import register_build_info
 from kvroute.listeners import start_status_site
+from kvroute.process import write_port_file
 from kvroute.rate_limited_log import RateLimitedLog
 from kvroute.tls import TlsFiles, client_tls
 from kvroute.v1 import kvroute_pb2 as pb
@@ -140,7 +141,8 @@ class AgentConfig:
     data_parallel_size: int | None = None   # None: not a data-parallel engine (one worker, no rank)
     data_parallel_rank_start: int = 0       # first global DP rank this agent serves
     metrics_host: str = "127.0.0.1"
-    metrics_port: int = 0             # 0 = off
+    metrics_port: int | None = None   # None = no status listener; 0 = any free port
+    port_file: str = ""                # where the bound metrics port goes (kvroute.process.write_port_file)
     engine_poll_interval_s: float = 0.5
     models_poll_interval_s: float = 5.0
     kv_events_poll_interval_s: float = 0.1  # TRT-LLM pull path
@@ -449,8 +451,8 @@ class WorkerAgent:
             for w in self.workers:  # sockets first: a bind that fails must fail before anything waits
                 if w.source is not None:
                     w.source.open()
-            if self.config.metrics_port:
-                await self.start_metrics_server()
+            if self.config.metrics_port is not None:
+                write_port_file(self.config.port_file, {"metrics": await self.start_metrics_server()})
             c = self.config
             log.info("agent for %s engine %s: workers %s, model %s, KV events %s (%s), control plane %s; the workers "
                      "register once the engine answers GET /v1/models", c.engine, c.engine_url,

@@ -18,9 +18,9 @@ import asyncio
 import logging
 import sys
 
-from kvroute.addresses import control_plane_addresses, http_url, listen_host, port, zmq_endpoint
+from kvroute.addresses import control_plane_addresses, http_url, listen_host, port_or_off, zmq_endpoint
 from kvroute.listeners import run_service
-from kvroute.process import add_log_level_argument, on_stop_signal, process_setup
+from kvroute.process import add_log_level_argument, add_port_file_argument, on_stop_signal, process_setup
 from kvroute.tls import TlsConfigError, add_grpc_message_argument, add_tls_arguments, tls_files_from_args
 from kvroute.worker_agent.limits import (
     DEFAULT_GRPC_MAX_MESSAGE_BYTES,
@@ -129,12 +129,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
                    help="engine KV block size in tokens (SGLang: page size; TRT-LLM: tokens_per_block); if events "
                         "carry another, the agent re-registers with it")
-    p.add_argument("--metrics-port", type=port, default=0,
-                   help="serve the agent's /metrics, /health (liveness) and /ready (readiness) on this port (0 = off)")
+    p.add_argument("--metrics-port", type=port_or_off, default=None,
+                   help="serve the agent's /metrics, /health (liveness) and /ready (readiness) on this port "
+                        "(0 = any free port; default off)")
     p.add_argument("--metrics-host", type=listen_host, default="127.0.0.1", help="address of the /metrics listener")
     add_tls_arguments(p)
     add_grpc_message_argument(p, DEFAULT_GRPC_MAX_MESSAGE_BYTES)
     add_log_level_argument(p)
+    add_port_file_argument(p)
 
 
 def config_from_args(args: argparse.Namespace):
@@ -151,7 +153,7 @@ def config_from_args(args: argparse.Namespace):
                        kv_events_max_poll_bytes=args.kv_events_max_poll_bytes,
                        data_parallel_size=args.data_parallel_size, data_parallel_rank_start=args.data_parallel_rank_start,
                        engine_gone_after_s=args.engine_gone_after_s,
-                       metrics_host=args.metrics_host, metrics_port=args.metrics_port,
+                       metrics_host=args.metrics_host, metrics_port=args.metrics_port, port_file=args.port_file,
                        tls=tls_files_from_args(args, server=False),
                        grpc_max_message_bytes=args.grpc_max_message_bytes)
 

@@ -68,7 +68,7 @@ def test_the_router_refuses_a_bad_keys_file_in_one_line(tmp_path, tiny_model_dir
     path = tmp_path / "keys"
     path.write_text("sk-plaintext\n")
     done = subprocess.run(kvroute_argv("router", "--tokenizer", str(tiny_model_dir), "--port", str(free_port()),
-                                       "--grpc-port", "0", "--api-keys-file", str(path)),
+                                       "--grpc-port", "off", "--api-keys-file", str(path)),
                           check=False, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert f"kvroute router: error: {path}:1: expected sha256:<64 hex digits>" in done.stderr

@@ -79,7 +79,7 @@ def test_the_router_refuses_bad_discovery_flags_with_one_line(tiny_model_dir, ca
                        (["--dns-server", "127.0.0.1:5353"], "--dns-server needs --discover-engines"),
                        (["--discover-engines", "dns://v:1", "--discovery-interval-s", "0"], "must be positive")):
         with pytest.raises(SystemExit) as stop:
-            main(["router", "--tokenizer", str(tiny_model_dir), "--port", "0", "--grpc-port", "0", *argv])
+            main(["router", "--tokenizer", str(tiny_model_dir), "--port", "0", "--grpc-port", "off", *argv])
         assert stop.value.code == 2 or said in str(stop.value.code), argv
         err = capsys.readouterr().err + str(stop.value.code)
         assert said in err, (argv, err)

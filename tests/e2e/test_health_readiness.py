@@ -201,7 +201,7 @@ async def test_a_router_says_listening_at_bind_and_ready_only_once_its_ready_ans
     port_file = tmp_path / "router.ports"
     router = ManagedProcess("router", kvroute_argv(
         "router", "--control-plane", f"127.0.0.1:{cp_port}", "--tokenizer", str(tiny_model_dir), "--port", "0",
-        "--port-file", str(port_file), "--grpc-port", "0"), tmp_path / "router.log", port_file=port_file)
+        "--port-file", str(port_file), "--grpc-port", "off"), tmp_path / "router.log", port_file=port_file)
     agent = None
     try:
         router.start()

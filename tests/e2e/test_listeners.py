@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvroute.tools.local_cluster import ManagedProcess, _tcp_open, free_port, kvroute_argv
+from kvroute.tools.local_cluster import ManagedProcess, _tcp_open, free_port, http_get, kvroute_argv
 from tests.helpers import REPO
 
 
@@ -77,7 +77,7 @@ def test_http_and_zmq_ports_in_use_exit_2(process: str, busy_port: int, tiny_mod
         "agent": ([*agent, "--metrics-port", str(busy_port)], "--metrics-port", f"127.0.0.1:{busy_port}"),
         "agent-kv-events-bind": ([*agent, "--kv-events-bind", "--kv-events", f"tcp://127.0.0.1:{busy_port}"],
                                  "--kv-events-bind", f"tcp://127.0.0.1:{busy_port}"),
-        "router": (["router", "--tokenizer", str(tiny_model_dir), "--port", str(busy_port), "--grpc-port", "0"],
+        "router": (["router", "--tokenizer", str(tiny_model_dir), "--port", str(busy_port), "--grpc-port", "off"],
                    "--port", f"127.0.0.1:{busy_port}"),
         "sim-engine": (["sim-engine", "--tokenizer", str(tiny_model_dir), "--port", str(busy_port)],
                        "--port", f"127.0.0.1:{busy_port}"),
@@ -130,3 +130,42 @@ def test_every_grpc_server_in_the_product_is_a_grpc_listener() -> None:
             if path.name != "listeners.py" and re.search(r"\bgrpc\.(aio\.)?server\(", path.read_text()):
                 made_elsewhere.append(str(path.relative_to(REPO)))
     assert made_elsewhere == []
+
+
+def test_port_0_is_any_free_port_on_every_listener_and_off_turns_one_off(control_plane_port: int,
+                                                                         tmp_path: Path) -> None:
+    """0 means the same everywhere: the OS picks, and --port-file says what it picked; `off` is how a
+    listener that may be left out (gRPC Route, /metrics) is turned off."""
+    cp_file, agent_file = tmp_path / "cp.ports", tmp_path / "agent.ports"
+    cp = ManagedProcess("cp-metrics", kvroute_argv("control-plane", "--listen", "127.0.0.1:0", "--metrics-port", "0",
+                                                   "--port-file", str(cp_file)), tmp_path / "cp.log", port_file=cp_file)
+    agent = ManagedProcess("agent", kvroute_argv("agent", "--control-plane", f"127.0.0.1:{control_plane_port}",
+                                                 "--engine-url", f"http://127.0.0.1:{free_port()}", "--metrics-port", "0",
+                                                 "--port-file", str(agent_file)), tmp_path / "agent.log",
+                           port_file=agent_file)
+    try:
+        cp.start()
+        agent.start()
+        cp_ports, agent_ports = cp.wait_ports(), agent.wait_ports()
+        assert set(cp_ports) == {"grpc", "metrics"} and 0 not in cp_ports.values(), cp_ports
+        assert set(agent_ports) == {"metrics"} and agent_ports["metrics"] != 0, agent_ports
+        for ports in (cp_ports, agent_ports):
+            assert http_get(f"http://127.0.0.1:{ports['metrics']}/metrics")[0] == 200
+    finally:
+        agent.stop()
+        cp.stop()
+    off_file = tmp_path / "off.ports"
+    off = ManagedProcess("cp-off", kvroute_argv("control-plane", "--listen", "127.0.0.1:0", "--metrics-port", "off",
+                                                "--port-file", str(off_file)), tmp_path / "off.log", port_file=off_file)
+    try:
+        off.start()
+        assert set(off.wait_ports()) == {"grpc"}
+    finally:
+        off.stop()
+
+
+def test_a_port_that_is_neither_a_number_nor_off_exits_2() -> None:
+    proc = subprocess.run(kvroute_argv("control-plane", "--metrics-port", "none"), check=False, capture_output=True,
+                          text=True, timeout=30, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2 and "--metrics-port" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
+        proc.stderr

@@ -29,7 +29,7 @@ def start_router(workdir: Path, model_dir: Path, name: str, *extra: str) -> tupl
     router = ManagedProcess(f"router-{name}", kvroute_argv(
         "router", "--control-plane", f"127.0.0.1:{free_port()}",  # nothing there: the router fails open
         "--tokenizer", str(model_dir), "--model", MODEL,
-        "--host", "127.0.0.1", "--port", str(port), "--grpc-port", "0", *extra), workdir / f"{name}.log")
+        "--host", "127.0.0.1", "--port", str(port), "--grpc-port", "off", *extra), workdir / f"{name}.log")
     router.start()
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: http_ok(url + "/health"), 30, f"router {name}", [router])

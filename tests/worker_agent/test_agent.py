@@ -177,7 +177,7 @@ async def test_events_flow_from_engine_to_control_plane(fleet) -> None:
     await engine.publish(stored([11, 12], None, TOKENS[:32], 16), live=False)  # before the agent: replayed at start
     agent, task = await start_agent(AgentConfig(
         control_plane=f"127.0.0.1:{port}", kv_events=engine.kv_endpoint, replay_endpoint=engine.replay_endpoint,
-        engine_url=engine.url, worker_id="gpu-0", metrics_port=0, engine_poll_interval_s=0.05))
+        engine_url=engine.url, worker_id="gpu-0", metrics_port=None, engine_poll_interval_s=0.05))
     try:
         await eventually(lambda: agent.workers[0].link.connected and agent.counters["batches"] == 1)
         assert agent.workers[0].identity.model == MODEL and agent.workers[0].identity.engine_version == "0.32.0"  # learned from the engine
@@ -449,7 +449,7 @@ def test_cli_defaults_and_config() -> None:
     assert (args.control_plane, args.engine, args.kv_events, args.kv_events_bind, args.replay_endpoint) == (
         "127.0.0.1:50051", "vllm", "tcp://127.0.0.1:5557", False, None)
     assert (args.engine_url, args.worker_id, args.model, args.block_size, args.metrics_port, args.topic) == (
-        "http://127.0.0.1:8000", None, None, 16, 0, "")
+        "http://127.0.0.1:8000", None, None, 16, None, "")
     assert (args.kv_events_transport, args.data_parallel_size, args.data_parallel_rank_start) == ("auto", None, 0)
     config = cli.config_from_args(parse("--kv-events", "tcp://0.0.0.0:5557", "--kv-events-bind", "--replay-endpoint",
                                         "tcp://10.0.0.7:5558", "--engine-url", "http://10.0.0.7:8000", "--model", "m",

@@ -49,7 +49,7 @@ class ReplicaProcess:
 
     def __init__(self, workdir: Path, redis_url: str, name: str, shards: int = 16, heartbeat_s: float = 600.0,
                  extra: tuple[str, ...] = ()) -> None:
-        self.metrics_port = free_port()  # --metrics-port 0 means none: this one is picked
+        self.metrics_port = free_port()  # known before start: a restarted replica keeps its /metrics address
         self.address = ""                # its gRPC address once started (it listens on port 0)
         redis = ("--redis", redis_url, "--redis-shards", str(shards), "--snapshot-interval-s", "3600") if redis_url else ()
         self.process = ManagedProcess(name, kvroute_argv(
