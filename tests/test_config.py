@@ -251,7 +251,7 @@ heartbeat_timeout = 3.0
 [router]
 tokenizer = "{tiny_model_dir}"
 port = {http_port}
-grpc_port = 0
+grpc_port = "off"
 """)
     procs = [ManagedProcess(name, kvroute_argv(name, "--config", str(config)), tmp_path / f"{name}.log")
              for name in ("control-plane", "router")]
