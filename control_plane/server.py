@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
-from prometheus_client.aiohttp import make_aiohttp_handler
 
 from kvroute.addresses import parse_redis_url
 from kvroute.aio import cancel_and_wait
@@ -37,6 +36,7 @@ from kvroute.grpc_requests import add_servicer
 from kvroute.listeners import GrpcListener, start_status_site
 from kvroute.prefix_index import make_index
 from kvroute.process import announce_when_ready, wait_for_stop_signal, write_port_file
+from kvroute.status import Readiness, status_routes
 from kvroute.tls import TlsFiles, grpc_message_options, server_tls
 from kvroute.v1 import kvroute_pb2 as pb
 
@@ -141,7 +141,7 @@ class ControlPlaneServer:
             if self.config.metrics_port is not None:  # before serving: a busy metrics port must not leave a half-started plane
                 self._metrics_runner, self.metrics_port = await start_status_site(
                     "--metrics-port", self.config.metrics_host, self.config.metrics_port,
-                    {"/metrics": make_aiohttp_handler(self.metrics_registry), "/health": self._health, "/ready": self._ready})
+                    status_routes(self.metrics_registry, health=self.health, readiness=self.readiness))
             await self._grpc.start(serving=self.redis_log is None)
             self._accepting = True
         except BaseException:
@@ -186,20 +186,19 @@ class ControlPlaneServer:
         assert self._grpc is not None
         await self._grpc.server.wait_for_termination()
 
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "workers": len(self.registry)})
+    def health(self) -> dict:
+        return {"status": "ok", "workers": len(self.registry)}
 
-    async def _ready(self, request: web.Request) -> web.Response:
+    def readiness(self) -> Readiness:
         problems = [] if self._accepting else ["the gRPC server is not serving (starting or stopping)"]
         if self.redis_log is not None:
             problems += self.redis_log.problems() + self.inflight_sync.problems()
-        body = {"serving": self.ready, "workers": len(self.registry)}
+        details = {"serving": self.ready, "workers": len(self.registry)}
         if self.redis_log is not None:
-            body["replica_id"] = self.replica_id
+            details["replica_id"] = self.replica_id
         if self.ready:  # a replica cut off from Redis serves its last state: degraded, still ready
-            return web.json_response({"status": "degraded" if problems else "ready", **body,
-                                      **({"problems": problems} if problems else {})})
-        return web.json_response({"status": "not_ready", **body, "problems": problems}, status=503)
+            return Readiness(warnings=problems, details=details)
+        return Readiness(fatal=problems or ["catching up with the log"], details=details)
 
 
 async def serve(config: ControlPlaneConfig, port_file: str = "") -> int:

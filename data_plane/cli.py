@@ -266,7 +266,7 @@ async def serve(args: argparse.Namespace) -> int:
         log.info("%s", http.prompt_bound_note)
 
         def announce_ready() -> None:
-            body = http.readiness().body
+            body = http.readiness().body()
             log.info("router ready: %d of %d workers of model %s healthy (GET /ready answers 200)",
                      body["healthy_workers"], body["workers"], model)
         ready_task = asyncio.create_task(announce_when_ready(lambda: http.readiness().ready, announce_ready))

@@ -89,22 +89,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def status_routes(service: RoutingService) -> dict:
     """GET /metrics, /health, /ready on --metrics-port: what the router serves on its HTTP port."""
-    from aiohttp import web
-    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
     from kvroute.data_plane.service.readiness import router_readiness
+    from kvroute.status import status_routes as routes
 
-    async def metrics(_request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(service.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def health(_request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "model": service.model, "policy": service.policy.name})
-
-    async def ready(_request: web.Request) -> web.Response:
-        readiness = router_readiness(service.control_plane, service.model, service.health)
-        return web.json_response(readiness.body, status=200 if readiness.ready else 503)
-
-    return {"/metrics": metrics, "/health": health, "/ready": ready}
+    return routes(service.metrics.registry,
+                  health=lambda: {"status": "ok", "model": service.model, "policy": service.policy.name},
+                  readiness=lambda: router_readiness(service.control_plane, service.model, service.health))
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -127,30 +117,23 @@ async def serve(args: argparse.Namespace) -> int:
     tls = service.tls_files
     listener = GrpcListener("--grpc-port", str(check_port("--grpc-port", args.host, args.grpc_port)),
                             (EXT_PROC_SERVICE,), grpc_message_options(args.grpc_max_message_bytes),
-                            credentials=server_tls(tls).grpc_credentials() if tls.cert else None)
+                            credentials=server_tls(tls).grpc_credentials() if tls.cert else None,
+                            health_names=("readiness",))  # GAIE's health service names
     ext_grpc.add_ExternalProcessorServicer_to_server(picker, listener.server)
 
     def ready() -> bool:
         return router_readiness(service.control_plane, service.model, service.health).ready
 
-    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-
-    async def follow_readiness() -> None:
-        """GAIE's health services: `liveness` while the process answers, `readiness` (and "" and the
-        ext_proc service, GrpcListener's) while the router would say /ready."""
-        await listener.health.set("liveness", serving)
-        while True:
-            is_ready = ready()
-            await listener.set_serving(is_ready)
-            await listener.health.set("readiness", serving if is_ready else not_serving)
-            await asyncio.sleep(0.5)
 
     status_runner = None
     if args.metrics_port is not None:  # before serving: a busy port must not leave a half-started picker
         status_runner, metrics_port = await start_status_site("--metrics-port", args.host, args.metrics_port,
                                                    status_routes(service))
     await listener.start(serving=False)
-    health_task = asyncio.create_task(follow_readiness())
+    # GAIE's health names: `liveness` while the process answers; `readiness` (with "" and the ext_proc
+    # service) while the router would say /ready.
+    await listener.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+    health_task = asyncio.create_task(listener.follow(ready))
     ready_task = None
     try:
         service.start()  # after the listener: a port in use is the only line printed

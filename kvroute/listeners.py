@@ -97,11 +97,12 @@ class GrpcListener:
     ("") and each of `services`: NOT_SERVING until `set_serving(True)`, NOT_SERVING for good after
     `stop()`; and server reflection listing `services`. Add the servicers to `server`, then `start()`.
     `credentials` (kvroute.tls.ServerTls.grpc_credentials()): serve TLS instead of plaintext;
-    `interceptors`: grpc.aio server interceptors (e.g. API keys)."""
+    `interceptors`: grpc.aio server interceptors (e.g. API keys); `health_names`: more names whose
+    health status follows the server's, that are no service (GAIE's "readiness")."""
 
     def __init__(self, flag: str, address: str, services: Sequence[str] = (),
                  options: Iterable[tuple[str, Any]] = (), credentials: grpc.ServerCredentials | None = None,
-                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (), health_names: Sequence[str] = ()) -> None:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
         from grpc_health.v1.health import aio as health_aio
@@ -119,7 +120,7 @@ class GrpcListener:
         if self.port == 0:
             raise ListenError(flag, address, "gRPC could not listen there")
         self.host = where.host
-        self.services = ("", *services)
+        self.services = ("", *services, *health_names)
         self.serving = False
         self.health: health_aio.HealthServicer = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -42,7 +42,6 @@ import zmq.asyncio
 from aiohttp import web
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
-from prometheus_client.aiohttp import make_aiohttp_handler
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvroute.aio import cancel_and_wait
@@ -50,6 +49,7 @@ from kvroute.build_info import register_build_info
 from kvroute.listeners import start_status_site
 from kvroute.process import write_port_file
 from kvroute.rate_limited_log import RateLimitedLog
+from kvroute.status import Readiness, status_routes
 from kvroute.tls import TlsFiles, client_tls
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.worker_agent import sglang_wire, vllm_wire
@@ -376,13 +376,12 @@ class WorkerAgent:
 
     # ------------------------------------------------------------------ readiness
 
-    def readiness(self) -> tuple[bool, dict]:
+    def readiness(self) -> Readiness:
         """Ready: the engine answers GET /v1/models (so its model is known and its workers are
         advertised), and every worker (DP rank) is registered with the control plane over a live stream
         and follows the engine's KV events: its ZMQ SUB has a connection to the publisher (a handshake
         and no disconnect since), or, on TRT-LLM's pull path, a poll was answered within two poll
-        timeouts; and the event stream is not silent while the engine works. (ready, the JSON body of
-        GET /ready)"""
+        timeouts; and the event stream is not silent while the engine works."""
         problems: list[str] = []
         engine = self._engine_problem()
         if engine is not None:
@@ -405,10 +404,8 @@ class WorkerAgent:
                             + (f" ({poller.last_error})" if poller.last_error else ""))
         if self.silence.silent:
             problems.append(f"KV event stream silent: {self.silence.reason}")
-        ready = not problems
-        return ready, {"status": "ready" if ready else "not_ready", "problems": problems,
-                       "engine_answering": self.models.answering, "event_stream_silent": self.silence.silent,
-                       "workers": workers}
+        return Readiness(fatal=problems, details={"engine_answering": self.models.answering,
+                                                  "event_stream_silent": self.silence.silent, "workers": workers})
 
     def _engine_problem(self) -> str | None:
         """Why the workers are not (or soon no longer) registered: the engine does not answer."""
@@ -567,7 +564,7 @@ class WorkerAgent:
     async def start_metrics_server(self) -> int:
         self._metrics_runner, self.metrics_port = await start_status_site(
             "--metrics-port", self.config.metrics_host, self.config.metrics_port,
-            {"/metrics": make_aiohttp_handler(self.metrics_registry), "/health": self._health, "/ready": self._ready})
+            status_routes(self.metrics_registry, health=self.health, readiness=self.readiness))
         log.info("agent metrics on http://%s:%d/metrics", self.config.metrics_host, self.metrics_port)
         return self.metrics_port
 
@@ -577,13 +574,9 @@ class WorkerAgent:
             self._metrics_runner = None
 
 
-    async def _ready(self, request: web.Request) -> web.Response:
-        ready, body = self.readiness()
-        return web.json_response(body, status=200 if ready else 503)
-
-    async def _health(self, request: web.Request) -> web.Response:
+    def health(self) -> dict:
         first = self.workers[0]
-        return web.json_response({
+        return {
             "status": "ok", "engine": self.config.engine, "model": first.identity.model,
             "worker_id": first.identity.worker_id if len(self.workers) == 1 else None,
             "block_size": first.identity.block_size, "blocks": sum(len(w.resolver) for w in self.workers),
@@ -592,4 +585,4 @@ class WorkerAgent:
             "event_stream_silent": self.silence.silent,
             "lora_adapters": first.identity.lora_adapters,
             "workers": [{"worker_id": w.identity.worker_id, "data_parallel_rank": w.rank, "blocks": w.resolver.tier_sizes(),
-                         "control_plane_connected": w.link.connected, "last_seq": self.last_seq(w)} for w in self.workers]})
+                         "control_plane_connected": w.link.connected, "last_seq": self.last_seq(w)} for w in self.workers]}

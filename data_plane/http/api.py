@@ -44,8 +44,9 @@ from kvroute.data_plane.ops.traffic_capture import (
     reported_usage,
 )
 from kvroute.data_plane.prepare.request_prep import PrepareError, RequestPreparer, RouteInput
-from kvroute.data_plane.service.readiness import RouterReadiness, router_readiness
+from kvroute.data_plane.service.readiness import router_readiness
 from kvroute.data_plane.service.routing import NoWorkersError, Router
+from kvroute.status import Readiness, ready_handler
 from kvroute.telemetry import tracing_active
 
 log = logging.getLogger("kvroute.router.http")
@@ -103,7 +104,7 @@ class RouterHttpApi:
             app.router.add_post(path, handler, expect_handler=self._expect_body)
         app.router.add_get("/v1/models", self.handle_models)
         app.router.add_get("/health", self.handle_health)
-        app.router.add_get("/ready", self.handle_ready)
+        app.router.add_get("/ready", ready_handler(self.readiness))
         app.router.add_get("/metrics", make_aiohttp_handler(self.metrics.registry))
         if self.stages is not None:
             app.router.add_get("/debug/stages", self.handle_stages)
@@ -228,12 +229,8 @@ class RouterHttpApi:
                                   "workers": len(cp.workers_for(self.model)),
                                   "control_plane": "reachable" if cp.reachable else "unreachable"})
 
-    def readiness(self) -> RouterReadiness:
+    def readiness(self) -> Readiness:
         return router_readiness(self.router.control_plane, self.model, self.router.health)
-
-    async def handle_ready(self, request: web.Request) -> web.Response:
-        readiness = self.readiness()
-        return web.json_response(readiness.body, status=200 if readiness.ready else 503)
 
     async def handle_stages(self, request: web.Request) -> web.Response:
         """Per-stage samples in ms (`?reset=1`: and start over)."""

@@ -19,18 +19,10 @@ whether the engines are back; workers under active health checks come back when 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 from kvroute.data_plane.cp_link.control_plane_client import ControlPlaneClient
 from kvroute.data_plane.engines.backend_health import BackendHealth
-
-
-@dataclass(frozen=True, slots=True)
-class RouterReadiness:
-    ready: bool
-    status: str                   # "ready", "degraded" (ready, with problems) or "not_ready"
-    problems: list[str] = field(default_factory=list)
-    body: dict = field(default_factory=dict)  # the JSON of GET /ready
+from kvroute.status import Readiness
 
 
 def no_workers_reason(cp: ControlPlaneClient, model: str, lora_name: str = "") -> str:
@@ -52,7 +44,7 @@ def no_workers_reason(cp: ControlPlaneClient, model: str, lora_name: str = "") -
            f"ever known{static}"
 
 
-def router_readiness(control_plane: ControlPlaneClient, model: str, health: BackendHealth) -> RouterReadiness:
+def router_readiness(control_plane: ControlPlaneClient, model: str, health: BackendHealth) -> Readiness:
     """`health`: the workers failing their health checks, and those the proxy saw fail, sitting out
     their cooldown."""
     cooling_down, cooldown_s, down = health.cooling_down(), health.cooldown_s, health.down()
@@ -100,17 +92,13 @@ def router_readiness(control_plane: ControlPlaneClient, model: str, health: Back
         if sitting_out:
             warnings.append(f"{len(sitting_out)} of {len(workers)} workers sitting out after failures "
                             f"({', '.join(sitting_out)})")
-    ready = not fatal
-    status = "not_ready" if fatal else "degraded" if warnings else "ready"
-    problems = fatal + warnings
     refreshed = cp.fleet_updated_at
-    return RouterReadiness(ready, status, problems, {
-        "status": status, "model": model, "workers": len(workers), "healthy_workers": healthy,
+    return Readiness(fatal, warnings, {
+        "model": model, "workers": len(workers), "healthy_workers": healthy,
         "failing_health_checks": failing_checks, "cooling_down": sitting_out, "fleet": source,
         "control_plane": {"address": cp.address, "reachable": cp.reachable,
                           "last_refresh_s_ago": round(time.monotonic() - refreshed, 3) if refreshed else None,
                           "error": cp.last_error or None},
         "view": None if view is None else {
             "synced": view.synced, "position": view.position.seq if view.position is not None else None,
-            "silence_s": round(view.silence_s(), 3) if view.last_heard else None, "lag_s": round(view.lag_s, 6)},
-        "problems": problems})
+            "silence_s": round(view.silence_s(), 3) if view.last_heard else None, "lag_s": round(view.lag_s, 6)}})

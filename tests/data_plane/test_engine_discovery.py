@@ -251,8 +251,8 @@ async def test_with_engines_found_by_dns_alone_the_router_is_ready_and_routes_on
     client = ControlPlaneClient("127.0.0.1:1", use_session=False, view=view, discovery=found)  # never reached
     assert client.fleet_source(MODEL) == "discovered"
     readiness = router_readiness(client, MODEL, BackendHealth())
-    assert readiness.ready and readiness.status == "degraded", readiness.body
-    assert readiness.body["fleet"] == "discovered" and readiness.body["workers"] == 2
+    assert readiness.ready and readiness.status == "degraded", readiness.body()
+    assert readiness.details["fleet"] == "discovered" and readiness.details["workers"] == 2
     assert any("routing on load over the DNS-discovered fleet" in p for p in readiness.problems), readiness.problems
 
     router = Router(client, make_policy("kv_aware"), RouterInflight())

@@ -22,23 +22,16 @@ import asyncio
 import time
 from collections.abc import Iterator
 from functools import partial
-from pathlib import Path
 
 from kvroute import aio
 from kvroute.data_plane.cp_link.control_plane_client import ControlPlaneClient
 from kvroute.data_plane.cp_link.fleet_view import FleetView
 from kvroute.prefix_index.backends import BACKENDS, make_index
 from kvroute.process import on_stop_signal, write_port_file
+from kvroute.tools.procfs import rss_bytes
 from kvroute.v1 import kvroute_pb2 as pb
 
 STARTED = time.monotonic()
-
-
-def rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 class StampingView(FleetView):

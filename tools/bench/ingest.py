@@ -114,17 +114,12 @@ def build_for_memory(backend: str, entries: int, workers: int, seed: int, max_in
     return build
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * 4096
-
-
 def rss_per_entry(backend: str, entries: int, workers: int, seed: int, max_index_entries: int) -> float:
     """The build in a fresh interpreter: resident set after minus before, per entry (0: no /proc here)."""
     code = ("import json, sys; from kvroute.tools.bench.ingest import build_for_memory, _rss_bytes; "
             f"build = build_for_memory({backend!r}, {entries}, {workers}, {seed}, {max_index_entries}); "
-            "before = _rss_bytes(); index = build(); "
-            "print(json.dumps((_rss_bytes() - before) / index.entry_count()))")
+            "before = rss_bytes(); index = build(); "
+            "print(json.dumps((rss_bytes() - before) / index.entry_count()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=False)
     if out.returncode:
         raise RuntimeError(f"the RSS build failed: {out.stderr.strip()[-2000:]}")

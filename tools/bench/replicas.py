@@ -32,6 +32,7 @@ from kvroute.fleet.entries import BlockOp, Op
 from kvroute.prom_text import sample_sums
 from kvroute.tools.bench.ingest import make_payloads, run_ingest
 from kvroute.tools.local_cluster import ManagedProcess, free_port, http_get, kvroute_argv, wait_until
+from kvroute.tools.procfs import rss_bytes
 from kvroute.tools.redis_harness import RedisServer, temp_workdir
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
@@ -79,10 +80,7 @@ class ReplicaProcess:
 
     def rss_bytes(self) -> int:
         assert self.process.popen is not None
-        for line in Path(f"/proc/{self.process.popen.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        return 0
+        return rss_bytes(self.process.popen.pid)
 
     def stop(self) -> None:
         self.process.stop()

@@ -20,7 +20,6 @@ budget that is full before the warm-up ends, and samples the cache's own gauge
 
 from __future__ import annotations
 
-import os
 import tempfile
 import threading
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 from kvroute.prom_text import sample_sums
 from kvroute.tools.bench.kill import RetryingLoad
 from kvroute.tools.local_cluster import LocalCluster, ManagedProcess, free_port, http_get, http_ok, http_post_json, wait_until
+from kvroute.tools.procfs import open_fds, rss_bytes
 
 RSS_GROWTH_PCT = 5.0   # the bound issue 17 asks for (+-5% from minute 5); docs/benchmarks/2026-12-04-soak-and-kill.md
 RSS_SLACK_MB = 4.0     # below this, growth is allocator noise on a short run
@@ -50,10 +50,9 @@ def _proc_stats(process: ManagedProcess) -> tuple[float, int] | None:
         return None
     pid = process.popen.pid
     try:
-        rss_kb = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                      if line.startswith("VmRSS:"))
-        return rss_kb / 1024, len(os.listdir(f"/proc/{pid}/fd"))
-    except (OSError, StopIteration):
+        rss = rss_bytes(pid)
+        return (rss / (1024 * 1024), open_fds(pid)) if rss else None
+    except OSError:
         return None
 
 
