@@ -144,3 +144,30 @@ _SLOW_DATA = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile("ci", max_examples=200, deadline=None, print_blob=True, suppress_health_check=_SLOW_DATA)
 settings.register_profile("fuzz", max_examples=20_000, deadline=None, print_blob=True, suppress_health_check=_SLOW_DATA)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# What a test uses decides its markers (`make check` leaves out e2e, redis, slow and vllm):
+# - redis: it takes a Redis fixture (a redis-server of its own, or the one on 6379);
+# - e2e: it starts processes: a fixture that starts a fleet or a wheel install, or its module starts
+#   them itself (one of PROCESS_STARTERS in its source).
+REDIS_FIXTURES = frozenset({"_redis_single", "_redis_cluster", "redis_single", "redis_cluster", "redis_any"})
+PROCESS_FIXTURES = frozenset({"local_fleet", "module_local_fleet", "installed_kvroute", "kvroute_wheel"})
+PROCESS_STARTERS = ("ManagedProcess", "LocalCluster", "ReplicaCluster", "kvroute_argv", "subprocess.", "Popen(",
+                    "start_replica", "run_demo", "redis_harness", "multiprocessing")
+
+
+def _starts_processes(path: Path, cache: dict[Path, bool]) -> bool:
+    if path not in cache:
+        text = path.read_text()
+        cache[path] = any(word in text for word in PROCESS_STARTERS)
+    return cache[path]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    sources: dict[Path, bool] = {}
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & REDIS_FIXTURES:
+            item.add_marker(pytest.mark.redis)
+        if fixtures & (PROCESS_FIXTURES | REDIS_FIXTURES) or _starts_processes(item.path, sources):
+            item.add_marker(pytest.mark.e2e)
