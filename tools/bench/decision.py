@@ -82,7 +82,8 @@ async def in_flight_elsewhere(address: str, worker_ids: list[str], block_size: i
     """Another router with `requests` requests in flight (new 256-token tails of other prompts), as
     in a serving fleet: the control plane then holds speculative claims while we query."""
     rng = random.Random(seed + 1)
-    other = ControlPlaneClient(address, query_timeout_s=1.0)
+    # A router of its own: the measuring router leaves its own session's echo out of its view.
+    other = ControlPlaneClient(address, query_timeout_s=1.0, router_id="bench-other-router")
     other.start()
     if not await other.session.wait_connected(10):
         raise RuntimeError("second router session did not open")
