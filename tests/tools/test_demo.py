@@ -120,8 +120,9 @@ def test_the_proc_readings_tell_an_outside_hog_from_our_own_processes() -> None:
             p.kill()
             p.wait()
     seconds = last.at_s - first.at_s
-    # Ours: the one hog we own, about a core (less when the machine is this busy).
-    assert (last.own_cpu_s - first.own_cpu_s) / seconds > 0.3
+    # Ours: the one hog we own, about a core on an idle machine; a shared CI machine leaves it less, so
+    # the claim is only that its CPU is counted as ours at all.
+    assert (last.own_cpu_s - first.own_cpu_s) / seconds > 0.1
     d = Disturbance.from_snapshots([first, last], cores=os.cpu_count() or 1)
     assert d.outside_cores_mean > 0.3, d.to_json()  # the other hog, at least
     assert mine.pid in last.loop_wait_s
