@@ -141,6 +141,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "`sha256:<hex> [name] [scope=all|route]` a line, reloaded when it changes. "
                         f"{ENV_API_KEYS}=key,... adds keys (or sha256:<hex>) from the environment. "
                         "/health, /ready, /metrics stay open")
+    p.add_argument("--pd", default="", choices=("vllm", "sglang"),
+                   help="prefill/decode disaggregation: each request's prompt goes to a prefill worker (chosen by "
+                        "--policy among workers of role prefill) and its generation to a decode worker (fewest "
+                        "requests among workers of role decode), with the engine's protocol: vllm (KV connector "
+                        "kv_transfer_params) or sglang (bootstrap host/port/room); default: off, whole requests")
+    p.add_argument("--pd-role", type=_pd_roles, default={}, metavar="ID=ROLE,...",
+                   help="--pd: roles (prefill or decode) of workers that register none (--static-workers, "
+                        "--discover-engines); an agent's `--role` is used otherwise")
+    p.add_argument("--pd-bootstrap-port", type=_pd_bootstrap_ports, default=(None, {}), metavar="PORT|ID=PORT,...",
+                   help="--pd sglang: the prefill workers' bootstrap port (--disaggregation-bootstrap-port), one for "
+                        "all and/or per worker id (default: SGLang's 8998)")
     p.add_argument("--forward-authorization", action="store_true",
                    help="pass the client's Authorization header on to the engine (default: dropped, it is the "
                         "router's API key)")
@@ -167,6 +178,24 @@ def _discovery_target(value: str) -> str:
 
 
 
+def _pd_roles(value: str) -> dict[str, str]:
+    from kvroute.data_plane.pd import parse_roles
+
+    try:
+        return parse_roles(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _pd_bootstrap_ports(value: str) -> tuple[int | None, dict[str, int]]:
+    from kvroute.data_plane.pd import parse_bootstrap_ports
+
+    try:
+        return parse_bootstrap_ports(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _url_path(value: str) -> str:
     if not value.startswith("/") or any(c.isspace() for c in value):
         raise argparse.ArgumentTypeError(f"must be a URL path starting with / (no spaces), got {value!r}")
@@ -179,6 +208,9 @@ def validate(args: argparse.Namespace) -> None:
     Whether TLS files load is checked at start only (they live where the process runs)."""
     if args.kv_aware_param and args.policy != "kv_aware":
         raise ValueError("--kv-aware-param needs --policy kv_aware")
+    pd_options = getattr(args, "pd_role", {}) or getattr(args, "pd_bootstrap_port", (None, {})) != (None, {})
+    if pd_options and not getattr(args, "pd", ""):  # the picker has no P/D mode
+        raise ValueError("--pd-role and --pd-bootstrap-port need --pd vllm|sglang")
     http_tls = getattr(args, "http_tls", "")  # the picker has no HTTP API
     if http_tls and not args.tls_cert:
         raise ValueError("--http-tls needs --tls-cert and --tls-key")
@@ -201,6 +233,7 @@ async def serve(args: argparse.Namespace) -> int:
     from kvroute.data_plane.app_reservations import AppReservations
     from kvroute.data_plane.grpc_api import RouterGrpcService, add_router_service
     from kvroute.data_plane.http_api import RouterHttpApi
+    from kvroute.data_plane.pd import SGLANG_DEFAULT_BOOTSTRAP_PORT, PdRouting
     from kvroute.data_plane.proxy import BackendProxy
     from kvroute.data_plane.routing_service import build_routing_service
     from kvroute.data_plane.stage_timing import StageSamples
@@ -228,8 +261,12 @@ async def serve(args: argparse.Namespace) -> int:
         capture = TrafficCapture(args.capture_trace, args.capture_sample_rate, metrics,
                                  block_tokens=args.capture_block_tokens)
         capture.start()
+    pd = None
+    if args.pd:
+        default_port, ports = args.pd_bootstrap_port
+        pd = PdRouting(args.pd, router, proxy, args.pd_role, ports, default_port or SGLANG_DEFAULT_BOOTSTRAP_PORT)
     http = RouterHttpApi(router, proxy, preparer, capture=capture, max_body_bytes=args.max_body_bytes,
-                         stages=StageSamples() if args.stage_timing else None, admission=admission)
+                         stages=StageSamples() if args.stage_timing else None, admission=admission, pd=pd)
     # handler_cancellation: a client that goes away cancels its handler, which closes the backend
     # connection, so the engine stops generating for nobody.
     runner = web.AppRunner(http.app(), access_log=None, handler_cancellation=True)
@@ -254,8 +291,9 @@ async def serve(args: argparse.Namespace) -> int:
             # grpc.health.v1 says what GET /ready says (data_plane/readiness.py)
             health_task = asyncio.create_task(grpc_server.follow(lambda: http.readiness().ready))
         service.start(engine_ssl)  # after the listeners: a port in use is the only line printed
-        log.info("router listening: %s://%s:%d grpc=%s policy=%s model=%s control-plane=%s%s%s; %s",
-                 "https" if http_ssl else "http", args.host, http_port, args.grpc_port or "off", args.policy, model,
+        log.info("router listening: %s://%s:%d grpc=%s policy=%s%s model=%s control-plane=%s%s%s; %s",
+                 "https" if http_ssl else "http", args.host, http_port, args.grpc_port or "off", args.policy,
+                 f" pd={args.pd}" if args.pd else "", model,
                  args.control_plane, "".join(f" {k}={v:g}" for k, v in kv_params.items()),
                  (f" tls={'mtls' if tls_files.mutual else 'tls'}" if tls_files.enabled else "")
                  + (f" api-keys={len(api_keys)}" if api_keys.enabled else ""),

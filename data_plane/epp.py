@@ -78,7 +78,8 @@ BODY_ECHO_CHUNK = 64 * 1024  # streamed mode: the body goes back to Envoy in pie
 ROUTER_ONLY_FLAGS = frozenset({"--port", "--grpc-port", "--reservation-ttl-ms", "--max-reservations", "--capture-trace",
                                "--capture-block-tokens", "--capture-sample-rate", "--stage-timing",
                                "--max-concurrent-requests", "--api-keys-file", "--forward-authorization",
-                               "--http-tls", "--engine-tls-ca"})
+                               "--http-tls", "--engine-tls-ca", "--pd", "--pd-role",
+                               "--pd-bootstrap-port"})
 _BodyMode = processing_mode_pb2.ProcessingMode.BodySendMode
 _BUFFERED_MODES = (_BodyMode.Value("BUFFERED"), _BodyMode.Value("BUFFERED_PARTIAL"))
 _FULL_DUPLEX = _BodyMode.Value("FULL_DUPLEX_STREAMED")
