@@ -6,7 +6,15 @@ import argparse
 import asyncio
 import logging
 
-from kvroute.addresses import control_plane_addresses, dns_server, listen_host, port, static_workers
+from kvroute.addresses import (
+    control_plane_addresses,
+    dns_server,
+    listen_host,
+    parse_port_map,
+    port,
+    port_map,
+    static_workers,
+)
 from kvroute.process import (
     add_log_level_argument,
     add_port_file_argument,
@@ -146,10 +154,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--policy among workers of role prefill) and its generation to a decode worker (fewest "
                         "requests among workers of role decode), with the engine's protocol: vllm (KV connector "
                         "kv_transfer_params) or sglang (bootstrap host/port/room); default: off, whole requests")
-    p.add_argument("--pd-role", type=_pd_roles, default={}, metavar="ID=ROLE,...",
+    p.add_argument("--pd-role", type=_pd_roles, default="", metavar="ID=ROLE,...",
                    help="--pd: roles (prefill or decode) of workers that register none (--static-workers, "
                         "--discover-engines); an agent's `--role` is used otherwise")
-    p.add_argument("--pd-bootstrap-port", type=_pd_bootstrap_ports, default=(None, {}), metavar="PORT|ID=PORT,...",
+    p.add_argument("--pd-bootstrap-port", type=port_map, default="", metavar="PORT|ID=PORT,...",
                    help="--pd sglang: the prefill workers' bootstrap port (--disaggregation-bootstrap-port), one for "
                         "all and/or per worker id (default: SGLang's 8998)")
     p.add_argument("--forward-authorization", action="store_true",
@@ -178,22 +186,14 @@ def _discovery_target(value: str) -> str:
 
 
 
-def _pd_roles(value: str) -> dict[str, str]:
+def _pd_roles(value: str) -> str:
     from kvroute.data_plane.pd import parse_roles
 
     try:
-        return parse_roles(value)
+        parse_roles(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _pd_bootstrap_ports(value: str) -> tuple[int | None, dict[str, int]]:
-    from kvroute.data_plane.pd import parse_bootstrap_ports
-
-    try:
-        return parse_bootstrap_ports(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value.strip()
 
 
 def _url_path(value: str) -> str:
@@ -208,8 +208,8 @@ def validate(args: argparse.Namespace) -> None:
     Whether TLS files load is checked at start only (they live where the process runs)."""
     if args.kv_aware_param and args.policy != "kv_aware":
         raise ValueError("--kv-aware-param needs --policy kv_aware")
-    pd_options = getattr(args, "pd_role", {}) or getattr(args, "pd_bootstrap_port", (None, {})) != (None, {})
-    if pd_options and not getattr(args, "pd", ""):  # the picker has no P/D mode
+    if (getattr(args, "pd_role", "") or getattr(args, "pd_bootstrap_port", "")) and not getattr(args, "pd", ""):
+        # the picker has no P/D mode, so none of these
         raise ValueError("--pd-role and --pd-bootstrap-port need --pd vllm|sglang")
     http_tls = getattr(args, "http_tls", "")  # the picker has no HTTP API
     if http_tls and not args.tls_cert:
@@ -233,7 +233,7 @@ async def serve(args: argparse.Namespace) -> int:
     from kvroute.data_plane.app_reservations import AppReservations
     from kvroute.data_plane.grpc_api import RouterGrpcService, add_router_service
     from kvroute.data_plane.http_api import RouterHttpApi
-    from kvroute.data_plane.pd import SGLANG_DEFAULT_BOOTSTRAP_PORT, PdRouting
+    from kvroute.data_plane.pd import SGLANG_DEFAULT_BOOTSTRAP_PORT, PdRouting, parse_roles
     from kvroute.data_plane.proxy import BackendProxy
     from kvroute.data_plane.routing_service import build_routing_service
     from kvroute.data_plane.stage_timing import StageSamples
@@ -263,8 +263,9 @@ async def serve(args: argparse.Namespace) -> int:
         capture.start()
     pd = None
     if args.pd:
-        default_port, ports = args.pd_bootstrap_port
-        pd = PdRouting(args.pd, router, proxy, args.pd_role, ports, default_port or SGLANG_DEFAULT_BOOTSTRAP_PORT)
+        default_port, ports = parse_port_map(args.pd_bootstrap_port)
+        pd = PdRouting(args.pd, router, proxy, parse_roles(args.pd_role), ports,
+                       default_port or SGLANG_DEFAULT_BOOTSTRAP_PORT)
     http = RouterHttpApi(router, proxy, preparer, capture=capture, max_body_bytes=args.max_body_bytes,
                          stages=StageSamples() if args.stage_timing else None, admission=admission, pd=pd)
     # handler_cancellation: a client that goes away cancels its handler, which closes the backend

@@ -26,7 +26,7 @@ vLLM (a KV connector such as NixlConnector, `--kv-transfer-config`; docs/pd-disa
    the same parameters: the KV waits on the prefill worker until it is pulled or times out).
 
 SGLang (`--disaggregation-mode prefill|decode`): both legs at once with the same body plus
-`bootstrap_host` (the prefill endpoint's host), `bootstrap_port` (its bootstrap server's port:
+`bootstrap_host` (the prefill endpoint's host, an IPv6 address in brackets), `bootstrap_port` (its bootstrap server's port:
 `--pd-bootstrap-port`, SGLang's default 8998) and `bootstrap_room` (random, 0..2^63-1). The decode
 worker's answer goes to the client once the prefill leg has answered without error. A failure of
 either leg before the client got a byte tries the pair again with a new room: a failed prefill
@@ -207,6 +207,8 @@ class PdRouting:
     def with_bootstrap(self, body: dict, prefill: Candidate) -> dict:
         """The body both SGLang legs get: where the decode worker finds the prefill's KV, and its room."""
         host = urlsplit(prefill.endpoint).hostname or ""
+        if ":" in host:  # an IPv6 address goes in brackets, as SGLang's load balancer sends it
+            host = f"[{host}]"
         return {**body, "bootstrap_host": host,
                 "bootstrap_port": self.bootstrap_ports.get(prefill.worker_id, self.default_bootstrap_port),
                 "bootstrap_room": self._rng.randint(0, _ROOM_LIMIT)}
@@ -252,17 +254,3 @@ def parse_roles(text: str) -> dict[str, str]:
             raise ValueError(f"expected ID=prefill or ID=decode, got {item!r}")
         out[worker.strip()] = role.strip()
     return out
-
-
-def parse_bootstrap_ports(text: str) -> tuple[int | None, dict[str, int]]:
-    """`PORT` and/or `ID=PORT,...` -> (default port or None, {worker id: port}); ValueError otherwise."""
-    default, ports = None, {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        worker, sep, value = item.rpartition("=")
-        if not value.isdigit() or not 0 < int(value) < 65536 or (sep and not worker.strip()):
-            raise ValueError(f"expected PORT or ID=PORT (1-65535), got {item!r}")
-        if sep:
-            ports[worker.strip()] = int(value)
-        else:
-            default = int(value)
-    return default, ports
