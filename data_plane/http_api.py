@@ -318,7 +318,8 @@ class RouterHttpApi:
                                   "control_plane": "reachable" if cp.reachable else "unreachable"})
 
     def readiness(self) -> RouterReadiness:
-        return router_readiness(self.router.control_plane, self.model, self.router.health)
+        return router_readiness(self.router.control_plane, self.model, self.router.health,
+                                self.pd.role_of if self.pd is not None else None)
 
     async def handle_ready(self, request: web.Request) -> web.Response:
         readiness = self.readiness()

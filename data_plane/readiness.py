@@ -12,6 +12,7 @@ fails open (routes on load over the fleet it knows), which still serves requests
 sent nothing to an engine since a failure becomes ready again when the cooldown ends (2 s): a load
 balancer that took it out of rotation then sends it traffic again, which is how it finds out
 whether the engines are back; workers under active health checks come back when their checks pass.
+In P/D mode (`role_of` given) it also takes a healthy worker of each role, prefill and decode.
 
 `no_workers_reason` says why no worker is known, for /ready and for the 503 a request gets then.
 """
@@ -19,10 +20,12 @@ whether the engines are back; workers under active health checks come back when 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvroute.data_plane.backend_health import BackendHealth
-from kvroute.data_plane.control_plane_client import ControlPlaneClient
+from kvroute.data_plane.control_plane_client import ControlPlaneClient, KnownWorker
+from kvroute.roles import DECODE, PREFILL
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +55,10 @@ def no_workers_reason(cp: ControlPlaneClient, model: str, lora_name: str = "") -
            f"ever known{static}"
 
 
-def router_readiness(control_plane: ControlPlaneClient, model: str, health: BackendHealth) -> RouterReadiness:
+def router_readiness(control_plane: ControlPlaneClient, model: str, health: BackendHealth,
+                     role_of: Callable[[KnownWorker], str] | None = None) -> RouterReadiness:
     """`health`: the workers failing their health checks, and those the proxy saw fail, sitting out
-    their cooldown."""
+    their cooldown. `role_of`: P/D mode, each worker's role (a healthy one of each is needed)."""
     cooling_down, cooldown_s, down = health.cooling_down(), health.cooldown_s, health.down()
     workers = [w.worker_id for w in control_plane.workers_for(model)]
     source = control_plane.fleet_source(model)
@@ -100,6 +104,17 @@ def router_readiness(control_plane: ControlPlaneClient, model: str, health: Back
         if sitting_out:
             warnings.append(f"{len(sitting_out)} of {len(workers)} workers sitting out after failures "
                             f"({', '.join(sitting_out)})")
+    pools = {}
+    if role_of is not None and workers and healthy:
+        unhealthy = set(failing_checks) | set(sitting_out)
+        for role in (PREFILL, DECODE):
+            of_role = [w.worker_id for w in control_plane.workers_for(model) if role_of(w) == role]
+            pools[f"{role}_workers"] = len(of_role)
+            if not of_role:
+                fatal.append(f"P/D: no {role} worker of model {model!r} is known (agents register it with "
+                             f"`--role {role}`; engines without one: the router's --pd-role)")
+            elif all(w in unhealthy for w in of_role):
+                fatal.append(f"P/D: no {role} worker of model {model!r} is healthy ({', '.join(of_role)})")
     ready = not fatal
     status = "not_ready" if fatal else "degraded" if warnings else "ready"
     problems = fatal + warnings
@@ -113,4 +128,4 @@ def router_readiness(control_plane: ControlPlaneClient, model: str, health: Back
         "view": None if view is None else {
             "synced": view.synced, "position": view.position.seq if view.position is not None else None,
             "silence_s": round(view.silence_s(), 3) if view.last_heard else None, "lag_s": round(view.lag_s, 6)},
-        "problems": problems})
+        "problems": problems} | ({"pd": pools} if pools else {}))

@@ -126,6 +126,8 @@ async def test_vllm_skips_a_prefill_without_transfer_params_and_hands_the_params
     assert decode.bodies[-1]["kv_transfer_params"] == PARAMS and decode.bodies[-1]["max_tokens"] == 7
     assert all(b["max_tokens"] == 1 and b["kv_transfer_params"]["do_remote_decode"] for b in good.bodies)
     assert nothing_in_flight(router)
+    async with aiohttp.ClientSession() as session, session.get(url + "/ready") as resp:
+        assert resp.status == 200 and (await resp.json())["pd"] == {"prefill_workers": 2, "decode_workers": 1}
 
 
 async def test_vllm_every_prefill_without_params_is_one_clear_502(fleet) -> None:
@@ -177,3 +179,7 @@ async def test_a_missing_pool_is_a_503_naming_the_role(fleet) -> None:
         status, raw = resp.status, await resp.read()
     assert status == 503, raw
     assert json.loads(raw)["error"]["code"] == "no_workers"
+    async with aiohttp.ClientSession() as session, session.get(url + "/ready") as resp:  # not ready without a pool
+        ready = await resp.json()
+        assert resp.status == 503 and ready["pd"] == {"prefill_workers": 1, "decode_workers": 0}, ready
+        assert any("no decode worker" in problem for problem in ready["problems"]), ready
