@@ -26,6 +26,7 @@ from kvroute.prefix_index import TIERS, Tier, is_bounded, tier_of_wire
 if TYPE_CHECKING:
     from kvroute.control_plane.follow import FollowFeed
     from kvroute.control_plane.replication.inflight_sync import InflightSync
+from kvroute.roles import parse_role
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
@@ -156,10 +157,10 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         if self.authority is not None:  # before the log sees anything: a refused stream writes nothing
             await self._authorize(context, self.authority.check_writer, req.worker_id)
         session = await self.log.register(req, context.peer() or "unknown peer")
-        log.info("worker registered: %s model=%s engine=%s %s block_size=%d endpoint=%s dp_rank=%s adapters=%s "
-                 "epoch=%d%s", req.worker_id, req.model, req.engine, req.engine_version or "-", req.block_size,
-                 req.endpoint, req.data_parallel_rank if req.HasField("data_parallel_rank") else "-",
-                 ",".join(req.lora_adapters) or "-", session.epoch,
+        log.info("worker registered: %s model=%s engine=%s %s block_size=%d endpoint=%s dp_rank=%s role=%s "
+                 "adapters=%s epoch=%d%s", req.worker_id, req.model, req.engine, req.engine_version or "-",
+                 req.block_size, req.endpoint, req.data_parallel_rank if req.HasField("data_parallel_rank") else "-",
+                 parse_role(req.role) or "both", ",".join(req.lora_adapters) or "-", session.epoch,
                  f" resuming after seq {session.last_seq}" if session.resume else "")
         return session
 
@@ -359,7 +360,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                           endpoint=r.endpoint, load=load_to_pb(r), last_seq=r.last_seq,
                           cached_blocks=index.worker_block_count(r.slot, Tier.GPU),
                           lora_adapters=r.lora_adapters, engine_version=r.engine_version,
-                          data_parallel_rank=r.data_parallel_rank)
+                          data_parallel_rank=r.data_parallel_rank, role=r.role)
             for r in self.registry.workers(request.model)
         ])
 

@@ -6,7 +6,16 @@ import argparse
 import asyncio
 import logging
 
-from kvroute.addresses import control_plane_addresses, dns_server, listen_host, port, port_or_off, static_workers
+from kvroute.addresses import (
+    control_plane_addresses,
+    dns_server,
+    listen_host,
+    parse_port_map,
+    port,
+    port_map,
+    port_or_off,
+    static_workers,
+)
 from kvroute.aio import cancel_and_wait
 from kvroute.process import (
     add_log_level_argument,
@@ -143,6 +152,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "`sha256:<hex> [name] [scope=all|route]` a line, reloaded when it changes. "
                         f"{ENV_API_KEYS}=key,... adds keys (or sha256:<hex>) from the environment. "
                         "/health, /ready, /metrics stay open")
+    p.add_argument("--pd", default="", choices=("vllm", "sglang"),
+                   help="prefill/decode disaggregation: each request's prompt goes to a prefill worker (chosen by "
+                        "--policy among workers of role prefill) and its generation to a decode worker (fewest "
+                        "requests among workers of role decode), with the engine's protocol: vllm (KV connector "
+                        "kv_transfer_params) or sglang (bootstrap host/port/room); default: off, whole requests")
+    p.add_argument("--pd-role", type=_pd_roles, default="", metavar="ID=ROLE,...",
+                   help="--pd: roles (prefill or decode) of workers that register none (--static-workers, "
+                        "--discover-engines); an agent's `--role` is used otherwise")
+    p.add_argument("--pd-bootstrap-port", type=port_map, default="", metavar="PORT|ID=PORT,...",
+                   help="--pd sglang: the prefill workers' bootstrap port (--disaggregation-bootstrap-port), one for "
+                        "all and/or per worker id (default: SGLang's 8998)")
     p.add_argument("--forward-authorization", action="store_true",
                    help="pass the client's Authorization header on to the engine (default: dropped, it is the "
                         "router's API key)")
@@ -169,6 +189,16 @@ def _discovery_target(value: str) -> str:
 
 
 
+def _pd_roles(value: str) -> str:
+    from kvroute.data_plane.http.pd import parse_roles
+
+    try:
+        parse_roles(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value.strip()
+
+
 def _url_path(value: str) -> str:
     if not value.startswith("/") or any(c.isspace() for c in value):
         raise argparse.ArgumentTypeError(f"must be a URL path starting with / (no spaces), got {value!r}")
@@ -181,6 +211,9 @@ def validate(args: argparse.Namespace) -> None:
     Whether TLS files load is checked at start only (they live where the process runs)."""
     if args.kv_aware_param and args.policy != "kv_aware":
         raise ValueError("--kv-aware-param needs --policy kv_aware")
+    if (getattr(args, "pd_role", "") or getattr(args, "pd_bootstrap_port", "")) and not getattr(args, "pd", ""):
+        # the picker has no P/D mode, so none of these
+        raise ValueError("--pd-role and --pd-bootstrap-port need --pd vllm|sglang")
     http_tls = getattr(args, "http_tls", "")  # the picker has no HTTP API
     if http_tls and not args.tls_cert:
         raise ValueError("--http-tls needs --tls-cert and --tls-key")
@@ -203,6 +236,7 @@ async def serve(args: argparse.Namespace) -> int:
     from kvroute.data_plane.grpc.api import RouterGrpcService, add_router_service
     from kvroute.data_plane.grpc.app_reservations import AppReservations
     from kvroute.data_plane.http.api import RouterHttpApi
+    from kvroute.data_plane.http.pd import SGLANG_DEFAULT_BOOTSTRAP_PORT, PdRouting, parse_roles
     from kvroute.data_plane.http.proxy import BackendProxy
     from kvroute.data_plane.ops.stage_timing import StageSamples
     from kvroute.data_plane.ops.traffic_capture import TrafficCapture
@@ -230,8 +264,13 @@ async def serve(args: argparse.Namespace) -> int:
         capture = TrafficCapture(args.capture_trace, args.capture_sample_rate, metrics,
                                  block_tokens=args.capture_block_tokens)
         capture.start()
+    pd = None
+    if args.pd:
+        default_port, ports = parse_port_map(args.pd_bootstrap_port)
+        pd = PdRouting(args.pd, router, proxy, parse_roles(args.pd_role), ports,
+                       default_port or SGLANG_DEFAULT_BOOTSTRAP_PORT)
     http = RouterHttpApi(router, proxy, preparer, capture=capture, max_body_bytes=args.max_body_bytes,
-                         stages=StageSamples() if args.stage_timing else None, admission=admission)
+                         stages=StageSamples() if args.stage_timing else None, admission=admission, pd=pd)
     # handler_cancellation: a client that goes away cancels its handler, which closes the backend
     # connection, so the engine stops generating for nobody.
     runner = web.AppRunner(http.app(), access_log=None, handler_cancellation=True)
@@ -256,8 +295,9 @@ async def serve(args: argparse.Namespace) -> int:
             # grpc.health.v1 says what GET /ready says (data_plane/service/readiness.py)
             health_task = asyncio.create_task(grpc_server.follow(lambda: http.readiness().ready))
         service.start(engine_ssl)  # after the listeners: a port in use is the only line printed
-        log.info("router listening: %s://%s:%d grpc=%s policy=%s model=%s control-plane=%s%s%s; %s",
-                 "https" if http_ssl else "http", args.host, http_port, grpc_server.port if grpc_server else "off", args.policy, model,
+        log.info("router listening: %s://%s:%d grpc=%s policy=%s%s model=%s control-plane=%s%s%s; %s",
+                 "https" if http_ssl else "http", args.host, http_port, grpc_server.port if grpc_server else "off",
+                 args.policy, f" pd={args.pd}" if args.pd else "", model,
                  args.control_plane, "".join(f" {k}={v:g}" for k, v in kv_params.items()),
                  (f" tls={'mtls' if tls_files.mutual else 'tls'}" if tls_files.enabled else "")
                  + (f" api-keys={len(api_keys)}" if api_keys.enabled else ""),

@@ -30,7 +30,7 @@ log = logging.getLogger("kvroute.epp")
 ROUTER_ONLY_FLAGS = frozenset({"--port", "--grpc-port", "--reservation-ttl-ms", "--max-reservations", "--capture-trace",
                                "--capture-block-tokens", "--capture-sample-rate", "--stage-timing",
                                "--max-concurrent-requests", "--api-keys-file", "--forward-authorization",
-                               "--http-tls", "--engine-tls-ca"})
+                               "--http-tls", "--engine-tls-ca", "--pd", "--pd-role", "--pd-bootstrap-port"})
 
 class _WithoutFlags:
     """An argparse parser that ignores the flags named in `skip` (so the router's flag definitions

@@ -9,6 +9,7 @@ rotation over several control-plane replicas.
     p.add_argument("--engine-urls", type=http_urls)                  # URL[,URL...]
     p.add_argument("--kv-events", type=zmq_endpoint)                 # tcp://HOST:PORT, tcp://*:PORT, ipc://, inproc://
     p.add_argument("--static-workers", type=static_workers)          # ID=URL[,ID=URL...]
+    p.add_argument("--pd-bootstrap-port", type=port_map)             # PORT and/or ID=PORT[,...], port 1..65535
     p.add_argument("--redis", type=redis_url)                        # redis[s][+sentinel|+cluster]://...
 
 Each type returns the text as given (so `kvroute config show` prints what was written) or raises
@@ -255,6 +256,25 @@ def parse_static_workers(text: str) -> dict[str, str]:
 
 def static_workers(text: str) -> str:
     parse_static_workers(text)
+    return text.strip()
+
+
+def parse_port_map(text: str) -> tuple[int | None, dict[str, int]]:
+    """`PORT` and/or `ID=PORT,...` -> (the port for all or None, {id: port}); ArgumentTypeError otherwise."""
+    default, ports = None, {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.rpartition("=")
+        if not value.isdigit() or not 0 < int(value) < 65536 or (sep and not name.strip()):
+            raise _bad(f"expected PORT or ID=PORT (port 1..65535), got {item!r}")
+        if sep:
+            ports[name.strip()] = int(value)
+        else:
+            default = int(value)
+    return default, ports
+
+
+def port_map(text: str) -> str:
+    parse_port_map(text)
     return text.strip()
 
 

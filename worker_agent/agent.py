@@ -134,6 +134,7 @@ class AgentConfig:
     model: str | None = None          # default: asked from the engine's GET /v1/models
     block_size: int = 16
     engine: str = "vllm"
+    role: str = ""                    # "prefill", "decode", or "" for both (kvroute/roles.py)
     kv_events_transport: str | None = None  # None: "http" for trtllm (its pull path), "zmq" otherwise
     replay_endpoint: str | None = None
     kv_events_bind: bool = False
@@ -294,7 +295,8 @@ class WorkerAgent:
                                          interval_s=config.models_poll_interval_s)
         self.workers = [
             RankWorker(config, WorkerIdentity(base_id if rank is None else f"{base_id}-dp{rank}", config.model or "",
-                                              config.engine, config.block_size, endpoint, data_parallel_rank=rank),
+                                              config.engine, config.block_size, endpoint, data_parallel_rank=rank,
+                                              role=config.role),
                        lambda: self.load.latest)
             for rank in (ranks or [None])]
         self._by_rank = {w.rank: w for w in self.workers}

@@ -42,6 +42,15 @@ def _engine(value: str) -> str:
     return value
 
 
+def _role(value: str) -> str:
+    from kvroute.roles import parse_role
+
+    try:
+        return parse_role(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _transport(value: str) -> str:
     if value != "auto" and value not in TRANSPORTS:
         raise argparse.ArgumentTypeError(f"transport {value!r} is not one of {', '.join(TRANSPORTS)}, auto")
@@ -129,6 +138,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=_positive_int, default=16, metavar="N",
                    help="engine KV block size in tokens (SGLang: page size; TRT-LLM: tokens_per_block); if events "
                         "carry another, the agent re-registers with it")
+    p.add_argument("--role", type=_role, default="", metavar="{prefill,decode,both}",
+                   help="the engine's part under prefill/decode disaggregation, registered with the worker: "
+                        "prefill, decode, or both (default: serves whole requests); routers in P/D mode "
+                        "(kvroute router --pd) send each leg to a worker of its role")
     p.add_argument("--metrics-port", type=port_or_off, default=None,
                    help="serve the agent's /metrics, /health (liveness) and /ready (readiness) on this port "
                         "(0 = any free port; default off)")
@@ -144,6 +157,7 @@ def config_from_args(args: argparse.Namespace):
 
     return AgentConfig(control_plane=args.control_plane, kv_events=args.kv_events, engine_url=args.engine_url,
                        worker_id=args.worker_id, model=args.model, block_size=args.block_size, engine=args.engine,
+                       role=args.role,
                        kv_events_transport=None if args.kv_events_transport == "auto" else args.kv_events_transport,
                        replay_endpoint=args.replay_endpoint,
                        kv_events_bind=args.kv_events_bind, topic=args.topic,

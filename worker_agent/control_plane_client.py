@@ -73,13 +73,15 @@ class WorkerIdentity:
     endpoint: str
     engine_version: str = ""
     data_parallel_rank: int | None = None   # set for one rank of a data-parallel engine
+    role: str = ""                          # "prefill", "decode", or "" for both (RegisterWorker.role)
     lora_adapters: list[str] = field(default_factory=list)  # what the engine serves now (updated by the agent)
 
     def register_message(self, agent_instance: str = "", acked_seq: int = 0) -> pb.AgentMessage:
         return pb.AgentMessage(register=pb.RegisterWorker(
             worker_id=self.worker_id, model=self.model, engine=self.engine, block_size=self.block_size,
             endpoint=self.endpoint, engine_version=self.engine_version, lora_adapters=self.lora_adapters,
-            data_parallel_rank=self.data_parallel_rank, agent_instance=agent_instance, acked_seq=acked_seq))
+            data_parallel_rank=self.data_parallel_rank, agent_instance=agent_instance, acked_seq=acked_seq,
+            role=self.role))
 
 
 @dataclass(slots=True)

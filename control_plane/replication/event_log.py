@@ -20,6 +20,7 @@ import grpc
 from kvroute.fleet.apply import LogApplier
 from kvroute.fleet.entries import BlockOp, HeartbeatBody, RegisterBody
 from kvroute.fleet.registry import WorkerRecord
+from kvroute.roles import parse_role
 from kvroute.v1 import kvroute_pb2 as pb
 
 
@@ -48,7 +49,7 @@ class AgentSession:
 def register_body(req: pb.RegisterWorker, peer: str) -> RegisterBody:
     return RegisterBody(req.model, req.engine, req.block_size, req.endpoint, req.engine_version,
                         list(req.lora_adapters), req.data_parallel_rank if req.HasField("data_parallel_rank") else None,
-                        req.agent_instance, peer)
+                        req.agent_instance, peer, parse_role(req.role))
 
 
 def check_register(req: pb.RegisterWorker) -> None:
@@ -60,6 +61,10 @@ def check_register(req: pb.RegisterWorker) -> None:
                          f"block_size must be positive, got {req.block_size}")
     if not req.model:
         raise LogRefusal(grpc.StatusCode.INVALID_ARGUMENT, "bad_register", "model must not be empty")
+    try:
+        parse_role(req.role)
+    except ValueError as exc:
+        raise LogRefusal(grpc.StatusCode.INVALID_ARGUMENT, "bad_register", str(exc)) from None
     if (why := endpoint_problem(req.endpoint)) is not None:
         raise LogRefusal(grpc.StatusCode.INVALID_ARGUMENT, "bad_register",
                          f"endpoint must be the engine's http(s) base URL, got {req.endpoint!r}: {why}")

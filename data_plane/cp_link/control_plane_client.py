@@ -61,6 +61,7 @@ class KnownWorker:
     cached_blocks: int = 0
     lora_adapters: frozenset[str] = frozenset()
     data_parallel_rank: int | None = None
+    role: str = ""  # "prefill", "decode", or "" for both (kvroute/roles.py)
 
 
 class ControlPlaneClient:
@@ -358,7 +359,8 @@ class ControlPlaneClient:
             raise
         fleet = {w.worker_id: KnownWorker(w.worker_id, w.model, w.endpoint.rstrip("/"), w.block_size, w.load,
                                           w.cached_blocks, frozenset(w.lora_adapters),
-                                          w.data_parallel_rank if w.HasField("data_parallel_rank") else None)
+                                          w.data_parallel_rank if w.HasField("data_parallel_rank") else None,
+                                          w.role)
                  for w in response.workers}
         joined, left = fleet.keys() - self.fleet.keys(), self.fleet.keys() - fleet.keys()
         if joined or left:

@@ -141,7 +141,8 @@ class FleetView:
         if cached is None or cached[0] != registry.roster_version:
             count = state.index.worker_block_count
             known = [KnownWorker(r.worker_id, r.model, r.endpoint.rstrip("/"), r.block_size, r.load,  # type: ignore[arg-type]
-                                 count(r.slot, Tier.GPU), frozenset(r.lora_adapters), r.data_parallel_rank)
+                                 count(r.slot, Tier.GPU), frozenset(r.lora_adapters), r.data_parallel_rank,
+                                 r.role)
                      for r in registry.workers(model, lora_name)]
             cached = self._known[key] = (registry.roster_version, known)
             if known:

@@ -8,6 +8,8 @@
         Router.decide (service/routing.py): block keys per block size -> control-plane query -> policy
                 (session key for the session policy: `x-session-id` header, else the body's `user`)
         BackendProxy.forward (proxy.py): the original body to the chosen engine, streamed back
+        (P/D mode, `--pd`: a prefill worker by the policy, a decode worker by load, both legs
+        through pd.py)
     POST /v1/route      the decision alone, as JSON (same body as completions or chat);
                         ?explain=1 adds why: per candidate the policy's cost terms and the index's answer
     GET  /v1/models, /health (liveness), /ready (service/readiness.py), /metrics
@@ -35,6 +37,7 @@ from kvroute.bad_request import BadRequest
 from kvroute.data_plane.access.admission import Admission
 from kvroute.data_plane.api.body import RoutingFields, parse_routing_body
 from kvroute.data_plane.api.errors import error_response, openai_errors
+from kvroute.data_plane.http.pd import PdRouting
 from kvroute.data_plane.http.proxy import BackendProxy
 from kvroute.data_plane.ops.stage_timing import StageSamples
 from kvroute.data_plane.ops.traffic_capture import (
@@ -73,8 +76,10 @@ def _body_too_large(size: int, limit: int) -> BadRequest:
 class RouterHttpApi:
     def __init__(self, router: Router, proxy: BackendProxy, preparer: RequestPreparer,
                  capture: TrafficCapture | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 stages: StageSamples | None = None, admission: Admission | None = None) -> None:
+                 stages: StageSamples | None = None, admission: Admission | None = None,
+                 pd: PdRouting | None = None) -> None:
         self.router, self.proxy, self.preparer = router, proxy, preparer
+        self.pd = pd  # prefill/decode disaggregation (pd.py); None: whole requests to one worker
         self.admission = admission  # API keys and the concurrency limit (admission.py); None: everyone, unbounded
         self.stages = stages  # --stage-timing: per-stage samples at GET /debug/stages
         self._policy_reads_tokens = router.policy.needs.tokens
@@ -182,9 +187,16 @@ class RouterHttpApi:
             prepared = await self.preparer.prepare(parsed, tokenize=tokenize)
             if clock is not None:
                 clock.mark("prepare")
-            decision = await self.router.decide(self.model, prepared.token_ids, prepared.lora_name,
-                                                prepared.cache_salt, session_key=prepared.session_key, clock=clock,
-                                                explain=forward_to is None and _asks_to_explain(request))
+            explain = forward_to is None and _asks_to_explain(request)
+            decode = None
+            if self.pd is not None:
+                decision = await self.pd.decide_prefill(self.model, prepared.token_ids, prepared.lora_name,
+                                                        prepared.cache_salt, prepared.session_key, clock, explain)
+                decode = await self.pd.decide_decode(self.model, prepared.lora_name)
+            else:
+                decision = await self.router.decide(self.model, prepared.token_ids, prepared.lora_name,
+                                                    prepared.cache_salt, session_key=prepared.session_key,
+                                                    clock=clock, explain=explain)
         except BadRequest as exc:
             return error_response(str(exc), exc.status, exc.code, exc.param)
         except PrepareError as exc:
@@ -195,10 +207,22 @@ class RouterHttpApi:
         except RecursionError:  # msgspec, json and the checks that walk the body recurse: it nests too deeply
             return error_response("the request body nests arrays and objects too deeply", 400)
         if forward_to is None:
-            return web.json_response(decision.as_json())
+            answer = decision.as_json()
+            if decode is not None:  # P/D: the decision above is the prefill leg's
+                answer["pd"] = {"protocol": self.pd.protocol, "prefill_worker_id": decision.worker_id,
+                                "decode_worker_id": decode.worker_id,
+                                "decode_workers": [{"worker_id": c.worker_id, "inflight_requests": c.inflight_requests,
+                                                    "running_requests": c.running_requests,
+                                                    "waiting_requests": c.waiting_requests}
+                                                   for c in decode.candidates]}
+            return web.json_response(answer)
         tail = bytearray()  # the response's end: its usage (cached tokens as the engine reports them)
-        response = await self.proxy.forward(request, forward_to, raw, decision, prepared.prompt_tokens, tail, clock,
-                                            started)
+        if decode is not None:
+            response = await self.pd.forward(request, forward_to, raw, decision, decode, prepared.prompt_tokens,
+                                             tail, clock, started)
+        else:
+            response = await self.proxy.forward(request, forward_to, raw, decision, prepared.prompt_tokens, tail,
+                                                clock, started)
         if clock is not None:
             self.stages.record(clock)
         if response.status >= 400:  # the engine did no work worth counting or replaying
@@ -230,7 +254,8 @@ class RouterHttpApi:
                                   "control_plane": "reachable" if cp.reachable else "unreachable"})
 
     def readiness(self) -> Readiness:
-        return router_readiness(self.router.control_plane, self.model, self.router.health)
+        return router_readiness(self.router.control_plane, self.model, self.router.health,
+                                self.pd.role_of if self.pd is not None else None)
 
     async def handle_stages(self, request: web.Request) -> web.Response:
         """Per-stage samples in ms (`?reset=1`: and start over)."""

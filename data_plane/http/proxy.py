@@ -23,7 +23,14 @@
 - pins the request to a data-parallel rank with `X-data-parallel-rank` when the worker is one
   rank of a DP engine (vLLM and SGLang honour the header);
 - given a `tail` bytearray, leaves the last >= 16 KiB of the body in it (traffic capture reads
-  `usage` from there instead of parsing every chunk).
+  `usage` from there instead of parsing every chunk);
+- given `extra_headers`, adds them to the client's response; given a `gate`, awaits it once the
+  backend's first bytes are in, before any reaches the client (prefill/decode disaggregation:
+  the decode answer waits for its prefill leg; the gate raises `LegAborted` to give the attempt up).
+
+`BackendProxy.leg(request, path, body, candidate, decision, prompt_tokens)` is one exchange read
+whole with the same headers, health and in-flight bookkeeping (a P/D prefill leg): `LegAnswer`, or
+`LegFailed` when the engine is unreachable or answers 5xx (its worker is reported to `BackendHealth`).
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from __future__ import annotations
 import logging
 import ssl
 import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
@@ -71,6 +80,29 @@ class _Failed(Exception):
         self.upstream, self.body = upstream, body
 
 
+class LegFailed(Exception):
+    """A leg's engine could not be reached or answered 5xx (its worker was reported as failed)."""
+
+
+class LegAborted(Exception):
+    """Raised by a `gate`: give this attempt up before the client saw anything; `response`, when set,
+    is what the client gets instead (else the caller decides)."""
+
+    def __init__(self, reason: str, response: web.Response | None = None) -> None:
+        super().__init__(reason)
+        self.response = response
+
+
+@dataclass(slots=True)
+class LegAnswer:
+    """An engine's answer read whole (status < 500)."""
+    worker_id: str
+    status: int
+    reason: str
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
 class BackendProxy:
     def __init__(self, inflight: RouterInflight, health: BackendHealth, metrics: RouterMetrics, max_attempts: int = 0,
                  connect_timeout_s: float = 2.0, read_timeout_s: float = 1800.0, forward_authorization: bool = False,
@@ -95,7 +127,9 @@ class BackendProxy:
 
     async def forward(self, request: web.Request, path: str, body: bytes, decision: RouteDecision,
                       prompt_tokens: int, tail: bytearray | None = None,
-                      clock: StageClock | None = None, started: float | None = None) -> web.StreamResponse:
+                      clock: StageClock | None = None, started: float | None = None,
+                      extra_headers: Mapping[str, str] | None = None,
+                      gate: Callable[[], Awaitable[None]] | None = None) -> web.StreamResponse:
         """`started` (time.perf_counter() at the request's arrival) times the first byte of a streamed answer."""
         ranked = decision.ranked()
         attempts = ranked[: self.max_attempts] if self.max_attempts > 0 else ranked
@@ -104,7 +138,7 @@ class BackendProxy:
             last = i == len(attempts) - 1
             try:
                 return await self._attempt(request, path, body, decision, candidate, prompt_tokens, i, last, tail,
-                                           clock, started)
+                                           clock, started, extra_headers, gate)
             except _Failed as failed:
                 self.metrics.backend_errors.labels(candidate.worker_id).inc()
                 if self.health.failed(candidate.worker_id):
@@ -125,26 +159,73 @@ class BackendProxy:
         return error_response(f"no backend could serve the request: all {len(failures)} workers tried failed{checks} "
                               "(the router's log has the details)", 502, "backend_unavailable")
 
+    async def leg(self, request: web.Request, path: str, body: bytes, candidate: Candidate, decision: RouteDecision,
+                  prompt_tokens: int) -> LegAnswer:
+        """One exchange with `candidate`, read whole (module docstring); raises LegFailed."""
+        assert self._pool is not None, "BackendProxy.open() was not called"
+        worker = candidate.worker_id
+        ticket = self.inflight.start(worker, prompt_tokens - candidate.cached_tokens,
+                                     decision.chains.get(candidate.block_size, ()), candidate.block_size, prompt_tokens)
+        upstream = None
+        try:
+            with span(tracer, "kvroute.proxy", kind=trace.SpanKind.CLIENT) as proxy_span:
+                if proxy_span.is_recording():
+                    proxy_span.set_attribute("kvroute.worker_id", worker)
+                    proxy_span.set_attribute("url.full", candidate.endpoint + path)
+                try:
+                    upstream = await self._pool.post(candidate.endpoint + path, body, self._backend_headers(
+                        request, decision.dp_ranks.get(worker)))
+                    answer = await upstream.read()
+                except (aiohttp.ClientError, OSError, TimeoutError, BadEndpoint) as exc:
+                    proxy_span.record_exception(exc)
+                    self._leg_failed(worker)
+                    raise LegFailed(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
+                proxy_span.set_attribute("http.response.status_code", upstream.status)
+                if upstream.status >= 500:
+                    self._leg_failed(worker)
+                    raise LegFailed(f"HTTP {upstream.status}")
+                self._count(decision.policy, worker, prompt_tokens, candidate.cached_tokens)
+                return LegAnswer(worker, upstream.status, upstream.reason or "", list(upstream.headers), answer)
+        finally:
+            if upstream is not None:
+                upstream.release()
+            self.inflight.finish(ticket)
+
+    def _leg_failed(self, worker: str) -> None:
+        self.metrics.backend_errors.labels(worker).inc()
+        if self.health.failed(worker):
+            self.metrics.sit_outs.labels(worker).inc()
+
+    def engine_error(self, answer: LegAnswer) -> web.Response:
+        """A leg's error answer (status >= 400) as the client gets it: OpenAI's error object."""
+        rewritten = engine_error_body(answer.status, answer.body, answer.headers)
+        response = web.Response(status=answer.status, reason=answer.reason,
+                                body=answer.body if rewritten is None else rewritten)
+        for name, value in answer.headers:
+            if name.lower() not in _HOP_HEADERS:
+                response.headers.add(name, value)
+        response.headers[WORKER_HEADER] = answer.worker_id
+        if rewritten is not None:
+            response.headers["Content-Type"] = "application/json"
+        return response
+
     def _replay_error(self, failed: _Failed, candidate: Candidate) -> web.Response:
         assert failed.upstream is not None
         return self._engine_error(failed.upstream, failed.body, candidate.worker_id)
 
     def _engine_error(self, upstream: UpstreamResponse, body: bytes, worker_id: str) -> web.Response:
         """An engine's error, read whole: its status, its message in OpenAI's error object."""
-        rewritten = engine_error_body(upstream.status, body, upstream.headers)
-        response = web.Response(status=upstream.status, reason=upstream.reason,
-                                body=body if rewritten is None else rewritten)
-        self._copy_headers(upstream, response, worker_id)
-        if rewritten is not None:
-            response.headers["Content-Type"] = "application/json"
-        return response
+        return self.engine_error(LegAnswer(worker_id, upstream.status, upstream.reason, list(upstream.headers), body))
 
     @staticmethod
-    def _copy_headers(upstream: UpstreamResponse, response: web.StreamResponse, worker_id: str) -> None:
+    def _copy_headers(upstream: UpstreamResponse, response: web.StreamResponse, worker_id: str,
+                      extra: Mapping[str, str] | None = None) -> None:
         for name, value in upstream.headers:
             if name.lower() not in _HOP_HEADERS:
                 response.headers.add(name, value)
         response.headers[WORKER_HEADER] = worker_id
+        if extra:
+            response.headers.update(extra)
 
     def _backend_headers(self, request: web.Request, dp_rank: int | None) -> dict[str, str]:
         dropped = self._dropped
@@ -169,7 +250,8 @@ class BackendProxy:
     async def _attempt(self, request: web.Request, path: str, body: bytes, decision: RouteDecision,
                        candidate: Candidate, prompt_tokens: int, attempt: int, last: bool,
                        tail: bytearray | None = None, clock: StageClock | None = None,
-                       started: float | None = None) -> web.StreamResponse:
+                       started: float | None = None, extra_headers: Mapping[str, str] | None = None,
+                       gate: Callable[[], Awaitable[None]] | None = None) -> web.StreamResponse:
         assert self._pool is not None, "BackendProxy.open() was not called"
         worker = candidate.worker_id
         url = candidate.endpoint + path
@@ -197,6 +279,8 @@ class BackendProxy:
                 except (aiohttp.ClientError, OSError, TimeoutError, BadEndpoint) as exc:
                     proxy_span.record_exception(exc)
                     raise _Failed(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from exc
+                if gate is not None:  # LegAborted passes up to the caller: nothing was sent yet
+                    await gate()
                 if not whole:  # a whole answer ends here: its release (finally) settles the prefill too,
                     self.inflight.first_token(ticket)  # one message to the control plane instead of two
                 self._count(decision.policy, worker, prompt_tokens, candidate.cached_tokens)
@@ -204,16 +288,18 @@ class BackendProxy:
                     # Handed to aiohttp whole: one write with its Content-Length, no chunk loop.
                     if upstream.status >= 400:
                         response = self._engine_error(upstream, first, worker)
+                        if extra_headers:
+                            response.headers.update(extra_headers)
                     else:
                         response = web.Response(status=upstream.status, reason=upstream.reason, body=first)
-                        self._copy_headers(upstream, response, worker)
+                        self._copy_headers(upstream, response, worker, extra_headers)
                     if clock is not None:
                         clock.mark("first_byte")
                     if tail is not None:
                         tail += first[-TAIL_BYTES:]
                     return response
                 response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-                self._copy_headers(upstream, response, worker)
+                self._copy_headers(upstream, response, worker, extra_headers)
                 await response.prepare(request)
                 chunk = first
                 while chunk:

@@ -12,6 +12,7 @@ fails open (routes on load over the fleet it knows), which still serves requests
 sent nothing to an engine since a failure becomes ready again when the cooldown ends (2 s): a load
 balancer that took it out of rotation then sends it traffic again, which is how it finds out
 whether the engines are back; workers under active health checks come back when their checks pass.
+In P/D mode (`role_of` given) it also takes a healthy worker of each role, prefill and decode.
 
 `no_workers_reason` says why no worker is known, for /ready and for the 503 a request gets then.
 """
@@ -19,9 +20,11 @@ whether the engines are back; workers under active health checks come back when 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
-from kvroute.data_plane.cp_link.control_plane_client import ControlPlaneClient
+from kvroute.data_plane.cp_link.control_plane_client import ControlPlaneClient, KnownWorker
 from kvroute.data_plane.engines.backend_health import BackendHealth
+from kvroute.roles import DECODE, PREFILL
 from kvroute.status import Readiness
 
 
@@ -44,9 +47,10 @@ def no_workers_reason(cp: ControlPlaneClient, model: str, lora_name: str = "") -
            f"ever known{static}"
 
 
-def router_readiness(control_plane: ControlPlaneClient, model: str, health: BackendHealth) -> Readiness:
+def router_readiness(control_plane: ControlPlaneClient, model: str, health: BackendHealth,
+                     role_of: Callable[[KnownWorker], str] | None = None) -> Readiness:
     """`health`: the workers failing their health checks, and those the proxy saw fail, sitting out
-    their cooldown."""
+    their cooldown. `role_of`: P/D mode, each worker's role (a healthy one of each is needed)."""
     cooling_down, cooldown_s, down = health.cooling_down(), health.cooldown_s, health.down()
     workers = [w.worker_id for w in control_plane.workers_for(model)]
     source = control_plane.fleet_source(model)
@@ -92,6 +96,17 @@ def router_readiness(control_plane: ControlPlaneClient, model: str, health: Back
         if sitting_out:
             warnings.append(f"{len(sitting_out)} of {len(workers)} workers sitting out after failures "
                             f"({', '.join(sitting_out)})")
+    pools = {}
+    if role_of is not None and workers and healthy:
+        unhealthy = set(failing_checks) | set(sitting_out)
+        for role in (PREFILL, DECODE):
+            of_role = [w.worker_id for w in control_plane.workers_for(model) if role_of(w) == role]
+            pools[f"{role}_workers"] = len(of_role)
+            if not of_role:
+                fatal.append(f"P/D: no {role} worker of model {model!r} is known (agents register it with "
+                             f"`--role {role}`; engines without one: the router's --pd-role)")
+            elif all(w in unhealthy for w in of_role):
+                fatal.append(f"P/D: no {role} worker of model {model!r} is healthy ({', '.join(of_role)})")
     refreshed = cp.fleet_updated_at
     return Readiness(fatal, warnings, {
         "model": model, "workers": len(workers), "healthy_workers": healthy,
@@ -101,4 +116,5 @@ def router_readiness(control_plane: ControlPlaneClient, model: str, health: Back
                           "error": cp.last_error or None},
         "view": None if view is None else {
             "synced": view.synced, "position": view.position.seq if view.position is not None else None,
-            "silence_s": round(view.silence_s(), 3) if view.last_heard else None, "lag_s": round(view.lag_s, 6)}})
+            "silence_s": round(view.silence_s(), 3) if view.last_heard else None, "lag_s": round(view.lag_s, 6)}}
+        | ({"pd": pools} if pools else {}))

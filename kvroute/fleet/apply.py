@@ -62,7 +62,8 @@ class LogApplier:
         old = self.registry.get(worker_id)
         last_seq = old.last_seq if resume and old is not None else 0
         record = self.registry.register(worker_id, body.model, body.engine, body.block_size, body.endpoint,
-                                        body.engine_version, body.lora_adapters, body.data_parallel_rank, body.peer)
+                                        body.engine_version, body.lora_adapters, body.data_parallel_rank, body.peer,
+                                        body.role)
         record.agent_instance = body.instance
         record.last_seq = last_seq
         if self.listener is not None:
@@ -137,7 +138,7 @@ class LogApplier:
                 tiers.append(PackedOp(Op.STORED, tier, pack_keys(keys)))
         register = RegisterBody(record.model, record.engine, record.block_size, record.endpoint,
                                 record.engine_version, list(record.lora_adapters), record.data_parallel_rank,
-                                record.agent_instance, record.peer)
+                                record.agent_instance, record.peer, record.role)
         heartbeat = HeartbeatBody(load.running_requests, load.waiting_requests, load.kv_usage, load.observed_unix_ms,
                                   list(record.lora_adapters))
         return WorkerSnapshot(record.worker_id, epoch, record.last_seq, register, heartbeat, tiers)

@@ -128,7 +128,7 @@ def _fill_joined(joined: pb.WorkerJoined, record: WorkerRecord, resume: bool) ->
     joined.lora_adapters.extend(record.lora_adapters)
     if record.data_parallel_rank is not None:
         joined.data_parallel_rank = record.data_parallel_rank
-    joined.agent_instance, joined.resume = record.agent_instance, resume
+    joined.agent_instance, joined.resume, joined.role = record.agent_instance, resume, record.role
 
 
 def _fill_heartbeat(heartbeat: pb.WorkerHeartbeat, record: WorkerRecord) -> None:
@@ -219,7 +219,7 @@ def apply_change(state: FleetState, change: pb.FleetChange) -> None:
         body = RegisterBody(joined.model, joined.engine, joined.block_size, joined.endpoint, joined.engine_version,
                             list(joined.lora_adapters),
                             joined.data_parallel_rank if joined.HasField("data_parallel_rank") else None,
-                            joined.agent_instance, "")
+                            joined.agent_instance, "", joined.role)
         state.applier.register(joined.worker_id, body, joined.resume)
     elif kind == "left":
         state.applier.drop(change.left.worker_id, change.left.expired)

@@ -53,6 +53,7 @@ class RegisterBody(msgspec.Struct, array_like=True):
     data_parallel_rank: int | None
     instance: str
     peer: str
+    role: str = ""  # "prefill", "decode", or "" for both (RegisterWorker.role); last, so older entries decode
 
 
 class HeartbeatBody(msgspec.Struct, array_like=True):

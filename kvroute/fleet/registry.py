@@ -43,6 +43,7 @@ class WorkerRecord:
     engine_version: str = ""
     lora_adapters: tuple[str, ...] = ()      # adapters the engine serves now (requests name them as `model`)
     data_parallel_rank: int | None = None    # None: not one rank of a data-parallel engine
+    role: str = ""                           # "prefill", "decode", or "" for both (RegisterWorker.role)
     load: WorkerLoadState = field(default_factory=WorkerLoadState)
     last_seen: float = 0.0
     last_seq: int = 0
@@ -85,7 +86,7 @@ class WorkerRegistry:
 
     def register(self, worker_id: str, model: str, engine: str, block_size: int, endpoint: str,
                  engine_version: str = "", lora_adapters: Iterable[str] = (),
-                 data_parallel_rank: int | None = None, peer: str = "") -> WorkerRecord:
+                 data_parallel_rank: int | None = None, peer: str = "", role: str = "") -> WorkerRecord:
         """(Re)register a worker. Its blocks are kept until the agent's snapshot replaces them,
         so a reconnecting agent does not blank the worker for routers in between."""
         if not worker_id:
@@ -111,6 +112,7 @@ class WorkerRegistry:
         record.endpoint, record.engine_version = endpoint, engine_version
         record.lora_adapters = tuple(lora_adapters)
         record.data_parallel_rank = data_parallel_rank
+        record.role = role
         record.last_seen = self._clock()
         record.last_seq = 0
         record.generation = self._generations

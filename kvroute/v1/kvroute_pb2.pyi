@@ -60,7 +60,7 @@ class AgentMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[RegisterWorker, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
 
 class RegisterWorker(_message.Message):
-    __slots__ = ("worker_id", "model", "engine", "block_size", "endpoint", "engine_version", "lora_adapters", "data_parallel_rank", "agent_instance", "acked_seq")
+    __slots__ = ("worker_id", "model", "engine", "block_size", "endpoint", "engine_version", "lora_adapters", "data_parallel_rank", "agent_instance", "acked_seq", "role")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class RegisterWorker(_message.Message):
     DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
     AGENT_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     ACKED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     engine: str
@@ -81,7 +82,8 @@ class RegisterWorker(_message.Message):
     data_parallel_rank: int
     agent_instance: str
     acked_seq: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., block_size: _Optional[int] = ..., endpoint: _Optional[str] = ..., engine_version: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., data_parallel_rank: _Optional[int] = ..., agent_instance: _Optional[str] = ..., acked_seq: _Optional[int] = ...) -> None: ...
+    role: str
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., block_size: _Optional[int] = ..., endpoint: _Optional[str] = ..., engine_version: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., data_parallel_rank: _Optional[int] = ..., agent_instance: _Optional[str] = ..., acked_seq: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
 
 class EventBatch(_message.Message):
     __slots__ = ("seq", "snapshot", "events", "traceparent")
@@ -372,7 +374,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "model", "engine", "block_size", "endpoint", "load", "cached_blocks", "last_seq", "lora_adapters", "engine_version", "data_parallel_rank")
+    __slots__ = ("worker_id", "model", "engine", "block_size", "endpoint", "load", "cached_blocks", "last_seq", "lora_adapters", "engine_version", "data_parallel_rank", "role")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +386,7 @@ class WorkerInfo(_message.Message):
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
     DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     engine: str
@@ -395,7 +398,8 @@ class WorkerInfo(_message.Message):
     lora_adapters: _containers.RepeatedScalarFieldContainer[str]
     engine_version: str
     data_parallel_rank: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., block_size: _Optional[int] = ..., endpoint: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., cached_blocks: _Optional[int] = ..., last_seq: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., engine_version: _Optional[str] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
+    role: str
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., block_size: _Optional[int] = ..., endpoint: _Optional[str] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., cached_blocks: _Optional[int] = ..., last_seq: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., engine_version: _Optional[str] = ..., data_parallel_rank: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)
@@ -454,7 +458,7 @@ class FleetChange(_message.Message):
     def __init__(self, applied_unix_us: _Optional[int] = ..., joined: _Optional[_Union[WorkerJoined, _Mapping]] = ..., blocks: _Optional[_Union[WorkerBlocks, _Mapping]] = ..., heartbeat: _Optional[_Union[WorkerHeartbeat, _Mapping]] = ..., left: _Optional[_Union[WorkerLeft, _Mapping]] = ..., router: _Optional[_Union[RouterChange, _Mapping]] = ...) -> None: ...
 
 class WorkerJoined(_message.Message):
-    __slots__ = ("worker_id", "model", "engine", "block_size", "endpoint", "engine_version", "lora_adapters", "data_parallel_rank", "agent_instance", "resume")
+    __slots__ = ("worker_id", "model", "engine", "block_size", "endpoint", "engine_version", "lora_adapters", "data_parallel_rank", "agent_instance", "resume", "role")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
@@ -465,6 +469,7 @@ class WorkerJoined(_message.Message):
     DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
     AGENT_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     engine: str
@@ -475,7 +480,8 @@ class WorkerJoined(_message.Message):
     data_parallel_rank: int
     agent_instance: str
     resume: bool
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., block_size: _Optional[int] = ..., endpoint: _Optional[str] = ..., engine_version: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., data_parallel_rank: _Optional[int] = ..., agent_instance: _Optional[str] = ..., resume: _Optional[bool] = ...) -> None: ...
+    role: str
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., block_size: _Optional[int] = ..., endpoint: _Optional[str] = ..., engine_version: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., data_parallel_rank: _Optional[int] = ..., agent_instance: _Optional[str] = ..., resume: _Optional[bool] = ..., role: _Optional[str] = ...) -> None: ...
 
 class PackedBlockOp(_message.Message):
     __slots__ = ("kind", "tier", "keys")

@@ -27,6 +27,7 @@ def keys_on(server: ControlPlaneServer, worker_id: str = "w1") -> set[int] | Non
 async def test_an_agent_on_one_replica_is_in_every_replicas_index(redis_any) -> None:
     a, b = await start_replica(redis_any, "a"), await start_replica(redis_any, "b")
     agent = Agent(f"127.0.0.1:{a.port}")
+    agent.link.identity.role = "prefill"  # registered before its stream opens: replicated with the rest
     try:
         agent.apply(BlockStored([1, 2, 3], None, TOKENS[:12], 4))
         await eventually(lambda: agent.link.acked_seq >= 1)
@@ -41,6 +42,7 @@ async def test_an_agent_on_one_replica_is_in_every_replicas_index(redis_any) -> 
             stub = pb_grpc.ControlPlaneStub(channel)
             (worker,) = (await stub.ListWorkers(pb.ListWorkersRequest())).workers
             assert (worker.worker_id, worker.cached_blocks, worker.endpoint) == ("w1", len(truth), "http://w1")
+            assert worker.role == "prefill" and b.registry.get("w1").role == "prefill"
     finally:
         await agent.close()
         await a.stop(0)

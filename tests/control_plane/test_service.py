@@ -255,6 +255,20 @@ async def test_data_parallel_rank_and_engine_version_are_exposed(control_plane) 
     assert answer["dp-1"].data_parallel_rank == 1 and not answer["plain"].HasField("data_parallel_rank")
 
 
+async def test_roles_are_exposed_and_an_unknown_role_is_refused(control_plane) -> None:
+    _, stub = control_plane
+    prefill, decode, whole, both = AgentStream(stub), AgentStream(stub), AgentStream(stub), AgentStream(stub)
+    await prefill.register("p", role="prefill")
+    await decode.register("d", role="decode")
+    await whole.register("w")
+    await both.register("b", role="both")  # the command line's spelling of "": whole requests
+    listed = {w.worker_id: w.role for w in (await stub.ListWorkers(pb.ListWorkersRequest())).workers}
+    assert listed == {"p": "prefill", "d": "decode", "w": "", "b": ""}
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await AgentStream(stub).register("x", role="mixer")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "role must be one of" in err.value.details()
+
+
 @pytest.mark.parametrize("chains,message", [
     ([pb.KeyChain(block_size=0, block_keys=[1])], "block_size"),
     ([pb.KeyChain(block_size=4, block_keys=[1]), pb.KeyChain(block_size=4, block_keys=[2])], "one KeyChain per block size"),

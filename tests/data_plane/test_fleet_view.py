@@ -33,7 +33,7 @@ def digest(state: FleetState) -> dict:
     inflight = state.inflight
     for r in state.registry.workers():
         load = r.load
-        out[r.worker_id] = (r.model, r.block_size, r.endpoint, r.lora_adapters, r.data_parallel_rank,
+        out[r.worker_id] = (r.model, r.block_size, r.endpoint, r.lora_adapters, r.data_parallel_rank, r.role,
                             (load.running_requests, load.waiting_requests, round(load.kv_usage, 6)),
                             tuple(tuple(sorted(state.index.worker_keys(r.slot, tier))) for tier in TIERS),
                             inflight.reserved_by_others(r.slot, None))
@@ -87,7 +87,8 @@ async def test_the_view_equals_the_control_plane_after_every_change(control_plan
     agents: dict[str, tuple[AgentStream, int]] = {}
     for i in range(3):
         agent = AgentStream(stub)
-        await agent.register(f"w{i}", block_size=BS, lora_adapters=["ad"] if i == 0 else [])
+        await agent.register(f"w{i}", block_size=BS, lora_adapters=["ad"] if i == 0 else [],
+                             role=("prefill", "decode", "")[i])
         agents[f"w{i}"] = (agent, 0)
     client, view = await following(f"127.0.0.1:{port}")
     routers = [RouterStream(stub, "r1"), RouterStream(stub, "r2")]

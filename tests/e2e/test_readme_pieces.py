@@ -39,11 +39,16 @@ class BlockRun:
     pgid: int   # the block's process group: every process it started
 
 
-def run_block(tmp_path: Path, block: str) -> BlockRun:
+def kill_line(jobs: int) -> str:
+    return "kill " + " ".join(f"%{job}" for job in range(1, jobs + 1))
+
+
+def run_block(tmp_path: Path, block: str, jobs: int = 4) -> BlockRun:
     """`block` run by bash in `tmp_path` as a user pasting it would, under `set -e`, then the README's
-    `kill %1 %2 %3 %4` and a wait; the processes left (if any) are the caller's to check and end."""
+    kill line (`kill %1 %2 %3 %4` for four background jobs) and a wait; the processes left (if any)
+    are the caller's to check and end."""
     script = tmp_path / "block.sh"
-    script.write_text("set -e\n" + block + "kill %1 %2 %3 %4\nwait\n")
+    script.write_text("set -e\n" + block + kill_line(jobs) + "\nwait\n")
     env = readme_env()
     proc = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -65,7 +70,7 @@ def stopped_by_the_kill_line(run: BlockRun) -> Iterator[None]:
         deadline = time.monotonic() + 10
         while process_group_alive(run.pgid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not process_group_alive(run.pgid), f"processes outlived `kill %1 %2 %3 %4`:\n{run.logs}"
+        assert not process_group_alive(run.pgid), f"processes outlived the README's kill line:\n{run.logs}"
     finally:
         if process_group_alive(run.pgid):
             os.killpg(run.pgid, signal.SIGKILL)
@@ -191,3 +196,28 @@ def test_dns_discovery_works_as_written(tmp_path: Path) -> None:
         assert len(workers) == 4, f"{out}\n{logs}"
         assert set(workers) == {f"127.0.0.1:{ports[8001]}", f"127.0.0.1:{ports[8002]}"}, f"{out}\n{logs}"
         assert "_http._tcp.engines.kvroute.test: 2 engines" in (tmp_path / "router.log").read_text(), logs
+
+
+PD_PORTS = (50061, 8100, 8200, 5567, 5568, 5577, 5578, 8090)
+
+
+@pytest.mark.timeout(180)
+def test_the_pd_fleet_block_works_as_written(tmp_path: Path) -> None:
+    block, ports = with_free_ports(readme_sh_blocks("### Prefill/decode disaggregation")[0], PD_PORTS)
+    prose = (REPO / "README.md").read_text()
+    assert f"`{kill_line(6)}` stops the six processes" in prose
+    run = run_block(tmp_path, block, jobs=6)
+    with stopped_by_the_kill_line(run):
+        assert run.returncode == 0, f"exit {run.returncode} (ports {ports})\nstdout:\n{run.out}\nstderr:\n{run.err}\n" \
+                                    f"{run.logs}"
+        lines = run.out.splitlines()
+        completion = json.loads(lines[1])
+        assert completion["object"] == "chat.completion" and completion["usage"]["completion_tokens"] == 8, run.out
+        headers = {name.strip().lower(): value.strip() for name, value in
+                   (line.split(":", 1) for line in lines[2:] if ":" in line)}
+        for name, value in (("x-kvroute-prefill-worker", "prefill-0"), ("x-kvroute-worker", "decode-0")):
+            assert f"`{name}: {value}`" in prose and headers.get(name) == value, (name, run.out)
+        # The decode engine got the prefill engine's transfer parameters: its KV came from there.
+        answered = (tmp_path / "headers.txt").read_text().strip().split("\r\n\r\n")[-1]  # after any retried 503s
+        transfer = [line for line in answered.splitlines() if line.lower().startswith("x-sim-kv-transfer:")]
+        assert transfer and f"from=sim-127.0.0.1:{ports[8100]};" in transfer[0], answered

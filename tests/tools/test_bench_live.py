@@ -118,3 +118,28 @@ def test_bad_kv_aware_weights_fail_before_any_process_starts() -> None:
                          check=False, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "load_bound must be 0 (off) or >= 1.0" in out.stderr
     assert "starting" not in out.stderr
+
+
+def test_pd_fleet_kv_aware_prefill_choice_beats_round_robin(tmp_path: Path) -> None:
+    """--pd: the same workload through a P/D fleet, the prefill worker chosen by each policy."""
+    requests = 80
+    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "bench", "live", "--pd", "vllm", "--engines", "2",
+                          "--decode-engines", "1", "--requests", str(requests), "--workdir", str(tmp_path), "--json"],
+                         check=False, capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["fleet"]["pd"] == "vllm" and set(result["policies"]) == {"kv_aware", "round_robin"}
+    kv, rr = (result["policies"][p]["live"] for p in ("kv_aware", "round_robin"))
+    for run in (kv, rr):
+        assert run["requests"] == requests and run["errors"] == 0, run
+        assert run["per_worker"] == {"decode-0": requests}, run  # every answer from the decode pool
+        assert set(run["per_prefill_worker"]) == {"prefill-0", "prefill-1"}, run
+    assert kv["hit_rate"] > rr["hit_rate"] + 0.15, result  # the prefix stays on its prefill worker
+    assert "pd=vllm" in (tmp_path / "router-pd-kv_aware.log").read_text()
+
+
+def test_pd_refuses_an_existing_fleet_before_any_process_starts() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "bench", "live", "--pd", "vllm", "--router-url",
+                          "http://127.0.0.1:1"], check=False, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "--pd starts its own P/D fleet" in out.stderr
+    assert "starting" not in out.stderr

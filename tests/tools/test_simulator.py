@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from kvroute.tools.sim_engine.scheduler import SimRequest
 from kvroute.tools.simulator.fleet import FleetConfig, oracle_hit_rate, simulate_policy
@@ -253,3 +256,45 @@ def test_routers_that_see_each_other_at_once_decide_exactly_as_one_router() -> N
     assert four.requests == one.requests and four.hit_tokens == one.hit_tokens
     stale = simulate_policy("kv_aware", workload, FleetConfig(**config, routers=4, view_delay_s=0.05), detail=True)
     assert stale.requests != one.requests
+
+
+def pd_workload(requests: int = 300, rate: float = 10.0) -> list:
+    return generate(GeneratedWorkload("shared-prefix", requests=requests, rate_rps=rate, groups=8,
+                                      system_prompt_tokens=2048, output_tokens=32, seed=0))
+
+
+def test_pd_pools_route_prefill_by_policy_and_hand_the_kv_to_decode() -> None:
+    workload = pd_workload()
+    # 8 prefixes x 128 blocks: one prefill worker's 640 blocks hold half of them, the pool of two all.
+    colocated = FleetConfig(workers=4, num_blocks=640, block_size=16)
+    pd = dataclasses.replace(colocated, prefill_workers=2)
+    kv, rr = simulate_policy("kv_aware", workload, pd), simulate_policy("round_robin", workload, pd)
+    for run in (kv, rr):
+        assert len(run.ttft_s) == len(run.e2e_s) == len(workload) and run.rejected == 0
+        assert run.busy_s[2] > 0 and run.busy_s[3] > 0  # the decode pool generated
+    assert kv.hit_rate > rr.hit_rate + 0.2  # round-robin makes each prefill worker hold every prefix
+    # A decode leg waits for its prefill and the transfer: TTFT grows with the time per block.
+    slow = simulate_policy("kv_aware", workload, dataclasses.replace(pd, transfer_s_per_block=0.01))
+    prompt_blocks = len(workload[0].tokens) // 16
+    assert sorted(slow.ttft_s)[len(slow.ttft_s) // 2] > sorted(kv.ttft_s)[len(kv.ttft_s) // 2] + \
+        0.8 * prompt_blocks * 0.01
+    for bad in (dataclasses.replace(colocated, prefill_workers=4), dataclasses.replace(colocated, prefill_workers=5)):
+        with pytest.raises(ValueError, match="prefill_workers"):
+            simulate_policy("kv_aware", workload[:5], bad)
+    with pytest.raises(ValueError, match="ttft_oracle"):
+        simulate_policy("ttft_oracle", workload[:5], pd)
+
+
+def test_simulate_compares_pd_pools_with_colocated_at_the_same_worker_count() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "simulate", "--workload", "shared-prefix",
+                          "--requests", "200", "--workers", "4", "--num-blocks", "640", "--policies",
+                          "kv_aware,round_robin,ttft_oracle", "--prefill-workers", "2", "--json"],
+                         check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    policies = json.loads(out.stdout.strip().splitlines()[-1])["policies"]
+    assert set(policies) == {"kv_aware", "round_robin", "ttft_oracle", "kv_aware P/D 2+2", "round_robin P/D 2+2"}
+    assert policies["kv_aware P/D 2+2"]["hit_rate"] > policies["round_robin P/D 2+2"]["hit_rate"]
+    refused = subprocess.run([sys.executable, "-m", "kvroute.cli", "simulate", "--workload", "shared-prefix",
+                              "--workers", "4", "--prefill-workers", "4"], check=False, capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode == 2 and "leaves no decode worker" in refused.stderr

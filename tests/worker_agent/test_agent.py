@@ -460,6 +460,16 @@ def test_cli_defaults_and_config() -> None:
     assert worker.identity.worker_id == "10.0.0.7:8000" and worker.identity.data_parallel_rank is None
 
 
+def test_cli_role_is_registered_with_every_rank() -> None:
+    assert cli.config_from_args(parse()).role == ""
+    config = cli.config_from_args(parse("--role", "Decode", "--data-parallel-size", "2"))
+    assert config.role == "decode"
+    assert [w.identity.register_message().register.role for w in WorkerAgent(config).workers] == ["decode", "decode"]
+    assert cli.config_from_args(parse("--role", "both")).role == ""  # whole requests: registered as ""
+    with pytest.raises(SystemExit):
+        parse("--role", "mixer")
+
+
 def test_cli_engines_transports_and_data_parallel_ranks() -> None:
     config = cli.config_from_args(parse("--engine", "trtllm", "--engine-url", "http://10.0.0.9:8000",
                                         "--kv-events-poll-interval-ms", "20"))

@@ -211,6 +211,11 @@ def add_live_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epp", action="store_true",
                    help="also run each policy through `kvroute epp` (the endpoint picker; needs kvroute[epp]): the "
                         "client asks it over ext_proc as Envoy does and sends each request to the engine it picked")
+    p.add_argument("--pd", default="", choices=("vllm", "sglang"),
+                   help="a prefill/decode fleet instead: --engines prefill and --decode-engines decode sim engines "
+                        "with that protocol, one `--pd` router per policy choosing the prefill worker; hit rate from "
+                        "the prefill engines, no simulated column")
+    p.add_argument("--decode-engines", type=int, default=2, help="--pd: decode sim engines")
     p.add_argument("--concurrency", type=int, default=0,
                    help="closed loop with this many requests in flight (0: open loop at the arrival times)")
     p.add_argument("--json", action="store_true", help="print only the JSON result")

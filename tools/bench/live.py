@@ -81,6 +81,7 @@ class LiveRun:
     ttft_s: list[float] = field(default_factory=list)   # wall seconds, client side
     e2e_s: list[float] = field(default_factory=list)
     per_worker: dict[str, int] = field(default_factory=dict)
+    per_prefill_worker: dict[str, int] = field(default_factory=dict)  # P/D fleets: x-kvroute-prefill-worker
     hits: float = 0.0
     queries: float = 0.0
     wall_s: float = 0.0
@@ -100,7 +101,9 @@ class LiveRun:
                 "hit_rate": None if self.hit_rate is None else round(self.hit_rate, 4),
                 "ttft_p50_ms": ms(self.ttft_s, 50), "ttft_p99_ms": ms(self.ttft_s, 99),
                 "e2e_p50_ms": ms(self.e2e_s, 50), "e2e_p99_ms": ms(self.e2e_s, 99),
-                "wall_s": round(self.wall_s, 2), "per_worker": dict(sorted(self.per_worker.items()))}
+                "wall_s": round(self.wall_s, 2), "per_worker": dict(sorted(self.per_worker.items()))} | (
+                    {"per_prefill_worker": dict(sorted(self.per_prefill_worker.items()))} if self.per_prefill_worker
+                    else {})
 
 
 def _chunk_has_text(line: bytes) -> bool:
@@ -126,6 +129,7 @@ async def send_one(session: aiohttp.ClientSession, url: str, body: bytes, run: L
             if on_response is not None:
                 await on_response()
             worker = resp.headers.get("x-kvroute-worker", worker_hint)
+            prefill = resp.headers.get("x-kvroute-prefill-worker")
             async for raw in resp.content:
                 line = raw.strip()
                 if first_at is None and line.startswith(b"data:") and line != b"data: [DONE]" and _chunk_has_text(line):
@@ -142,6 +146,8 @@ async def send_one(session: aiohttp.ClientSession, url: str, body: bytes, run: L
     run.ttft_s.append(first_at - started)
     run.e2e_s.append(finished - started)
     run.per_worker[worker] = run.per_worker.get(worker, 0) + 1
+    if prefill is not None:
+        run.per_prefill_worker[prefill] = run.per_prefill_worker.get(prefill, 0) + 1
 
 
 Sender = Callable[[aiohttp.ClientSession, str, bytes, LiveRun, str], Awaitable[None]]
@@ -354,7 +360,7 @@ def routers_of(name: str) -> int:
 
 
 def router_counts(args: argparse.Namespace) -> list[int]:
-    return [int(n) for n in _split(args.routers)]
+    return [int(n) for n in split_csv(args.routers)]
 
 
 def router_name(policy: str, i: int) -> str:
@@ -420,34 +426,40 @@ def print_table(policies: dict[str, dict], ordering: dict[str, bool], file: Text
 # ---------------------------------------------------------------------------- entry
 
 
-def _split(csv: str) -> list[str]:
+def split_csv(csv: str) -> list[str]:
     return [s.strip().rstrip("/") for s in csv.split(",") if s.strip()]
 
 
-def run_local(args: argparse.Namespace, workload: list[SimWorkloadRequest], log: Callable[..., None]) -> dict[str, LiveRun]:
-    """Start control plane, engines with agents and one router per policy; run every policy."""
-    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvroute-bench-live-"))
+def local_cluster(args: argparse.Namespace, workload: list[SimWorkloadRequest],
+                  prefix: str) -> tuple[LocalCluster, list[bytes], list[list[int]]]:
+    """A local cluster (nothing started yet) in --workdir or a temp dir, with the workload's request
+    bodies and readiness probes in the tiny model's vocabulary."""
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix=prefix))
     workdir.mkdir(parents=True, exist_ok=True)
     tokenizer_dir = build_model_dir(workdir / "tiny-llama")
     vocab_size = int(json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"])
     cluster = LocalCluster(workdir=workdir, tokenizer_dir=tokenizer_dir, block_size=args.block_size)
-    bodies = request_bodies(workload, cluster.model, vocab_size)
-    probes = _probe_prompts(workload, vocab_size)
+    return cluster, request_bodies(workload, cluster.model, vocab_size), probe_prompts(workload, vocab_size)
+
+
+def run_local(args: argparse.Namespace, workload: list[SimWorkloadRequest], log: Callable[..., None]) -> dict[str, LiveRun]:
+    """Start control plane, engines with agents and one router per policy; run every policy."""
+    cluster, bodies, probes = local_cluster(args, workload, "kvroute-bench-live-")
     log(f"starting {args.engines} sim engines x {args.num_blocks} blocks of {args.block_size}, speedup "
-        f"{args.speedup}; logs in {workdir}")
+        f"{args.speedup}; logs in {cluster.workdir}")
     runs: dict[str, LiveRun] = {}
     try:
         cluster.start_sim_fleet(args.engines, *sim_engine_args(args))
         weights = [a for item in args.kv_aware_param for a in ("--kv-aware-param", item)]
         epps = {}
         counts = router_counts(args)
-        for policy in _split(args.policies):
+        for policy in split_csv(args.policies):
             for i in range(max(counts)):
                 cluster.start_router(router_name(policy, i), policy, *(weights if policy == "kv_aware" else ()))
             if args.epp:
                 epps[policy] = cluster.start_epp(policy, policy, *(weights if policy == "kv_aware" else ()))
         engine_urls = [e.url for e in cluster.engines]
-        for policy in _split(args.policies):
+        for policy in split_csv(args.policies):
             for n in counts:
                 name = run_name(policy, n, counts)
                 log(f"live: {name} ...")
@@ -480,7 +492,7 @@ def run_local(args: argparse.Namespace, workload: list[SimWorkloadRequest], log:
 def run_remote(args: argparse.Namespace, workload: list[SimWorkloadRequest],
                log: Callable[..., None]) -> tuple[dict[str, LiveRun], int]:
     """Bench an already running router (its own policy) and/or its engines directly."""
-    engine_urls = _split(args.engine_urls)
+    engine_urls = split_csv(args.engine_urls)
     if not engine_urls:
         log("no --engine-urls: engine caches are not reset between runs and there is no live hit rate")
     bodies = request_bodies(workload, args.model, args.vocab_size)
@@ -493,7 +505,7 @@ def run_remote(args: argparse.Namespace, workload: list[SimWorkloadRequest],
             raise SystemExit(f"kvroute bench live: {url}/health answered {status}")
         health = json.loads(raw)
         policy, engines = health["policy"], engines or int(health["workers"])
-        probes = _probe_prompts(workload, args.vocab_size) if engine_urls else []
+        probes = probe_prompts(workload, args.vocab_size) if engine_urls else []
         log(f"live: {policy} via {url} ...")
         runs[policy] = run_live(policy, url, engine_urls, bodies, workload, args,
                                 partial(wait_router_ready, url, args.model, engines, probes))
@@ -515,7 +527,7 @@ def grpc_serving(address: str, service: str) -> bool:
     return answer.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _probe_prompts(workload: list[SimWorkloadRequest], vocab_size: int, n: int = 8) -> list[list[int]]:
+def probe_prompts(workload: list[SimWorkloadRequest], vocab_size: int, n: int = 8) -> list[list[int]]:
     return [map_token_ids(r.tokens, vocab_size) for r in workload[:n]]
 
 
@@ -526,6 +538,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--requests, --engines, --num-blocks and --block-size must be >= 1")
     if args.speedup <= 0 or args.rate <= 0 or args.concurrency < 0:
         raise ValueError("--speedup and --rate must be > 0, --concurrency >= 0")
+    if args.pd and (args.router_url or args.engine_urls or args.epp or args.direct or args.routers != "1"):
+        raise ValueError("--pd starts its own P/D fleet: no --router-url, --engine-urls, --epp, --direct or --routers")
+    if args.pd and args.decode_engines < 1:
+        raise ValueError("--decode-engines must be >= 1")
     if args.epp and (args.router_url or args.engine_urls):
         raise ValueError("--epp starts its endpoint pickers on a local fleet (no --router-url "
                          "/ --engine-urls)")
@@ -533,7 +549,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--direct needs --engine-urls")
     if not args.router_url and args.engine_urls and not args.direct:
         raise ValueError("--engine-urls without --router-url needs --direct")
-    if not args.router_url and not args.engine_urls and not _split(args.policies) and not args.direct:
+    if not args.router_url and not args.engine_urls and not split_csv(args.policies) and not args.direct:
         raise ValueError("no policy to run")
     try:
         counts = router_counts(args)
@@ -546,6 +562,10 @@ def check_args(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
+    if args.pd:
+        from kvroute.tools.bench.pd import run as run_pd
+
+        return run_pd(args)
     workload = generated_workload(args)
     if args.router_url or args.engine_urls:
         runs, engines = run_remote(args, workload, log)

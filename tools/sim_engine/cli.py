@@ -15,11 +15,13 @@ from kvroute.listeners import run_service
 from kvroute.process import (
     add_log_level_argument,
     add_port_file_argument,
+    non_negative,
     positive,
     process_setup,
     wait_for_stop_signal,
     write_port_file,
 )
+from kvroute.tools.sim_engine.pd import DEFAULT_TRANSFER_MS_PER_BLOCK
 
 log = logging.getLogger("kvroute.sim_engine")
 
@@ -70,6 +72,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cost model: fixed time per scheduler step")
     p.add_argument("--cpu-load-tokens-per-s", type=float, default=d.cpu_load_tokens_per_s,
                    help="cost model: rate of loading cached tokens back from the CPU tier")
+    p.add_argument("--role", choices=("prefill", "decode", "both"), default=None,
+                   help="prefill/decode disaggregation: the part this engine plays (default: none, whole requests; "
+                        "`both` takes P/D fields but keeps serving whole requests)")
+    p.add_argument("--pd-protocol", choices=("vllm", "sglang"), default=None,
+                   help="P/D fields it reads: vllm (kv_transfer_params) or sglang (bootstrap host/port/room); "
+                        "default with --role: the dialect's engine")
+    p.add_argument("--pd-transfer-ms-per-block", type=non_negative(float), default=DEFAULT_TRANSFER_MS_PER_BLOCK, metavar="MS",
+                   help="cost model: time a decode leg waits per transferred KV block")
     p.add_argument("--default-max-tokens", type=int, default=16, help="output length when a request sets no max_tokens")
     p.add_argument("--hash-seed", default=None,
                    help="fixed seed for engine block hashes (default: random per process, like vLLM without PYTHONHASHSEED)")
@@ -131,12 +141,14 @@ async def serve(args: argparse.Namespace) -> int:
         print(f"kvroute sim-engine: {exc}", file=sys.stderr)
         return 2
     try:
-        runner, port = await start_server(engine, args.host, args.port)
+        runner, port = await start_server(engine, args.host, args.port, args.role, args.pd_protocol,
+                                          args.pd_transfer_ms_per_block)
     except ListenError:
         await engine.stop()
         raise
-    log.info("sim engine ready on http://%s:%d (%s, model %s, %d blocks of %d tokens, %s)", args.host, port,
-             engine.dialect.name, args.model, args.num_blocks, engine.config.block_size, _events_summary(engine))
+    log.info("sim engine ready on http://%s:%d (%s, model %s, %d blocks of %d tokens, %s%s)", args.host, port,
+             engine.dialect.name, args.model, args.num_blocks, engine.config.block_size, _events_summary(engine),
+             f", P/D role {args.role or 'both'}" if args.role or args.pd_protocol else "")
     write_port_file(args.port_file, {"http": port, **_event_ports(engine)})
     await wait_for_stop_signal()
     log.info("sim engine shutting down")

@@ -221,11 +221,13 @@ class SimEngine:
             return BASE_NAMESPACE
         return CacheNamespace(lora_name, lora_id, salt or None)
 
-    def submit(self, prompt: list[int], max_tokens: int,
-               namespace: CacheNamespace = BASE_NAMESPACE) -> tuple[SimRequest, asyncio.Queue]:
-        """Queue a request; its queue yields output token ids, then None when it is done."""
+    def submit(self, prompt: list[int], max_tokens: int, namespace: CacheNamespace = BASE_NAMESPACE,
+               remote_prefilled: bool = False) -> tuple[SimRequest, asyncio.Queue]:
+        """Queue a request; its queue yields output token ids, then None when it is done.
+        `remote_prefilled`: a P/D decode leg whose prompt KV was transferred (none of it is computed)."""
         self.validate(prompt, max_tokens)
-        req = SimRequest(f"req-{next(self._ids)}", list(prompt), max_tokens, namespace=namespace)
+        req = SimRequest(f"req-{next(self._ids)}", list(prompt), max_tokens, namespace=namespace,
+                         remote_prefilled=remote_prefilled)
         self.scheduler.add(req)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[req.request_id] = queue

@@ -54,6 +54,7 @@ class SimRequest:
     output: array = field(default_factory=lambda: array("I"))
     hashed_tokens: int = 0       # tokens covered by cached full blocks so far
     namespace: CacheNamespace = BASE_NAMESPACE  # LoRA adapter and cache salt: which blocks it may share
+    remote_prefilled: bool = False  # P/D decode leg: the prompt's KV came from a prefill worker, none is computed
 
     @property
     def prefill_done(self) -> bool:
@@ -178,6 +179,8 @@ class Scheduler:
             self.waiting.popleft()
             req.alloc = alloc
             req.computed = req.hashed_tokens = alloc.hit_tokens
+            if req.remote_prefilled:  # its KV arrived: the blocks are stored (and announced), not computed
+                req.computed = len(req.prompt)
             self.running.append(req)
             admitted.append(req)
             prefill(req)

@@ -25,6 +25,7 @@ GET  /kvroute/blocks       the engine's true cached block set as kvroute block k
                             "used_blocks"}; keys are decimal integers in ascending order, computed
                            once when each block was cached (model = the served model, LoRA name
                            and cache salt = the request's, as kvroute.block_keys namespaces them).
+GET  /kvroute/pd           with a P/D role (--role / --pd-protocol): its legs so far (pd.py); 404 without
 POST /kvroute/faults       fault hooks for end-to-end tests; a JSON object with any of
                            {"drop_next_batches": N}   the publisher withholds its next N batches
                                  from the PUB socket; their seqs are used up and they stay in the
@@ -39,6 +40,9 @@ POST /kvroute/faults       fault hooks for end-to-end tests; a JSON object with 
                            Answers 200 with the publisher's state
                            ({"next_seq" | "next_event_id", "drop_next_batches", "dropped_by_fault",
                            "restarts"}); 400 on a bad body; 409 when KV events are off.
+Prefill/decode disaggregation (--role prefill|decode, --pd-protocol vllm|sglang): vLLM's
+`kv_transfer_params` or SGLang's bootstrap fields, as `pd.py` describes; a decode leg's answer
+names what it received in `x-sim-kv-transfer`.
 Errors are vLLM-like JSON: {"error": {"message", "type", "param", "code"}}.
 An incoming W3C `traceparent` parents the server span (tracing on via kvroute.telemetry).
 """
@@ -54,6 +58,7 @@ from opentelemetry import propagate, trace
 
 from kvroute.listeners import ListenError, start_http_site
 from kvroute.tools.sim_engine.engine import EngineConfig, RequestRejected, SimEngine, UnknownModel
+from kvroute.tools.sim_engine.pd import DEFAULT_TRANSFER_MS_PER_BLOCK, TRANSFER_HEADER, PdEngineSide, PdFieldError, PdLeg
 from kvroute.tools.sim_engine.prefix_cache import CPU, GPU, CacheNamespace
 from kvroute.tools.sim_engine.scheduler import SimRequest
 from kvroute.tools.sim_engine.tokenizer import PromptError
@@ -75,6 +80,7 @@ class SimServer:
     def __init__(self, engine: SimEngine) -> None:
         self.engine = engine
         self.config: EngineConfig = engine.config
+        self.pd: PdEngineSide | None = None  # set once the port is bound (start_server)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -91,6 +97,7 @@ class SimServer:
             app.router.add_post("/kv_cache_events", self.handle_kv_cache_events)
         app.router.add_get("/kvroute/blocks", self.handle_blocks)
         app.router.add_post("/kvroute/faults", self.handle_faults)
+        app.router.add_get("/kvroute/pd", self.handle_pd)
         return app
 
     # ------------------------------------------------------------------ parsing
@@ -171,27 +178,51 @@ class SimServer:
                 namespace = self._namespace(body)
                 prompt = self._prompt(body, chat)
                 max_tokens = self._max_tokens(body, chat)
-                req, queue = self.engine.submit(prompt, max_tokens, namespace)
+                leg = self._pd_leg(body, len(prompt))
+                if leg is not None and leg.kind == "prefill" and self.pd.protocol == "sglang":
+                    max_tokens = 1  # SGLang's prefill server answers once the prompt is done
+                if leg is not None and leg.kind == "decode":
+                    await self.pd.receive(leg)
+                req, queue = self.engine.submit(prompt, max_tokens, namespace,
+                                                remote_prefilled=leg is not None and leg.kind == "decode")
             except RequestRejected as exc:
                 return ApiError(str(exc)).response()
             except ApiError as exc:
                 return exc.response()
             span.set_attribute("kvroute.request_id", req.request_id)
             span.set_attribute("kvroute.prompt_tokens", len(prompt))
+            headers = {}
+            if leg is not None and leg.kind == "decode":
+                headers[TRANSFER_HEADER] = self.pd.transfer_header(leg)
             try:
                 if body.get("stream"):
                     options = body.get("stream_options") or {}
                     include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
-                    resp = await self._stream(request, req, queue, chat, include_usage)
+                    resp = await self._stream(request, req, queue, chat, include_usage, headers)
                 else:
                     tokens = []
                     while (token := await queue.get()) is not None:
                         tokens.append(token)
-                    resp = web.json_response(self._final_body(req, tokens, chat))
+                    answer = self._final_body(req, tokens, chat)
+                    if leg is not None and leg.kind == "prefill" and self.pd.protocol == "vllm":
+                        answer["kv_transfer_params"] = self.pd.transfer_params(
+                            req.request_id, len(prompt) // self.config.block_size)
+                    resp = web.json_response(answer, headers=headers)
                 span.set_attribute("kvroute.cached_tokens", req.hit_tokens)
                 return resp
             finally:
                 self.engine.finish(req)
+
+    def _pd_leg(self, body: dict, prompt_tokens: int) -> PdLeg | None:
+        if self.pd is None:
+            return None
+        try:
+            leg = self.pd.leg_of(body, prompt_tokens // self.config.block_size)
+        except PdFieldError as exc:
+            raise ApiError(str(exc), param=exc.param) from exc
+        if leg is not None and leg.kind == "prefill":
+            self.pd.prefill_legs += 1
+        return leg
 
     def _response_id(self, chat: bool) -> str:
         return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -217,8 +248,9 @@ class SimServer:
                 "usage": self._usage(req)}
 
     async def _stream(self, request: web.Request, req: SimRequest, queue, chat: bool,
-                      include_usage: bool) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                      include_usage: bool, headers: dict[str, str]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           **headers})
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
         created, rid = int(time.time()), self._response_id(chat)
@@ -288,6 +320,11 @@ class SimServer:
                                   "num_blocks": cache.num_blocks, "cpu_offload_blocks": cache.cpu_offload_blocks,
                                   "used_blocks": cache.used_blocks})
 
+    async def handle_pd(self, request: web.Request) -> web.Response:
+        if self.pd is None:
+            return ApiError("this engine has no P/D role (--role, --pd-protocol)", 404, "NotFoundError").response()
+        return web.json_response(self.pd.state())
+
     async def handle_faults(self, request: web.Request) -> web.Response:
         try:
             body = await self._json_object(request)
@@ -309,14 +346,26 @@ class SimServer:
         return web.json_response(state)
 
 
-async def start_server(engine: SimEngine, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, int]:
-    """Start the engine loop and the HTTP server; returns the runner (cleanup() stops it) and the bound port."""
+async def start_server(engine: SimEngine, host: str = "127.0.0.1", port: int = 0, pd_role: str | None = None,
+                       pd_protocol: str | None = None,
+                       transfer_ms_per_block: float = DEFAULT_TRANSFER_MS_PER_BLOCK) -> tuple[web.AppRunner, int]:
+    """Start the engine loop and the HTTP server; returns the runner (cleanup() stops it) and the bound port.
+    `pd_role` / `pd_protocol` (either set): take part in prefill/decode disaggregation (pd.py); the
+    protocol defaults to the dialect's engine (sglang for SGLang dialects, else vllm), the role to both."""
+    server = SimServer(engine)
+    if pd_role is not None or pd_protocol is not None:  # checked before anything starts
+        protocol = pd_protocol or ("sglang" if engine.dialect.engine == "sglang" else "vllm")
+        server.pd = PdEngineSide(pd_role or "both", protocol, "", host, port, engine.config.speedup,
+                                 transfer_ms_per_block / 1000)
     engine.start()
     # handler_cancellation: a client that goes away cancels its handler, which aborts the request.
-    runner = web.AppRunner(SimServer(engine).app(), access_log=None, handler_cancellation=True)
+    runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     try:
-        return runner, await start_http_site(runner, "--port", host, port)
+        bound = await start_http_site(runner, "--port", host, port)
     except ListenError:
         await runner.cleanup()
         raise
+    if server.pd is not None:  # the KV's address is the engine's own: known once bound
+        server.pd.port, server.pd.engine_id = bound, f"sim-{host}:{bound}"
+    return runner, bound

@@ -4,6 +4,7 @@ several policies, side by side, next to the pooled-cache ceiling. Last stdout li
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -44,6 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "router's view; with --routers 1 and 0 the router reads the control plane's state itself")
     p.add_argument("--kv-aware-param", type=kv_aware_param, action="append", default=[], metavar="NAME=VALUE",
                    help="override one of kv_aware's weights (kvroute.data_plane.decision.policies.KvAwareParams), repeatable")
+    p.add_argument("--prefill-workers", type=non_negative(int), default=0, metavar="N",
+                   help="also simulate each policy on P/D pools of the same --workers: N prefill workers (the policy "
+                        "chooses among them), the rest decode (fewest requests), KV moved per --pd-transfer-ms-per-block; "
+                        "its rows are named POLICY P/D N+M and its hit rate is the prefill pool's")
+    p.add_argument("--pd-transfer-ms-per-block", type=non_negative(float), default=0.1, metavar="MS",
+                   help="P/D: time a prefill's KV takes to reach its decode worker, per block")
     p.add_argument("--seed", type=int, default=0, help="makes a run reproducible bit for bit")
     p.add_argument("--seeds", type=int_list, default=None, metavar="S1,S2,...",
                    help="run the comparison once per seed and summarise it per policy (mean, min, max; on how "
@@ -89,6 +96,8 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--plots draws one seed's runs; use it with --seed, not --seeds")
     if args.workload and args.requests <= 0:
         raise ValueError(f"--requests {args.requests}: nothing to simulate")
+    if args.prefill_workers and args.prefill_workers >= args.workers:
+        raise ValueError(f"--prefill-workers {args.prefill_workers} leaves no decode worker of --workers {args.workers}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -197,7 +206,7 @@ def _run_one_seed(args: argparse.Namespace, trace, kv_aware_params: dict, warnin
 def _simulate(args: argparse.Namespace, trace, kv_aware_params: dict, log) -> dict:
     """One seed (`args.seed`): every policy's results, the Markdown table and the summary line."""
     from kvroute.tools.sim_engine.cost_model import CostModel
-    from kvroute.tools.simulator.fleet import FleetConfig, oracle_hit_rates
+    from kvroute.tools.simulator.fleet import TTFT_ORACLE, FleetConfig, oracle_hit_rates
     from kvroute.tools.simulator.sweep import ProgressLine, default_jobs, run_policies
 
     started = time.monotonic()
@@ -220,6 +229,14 @@ def _simulate(args: argparse.Namespace, trace, kv_aware_params: dict, log) -> di
     t0 = time.monotonic()
     runs = run_policies(names, workload, config, jobs=args.jobs or default_jobs(len(names)),
                         progress=None if args.json else ProgressLine(len(workload), len(names)))
+    if args.prefill_workers:  # the same fleet size split into P/D pools, every router policy again
+        pd_names = [n for n in names if n != TTFT_ORACLE]
+        pd_config = dataclasses.replace(config, prefill_workers=args.prefill_workers,
+                                        transfer_s_per_block=args.pd_transfer_ms_per_block / 1000)
+        label = f"P/D {args.prefill_workers}+{args.workers - args.prefill_workers}"
+        pd_runs = run_policies(pd_names, workload, pd_config, jobs=args.jobs or default_jobs(len(pd_names)),
+                               progress=None if args.json else ProgressLine(len(workload), len(pd_names)))
+        runs |= {f"{name} {label}": run_ for name, run_ in pd_runs.items()}
     log(f"  {len(names)} policies simulated in {time.monotonic() - t0:.1f}s")
     results = {}
     for name, run_ in runs.items():

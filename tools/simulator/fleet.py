@@ -7,6 +7,13 @@ control plane's index (kvroute.prefix_index).
 Simulated: each engine (sim_engine's PrefixCache + Scheduler + CostModel) and the clock.
 KV events reach the index when the engine step that produced them ends, plus `event_delay_s`.
 
+P/D pools (`FleetConfig.prefill_workers` > 0, as a `kvroute router --pd` fleet): the first N workers
+take prefill legs (the policy chooses among them; the leg computes the prompt and one token), the
+rest decode legs (fewest requests, `least_loaded`, as the router does); a finished prefill leg's
+blocks reach the decode worker after `transfer_s_per_block` each, and the decode leg generates
+without computing its prompt. TTFT and e2e run from arrival to the decode leg's first and last
+token; the hit rate is the prefill pool's.
+
 `ttft_oracle` (simulator only, not a router policy) is a reference: it reads every engine's exact
 state (the rest of the running step, the queue, the cache, free KV blocks) and sends each request
 where its own TTFT would be lowest if nothing else arrived. It answers "would a router that knew
@@ -62,6 +69,8 @@ class FleetConfig:
     routers: int = 1            # routers deciding in turn, each on its own view of the fleet
     view_delay_s: float = 0.0   # how late each change of the control plane's state reaches a router's view
     index_backend: str = "auto"  # the prefix index's (kvroute.prefix_index.make_index): results are the same on each
+    prefill_workers: int = 0    # P/D pools: this many prefill workers, the rest decode (0: every worker does both)
+    transfer_s_per_block: float = 0.0001  # P/D: a prefill leg's KV reaches its decode worker after this per block
 
 
 @dataclass
@@ -222,11 +231,20 @@ def _to_wire(event, block_size: int):
 def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config: FleetConfig,
                     progress=None, detail: bool = False) -> PolicyRun:
     oracle = policy_name == TTFT_ORACLE
+    pd = config.prefill_workers > 0
+    if pd and (oracle or not config.prefill_workers < config.workers):
+        raise ValueError("P/D pools need 0 < prefill_workers < workers, and a router policy (not ttft_oracle)")
     oracle_rng = random.Random(config.seed)
     workers = [_Worker(i, config) for i in range(config.workers)]
     views = config.routers > 1 or config.view_delay_s > 0
     cp = _ControlPlane(workers, views, config.block_size, config.index_backend)
     known = [KnownWorker(w.worker_id, MODEL, "", config.block_size, pb.WorkerLoad()) for w in workers]
+    decode_known = known[config.prefill_workers:] if pd else []
+    if pd:
+        known = known[:config.prefill_workers]  # the policy chooses among the prefill pool only
+    decode_policy = make_policy("least_loaded", seed=config.seed)
+    prefill_legs: dict[str, SimWorkloadRequest] = {}  # P/D: prefill leg id -> its request
+    transfers: list[tuple[float, int, SimWorkloadRequest, float, _SimRouter]] = []  # P/D: (due, order, request, arrival, router)
     routers = []
     for number in range(max(1, config.routers)):
         policy = None if oracle else make_policy(policy_name, seed=config.seed + number,
@@ -253,8 +271,11 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
         result = None
         step_s = w.scheduler.decode_step_seconds()
         if step_s > 0:
-            # Decode-only stretches run in one event, up to the step boundary after the next arrival.
+            # Decode-only stretches run in one event, up to the step boundary after the next arrival
+            # (or the next KV transfer's landing, which may add a decode leg here).
             horizon = arrivals[next_arrival].arrival_s - t if next_arrival < len(arrivals) else float("inf")
+            if transfers:
+                horizon = min(horizon, max(0.0, transfers[0][0] - t))
             result = w.scheduler.fast_forward(max(1, math.ceil(horizon / step_s)) if horizon != float("inf") else 1 << 30)
         if result is None:
             result = w.scheduler.step()
@@ -263,7 +284,23 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
         w.step_end = t + result.seconds
         heapq.heappush(heap, (t + result.seconds, next(seq), 1, (w, result)))
 
-    while heap or next_arrival < len(arrivals):
+    def start_decode_leg(req: SimWorkloadRequest, arrival: float, router: _SimRouter, t: float) -> None:
+        """P/D: the prefill's KV has landed; the decode worker with the fewest requests generates."""
+        decision = decide(decode_policy, RoutingInput(MODEL, len(req.tokens)), decode_known, router.own, None)
+        w = workers[int(decision.worker_id[1:])]
+        leg = SimRequest(f"r{next(ids)}", req.tokens, req.output_tokens, remote_prefilled=True)
+        w.scheduler.add(leg)
+        tickets[leg.request_id] = (router, router.own.start(w.worker_id, 0, ()), arrival, None)
+        cp.report_load(w, t)
+        if not w.busy:
+            start_step(w, t)
+
+    while heap or next_arrival < len(arrivals) or transfers:
+        if transfers and (not heap or transfers[0][0] <= heap[0][0]) and (
+                next_arrival >= len(arrivals) or transfers[0][0] <= arrivals[next_arrival].arrival_s):
+            now, _, req, arrival, router = heapq.heappop(transfers)
+            start_decode_leg(req, arrival, router, now)
+            continue
         if next_arrival < len(arrivals) and (not heap or arrivals[next_arrival].arrival_s <= heap[0][0]):
             req: SimWorkloadRequest = arrivals[next_arrival]
             next_arrival += 1
@@ -279,7 +316,9 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
             if too_big:
                 run.rejected += 1  # larger than a whole engine cache: an engine would reject it too
                 continue
-            sim_req = SimRequest(f"r{next(ids)}", req.tokens, req.output_tokens)
+            sim_req = SimRequest(f"r{next(ids)}", req.tokens, 1 if pd else req.output_tokens)
+            if pd:
+                prefill_legs[sim_req.request_id] = req
             w.scheduler.add(sim_req)
             prefill = max(0, len(req.tokens) - cached)
             reservation = None
@@ -300,18 +339,23 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
             cp.now = now
             for r in result.first_tokens:
                 router, ticket, arrival, reservation = tickets[r.request_id]
-                run.ttft_s.append(now - arrival)
-                if detail:
-                    run.requests.append((arrival, workers.index(w), r.hit_tokens, len(r.prompt), now - arrival))
+                if r.request_id not in prefill_legs:  # a prefill leg's one token is not the client's
+                    run.ttft_s.append(now - arrival)
+                    if detail:
+                        run.requests.append((arrival, workers.index(w), r.hit_tokens, len(r.prompt), now - arrival))
                 router.own.first_token(ticket)
                 if reservation is not None:
                     cp.state.inflight.prefill_done(reservation.session, reservation.reservation_id)
             for r in result.finished:
                 router, ticket, arrival, reservation = tickets.pop(r.request_id)
-                run.e2e_s.append(now - arrival)
                 router.own.finish(ticket)
                 if reservation is not None:
                     cp.state.inflight.release(reservation.session, reservation.reservation_id)
+                if r.request_id in prefill_legs:  # its KV travels to a decode worker
+                    due = now + (len(r.prompt) // config.block_size) * config.transfer_s_per_block
+                    heapq.heappush(transfers, (due, next(seq), prefill_legs.pop(r.request_id), arrival, router))
+                    continue
+                run.e2e_s.append(now - arrival)
                 done += 1
                 if progress and done % 500 == 0:
                     progress(done)
@@ -330,8 +374,9 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
             cp.apply_events(w, wire, now)
     run.makespan_s = now
     run.busy_s = [w.busy_s for w in workers]
-    run.hit_tokens = sum(w.cache.hits_tokens for w in workers)
-    run.query_tokens = sum(w.cache.queries_tokens for w in workers)
+    computing = workers[:config.prefill_workers] if pd else workers  # decode legs' prompts arrive as KV
+    run.hit_tokens = sum(w.cache.hits_tokens for w in computing)
+    run.query_tokens = sum(w.cache.queries_tokens for w in computing)
     return run
 
 
