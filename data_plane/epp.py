@@ -364,7 +364,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             else:
                 _, parsed = parse_routing_body(bytes(ex.body), kind, ex.headers)
                 prepared = await service.preparer.prepare(parsed, tokenize=self._policy_reads_tokens)
-                decision = await service.router.decide(service.model, prepared.token_ids, prepared.lora_name,
+                decision = await service.router.decide(prepared.model, prepared.token_ids, prepared.lora_name,
                                                        prepared.cache_salt, session_key=prepared.session_key,
                                                        eligible=eligible)
         except BadRequest as exc:
@@ -440,7 +440,7 @@ def status_routes(service: RoutingService) -> dict:
     from aiohttp import web
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-    from kvroute.data_plane.readiness import router_readiness
+    from kvroute.data_plane.readiness import router_readiness, served_models
 
     async def metrics(_request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(service.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -449,7 +449,8 @@ def status_routes(service: RoutingService) -> dict:
         return web.json_response({"status": "ok", "model": service.model, "policy": service.policy.name})
 
     async def ready(_request: web.Request) -> web.Response:
-        readiness = router_readiness(service.control_plane, service.model, service.health)
+        readiness = router_readiness(service.control_plane, service.model, service.health,
+                                     served_models(service.control_plane, service.model))
         return web.json_response(readiness.body, status=200 if readiness.ready else 503)
 
     return {"/metrics": metrics, "/health": health, "/ready": ready}
@@ -458,7 +459,7 @@ def status_routes(service: RoutingService) -> dict:
 async def serve(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2
 
-    from kvroute.data_plane.readiness import router_readiness
+    from kvroute.data_plane.readiness import router_readiness, served_models
     from kvroute.data_plane.routing_service import build_routing_service
     from kvroute.listeners import GrpcListener, check_port, start_status_site
     from kvroute.process import announce_when_ready, wait_for_stop_signal, write_port_file
@@ -479,7 +480,8 @@ async def serve(args: argparse.Namespace) -> int:
     ext_grpc.add_ExternalProcessorServicer_to_server(picker, listener.server)
 
     def ready() -> bool:
-        return router_readiness(service.control_plane, service.model, service.health).ready
+        return router_readiness(service.control_plane, service.model, service.health,
+                                served_models(service.control_plane, service.model)).ready
 
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 

@@ -5,12 +5,15 @@
                 session key)
         RequestPreparer.prepare (request_prep.py, shared with gRPC): model/adapter check,
                 token ids (the model's own tokenizer and chat template), length check
+                (one router serves every model its fleet serves: each request is routed among
+                the workers of its own model)
         Router.decide (routing.py): block keys per block size -> control-plane query -> policy
                 (session key for the session policy: `x-session-id` header, else the body's `user`)
         BackendProxy.forward (proxy.py): the original body to the chosen engine, streamed back
     POST /v1/route      the decision alone, as JSON (same body as completions or chat);
                         ?explain=1 adds why: per candidate the policy's cost terms and the index's answer
-    GET  /v1/models, /health (liveness), /ready (readiness.py), /metrics
+    GET  /v1/models (every model some worker serves, and their LoRA adapters), /health (liveness),
+         /ready (readiness.py), /metrics
 
 Every error is OpenAI's error object (`http_errors.py`): bad input 400, unknown model 404, body
 over `max_body_bytes` 413 (refused from its Content-Length before it is read, or as soon as a
@@ -38,7 +41,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 from kvroute.data_plane.admission import Admission
 from kvroute.data_plane.http_errors import error_response, openai_errors
 from kvroute.data_plane.proxy import BackendProxy
-from kvroute.data_plane.readiness import RouterReadiness, router_readiness
+from kvroute.data_plane.readiness import RouterReadiness, router_readiness, served_models
 from kvroute.data_plane.request_prep import PrepareError, RequestPreparer, RouteInput
 from kvroute.data_plane.routing import NoWorkersError, Router
 from kvroute.data_plane.stage_timing import StageSamples
@@ -142,16 +145,19 @@ class RouterHttpApi:
         self.admission = admission  # API keys and the concurrency limit (admission.py); None: everyone, unbounded
         self.stages = stages  # --stage-timing: per-stage samples at GET /debug/stages
         self._policy_reads_tokens = router.policy.needs.tokens
-        self.model, max_prompt_tokens = preparer.model, preparer.max_prompt_tokens
+        self.model, max_prompt_tokens = preparer.tokenizers.default_model, preparer.max_prompt_tokens
         self.capture = capture  # --capture-trace: proxied requests only (/v1/route is also a probe)
         self.max_body_bytes = max_body_bytes
         self.metrics = router.metrics
-        self.metrics.watch_tokenizer(preparer.tokenizer)
+        self.metrics.watch_tokenizers(preparer.tokenizers)
         self.metrics.watch_workers(self)
         self._answers: dict[tuple[str, int], tuple[Counter, Histogram]] = {}  # (route, status) -> its children
-        bound = preparer.tokenizer.char_bound
+        default_tokenizer = preparer.tokenizers.loaded_now(self.model)
+        bound = default_tokenizer.char_bound if default_tokenizer is not None else None
         # Logged by the caller once the listeners are up (a port in use must be the only line printed).
-        if bound.chars_per_token is None:
+        if bound is None:
+            self.prompt_bound_note = f"model {self.model}: its tokenizer loads with its first request"
+        elif bound.chars_per_token is None:
             self.prompt_bound_note = (f"no character bound on prompts ({bound.why}): every prompt under "
                                       "--max-body-bytes is tokenized")
         else:
@@ -202,9 +208,14 @@ class RouterHttpApi:
             counted[0].inc()
             counted[1].observe(time.perf_counter() - started)
 
+    def served_models(self) -> list[str]:
+        """Every model some known worker serves, the default one first."""
+        return served_models(self.router.control_plane, self.model)
+
     def known_workers(self) -> list[str]:
-        """Worker ids the router may route the model to (RouterMetrics' worker-state collector)."""
-        return [w.worker_id for w in self.router.control_plane.workers_for(self.model)]
+        """Worker ids the router may route requests to (RouterMetrics' worker-state collector)."""
+        cp = self.router.control_plane
+        return list(dict.fromkeys(w.worker_id for m in self.served_models() for w in cp.workers_for(m)))
 
     def sitting_out(self) -> frozenset[str]:
         return self.router.health.cooling_down()
@@ -246,7 +257,7 @@ class RouterHttpApi:
             prepared = await self.preparer.prepare(parsed, tokenize=tokenize)
             if clock is not None:
                 clock.mark("prepare")
-            decision = await self.router.decide(self.model, prepared.token_ids, prepared.lora_name,
+            decision = await self.router.decide(prepared.model, prepared.token_ids, prepared.lora_name,
                                                 prepared.cache_salt, session_key=prepared.session_key, clock=clock,
                                                 explain=forward_to is None and _asks_to_explain(request))
         except BadRequest as exc:
@@ -275,26 +286,26 @@ class RouterHttpApi:
             output = reported_output_tokens(tail)
             self.capture.record(arrived, prepared.token_ids,
                                 fields.requested_output_tokens() if output is None else output,
-                                self.model, prepared.lora_name, prepared.cache_salt)
+                                prepared.model, prepared.lora_name, prepared.cache_salt)
         return response
 
     async def handle_models(self, request: web.Request) -> web.Response:
         cp = self.router.control_plane
         data = []
-        if cp.workers_for(self.model):
-            data.append({"id": self.model, "object": "model", "owned_by": "kvroute"})
-            data += [{"id": a, "object": "model", "owned_by": "kvroute", "parent": self.model}
-                     for a in sorted(cp.adapters_of(self.model))]
+        for model in self.served_models():
+            data.append({"id": model, "object": "model", "owned_by": "kvroute"})
+            data += [{"id": a, "object": "model", "owned_by": "kvroute", "parent": model}
+                     for a in sorted(cp.adapters_of(model))]
         return web.json_response({"object": "list", "data": data})
 
     async def handle_health(self, request: web.Request) -> web.Response:
         cp = self.router.control_plane
-        return web.json_response({"status": "ok", "model": self.model, "policy": self.router.policy.name,
-                                  "workers": len(cp.workers_for(self.model)),
+        return web.json_response({"status": "ok", "model": self.model, "models": self.served_models(),
+                                  "policy": self.router.policy.name, "workers": len(self.known_workers()),
                                   "control_plane": "reachable" if cp.reachable else "unreachable"})
 
     def readiness(self) -> RouterReadiness:
-        return router_readiness(self.router.control_plane, self.model, self.router.health)
+        return router_readiness(self.router.control_plane, self.model, self.router.health, self.served_models())
 
     async def handle_ready(self, request: web.Request) -> web.Response:
         readiness = self.readiness()

@@ -106,6 +106,14 @@ def test_good_addresses_of_every_form_pass_as_written() -> None:
     (["router", "--tokenizer", "t", "--policy", "chwbl", "--kv-aware-param", "load_bound=2"],
      "--kv-aware-param needs --policy kv_aware"),
     (["router", "--tokenizer", "t", "--bogus"], "unrecognized arguments: --bogus"),
+    (["router", "--tokenizer", "t", "--model-tokenizer", "org/id"],
+     "argument --model-tokenizer: 'org/id' is not MODEL=PATH_OR_ID"),
+    (["router", "--tokenizer", "t", "--model-tokenizer", "a=x", "--model-tokenizer", "a=y"],
+     "--model-tokenizer names a model twice"),
+    (["router", "--tokenizer", "t", "--model-tokenizer", "t=x"],
+     "--model-tokenizer names a model twice (or the default model"),
+    (["router", "--tokenizer", "t", "--max-loaded-tokenizers", "0"],
+     "argument --max-loaded-tokenizers: must be > 0, got 0"),
     (["router", "--tokenizer", "t", "--query-timeout-ms", "0"], "argument --query-timeout-ms: must be > 0, got 0"),
     (["router", "--tokenizer", "t", "--max-reservations", "0"], "argument --max-reservations: must be > 0, got 0"),
     (["sim-engine", "--tokenizer", "t", "--block-size", "0"], "argument --block-size/--page-size: must be > 0, got 0"),
@@ -175,3 +183,14 @@ def test_an_unknown_kvroute_environment_variable_is_warned_about(tmp_path: Path)
     result = kvroute("config", "check", str(config), env={"KVROUTE_CONTROL_PLAIN": "cp:50051"})
     assert result.returncode == 0 and result.stdout.splitlines() == ["router: ok", "agent: ok", "control-plane: ok"]
     assert len(result.stderr.strip().splitlines()) == 1 and "KVROUTE_CONTROL_PLAIN" in result.stderr, result.stderr
+
+
+def test_a_model_tokenizer_that_is_nowhere_on_disk_stops_the_router_in_one_line(tmp_path: Path,
+                                                                                  tiny_model_dir: Path) -> None:
+    """Neither a directory nor in the Hugging Face cache: nothing is downloaded, the router does not start."""
+    result = kvroute("router", "--tokenizer", str(tiny_model_dir), "--model-tokenizer", "chat=org/not-cached",
+                     "--control-plane", "127.0.0.1:1", "--port", "0", "--grpc-port", "0",
+                     env={"HF_HUB_CACHE": str(tmp_path)})
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model 'chat'" in lines[0] and "nothing is downloaded" in lines[0], result.stderr

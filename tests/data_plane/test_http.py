@@ -29,6 +29,7 @@ from kvroute.data_plane.grpc_api import RouterGrpcService, add_router_service
 from kvroute.data_plane.http_api import RouterHttpApi
 from kvroute.data_plane.http_errors import engine_error_body
 from kvroute.data_plane.inflight import RouterInflight
+from kvroute.data_plane.model_tokenizers import ModelTokenizers
 from kvroute.data_plane.proxy import BackendProxy
 from kvroute.data_plane.request_prep import RequestPreparer
 from kvroute.data_plane.routing import Router
@@ -225,7 +226,7 @@ async def make_stack(tiny_model_dir, *, policy: str = "kv_aware", with_cp: bool 
     tokenizer = load_tokenizer(tiny_model_dir)
     inflight, health = RouterInflight(client.session), BackendHealth()
     router = Router(client, make_policy(policy, seed=0), inflight, health)
-    preparer = RequestPreparer(tokenizer, MODEL, client.adapters_of, max_prompt_tokens)
+    preparer = RequestPreparer(ModelTokenizers.preloaded({MODEL: tokenizer}, MODEL), client, max_prompt_tokens)
     http = RouterHttpApi(router, BackendProxy(inflight, health, router.metrics), preparer)
     runner = web.AppRunner(http.app(), handler_cancellation=True)  # as kvroute.data_plane.cli runs it
     await runner.setup()
