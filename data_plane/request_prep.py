@@ -123,7 +123,8 @@ class RequestPreparer:
         for base in sorted(served):  # an adapter is named as the model (rare: the loop is off the common path)
             if model in self.served.adapters_of(base):
                 return base, model
-        raise PrepareError(f"The model `{model}` does not exist.", "model_not_found", "model")
+        # OpenAI's own answer, word for word (param null): clients match on it.
+        raise PrepareError(f"The model `{model}` does not exist or you do not have access to it.", "model_not_found")
 
     async def prepare(self, request: RouteInput, tokenize: bool = True) -> PreparedRequest:
         """`tokenize=False` (a policy that reads no tokens): the prompt's shape is checked, and its

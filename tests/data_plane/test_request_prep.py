@@ -48,7 +48,7 @@ def test_model_adapter_salt_and_session_key_come_through(preparer: RequestPrepar
 
 @pytest.mark.parametrize(("request_", "kind", "param"), [
     (RouteInput(None, prompt="x"), "invalid", "model"),
-    (RouteInput("other", prompt="x"), "model_not_found", "model"),
+    (RouteInput("other", prompt="x"), "model_not_found", None),  # OpenAI's param: null
     (RouteInput("tiny", prompt="x", lora_name="other"), "model_not_found", "lora_name"),
     (RouteInput("tiny", "completions"), "invalid", "prompt"),
     (RouteInput("tiny", "chat", prompt="x"), "invalid", "messages"),
@@ -91,8 +91,8 @@ def test_each_model_is_prepared_with_its_own_tokenizer_and_named_as_routed(tiny_
     assert (err.value.kind, err.value.param) == ("model_not_found", "lora_name")
     with pytest.raises(PrepareError) as err:
         _prepare(preparer, RouteInput("third", prompt="x"))
-    assert (err.value.kind, err.value.param, str(err.value)) == ("model_not_found", "model",
-                                                                 "The model `third` does not exist.")
+    assert (err.value.kind, str(err.value)) == ("model_not_found",
+                                                "The model `third` does not exist or you do not have access to it.")
 
 
 def test_a_served_model_without_a_tokenizer_is_routed_untokenized(tiny_model_dir: Path) -> None:
