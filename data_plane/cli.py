@@ -105,9 +105,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="budget of the cache of already-seen prompt segments (system prompts, earlier turns), in tokens: "
                         "each segment costs its ids plus 64 for bookkeeping, ~4 bytes each; "
                         "0 tokenizes every prompt whole")
-    p.add_argument("--static-workers", type=static_workers, default="", metavar="ID=URL,...",
+    p.add_argument("--static-workers", type=static_workers, default="", metavar="ID[@MODEL]=URL,...",
                    help="fallback fleet used only while the control plane has never been reachable; the router "
-                        "checks these engines itself (--health-check-*)")
+                        "checks these engines itself (--health-check-*). Each serves MODEL, else the default model "
+                        "(--model)")
     p.add_argument("--discover-engines", action="append", default=[], type=_discovery_target, metavar="TARGET",
                    help="engines without an agent, found by DNS and followed as the answer changes, repeatable: "
                         "dns://NAME:PORT (NAME's A records, else AAAA: each address an engine at PORT, e.g. a "

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -68,14 +68,16 @@ class ControlPlaneClient:
                  router_id: str | None = None, use_session: bool = True,
                  query_deadline: QueryDeadline | None = None, tls: ClientTls | None = None,
                  max_message_bytes: int = 64 * 1024 * 1024, view: FleetView | None = None,
-                 discovery: EngineDiscovery | None = None, unreported_model: str = "") -> None:
+                 discovery: EngineDiscovery | None = None, unreported_model: str = "",
+                 static_models: Mapping[str, str] | None = None) -> None:
         """`query_deadline`: an adaptive deadline (`query_deadline.py`); without one the deadline is
         `query_timeout_s`, fixed. `tls`: TLS to the control plane (kvroute/tls.py); when its files
         change, channels are opened anew and the old ones closed after `RETIRE_GRACE_S`. `view`: follow
         the fleet into it (`fleet_view.py`, `--index local`): the known fleet and the index's answers
         come from it, ListWorkers and queries are not used. `discovery`: engines found by DNS join
         the known fleet (started and closed by its owner). `unreported_model`: the model the workers
-        no agent reports on (static, found by DNS) serve ("": whichever model is asked for)."""
+        no agent reports on (static, found by DNS) serve ("": whichever model is asked for);
+        `static_models`: static worker id -> the model it serves, when not that one."""
         self.unreported_model = unreported_model
         self.tls = tls
         self._tls_generation = tls.generation if tls is not None else 0
@@ -111,6 +113,10 @@ class ControlPlaneClient:
         self._last_known: dict[str, list[KnownWorker]] = {}  # model -> last non-empty snapshot
         self._static = [KnownWorker(wid, "", url.rstrip("/"), static_block_size, pb.WorkerLoad())
                         for wid, url in (static_workers or {}).items()]
+        # model -> its static workers ("": those of the default model, or of any without one)
+        self._static_by_model: dict[str, list[KnownWorker]] = {}
+        for worker in self._static:
+            self._static_by_model.setdefault((static_models or {}).get(worker.worker_id, ""), []).append(worker)
         self._task: asyncio.Task | None = None
         self._tls_task: asyncio.Task | None = None
         self.discovery = discovery
@@ -285,8 +291,12 @@ class ControlPlaneClient:
             return "control_plane", current
         if model in self._last_known:
             return "last_known", list(self._last_known[model])
-        if not self.ever_reached and self._static and self._serves_unreported(model):
-            return "static", list(self._static)  # control plane never reached: static fallback fleet
+        if not self.ever_reached and self._static:  # control plane never reached: static fallback fleet
+            static = self._static_by_model.get(model, [])
+            if self._serves_unreported(model):
+                static = static + self._static_by_model.get("", [])
+            if static:
+                return "static", static
         return "none", []
 
     # ------------------------------------------------------------ engines found by DNS
@@ -362,7 +372,9 @@ class ControlPlaneClient:
             registered = self._registered_models()
         unreported = self.unreported_model
         if unreported and unreported not in registered and self.workers_for(unreported):
-            return registered | {unreported}
+            registered = registered | {unreported}
+        if not self.ever_reached and len(self._static_by_model) > ("" in self._static_by_model):
+            registered = registered | (self._static_by_model.keys() - {""})  # static workers that name their model
         return registered
 
     def _registered_models(self) -> frozenset[str]:

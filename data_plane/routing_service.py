@@ -27,7 +27,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from functools import partial
 
-from kvroute.addresses import parse_static_workers
+from kvroute.addresses import parse_static_fleet
 from kvroute.data_plane.backend_health import BackendHealth, HealthCheckConfig, HealthChecks
 from kvroute.data_plane.control_plane_client import ControlPlaneClient, KnownWorker
 from kvroute.data_plane.decision.policies import RoutingPolicy, make_policy, parse_kv_aware_params
@@ -80,7 +80,7 @@ class RoutingService:
 def unmonitored_workers(known: list[KnownWorker]) -> dict[str, str]:
     """worker_id -> endpoint of the workers no agent reports on: their load and liveness never reach
     the control plane, so the router checks them itself: the --static-workers while that fleet is
-    in use and the engines found by DNS (model "": they serve whatever the router serves)."""
+    in use and the engines found by DNS (model "": no agent reports what they serve)."""
     return {w.worker_id: w.endpoint for w in known if not w.model}
 
 
@@ -129,7 +129,9 @@ def build_routing_service(args: argparse.Namespace, command: str) -> RoutingServ
                          lag_bound_s=args.view_lag_bound_s, index_factory=partial(make_index, args.index_backend))
     discovery = engine_discovery(args, command)
     # The control-plane link presents the certificate when it has one (mTLS), verifies with the CA.
-    control_plane = ControlPlaneClient(args.control_plane, static_workers=parse_static_workers(args.static_workers),
+    static = parse_static_fleet(args.static_workers)
+    control_plane = ControlPlaneClient(args.control_plane, static_workers={wid: w.url for wid, w in static.items()},
+                                       static_models={wid: w.model for wid, w in static.items() if w.model},
                                        router_id=args.router_id, use_session=share_inflight,
                                        query_deadline=deadline, tls=client_tls(tls_files),
                                        max_message_bytes=args.grpc_max_message_bytes, view=view, discovery=discovery,
@@ -145,7 +147,8 @@ def build_routing_service(args: argparse.Namespace, command: str) -> RoutingServ
         metrics.watch_discovery(discovery)
     router = Router(control_plane, policy, inflight, health, metrics)
     preparer = RequestPreparer(tokenizers, control_plane, args.max_prompt_tokens)
-    health_checks = HealthChecks(health, lambda: unmonitored_workers(control_plane.workers_for(model)), checks)
+    health_checks = HealthChecks(health, lambda: unmonitored_workers(
+        [w for served in control_plane.models() | {model} for w in control_plane.workers_for(served)]), checks)
     return RoutingService(model, tokenizers, kv_params, policy, control_plane, inflight, health, metrics, router,
                           preparer, tls_files, health_checks, discovery)
 

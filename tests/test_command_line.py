@@ -56,6 +56,8 @@ def test_every_address_flag_of_every_command_has_a_parser_from_kvroute_addresses
     (["router", "--tokenizer", "t", "--host", "127.0.0.1:8080"], "argument --host: '127.0.0.1:8080' is not a host"),
     (["router", "--tokenizer", "t", "--static-workers", "w0=10.0.0.1:8000"],
      "argument --static-workers: '10.0.0.1:8000' is not an http:// or https:// URL"),
+    (["router", "--tokenizer", "t", "--static-workers", "w0@=http://e"],
+     "argument --static-workers: 'w0@=http://e' is not ID=URL or ID@MODEL=URL"),
     (["epp", "--tokenizer", "t", "--metrics-port", "65536"], "argument --metrics-port: port 65536 is out of range"),
     (["control-plane", "--listen", "0.0.0.0"], "argument --listen: no port in '0.0.0.0'"),
     (["control-plane", "--metrics-host", "http://0.0.0.0"], "argument --metrics-host: 'http://0.0.0.0' is not a host"),
@@ -82,9 +84,13 @@ def test_a_bad_address_is_one_line_naming_the_flag_and_exit_2(argv: list[str], m
 
 def test_good_addresses_of_every_form_pass_as_written() -> None:
     args = cli.parse_args(["router", "--tokenizer", "t", "--control-plane", "cp-0.kvroute-cp:50051,[::1]:50051",
-                           "--host", "[::1]", "--port", "0", "--static-workers", "w0=http://10.0.0.1:8000/,w1=https://e"])
+                           "--host", "[::1]", "--port", "0", "--static-workers",
+                           "w0=http://10.0.0.1:8000/,w1@org/chat-1b=https://e"])
     assert (args.control_plane, args.host, args.port) == ("cp-0.kvroute-cp:50051,[::1]:50051", "::1", 0)
     assert addresses.parse_static_workers(args.static_workers) == {"w0": "http://10.0.0.1:8000", "w1": "https://e"}
+    assert addresses.parse_static_fleet(args.static_workers) == {
+        "w0": addresses.StaticWorker("http://10.0.0.1:8000", ""),  # the router's default model
+        "w1": addresses.StaticWorker("https://e", "org/chat-1b")}
     args = cli.parse_args(["agent", "--kv-events", "tcp://*:5557", "--replay-endpoint", "ipc:///tmp/replay",
                            "--engine-url", "http://[fd00::7]:8000"])
     assert (args.kv_events, args.replay_endpoint) == ("tcp://*:5557", "ipc:///tmp/replay")

@@ -132,3 +132,19 @@ def test_models_lists_both_and_an_unknown_model_is_openais_404(cluster: LocalClu
     assert metrics[("kvroute_router_tokenizers_loaded", ())] == 2, raw
     for model in ("tiny-llama", CHAT_MODEL):  # each loaded once, on its first request
         assert metrics[("kvroute_router_tokenizer_loads_total", (("model", model),))] == 1
+
+
+def test_static_workers_name_their_model(cluster: LocalCluster) -> None:
+    """A router that never reached its control plane routes on its --static-workers: each entry serves
+    the model it names (ID@MODEL=URL), else the default one."""
+    url_of = {e.worker_id: e.url for e in cluster.engines}
+    router = cluster.start_router("static", "round_robin", "--control-plane", f"127.0.0.1:{free_port()}",
+                                  "--static-workers", f"llama-0={url_of['llama-0']},chat-1@{CHAT_MODEL}="
+                                                      f"{url_of['chat-1']}", "--health-check-interval-s", "0")
+    for model, worker in (("tiny-llama", "llama-0"), (CHAT_MODEL, "chat-1"), ("tiny-llama", "llama-0")):
+        status, headers, raw = http_post_json_headers(router + "/v1/chat/completions", _body(model, "hello", "hi"))
+        assert status == 200 and headers["x-kvroute-worker"] == worker, (model, headers, raw)
+    status, raw = http_get(router + "/v1/models")
+    assert [m["id"] for m in json.loads(raw)["data"]] == ["tiny-llama", CHAT_MODEL], raw
+    status, raw = http_post_json(router + "/v1/chat/completions", _body("gpt-unknown", "hello", "hi"))
+    assert status == 404 and json.loads(raw)["error"]["code"] == "model_not_found", raw
