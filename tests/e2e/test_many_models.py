@@ -4,8 +4,8 @@ A control plane, four sim engines with their agents, two serving `tiny-llama` (t
 model, tokenizer from --tokenizer) and two serving `kvroute-test/tiny-chat` (no --model-tokenizer:
 found under its own id in the Hugging Face cache the router is pointed at), and one kv_aware router.
 Each engine is warmed directly with documents of its own; then a request for either model that
-extends one of them goes to the engine that cached it, among that model's workers only, over HTTP
-and over the gRPC Route API. /v1/models lists both models, an unknown model gets OpenAI's 404
+extends one of them goes to the engine that cached it, among that model's workers only, over HTTP,
+over the gRPC Route API and through the endpoint picker (`kvroute epp`). /v1/models lists both models, an unknown model gets OpenAI's 404
 `model_not_found`, and the router's metrics say it loaded two tokenizers, once each.
 """
 
@@ -18,8 +18,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
 from kvroute.prom_text import samples
+from kvroute.tools.ext_proc_client import EnvoyExtProcStream
 from kvroute.tools.local_cluster import LocalCluster, free_port, http_get, http_post_json, http_post_json_headers, long_text
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
@@ -49,6 +51,12 @@ def cluster(module_local_fleet, tiny_model_dir: Path, tmp_path_factory: pytest.T
                          agent_args=("--model", model))
     c.wait_engines_healthy()
     c.wait_workers_registered()
+    for engine in c.engines:  # warm each engine directly, bypassing the router
+        for doc in _documents(engine.worker_id):
+            status, raw = http_post_json(engine.url + "/v1/chat/completions",
+                                         _body(ENGINES[engine.worker_id], doc, "warm up"))
+            assert status == 200, raw
+    c.wait_audit_clean(timeout=20)
     hub = _hub_cache_with(CHAT_MODEL, tiny_model_dir, tmp_path_factory.mktemp("hf") / "hub")
     # A generous index deadline: on two shared cores a 20 ms query can time out and fail open.
     c.start_router("kv", "kv_aware", "--query-timeout-ms", "500", "--grpc-port", str(free_port()),
@@ -66,13 +74,6 @@ def _documents(worker_id: str) -> list[str]:
 
 
 def test_each_model_is_routed_among_its_own_workers_to_its_cache(cluster: LocalCluster) -> None:
-    for engine in cluster.engines:  # warm each engine directly, bypassing the router
-        for doc in _documents(engine.worker_id):
-            status, raw = http_post_json(engine.url + "/v1/chat/completions",
-                                         _body(ENGINES[engine.worker_id], doc, "warm up"))
-            assert status == 200, raw
-    cluster.wait_audit_clean(timeout=20)
-
     router = cluster.router_urls["kv"]
     for engine in cluster.engines:
         model = ENGINES[engine.worker_id]
@@ -127,10 +128,12 @@ def test_models_lists_both_and_an_unknown_model_is_openais_404(cluster: LocalClu
     ready = json.loads(raw)
     assert status == 200 and ready["models"] == {"tiny-llama": 2, CHAT_MODEL: 2} and ready["workers"] == 4, ready
 
+    for model in ("tiny-llama", CHAT_MODEL):  # each model asked for (again): its tokenizer stays loaded, once
+        assert http_post_json(router + "/v1/route", _body(model, "hello", "hi"))[0] == 200
     status, raw = http_get(router + "/metrics")
     metrics = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in samples(raw.decode())}
     assert metrics[("kvroute_router_tokenizers_loaded", ())] == 2, raw
-    for model in ("tiny-llama", CHAT_MODEL):  # each loaded once, on its first request
+    for model in ("tiny-llama", CHAT_MODEL):  # each loaded once: at start (the default one), on its first request
         assert metrics[("kvroute_router_tokenizer_loads_total", (("model", model),))] == 1
 
 
@@ -148,3 +151,23 @@ def test_static_workers_name_their_model(cluster: LocalCluster) -> None:
     assert [m["id"] for m in json.loads(raw)["data"]] == ["tiny-llama", CHAT_MODEL], raw
     status, raw = http_post_json(router + "/v1/chat/completions", _body("gpt-unknown", "hello", "hi"))
     assert status == 404 and json.loads(raw)["error"]["code"] == "model_not_found", raw
+
+
+def test_the_endpoint_picker_routes_by_the_requests_model(cluster: LocalCluster, tiny_model_dir: Path) -> None:
+    picker = cluster.start_epp("many", "kv_aware", "--query-timeout-ms", "500",
+                               "--model-tokenizer", f"{CHAT_MODEL}={tiny_model_dir}")
+
+    async def pick(body: dict):
+        async with grpc.aio.insecure_channel(picker) as channel:
+            stream = EnvoyExtProcStream(ext_grpc.ExternalProcessorStub(channel), "streamed")
+            picked = await asyncio.wait_for(stream.request("/v1/chat/completions", json.dumps(body).encode()), 10)
+            if not picked.status:
+                await asyncio.wait_for(stream.close(), 10)
+            return picked
+
+    for engine in cluster.engines:
+        body = _body(ENGINES[engine.worker_id], _documents(engine.worker_id)[1], "one more question")
+        picked = asyncio.run(pick(body))
+        assert picked.endpoint == engine.url.removeprefix("http://"), (engine.worker_id, picked)
+    unknown = asyncio.run(pick(_body("gpt-unknown", "hello", "hi")))
+    assert unknown.status == 404 and json.loads(unknown.error_body)["error"]["code"] == "model_not_found"
