@@ -280,8 +280,9 @@ class RouterHttpApi:
             return response
         usage = reported_usage(tail)
         if (cached := reported_cached_tokens(usage)) is not None:
-            self.metrics.engine_prompt_tokens.inc(cached[0])
-            self.metrics.engine_cached_tokens.inc(cached[1])
+            tokens = self.metrics.tokens_of(prepared.model)
+            tokens.engine_prompt.inc(cached[0])
+            tokens.engine_cached.inc(cached[1])
         if arrived is not None:
             output = reported_output_tokens(tail)
             self.capture.record(arrived, prepared.token_ids,

@@ -7,6 +7,7 @@ dashboard and the alert rules against live processes."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -155,6 +156,15 @@ class _DiscoveryCollector:
         yield last
 
 
+@dataclass(frozen=True, slots=True)
+class ModelTokenCounters:
+    """One model's children of the routing-quality counters (RouterMetrics.tokens_of)."""
+    prompt: Counter
+    predicted_cached: Counter
+    engine_prompt: Counter
+    engine_cached: Counter
+
+
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -210,17 +220,21 @@ class RouterMetrics:
         self.sit_outs = Counter("kvroute_router_worker_sit_outs", "Times a worker began sitting out after a failure",
                                 ["worker"], registry=r)
         # Routing quality: what the router expected cached beside what the engines say they reused.
-        self.prompt_tokens = Counter("kvroute_router_prompt_tokens", "Prompt tokens of proxied requests",
-                                     registry=r)
+        # Per model: one router serves several, and each has its own hit rate.
+        self.prompt_tokens = Counter("kvroute_router_prompt_tokens", "Prompt tokens of proxied requests, by model",
+                                     ["model"], registry=r)
         self.predicted_cached_tokens = Counter("kvroute_router_predicted_cached_tokens",
                                                "Prompt tokens of proxied requests the index expected cached on their "
-                                               "worker", registry=r)
+                                               "worker, by model", ["model"], registry=r)
         self.engine_prompt_tokens = Counter("kvroute_router_engine_prompt_tokens",
                                             "Prompt tokens of answers whose usage reports cached tokens "
-                                            "(usage.prompt_tokens, as the engine counted them)", registry=r)
+                                            "(usage.prompt_tokens, as the engine counted them), by model", ["model"],
+                                            registry=r)
         self.engine_cached_tokens = Counter("kvroute_router_engine_cached_tokens",
                                             "Cached prompt tokens the engines reported in their answers "
-                                            "(usage.prompt_tokens_details.cached_tokens)", registry=r)
+                                            "(usage.prompt_tokens_details.cached_tokens), by model", ["model"],
+                                            registry=r)
+        self._token_counters: dict[str, ModelTokenCounters] = {}
         # Traffic capture (--capture-trace): rows written to the trace, rows lost to a full buffer or a failed write.
         self.capture_rows = Counter("kvroute_router_capture_rows", "Mooncake trace rows written by --capture-trace",
                                     registry=r)
@@ -231,6 +245,15 @@ class RouterMetrics:
         self._workers_watched = False
         self._view_watched = False
         self._discovery_watched = False
+
+    def tokens_of(self, model: str) -> ModelTokenCounters:
+        """The routing-quality counters of `model` (children kept: labels() costs a few us per call)."""
+        counters = self._token_counters.get(model)
+        if counters is None:
+            counters = self._token_counters[model] = ModelTokenCounters(
+                self.prompt_tokens.labels(model), self.predicted_cached_tokens.labels(model),
+                self.engine_prompt_tokens.labels(model), self.engine_cached_tokens.labels(model))
+        return counters
 
     def watch_discovery(self, discovery: Discovering) -> None:
         """Export what --discover-engines found, read at scrape time (once)."""

@@ -20,7 +20,7 @@ import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
-from kvroute.prom_text import samples
+from kvroute.prom_text import samples, sums_by_label
 from kvroute.tools.ext_proc_client import EnvoyExtProcStream
 from kvroute.tools.local_cluster import LocalCluster, free_port, http_get, http_post_json, http_post_json_headers, long_text
 from kvroute.v1 import kvroute_pb2 as pb
@@ -93,6 +93,11 @@ def test_each_model_is_routed_among_its_own_workers_to_its_cache(cluster: LocalC
             assert headers["x-kvroute-worker"] == engine.worker_id, (engine.worker_id, headers)
             answer = json.loads(raw)
             assert answer["model"] == model and answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, answer
+    # The hit rate, as predicted and as the engines report it, per model.
+    text = http_get(router + "/metrics")[1].decode()
+    for name in ("kvroute_router_predicted_cached_tokens_total", "kvroute_router_engine_cached_tokens_total"):
+        by_model = sums_by_label(text, name, "model")
+        assert set(by_model) == {"tiny-llama", CHAT_MODEL} and min(by_model.values()) > 0, (name, by_model)
 
 
 def test_the_grpc_route_api_routes_by_the_requests_model(cluster: LocalCluster) -> None:
