@@ -105,6 +105,7 @@ def test_good_addresses_of_every_form_pass_as_written() -> None:
     (["simulate", "--workload", "rag", "--kv-aware-param", "load_bund=1.5"], "(did you mean 'load_bound'?)"),
     (["simulate", "--workload", "rag", "--seeds", "1,2", "--plots", "p"], "--plots draws one seed's runs"),
     (["demo", "--policies", "kv_aware,fastest"], "argument --policies: unknown policy 'fastest'"),
+    (["demo", "--models", "3", "--engines", "2"], "--models 3: each model needs an engine of its own"),
     (["bench", "live", "--policies", "round-robin"], "argument --policies: unknown policy 'round-robin'"),
     (["bench", "proxy", "--policies", ","], "argument --policies: no policy in ','"),
     (["bench", "replicas", "--catchup-blocks", "100000,1e6"], "argument --catchup-blocks: '100000,1e6'"),
