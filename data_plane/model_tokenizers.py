@@ -9,8 +9,9 @@ Contract:
   else from the model's own name: a source is a local directory holding `tokenizer.json`, or a
   model id found in the local Hugging Face hub cache (`resolve_tokenizer_dir`). Nothing is ever
   downloaded: a router routes on what is on its disk.
-- A model with no tokenizer (none configured, its name not in the cache) gets `None`: its requests
-  are routed without their tokens (on load), and the log says so once per model.
+- A model with no tokenizer (none configured, its name not in the cache) or whose tokenizer fails to
+  load gets `None`: its requests are routed without their tokens (on load), and the log says so once
+  per model; it is not looked up again until the router restarts.
 - Loading runs in a worker thread (a tokenizer takes ~0.1-1 s: its segment-cache probes), once per
   model however many requests wait for it; at most `max_loaded` stay loaded, the least recently
   used one is dropped past that (its segment cache with it) and loaded again when asked for.
@@ -183,22 +184,25 @@ class ModelTokenizers:
         try:
             tokenizer = await asyncio.to_thread(self._load, model)
         except TokenizerNotFound as exc:
-            if model in self.sources:  # configured, and gone since the start: try again next time
-                log.error("model %r: cannot load its tokenizer (%s): routing its requests without their tokens",
-                          model, exc)
-                return None
-            if len(self._without) >= _MAX_REMEMBERED_MISSES:
-                self._without.clear()
-            self._without.add(model)
-            log.warning("model %r has no tokenizer (no --model-tokenizer for it, and no model of that id in the "
-                        "Hugging Face cache): its requests are routed on load alone", model)
+            self._remember_without(model)
+            if model in self.sources:  # configured, checked at start, and gone since
+                log.error("model %r: cannot load its tokenizer (%s): routing its requests on load alone", model, exc)
+            else:
+                log.warning("model %r has no tokenizer (no --model-tokenizer for it, and no model of that id in the "
+                            "Hugging Face cache): its requests are routed on load alone", model)
             return None
         except Exception as exc:  # noqa: BLE001 - a bad tokenizer file must not fail requests for it
-            log.error("model %r: loading its tokenizer failed (%s): routing its requests without their tokens",
-                      model, exc)
+            self._remember_without(model)
+            log.error("model %r: loading its tokenizer failed (%s): routing its requests on load alone", model, exc)
             return None
         self._keep(model, tokenizer)
         return tokenizer
+
+    def _remember_without(self, model: str) -> None:
+        """Not looked up again (until a restart): one log line, not one failed load per request."""
+        if len(self._without) >= _MAX_REMEMBERED_MISSES:
+            self._without.clear()
+        self._without.add(model)
 
     def _load(self, model: str) -> PromptTokenizer:
         directory = resolve_tokenizer_dir(self.sources.get(model, model), self.hub_cache)

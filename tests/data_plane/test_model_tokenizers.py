@@ -82,3 +82,18 @@ def test_a_configured_source_that_does_not_resolve_is_refused_at_start(tmp_path:
     tokenizers = ModelTokenizers({"m": "org/not-cached"}, "m", hub_cache=tmp_path)
     with pytest.raises(TokenizerNotFound, match="model 'm'"):
         tokenizers.check_sources()
+
+
+def test_a_tokenizer_that_fails_to_load_is_tried_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("{not a tokenizer")
+    tokenizers = ModelTokenizers({"m": str(broken)}, "m", hub_cache=tmp_path)
+    tokenizers.check_sources()  # it is there: whether it loads is known when it is first needed
+
+    async def twice() -> list:
+        return [await tokenizers.get("m"), await tokenizers.get("m")]
+
+    assert asyncio.run(twice()) == [None, None]
+    failures = [r for r in caplog.records if "loading its tokenizer failed" in r.getMessage()]
+    assert len(failures) == 1 and tokenizers.loads["m"] == 0
