@@ -53,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(and those given here, which answer 503 until a worker of theirs registers); a served model "
                         "without one uses the tokenizer of its own id in the local Hugging Face cache, else is routed "
                         "on load alone. A model neither served nor given here gets a 404 model_not_found")
+    p.add_argument("--serve-models", type=_model_list, default="", metavar="MODEL,...",
+                   help="serve only these models (with the default one and those of --model-tokenizer): this "
+                        "router follows only their workers and index, and any other model gets a 404 "
+                        "(unset: every model the fleet serves)")
     p.add_argument("--max-loaded-tokenizers", type=positive(int), default=DEFAULT_MAX_LOADED, metavar="N",
                    help="tokenizers kept loaded at once, each loaded when its model is first asked for; past N the "
                         "least recently used is unloaded (kvroute_router_tokenizer_loads_total counts loads)")
@@ -190,6 +194,13 @@ def _model_tokenizer(value: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value.strip()
+
+
+def _model_list(value: str) -> str:
+    names = [name.strip() for name in value.split(",")]
+    if value.strip() and not all(names):
+        raise argparse.ArgumentTypeError(f"{value!r} is not MODEL,MODEL,... (an empty name)")
+    return ",".join(names) if value.strip() else ""
 
 
 def _url_path(value: str) -> str:

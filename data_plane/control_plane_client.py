@@ -69,7 +69,7 @@ class ControlPlaneClient:
                  query_deadline: QueryDeadline | None = None, tls: ClientTls | None = None,
                  max_message_bytes: int = 64 * 1024 * 1024, view: FleetView | None = None,
                  discovery: EngineDiscovery | None = None, unreported_model: str = "",
-                 static_models: Mapping[str, str] | None = None) -> None:
+                 static_models: Mapping[str, str] | None = None, only_models: frozenset[str] = frozenset()) -> None:
         """`query_deadline`: an adaptive deadline (`query_deadline.py`); without one the deadline is
         `query_timeout_s`, fixed. `tls`: TLS to the control plane (kvroute/tls.py); when its files
         change, channels are opened anew and the old ones closed after `RETIRE_GRACE_S`. `view`: follow
@@ -77,8 +77,10 @@ class ControlPlaneClient:
         come from it, ListWorkers and queries are not used. `discovery`: engines found by DNS join
         the known fleet (started and closed by its owner). `unreported_model`: the model the workers
         no agent reports on (static, found by DNS) serve ("": whichever model is asked for);
-        `static_models`: static worker id -> the model it serves, when not that one."""
+        `static_models`: static worker id -> the model it serves, when not that one. `only_models`:
+        the known fleet holds only these models' workers (empty: every model's; a view filters its own)."""
         self.unreported_model = unreported_model
+        self.only_models = only_models
         self.tls = tls
         self._tls_generation = tls.generation if tls is not None else 0
         self._retiring: set[asyncio.Task] = set()
@@ -394,7 +396,7 @@ class ControlPlaneClient:
         fleet = {w.worker_id: KnownWorker(w.worker_id, w.model, w.endpoint.rstrip("/"), w.block_size, w.load,
                                           w.cached_blocks, frozenset(w.lora_adapters),
                                           w.data_parallel_rank if w.HasField("data_parallel_rank") else None)
-                 for w in response.workers}
+                 for w in response.workers if not self.only_models or w.model in self.only_models}
         joined, left = fleet.keys() - self.fleet.keys(), self.fleet.keys() - fleet.keys()
         if joined or left:
             log.info("fleet: %d workers (joined: %s; left: %s)", len(fleet), ", ".join(sorted(joined)) or "-",

@@ -105,6 +105,10 @@ def build_routing_service(args: argparse.Namespace, command: str) -> RoutingServ
     sources = {model: args.tokenizer, **dict(map(parse_model_tokenizer, args.model_tokenizer))}
     tokenizers = ModelTokenizers(sources, model, cache_tokens=args.tokenizer_cache_tokens,
                                  max_loaded=args.max_loaded_tokenizers)
+    static = parse_static_fleet(args.static_workers)
+    # --serve-models: these and the ones given a tokenizer or static workers; else every model (empty: no filter).
+    only_models = (frozenset(args.serve_models.split(",")) | frozenset(sources)
+                   | frozenset(w.model for w in static.values() if w.model)) if args.serve_models else frozenset()
     tokenizers.check_sources()  # FileNotFoundError: one line and exit 2 (run_routing_process)
     tokenizers.load_now(model)  # the default model's now: its char bound is logged at start
     kv_params = parse_kv_aware_params(args.kv_aware_param)
@@ -124,18 +128,17 @@ def build_routing_service(args: argparse.Namespace, command: str) -> RoutingServ
             resolve_backend(args.index_backend)
         except IndexBackendError as exc:
             raise SystemExit(f"kvroute {command}: error: {exc}") from None
-        # Every model: the router serves whichever its fleet does.
-        view = FleetView(args.router_id or default_router_id(), models=(), max_stale_s=args.view_max_stale_s,
+        # Every model (unless --serve-models): the router serves whichever its fleet does.
+        view = FleetView(args.router_id or default_router_id(), models=only_models, max_stale_s=args.view_max_stale_s,
                          lag_bound_s=args.view_lag_bound_s, index_factory=partial(make_index, args.index_backend))
     discovery = engine_discovery(args, command)
     # The control-plane link presents the certificate when it has one (mTLS), verifies with the CA.
-    static = parse_static_fleet(args.static_workers)
     control_plane = ControlPlaneClient(args.control_plane, static_workers={wid: w.url for wid, w in static.items()},
                                        static_models={wid: w.model for wid, w in static.items() if w.model},
                                        router_id=args.router_id, use_session=share_inflight,
                                        query_deadline=deadline, tls=client_tls(tls_files),
                                        max_message_bytes=args.grpc_max_message_bytes, view=view, discovery=discovery,
-                                       unreported_model=model)
+                                       unreported_model=model, only_models=only_models)
     # Built once: the proxy writes in-flight state and backend failures, decisions read them.
     inflight = RouterInflight(control_plane.session)
     checks = health_check_config(args)

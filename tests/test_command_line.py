@@ -119,6 +119,7 @@ def test_good_addresses_of_every_form_pass_as_written() -> None:
      "--model-tokenizer names a model twice"),
     (["router", "--tokenizer", "t", "--model-tokenizer", "t=x"],
      "--model-tokenizer names a model twice (or the default model"),
+    (["router", "--tokenizer", "t", "--serve-models", "a,,b"], "argument --serve-models: 'a,,b' is not MODEL,MODEL"),
     (["router", "--tokenizer", "t", "--max-loaded-tokenizers", "0"],
      "argument --max-loaded-tokenizers: must be > 0, got 0"),
     (["router", "--tokenizer", "t", "--query-timeout-ms", "0"], "argument --query-timeout-ms: must be > 0, got 0"),

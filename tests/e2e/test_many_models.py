@@ -22,7 +22,15 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 
 from kvroute.prom_text import samples, sums_by_label
 from kvroute.tools.ext_proc_client import EnvoyExtProcStream
-from kvroute.tools.local_cluster import LocalCluster, free_port, http_get, http_post_json, http_post_json_headers, long_text
+from kvroute.tools.local_cluster import (
+    LocalCluster,
+    free_port,
+    http_get,
+    http_post_json,
+    http_post_json_headers,
+    long_text,
+    wait_until,
+)
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
@@ -61,6 +69,10 @@ def cluster(module_local_fleet, tiny_model_dir: Path, tmp_path_factory: pytest.T
     # A generous index deadline: on two shared cores a 20 ms query can time out and fail open.
     c.start_router("kv", "kv_aware", "--query-timeout-ms", "500", "--grpc-port", str(free_port()),
                    env={"HF_HUB_CACHE": str(hub)})
+    ready = c.router_urls["kv"] + "/ready"
+    wait_until(lambda: http_get(ready)[0] == 200 and all(json.loads(http_get(ready)[1])["models"].get(m)
+                                                         for m in ("tiny-llama", CHAT_MODEL)),
+               30, "the router knows both models' workers", c.all_processes())
     return c
 
 
@@ -176,3 +188,23 @@ def test_the_endpoint_picker_routes_by_the_requests_model(cluster: LocalCluster,
         assert picked.endpoint == engine.url.removeprefix("http://"), (engine.worker_id, picked)
     unknown = asyncio.run(pick(_body("gpt-unknown", "hello", "hi")))
     assert unknown.status == 404 and json.loads(unknown.error_body)["error"]["code"] == "model_not_found"
+
+
+def test_serve_models_limits_a_router_to_the_models_it_names(cluster: LocalCluster) -> None:
+    """--serve-models: a router that follows (or, --index remote, lists) only the default model's workers
+    answers only for it; the other model the fleet serves is a 404 there."""
+    for name, index in (("only-view", "local"), ("only-remote", "remote")):
+        router = cluster.start_router(name, "kv_aware", "--query-timeout-ms", "500", "--index", index,
+                                      "--serve-models", "tiny-llama")
+        wait_until(lambda router=router: http_get(router + "/ready")[0] == 200, 30, f"{name} ready",
+                   cluster.all_processes())
+        status, raw = http_get(router + "/v1/models")
+        assert [m["id"] for m in json.loads(raw)["data"]] == ["tiny-llama"], (name, raw)
+        status, raw = http_post_json(router + "/v1/route", _body(CHAT_MODEL, "hello", "hi"))
+        assert status == 404 and json.loads(raw)["error"]["code"] == "model_not_found", (name, raw)
+        doc = _documents("llama-1")[0]
+        status, raw = http_post_json(router + "/v1/route", _body("tiny-llama", doc, "another question"))
+        decision = json.loads(raw)
+        assert status == 200 and decision["worker_id"] == "llama-1" and not decision["fail_open"], (name, decision)
+        assert {w["worker_id"] for w in decision["workers"]} == {"llama-0", "llama-1"}, (name, decision)
+        cluster.stop_router(name)
