@@ -308,8 +308,10 @@ async def serve(args: argparse.Namespace) -> int:
 
         def announce_ready() -> None:
             body = http.readiness().body
-            log.info("router ready: %d of %d workers of model %s healthy (GET /ready answers 200)",
-                     body["healthy_workers"], body["workers"], model)
+            models = list(body["models"]) or [model]
+            log.info("router ready: %d of %d workers of %s %s healthy (GET /ready answers 200)",
+                     body["healthy_workers"], body["workers"], "model" if len(models) == 1 else "models",
+                     ", ".join(models))
         ready_task = asyncio.create_task(announce_when_ready(lambda: http.readiness().ready, announce_ready))
         write_port_file(args.port_file, {"http": http_port, **({"grpc": grpc_server.port} if grpc_server else {})})
         await wait_for_stop_signal()
