@@ -119,6 +119,7 @@ class ModelTokenizers:
         self.loads: Counter[str] = Counter()
         self._dropped_chars = 0  # tokenized_chars of tokenizers no longer loaded
         self._lookup = True  # False: only the preloaded tokenizers exist
+        self.configured = frozenset(self.sources)  # models given a tokenizer by configuration (or preloaded)
 
     @classmethod
     def preloaded(cls, tokenizers: Mapping[str, PromptTokenizer], default_model: str) -> ModelTokenizers:
@@ -126,12 +127,9 @@ class ModelTokenizers:
         out = cls({}, default_model, max_loaded=max(1, len(tokenizers)))
         out._loaded.update(tokenizers)
         out._lookup = False
+        out.configured = frozenset(tokenizers)
         return out
 
-    @property
-    def configured(self) -> frozenset[str]:
-        """Models given a tokenizer by configuration (or preloaded)."""
-        return frozenset(self.sources) | frozenset(() if self._lookup else self._loaded)
 
     def check_sources(self) -> None:
         """Every configured source resolves (TokenizerNotFound naming the first that does not)."""
