@@ -44,14 +44,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvroute.data_plane.access.api_keys import ENV_API_KEYS
     from kvroute.data_plane.decision.policies import POLICIES, kv_aware_param  # pure module, cheap to import for --help
     from kvroute.data_plane.ops.traffic_capture import CAPTURE_BLOCK_TOKENS
+    from kvroute.data_plane.prepare.model_tokenizers import DEFAULT_MAX_LOADED
     from kvroute.prefix_index.backends import BACKENDS
 
     p.add_argument("--control-plane", type=control_plane_addresses, default="127.0.0.1:50051", metavar="HOST:PORT",
                    help="control plane gRPC address (replicas: HOST:PORT,HOST:PORT,...)")
     p.add_argument("--policy", default="kv_aware", choices=sorted(POLICIES), help="routing policy")
-    p.add_argument("--tokenizer", required=True, metavar="PATH", help="local model directory with tokenizer.json")
-    p.add_argument("--model", default=None, help="served model name the tokenizer belongs to; other models get a 404 "
-                        "(unset: the tokenizer directory's name)")
+    p.add_argument("--tokenizer", required=True, metavar="PATH_OR_ID",
+                   help="the default model's tokenizer: a local model directory with tokenizer.json, or a model id "
+                        "in the local Hugging Face cache (never downloaded)")
+    p.add_argument("--model", default=None,
+                   help="the default model: the served name --tokenizer belongs to, and the model the workers no "
+                        "agent reports on serve (--static-workers, --discover-engines) (unset: the tokenizer "
+                        "directory's name, or the model id)")
+    p.add_argument("--model-tokenizer", type=_model_tokenizer, action="append", default=[],
+                   metavar="MODEL=PATH_OR_ID",
+                   help="another model's tokenizer, repeatable. The router serves every model its workers register "
+                        "(and those given here, which answer 503 until a worker of theirs registers); a served model "
+                        "without one uses the tokenizer of its own id in the local Hugging Face cache, else is routed "
+                        "on load alone. A model neither served nor given here gets a 404 model_not_found")
+    p.add_argument("--serve-models", type=_model_list, default="", metavar="MODEL,...",
+                   help="serve only these models (with the default one and those of --model-tokenizer): this "
+                        "router follows only their workers and index, and any other model gets a 404 "
+                        "(unset: every model the fleet serves)")
+    p.add_argument("--max-loaded-tokenizers", type=positive(int), default=DEFAULT_MAX_LOADED, metavar="N",
+                   help="tokenizers kept loaded at once, each loaded when its model is first asked for; past N the "
+                        "least recently used is unloaded (kvroute_router_tokenizer_loads_total counts loads)")
     p.add_argument("--host", type=listen_host, default="127.0.0.1", help="listen address (HTTP and gRPC)")
     p.add_argument("--port", type=port, default=8080, help="OpenAI-compatible HTTP port")
     p.add_argument("--grpc-port", type=port_or_off, default=50052,
@@ -102,9 +120,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="budget of the cache of already-seen prompt segments (system prompts, earlier turns), in tokens: "
                         "each segment costs its ids plus 64 for bookkeeping, ~4 bytes each; "
                         "0 tokenizes every prompt whole")
-    p.add_argument("--static-workers", type=static_workers, default="", metavar="ID=URL,...",
+    p.add_argument("--static-workers", type=static_workers, default="", metavar="ID[@MODEL]=URL,...",
                    help="fallback fleet used only while the control plane has never been reachable; the router "
-                        "checks these engines itself (--health-check-*)")
+                        "checks these engines itself (--health-check-*). Each serves MODEL, else the default model "
+                        "(--model)")
     p.add_argument("--discover-engines", action="append", default=[], type=_discovery_target, metavar="TARGET",
                    help="engines without an agent, found by DNS and followed as the answer changes, repeatable: "
                         "dns://NAME:PORT (NAME's A records, else AAAA: each address an engine at PORT, e.g. a "
@@ -199,6 +218,23 @@ def _pd_roles(value: str) -> str:
     return value.strip()
 
 
+def _model_tokenizer(value: str) -> str:
+    from kvroute.data_plane.prepare.model_tokenizers import parse_model_tokenizer
+
+    try:
+        parse_model_tokenizer(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value.strip()
+
+
+def _model_list(value: str) -> str:
+    names = [name.strip() for name in value.split(",")]
+    if value.strip() and not all(names):
+        raise argparse.ArgumentTypeError(f"{value!r} is not MODEL,MODEL,... (an empty name)")
+    return ",".join(names) if value.strip() else ""
+
+
 def _url_path(value: str) -> str:
     if not value.startswith("/") or any(c.isspace() for c in value):
         raise argparse.ArgumentTypeError(f"must be a URL path starting with / (no spaces), got {value!r}")
@@ -209,11 +245,18 @@ def validate(args: argparse.Namespace) -> None:
     """The router's (and `kvroute epp`'s) checks of flags that are valid alone but not together, run when
     its configuration is parsed (at start and by `kvroute config check`): ValueError naming the flags.
     Whether TLS files load is checked at start only (they live where the process runs)."""
+    from kvroute.data_plane.prepare.model_tokenizers import default_model_name, parse_model_tokenizer
+
     if args.kv_aware_param and args.policy != "kv_aware":
         raise ValueError("--kv-aware-param needs --policy kv_aware")
     if (getattr(args, "pd_role", "") or getattr(args, "pd_bootstrap_port", "")) and not getattr(args, "pd", ""):
         # the picker has no P/D mode, so none of these
         raise ValueError("--pd-role and --pd-bootstrap-port need --pd vllm|sglang")
+    named = [parse_model_tokenizer(value)[0] for value in args.model_tokenizer]
+    default = args.model or (default_model_name(args.tokenizer) if args.tokenizer else None)
+    if default in named or len(set(named)) != len(named):
+        raise ValueError("--model-tokenizer names a model twice (or the default model, whose tokenizer is "
+                         "--tokenizer)")
     http_tls = getattr(args, "http_tls", "")  # the picker has no HTTP API
     if http_tls and not args.tls_cert:
         raise ValueError("--http-tls needs --tls-cert and --tls-key")
@@ -307,8 +350,10 @@ async def serve(args: argparse.Namespace) -> int:
 
         def announce_ready() -> None:
             body = http.readiness().body()
-            log.info("router ready: %d of %d workers of model %s healthy (GET /ready answers 200)",
-                     body["healthy_workers"], body["workers"], model)
+            models = list(body["models"]) or [model]
+            log.info("router ready: %d of %d workers of %s %s healthy (GET /ready answers 200)",
+                     body["healthy_workers"], body["workers"], "model" if len(models) == 1 else "models",
+                     ", ".join(models))
         ready_task = asyncio.create_task(announce_when_ready(lambda: http.readiness().ready, announce_ready))
         write_port_file(args.port_file, {"http": http_port, **({"grpc": grpc_server.port} if grpc_server else {})})
         await wait_for_stop_signal()

@@ -89,18 +89,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def status_routes(service: RoutingService) -> dict:
     """GET /metrics, /health, /ready on --metrics-port: what the router serves on its HTTP port."""
-    from kvroute.data_plane.service.readiness import router_readiness
+    from kvroute.data_plane.service.readiness import router_readiness, served_models
     from kvroute.status import status_routes as routes
 
     return routes(service.metrics.registry,
                   health=lambda: {"status": "ok", "model": service.model, "policy": service.policy.name},
-                  readiness=lambda: router_readiness(service.control_plane, service.model, service.health))
+                  readiness=lambda: router_readiness(service.control_plane, service.model, service.health,
+                                                     served_models(service.control_plane, service.model)))
 
 
 async def serve(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2
 
-    from kvroute.data_plane.service.readiness import router_readiness
+    from kvroute.data_plane.service.readiness import router_readiness, served_models
     from kvroute.data_plane.service.routing_service import build_routing_service
     from kvroute.listeners import GrpcListener, check_port, start_status_site
     from kvroute.process import announce_when_ready, wait_for_stop_signal, write_port_file
@@ -122,7 +123,8 @@ async def serve(args: argparse.Namespace) -> int:
     ext_grpc.add_ExternalProcessorServicer_to_server(picker, listener.server)
 
     def ready() -> bool:
-        return router_readiness(service.control_plane, service.model, service.health).ready
+        return router_readiness(service.control_plane, service.model, service.health,
+                                served_models(service.control_plane, service.model)).ready
 
 
     status_runner = None

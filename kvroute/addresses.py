@@ -8,7 +8,7 @@ rotation over several control-plane replicas.
     p.add_argument("--engine-url", type=http_url)                    # http(s)://HOST[:PORT][/PATH]
     p.add_argument("--engine-urls", type=http_urls)                  # URL[,URL...]
     p.add_argument("--kv-events", type=zmq_endpoint)                 # tcp://HOST:PORT, tcp://*:PORT, ipc://, inproc://
-    p.add_argument("--static-workers", type=static_workers)          # ID=URL[,ID=URL...]
+    p.add_argument("--static-workers", type=static_workers)          # ID[@MODEL]=URL[,ID[@MODEL]=URL...]
     p.add_argument("--pd-bootstrap-port", type=port_map)             # PORT and/or ID=PORT[,...], port 1..65535
     p.add_argument("--redis", type=redis_url)                        # redis[s][+sentinel|+cluster]://...
 
@@ -240,22 +240,35 @@ def zmq_endpoint(text: str) -> str:
     return endpoint
 
 
-def parse_static_workers(text: str) -> dict[str, str]:
-    """ID=URL[,ID=URL...] -> {id: url without a trailing slash}; "" = none."""
-    workers: dict[str, str] = {}
+@dataclass(frozen=True, slots=True)
+class StaticWorker:
+    url: str    # without a trailing slash
+    model: str  # "" = the router's default model
+
+
+def parse_static_fleet(text: str) -> dict[str, StaticWorker]:
+    """ID[@MODEL]=URL[,...] -> {id: StaticWorker}; "" = none. MODEL names the model the engine serves
+    (a model id has no "@"), else it serves the router's default model."""
+    workers: dict[str, StaticWorker] = {}
     for item in (split_list(text, "ID=URL") if text.strip() else []):
-        worker_id, sep, url = item.partition("=")
-        worker_id = worker_id.strip()
-        if not sep or not worker_id or not url.strip():
-            raise _bad(f"{item!r} is not ID=URL")
+        name, sep, url = item.partition("=")
+        worker_id, at, model = name.strip().partition("@")
+        worker_id, model = worker_id.strip(), model.strip()
+        if not sep or not worker_id or not url.strip() or (at and not model):
+            raise _bad(f"{item!r} is not ID=URL or ID@MODEL=URL")
         if worker_id in workers:
             raise _bad(f"worker id {worker_id!r} is given twice")
-        workers[worker_id] = http_url(url).rstrip("/")
+        workers[worker_id] = StaticWorker(http_url(url).rstrip("/"), model)
     return workers
 
 
+def parse_static_workers(text: str) -> dict[str, str]:
+    """ID[@MODEL]=URL[,...] -> {id: url without a trailing slash}; "" = none."""
+    return {worker_id: worker.url for worker_id, worker in parse_static_fleet(text).items()}
+
+
 def static_workers(text: str) -> str:
-    parse_static_workers(text)
+    parse_static_fleet(text)
     return text.strip()
 
 

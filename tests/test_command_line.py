@@ -56,6 +56,8 @@ def test_every_address_flag_of_every_command_has_a_parser_from_kvroute_addresses
     (["router", "--tokenizer", "t", "--host", "127.0.0.1:8080"], "argument --host: '127.0.0.1:8080' is not a host"),
     (["router", "--tokenizer", "t", "--static-workers", "w0=10.0.0.1:8000"],
      "argument --static-workers: '10.0.0.1:8000' is not an http:// or https:// URL"),
+    (["router", "--tokenizer", "t", "--static-workers", "w0@=http://e"],
+     "argument --static-workers: 'w0@=http://e' is not ID=URL or ID@MODEL=URL"),
     (["epp", "--tokenizer", "t", "--metrics-port", "65536"], "argument --metrics-port: port 65536 is out of range"),
     (["control-plane", "--listen", "0.0.0.0"], "argument --listen: no port in '0.0.0.0'"),
     (["control-plane", "--metrics-host", "http://0.0.0.0"], "argument --metrics-host: 'http://0.0.0.0' is not a host"),
@@ -82,9 +84,13 @@ def test_a_bad_address_is_one_line_naming_the_flag_and_exit_2(argv: list[str], m
 
 def test_good_addresses_of_every_form_pass_as_written() -> None:
     args = cli.parse_args(["router", "--tokenizer", "t", "--control-plane", "cp-0.kvroute-cp:50051,[::1]:50051",
-                           "--host", "[::1]", "--port", "0", "--static-workers", "w0=http://10.0.0.1:8000/,w1=https://e"])
+                           "--host", "[::1]", "--port", "0", "--static-workers",
+                           "w0=http://10.0.0.1:8000/,w1@org/chat-1b=https://e"])
     assert (args.control_plane, args.host, args.port) == ("cp-0.kvroute-cp:50051,[::1]:50051", "::1", 0)
     assert addresses.parse_static_workers(args.static_workers) == {"w0": "http://10.0.0.1:8000", "w1": "https://e"}
+    assert addresses.parse_static_fleet(args.static_workers) == {
+        "w0": addresses.StaticWorker("http://10.0.0.1:8000", ""),  # the router's default model
+        "w1": addresses.StaticWorker("https://e", "org/chat-1b")}
     args = cli.parse_args(["agent", "--kv-events", "tcp://*:5557", "--replay-endpoint", "ipc:///tmp/replay",
                            "--engine-url", "http://[fd00::7]:8000"])
     assert (args.kv_events, args.replay_endpoint) == ("tcp://*:5557", "ipc:///tmp/replay")
@@ -99,6 +105,7 @@ def test_good_addresses_of_every_form_pass_as_written() -> None:
     (["simulate", "--workload", "rag", "--kv-aware-param", "load_bund=1.5"], "(did you mean 'load_bound'?)"),
     (["simulate", "--workload", "rag", "--seeds", "1,2", "--plots", "p"], "--plots draws one seed's runs"),
     (["demo", "--policies", "kv_aware,fastest"], "argument --policies: unknown policy 'fastest'"),
+    (["demo", "--models", "3", "--engines", "2"], "--models 3: each model needs an engine of its own"),
     (["bench", "live", "--policies", "round-robin"], "argument --policies: unknown policy 'round-robin'"),
     (["bench", "proxy", "--policies", ","], "argument --policies: no policy in ','"),
     (["bench", "replicas", "--catchup-blocks", "100000,1e6"], "argument --catchup-blocks: '100000,1e6'"),
@@ -106,6 +113,15 @@ def test_good_addresses_of_every_form_pass_as_written() -> None:
     (["router", "--tokenizer", "t", "--policy", "chwbl", "--kv-aware-param", "load_bound=2"],
      "--kv-aware-param needs --policy kv_aware"),
     (["router", "--tokenizer", "t", "--bogus"], "unrecognized arguments: --bogus"),
+    (["router", "--tokenizer", "t", "--model-tokenizer", "org/id"],
+     "argument --model-tokenizer: 'org/id' is not MODEL=PATH_OR_ID"),
+    (["router", "--tokenizer", "t", "--model-tokenizer", "a=x", "--model-tokenizer", "a=y"],
+     "--model-tokenizer names a model twice"),
+    (["router", "--tokenizer", "t", "--model-tokenizer", "t=x"],
+     "--model-tokenizer names a model twice (or the default model"),
+    (["router", "--tokenizer", "t", "--serve-models", "a,,b"], "argument --serve-models: 'a,,b' is not MODEL,MODEL"),
+    (["router", "--tokenizer", "t", "--max-loaded-tokenizers", "0"],
+     "argument --max-loaded-tokenizers: must be > 0, got 0"),
     (["router", "--tokenizer", "t", "--query-timeout-ms", "0"], "argument --query-timeout-ms: must be > 0, got 0"),
     (["router", "--tokenizer", "t", "--max-reservations", "0"], "argument --max-reservations: must be > 0, got 0"),
     (["sim-engine", "--tokenizer", "t", "--block-size", "0"], "argument --block-size/--page-size: must be > 0, got 0"),
@@ -175,3 +191,14 @@ def test_an_unknown_kvroute_environment_variable_is_warned_about(tmp_path: Path)
     result = kvroute("config", "check", str(config), env={"KVROUTE_CONTROL_PLAIN": "cp:50051"})
     assert result.returncode == 0 and result.stdout.splitlines() == ["router: ok", "agent: ok", "control-plane: ok"]
     assert len(result.stderr.strip().splitlines()) == 1 and "KVROUTE_CONTROL_PLAIN" in result.stderr, result.stderr
+
+
+def test_a_model_tokenizer_that_is_nowhere_on_disk_stops_the_router_in_one_line(tmp_path: Path,
+                                                                                  tiny_model_dir: Path) -> None:
+    """Neither a directory nor in the Hugging Face cache: nothing is downloaded, the router does not start."""
+    result = kvroute("router", "--tokenizer", str(tiny_model_dir), "--model-tokenizer", "chat=org/not-cached",
+                     "--control-plane", "127.0.0.1:1", "--port", "0", "--grpc-port", "0",
+                     env={"HF_HUB_CACHE": str(tmp_path)})
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model 'chat'" in lines[0] and "nothing is downloaded" in lines[0], result.stderr

@@ -275,7 +275,7 @@ def test_a_running_router_loads_no_tool_and_no_other_plane(tmp_path: Path, tiny_
     stopped with SIGTERM; what it had loaded by then."""
     dump, port = tmp_path / "modules.json", free_port()
     proc = subprocess.Popen([sys.executable, "-c", _LOADED, str(dump), "router", "--tokenizer", str(tiny_model_dir),
-                             "--control-plane", f"127.0.0.1:{free_port()}", "--port", str(port)],
+                             "--control-plane", f"127.0.0.1:{free_port()}", "--port", str(port), "--grpc-port", "0"],
                             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/health"), 30, "the router",

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -70,13 +70,19 @@ class ControlPlaneClient:
                  router_id: str | None = None, use_session: bool = True,
                  query_deadline: QueryDeadline | None = None, tls: ClientTls | None = None,
                  max_message_bytes: int = 64 * 1024 * 1024, view: FleetView | None = None,
-                 discovery: EngineDiscovery | None = None) -> None:
+                 discovery: EngineDiscovery | None = None, unreported_model: str = "",
+                 static_models: Mapping[str, str] | None = None, only_models: frozenset[str] = frozenset()) -> None:
         """`query_deadline`: an adaptive deadline (`query_deadline.py`); without one the deadline is
         `query_timeout_s`, fixed. `tls`: TLS to the control plane (kvroute/tls.py); when its files
         change, channels are opened anew and the old ones closed after `RETIRE_GRACE_S`. `view`: follow
         the fleet into it (`fleet_view.py`, `--index local`): the known fleet and the index's answers
         come from it, ListWorkers and queries are not used. `discovery`: engines found by DNS join
-        the known fleet (started and closed by its owner)."""
+        the known fleet (started and closed by its owner). `unreported_model`: the model the workers
+        no agent reports on (static, found by DNS) serve ("": whichever model is asked for);
+        `static_models`: static worker id -> the model it serves, when not that one. `only_models`:
+        the known fleet holds only these models' workers (empty: every model's; a view filters its own)."""
+        self.unreported_model = unreported_model
+        self.only_models = only_models
         self.tls = tls
         self._tls_generation = tls.generation if tls is not None else 0
         self._retiring: set[asyncio.Task] = set()
@@ -111,6 +117,10 @@ class ControlPlaneClient:
         self._last_known: dict[str, list[KnownWorker]] = {}  # model -> last non-empty snapshot
         self._static = [KnownWorker(wid, "", url.rstrip("/"), static_block_size, pb.WorkerLoad())
                         for wid, url in (static_workers or {}).items()]
+        # model -> its static workers ("": those of the default model, or of any without one)
+        self._static_by_model: dict[str, list[KnownWorker]] = {}
+        for worker in self._static:
+            self._static_by_model.setdefault((static_models or {}).get(worker.worker_id, ""), []).append(worker)
         self._task: asyncio.Task | None = None
         self._tls_task: asyncio.Task | None = None
         self.discovery = discovery
@@ -119,6 +129,7 @@ class ControlPlaneClient:
         self._taken: tuple[object, bool, frozenset[str]] = (None, False, frozenset())  # (roster, static, endpoints)
         self._merged: dict[tuple[str, str], tuple[list[KnownWorker], int, list[KnownWorker]]] = {}
         self._already_known: frozenset[str] = frozenset()  # engines found by DNS that are another worker
+        self._models: tuple[object, frozenset[str]] = (None, frozenset())  # (fleet, the models registered in it)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -250,7 +261,13 @@ class ControlPlaneClient:
             known = self._workers_for(model)
             if lora_name:
                 known = [w for w in known if lora_name in w.lora_adapters or not w.model]
-        return self._with_found(model, lora_name, known) if self.discovery is not None else known
+        if self.discovery is not None and self._serves_unreported(model):
+            return self._with_found(model, lora_name, known)
+        return known
+
+    def _serves_unreported(self, model: str) -> bool:
+        """Whether the workers no agent reports on serve `model`."""
+        return not self.unreported_model or model == self.unreported_model
 
     def adapters_of(self, model: str) -> set[str]:
         """LoRA adapters some known worker of `model` serves (requests name them as `model`)."""
@@ -264,7 +281,8 @@ class ControlPlaneClient:
         "control_plane" (the latest ListWorkers), "last_known" (the last non-empty one), "static"
         (--static-workers), "discovered" (engines found by DNS alone) or "none"."""
         source = self._fleet_of(model)[0]
-        if source == "none" and self.discovery is not None and self.discovery.engines():
+        if source == "none" and self.discovery is not None and self.discovery.engines() \
+                and self._serves_unreported(model):
             return "discovered"
         return source
 
@@ -276,8 +294,12 @@ class ControlPlaneClient:
             return "control_plane", current
         if model in self._last_known:
             return "last_known", list(self._last_known[model])
-        if not self.ever_reached and self._static:
-            return "static", list(self._static)  # control plane never reached: static fallback fleet
+        if not self.ever_reached and self._static:  # control plane never reached: static fallback fleet
+            static = self._static_by_model.get(model, [])
+            if self._serves_unreported(model):
+                static = static + self._static_by_model.get("", [])
+            if static:
+                return "static", static
         return "none", []
 
     # ------------------------------------------------------------ engines found by DNS
@@ -343,11 +365,26 @@ class ControlPlaneClient:
                          ", ".join(sorted(self._already_known - ids)))
             self._already_known = frozenset(ids)
 
-    def models(self) -> set[str]:
-        """Models with known workers (static workers serve any model, so they add none)."""
-        if self.view is not None:
-            return self.view.models_served()
-        return {w.model for w in self.fleet.values()} | set(self._last_known)
+    def models(self) -> frozenset[str]:
+        """Models with known workers: those agents registered (now or before), and `unreported_model`
+        while a worker no agent reports on is known (without one, those serve any model, so add none).
+        Read on every request: rebuilt only when the fleet it comes from changes."""
+        if self.view is not None and self.view.synced:
+            registered = self.view.models_served()
+        else:
+            registered = self._registered_models()
+        unreported = self.unreported_model
+        if unreported and unreported not in registered and self.workers_for(unreported):
+            registered = registered | {unreported}
+        if not self.ever_reached and len(self._static_by_model) > ("" in self._static_by_model):
+            registered = registered | (self._static_by_model.keys() - {""})  # static workers that name their model
+        return registered
+
+    def _registered_models(self) -> frozenset[str]:
+        fleet = self.fleet  # replaced by every ListWorkers: its identity says when to re-read
+        if self._models[0] is not fleet:
+            self._models = (fleet, frozenset(w.model for w in fleet.values()) | frozenset(self._last_known))
+        return self._models[1]
 
     async def refresh(self) -> None:
         address = self.address
@@ -361,7 +398,7 @@ class ControlPlaneClient:
                                           w.cached_blocks, frozenset(w.lora_adapters),
                                           w.data_parallel_rank if w.HasField("data_parallel_rank") else None,
                                           w.role)
-                 for w in response.workers}
+                 for w in response.workers if not self.only_models or w.model in self.only_models}
         joined, left = fleet.keys() - self.fleet.keys(), self.fleet.keys() - fleet.keys()
         if joined or left:
             log.info("fleet: %d workers (joined: %s; left: %s)", len(fleet), ", ".join(sorted(joined)) or "-",

@@ -88,6 +88,7 @@ class FleetView:
         # The last non-empty fleet per (model, adapter): a restarted control plane lists no worker until
         # the agents are back, and requests still go somewhere meanwhile (on load alone).
         self._last_known: dict[tuple[str, str], list[KnownWorker]] = {}
+        self._served: tuple[object, frozenset[str]] = (None, frozenset())  # (roster version, models_served())
 
     # ------------------------------------------------------------ reading it
 
@@ -152,10 +153,16 @@ class FleetView:
         last = self._last_known.get(key)
         return ("last_known", last) if last else ("none", [])
 
-    def models_served(self) -> set[str]:
-        """Models the view lists a worker of, or listed one of before."""
-        listed = {r.model for r in self.state.registry.workers()} if self.state is not None else set()
-        return listed | {model for model, _ in self._last_known}
+    def models_served(self) -> frozenset[str]:
+        """Models the view lists a worker of, or listed one of before (rebuilt when the roster changes)."""
+        state = self.state
+        if state is None:
+            return frozenset(model for model, _ in self._last_known)
+        version = (id(state), state.registry.roster_version, len(self._last_known))
+        if self._served[0] != version:
+            listed = {r.model for r in state.registry.workers()}
+            self._served = (version, frozenset(listed | {model for model, _ in self._last_known}))
+        return self._served[1]
 
     # ------------------------------------------------------------ applying the stream
 

@@ -43,6 +43,7 @@ class RouteDecision:
     dp_ranks: dict[str, int] = field(default_factory=dict)      # worker_id -> X-data-parallel-rank, DP workers only
     explanation: Explanation | None = None  # only when asked (decide(..., explain=True))
     index_view: dict[str, dict[str, int]] | None = None  # worker_id -> what the index answered, with explanation
+    model: str = ""  # the model routed for (the request's base model)
 
     def ranked(self) -> list[Candidate]:
         """Candidates best first: the chosen one, then by score (the retry order)."""
@@ -104,7 +105,8 @@ def decide(policy: RoutingPolicy, request: RoutingInput, known: Sequence[KnownWo
     choice = policy.choose(request, candidates)
     dp_ranks = {w.worker_id: w.data_parallel_rank for w in known if w.data_parallel_rank is not None}
     decision = RouteDecision(choice.worker.worker_id, choice.worker.endpoint, prompt_tokens, choice.worker.cached_tokens,
-                             policy.name, bool(reason), candidates, choice.scores, reason, dict(chains), dp_ranks)
+                             policy.name, bool(reason), candidates, choice.scores, reason, dict(chains), dp_ranks,
+                             model=request.model)
     if explain:
         explainer = getattr(policy, "explain", None)
         decision.explanation = (explainer(request, candidates, choice) if explainer is not None

@@ -303,7 +303,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             else:
                 _, parsed = parse_routing_body(bytes(ex.body), kind, ex.headers)
                 prepared = await service.preparer.prepare(parsed, tokenize=self._policy_reads_tokens)
-                decision = await service.router.decide(service.model, prepared.token_ids, prepared.lora_name,
+                decision = await service.router.decide(prepared.model, prepared.token_ids, prepared.lora_name,
                                                        prepared.cache_salt, session_key=prepared.session_key,
                                                        eligible=eligible)
         except BadRequest as exc:

@@ -75,7 +75,7 @@ def add_router_service(service: RouterGrpcService, server: grpc.aio.Server) -> N
 class RouterGrpcService(pb_grpc.RouterServicer):
     def __init__(self, router: Router, preparer: RequestPreparer, reservations: AppReservations,
                  capture: TrafficCapture | None = None) -> None:
-        self.router, self.preparer, self.model = router, preparer, preparer.model
+        self.router, self.preparer = router, preparer
         self.reservations = reservations
         self.capture = capture  # a Route call is a decision for a request served elsewhere: record it too
 
@@ -99,12 +99,12 @@ class RouterGrpcService(pb_grpc.RouterServicer):
         except PrepareError as exc:
             await context.abort(_PREPARE_STATUS[exc.kind], str(exc))
         try:
-            decision = await self.router.decide(self.model, prepared.token_ids, prepared.lora_name, prepared.cache_salt,
+            decision = await self.router.decide(prepared.model, prepared.token_ids, prepared.lora_name, prepared.cache_salt,
                                                 session_key=prepared.session_key, explain=request.explain)
         except NoWorkersError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         if self.capture and arrived is not None:  # RouteRequest has no output budget: output_length 0
-            self.capture.record(arrived, prepared.token_ids, 0, self.model, prepared.lora_name, prepared.cache_salt)
+            self.capture.record(arrived, prepared.token_ids, 0, prepared.model, prepared.lora_name, prepared.cache_salt)
         response = to_route_response(decision)
         if request.reserve:
             try:

@@ -5,6 +5,8 @@
                 session key)
         RequestPreparer.prepare (prepare/request_prep.py, shared with gRPC): model/adapter check,
                 token ids (the model's own tokenizer and chat template), length check
+                (one router serves every model its fleet serves: each request is routed among
+                the workers of its own model)
         Router.decide (service/routing.py): block keys per block size -> control-plane query -> policy
                 (session key for the session policy: `x-session-id` header, else the body's `user`)
         BackendProxy.forward (proxy.py): the original body to the chosen engine, streamed back
@@ -12,7 +14,8 @@
         through pd.py)
     POST /v1/route      the decision alone, as JSON (same body as completions or chat);
                         ?explain=1 adds why: per candidate the policy's cost terms and the index's answer
-    GET  /v1/models, /health (liveness), /ready (service/readiness.py), /metrics
+    GET  /v1/models (every model some worker serves, and their LoRA adapters), /health (liveness),
+         /ready (service/readiness.py), /metrics
 
 Every error is OpenAI's error object (`api/errors.py`): bad input 400, unknown model 404, body
 over `max_body_bytes` 413 (refused from its Content-Length before it is read, or as soon as a
@@ -47,7 +50,7 @@ from kvroute.data_plane.ops.traffic_capture import (
     reported_usage,
 )
 from kvroute.data_plane.prepare.request_prep import PrepareError, RequestPreparer, RouteInput
-from kvroute.data_plane.service.readiness import router_readiness
+from kvroute.data_plane.service.readiness import router_readiness, served_models
 from kvroute.data_plane.service.routing import NoWorkersError, Router
 from kvroute.status import Readiness, ready_handler
 from kvroute.telemetry import tracing_active
@@ -83,16 +86,19 @@ class RouterHttpApi:
         self.admission = admission  # API keys and the concurrency limit (admission.py); None: everyone, unbounded
         self.stages = stages  # --stage-timing: per-stage samples at GET /debug/stages
         self._policy_reads_tokens = router.policy.needs.tokens
-        self.model, max_prompt_tokens = preparer.model, preparer.max_prompt_tokens
+        self.model, max_prompt_tokens = preparer.tokenizers.default_model, preparer.max_prompt_tokens
         self.capture = capture  # --capture-trace: proxied requests only (/v1/route is also a probe)
         self.max_body_bytes = max_body_bytes
         self.metrics = router.metrics
-        self.metrics.watch_tokenizer(preparer.tokenizer)
+        self.metrics.watch_tokenizers(preparer.tokenizers)
         self.metrics.watch_workers(self)
         self._answers: dict[tuple[str, int], tuple[Counter, Histogram]] = {}  # (route, status) -> its children
-        bound = preparer.tokenizer.char_bound
+        default_tokenizer = preparer.tokenizers.loaded_now(self.model)
+        bound = default_tokenizer.char_bound if default_tokenizer is not None else None
         # Logged by the caller once the listeners are up (a port in use must be the only line printed).
-        if bound.chars_per_token is None:
+        if bound is None:
+            self.prompt_bound_note = f"model {self.model}: its tokenizer loads with its first request"
+        elif bound.chars_per_token is None:
             self.prompt_bound_note = (f"no character bound on prompts ({bound.why}): every prompt under "
                                       "--max-body-bytes is tokenized")
         else:
@@ -143,9 +149,14 @@ class RouterHttpApi:
             counted[0].inc()
             counted[1].observe(time.perf_counter() - started)
 
+    def served_models(self) -> list[str]:
+        """Every model some known worker serves, the default one first."""
+        return served_models(self.router.control_plane, self.model)
+
     def known_workers(self) -> list[str]:
-        """Worker ids the router may route the model to (RouterMetrics' worker-state collector)."""
-        return [w.worker_id for w in self.router.control_plane.workers_for(self.model)]
+        """Worker ids the router may route requests to (RouterMetrics' worker-state collector)."""
+        cp = self.router.control_plane
+        return list(dict.fromkeys(w.worker_id for m in self.served_models() for w in cp.workers_for(m)))
 
     def sitting_out(self) -> frozenset[str]:
         return self.router.health.cooling_down()
@@ -190,11 +201,11 @@ class RouterHttpApi:
             explain = forward_to is None and _asks_to_explain(request)
             decode = None
             if self.pd is not None:
-                decision = await self.pd.decide_prefill(self.model, prepared.token_ids, prepared.lora_name,
+                decision = await self.pd.decide_prefill(prepared.model, prepared.token_ids, prepared.lora_name,
                                                         prepared.cache_salt, prepared.session_key, clock, explain)
-                decode = await self.pd.decide_decode(self.model, prepared.lora_name)
+                decode = await self.pd.decide_decode(prepared.model, prepared.lora_name)
             else:
-                decision = await self.router.decide(self.model, prepared.token_ids, prepared.lora_name,
+                decision = await self.router.decide(prepared.model, prepared.token_ids, prepared.lora_name,
                                                     prepared.cache_salt, session_key=prepared.session_key,
                                                     clock=clock, explain=explain)
         except BadRequest as exc:
@@ -229,33 +240,34 @@ class RouterHttpApi:
             return response
         usage = reported_usage(tail)
         if (cached := reported_cached_tokens(usage)) is not None:
-            self.metrics.engine_prompt_tokens.inc(cached[0])
-            self.metrics.engine_cached_tokens.inc(cached[1])
+            tokens = self.metrics.tokens_of(prepared.model)
+            tokens.engine_prompt.inc(cached[0])
+            tokens.engine_cached.inc(cached[1])
         if arrived is not None:
             output = reported_output_tokens(tail)
             self.capture.record(arrived, prepared.token_ids,
                                 fields.requested_output_tokens() if output is None else output,
-                                self.model, prepared.lora_name, prepared.cache_salt)
+                                prepared.model, prepared.lora_name, prepared.cache_salt)
         return response
 
     async def handle_models(self, request: web.Request) -> web.Response:
         cp = self.router.control_plane
         data = []
-        if cp.workers_for(self.model):
-            data.append({"id": self.model, "object": "model", "owned_by": "kvroute"})
-            data += [{"id": a, "object": "model", "owned_by": "kvroute", "parent": self.model}
-                     for a in sorted(cp.adapters_of(self.model))]
+        for model in self.served_models():
+            data.append({"id": model, "object": "model", "owned_by": "kvroute"})
+            data += [{"id": a, "object": "model", "owned_by": "kvroute", "parent": model}
+                     for a in sorted(cp.adapters_of(model))]
         return web.json_response({"object": "list", "data": data})
 
     async def handle_health(self, request: web.Request) -> web.Response:
         cp = self.router.control_plane
-        return web.json_response({"status": "ok", "model": self.model, "policy": self.router.policy.name,
-                                  "workers": len(cp.workers_for(self.model)),
+        return web.json_response({"status": "ok", "model": self.model, "models": self.served_models(),
+                                  "policy": self.router.policy.name, "workers": len(self.known_workers()),
                                   "control_plane": "reachable" if cp.reachable else "unreachable"})
 
     def readiness(self) -> Readiness:
-        return router_readiness(self.router.control_plane, self.model, self.router.health,
-                                self.pd.role_of if self.pd is not None else None)
+        return router_readiness(self.router.control_plane, self.model, self.router.health, self.served_models(),
+                                role_of=self.pd.role_of if self.pd is not None else None)
 
     async def handle_stages(self, request: web.Request) -> web.Response:
         """Per-stage samples in ms (`?reset=1`: and start over)."""

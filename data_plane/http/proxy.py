@@ -184,7 +184,7 @@ class BackendProxy:
                 if upstream.status >= 500:
                     self._leg_failed(worker)
                     raise LegFailed(f"HTTP {upstream.status}")
-                self._count(decision.policy, worker, prompt_tokens, candidate.cached_tokens)
+                self._count(decision.policy, decision.model, worker, prompt_tokens, candidate.cached_tokens)
                 return LegAnswer(worker, upstream.status, upstream.reason or "", list(upstream.headers), answer)
         finally:
             if upstream is not None:
@@ -237,15 +237,15 @@ class BackendProxy:
             propagate.inject(headers)  # W3C traceparent of the current (kvroute.proxy) span
         return headers
 
-    def _count(self, policy: str, worker: str, prompt_tokens: int, cached_tokens: int) -> None:
+    def _count(self, policy: str, model: str, worker: str, prompt_tokens: int, cached_tokens: int) -> None:
         served = self._served.get((policy, worker))
         if served is None:  # labels() costs a few us per call: keep the child per (policy, worker)
             served = self._served[(policy, worker)] = self.metrics.proxied_requests.labels(policy, worker)
         served.inc()
-        if prompt_tokens:
-            self.metrics.prompt_tokens.inc(prompt_tokens)
-        if cached_tokens:
-            self.metrics.predicted_cached_tokens.inc(cached_tokens)
+        if prompt_tokens or cached_tokens:
+            tokens = self.metrics.tokens_of(model)
+            tokens.prompt.inc(prompt_tokens)
+            tokens.predicted_cached.inc(cached_tokens)
 
     async def _attempt(self, request: web.Request, path: str, body: bytes, decision: RouteDecision,
                        candidate: Candidate, prompt_tokens: int, attempt: int, last: bool,
@@ -283,7 +283,7 @@ class BackendProxy:
                     await gate()
                 if not whole:  # a whole answer ends here: its release (finally) settles the prefill too,
                     self.inflight.first_token(ticket)  # one message to the control plane instead of two
-                self._count(decision.policy, worker, prompt_tokens, candidate.cached_tokens)
+                self._count(decision.policy, decision.model, worker, prompt_tokens, candidate.cached_tokens)
                 if whole:
                     # Handed to aiohttp whole: one write with its Content-Length, no chunk loop.
                     if upstream.status >= 400:

@@ -6,7 +6,8 @@ dashboard and the alert rules against live processes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -18,33 +19,43 @@ from kvroute.build_info import register_build_info
 REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
-class ChargesTokens(Protocol):
+class TokenizersInUse(Protocol):
+    """What the tokenizer collector reads at scrape time (ModelTokenizers)."""
+
+    @property
+    def tokenized_chars(self) -> int: ...
     @property
     def charged_tokens(self) -> int: ...
+    loads: Mapping[str, int]
 
-
-class CountsTokenizedChars(Protocol):
-    tokenized_chars: int
-    segment_cache: ChargesTokens | None
+    def loaded(self) -> list: ...
 
 
 class _TokenizerCollector:
-    """Read at scrape time: the tokenizer counts in worker threads, with no registry of its own."""
+    """Read at scrape time: the tokenizers count in worker threads, with no registry of their own."""
 
-    def __init__(self, tokenizer: CountsTokenizedChars) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizers: TokenizersInUse) -> None:
+        self.tokenizers = tokenizers
 
     def collect(self) -> Iterator[Metric]:
+        tokenizers = self.tokenizers
         yield CounterMetricFamily("kvroute_router_tokenized_chars",
-                                  "Characters of prompt text handed to the tokenizer (segment-cache hits included; "
+                                  "Characters of prompt text handed to the tokenizers (segment-cache hits included; "
                                   "prompts rejected by their length in characters are not)",
-                                  value=self.tokenizer.tokenized_chars)
-        cache = self.tokenizer.segment_cache
-        # Bounded by --tokenizer-cache-tokens: it grows until full, so a soak reads its RSS next to this.
+                                  value=tokenizers.tokenized_chars)
+        # Bounded by --tokenizer-cache-tokens per tokenizer: it grows until full, so a soak reads its RSS next to this.
         yield GaugeMetricFamily("kvroute_router_tokenizer_cache_bytes",
-                                "Estimated memory of the tokenizer's segment cache: 4 bytes per token charged "
+                                "Estimated memory of the loaded tokenizers' segment caches: 4 bytes per token charged "
                                 "against --tokenizer-cache-tokens (ids plus each segment's bookkeeping)",
-                                value=4 * cache.charged_tokens if cache is not None else 0)
+                                value=4 * tokenizers.charged_tokens)
+        yield GaugeMetricFamily("kvroute_router_tokenizers_loaded",
+                                "Tokenizers loaded now (at most --max-loaded-tokenizers)", value=len(tokenizers.loaded()))
+        loads = CounterMetricFamily("kvroute_router_tokenizer_loads",
+                                    "Times a model's tokenizer was loaded (more than once: it was unloaded for others, "
+                                    "past --max-loaded-tokenizers)", labels=["model"])
+        for model, count in sorted(tokenizers.loads.items()):
+            loads.add_metric([model], count)
+        yield loads
 
 
 class WorkerStates(Protocol):
@@ -145,6 +156,15 @@ class _DiscoveryCollector:
         yield last
 
 
+@dataclass(frozen=True, slots=True)
+class ModelTokenCounters:
+    """One model's children of the routing-quality counters (RouterMetrics.tokens_of)."""
+    prompt: Counter
+    predicted_cached: Counter
+    engine_prompt: Counter
+    engine_cached: Counter
+
+
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -200,17 +220,21 @@ class RouterMetrics:
         self.sit_outs = Counter("kvroute_router_worker_sit_outs", "Times a worker began sitting out after a failure",
                                 ["worker"], registry=r)
         # Routing quality: what the router expected cached beside what the engines say they reused.
-        self.prompt_tokens = Counter("kvroute_router_prompt_tokens", "Prompt tokens of proxied requests",
-                                     registry=r)
+        # Per model: one router serves several, and each has its own hit rate.
+        self.prompt_tokens = Counter("kvroute_router_prompt_tokens", "Prompt tokens of proxied requests, by model",
+                                     ["model"], registry=r)
         self.predicted_cached_tokens = Counter("kvroute_router_predicted_cached_tokens",
                                                "Prompt tokens of proxied requests the index expected cached on their "
-                                               "worker", registry=r)
+                                               "worker, by model", ["model"], registry=r)
         self.engine_prompt_tokens = Counter("kvroute_router_engine_prompt_tokens",
                                             "Prompt tokens of answers whose usage reports cached tokens "
-                                            "(usage.prompt_tokens, as the engine counted them)", registry=r)
+                                            "(usage.prompt_tokens, as the engine counted them), by model", ["model"],
+                                            registry=r)
         self.engine_cached_tokens = Counter("kvroute_router_engine_cached_tokens",
                                             "Cached prompt tokens the engines reported in their answers "
-                                            "(usage.prompt_tokens_details.cached_tokens)", registry=r)
+                                            "(usage.prompt_tokens_details.cached_tokens), by model", ["model"],
+                                            registry=r)
+        self._token_counters: dict[str, ModelTokenCounters] = {}
         # Traffic capture (--capture-trace): rows written to the trace, rows lost to a full buffer or a failed write.
         self.capture_rows = Counter("kvroute_router_capture_rows", "Mooncake trace rows written by --capture-trace",
                                     registry=r)
@@ -221,6 +245,15 @@ class RouterMetrics:
         self._workers_watched = False
         self._view_watched = False
         self._discovery_watched = False
+
+    def tokens_of(self, model: str) -> ModelTokenCounters:
+        """The routing-quality counters of `model` (children kept: labels() costs a few us per call)."""
+        counters = self._token_counters.get(model)
+        if counters is None:
+            counters = self._token_counters[model] = ModelTokenCounters(
+                self.prompt_tokens.labels(model), self.predicted_cached_tokens.labels(model),
+                self.engine_prompt_tokens.labels(model), self.engine_cached_tokens.labels(model))
+        return counters
 
     def watch_discovery(self, discovery: Discovering) -> None:
         """Export what --discover-engines found, read at scrape time (once)."""
@@ -240,8 +273,8 @@ class RouterMetrics:
             self.registry.register(_WorkerStateCollector(states))
             self._workers_watched = True
 
-    def watch_tokenizer(self, tokenizer: CountsTokenizedChars) -> None:
-        """Export `tokenizer.tokenized_chars` as kvroute_router_tokenized_chars_total (once per registry)."""
+    def watch_tokenizers(self, tokenizers: TokenizersInUse) -> None:
+        """Export what the tokenizers did and hold, read at scrape time (once per registry)."""
         if not self._tokenizer_watched:
-            self.registry.register(_TokenizerCollector(tokenizer))
+            self.registry.register(_TokenizerCollector(tokenizers))
             self._tokenizer_watched = True

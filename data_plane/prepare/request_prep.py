@@ -1,20 +1,25 @@
 """One request-preparation step for every transport: what HTTP and gRPC parsed -> a prepared request.
 
-    preparer = RequestPreparer(tokenizer, served_model, control_plane.adapters_of, max_prompt_tokens)
+    preparer = RequestPreparer(tokenizers, control_plane, max_prompt_tokens)   # tokenizers: ModelTokenizers
     prepared = await preparer.prepare(RouteInput(model=..., prompt=... | messages=..., ...))
-    # -> PreparedRequest(token_ids, lora_name, cache_salt, session_key), or raises PrepareError
+    # -> PreparedRequest(model, token_ids, lora_name, cache_salt, session_key), or raises PrepareError
 
 Each transport parses its own wire format into a `RouteInput` and maps a `PrepareError` to its own
 status (HTTP: `status` and OpenAI's `code`/`param`; gRPC: INVALID_ARGUMENT / NOT_FOUND). What is
 checked here, in this order:
 
-1. the model: required; the served model, or a LoRA adapter of it (vLLM's way: the adapter is named
-   as the request's `model`; a `lora_name` field also works for the served model), else 404;
-2. the prompt: chat `messages` (rendered with the model's chat template) or a completion `prompt`
+1. the model: required; a model some worker serves or one given a tokenizer (with no worker yet:
+   the router's 503), or a LoRA adapter of a served model (vLLM's way: the adapter is named as the
+   request's `model`; a `lora_name` field also works for a served model), else 404;
+   `PreparedRequest.model` is the base model, the one the request is routed among the workers of;
+2. the prompt: chat `messages` (rendered with that model's chat template) or a completion `prompt`
    (text, token ids, or a batch of those: a batch goes to one worker, so it is routed on its first
    prompt, and every prompt must fit);
 3. its length: over `max_prompt_tokens` is `context_length_exceeded`, known from the characters
    alone when the text is past the tokenizer's character bound (never tokenized, then).
+
+A model without a tokenizer (`model_tokenizers.py`) is prepared as for a policy that reads no tokens:
+its shape is checked, its length is the engine's to check, and it is routed on load.
 
 Tokenizing runs on the event loop for short inputs and in a worker thread past
 `THREAD_TOKENIZE_CHARS` characters (the encode releases the GIL), so the loop keeps streaming.
@@ -23,9 +28,11 @@ Tokenizing runs on the event loop for short inputs and in a worker thread past
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
+from kvroute.data_plane.prepare.model_tokenizers import ModelTokenizers
 from kvroute.data_plane.prepare.tokenization import PromptTokenizer, PromptTooLong, TokenizationError
 
 # Tokenizing costs a few tenths of a millisecond per 1000 characters; longer inputs go to a worker
@@ -61,9 +68,17 @@ class RouteInput:
     add_generation_prompt: bool = True
 
 
+class ServedModels(Protocol):
+    """What the router knows its fleet serves (ControlPlaneClient)."""
+
+    def models(self) -> Collection[str]: ...
+    def adapters_of(self, model: str) -> Collection[str]: ...
+
+
 @dataclass(slots=True)
 class PreparedRequest:
-    token_ids: Sequence[int] | None  # None: not tokenized (the policy reads no tokens)
+    model: str                   # the base model: routed among its workers
+    token_ids: Sequence[int] | None  # None: not tokenized (the policy reads no tokens, or the model has no tokenizer)
     lora_name: str = ""          # "" = the served model itself
     cache_salt: str = ""
     session_key: str = ""
@@ -90,46 +105,51 @@ def is_token_ids(value: object) -> bool:
 
 
 class RequestPreparer:
-    def __init__(self, tokenizer: PromptTokenizer, model: str, adapters_of: Callable[[str], Collection[str]],
-                 max_prompt_tokens: int = 131072) -> None:
-        self.tokenizer, self.model, self.max_prompt_tokens = tokenizer, model, max_prompt_tokens
-        self._adapters_of = adapters_of
+    def __init__(self, tokenizers: ModelTokenizers, served: ServedModels, max_prompt_tokens: int = 131072) -> None:
+        self.tokenizers, self.served, self.max_prompt_tokens = tokenizers, served, max_prompt_tokens
 
-    def lora_name(self, request: RouteInput) -> str:
-        """The adapter the request asks for ("" = the served model); PrepareError if it names neither."""
+    def resolve_model(self, request: RouteInput) -> tuple[str, str]:
+        """(base model, adapter "" = none) the request asks for; PrepareError if it names neither a
+        served or configured model nor an adapter of a served one."""
         model = request.model
         if not isinstance(model, str) or not model:
             raise PrepareError("'model' is required (a string)", param="model")
-        if model == self.model:
+        served = self.served.models()
+        if model in served or model in self.tokenizers.configured:
             lora_name = str(request.lora_name or "")
-            if lora_name and lora_name not in self._adapters_of(self.model):
+            if lora_name and lora_name not in self.served.adapters_of(model):
                 raise PrepareError(f"The model `{lora_name}` does not exist.", "model_not_found", "lora_name")
-            return lora_name
-        if model not in self._adapters_of(self.model):
-            raise PrepareError(f"The model `{model}` does not exist.", "model_not_found", "model")
-        return model
+            return model, lora_name
+        for base in sorted(served):  # an adapter is named as the model (rare: the loop is off the common path)
+            if model in self.served.adapters_of(base):
+                return base, model
+        # OpenAI's own answer, word for word (param null): clients match on it.
+        raise PrepareError(f"The model `{model}` does not exist or you do not have access to it.", "model_not_found")
 
     async def prepare(self, request: RouteInput, tokenize: bool = True) -> PreparedRequest:
         """`tokenize=False` (a policy that reads no tokens): the prompt's shape is checked, and its
         length only from its characters (a prompt past the character bound is refused), so nothing
         is tokenized; the engine checks the rest."""
-        lora_name = self.lora_name(request)
+        model, lora_name = self.resolve_model(request)
+        tokenizer = await self.tokenizers.get(model)
         chat = request.kind == "chat" or (request.kind == "either" and request.messages is not None)
-        if not tokenize and (chat or request.prompt is not None):
-            self._check_untokenized(request, chat)
-            return PreparedRequest(None, lora_name, request.cache_salt or "", request.session_key or "")
+        if (tokenizer is None or not tokenize) and (chat or request.prompt is not None):
+            self._check_untokenized(request, chat, tokenizer)
+            return PreparedRequest(model, None, lora_name, request.cache_salt or "", request.session_key or "")
         if chat:
-            tokens = await self._chat_tokens(request)
+            assert tokenizer is not None
+            tokens = await self._chat_tokens(request, tokenizer)
         elif request.prompt is not None:
-            tokens = await self._completion_tokens(request.prompt)
+            assert tokenizer is not None
+            tokens = await self._completion_tokens(request.prompt, tokenizer)
         elif request.kind == "completions":
             raise PrepareError("'prompt' is required (a string, a list of token ids, or a list of those)",
                                param="prompt")
         else:
             raise PrepareError(request.missing_prompt)
-        return PreparedRequest(tokens, lora_name, request.cache_salt or "", request.session_key or "")
+        return PreparedRequest(model, tokens, lora_name, request.cache_salt or "", request.session_key or "")
 
-    def _check_untokenized(self, request: RouteInput, chat: bool) -> None:
+    def _check_untokenized(self, request: RouteInput, chat: bool, tokenizer: PromptTokenizer | None) -> None:
         if chat:
             messages = request.messages
             if not isinstance(messages, list) or not messages:
@@ -154,14 +174,16 @@ class RequestPreparer:
                 raise PrepareError("'prompt' must be a string, a non-empty list of token ids, or a list of those",
                                    param="prompt")
             param = "prompt"
-        limit = self.tokenizer.char_bound.max_chars(self.max_prompt_tokens)
+        if tokenizer is None:
+            return
+        limit = tokenizer.char_bound.max_chars(self.max_prompt_tokens)
         if limit is not None and chars > limit:
             raise PrepareError(f"prompt has at least {chars} characters; with this model's tokenizer (at most "
-                               f"{self.tokenizer.char_bound.chars_per_token} characters per token) that is more than "
+                               f"{tokenizer.char_bound.chars_per_token} characters per token) that is more than "
                                f"{self.max_prompt_tokens} tokens, the most this router accepts (see "
                                "--max-prompt-tokens)", "too_long", param)
 
-    async def _chat_tokens(self, request: RouteInput) -> Sequence[int]:
+    async def _chat_tokens(self, request: RouteInput, tokenizer: PromptTokenizer) -> Sequence[int]:
         messages = request.messages
         if not isinstance(messages, list) or not messages:
             raise PrepareError("'messages' is required (a non-empty list of messages)", param="messages")
@@ -170,18 +192,19 @@ class RequestPreparer:
         extra = {k: v for k, v in extra.items() if k not in _RESERVED_TEMPLATE_VARS}
         size = sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, dict))
         return self._check_length(await self._tokenize(
-            "messages", size, self.tokenizer.encode_chat, messages, request.add_generation_prompt, tools, extra,
+            "messages", size, tokenizer.encode_chat, messages, request.add_generation_prompt, tools, extra,
             self.max_prompt_tokens), "messages")
 
-    async def _completion_tokens(self, prompt: object, where: str = "prompt") -> Sequence[int]:
+    async def _completion_tokens(self, prompt: object, tokenizer: PromptTokenizer,
+                                 where: str = "prompt") -> Sequence[int]:
         if isinstance(prompt, str):
             return self._check_length(await self._tokenize(
-                "prompt", len(prompt), self.tokenizer.encode_prompt, prompt, self.max_prompt_tokens, where), "prompt")
+                "prompt", len(prompt), tokenizer.encode_prompt, prompt, self.max_prompt_tokens, where), "prompt")
         if is_token_ids(prompt):
             return self._check_length(prompt, "prompt")  # type: ignore[arg-type]
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_token_ids(p) for p in prompt):
             # A batch goes to one worker: route on its first prompt; every prompt must fit.
-            batch = [await self._completion_tokens(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+            batch = [await self._completion_tokens(p, tokenizer, f"prompt[{i}]") for i, p in enumerate(prompt)]
             return batch[0]
         raise PrepareError("'prompt' must be a string, a non-empty list of token ids, or a list of those",
                            param="prompt")

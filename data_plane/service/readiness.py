@@ -1,6 +1,7 @@
 """The router's readiness: `GET /ready` and the gRPC health status (`grpc.health.v1`) follow it.
 
-Ready: the router knows at least one worker for its model (from its view of the fleet with `--index
+Ready: the router knows at least one worker of a model it serves (its default model, or any its fleet
+serves: `models`) (from its view of the fleet with `--index
 local` once the view has synced, else the control plane's latest ListWorkers, the last non-empty one,
 or `--static-workers` while the control plane was never reached; and the engines found by DNS,
 `--discover-engines`) and at least one of them is healthy:
@@ -20,12 +21,18 @@ In P/D mode (`role_of` given) it also takes a healthy worker of each role, prefi
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvroute.data_plane.cp_link.control_plane_client import ControlPlaneClient, KnownWorker
 from kvroute.data_plane.engines.backend_health import BackendHealth
 from kvroute.roles import DECODE, PREFILL
 from kvroute.status import Readiness
+
+
+def served_models(cp: ControlPlaneClient, default_model: str) -> list[str]:
+    """Every model some known worker serves, the default one first (/v1/models, /ready)."""
+    return sorted((m for m in cp.models() | {default_model} if cp.workers_for(m)),
+                  key=lambda m: (m != default_model, m))
 
 
 def no_workers_reason(cp: ControlPlaneClient, model: str, lora_name: str = "") -> str:
@@ -48,12 +55,17 @@ def no_workers_reason(cp: ControlPlaneClient, model: str, lora_name: str = "") -
 
 
 def router_readiness(control_plane: ControlPlaneClient, model: str, health: BackendHealth,
-                     role_of: Callable[[KnownWorker], str] | None = None) -> Readiness:
-    """`health`: the workers failing their health checks, and those the proxy saw fail, sitting out
-    their cooldown. `role_of`: P/D mode, each worker's role (a healthy one of each is needed)."""
+                     models: Sequence[str] = (), role_of: Callable[[KnownWorker], str] | None = None) -> Readiness:
+    """`model`: the default model; `models`: every model served (default: that one alone), whose
+    workers count together. `health`: the workers failing their health checks, and those the proxy
+    saw fail, sitting out their cooldown. `role_of`: P/D mode, each worker's role (a healthy one of
+    each is needed)."""
     cooling_down, cooldown_s, down = health.cooling_down(), health.cooldown_s, health.down()
-    workers = [w.worker_id for w in control_plane.workers_for(model)]
-    source = control_plane.fleet_source(model)
+    served = list(models) or [model]
+    by_model = {m: [w.worker_id for w in control_plane.workers_for(m)] for m in served}
+    workers = list(dict.fromkeys(w for ids in by_model.values() for w in ids))
+    source = control_plane.fleet_source(model if by_model.get(model) else next((m for m in served if by_model[m]),
+                                                                               model))
     failing_checks = sorted(w for w in workers if w in down)
     sitting_out = sorted(w for w in workers if w in cooling_down)
     healthy = len(workers) - len(set(failing_checks) | set(sitting_out))
@@ -109,7 +121,8 @@ def router_readiness(control_plane: ControlPlaneClient, model: str, health: Back
                 fatal.append(f"P/D: no {role} worker of model {model!r} is healthy ({', '.join(of_role)})")
     refreshed = cp.fleet_updated_at
     return Readiness(fatal, warnings, {
-        "model": model, "workers": len(workers), "healthy_workers": healthy,
+        "model": model, "models": {m: len(ids) for m, ids in by_model.items()},
+        "workers": len(workers), "healthy_workers": healthy,
         "failing_health_checks": failing_checks, "cooling_down": sitting_out, "fleet": source,
         "control_plane": {"address": cp.address, "reachable": cp.reachable,
                           "last_refresh_s_ago": round(time.monotonic() - refreshed, 3) if refreshed else None,

@@ -2,7 +2,12 @@
 
     service = build_routing_service(args, "router")   # or "epp"
     prepared = await service.preparer.prepare(route_input)
-    decision = await service.router.decide(service.model, prepared.token_ids, ...)
+    decision = await service.router.decide(prepared.model, prepared.token_ids, ...)
+
+One service routes every model its fleet serves: each request among the workers of its own model
+(`PreparedRequest.model`), tokenized with that model's tokenizer (`model_tokenizers.py`), its
+prompt keyed in that model's namespace; `service.model` is the default model (`--model`), the one
+`--tokenizer` belongs to and the workers no agent reports on serve.
 
 `kvroute router` (cli.py) and `kvroute epp` (epp.py) both start from it, so the endpoint picker
 takes exactly the router's path: request preparation (tokenizer, chat template, length checks),
@@ -21,9 +26,8 @@ import ssl
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
-from kvroute.addresses import parse_static_workers
+from kvroute.addresses import parse_static_fleet
 from kvroute.data_plane.cp_link.control_plane_client import ControlPlaneClient, KnownWorker
 from kvroute.data_plane.cp_link.fleet_view import FleetView
 from kvroute.data_plane.cp_link.inflight import RouterInflight
@@ -33,8 +37,8 @@ from kvroute.data_plane.decision.policies import RoutingPolicy, make_policy, par
 from kvroute.data_plane.engines.backend_health import BackendHealth, HealthCheckConfig, HealthChecks
 from kvroute.data_plane.engines.engine_discovery import DiscoveryError, EngineDiscovery, make_resolver, parse_target
 from kvroute.data_plane.ops.metrics import RouterMetrics
+from kvroute.data_plane.prepare.model_tokenizers import ModelTokenizers, default_model_name, parse_model_tokenizer
 from kvroute.data_plane.prepare.request_prep import RequestPreparer
-from kvroute.data_plane.prepare.tokenization import PromptTokenizer, load_tokenizer
 from kvroute.data_plane.service.routing import Router
 from kvroute.listeners import run_service
 from kvroute.prefix_index.backends import IndexBackendError, make_index, resolve_backend
@@ -44,8 +48,8 @@ from kvroute.tls import TlsConfigError, TlsFiles, client_tls, tls_files_from_arg
 
 @dataclass(slots=True)
 class RoutingService:
-    model: str                  # the served model name (requests for others get 404)
-    tokenizer: PromptTokenizer
+    model: str                  # the default model (--model; the workers no agent reports on serve it)
+    tokenizers: ModelTokenizers  # every model's, loaded when first asked for
     kv_params: dict[str, float]  # --kv-aware-param overrides, for the start-up log line
     policy: RoutingPolicy
     control_plane: ControlPlaneClient
@@ -76,7 +80,7 @@ class RoutingService:
 def unmonitored_workers(known: list[KnownWorker]) -> dict[str, str]:
     """worker_id -> endpoint of the workers no agent reports on: their load and liveness never reach
     the control plane, so the router checks them itself: the --static-workers while that fleet is
-    in use and the engines found by DNS (model "": they serve whatever the router serves)."""
+    in use and the engines found by DNS (model "": no agent reports what they serve)."""
     return {w.worker_id: w.endpoint for w in known if not w.model}
 
 
@@ -97,8 +101,16 @@ def engine_discovery(args: argparse.Namespace, command: str) -> EngineDiscovery 
 def build_routing_service(args: argparse.Namespace, command: str) -> RoutingService:
     """From the routing flags `kvroute router` defines (cli.add_arguments); `command` names the
     process in error messages. The flags were checked when parsed (their types, cli.validate)."""
-    model = args.model or Path(args.tokenizer).resolve().name
-    tokenizer = load_tokenizer(args.tokenizer, cache_tokens=args.tokenizer_cache_tokens)
+    model = args.model or default_model_name(args.tokenizer)
+    sources = {model: args.tokenizer, **dict(map(parse_model_tokenizer, args.model_tokenizer))}
+    tokenizers = ModelTokenizers(sources, model, cache_tokens=args.tokenizer_cache_tokens,
+                                 max_loaded=args.max_loaded_tokenizers)
+    static = parse_static_fleet(args.static_workers)
+    # --serve-models: these and the ones given a tokenizer or static workers; else every model (empty: no filter).
+    only_models = (frozenset(args.serve_models.split(",")) | frozenset(sources)
+                   | frozenset(w.model for w in static.values() if w.model)) if args.serve_models else frozenset()
+    tokenizers.check_sources()  # FileNotFoundError: one line and exit 2 (run_routing_process)
+    tokenizers.load_now(model)  # the default model's now: its char bound is logged at start
     kv_params = parse_kv_aware_params(args.kv_aware_param)
     policy = make_policy(args.policy, **kv_params)
     # In-flight requests are shared so that other routers' index queries count them; a policy that reads
@@ -116,14 +128,17 @@ def build_routing_service(args: argparse.Namespace, command: str) -> RoutingServ
             resolve_backend(args.index_backend)
         except IndexBackendError as exc:
             raise SystemExit(f"kvroute {command}: error: {exc}") from None
-        view = FleetView(args.router_id or default_router_id(), models={model}, max_stale_s=args.view_max_stale_s,
+        # Every model (unless --serve-models): the router serves whichever its fleet does.
+        view = FleetView(args.router_id or default_router_id(), models=only_models, max_stale_s=args.view_max_stale_s,
                          lag_bound_s=args.view_lag_bound_s, index_factory=partial(make_index, args.index_backend))
     discovery = engine_discovery(args, command)
     # The control-plane link presents the certificate when it has one (mTLS), verifies with the CA.
-    control_plane = ControlPlaneClient(args.control_plane, static_workers=parse_static_workers(args.static_workers),
+    control_plane = ControlPlaneClient(args.control_plane, static_workers={wid: w.url for wid, w in static.items()},
+                                       static_models={wid: w.model for wid, w in static.items() if w.model},
                                        router_id=args.router_id, use_session=share_inflight,
                                        query_deadline=deadline, tls=client_tls(tls_files),
-                                       max_message_bytes=args.grpc_max_message_bytes, view=view, discovery=discovery)
+                                       max_message_bytes=args.grpc_max_message_bytes, view=view, discovery=discovery,
+                                       unreported_model=model, only_models=only_models)
     # Built once: the proxy writes in-flight state and backend failures, decisions read them.
     inflight = RouterInflight(control_plane.session)
     checks = health_check_config(args)
@@ -134,9 +149,10 @@ def build_routing_service(args: argparse.Namespace, command: str) -> RoutingServ
     if discovery is not None:
         metrics.watch_discovery(discovery)
     router = Router(control_plane, policy, inflight, health, metrics)
-    preparer = RequestPreparer(tokenizer, model, control_plane.adapters_of, args.max_prompt_tokens)
-    health_checks = HealthChecks(health, lambda: unmonitored_workers(control_plane.workers_for(model)), checks)
-    return RoutingService(model, tokenizer, kv_params, policy, control_plane, inflight, health, metrics, router,
+    preparer = RequestPreparer(tokenizers, control_plane, args.max_prompt_tokens)
+    health_checks = HealthChecks(health, lambda: unmonitored_workers(
+        [w for served in control_plane.models() | {model} for w in control_plane.workers_for(served)]), checks)
+    return RoutingService(model, tokenizers, kv_params, policy, control_plane, inflight, health, metrics, router,
                           preparer, tls_files, health_checks, discovery)
 
 

@@ -30,6 +30,7 @@ from kvroute.data_plane.grpc.api import RouterGrpcService, add_router_service
 from kvroute.data_plane.grpc.app_reservations import AppReservations
 from kvroute.data_plane.http.api import RouterHttpApi
 from kvroute.data_plane.http.proxy import BackendProxy
+from kvroute.data_plane.prepare.model_tokenizers import ModelTokenizers
 from kvroute.data_plane.prepare.request_prep import RequestPreparer
 from kvroute.data_plane.prepare.tokenization import PromptTokenizer, load_tokenizer
 from kvroute.data_plane.service.routing import Router
@@ -225,7 +226,7 @@ async def make_stack(tiny_model_dir, *, policy: str = "kv_aware", with_cp: bool 
     tokenizer = load_tokenizer(tiny_model_dir)
     inflight, health = RouterInflight(client.session), BackendHealth()
     router = Router(client, make_policy(policy, seed=0), inflight, health)
-    preparer = RequestPreparer(tokenizer, MODEL, client.adapters_of, max_prompt_tokens)
+    preparer = RequestPreparer(ModelTokenizers.preloaded({MODEL: tokenizer}, MODEL), client, max_prompt_tokens)
     http = RouterHttpApi(router, BackendProxy(inflight, health, router.metrics), preparer)
     runner = web.AppRunner(http.app(), handler_cancellation=True)  # as kvroute.data_plane.cli runs it
     await runner.setup()
@@ -620,7 +621,7 @@ async def test_bad_input_is_a_clear_openai_style_error(stack: Stack) -> None:
         ("/v1/chat/completions", {"model": MODEL, "prompt": "x"}, 400, "'messages' is required"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]}, 400, "role"),
         ("/v1/route", {"model": MODEL}, 400, "either 'prompt' or 'messages'"),
-        ("/v1/completions", {"model": "gpt-5", "prompt": "x"}, 404, "The model `gpt-5` does not exist."),
+        ("/v1/completions", {"model": "gpt-5", "prompt": "x"}, 404, "The model `gpt-5` does not exist or you"),
         ("/v1/completions", {"model": MODEL, "prompt": "cache " * 5000}, 400, "more than this router accepts (4096"),
         ("/v1/completions", {"model": MODEL, "prompt": list(range(4097))}, 400, "prompt has 4097 tokens"),
         ("/v1/completions", {"model": MODEL, "prompt": ["x", "cache " * 5000]}, 400, "--max-prompt-tokens"),
@@ -754,7 +755,8 @@ async def test_every_error_the_router_answers_is_openai_json(stack: Stack) -> No
     assert "GET" in error["message"]
     assert_openai_error(*await call("POST", "/v1/completions", data=b"{not json"), 400)
     error = assert_openai_error(*await call("POST", "/v1/completions", json={"model": "gpt-5", "prompt": "x"}), 404)
-    assert error["code"] == "model_not_found" and error["param"] == "model"
+    assert error == {"message": "The model `gpt-5` does not exist or you do not have access to it.",  # OpenAI's
+                     "type": "invalid_request_error", "param": None, "code": "model_not_found"}
     error = assert_openai_error(*await call("POST", "/v1/completions",
                                             json={"model": MODEL, "prompt": list(range(4097))}), 400)
     assert error["code"] == "context_length_exceeded"

@@ -21,6 +21,7 @@ from kvroute.data_plane.engines.backend_health import BackendHealth
 from kvroute.data_plane.http.api import RouterHttpApi
 from kvroute.data_plane.http.pd import PdRouting
 from kvroute.data_plane.http.proxy import BackendProxy
+from kvroute.data_plane.prepare.model_tokenizers import ModelTokenizers
 from kvroute.data_plane.prepare.request_prep import RequestPreparer
 from kvroute.data_plane.prepare.tokenization import load_tokenizer
 from kvroute.data_plane.service.routing import Router
@@ -87,8 +88,9 @@ async def fleet(tiny_model_dir):
         inflight, health = RouterInflight(client.session), BackendHealth()
         router = Router(client, make_policy("kv_aware", seed=0), inflight, health)
         proxy = BackendProxy(inflight, health, router.metrics)
-        http = RouterHttpApi(router, proxy, RequestPreparer(load_tokenizer(tiny_model_dir), MODEL, client.adapters_of,
-                                                            4096), pd=PdRouting(protocol, router, proxy))
+        preparer = RequestPreparer(ModelTokenizers.preloaded({MODEL: load_tokenizer(tiny_model_dir)}, MODEL), client,
+                                   4096)
+        http = RouterHttpApi(router, proxy, preparer, pd=PdRouting(protocol, router, proxy))
         runner = web.AppRunner(http.app(), handler_cancellation=True)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()

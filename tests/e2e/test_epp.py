@@ -27,7 +27,8 @@ MODEL = "tiny-llama"
 def fleet(module_local_fleet) -> Iterator[tuple[LocalCluster, str, dict[str, str]]]:
     """Three engines whose caches hold different prefixes (warmed through a router), the router, and
     pickers: `main` (no router session, so nothing it holds changes the router's view), `session`
-    (announces its in-flight requests like a router), `nothing` (serves a model no worker has) and
+    (announces its in-flight requests like a router), `nothing` (its model has no worker, and it knows no
+    other: its control plane is a port where nothing listens) and
     `shedding` (sheddable objective "batch" at load 1)."""
     cluster: LocalCluster = module_local_fleet("epp")
     cluster.start_sim_fleet(3)
@@ -39,7 +40,7 @@ def fleet(module_local_fleet) -> Iterator[tuple[LocalCluster, str, dict[str, str
             "main-metrics": f"http://127.0.0.1:{main_metrics}",
             "session": cluster.start_epp("session", "kv_aware", *patient),
             "nothing": cluster.start_epp("nothing", "kv_aware", "--model", "nothing-served", "--metrics-port",
-                                         str(nothing_metrics)),
+                                         str(nothing_metrics), "--control-plane", f"127.0.0.1:{free_port()}"),
             "nothing-metrics": f"http://127.0.0.1:{nothing_metrics}",
             "shedding": cluster.start_epp("shedding", "kv_aware", "--no-router-session", "--sheddable-objectives",
                                           "batch", "--saturation-load", "1")}
@@ -273,7 +274,7 @@ def test_health_follows_gaie_services(fleet) -> None:
     _, _, epps = fleet
     for service in ("", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
         assert serving(epps["main"], service), service
-    # A picker whose model no worker serves is alive but not ready.
+    # A picker that knows no worker of any model is alive but not ready.
     assert serving(epps["nothing"], "liveness")
     assert not serving(epps["nothing"], "readiness")
     assert not serving(epps["nothing"], "envoy.service.ext_proc.v3.ExternalProcessor")

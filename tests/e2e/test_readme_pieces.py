@@ -40,6 +40,7 @@ class BlockRun:
 
 
 def kill_line(jobs: int) -> str:
+    """The README's line that stops a block's `jobs` background processes: `kill %1 %2 ...`."""
     return "kill " + " ".join(f"%{job}" for job in range(1, jobs + 1))
 
 
@@ -221,3 +222,32 @@ def test_the_pd_fleet_block_works_as_written(tmp_path: Path) -> None:
         answered = (tmp_path / "headers.txt").read_text().strip().split("\r\n\r\n")[-1]  # after any retried 503s
         transfer = [line for line in answered.splitlines() if line.lower().startswith("x-sim-kv-transfer:")]
         assert transfer and f"from=sim-127.0.0.1:{ports[8100]};" in transfer[0], answered
+
+
+MANY_MODELS_PORTS = (50051, 8000, 8001, 8080, 5557, 5558, 5559, 5560)
+
+
+@pytest.mark.timeout(180)
+def test_many_models_behind_one_router_works_as_written(tmp_path: Path) -> None:
+    """Two models, a sim engine and an agent each, one router: each model's requests reach its own
+    engine, /v1/models lists both, an unknown model is OpenAI's 404; the kill line stops all six."""
+    pieces = readme_commands(readme_sh_blocks("## Running the pieces yourself")[0], "kvroute tiny-model")
+    block, ports = with_free_ports(pieces + readme_sh_blocks("### Many models behind one router")[0],
+                                   MANY_MODELS_PORTS)
+    prose = (REPO / "README.md").read_text().split("### Many models behind one router")[1]
+    assert f"`{kill_line(6)}` stops the six processes" in prose
+    run = run_block(tmp_path, block, jobs=6)
+    out, logs = run.out, run.logs
+    with stopped_by_the_kill_line(run):
+        assert run.returncode == 0, f"exit {run.returncode} (ports {ports})\nstdout:\n{out}\nstderr:\n{run.err}\n{logs}"
+        lines = out.splitlines()
+        assert lines[0].startswith("tiny model in models/tiny-llama"), out
+        assert lines[1].startswith("tiny model in models/tiny-chat"), out
+        workers = [line.split(":", 1)[1].strip() for line in lines if line.lower().startswith("x-kvroute-worker")]
+        assert workers == ["llama-0", "chat-0", "llama-0", "chat-0"], f"{out}\n{logs}"
+        models = json.loads(lines[-2])
+        assert [m["id"] for m in models["data"]] == ["tiny-llama", "tiny-chat"], models
+        assert json.loads(lines[-1]) == {"error": {
+            "message": "The model `gpt-4o` does not exist or you do not have access to it.",
+            "type": "invalid_request_error", "param": None, "code": "model_not_found"}}, lines[-1]
+        assert 'gets a 404,\nOpenAI\'s own answer word for word: ``{"error": {"message": "The model `gpt-4o`' in prose

@@ -44,6 +44,17 @@ def test_the_demo_removes_its_temporary_directory_and_keeps_a_given_workdir(tmp_
     assert list(tmpdir.iterdir()) == []
 
 
+def test_the_demo_serves_two_models_behind_each_router(tmp_path: Path) -> None:
+    """`--models 2`: each model's requests reach that model's engines only, and hit their caches."""
+    out = run_demo(tmp_path, "--models", "2", "--engines", "4", "--policies", "kv_aware")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.splitlines()[-1])["policies"]["kv_aware"]
+    assert result["misrouted"] == 0 and result["requests"] == 12, result
+    assert set(result["hit_rate_by_model"]) == {"tiny-llama", "tiny-llama-2"}, result
+    assert min(result["hit_rate_by_model"].values()) > 0, result  # the second turn reuses the first's prefix
+    assert "kv_aware: hit rate by model tiny-llama " in out.stdout
+
+
 # ---------------------------------------------------------------- disturbance: the detector, then live
 
 
