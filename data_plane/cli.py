@@ -94,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--query-timeout-factor", type=non_negative(float), default=0.0,
                    help="adaptive deadline: this x the slowest of the last 256 query latencies (late answers "
                         "included), within [--query-timeout-ms, --query-timeout-max-ms]; 0 (default) = fixed. "
-                        "On a loaded host 2 with --query-timeout-ms 25 kept every decision on the index (README)")
+                        "On a loaded host 2 with --query-timeout-ms 25 kept every decision on the index (docs/operations.md)")
     p.add_argument("--reservation-ttl-ms", type=positive(int), default=60_000,
                    help="gRPC Route(reserve=true): how long a reservation counts as in flight unless released "
                         "(a request may ask for its own, up to an hour)")

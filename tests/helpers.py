@@ -156,19 +156,20 @@ def served_by(router: str, request: dict, n: int) -> set[str]:
     return chosen
 
 
-# ---------------------------------------------------------------- README blocks run as written
+# ---------------------------------------------------------------- documented blocks run as written
 
 
-def readme_sh_blocks(heading: str, count: int = 1) -> list[str]:
-    """The first `count` ```sh blocks after `heading` in README.md."""
-    text = (REPO / "README.md").read_text()
+def doc_sh_blocks(document: str, heading: str, count: int = 1) -> list[str]:
+    """The first `count` ```sh blocks after `heading` in `document` (a path from the repository's root,
+    e.g. "README.md" or "docs/operations.md")."""
+    text = (REPO / document).read_text()
     section = text[text.index(f"\n{heading}\n"):]
     blocks = re.findall(r"^```sh\n(.*?)^```$", section, re.DOTALL | re.MULTILINE)
-    assert len(blocks) >= count, f"fewer than {count} sh blocks under {heading}"
+    assert len(blocks) >= count, f"fewer than {count} sh blocks under {heading} in {document}"
     return blocks[:count]
 
 
-def readme_commands(block: str, *prefixes: str) -> str:
+def doc_commands(block: str, *prefixes: str) -> str:
     """The commands of `block` that start with one of `prefixes`, each with its continuation lines
     (a block that says "after the X lines of another block" runs those first)."""
     picked, taking = [], False
@@ -181,19 +182,19 @@ def readme_commands(block: str, *prefixes: str) -> str:
     return "\n".join(picked) + "\n"
 
 
-def readme_env() -> dict[str, str]:
-    """The environment a README block runs in: this test run's `kvroute` first on PATH (as after
+def doc_env() -> dict[str, str]:
+    """The environment a documented block runs in: this test run's `kvroute` first on PATH (as after
     `. .venv/bin/activate`), and none of the machine's KVROUTE_* settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVROUTE_")}
     return {**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
-def with_free_ports(block: str, readme_ports: tuple[int, ...]) -> tuple[str, dict[int, int]]:
-    """`block` with each of `readme_ports` (which it must use) replaced by a free port, and the mapping."""
-    ports = {port: free_port() for port in readme_ports}
-    for port in readme_ports:
-        assert re.search(rf"\b{port}\b", block), f"the README block no longer uses port {port}: update the test"
-    return re.sub(r"\b(" + "|".join(map(str, readme_ports)) + r")\b", lambda m: str(ports[int(m.group(1))]),
+def with_free_ports(block: str, block_ports: tuple[int, ...]) -> tuple[str, dict[int, int]]:
+    """`block` with each of `block_ports` (which it must use) replaced by a free port, and the mapping."""
+    ports = {port: free_port() for port in block_ports}
+    for port in block_ports:
+        assert re.search(rf"\b{port}\b", block), f"the documented block no longer uses port {port}: update the test"
+    return re.sub(r"\b(" + "|".join(map(str, block_ports)) + r")\b", lambda m: str(ports[int(m.group(1))]),
                   block), ports
 
 

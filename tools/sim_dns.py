@@ -1,4 +1,4 @@
-"""A DNS server standing in for a cluster's (CoreDNS in Kubernetes), for the tests and the README's
+"""A DNS server standing in for a cluster's (CoreDNS in Kubernetes), for the tests and docs/operations.md's
 DNS discovery example: `kvroute sim-dns --records records.txt --port 5353`.
 
     server = SimDns().start()     # UDP on 127.0.0.1, on a port of its own: server.port

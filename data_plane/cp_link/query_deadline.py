@@ -17,7 +17,7 @@ cores): with 3x the p99 the demo's kv_aware router still failed open 1-6 times a
 the first stall after a calm stretch (deadline 13-28 ms, recent p99 4-9 ms); with 2x the slowest
 and a 5 ms floor, once in two runs of three (deadline 5 ms, slowest recent 2.2 ms); with 2x the
 slowest and a 25 ms floor, in none of four (`kvroute router --query-timeout-factor 2
---query-timeout-ms 25`). The router keeps a fixed 5 ms deadline by default for now: see the README
+--query-timeout-ms 25`). The router keeps a fixed 5 ms deadline by default for now: see docs/operations.md
 ("Failure behaviour") for the burst that an adaptive deadline places worse.
 
 `factor` 0 (or max_s <= min_s) keeps the deadline fixed at `min_s`. The slowest is recomputed

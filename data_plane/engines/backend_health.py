@@ -41,7 +41,7 @@ log = logging.getLogger("kvroute.router.health")
 
 @dataclass(frozen=True, slots=True)
 class HealthCheckConfig:
-    """The router's --health-check-* flags (defaults: README "Health checks")."""
+    """The router's --health-check-* flags (defaults: docs/operations.md "Health checks")."""
     interval_s: float = 5.0   # 0 = no active checks
     timeout_s: float = 5.0
     failures_to_down: int = 3

@@ -1,7 +1,7 @@
 """The router's Prometheus metrics, one CollectorRegistry per router instance (GET /metrics).
 
 Names follow Prometheus conventions (base units, `_total` on counters: prometheus_client appends it);
-README "Metrics" lists every one and tests/e2e/test_metrics_catalogue.py checks that list, the Grafana
+docs/metrics.md lists every one and tests/e2e/test_metrics_catalogue.py checks that list, the Grafana
 dashboard and the alert rules against live processes."""
 
 from __future__ import annotations

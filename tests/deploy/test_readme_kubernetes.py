@@ -13,11 +13,11 @@ import yaml
 
 from kvroute.addresses import parse_redis_url
 from tests.deploy.conftest import DeployTools
-from tests.helpers import REPO, readme_sh_blocks
+from tests.helpers import REPO, doc_sh_blocks
 
 
 def test_the_kubernetes_block_makes_a_usable_redis_secret_and_renders_ha(deploy_tools: DeployTools, tmp_path: Path) -> None:
-    (block,) = readme_sh_blocks("## Kubernetes")
+    (block,) = doc_sh_blocks("README.md", "## Kubernetes")
     (tmp_path / "deploy").symlink_to(REPO / "deploy")
     env = {**os.environ, "PATH": f"{deploy_tools.kubectl.parent}:{os.environ['PATH']}"}
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env, capture_output=True,

@@ -22,7 +22,7 @@ from kvroute.worker_agent.agent import WorkerAgent
 from kvroute.worker_agent.cli import add_arguments, config_from_args
 from kvroute.worker_agent.limits import DEFAULT_MAX_BATCH_EVENTS, DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_POLL_BYTES
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+OPERATIONS = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
 LIMIT_FLAGS = {"--kv-events-max-frame-bytes": DEFAULT_MAX_FRAME_BYTES,
                "--kv-events-max-batch-events": DEFAULT_MAX_BATCH_EVENTS,
                "--kv-events-max-poll-bytes": DEFAULT_MAX_POLL_BYTES}
@@ -54,8 +54,8 @@ async def test_the_limit_flags_reach_the_sockets_the_decoder_and_the_poller() ->
                                                                                      DEFAULT_MAX_BATCH_EVENTS)
 
 
-def test_the_readme_names_every_limit_with_its_default() -> None:
-    text = README.read_text()
+def test_the_operations_doc_names_every_limit_with_its_default() -> None:
+    text = OPERATIONS.read_text()
     for flag, default in LIMIT_FLAGS.items():
         assert flag in text, flag
         mib = default >> 20

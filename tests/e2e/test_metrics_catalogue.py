@@ -1,7 +1,7 @@
 """The metrics users read, checked against live processes: a control plane (replica over Redis, with its
 periodic audit), a sim engine with its agent and a router (which also finds the engine by DNS), each
-scraped on its /metrics after real traffic. Fails if README's "Metrics" table names a metric no process exposes (or with another type or
-labels), if a kvroute metric is missing from the table, or if a panel of the Grafana dashboard or an
+scraped on its /metrics after real traffic. Fails if a table of docs/metrics.md names a metric no process exposes (or with
+another type or labels), if a kvroute metric is missing from its tables, or if a panel of the Grafana dashboard or an
 alert rule names a metric that does not exist."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ pytestmark = pytest.mark.e2e
 
 DASHBOARD = REPO / "deploy" / "grafana" / "kvroute-dashboard.json"
 ALERTS = REPO / "deploy" / "prometheus" / "kvroute-alerts.yaml"
+CATALOGUE = REPO / "docs" / "metrics.md"
 
 
 @dataclass(frozen=True)
@@ -111,34 +112,31 @@ def scrape(module_local_fleet, redis_server: RedisServer, dns: SimDns) -> Scrape
     return Scrape(families, names)
 
 
-# ---------------------------------------------------------------- README's table
+# ---------------------------------------------------------------- docs/metrics.md's tables
 
 ROW = re.compile(r"^\| `([a-zA-Z_:][a-zA-Z0-9_:]*)` \| (\w+) \| ([^|]*) \| [^|]+ \|$")
 
 
-def readme_rows() -> dict[str, tuple[str, frozenset[str]]]:
-    """README's metrics table: exposed name -> (type, label names)."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("\n## Metrics\n"):]
-    section = section[:section.index("\n## ", 1)]
+def catalogue_rows() -> dict[str, tuple[str, frozenset[str]]]:
+    """docs/metrics.md's tables (one per process): exposed name -> (type, label names)."""
     rows = {}
-    for line in section.splitlines():
+    for line in CATALOGUE.read_text().splitlines():
         if found := ROW.match(line):
             labels = frozenset(re.findall(r"`(\w+)`", found.group(3)))
             rows[found.group(1)] = (found.group(2), labels)
     return rows
 
 
-def test_the_readme_table_holds_every_metric_and_only_those(scrape: Scrape) -> None:
-    rows = readme_rows()
-    assert len(rows) >= 50, "README's Metrics table was not found or not parsed"
-    assert not (unknown := sorted(set(rows) - set(scrape.families))), f"README names metrics no process exposes: {unknown}"
-    assert not (missing := sorted(set(scrape.families) - set(rows))), f"metrics missing from README's table: {missing}"
+def test_the_catalogue_holds_every_metric_and_only_those(scrape: Scrape) -> None:
+    rows = catalogue_rows()
+    assert len(rows) >= 50, "docs/metrics.md's tables were not found or not parsed"
+    assert not (unknown := sorted(set(rows) - set(scrape.families))), f"docs/metrics.md names metrics no process exposes: {unknown}"
+    assert not (missing := sorted(set(scrape.families) - set(rows))), f"metrics missing from docs/metrics.md: {missing}"
     for name, (kind, labels) in rows.items():
         family = scrape.families[name]
-        assert kind == family.type, f"{name}: README says {kind}, the process exposes a {family.type}"
+        assert kind == family.type, f"{name}: docs/metrics.md says {kind}, the process exposes a {family.type}"
         if family.labels is not None:
-            assert labels == family.labels, f"{name}: README says labels {sorted(labels)}, exposed {sorted(family.labels)}"
+            assert labels == family.labels, f"{name}: docs/metrics.md says labels {sorted(labels)}, exposed {sorted(family.labels)}"
 
 
 def test_only_counters_end_in_total_and_units_are_base_units(scrape: Scrape) -> None:

@@ -1,12 +1,14 @@
-"""The README's "Running the pieces yourself" block works as written, against live processes.
+"""The README's "Running the pieces yourself" block works as written, against live processes, and so do
+the blocks of docs/operations.md that build on it.
 
 The block is read out of README.md and run by bash in an empty directory, as a user pasting it
 would: `kvroute tiny-model`, a control plane, a sim engine, its agent and a router in the
 background, a chat request through the router with curl, the agent's /ready, and `kvroute audit`.
 Only its fixed ports are swapped for free ones (other tests and helpers share this machine); then
 the README's `kill %1 %2 %3 %4` must stop all four. The log lines the README says tell that the
-agent follows its engine are in the agent's log. The DNS discovery block ("Engines without an
-agent") is run the same way.
+agent follows its engine are in the agent's log. docs/operations.md's DNS discovery block ("Engines
+without an agent") is run the same way, and its high-availability block after the README block's
+`kvroute tiny-model` / `kvroute sim-engine` lines.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, process_group_alive, readme_commands, readme_env, readme_sh_blocks, with_free_ports
+from tests.helpers import REPO, doc_commands, doc_env, doc_sh_blocks, process_group_alive, with_free_ports
 
 README_PORTS = (50051, 50052, 8000, 8080, 5557, 5558, 9400)
+OPERATIONS = REPO / "docs" / "operations.md"
 
 
 @dataclass
@@ -40,17 +43,17 @@ class BlockRun:
 
 
 def kill_line(jobs: int) -> str:
-    """The README's line that stops a block's `jobs` background processes: `kill %1 %2 ...`."""
+    """The documented line that stops a block's `jobs` background processes: `kill %1 %2 ...`."""
     return "kill " + " ".join(f"%{job}" for job in range(1, jobs + 1))
 
 
 def run_block(tmp_path: Path, block: str, jobs: int = 4) -> BlockRun:
-    """`block` run by bash in `tmp_path` as a user pasting it would, under `set -e`, then the README's
+    """`block` run by bash in `tmp_path` as a user pasting it would, under `set -e`, then the documented
     kill line (`kill %1 %2 %3 %4` for four background jobs) and a wait; the processes left (if any)
     are the caller's to check and end."""
     script = tmp_path / "block.sh"
     script.write_text("set -e\n" + block + kill_line(jobs) + "\nwait\n")
-    env = readme_env()
+    env = doc_env()
     proc = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -64,7 +67,7 @@ def run_block(tmp_path: Path, block: str, jobs: int = 4) -> BlockRun:
 
 @contextmanager
 def stopped_by_the_kill_line(run: BlockRun) -> Iterator[None]:
-    """The checks inside, then: the README's kill line stopped every process the block started (those
+    """The checks inside, then: the documented kill line stopped every process the block started (those
     left are killed either way)."""
     try:
         yield
@@ -79,7 +82,7 @@ def stopped_by_the_kill_line(run: BlockRun) -> Iterator[None]:
 
 @pytest.mark.timeout(180)
 def test_running_the_pieces_yourself_works_as_written(tmp_path: Path) -> None:
-    block, ports = with_free_ports(readme_sh_blocks("## Running the pieces yourself")[0], README_PORTS)
+    block, ports = with_free_ports(doc_sh_blocks("README.md", "## Running the pieces yourself")[0], README_PORTS)
     prose = (REPO / "README.md").read_text()
     assert "`kill %1 %2 %3 %4` stops the four processes" in prose
     run = run_block(tmp_path, block)
@@ -109,18 +112,18 @@ def test_running_the_pieces_yourself_works_as_written(tmp_path: Path) -> None:
         assert {"control-plane.log", "sim-engine.log", "agent.log", "router.log"} <= {p.name for p in tmp_path.iterdir()}
 
 
-def readme_line(prefix: str) -> str:
-    lines = [line for line in (REPO / "README.md").read_text().splitlines() if line.startswith(prefix)]
-    assert lines, f"no README line starts with {prefix!r}"
+def operations_line(prefix: str) -> str:
+    lines = [line for line in OPERATIONS.read_text().splitlines() if line.startswith(prefix)]
+    assert lines, f"no line of docs/operations.md starts with {prefix!r}"
     return lines[0]
 
 
-def test_the_readme_trace_command_runs_on_the_shipped_trace(tmp_path: Path) -> None:
+def test_the_documented_trace_command_runs_on_the_shipped_trace(tmp_path: Path) -> None:
     trace = REPO / "traces" / "mooncake_conversation_trace.jsonl"
     assert trace.stat().st_size < 300_000  # a slice, not the whole trace
-    command = readme_line("kvroute simulate --trace traces/mooncake_conversation_trace.jsonl")
+    command = operations_line("kvroute simulate --trace traces/mooncake_conversation_trace.jsonl")
     (tmp_path / "traces").symlink_to(REPO / "traces")  # the command as written, from a clone's root
-    env = readme_env()
+    env = doc_env()
     out = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
                          check=False)
     assert out.returncode == 0, out.stderr
@@ -138,14 +141,14 @@ def test_the_high_availability_block_works_as_written(tmp_path: Path) -> None:
     """Three replicas over one Redis, an agent and a router: the block waits for each to be ready before
     its audit, after the `kvroute tiny-model` / `kvroute sim-engine` lines of "Running the pieces yourself"."""
     assert shutil.which("redis-server") and shutil.which("redis-cli"), "the replica tests need redis-server"
-    pieces = readme_commands(readme_sh_blocks("## Running the pieces yourself")[0], "kvroute tiny-model",
+    pieces = doc_commands(doc_sh_blocks("README.md", "## Running the pieces yourself")[0], "kvroute tiny-model",
                              "kvroute sim-engine")
-    ha = readme_sh_blocks("## High availability: control-plane replicas over Redis")[0]
+    ha = doc_sh_blocks("docs/operations.md", "## High availability: control-plane replicas over Redis")[0]
     assert all(port < 32768 for port in map(int, re.findall(r":(\d+)\b", ha))), "a port in the ephemeral range"
     block, ports = with_free_ports(pieces + ha, HA_PORTS)
     script = tmp_path / "ha.sh"
     script.write_text("set -e\n" + block)
-    proc = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=readme_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=doc_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         try:
@@ -182,13 +185,14 @@ DISCOVERY_PORTS = (8001, 8002, 8053, 8081, 50051)
 
 @pytest.mark.timeout(180)
 def test_dns_discovery_works_as_written(tmp_path: Path) -> None:
-    """The README's DNS discovery block: two sim engines without agents, `kvroute sim-dns` answering
+    """docs/operations.md's DNS discovery block: two sim engines without agents, `kvroute sim-dns` answering
     SRV records from a file, a router that finds both through it (its --control-plane on a port where
     nothing listens) and four requests that land on both; then its `kill %1 %2 %3 %4` stops all four."""
-    block, ports = with_free_ports(readme_sh_blocks("### Engines without an agent: DNS discovery")[0], DISCOVERY_PORTS)
-    prose = (REPO / "README.md").read_text()
+    block, ports = with_free_ports(doc_sh_blocks("docs/operations.md", "## Engines without an agent: DNS discovery")[0],
+                                   DISCOVERY_PORTS)
+    prose = OPERATIONS.read_text()
     assert "Engines found this way are routed on load" in prose and "routed on the index as well" in prose
-    assert "`kill %1 %2 %3 %4` stops the four processes" in prose.split("### Engines without an agent")[1]
+    assert "`kill %1 %2 %3 %4` stops the four processes" in prose.split("## Engines without an agent")[1]
     run = run_block(tmp_path, block)
     out, logs = run.out, run.logs
     with stopped_by_the_kill_line(run):
@@ -204,8 +208,8 @@ PD_PORTS = (50061, 8100, 8200, 5567, 5568, 5577, 5578, 8090)
 
 @pytest.mark.timeout(180)
 def test_the_pd_fleet_block_works_as_written(tmp_path: Path) -> None:
-    block, ports = with_free_ports(readme_sh_blocks("### Prefill/decode disaggregation")[0], PD_PORTS)
-    prose = (REPO / "README.md").read_text()
+    block, ports = with_free_ports(doc_sh_blocks("docs/operations.md", "## Prefill/decode disaggregation")[0], PD_PORTS)
+    prose = (REPO / "docs" / "operations.md").read_text()
     assert f"`{kill_line(6)}` stops the six processes" in prose
     run = run_block(tmp_path, block, jobs=6)
     with stopped_by_the_kill_line(run):
@@ -231,10 +235,10 @@ MANY_MODELS_PORTS = (50051, 8000, 8001, 8080, 5557, 5558, 5559, 5560)
 def test_many_models_behind_one_router_works_as_written(tmp_path: Path) -> None:
     """Two models, a sim engine and an agent each, one router: each model's requests reach its own
     engine, /v1/models lists both, an unknown model is OpenAI's 404; the kill line stops all six."""
-    pieces = readme_commands(readme_sh_blocks("## Running the pieces yourself")[0], "kvroute tiny-model")
-    block, ports = with_free_ports(pieces + readme_sh_blocks("### Many models behind one router")[0],
+    pieces = doc_commands(doc_sh_blocks("README.md", "## Running the pieces yourself")[0], "kvroute tiny-model")
+    block, ports = with_free_ports(pieces + doc_sh_blocks("docs/operations.md", "## Many models behind one router")[0],
                                    MANY_MODELS_PORTS)
-    prose = (REPO / "README.md").read_text().split("### Many models behind one router")[1]
+    prose = (REPO / "docs" / "operations.md").read_text().split("## Many models behind one router")[1]
     assert f"`{kill_line(6)}` stops the six processes" in prose
     run = run_block(tmp_path, block, jobs=6)
     out, logs = run.out, run.logs

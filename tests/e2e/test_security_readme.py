@@ -1,6 +1,6 @@
-"""The README's "mTLS set-up" works as written, against live processes over real TLS sockets.
+"""docs/security.md's "mTLS set-up" works as written, against live processes over real TLS sockets.
 
-Both blocks are read out of README.md and run by bash in an empty directory: the openssl commands
+Both blocks are read out of docs/security.md and run by bash in an empty directory: the openssl commands
 make the CA and the certificates, the second block starts a control plane (mTLS), a sim engine,
 its agent (with a certificate naming worker sim-0) and a router (HTTPS, API key), sends a chat
 request with curl over HTTPS and runs `kvroute audit` with the router's certificate. Only the fixed
@@ -26,7 +26,7 @@ from kvroute.tls import ClientTls, TlsFiles, open_channel
 from kvroute.tools.local_cluster import ManagedProcess, kvroute_argv, wait_until
 from kvroute.v1 import kvroute_pb2 as pb
 from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
-from tests.helpers import process_group_alive, readme_env, readme_sh_blocks, with_free_ports
+from tests.helpers import doc_env, doc_sh_blocks, process_group_alive, with_free_ports
 from tests.tls_certs import TestCA
 
 README_PORTS = (50051, 50052, 8000, 8443, 5557, 5558)
@@ -84,12 +84,12 @@ async def check_router_grpc(address: str, pki: Path) -> None:
 
 @pytest.mark.timeout(240)
 def test_mtls_setup_works_as_written(tmp_path: Path) -> None:
-    certs, fleet = readme_sh_blocks("### mTLS set-up", 2)
+    certs, fleet = doc_sh_blocks("docs/security.md", "## mTLS set-up", 2)
     fleet, ports = with_free_ports(fleet, README_PORTS)
     script = tmp_path / "mtls.sh"
     # set -e: a failing openssl, curl or audit fails the run; the processes stay up for the checks below.
     script.write_text("set -e\n" + certs + fleet + "echo READY\nwait\n")
-    env = readme_env()
+    env = doc_env()
     proc = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     lines: list[str] = []

@@ -85,7 +85,7 @@ class KvAwareParams:
                         passes demand_hard_bound x the fleet mean + slack (a queue no affinity is worth), so
                         a passing burst does not replicate a prefix that does not need it.
 
-    Defaults were chosen with `kvroute simulate` over the generated suite (README: "Choosing kv_aware's
+    Defaults were chosen with `kvroute simulate` over the generated suite (docs/operations.md: "Choosing kv_aware's
     weights"); they are not fitted to one workload.
     """
     queue_weight: float = 1.0
