@@ -4,7 +4,7 @@ VENV   := .venv
 STAMP  := $(VENV)/.installed-stamp
 BIN    := $(VENV)/bin
 
-.PHONY: demo test test-vllm protos protos-check venv clean
+.PHONY: demo test check test-vllm protos protos-check venv clean
 
 venv: $(STAMP)
 
@@ -25,6 +25,14 @@ test: $(STAMP)
 	PYTHON=$(BIN)/python scripts/gen_protos.sh --check
 	$(BIN)/ruff check
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# The inner loop, under 2 minutes: lint, format, types, and the tests that start no process and use no
+# Redis (markers applied from what each test uses: tests/conftest.py). `make test` is what CI runs.
+check: $(STAMP)
+	$(BIN)/ruff check
+	$(BIN)/ruff format --check
+	$(BIN)/python -m mypy
+	$(BIN)/pytest -q -m "not e2e and not slow and not redis and not vllm" $(PYTEST_ARGS)
 
 # Real vLLM (CPU build) in its own cached virtualenv; see tests/vllm/.
 test-vllm: $(STAMP)
