@@ -33,8 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "hot-prefix 24 / 2048, one-shot 8 / 1024, shared-prefix 12 / 1024; 16-token blocks, "
                           "32 groups) or, for mooncake, the trace's own arrival times and 2048 blocks of 512 "
                           f"tokens; cache sizes scale the blocks ({factors(CACHE_FACTORS)}), rates the arrival "
-                          f"rate ({factors(RATE_FACTORS)}). --workers, --requests (the trace: its first N at "
-                          "most), --policies, --jobs (points in parallel, default 1), --kv-aware-param, "
+                          f"rate ({factors(RATE_FACTORS)}). --workers, --requests, --limit (the trace's), "
+                          "--policies, --jobs (points in parallel, default 1), --kv-aware-param, "
                           "--event-delay-ms and --prefill-tokens-per-s apply to every point; the other "
                           "workload knobs do not")
     p.add_argument("--policies", type=name_list([*POLICIES, TTFT_ORACLE], "policy"), default=None,
@@ -161,7 +161,7 @@ def _run_grid(args: argparse.Namespace, kv_aware_params: dict) -> int:
                     routers=[int(r) for r in args.grid_routers.split(",")],
                     view_delay_ms=10.0 if args.view_delay_ms is None else args.view_delay_ms,
                     policies=args.policies.split(",") if args.policies else GRID_POLICIES,
-                    requests=args.requests, workers=args.workers, trace_path=args.grid_trace or str(SHIPPED_TRACE),
+                    requests=args.requests, trace_limit=args.limit, workers=args.workers, trace_path=args.grid_trace or str(SHIPPED_TRACE),
                     prefill_tokens_per_s=args.prefill_tokens_per_s, event_delay_ms=args.event_delay_ms,
                     kv_aware_params=kv_aware_params)
     started = time.monotonic()

@@ -72,7 +72,8 @@ class GridSpec:
     routers: Sequence[int] = (1, 4)
     view_delay_ms: float = 10.0  # for points with several routers; one router reads the control plane itself
     policies: Sequence[str] = GRID_POLICIES
-    requests: int = 2000  # per generated workload; the trace's first `requests` at most
+    requests: int = 2000  # per generated workload
+    trace_limit: int | None = None  # the trace's first N requests (None: all)
     workers: int = 8
     trace_path: str = str(SHIPPED_TRACE)
     prefill_tokens_per_s: float | None = None
@@ -91,7 +92,7 @@ class _Task:
 def _workload(spec: GridSpec, task: _Task) -> list[SimWorkloadRequest]:
     factor = RATE_FACTORS[task.rate]
     if task.source == MOONCAKE:
-        requests = load_mooncake_trace(spec.trace_path, spec.requests).requests
+        requests = load_mooncake_trace(spec.trace_path, spec.trace_limit).requests
         for r in requests:
             r.arrival_s /= factor
         return requests
@@ -219,7 +220,7 @@ def _document(spec: GridSpec, results: dict[_Task, dict]) -> dict:
     return {"grid": {"sources": list(spec.sources), "caches": {c: CACHE_FACTORS[c] for c in spec.caches},
                      "rates": {r: RATE_FACTORS[r] for r in spec.rates}, "seeds": list(spec.seeds),
                      "routers": list(spec.routers), "view_delay_ms": spec.view_delay_ms,
-                     "policies": list(spec.policies), "requests": spec.requests, "workers": spec.workers,
+                     "policies": list(spec.policies), "requests": spec.requests, "trace_limit": spec.trace_limit, "workers": spec.workers,
                      "kv_aware_params": spec.kv_aware_params,
                      "targets": {"p50_ratio": P50_TARGET, "p99_ratio": P99_TARGET}},
             "points": points, "summary": summary}
