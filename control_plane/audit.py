@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 TierKeys = dict[str, set[int]]  # tier label ("gpu", "cpu", "disk") -> keys
 EVICTED_METADATA_PREFIX = "kvroute-evicted-entries-"  # + tier label: GetWorkerKeys' initial metadata
-SAMPLE_KEYS = 5                 # divergent keys shown per tier and kind (for grepping logs and events)
+SAMPLE_KEYS = 5  # divergent keys shown per tier and kind (for grepping logs and events)
 NOT_AUDITABLE_STATUSES = (404, 405)
 
 
@@ -102,7 +102,7 @@ def evictions_from_metadata(metadata) -> dict[str, int]:
 @dataclass(slots=True)
 class TierDivergence:
     missing: set[int] = field(default_factory=set)  # engine has it, the control plane does not
-    extra: set[int] = field(default_factory=set)    # the control plane has it, the engine does not
+    extra: set[int] = field(default_factory=set)  # the control plane has it, the engine does not
     control_plane_blocks: int = 0
     engine_blocks: int = 0
     evicted: int = 0  # entries the control plane dropped for its bound: explain up to that many missing keys
@@ -113,10 +113,16 @@ class TierDivergence:
         return max(0, len(self.missing) - self.evicted)
 
     def to_json(self) -> dict:
-        return {"control_plane": self.control_plane_blocks, "engine": self.engine_blocks,
-                "missing": len(self.missing), "extra": len(self.extra), "evicted": self.evicted,
-                "missing_beyond_evicted": self.unexplained_missing,
-                "missing_sample": sorted(self.missing)[:SAMPLE_KEYS], "extra_sample": sorted(self.extra)[:SAMPLE_KEYS]}
+        return {
+            "control_plane": self.control_plane_blocks,
+            "engine": self.engine_blocks,
+            "missing": len(self.missing),
+            "extra": len(self.extra),
+            "evicted": self.evicted,
+            "missing_beyond_evicted": self.unexplained_missing,
+            "missing_sample": sorted(self.missing)[:SAMPLE_KEYS],
+            "extra_sample": sorted(self.extra)[:SAMPLE_KEYS],
+        }
 
 
 @dataclass(slots=True)
@@ -124,16 +130,16 @@ class ProbeOutcome:
     """One probe of one worker: what the control plane predicted for the second send, what the engine hit."""
 
     prompt_tokens: int
-    probe_blocks: int            # full blocks of the probe prompt
-    control_plane_blocks: int    # of those, the leading ones the control plane held for the worker at the second send
-    events_blocks: int           # ... when polling for the first send's events ended
-    events_s: float              # polling time: until it held all probe_blocks, else the deadline
+    probe_blocks: int  # full blocks of the probe prompt
+    control_plane_blocks: int  # of those, the leading ones the control plane held for the worker at the second send
+    events_blocks: int  # ... when polling for the first send's events ended
+    events_s: float  # polling time: until it held all probe_blocks, else the deadline
     events_arrived: bool
-    predicted_hit_tokens: int    # control_plane_blocks x block size, capped as the engine caps a hit
-    engine_hit_tokens: int       # the engine's prefix-cache hit for the second send
+    predicted_hit_tokens: int  # control_plane_blocks x block size, capped as the engine caps a hit
+    engine_hit_tokens: int  # the engine's prefix-cache hit for the second send
     block_size: int
-    source: str = "metrics"      # "metrics" (counter deltas) or "usage" (the response's cached_tokens)
-    seconds: float = 0.0         # the whole probe
+    source: str = "metrics"  # "metrics" (counter deltas) or "usage" (the response's cached_tokens)
+    seconds: float = 0.0  # the whole probe
 
     @property
     def missing(self) -> int:
@@ -146,12 +152,20 @@ class ProbeOutcome:
         return -(-max(0, self.predicted_hit_tokens - self.engine_hit_tokens) // self.block_size)
 
     def to_json(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "probe_blocks": self.probe_blocks,
-                "control_plane_blocks": self.control_plane_blocks, "events_blocks": self.events_blocks,
-                "events_s": round(self.events_s, 4), "events_arrived": self.events_arrived,
-                "predicted_hit_tokens": self.predicted_hit_tokens, "engine_hit_tokens": self.engine_hit_tokens,
-                "missing": self.missing, "extra": self.extra, "source": self.source,
-                "seconds": round(self.seconds, 4)}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "probe_blocks": self.probe_blocks,
+            "control_plane_blocks": self.control_plane_blocks,
+            "events_blocks": self.events_blocks,
+            "events_s": round(self.events_s, 4),
+            "events_arrived": self.events_arrived,
+            "predicted_hit_tokens": self.predicted_hit_tokens,
+            "engine_hit_tokens": self.engine_hit_tokens,
+            "missing": self.missing,
+            "extra": self.extra,
+            "source": self.source,
+            "seconds": round(self.seconds, 4),
+        }
 
 
 @dataclass(slots=True)
@@ -160,7 +174,7 @@ class WorkerAudit:
     status: str  # "ok" (compared), "not_auditable", "error"
     tiers: dict[str, TierDivergence] = field(default_factory=dict)
     detail: str = ""
-    kind: str = "block_set"      # "block_set" (GET /kvroute/blocks) or "probe"
+    kind: str = "block_set"  # "block_set" (GET /kvroute/blocks) or "probe"
     probe: ProbeOutcome | None = None
 
     @property
@@ -171,23 +185,31 @@ class WorkerAudit:
         return sum(t.unexplained_missing + len(t.extra) for t in self.tiers.values())
 
     def to_json(self) -> dict:
-        out = {"worker_id": self.worker_id, "status": self.status, "kind": self.kind, "divergence": self.divergence,
-               "tiers": {medium: t.to_json() for medium, t in sorted(self.tiers.items())}, "detail": self.detail}
+        out = {
+            "worker_id": self.worker_id,
+            "status": self.status,
+            "kind": self.kind,
+            "divergence": self.divergence,
+            "tiers": {medium: t.to_json() for medium, t in sorted(self.tiers.items())},
+            "detail": self.detail,
+        }
         if self.probe is not None:
             out["probe"] = self.probe.to_json()
         return out
 
 
-def compare(control_plane: Mapping[str, set[int]], engine: Mapping[str, set[int]],
-            evicted: Mapping[str, int] | None = None) -> dict[str, TierDivergence]:
+def compare(
+    control_plane: Mapping[str, set[int]], engine: Mapping[str, set[int]], evicted: Mapping[str, int] | None = None
+) -> dict[str, TierDivergence]:
     """Per tier (either side's): what the control plane lacks and what it holds in excess (`evicted`:
     per medium, entries its bound dropped, see ControlPlaneView)."""
     result = {}
     evicted = evicted or {}
     for medium in sorted(set(control_plane) | set(engine)):
         cp_keys, engine_keys = control_plane.get(medium, set()), engine.get(medium, set())
-        result[medium] = TierDivergence(engine_keys - cp_keys, cp_keys - engine_keys, len(cp_keys), len(engine_keys),
-                                        evicted.get(medium, 0))
+        result[medium] = TierDivergence(
+            engine_keys - cp_keys, cp_keys - engine_keys, len(cp_keys), len(engine_keys), evicted.get(medium, 0)
+        )
     return result
 
 
@@ -196,8 +218,13 @@ def settle(first: Mapping[str, TierDivergence], second: Mapping[str, TierDiverge
     result = {}
     for medium, later in second.items():
         earlier = first.get(medium, TierDivergence())
-        result[medium] = TierDivergence(earlier.missing & later.missing, earlier.extra & later.extra,
-                                        later.control_plane_blocks, later.engine_blocks, later.evicted)
+        result[medium] = TierDivergence(
+            earlier.missing & later.missing,
+            earlier.extra & later.extra,
+            later.control_plane_blocks,
+            later.engine_blocks,
+            later.evicted,
+        )
     return result
 
 
@@ -230,10 +257,17 @@ async def fetch_engine_blocks(http, endpoint: str, timeout_s: float = 10.0) -> t
     return blocks, {medium: set(keys) for medium, keys in blocks.tiers.items()}
 
 
-async def audit_worker(worker_id: str, endpoint: str, block_size: int,
-                       control_plane_keys: Callable[[], Awaitable[ControlPlaneView]],
-                       http, settle_s: float = 0.0, timeout_s: float = 10.0, prober: Prober | None = None,
-                       probe_target: ProbeTarget | None = None) -> WorkerAudit:
+async def audit_worker(
+    worker_id: str,
+    endpoint: str,
+    block_size: int,
+    control_plane_keys: Callable[[], Awaitable[ControlPlaneView]],
+    http,
+    settle_s: float = 0.0,
+    timeout_s: float = 10.0,
+    prober: Prober | None = None,
+    probe_target: ProbeTarget | None = None,
+) -> WorkerAudit:
     """Compare one worker (twice, `settle_s` apart, if the first comparison diverges). With a `prober`
     (and the worker as its `probe_target`), a worker whose engine does not serve its block set is
     probed instead, and every worker is when the prober is forced."""
@@ -241,11 +275,11 @@ async def audit_worker(worker_id: str, endpoint: str, block_size: int,
         return await prober.audit(probe_target)
 
     async def once() -> dict[str, TierDivergence]:
-        (engine, truth), believed = await asyncio.gather(fetch_engine_blocks(http, endpoint, timeout_s),
-                                                         control_plane_keys())
+        (engine, truth), believed = await asyncio.gather(fetch_engine_blocks(http, endpoint, timeout_s), control_plane_keys())
         if engine.block_size != block_size:
-            raise AuditError(f"engine block size {engine.block_size} != the control plane's {block_size}: "
-                             "keys are not comparable")
+            raise AuditError(
+                f"engine block size {engine.block_size} != the control plane's {block_size}: keys are not comparable"
+            )
         return compare(believed.keys, truth, believed.evicted)
 
     try:
@@ -264,12 +298,12 @@ async def audit_worker(worker_id: str, endpoint: str, block_size: int,
 
 # ---------------------------------------------------------------- the probe
 
-PROBE_BLOCKS = 8                 # full blocks in a probe prompt
-PROBE_EXTRA_TOKENS = 3           # plus a partial block, so the engine's hit cap keeps all PROBE_BLOCKS
-PROBE_TOKEN_IDS = (100, 1000)    # ids drawn from [lo, hi): ordinary tokens in any real vocabulary
-PROBE_SENDS = 3                  # second sends tried before a busy engine makes the probe an error
+PROBE_BLOCKS = 8  # full blocks in a probe prompt
+PROBE_EXTRA_TOKENS = 3  # plus a partial block, so the engine's hit cap keeps all PROBE_BLOCKS
+PROBE_TOKEN_IDS = (100, 1000)  # ids drawn from [lo, hi): ordinary tokens in any real vocabulary
+PROBE_SENDS = 3  # second sends tried before a busy engine makes the probe an error
 COUNTER_POLL_S = 0.025
-COUNTER_SETTLE_S = 1.0           # how long counters that have counted the probe may keep moving
+COUNTER_SETTLE_S = 1.0  # how long counters that have counted the probe may keep moving
 CP_POLL_S = 0.02
 
 
@@ -278,20 +312,21 @@ class PrefixCounters:
     """An engine family's cumulative prefix-cache counters (Prometheus sample names, summed over labels)."""
 
     family: str
-    queries: str                  # prompt tokens looked up: grows by exactly the probe's length for the probe alone
-    hits: tuple[str, ...]         # tokens found cached (summed)
+    queries: str  # prompt tokens looked up: grows by exactly the probe's length for the probe alone
+    hits: tuple[str, ...]  # tokens found cached (summed)
 
 
 # vLLM: GPU prefix cache plus a KV connector's (vLLM's CPU offload; the sim engine's CPU tier).
 # SGLang: prompt and cached tokens of finished requests.
 PREFIX_COUNTERS = (
-    PrefixCounters("vllm", "vllm:prefix_cache_queries_total",
-                   ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")),
+    PrefixCounters(
+        "vllm", "vllm:prefix_cache_queries_total", ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")
+    ),
     PrefixCounters("sglang", "sglang:prompt_tokens_total", ("sglang:cached_tokens_total",)),
 )
 NO_PROBE_ENGINES = {
     "trtllm": "TensorRT-LLM serves per-iteration stats that each GET /metrics drains (its agent reads them), "
-              "not prefix-cache counters: not auditable by probe",
+    "not prefix-cache counters: not auditable by probe",
 }
 
 
@@ -332,9 +367,10 @@ class Prober:
     the probe's own blocks are the most recently used in the engine's cache, so an eviction racing
     the probe needs a flood of other prompts within milliseconds."""
 
-    def __init__(self, http, *, deadline_s: float = 5.0, timeout_s: float = 10.0, force: bool = False,
-                 rng: random.Random | None = None) -> None:
-        self.http = http                     # an aiohttp.ClientSession
+    def __init__(
+        self, http, *, deadline_s: float = 5.0, timeout_s: float = 10.0, force: bool = False, rng: random.Random | None = None
+    ) -> None:
+        self.http = http  # an aiohttp.ClientSession
         self.deadline_s = deadline_s
         self.timeout_s = timeout_s
         self.force = force
@@ -353,8 +389,13 @@ class Prober:
             return WorkerAudit(target.worker_id, "not_auditable", detail=str(exc), kind="probe")
         except AuditError as exc:
             return WorkerAudit(target.worker_id, "error", detail=f"probe: {exc}", kind="probe")
-        detail = "" if outcome.events_arrived else (f"events did not arrive: {outcome.events_blocks} of "
-                                                    f"{outcome.probe_blocks} blocks after {outcome.events_s:.1f} s")
+        detail = (
+            ""
+            if outcome.events_arrived
+            else (
+                f"events did not arrive: {outcome.events_blocks} of {outcome.probe_blocks} blocks after {outcome.events_s:.1f} s"
+            )
+        )
         return WorkerAudit(target.worker_id, "ok", detail=detail, kind="probe", probe=outcome)
 
     async def probe(self, target: ProbeTarget) -> ProbeOutcome:
@@ -367,14 +408,14 @@ class Prober:
         prompt = [self.rng.randrange(*PROBE_TOKEN_IDS) for _ in range(PROBE_BLOCKS * bs + PROBE_EXTRA_TOKENS)]
         keys = prompt_block_keys(prompt, bs, target.model)
         hit_cap = (len(prompt) - 1) // bs
-        counters, before = await self._counters(target)                       # (b)
-        await self._send(target, prompt)                                      # (c)
-        await self._counted(target, counters, before, len(prompt))            # the first send is behind us
-        waited = time.monotonic()                                             # (d)
+        counters, before = await self._counters(target)  # (b)
+        await self._send(target, prompt)  # (c)
+        await self._counted(target, counters, before, len(prompt))  # the first send is behind us
+        waited = time.monotonic()  # (d)
         while (events_blocks := await target.held(keys)) < len(keys) and time.monotonic() - waited < self.deadline_s:
             await asyncio.sleep(CP_POLL_S)
         events_s = time.monotonic() - waited
-        for _ in range(PROBE_SENDS):                                          # (e)
+        for _ in range(PROBE_SENDS):  # (e)
             held = await target.held(keys)
             _, before = await self._counters(target, counters)
             cached = await self._send(target, prompt)
@@ -386,19 +427,35 @@ class Prober:
                 engine_hit, source = cached, "usage"
                 break
         else:
-            raise AuditError(f"the engine was busy: other requests were counted with each of {PROBE_SENDS} sends "
-                             f"of the probe (its counters cannot isolate the probe's hit)")
-        return ProbeOutcome(prompt_tokens=len(prompt), probe_blocks=len(keys), control_plane_blocks=held,
-                            events_blocks=events_blocks, events_s=events_s,
-                            events_arrived=events_blocks >= len(keys), predicted_hit_tokens=min(held, hit_cap) * bs,
-                            engine_hit_tokens=engine_hit, block_size=bs, source=source,
-                            seconds=time.monotonic() - started)
+            raise AuditError(
+                f"the engine was busy: other requests were counted with each of {PROBE_SENDS} sends "
+                f"of the probe (its counters cannot isolate the probe's hit)"
+            )
+        return ProbeOutcome(
+            prompt_tokens=len(prompt),
+            probe_blocks=len(keys),
+            control_plane_blocks=held,
+            events_blocks=events_blocks,
+            events_s=events_s,
+            events_arrived=events_blocks >= len(keys),
+            predicted_hit_tokens=min(held, hit_cap) * bs,
+            engine_hit_tokens=engine_hit,
+            block_size=bs,
+            source=source,
+            seconds=time.monotonic() - started,
+        )
 
-    async def _counters(self, target: ProbeTarget,
-                        counters: PrefixCounters | None = None) -> tuple[PrefixCounters, _Window]:
+    async def _counters(self, target: ProbeTarget, counters: PrefixCounters | None = None) -> tuple[PrefixCounters, _Window]:
         """The engine's counter family (found by name unless given) and its current totals."""
-        text = (await engine_request(self.http, "GET", target.endpoint.rstrip("/") + "/metrics", self.timeout_s,
-                                     "no metrics, so no prefix-cache counters")).decode(errors="replace")
+        text = (
+            await engine_request(
+                self.http,
+                "GET",
+                target.endpoint.rstrip("/") + "/metrics",
+                self.timeout_s,
+                "no metrics, so no prefix-cache counters",
+            )
+        ).decode(errors="replace")
         names = {c.queries for c in PREFIX_COUNTERS} | {h for c in PREFIX_COUNTERS for h in c.hits}
         try:
             sums = sample_sums(text, names)
@@ -407,8 +464,10 @@ class Prober:
         if counters is None:
             counters = next((c for c in PREFIX_COUNTERS if c.queries in sums), None)
             if counters is None:
-                raise NotAuditable(f"GET {target.endpoint.rstrip('/')}/metrics has no prefix-cache counters "
-                                   f"(looked for {', '.join(c.queries for c in PREFIX_COUNTERS)})")
+                raise NotAuditable(
+                    f"GET {target.endpoint.rstrip('/')}/metrics has no prefix-cache counters "
+                    f"(looked for {', '.join(c.queries for c in PREFIX_COUNTERS)})"
+                )
         elif counters.queries not in sums:
             raise AuditError(f"{counters.queries} vanished from the engine's /metrics")
         return counters, _Window(sums[counters.queries], sum(sums.get(h, 0.0) for h in counters.hits))
@@ -427,8 +486,10 @@ class Prober:
                     return grown
                 deadline = min(deadline, time.monotonic() + COUNTER_SETTLE_S)
             elif time.monotonic() >= deadline:
-                raise AuditError(f"the engine's {counters.queries} grew by {grown.queries:g} of the probe's "
-                                 f"{tokens} tokens within {self.timeout_s:g} s")
+                raise AuditError(
+                    f"the engine's {counters.queries} grew by {grown.queries:g} of the probe's "
+                    f"{tokens} tokens within {self.timeout_s:g} s"
+                )
             last = grown
             await asyncio.sleep(COUNTER_POLL_S)
 
@@ -467,9 +528,18 @@ class FleetAudit:
         return {"divergence": self.divergence, "workers": [a.to_json() for a in self.audits], "errors": self.errors}
 
 
-async def audit_fleet(control_plane: str, workers: Sequence[str] = (), *, settle_s: float = 0.5,
-                      timeout_s: float = 10.0, concurrency: int = 8, probe: bool = False, force_probe: bool = False,
-                      probe_deadline_s: float = 5.0, tls: ClientTls | None = None) -> FleetAudit:
+async def audit_fleet(
+    control_plane: str,
+    workers: Sequence[str] = (),
+    *,
+    settle_s: float = 0.5,
+    timeout_s: float = 10.0,
+    concurrency: int = 8,
+    probe: bool = False,
+    force_probe: bool = False,
+    probe_deadline_s: float = 5.0,
+    tls: ClientTls | None = None,
+) -> FleetAudit:
     """`kvroute audit` without the printing: compare `workers` (default: every registered worker), probing
     those without a block set when `probe` (every one when `force_probe`). A worker that could not be
     compared is an error in its WorkerAudit (status "error") and in `errors`. `tls`: to a control plane
@@ -502,16 +572,29 @@ async def audit_fleet(control_plane: str, workers: Sequence[str] = (), *, settle
                     metadata = await call.initial_metadata()
                 except grpc.aio.AioRpcError as exc:
                     raise AuditError(f"GetWorkerKeys: {exc.code().name}: {exc.details()}") from exc
-                return ControlPlaneView({Tier(tier.tier).label: set(tier.block_keys) for tier in keys.tiers},
-                                        evictions_from_metadata(metadata))
+                return ControlPlaneView(
+                    {Tier(tier.tier).label: set(tier.block_keys) for tier in keys.tiers}, evictions_from_metadata(metadata)
+                )
 
             async with limit:
-                return await audit_worker(info.worker_id, info.endpoint, info.block_size, believed, http,
-                                          settle_s=settle_s, timeout_s=timeout_s, prober=prober,
-                                          probe_target=probe_target(stub, info, timeout_s))
+                return await audit_worker(
+                    info.worker_id,
+                    info.endpoint,
+                    info.block_size,
+                    believed,
+                    http,
+                    settle_s=settle_s,
+                    timeout_s=timeout_s,
+                    prober=prober,
+                    probe_target=probe_target(stub, info, timeout_s),
+                )
 
         async with aiohttp.ClientSession() as http:
-            prober = Prober(http, deadline_s=probe_deadline_s, timeout_s=timeout_s, force=force_probe) if probe or force_probe else None
+            prober = (
+                Prober(http, deadline_s=probe_deadline_s, timeout_s=timeout_s, force=force_probe)
+                if probe or force_probe
+                else None
+            )
             audits = list(await asyncio.gather(*(one(by_id[w]) for w in wanted if w in by_id)))
         errors += [f"{a.worker_id}: {a.detail}" for a in audits if a.status == "error"]
         return FleetAudit(audits, errors)

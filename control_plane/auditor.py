@@ -36,9 +36,17 @@ PROBE_MEDIUM = "any"  # the probe compares a prefix hit, whatever tier the engin
 
 
 class PeriodicAuditor:
-    def __init__(self, registry: WorkerRegistry, metrics_registry: CollectorRegistry, interval_s: float,
-                 settle_s: float = 0.5, concurrency: int = 8, timeout_s: float = 10.0, probe: bool = False,
-                 probe_deadline_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        metrics_registry: CollectorRegistry,
+        interval_s: float,
+        settle_s: float = 0.5,
+        concurrency: int = 8,
+        timeout_s: float = 10.0,
+        probe: bool = False,
+        probe_deadline_s: float = 5.0,
+    ) -> None:
         self.registry = registry
         self.interval_s = interval_s
         self.settle_s = settle_s
@@ -46,17 +54,22 @@ class PeriodicAuditor:
         self.probe = probe
         self.probe_deadline_s = probe_deadline_s
         self._limit = asyncio.Semaphore(concurrency)
-        self.divergent = Gauge("kvroute_cp_audit_divergent_blocks",
-                               "Blocks where the index and the engine's own block set disagree (after settling)",
-                               ["worker", "medium", "kind"], registry=metrics_registry)
-        self.last_success = Gauge("kvroute_cp_audit_last_success_timestamp_seconds",
-                                  "Unix time of the last completed audit of a worker", ["worker"],
-                                  registry=metrics_registry)
-        self.runs = Counter("kvroute_cp_audit_runs_total", "Worker audits by result", ["result"],
-                            registry=metrics_registry)
+        self.divergent = Gauge(
+            "kvroute_cp_audit_divergent_blocks",
+            "Blocks where the index and the engine's own block set disagree (after settling)",
+            ["worker", "medium", "kind"],
+            registry=metrics_registry,
+        )
+        self.last_success = Gauge(
+            "kvroute_cp_audit_last_success_timestamp_seconds",
+            "Unix time of the last completed audit of a worker",
+            ["worker"],
+            registry=metrics_registry,
+        )
+        self.runs = Counter("kvroute_cp_audit_runs_total", "Worker audits by result", ["result"], registry=metrics_registry)
         # worker_id -> (medium, kind) -> blocks last exported: series to remove, changes to log
         self._exported: dict[str, dict[tuple[str, str], int]] = {}
-        self._last_error: dict[str, str] = {}       # worker_id -> last error logged (log changes, not every round)
+        self._last_error: dict[str, str] = {}  # worker_id -> last error logged (log changes, not every round)
 
     async def run_forever(self) -> None:
         async with aiohttp.ClientSession() as http:
@@ -96,19 +109,30 @@ class PeriodicAuditor:
         async def believed() -> ControlPlaneView:
             still_there()
             index = self.registry.index
-            return ControlPlaneView({tier.label: index.worker_keys(record.slot, tier) for tier in TIERS},
-                                    {tier.label: n for tier, n in index.evicted_entries(record.slot).items()})
+            return ControlPlaneView(
+                {tier.label: index.worker_keys(record.slot, tier) for tier in TIERS},
+                {tier.label: n for tier, n in index.evicted_entries(record.slot).items()},
+            )
 
         async def held(keys: list[int]) -> int:
             still_there()
             return self.registry.index.held_prefix(record.slot, keys)
 
-        target = ProbeTarget(record.worker_id, record.endpoint, record.block_size, record.model, record.engine,
-                             record.data_parallel_rank, held)
+        target = ProbeTarget(
+            record.worker_id, record.endpoint, record.block_size, record.model, record.engine, record.data_parallel_rank, held
+        )
         async with self._limit:
-            return await audit_worker(record.worker_id, record.endpoint, record.block_size, believed, http,
-                                      settle_s=self.settle_s, timeout_s=self.timeout_s, prober=prober,
-                                      probe_target=target)
+            return await audit_worker(
+                record.worker_id,
+                record.endpoint,
+                record.block_size,
+                believed,
+                http,
+                settle_s=self.settle_s,
+                timeout_s=self.timeout_s,
+                prober=prober,
+                probe_target=target,
+            )
 
     def _export(self, audit: WorkerAudit) -> None:
         if audit.probe is not None:
@@ -146,8 +170,12 @@ class PeriodicAuditor:
 def _summary(audit: WorkerAudit) -> str:
     if audit.probe is not None:
         probe = audit.probe
-        return (f"probe: the index predicted a {probe.predicted_hit_tokens}-token hit, the engine hit "
-                f"{probe.engine_hit_tokens}: {probe.missing} missing, {probe.extra} extra blocks {audit.detail}")
-    return "; ".join(f"{medium}: {len(tier.missing)} missing ({tier.evicted} entries evicted), {len(tier.extra)} "
-                     f"extra blocks (e.g. {sorted(tier.missing | tier.extra)[:3]})"
-                     for medium, tier in sorted(audit.tiers.items()))
+        return (
+            f"probe: the index predicted a {probe.predicted_hit_tokens}-token hit, the engine hit "
+            f"{probe.engine_hit_tokens}: {probe.missing} missing, {probe.extra} extra blocks {audit.detail}"
+        )
+    return "; ".join(
+        f"{medium}: {len(tier.missing)} missing ({tier.evicted} entries evicted), {len(tier.extra)} "
+        f"extra blocks (e.g. {sorted(tier.missing | tier.extra)[:3]})"
+        for medium, tier in sorted(audit.tiers.items())
+    )

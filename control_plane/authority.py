@@ -35,8 +35,12 @@ class Refused(Exception):
 
 class Authority:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.denied = Counter("kvroute_cp_auth_denied_total", "Requests refused for the peer's certificate identity "
-                              "(PERMISSION_DENIED)", ["reason"], registry=registry)
+        self.denied = Counter(
+            "kvroute_cp_auth_denied_total",
+            "Requests refused for the peer's certificate identity (PERMISSION_DENIED)",
+            ["reason"],
+            registry=registry,
+        )
         for reason in ("no_certificate", "router_cannot_write", "worker_not_in_certificate", "not_a_router"):
             self.denied.labels(reason)  # exported at 0 from the start, so a rate() alert sees the first refusal
         self._log = RateLimitedLog(log, period_s=60.0)
@@ -53,10 +57,18 @@ class Authority:
         if peer.may_write(worker_id):
             return
         if peer.is_router and not peer.worker_ids:
-            raise self._refuse(context, "router_cannot_write", f"a router identity ({peer.describe()}) may query and "
-                               f"reserve but not write blocks (register worker {worker_id!r})")
-        raise self._refuse(context, "worker_not_in_certificate", f"the client certificate ({peer.describe()}) does not "
-                           f"name worker {worker_id!r}: it needs the URI SAN spiffe://kvroute/worker/{worker_id}")
+            raise self._refuse(
+                context,
+                "router_cannot_write",
+                f"a router identity ({peer.describe()}) may query and "
+                f"reserve but not write blocks (register worker {worker_id!r})",
+            )
+        raise self._refuse(
+            context,
+            "worker_not_in_certificate",
+            f"the client certificate ({peer.describe()}) does not "
+            f"name worker {worker_id!r}: it needs the URI SAN spiffe://kvroute/worker/{worker_id}",
+        )
 
     def check_router(self, context: grpc.aio.ServicerContext) -> None:
         """Refused unless the peer holds a router identity (reservations count as routing traffic)."""
@@ -64,8 +76,12 @@ class Authority:
         if peer is None:
             raise self._refuse(context, "no_certificate", "the control plane requires a client certificate")
         if not peer.is_router:
-            raise self._refuse(context, "not_a_router", f"RouterSession and Follow need a router identity "
-                               f"(spiffe://kvroute/router/<name>); the certificate holds {peer.describe()}")
+            raise self._refuse(
+                context,
+                "not_a_router",
+                f"RouterSession and Follow need a router identity "
+                f"(spiffe://kvroute/router/<name>); the certificate holds {peer.describe()}",
+            )
 
     def check_reader(self, context: grpc.aio.ServicerContext) -> None:
         if self.identity(context) is None:

@@ -50,15 +50,21 @@ def _framed(change: pb.FleetChange) -> bytes:
 
 @dataclass(slots=True)
 class FeedCounters:
-    snapshots: int = 0        # snapshots sent (a new follower, a position not in the window, fallen behind)
-    resumed: int = 0          # followers resumed from their position without a snapshot
-    fell_behind: int = 0      # followers whose stream fell behind the window (sent a snapshot again)
+    snapshots: int = 0  # snapshots sent (a new follower, a position not in the window, fallen behind)
+    resumed: int = 0  # followers resumed from their position without a snapshot
+    fell_behind: int = 0  # followers whose stream fell behind the window (sent a snapshot again)
 
 
 class FollowFeed:
-    def __init__(self, state: FleetState, origin: str, window_changes: int = 200_000,
-                 window_bytes: int = 256 * 1024 * 1024, max_update_bytes: int = 4 * 1024 * 1024,
-                 keepalive_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        state: FleetState,
+        origin: str,
+        window_changes: int = 200_000,
+        window_bytes: int = 256 * 1024 * 1024,
+        max_update_bytes: int = 4 * 1024 * 1024,
+        keepalive_s: float = 0.5,
+    ) -> None:
         self.state = state
         self.origin = origin
         self.feed_id = f"{origin}/{uuid.uuid4().hex[:12]}"
@@ -124,8 +130,11 @@ class FollowFeed:
         sessions when it is not "")."""
         self.counters.snapshots += 1
         position = self.seq
-        changes = [_framed(c) for c in snapshot_changes(self.state, self.origin, models)
-                   if not leave_out or c.router.router_id != leave_out]
+        changes = [
+            _framed(c)
+            for c in snapshot_changes(self.state, self.origin, models)
+            if not leave_out or c.router.router_id != leave_out
+        ]
         messages: list[list[bytes]] = [[]]
         size = 0
         for framed in changes:
@@ -135,8 +144,7 @@ class FollowFeed:
             messages[-1].append(framed)
             size += len(framed)
         last = len(messages) - 1
-        return [self._header(position, begin=i == 0, end=i == last) + b"".join(part)
-                for i, part in enumerate(messages)]
+        return [self._header(position, begin=i == 0, end=i == last) + b"".join(part) for i, part in enumerate(messages)]
 
     async def follow(self, request: pb.FollowRequest) -> AsyncIterator[bytes]:
         """The serialized FollowUpdates for one follower, until it goes away."""
@@ -161,8 +169,11 @@ class FollowFeed:
                     continue
                 if position + 1 < self.oldest_held:  # the window moved past it while this stream was slow
                     self.counters.fell_behind += 1
-                    log.warning("router %s fell %d changes behind the follow window: sending a snapshot",
-                                request.router_id or "?", self.seq - position)
+                    log.warning(
+                        "router %s fell %d changes behind the follow window: sending a snapshot",
+                        request.router_id or "?",
+                        self.seq - position,
+                    )
                     position = self.seq
                     for message in self._snapshot(models, leave_out):
                         yield message

@@ -50,18 +50,18 @@ class ControlPlaneConfig:
     heartbeat_timeout_s: float = 5.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None = no metrics endpoint; 0 = any free port
-    speculative_ttl_s: float = 5.0       # a reservation's blocks count as cached there this long (ttl_ms = 0)
+    speculative_ttl_s: float = 5.0  # a reservation's blocks count as cached there this long (ttl_ms = 0)
     reservation_max_age_s: float = 600.0  # reservations never released are dropped after this
-    audit_interval_s: float = 0.0         # compare the index with engines serving /kvroute/blocks (0 = off)
+    audit_interval_s: float = 0.0  # compare the index with engines serving /kvroute/blocks (0 = off)
     audit_settle_s: float = 0.5
-    audit_probe: bool = False             # ... and probe the workers whose engine does not serve it
+    audit_probe: bool = False  # ... and probe the workers whose engine does not serve it
     audit_probe_deadline_s: float = 5.0
-    redis_url: str = ""                   # "" = embedded (one in-memory process); else a replica over Redis
+    redis_url: str = ""  # "" = embedded (one in-memory process); else a replica over Redis
     redis_shards: int = 16
     snapshot_interval_s: float = 10.0
-    replica_id: str = ""                  # "" = HOST-PID
-    max_index_entries: int = 0            # 0 = unbounded; else drop keys not matched recently past this many entries
-    index_backend: str = "auto"           # kvroute.prefix_index.backends: auto (native when built), native, bitmask
+    replica_id: str = ""  # "" = HOST-PID
+    max_index_entries: int = 0  # 0 = unbounded; else drop keys not matched recently past this many entries
+    index_backend: str = "auto"  # kvroute.prefix_index.backends: auto (native when built), native, bitmask
     tls: TlsFiles = field(default_factory=TlsFiles)  # none = plaintext; cert+key = TLS; + CA = mTLS with per-identity authority
     grpc_max_message_bytes: int = GRPC_MESSAGE_LIMIT
     follow_window_changes: int = 200_000  # the follow feed's window (routers that reconnect resume inside it)
@@ -74,9 +74,12 @@ class ControlPlaneServer:
         self.metrics_registry = CollectorRegistry()
         register_build_info(self.metrics_registry, "control_plane")
         index = make_index(config.index_backend, config.max_index_entries)  # IndexBackendError: one line
-        self.state = FleetState.build(index, heartbeat_timeout_s=config.heartbeat_timeout_s,
-                                      speculative_ttl_s=config.speculative_ttl_s,
-                                      reservation_max_age_s=config.reservation_max_age_s)
+        self.state = FleetState.build(
+            index,
+            heartbeat_timeout_s=config.heartbeat_timeout_s,
+            speculative_ttl_s=config.speculative_ttl_s,
+            reservation_max_age_s=config.reservation_max_age_s,
+        )
         self.inflight, self.registry = self.state.inflight, self.state.registry
         self.service = ControlPlaneService(self.state, ControlPlaneMetrics(self.metrics_registry))
         self.tls = server_tls(config.tls)  # raises TlsConfigError (one line) for files that do not load
@@ -84,14 +87,19 @@ class ControlPlaneServer:
         if config.tls.mutual:
             self.service.authority = authority
         self.replica_id = config.replica_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.feed = self.service.feed = FollowFeed(self.state, self.replica_id, config.follow_window_changes,
-                                                   config.follow_window_bytes)
+        self.feed = self.service.feed = FollowFeed(
+            self.state, self.replica_id, config.follow_window_changes, config.follow_window_bytes
+        )
         self.redis_log: RedisEventLog | None = None
         self.inflight_sync: InflightSync | None = None
         if config.redis_url:
-            self.redis_log = RedisEventLog(self.service.applier, connect(parse_redis_url(config.redis_url)),
-                                           RedisLogConfig(shards=config.redis_shards, replica_id=self.replica_id,
-                                                          snapshot_interval_s=config.snapshot_interval_s))
+            self.redis_log = RedisEventLog(
+                self.service.applier,
+                connect(parse_redis_url(config.redis_url)),
+                RedisLogConfig(
+                    shards=config.redis_shards, replica_id=self.replica_id, snapshot_interval_s=config.snapshot_interval_s
+                ),
+            )
             self.service.log = self.redis_log
             self.inflight_sync = InflightSync(self.redis_log.redis, self.inflight, self.registry, self.replica_id)
             self.service.router_events = self.inflight_sync
@@ -100,10 +108,18 @@ class ControlPlaneServer:
         self.metrics_registry.register(ApplyCollector(self.service.applier))
         self.metrics_registry.register(InflightCollector(self.inflight, lambda: self.service.router_sessions))
         self.metrics_registry.register(IndexCollector(index))
-        self.auditor = (PeriodicAuditor(self.registry, self.metrics_registry, config.audit_interval_s,
-                                        settle_s=config.audit_settle_s, probe=config.audit_probe,
-                                        probe_deadline_s=config.audit_probe_deadline_s)
-                        if config.audit_interval_s > 0 else None)
+        self.auditor = (
+            PeriodicAuditor(
+                self.registry,
+                self.metrics_registry,
+                config.audit_interval_s,
+                settle_s=config.audit_settle_s,
+                probe=config.audit_probe,
+                probe_deadline_s=config.audit_probe_deadline_s,
+            )
+            if config.audit_interval_s > 0
+            else None
+        )
         self.port = 0
         self.metrics_port = 0  # the bound /metrics port, once listening
         self._grpc: GrpcListener | None = None
@@ -116,8 +132,7 @@ class ControlPlaneServer:
 
     def _refuse_routers(self) -> str | None:
         if not self._replica_ready():
-            return (f"control plane replica {self.replica_id} is catching up with the log; "
-                    "try another replica")
+            return f"control plane replica {self.replica_id} is catching up with the log; try another replica"
         return None
 
     def _replica_ready(self) -> bool:
@@ -131,17 +146,28 @@ class ControlPlaneServer:
 
     async def start(self) -> int:
         """Listen and serve; raises ListenError (nothing left running) when a port cannot be had."""
-        self._grpc = GrpcListener("--listen", self.config.listen, SERVICES,
-                                  grpc_message_options(self.config.grpc_max_message_bytes),
-                                  credentials=self.tls.grpc_credentials() if self.tls else None)
+        self._grpc = GrpcListener(
+            "--listen",
+            self.config.listen,
+            SERVICES,
+            grpc_message_options(self.config.grpc_max_message_bytes),
+            credentials=self.tls.grpc_credentials() if self.tls else None,
+        )
         self.port = self._grpc.port
-        add_servicer(self._grpc.server, pb.DESCRIPTOR.services_by_name["ControlPlane"], self.service,
-                     on_unparseable=self.service.count_unparseable)
+        add_servicer(
+            self._grpc.server,
+            pb.DESCRIPTOR.services_by_name["ControlPlane"],
+            self.service,
+            on_unparseable=self.service.count_unparseable,
+        )
         try:
             if self.config.metrics_port is not None:  # before serving: a busy metrics port must not leave a half-started plane
                 self._metrics_runner, self.metrics_port = await start_status_site(
-                    "--metrics-port", self.config.metrics_host, self.config.metrics_port,
-                    status_routes(self.metrics_registry, health=self.health, readiness=self.readiness))
+                    "--metrics-port",
+                    self.config.metrics_host,
+                    self.config.metrics_port,
+                    status_routes(self.metrics_registry, health=self.health, readiness=self.readiness),
+                )
             await self._grpc.start(serving=self.redis_log is None)
             self._accepting = True
         except BaseException:
@@ -151,18 +177,25 @@ class ControlPlaneServer:
             await self.redis_log.start()
             # Reservations name workers: the registry is loaded from the log before they are replayed.
             await self.inflight_sync.start(lambda: self.redis_log.wait_ready(None))
-            self._health_task = asyncio.create_task(self._grpc.follow(lambda: self.ready, 0.05),
-                                                    name="kvroute-cp-health")
+            self._health_task = asyncio.create_task(self._grpc.follow(lambda: self.ready, 0.05), name="kvroute-cp-health")
         self._sweeper = asyncio.create_task(self.service.expire_forever(max(0.05, self.config.heartbeat_timeout_s / 5)))
         if self.auditor:
             self._audit_task = asyncio.create_task(self.auditor.run_forever(), name="kvroute-cp-audit")
-        log.info("control plane listening on %s:%d (%s; prefix index %s%s)", self._grpc.host, self.port,
-                 "mTLS, writes checked against client certificates" if self.config.tls.mutual
-                 else "TLS" if self.tls else "plaintext", type(self.registry.index).__name__,
-                 f", at most {self.config.max_index_entries} entries" if self.config.max_index_entries else "")
-        self._ready_task = asyncio.create_task(announce_when_ready(
-            lambda: self.ready, lambda: log.info("control plane ready%s", " (caught up with the log)"
-                                                  if self.redis_log is not None else "")), name="kvroute-cp-ready")
+        log.info(
+            "control plane listening on %s:%d (%s; prefix index %s%s)",
+            self._grpc.host,
+            self.port,
+            "mTLS, writes checked against client certificates" if self.config.tls.mutual else "TLS" if self.tls else "plaintext",
+            type(self.registry.index).__name__,
+            f", at most {self.config.max_index_entries} entries" if self.config.max_index_entries else "",
+        )
+        self._ready_task = asyncio.create_task(
+            announce_when_ready(
+                lambda: self.ready,
+                lambda: log.info("control plane ready%s", " (caught up with the log)" if self.redis_log is not None else ""),
+            ),
+            name="kvroute-cp-ready",
+        )
         return self.port
 
     async def stop(self, grace_s: float = 0.5) -> None:
@@ -204,7 +237,9 @@ class ControlPlaneServer:
 async def serve(config: ControlPlaneConfig, port_file: str = "") -> int:
     server = ControlPlaneServer(config)
     await server.start()
-    write_port_file(port_file, {"grpc": server.port, **({"metrics": server.metrics_port} if server.config.metrics_port is not None else {})})
+    write_port_file(
+        port_file, {"grpc": server.port, **({"metrics": server.metrics_port} if server.config.metrics_port is not None else {})}
+    )
     await wait_for_stop_signal()
     await server.stop()
     return 0

@@ -43,16 +43,25 @@ GRPC_OPTIONS = [
 
 def load_to_pb(record: WorkerRecord) -> pb.WorkerLoad:
     load = record.load
-    return pb.WorkerLoad(running_requests=load.running_requests, waiting_requests=load.waiting_requests,
-                         kv_usage=load.kv_usage, observed_unix_ms=load.observed_unix_ms)
+    return pb.WorkerLoad(
+        running_requests=load.running_requests,
+        waiting_requests=load.waiting_requests,
+        kv_usage=load.kv_usage,
+        observed_unix_ms=load.observed_unix_ms,
+    )
 
 
 def match_template(record: WorkerRecord) -> pb.WorkerMatch:
     """The per-worker part of every answer, built once per change of the record."""
     template = record.match_template
     if template is None:
-        template = pb.WorkerMatch(worker_id=record.worker_id, endpoint=record.endpoint, block_size=record.block_size,
-                                  load=load_to_pb(record), data_parallel_rank=record.data_parallel_rank)
+        template = pb.WorkerMatch(
+            worker_id=record.worker_id,
+            endpoint=record.endpoint,
+            block_size=record.block_size,
+            load=load_to_pb(record),
+            data_parallel_rank=record.data_parallel_rank,
+        )
         record.match_template = template
     return template  # type: ignore[return-value]
 
@@ -109,8 +118,9 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
 
     # ------------------------------------------------------------ agent stream
 
-    async def Connect(self, request_iterator: AsyncIterator[pb.AgentMessage],
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ControlMessage]:
+    async def Connect(
+        self, request_iterator: AsyncIterator[pb.AgentMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ControlMessage]:
         session: AgentSession | None = None
         try:
             async for message in request_iterator:
@@ -118,18 +128,28 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                 try:
                     if session is None:
                         if body != "register":
-                            raise LogRefusal(grpc.StatusCode.FAILED_PRECONDITION, "not_registered",
-                                             "first message on a Connect stream must be `register`")
+                            raise LogRefusal(
+                                grpc.StatusCode.FAILED_PRECONDITION,
+                                "not_registered",
+                                "first message on a Connect stream must be `register`",
+                            )
                         session = await self._register(message.register, context)
-                        yield pb.ControlMessage(registered=pb.Registered(
-                            worker_id=session.worker_id, heartbeat_timeout_ms=int(self.log.heartbeat_timeout_s * 1000),
-                            epoch=session.epoch, resume=session.resume, last_seq=session.last_seq))
+                        yield pb.ControlMessage(
+                            registered=pb.Registered(
+                                worker_id=session.worker_id,
+                                heartbeat_timeout_ms=int(self.log.heartbeat_timeout_s * 1000),
+                                epoch=session.epoch,
+                                resume=session.resume,
+                                last_seq=session.last_seq,
+                            )
+                        )
                     elif body == "batch":
                         batch = message.batch
                         ops = self._ops(batch)
                         parent = propagate.extract({"traceparent": batch.traceparent}) if batch.traceparent else None
-                        with tracer.start_as_current_span("kvroute.cp.apply_batch", context=parent,
-                                                          kind=trace.SpanKind.CONSUMER) as span:
+                        with tracer.start_as_current_span(
+                            "kvroute.cp.apply_batch", context=parent, kind=trace.SpanKind.CONSUMER
+                        ) as span:
                             await self.log.append_batch(session, batch.seq, batch.snapshot, ops, source=batch)
                             if span.is_recording():
                                 span.set_attribute("kvroute.worker_id", session.worker_id)
@@ -139,14 +159,25 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                         heartbeat = message.heartbeat
                         load = heartbeat.load
                         if not 0.0 <= load.kv_usage <= 1.0:  # NaN too: policies compare and add it
-                            raise LogRefusal(grpc.StatusCode.INVALID_ARGUMENT, "bad_heartbeat",
-                                             f"kv_usage must be a fraction in 0..1, got {load.kv_usage}")
-                        await self.log.heartbeat(session, HeartbeatBody(
-                            load.running_requests, load.waiting_requests, load.kv_usage,
-                            load.observed_unix_ms or int(time.time() * 1000), list(heartbeat.lora_adapters)))
+                            raise LogRefusal(
+                                grpc.StatusCode.INVALID_ARGUMENT,
+                                "bad_heartbeat",
+                                f"kv_usage must be a fraction in 0..1, got {load.kv_usage}",
+                            )
+                        await self.log.heartbeat(
+                            session,
+                            HeartbeatBody(
+                                load.running_requests,
+                                load.waiting_requests,
+                                load.kv_usage,
+                                load.observed_unix_ms or int(time.time() * 1000),
+                                list(heartbeat.lora_adapters),
+                            ),
+                        )
                     elif body == "register":
-                        raise LogRefusal(grpc.StatusCode.FAILED_PRECONDITION, "double_register",
-                                         "register may only be sent once per stream")
+                        raise LogRefusal(
+                            grpc.StatusCode.FAILED_PRECONDITION, "double_register", "register may only be sent once per stream"
+                        )
                 except LogRefusal as refusal:
                     await self._reject(context, refusal.reason, refusal.code, refusal.detail)
         finally:  # ended, failed or cancelled: the worker id is free for the next stream
@@ -157,11 +188,20 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         if self.authority is not None:  # before the log sees anything: a refused stream writes nothing
             await self._authorize(context, self.authority.check_writer, req.worker_id)
         session = await self.log.register(req, context.peer() or "unknown peer")
-        log.info("worker registered: %s model=%s engine=%s %s block_size=%d endpoint=%s dp_rank=%s role=%s "
-                 "adapters=%s epoch=%d%s", req.worker_id, req.model, req.engine, req.engine_version or "-",
-                 req.block_size, req.endpoint, req.data_parallel_rank if req.HasField("data_parallel_rank") else "-",
-                 parse_role(req.role) or "both", ",".join(req.lora_adapters) or "-", session.epoch,
-                 f" resuming after seq {session.last_seq}" if session.resume else "")
+        log.info(
+            "worker registered: %s model=%s engine=%s %s block_size=%d endpoint=%s dp_rank=%s role=%s adapters=%s epoch=%d%s",
+            req.worker_id,
+            req.model,
+            req.engine,
+            req.engine_version or "-",
+            req.block_size,
+            req.endpoint,
+            req.data_parallel_rank if req.HasField("data_parallel_rank") else "-",
+            parse_role(req.role) or "both",
+            ",".join(req.lora_adapters) or "-",
+            session.epoch,
+            f" resuming after seq {session.last_seq}" if session.resume else "",
+        )
         return session
 
     def _ops(self, batch: pb.EventBatch) -> list[BlockOp]:
@@ -179,8 +219,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
             log.warning("unknown block tier %d: indexed as disk", value)
         return Tier.DISK
 
-    async def _reject(self, context: grpc.aio.ServicerContext, reason: str, code: grpc.StatusCode,
-                      detail: str) -> None:
+    async def _reject(self, context: grpc.aio.ServicerContext, reason: str, code: grpc.StatusCode, detail: str) -> None:
         self.metrics.stream_errors.labels(reason).inc()
         log.warning("rejecting agent stream: %s", detail)
         await context.abort(code, detail)
@@ -232,8 +271,9 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                 worker.reserved_prefill_tokens = answer.reserved_prefill_tokens[i]
         self.metrics.query_seconds.observe(time.perf_counter() - started)
 
-    async def RouterSession(self, request_iterator: AsyncIterator[pb.RouterMessage],
-                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.RouterReply]:
+    async def RouterSession(
+        self, request_iterator: AsyncIterator[pb.RouterMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.RouterReply]:
         session: RouterSessionState | None = None
         try:
             async for message in request_iterator:
@@ -243,26 +283,37 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                         await self._authorize(context, self.authority.check_router)
                     await self._check_serving(context, "RouterSession")
                     if body != "hello":
-                        await self._reject_router(context, "not_hello", grpc.StatusCode.FAILED_PRECONDITION,
-                                                  "first message on a RouterSession stream must be `hello`")
+                        await self._reject_router(
+                            context,
+                            "not_hello",
+                            grpc.StatusCode.FAILED_PRECONDITION,
+                            "first message on a RouterSession stream must be `hello`",
+                        )
                     if not message.hello.router_id:
-                        await self._reject_router(context, "bad_hello", grpc.StatusCode.INVALID_ARGUMENT,
-                                                  "hello needs a router_id (unique per router process)")
+                        await self._reject_router(
+                            context,
+                            "bad_hello",
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            "hello needs a router_id (unique per router process)",
+                        )
                     session = self.inflight.open_session(message.hello.router_id)
                     self.router_sessions += 1
                     if self.router_events is not None:
                         self.router_events.opened(session)
-                    yield pb.RouterReply(welcome=pb.RouterWelcome(
-                        router_id=message.hello.router_id,
-                        reservation_max_age_ms=int(self.inflight.max_age_s * 1000)))
+                    yield pb.RouterReply(
+                        welcome=pb.RouterWelcome(
+                            router_id=message.hello.router_id, reservation_max_age_ms=int(self.inflight.max_age_s * 1000)
+                        )
+                    )
                 elif body == "query":
                     reply = pb.RouterReply()
                     reply.result.SetInParent()
                     try:
                         self.answer(message.query, reply.result, asking=session.router)
                     except BadRequest as exc:
-                        await self._reject_router(context, "bad_query", grpc.StatusCode.INVALID_ARGUMENT,
-                                                  f"query {message.query.query_id}: {exc}")
+                        await self._reject_router(
+                            context, "bad_query", grpc.StatusCode.INVALID_ARGUMENT, f"query {message.query.query_id}: {exc}"
+                        )
                     yield reply
                 elif body == "ops":
                     ops = message.ops
@@ -283,12 +334,16 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                 elif body == "release":
                     self._release(session, message.release.reservation_id)
                 elif body == "hello":
-                    await self._reject_router(context, "double_hello", grpc.StatusCode.FAILED_PRECONDITION,
-                                              "hello may only be sent once per stream")
+                    await self._reject_router(
+                        context, "double_hello", grpc.StatusCode.FAILED_PRECONDITION, "hello may only be sent once per stream"
+                    )
                 else:
-                    await self._reject_router(context, "empty_message", grpc.StatusCode.INVALID_ARGUMENT,
-                                              "RouterMessage with no body (hello, query, reserve, prefill_done, "
-                                              "release or ops)")
+                    await self._reject_router(
+                        context,
+                        "empty_message",
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        "RouterMessage with no body (hello, query, reserve, prefill_done, release or ops)",
+                    )
         finally:
             if session is not None:
                 self.inflight.close_session(session)
@@ -306,12 +361,17 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         if self.router_events is not None:
             self.router_events.released(session, reservation_id)
 
-    async def _reserve(self, session: RouterSessionState, reservation: pb.Reservation,
-                       context: grpc.aio.ServicerContext) -> pb.RouterReply | None:
+    async def _reserve(
+        self, session: RouterSessionState, reservation: pb.Reservation, context: grpc.aio.ServicerContext
+    ) -> pb.RouterReply | None:
         """Apply it; the reply telling the router when its prefill was charged less than it said."""
         if not reservation.worker_id:
-            await self._reject_router(context, "bad_reservation", grpc.StatusCode.INVALID_ARGUMENT,
-                                      f"reservation {reservation.reservation_id} needs a worker_id")
+            await self._reject_router(
+                context,
+                "bad_reservation",
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"reservation {reservation.reservation_id} needs a worker_id",
+            )
         record = self.registry.get(reservation.worker_id)
         if record is None:
             self.inflight.counters.unknown_worker += 1  # dropped meanwhile, or not yet registered
@@ -321,21 +381,36 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
             self.inflight.counters.block_size_mismatch += 1  # the load still counts, the keys cannot
             keys = ()
         try:
-            held = self.inflight.reserve(session, reservation.reservation_id, record.slot, keys,
-                                         reservation.prefill_tokens, reservation.ttl_ms, reservation.prompt_tokens,
-                                         record.block_size)
+            held = self.inflight.reserve(
+                session,
+                reservation.reservation_id,
+                record.slot,
+                keys,
+                reservation.prefill_tokens,
+                reservation.ttl_ms,
+                reservation.prompt_tokens,
+                record.block_size,
+            )
         except DuplicateReservation as exc:
             await self._reject_router(context, "duplicate_reservation", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self.router_events is not None:
-            self.router_events.reserved(session, reservation.reservation_id, record.worker_id, record.block_size, keys,
-                                        reservation.prefill_tokens, reservation.ttl_ms, reservation.prompt_tokens)
+            self.router_events.reserved(
+                session,
+                reservation.reservation_id,
+                record.worker_id,
+                record.block_size,
+                keys,
+                reservation.prefill_tokens,
+                reservation.ttl_ms,
+                reservation.prompt_tokens,
+            )
         if held.prefill_tokens < reservation.prefill_tokens:
-            return pb.RouterReply(trimmed=pb.ReservationTrimmed(reservation_id=reservation.reservation_id,
-                                                                prefill_tokens=held.prefill_tokens))
+            return pb.RouterReply(
+                trimmed=pb.ReservationTrimmed(reservation_id=reservation.reservation_id, prefill_tokens=held.prefill_tokens)
+            )
         return None
 
-    async def _reject_router(self, context: grpc.aio.ServicerContext, reason: str, code: grpc.StatusCode,
-                             detail: str) -> None:
+    async def _reject_router(self, context: grpc.aio.ServicerContext, reason: str, code: grpc.StatusCode, detail: str) -> None:
         self.metrics.bad_requests.labels("RouterSession", reason).inc()
         log.warning("rejecting router stream: %s", detail)
         await context.abort(code, detail)
@@ -349,25 +424,36 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         async for message in self.feed.follow(request):
             yield message
 
-    async def ListWorkers(self, request: pb.ListWorkersRequest,
-                          context: grpc.aio.ServicerContext) -> pb.ListWorkersResponse:
+    async def ListWorkers(self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext) -> pb.ListWorkersResponse:
         if self.authority is not None:
             await self._authorize(context, self.authority.check_reader)
         await self._check_serving(context, "ListWorkers")
         index = self.registry.index
-        return pb.ListWorkersResponse(workers=[
-            pb.WorkerInfo(worker_id=r.worker_id, model=r.model, engine=r.engine, block_size=r.block_size,
-                          endpoint=r.endpoint, load=load_to_pb(r), last_seq=r.last_seq,
-                          cached_blocks=index.worker_block_count(r.slot, Tier.GPU),
-                          lora_adapters=r.lora_adapters, engine_version=r.engine_version,
-                          data_parallel_rank=r.data_parallel_rank, role=r.role)
-            for r in self.registry.workers(request.model)
-        ])
+        return pb.ListWorkersResponse(
+            workers=[
+                pb.WorkerInfo(
+                    worker_id=r.worker_id,
+                    model=r.model,
+                    engine=r.engine,
+                    block_size=r.block_size,
+                    endpoint=r.endpoint,
+                    load=load_to_pb(r),
+                    last_seq=r.last_seq,
+                    cached_blocks=index.worker_block_count(r.slot, Tier.GPU),
+                    lora_adapters=r.lora_adapters,
+                    engine_version=r.engine_version,
+                    data_parallel_rank=r.data_parallel_rank,
+                    role=r.role,
+                )
+                for r in self.registry.workers(request.model)
+            ]
+        )
 
     # ------------------------------------------------------------ audit
 
-    async def GetWorkerKeys(self, request: pb.GetWorkerKeysRequest,
-                            context: grpc.aio.ServicerContext) -> pb.GetWorkerKeysResponse:
+    async def GetWorkerKeys(
+        self, request: pb.GetWorkerKeysRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetWorkerKeysResponse:
         if self.authority is not None:
             await self._authorize(context, self.authority.check_reader)
         await self._check_serving(context, "GetWorkerKeys")
@@ -376,8 +462,11 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no live worker {request.worker_id!r}")
         index = self.registry.index
         evicted = index.evicted_entries(record.slot)  # keys it may hold that a bounded index forgot: the audit's due
-        response = pb.GetWorkerKeysResponse(worker_id=record.worker_id, block_size=record.block_size, tiers=[
-            pb.TierKeys(tier=tier, block_keys=sorted(index.worker_keys(record.slot, tier))) for tier in TIERS])
+        response = pb.GetWorkerKeysResponse(
+            worker_id=record.worker_id,
+            block_size=record.block_size,
+            tiers=[pb.TierKeys(tier=tier, block_keys=sorted(index.worker_keys(record.slot, tier))) for tier in TIERS],
+        )
         if evicted:
             await context.send_initial_metadata(eviction_metadata({tier.label: n for tier, n in evicted.items()}))
         return response
@@ -388,8 +477,9 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         while True:
             await asyncio.sleep(period_s)
             for worker_id in await self.log.expire_silent():
-                log.warning("worker %s missed heartbeats for %.1fs: dropped with its blocks", worker_id,
-                            self.registry.heartbeat_timeout_s)
+                log.warning(
+                    "worker %s missed heartbeats for %.1fs: dropped with its blocks", worker_id, self.registry.heartbeat_timeout_s
+                )
             self.inflight.expire()  # claims and reservations time out even when no router asks
             self._note_bound_reached()
 
@@ -397,5 +487,8 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
         index = self.registry.index
         if is_bounded(index) and index.counters.entries and not self._bound_reached:
             self._bound_reached = True
-            log.warning("the index reached --max-index-entries %d: dropping keys not matched recently (routers "
-                        "under-estimate those caches; kvroute_cp_index_evicted_entries_total)", index.max_entries)
+            log.warning(
+                "the index reached --max-index-entries %d: dropping keys not matched recently (routers "
+                "under-estimate those caches; kvroute_cp_index_evicted_entries_total)",
+                index.max_entries,
+            )

@@ -27,10 +27,27 @@ log = logging.getLogger("kvroute.epp")
 # The router's flags the picker does not take: its listeners, and what only a proxying router does
 # (HTTP API keys, HTTPS, concurrency, the engine link). It keeps the routing flags and the
 # control-plane link's (--tls-*, --grpc-max-message-bytes).
-ROUTER_ONLY_FLAGS = frozenset({"--port", "--grpc-port", "--reservation-ttl-ms", "--max-reservations", "--capture-trace",
-                               "--capture-block-tokens", "--capture-sample-rate", "--stage-timing",
-                               "--max-concurrent-requests", "--api-keys-file", "--forward-authorization",
-                               "--http-tls", "--engine-tls-ca", "--pd", "--pd-role", "--pd-bootstrap-port"})
+ROUTER_ONLY_FLAGS = frozenset(
+    {
+        "--port",
+        "--grpc-port",
+        "--reservation-ttl-ms",
+        "--max-reservations",
+        "--capture-trace",
+        "--capture-block-tokens",
+        "--capture-sample-rate",
+        "--stage-timing",
+        "--max-concurrent-requests",
+        "--api-keys-file",
+        "--forward-authorization",
+        "--http-tls",
+        "--engine-tls-ca",
+        "--pd",
+        "--pd-role",
+        "--pd-bootstrap-port",
+    }
+)
+
 
 class _WithoutFlags:
     """An argparse parser that ignores the flags named in `skip` (so the router's flag definitions
@@ -60,28 +77,51 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     router_cli.add_arguments(_WithoutFlags(p, ROUTER_ONLY_FLAGS))  # type: ignore[arg-type]
     p.add_argument("--grpc-port", type=port, default=9002, help="ext_proc gRPC port (GAIE's conventional 9002)")
-    p.add_argument("--body-mode", choices=("streamed", "buffered"), default="streamed",
-                   help="the request body mode of Envoy's ext_proc filter when its messages do not say "
-                        "(protocol_config): streamed = FULL_DUPLEX_STREAMED (GAIE's), buffered = BUFFERED")
-    p.add_argument("--failure-mode", choices=("FailClose", "FailOpen"), default="FailClose",
-                   help="the InferencePool's endpointPickerRef.failureMode: on an internal error, FailClose "
-                        "answers 500, FailOpen lets Envoy pick an endpoint itself")
-    p.add_argument("--fallback-endpoints", type=int, default=0, metavar="N",
-                   help="also name the next N candidates (in the policy's order) after the chosen one, for "
-                        "Envoy's retries")
-    p.add_argument("--sheddable-objectives", default="", metavar="NAME,...",
-                   help="x-gateway-inference-objective values whose requests may be shed (429) when every "
-                        "candidate is saturated (GAIE: objectives with a negative priority)")
-    p.add_argument("--metrics-port", type=port_or_off, default=None,
-                   help="serve Prometheus /metrics (the router's metrics: decisions, fail-open by reason), /health and "
-                        "/ready on this HTTP port (0 = any free port; default off)")
-    p.add_argument("--saturation-load", type=int, default=0, metavar="N",
-                   help="a worker is saturated at this many requests (max of in flight and running + waiting); "
-                        "0 = never shed")
+    p.add_argument(
+        "--body-mode",
+        choices=("streamed", "buffered"),
+        default="streamed",
+        help="the request body mode of Envoy's ext_proc filter when its messages do not say "
+        "(protocol_config): streamed = FULL_DUPLEX_STREAMED (GAIE's), buffered = BUFFERED",
+    )
+    p.add_argument(
+        "--failure-mode",
+        choices=("FailClose", "FailOpen"),
+        default="FailClose",
+        help="the InferencePool's endpointPickerRef.failureMode: on an internal error, FailClose "
+        "answers 500, FailOpen lets Envoy pick an endpoint itself",
+    )
+    p.add_argument(
+        "--fallback-endpoints",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also name the next N candidates (in the policy's order) after the chosen one, for Envoy's retries",
+    )
+    p.add_argument(
+        "--sheddable-objectives",
+        default="",
+        metavar="NAME,...",
+        help="x-gateway-inference-objective values whose requests may be shed (429) when every "
+        "candidate is saturated (GAIE: objectives with a negative priority)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=port_or_off,
+        default=None,
+        help="serve Prometheus /metrics (the router's metrics: decisions, fail-open by reason), /health and "
+        "/ready on this HTTP port (0 = any free port; default off)",
+    )
+    p.add_argument(
+        "--saturation-load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a worker is saturated at this many requests (max of in flight and running + waiting); 0 = never shed",
+    )
 
 
 # ---------------------------------------------------------------------------- wire helpers
-
 
 
 # ---------------------------------------------------------------------------- process
@@ -92,10 +132,13 @@ def status_routes(service: RoutingService) -> dict:
     from kvroute.data_plane.service.readiness import router_readiness, served_models
     from kvroute.status import status_routes as routes
 
-    return routes(service.metrics.registry,
-                  health=lambda: {"status": "ok", "model": service.model, "policy": service.policy.name},
-                  readiness=lambda: router_readiness(service.control_plane, service.model, service.health,
-                                                     served_models(service.control_plane, service.model)))
+    return routes(
+        service.metrics.registry,
+        health=lambda: {"status": "ok", "model": service.model, "policy": service.policy.name},
+        readiness=lambda: router_readiness(
+            service.control_plane, service.model, service.health, served_models(service.control_plane, service.model)
+        ),
+    )
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -110,27 +153,37 @@ async def serve(args: argparse.Namespace) -> int:
     if args.fallback_endpoints < 0 or args.saturation_load < 0:
         raise SystemExit("kvroute epp: error: --fallback-endpoints and --saturation-load must be >= 0")
     service = build_routing_service(args, "epp")
-    picker = EndpointPicker(service, buffered=args.body_mode == "buffered", fail_open=args.failure_mode == "FailOpen",
-                            max_body_bytes=args.max_body_bytes, fallback_endpoints=args.fallback_endpoints,
-                            sheddable_objectives=[s.strip() for s in args.sheddable_objectives.split(",") if s.strip()],
-                            saturation_load=args.saturation_load)
+    picker = EndpointPicker(
+        service,
+        buffered=args.body_mode == "buffered",
+        fail_open=args.failure_mode == "FailOpen",
+        max_body_bytes=args.max_body_bytes,
+        fallback_endpoints=args.fallback_endpoints,
+        sheddable_objectives=[s.strip() for s in args.sheddable_objectives.split(",") if s.strip()],
+        saturation_load=args.saturation_load,
+    )
     # Like the router's gRPC port: TLS whenever --tls-cert is set, client certificates with --tls-ca.
     tls = service.tls_files
-    listener = GrpcListener("--grpc-port", str(check_port("--grpc-port", args.host, args.grpc_port)),
-                            (EXT_PROC_SERVICE,), grpc_message_options(args.grpc_max_message_bytes),
-                            credentials=server_tls(tls).grpc_credentials() if tls.cert else None,
-                            health_names=("readiness",))  # GAIE's health service names
+    listener = GrpcListener(
+        "--grpc-port",
+        str(check_port("--grpc-port", args.host, args.grpc_port)),
+        (EXT_PROC_SERVICE,),
+        grpc_message_options(args.grpc_max_message_bytes),
+        credentials=server_tls(tls).grpc_credentials() if tls.cert else None,
+        health_names=("readiness",),
+    )  # GAIE's health service names
     ext_grpc.add_ExternalProcessorServicer_to_server(picker, listener.server)
 
     def ready() -> bool:
-        return router_readiness(service.control_plane, service.model, service.health,
-                                served_models(service.control_plane, service.model)).ready
-
+        return router_readiness(
+            service.control_plane, service.model, service.health, served_models(service.control_plane, service.model)
+        ).ready
 
     status_runner = None
     if args.metrics_port is not None:  # before serving: a busy port must not leave a half-started picker
-        status_runner, metrics_port = await start_status_site("--metrics-port", args.host, args.metrics_port,
-                                                   status_routes(service))
+        status_runner, metrics_port = await start_status_site(
+            "--metrics-port", args.host, args.metrics_port, status_routes(service)
+        )
     await listener.start(serving=False)
     # GAIE's health names: `liveness` while the process answers; `readiness` (with "" and the ext_proc
     # service) while the router would say /ready.
@@ -139,11 +192,19 @@ async def serve(args: argparse.Namespace) -> int:
     ready_task = None
     try:
         service.start()  # after the listener: a port in use is the only line printed
-        log.info("epp listening: grpc=%s:%d policy=%s model=%s control-plane=%s body-mode=%s failure-mode=%s",
-                 args.host, listener.port, args.policy, service.model, args.control_plane, args.body_mode,
-                 args.failure_mode)
-        ready_task = asyncio.create_task(announce_when_ready(
-            ready, lambda: log.info("epp ready: the router's readiness holds (gRPC readiness SERVING)")))
+        log.info(
+            "epp listening: grpc=%s:%d policy=%s model=%s control-plane=%s body-mode=%s failure-mode=%s",
+            args.host,
+            listener.port,
+            args.policy,
+            service.model,
+            args.control_plane,
+            args.body_mode,
+            args.failure_mode,
+        )
+        ready_task = asyncio.create_task(
+            announce_when_ready(ready, lambda: log.info("epp ready: the router's readiness holds (gRPC readiness SERVING)"))
+        )
         write_port_file(args.port_file, {"grpc": listener.port, **({"metrics": metrics_port} if status_runner else {})})
         await wait_for_stop_signal()
         log.info("epp stopping")

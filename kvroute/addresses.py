@@ -242,7 +242,7 @@ def zmq_endpoint(text: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class StaticWorker:
-    url: str    # without a trailing slash
+    url: str  # without a trailing slash
     model: str  # "" = the router's default model
 
 
@@ -250,7 +250,7 @@ def parse_static_fleet(text: str) -> dict[str, StaticWorker]:
     """ID[@MODEL]=URL[,...] -> {id: StaticWorker}; "" = none. MODEL names the model the engine serves
     (a model id has no "@"), else it serves the router's default model."""
     workers: dict[str, StaticWorker] = {}
-    for item in (split_list(text, "ID=URL") if text.strip() else []):
+    for item in split_list(text, "ID=URL") if text.strip() else []:
         name, sep, url = item.partition("=")
         worker_id, at, model = name.strip().partition("@")
         worker_id, model = worker_id.strip(), model.strip()
@@ -295,22 +295,26 @@ def port_map(text: str) -> str:
 
 RedisKind = Literal["single", "sentinel", "cluster"]
 REDIS_SCHEMES: dict[str, tuple[RedisKind, bool]] = {
-    "redis": ("single", False), "rediss": ("single", True),
-    "redis+sentinel": ("sentinel", False), "rediss+sentinel": ("sentinel", True),
-    "redis+cluster": ("cluster", False), "rediss+cluster": ("cluster", True),
+    "redis": ("single", False),
+    "rediss": ("single", True),
+    "redis+sentinel": ("sentinel", False),
+    "rediss+sentinel": ("sentinel", True),
+    "redis+cluster": ("cluster", False),
+    "rediss+cluster": ("cluster", True),
 }
 
 
 @dataclass(frozen=True, slots=True)
 class RedisTarget:
     """Which Redis deployment a `--redis` URL names (kvroute/control_plane/replication/redis_url.py connects)."""
+
     kind: RedisKind
     hosts: tuple[tuple[str, int], ...]
     tls: bool = False
     db: int = 0
     username: str | None = None
     password: str | None = None
-    service: str = ""                  # sentinel: the master's name
+    service: str = ""  # sentinel: the master's name
     sentinel_password: str | None = None
     options: dict[str, str] = field(default_factory=dict)
 

@@ -26,8 +26,7 @@ def run(main: Coroutine[Any, Any, int | None]) -> int:
     return int(uvloop.run(main) or 0)
 
 
-async def cancel_and_wait(*tasks: asyncio.Task | asyncio.Future | None,
-                          timeout_s: float | None = None) -> set[asyncio.Future]:
+async def cancel_and_wait(*tasks: asyncio.Task | asyncio.Future | None, timeout_s: float | None = None) -> set[asyncio.Future]:
     """Cancel background tasks and wait until they have stopped (at most `timeout_s` when given);
     returns those still running then. A task that had already failed is logged at debug level: its
     failure was its own loop's to report, and stopping it adds nothing."""

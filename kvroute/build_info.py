@@ -18,6 +18,9 @@ def kvroute_version() -> str:
 
 def register_build_info(registry: CollectorRegistry, component: str) -> None:
     """Add the build-info gauge for `component` (router, control_plane, agent) to `registry`."""
-    Gauge("kvroute_build_info", "Always 1; the labels say which kvroute release and Python this process runs",
-          ["component", "version", "python"], registry=registry).labels(
-              component, kvroute_version(), platform.python_version()).set(1)
+    Gauge(
+        "kvroute_build_info",
+        "Always 1; the labels say which kvroute release and Python this process runs",
+        ["component", "version", "python"],
+        registry=registry,
+    ).labels(component, kvroute_version(), platform.python_version()).set(1)

@@ -46,29 +46,42 @@ class Subcommand:
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
-    "control-plane": Subcommand("kvroute.control_plane.cli",
-                                "run the control plane (global prefix index + worker registry, gRPC)"),
+    "control-plane": Subcommand(
+        "kvroute.control_plane.cli", "run the control plane (global prefix index + worker registry, gRPC)"
+    ),
     "agent": Subcommand("kvroute.worker_agent.cli", "run a worker agent: engine KV events -> control plane"),
     "router": Subcommand("kvroute.data_plane.cli", "run a stateless router (OpenAI-compatible HTTP + gRPC Route)"),
-    "epp": Subcommand("kvroute.data_plane.epp_cli",
-                      "run a Gateway API Inference Extension endpoint picker (Envoy ext_proc) on the router's decision",
-                      "epp"),
-    "sim-engine": Subcommand("kvroute.tools.sim_engine.cli",
-                             "run a GPU-free vLLM stand-in (OpenAI API, real vLLM KV events)", "tools"),
-    "sim-dns": Subcommand("kvroute.tools.sim_dns",
-                          "run a DNS server answering from a records file (a cluster DNS stand-in)", "tools"),
-    "tiny-model": Subcommand("kvroute.tools.tiny_model",
-                             "write the demo's tiny local model (tokenizer + config) for --tokenizer", "tools"),
-    "audit": Subcommand("kvroute.control_plane.audit_cli",
-                        "compare the control plane's block keys per worker with what each engine caches"),
-    "demo": Subcommand("kvroute.tools.demo",
-                       "compare kv_aware with round_robin live: a local fleet per policy, all at once", "tools"),
-    "simulate": Subcommand("kvroute.tools.simulator.cli",
-                           "simulate a fleet on a trace or generated workload under several policies", "tools"),
-    "bench": Subcommand("kvroute.tools.bench.cli",
-                        "hot-path micro-benchmarks (ingest, decision, proxy) and the live workload bench (live)", "tools"),
-    "config": Subcommand("kvroute.config_cli", "show a command's effective configuration (file, KVROUTE_* env, flags)",
-                         configurable=False),
+    "epp": Subcommand(
+        "kvroute.data_plane.epp_cli",
+        "run a Gateway API Inference Extension endpoint picker (Envoy ext_proc) on the router's decision",
+        "epp",
+    ),
+    "sim-engine": Subcommand(
+        "kvroute.tools.sim_engine.cli", "run a GPU-free vLLM stand-in (OpenAI API, real vLLM KV events)", "tools"
+    ),
+    "sim-dns": Subcommand(
+        "kvroute.tools.sim_dns", "run a DNS server answering from a records file (a cluster DNS stand-in)", "tools"
+    ),
+    "tiny-model": Subcommand(
+        "kvroute.tools.tiny_model", "write the demo's tiny local model (tokenizer + config) for --tokenizer", "tools"
+    ),
+    "audit": Subcommand(
+        "kvroute.control_plane.audit_cli", "compare the control plane's block keys per worker with what each engine caches"
+    ),
+    "demo": Subcommand(
+        "kvroute.tools.demo", "compare kv_aware with round_robin live: a local fleet per policy, all at once", "tools"
+    ),
+    "simulate": Subcommand(
+        "kvroute.tools.simulator.cli", "simulate a fleet on a trace or generated workload under several policies", "tools"
+    ),
+    "bench": Subcommand(
+        "kvroute.tools.bench.cli",
+        "hot-path micro-benchmarks (ingest, decision, proxy) and the live workload bench (live)",
+        "tools",
+    ),
+    "config": Subcommand(
+        "kvroute.config_cli", "show a command's effective configuration (file, KVROUTE_* env, flags)", configurable=False
+    ),
 }
 
 
@@ -105,13 +118,20 @@ def command_parser(name: str) -> tuple[argparse.ArgumentParser, ModuleType]:
     """NAME's own parser and module, importing only that module. Exits 2 when a tool's extra is missing."""
     command = SUBCOMMANDS[name]
     if command.extra and (missing := missing_requirements(command.extra)):
-        print(f"kvroute {name}: error: needs the {command.extra} extra: pip install 'kvroute[{command.extra}]' "
-              f"(missing: {', '.join(missing)})", file=sys.stderr)
+        print(
+            f"kvroute {name}: error: needs the {command.extra} extra: pip install 'kvroute[{command.extra}]' "
+            f"(missing: {', '.join(missing)})",
+            file=sys.stderr,
+        )
         raise SystemExit(EXIT_USAGE)
     module = importlib.import_module(command.module)
     # No abbreviations: `--port` must not quietly mean `--port-file` to a command without `--port`.
-    parser = CommandParser(prog=f"kvroute {name}", description=command.help, allow_abbrev=False,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = CommandParser(
+        prog=f"kvroute {name}",
+        description=command.help,
+        allow_abbrev=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     module.add_arguments(parser)
     return parser, module
 
@@ -129,16 +149,24 @@ def _known_to_another_command(key: str) -> bool:
     return False
 
 
-def parse_configured(name: str, argv: Sequence[str],
-                     allow_missing: bool = False, warn_environment: bool = True) -> tuple[argparse.Namespace, EffectiveConfig]:
+def parse_configured(
+    name: str, argv: Sequence[str], allow_missing: bool = False, warn_environment: bool = True
+) -> tuple[argparse.Namespace, EffectiveConfig]:
     """NAME's arguments from flags over KVROUTE_* environment over its --config file (kvroute/config.py)."""
     from kvroute import config  # loaded with a command, not for `kvroute --help`
 
     parser, module = command_parser(name)
     args, effective = config.parse_args(
-        name, parser, argv, os.environ, known_elsewhere=_known_to_another_command,
-        commands=[n for n, c in SUBCOMMANDS.items() if c.configurable], allow_missing=allow_missing,
-        validate=getattr(module, "validate", None), warn_environment=warn_environment)
+        name,
+        parser,
+        argv,
+        os.environ,
+        known_elsewhere=_known_to_another_command,
+        commands=[n for n, c in SUBCOMMANDS.items() if c.configurable],
+        allow_missing=allow_missing,
+        validate=getattr(module, "validate", None),
+        warn_environment=warn_environment,
+    )
     args.command, args._run = name, module.run
     return args, effective
 
@@ -149,7 +177,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     argv = list(argv)
     if not argv or argv[0] not in SUBCOMMANDS:
         build_parser().parse_args(argv)  # prints the help, or says what is wrong
-        raise SystemExit(EXIT_USAGE)     # not reached: a bare flag or an unknown name is an error there
+        raise SystemExit(EXIT_USAGE)  # not reached: a bare flag or an unknown name is an error there
     name = argv[0]
     if SUBCOMMANDS[name].configurable:
         return parse_configured(name, argv[1:])[0]

@@ -46,16 +46,16 @@ class ConfigError(Exception):
 
 @dataclass(frozen=True)
 class Setting:
-    key: str            # the flag's dest, as written in the file
+    key: str  # the flag's dest, as written in the file
     value: Any
-    source: str         # "flag", "env KVROUTE_X", "file PATH [section]", "default"
-    flag: str           # the flag's first long option string, for messages and `config show`
+    source: str  # "flag", "env KVROUTE_X", "file PATH [section]", "default"
+    flag: str  # the flag's first long option string, for messages and `config show`
     required_missing: bool = False
 
 
 @dataclass
 class EffectiveConfig:
-    command: str                       # "router", "bench live"
+    command: str  # "router", "bench live"
     settings: list[Setting] = field(default_factory=list)
 
     def by_key(self) -> dict[str, Setting]:
@@ -92,9 +92,13 @@ def _all_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentP
 
 def configurable_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     """The optional flags a file or the environment may set (not --help, --config, positionals)."""
-    return [a for a in parser._actions
-            if a.option_strings and a.dest not in (argparse.SUPPRESS, "help", CONFIG_DEST)
-            and not isinstance(a, (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction))]
+    return [
+        a
+        for a in parser._actions
+        if a.option_strings
+        and a.dest not in (argparse.SUPPRESS, "help", CONFIG_DEST)
+        and not isinstance(a, (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction))
+    ]
 
 
 def env_name(dest: str) -> str:
@@ -109,10 +113,15 @@ def add_config_flag(parser: argparse.ArgumentParser) -> None:
     """`--config FILE` on the parser and every sub-parser (so it may follow a sub-command's name)."""
     for p in _all_parsers(parser):
         if not any(a.dest == CONFIG_DEST for a in p._actions):
-            p.add_argument("--config", dest=CONFIG_DEST, metavar="FILE", default=None,
-                           help="TOML file (or a directory of *.toml files, read in name order; or KVROUTE_CONFIG) with a table per "
-                                "command ([router], [agent], ...) and [common]; "
-                                "flags override KVROUTE_* environment variables, which override the file")
+            p.add_argument(
+                "--config",
+                dest=CONFIG_DEST,
+                metavar="FILE",
+                default=None,
+                help="TOML file (or a directory of *.toml files, read in name order; or KVROUTE_CONFIG) with a table per "
+                "command ([router], [agent], ...) and [common]; "
+                "flags override KVROUTE_* environment variables, which override the file",
+            )
 
 
 class _HelpRequested(Exception):
@@ -217,8 +226,9 @@ def config_files(path: str) -> list[str]:
     one's keys over an earlier one's (a Kubernetes ConfigMap mounted as a directory: an overlay or
     component adds a file instead of rewriting the base's)."""
     if os.path.isdir(path):
-        files = sorted(os.path.join(path, name) for name in os.listdir(path)
-                       if name.endswith(".toml") and not name.startswith("."))
+        files = sorted(
+            os.path.join(path, name) for name in os.listdir(path) if name.endswith(".toml") and not name.startswith(".")
+        )
         if not files:
             raise ConfigError(f"--config {path}: the directory holds no *.toml file")
         return files
@@ -241,9 +251,14 @@ def unknown_key(key: str, known: Sequence[str], where: str, what: str = "key") -
     return ConfigError(f"{where}: unknown {what} {key!r}{hint}")
 
 
-def file_candidates(data: Mapping[str, Any], path: str, command: str,
-                    chain: Sequence[tuple[str, argparse.ArgumentParser]],
-                    known_elsewhere: Callable[[str], bool] | None, commands: Sequence[str]) -> dict[str, _Candidate]:
+def file_candidates(
+    data: Mapping[str, Any],
+    path: str,
+    command: str,
+    chain: Sequence[tuple[str, argparse.ArgumentParser]],
+    known_elsewhere: Callable[[str], bool] | None,
+    commands: Sequence[str],
+) -> dict[str, _Candidate]:
     """The file's values for this command: [common] first, then the command's own table (which wins)."""
     for section in data:
         if section != COMMON_SECTION and section not in commands:
@@ -284,8 +299,9 @@ def env_candidates(environ: Mapping[str, str], chain: Sequence[tuple[str, argpar
         for action in configurable_actions(parser):
             name = env_name(action.dest)
             if name in environ:
-                out[action.dest] = _Candidate(convert_value(action, environ[name], f"environment {name}", from_env=True),
-                                              f"env {name}")
+                out[action.dest] = _Candidate(
+                    convert_value(action, environ[name], f"environment {name}", from_env=True), f"env {name}"
+                )
     return out
 
 
@@ -295,11 +311,18 @@ def _fail(parser: argparse.ArgumentParser, message: str) -> None:
     raise SystemExit(2)
 
 
-def parse_args(command: str, parser: argparse.ArgumentParser, argv: Sequence[str],
-               environ: Mapping[str, str] | None = None, *, known_elsewhere: Callable[[str], bool] | None = None,
-               commands: Sequence[str] = (), allow_missing: bool = False,
-               validate: Callable[[argparse.Namespace], None] | None = None,
-               warn_environment: bool = True) -> tuple[argparse.Namespace, EffectiveConfig]:
+def parse_args(
+    command: str,
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str],
+    environ: Mapping[str, str] | None = None,
+    *,
+    known_elsewhere: Callable[[str], bool] | None = None,
+    commands: Sequence[str] = (),
+    allow_missing: bool = False,
+    validate: Callable[[argparse.Namespace], None] | None = None,
+    warn_environment: bool = True,
+) -> tuple[argparse.Namespace, EffectiveConfig]:
     """Parse `argv` for `command` with its file and environment layers under the flags.
 
     `known_elsewhere(key)` says whether another command has a key ([common] may hold keys for others);
@@ -339,8 +362,11 @@ def parse_args(command: str, parser: argparse.ArgumentParser, argv: Sequence[str
                     from_layers.pop(d, None)
             layered_members = [d for d in members if d in from_layers]
             if len(layered_members) > 1:
-                _fail(p, f"{' and '.join(_flag(actions[d]) for d in layered_members)} are mutually exclusive "
-                        f"(set by {', '.join(from_layers[d].source for d in layered_members)})")
+                _fail(
+                    p,
+                    f"{' and '.join(_flag(actions[d]) for d in layered_members)} are mutually exclusive "
+                    f"(set by {', '.join(from_layers[d].source for d in layered_members)})",
+                )
             if layered_members or allow_missing:
                 saved.append((group, group.required))
                 group.required = False
@@ -383,13 +409,16 @@ NOT_SETTINGS = RESERVED_ENV | {env_name(CONFIG_DEST), "KVROUTE_API_KEYS"}
 NOT_SETTINGS_PREFIXES = ("KVROUTE_TLS_",)
 
 
-def warn_unknown_environment(prog: str, environ: Mapping[str, str], chain: Sequence[tuple[str, argparse.ArgumentParser]],
-                             known_elsewhere: Callable[[str], bool] | None) -> None:
+def warn_unknown_environment(
+    prog: str,
+    environ: Mapping[str, str],
+    chain: Sequence[tuple[str, argparse.ArgumentParser]],
+    known_elsewhere: Callable[[str], bool] | None,
+) -> None:
     """One line on stderr per KVROUTE_* variable no command reads (a typo is otherwise silently ignored)."""
     own = {env_name(a.dest) for _, p in chain for a in configurable_actions(p)}
     for name in sorted(environ):
-        if (not name.startswith(ENV_PREFIX) or name in own or name in NOT_SETTINGS
-                or name.startswith(NOT_SETTINGS_PREFIXES)):
+        if not name.startswith(ENV_PREFIX) or name in own or name in NOT_SETTINGS or name.startswith(NOT_SETTINGS_PREFIXES):
             continue
         key = name.removeprefix(ENV_PREFIX).lower()
         if known_elsewhere is not None and known_elsewhere(key):

@@ -58,15 +58,25 @@ def render(effective: EffectiveConfig) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    show = sub.add_parser("show", help="print a command's effective configuration (TOML) with each value's source",
-                          description="Parses COMMAND's flags, KVROUTE_* environment and --config file exactly as "
-                                      "COMMAND would at start, then prints the result instead of running it.")
+    show = sub.add_parser(
+        "show",
+        help="print a command's effective configuration (TOML) with each value's source",
+        description="Parses COMMAND's flags, KVROUTE_* environment and --config file exactly as "
+        "COMMAND would at start, then prints the result instead of running it.",
+    )
     show.add_argument("target", metavar="COMMAND", help="the command whose configuration to show, e.g. router")
-    show.add_argument("rest", nargs=argparse.REMAINDER, metavar="ARGS",
-                      help="COMMAND's own arguments (--config FILE, flags); for bench: the benchmark's name first")
-    check = sub.add_parser("check", help="validate every table of a config file (or directory) against its command",
-                           description="Parses each command whose table the configuration holds (with the "
-                                       "KVROUTE_* environment) as it would at start; exit 2 on the first bad key or value.")
+    show.add_argument(
+        "rest",
+        nargs=argparse.REMAINDER,
+        metavar="ARGS",
+        help="COMMAND's own arguments (--config FILE, flags); for bench: the benchmark's name first",
+    )
+    check = sub.add_parser(
+        "check",
+        help="validate every table of a config file (or directory) against its command",
+        description="Parses each command whose table the configuration holds (with the "
+        "KVROUTE_* environment) as it would at start; exit 2 on the first bad key or value.",
+    )
     check.add_argument("config", metavar="FILE", help="a TOML file or a directory of *.toml files")
 
 
@@ -92,11 +102,17 @@ def check(path: str) -> int:
     for i, line in enumerate(command_lines or [[n] for n, c in cli.SUBCOMMANDS.items() if c.configurable and not c.extra]):
         configurable = [n for n, c in cli.SUBCOMMANDS.items() if c.configurable]
         if line[0] not in configurable:
-            print(f"kvroute config check: error: {unknown_key(line[0], [COMMON_SECTION, *configurable], f'--config {path}', 'table')}",
-                  file=sys.stderr)
+            print(
+                f"kvroute config check: error: {unknown_key(line[0], [COMMON_SECTION, *configurable], f'--config {path}', 'table')}",
+                file=sys.stderr,
+            )
             return cli.EXIT_USAGE
-        cli.parse_configured(line[0], [*line[1:], "--config", path], allow_missing=True,  # exits 2 naming what is bad
-                             warn_environment=i == 0)
+        cli.parse_configured(
+            line[0],
+            [*line[1:], "--config", path],
+            allow_missing=True,  # exits 2 naming what is bad
+            warn_environment=i == 0,
+        )
         print(f"{' '.join(line)}: ok")
     return 0
 
@@ -108,15 +124,20 @@ def run(args: argparse.Namespace) -> int:
         return check(args.config)
     if args.target not in cli.SUBCOMMANDS or not cli.SUBCOMMANDS[args.target].configurable:
         configurable = [n for n, c in cli.SUBCOMMANDS.items() if c.configurable]
-        print(f"kvroute config show: error: unknown command {args.target!r} (choose from {', '.join(configurable)})",
-              file=sys.stderr)
+        print(
+            f"kvroute config show: error: unknown command {args.target!r} (choose from {', '.join(configurable)})",
+            file=sys.stderr,
+        )
         return cli.EXIT_USAGE
     _, effective = cli.parse_configured(args.target, args.rest, allow_missing=True)
     sys.stdout.write(render(effective))
     missing = [s for s in effective.settings if s.required_missing]
     if missing:
-        print(f"kvroute config show: {args.target} would not start: "
-              f"{', '.join(s.flag for s in missing)} required (flag, {', '.join(env_name(s.key) for s in missing)} "
-              f"or the file's [{args.target}] table)", file=sys.stderr)
+        print(
+            f"kvroute config show: {args.target} would not start: "
+            f"{', '.join(s.flag for s in missing)} required (flag, {', '.join(env_name(s.key) for s in missing)} "
+            f"or the file's [{args.target}] table)",
+            file=sys.stderr,
+        )
         return cli.EXIT_USAGE
     return 0

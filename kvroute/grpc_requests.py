@@ -26,8 +26,9 @@ from google.protobuf.message_factory import GetMessageClass
 @dataclass(frozen=True, slots=True)
 class Unparseable:
     """Request bytes that are not the method's message."""
+
     message_type: str  # its full name, e.g. kvroute.v1.QueryRequest
-    reason: str        # protobuf's, e.g. "String field had bad UTF-8"
+    reason: str  # protobuf's, e.g. "String field had bad UTF-8"
 
     def detail(self) -> str:
         utf8 = "; strings must be valid UTF-8 (no lone surrogates)" if "UTF-8" in self.reason else ""
@@ -42,14 +43,16 @@ def parser(message_class: type[Message]) -> Callable[[bytes], Message | Unparsea
             return message_class.FromString(data)
         except DecodeError as exc:
             return Unparseable(name, str(exc).removeprefix(f"Error parsing message with type '{name}': "))
+
     return parse
 
 
 OnUnparseable = Callable[[str], None]  # called with the method's name
 
 
-async def _checked(requests: AsyncIterator, context: grpc.aio.ServicerContext, method: str,
-                   on_unparseable: OnUnparseable) -> AsyncIterator[Message]:
+async def _checked(
+    requests: AsyncIterator, context: grpc.aio.ServicerContext, method: str, on_unparseable: OnUnparseable
+) -> AsyncIterator[Message]:
     async for request in requests:
         if isinstance(request, Unparseable):
             on_unparseable(method)
@@ -63,6 +66,7 @@ def _serializer(message_class: type[Message]) -> Callable[[Message | bytes], byt
 
     def dump(reply: Message | bytes) -> bytes:
         return reply if type(reply) is bytes else serialize(reply)
+
     return dump
 
 
@@ -73,17 +77,21 @@ def _handler(method: MethodDescriptor, implementation: Callable, on_unparseable:
     deserialize = parser(GetMessageClass(method.input_type))
     serialize = _serializer(GetMessageClass(method.output_type))
     if method.client_streaming and method.server_streaming:
+
         async def handle_stream(requests, context):
             async for reply in implementation(_checked(requests, context, name, on_unparseable), context):
                 yield reply
+
         return grpc.stream_stream_rpc_method_handler(handle_stream, deserialize, serialize)
     if method.server_streaming:
+
         async def handle_server_stream(request, context):
             if isinstance(request, Unparseable):
                 on_unparseable(name)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail())
             async for reply in implementation(request, context):
                 yield reply
+
         return grpc.unary_stream_rpc_method_handler(handle_server_stream, deserialize, serialize)
     if method.client_streaming:
         raise ValueError(f"{method.full_name}: client-streaming methods are not supported")
@@ -93,11 +101,13 @@ def _handler(method: MethodDescriptor, implementation: Callable, on_unparseable:
             on_unparseable(name)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail())
         return await implementation(request, context)
+
     return grpc.unary_unary_rpc_method_handler(handle_unary, deserialize, serialize)
 
 
-def add_servicer(server: grpc.aio.Server, service: ServiceDescriptor, servicer: object,
-                 on_unparseable: OnUnparseable = lambda method: None) -> None:
+def add_servicer(
+    server: grpc.aio.Server, service: ServiceDescriptor, servicer: object, on_unparseable: OnUnparseable = lambda method: None
+) -> None:
     """Every method of `service`, served by `servicer`'s method of the same name (an async function, or an
     async generator for a stream), a request that does not parse answered INVALID_ARGUMENT."""
     handlers = {m.name: _handler(m, getattr(servicer, m.name), on_unparseable) for m in service.methods}

@@ -36,8 +36,8 @@ class PeerIdentity:
     """What a verified client certificate says its holder is."""
 
     worker_ids: frozenset[str] = frozenset()  # worker ids whose blocks it may write
-    routers: frozenset[str] = frozenset()     # router names it holds
-    uris: tuple[str, ...] = ()                # every URI SAN, for messages
+    routers: frozenset[str] = frozenset()  # router names it holds
+    uris: tuple[str, ...] = ()  # every URI SAN, for messages
 
     @property
     def is_router(self) -> bool:
@@ -52,10 +52,12 @@ class PeerIdentity:
 
 def identity_from_uris(uris: Iterable[str]) -> PeerIdentity:
     uris = tuple(uris)
-    workers = frozenset(unquote(u[len(WORKER_PREFIX):]) for u in uris if u.startswith(WORKER_PREFIX)
-                        and len(u) > len(WORKER_PREFIX))
-    routers = frozenset(unquote(u[len(ROUTER_PREFIX):]) for u in uris if u.startswith(ROUTER_PREFIX)
-                        and len(u) > len(ROUTER_PREFIX))
+    workers = frozenset(
+        unquote(u[len(WORKER_PREFIX) :]) for u in uris if u.startswith(WORKER_PREFIX) and len(u) > len(WORKER_PREFIX)
+    )
+    routers = frozenset(
+        unquote(u[len(ROUTER_PREFIX) :]) for u in uris if u.startswith(ROUTER_PREFIX) and len(u) > len(ROUTER_PREFIX)
+    )
     return PeerIdentity(workers, routers, uris)
 
 

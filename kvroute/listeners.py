@@ -100,9 +100,16 @@ class GrpcListener:
     `interceptors`: grpc.aio server interceptors (e.g. API keys); `health_names`: more names whose
     health status follows the server's, that are no service (GAIE's "readiness")."""
 
-    def __init__(self, flag: str, address: str, services: Sequence[str] = (),
-                 options: Iterable[tuple[str, Any]] = (), credentials: grpc.ServerCredentials | None = None,
-                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (), health_names: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        flag: str,
+        address: str,
+        services: Sequence[str] = (),
+        options: Iterable[tuple[str, Any]] = (),
+        credentials: grpc.ServerCredentials | None = None,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        health_names: Sequence[str] = (),
+    ) -> None:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
         from grpc_health.v1.health import aio as health_aio
@@ -110,11 +117,15 @@ class GrpcListener:
 
         where = parse_host_port(flag, address)
         refuse_if_in_use(flag, where)
-        self.server: grpc.aio.Server = grpc.aio.server(options=[*options, GRPC_NO_REUSEPORT],
-                                                       interceptors=list(interceptors) or None)
+        self.server: grpc.aio.Server = grpc.aio.server(
+            options=[*options, GRPC_NO_REUSEPORT], interceptors=list(interceptors) or None
+        )
         try:
-            self.port = (self.server.add_secure_port(str(where), credentials) if credentials is not None
-                         else self.server.add_insecure_port(str(where)))
+            self.port = (
+                self.server.add_secure_port(str(where), credentials)
+                if credentials is not None
+                else self.server.add_insecure_port(str(where))
+            )
         except RuntimeError:  # what grpc.aio raises for any bind failure (older releases returned 0)
             self.port = 0
         if self.port == 0:
@@ -126,7 +137,8 @@ class GrpcListener:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         # Server reflection, so grpcurl and gRPC UIs can list and call the services without the .proto.
         reflection.enable_server_reflection(
-            (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), self.server)
+            (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), self.server
+        )
 
     async def start(self, serving: bool = True) -> None:
         for service in self.services:  # the servicer starts with "" SERVING: not before we say so
@@ -158,8 +170,9 @@ def _status(serving: bool) -> int:
     return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-async def start_http_site(runner: web.AppRunner, flag: str, host: str, port: int,
-                          ssl_context: ssl.SSLContext | None = None) -> int:
+async def start_http_site(
+    runner: web.AppRunner, flag: str, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+) -> int:
     """Start an aiohttp site on host:port (0 = any free port), HTTPS with `ssl_context`; the bound port."""
     from aiohttp import web
 

@@ -14,8 +14,9 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 
 
-async def poll_forever(poll_once: Callable[[aiohttp.ClientSession], Awaitable[object]], interval_s: float,
-                       timeout_s: float) -> None:
+async def poll_forever(
+    poll_once: Callable[[aiohttp.ClientSession], Awaitable[object]], interval_s: float, timeout_s: float
+) -> None:
     """Call `poll_once(session)` now and every `interval_s` after; returns only by cancellation."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         while True:

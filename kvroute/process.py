@@ -48,6 +48,7 @@ def log_level(value: str) -> str:
 def name_list(choices: Collection[str] | None, what: str, *, allow_empty: bool = False) -> Callable[[str], str]:
     """argparse type: NAME[,NAME...], each one of `choices` (any name when None), none twice; returns the
     names comma-joined (so the flag keeps its string form). `what` names one entry in messages."""
+
     def parse(text: str) -> str:
         names = [name.strip() for name in text.split(",") if name.strip()]
         if not names and not allow_empty:
@@ -58,6 +59,7 @@ def name_list(choices: Collection[str] | None, what: str, *, allow_empty: bool =
         if len(set(names)) != len(names):
             raise argparse.ArgumentTypeError(f"{text!r} names a {what} twice")
         return ",".join(names)
+
     parse.__name__ = f"{what} list"
     return parse
 
@@ -71,6 +73,7 @@ def _number(kind: type, holds: Callable[[int | float], bool], wanted: str) -> Ca
         if not holds(value):  # written so that NaN fails too
             raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
         return value
+
     parse.__name__ = kind.__name__
     return parse
 
@@ -88,8 +91,9 @@ def non_negative(kind: type) -> Callable[[str], int | float]:
 def seconds(allow_zero: bool = False) -> Callable[[str], float]:
     """argparse type: a finite number of seconds, > 0 (>= 0 with `allow_zero`, where 0 usually means off)."""
     wanted = ">= 0 seconds" if allow_zero else "positive seconds"
-    parse = _number(float, (lambda value: 0 <= value < float("inf")) if allow_zero
-                    else (lambda value: 0 < value < float("inf")), wanted)
+    parse = _number(
+        float, (lambda value: 0 <= value < float("inf")) if allow_zero else (lambda value: 0 < value < float("inf")), wanted
+    )
     parse.__name__ = "seconds"  # argparse names the type in its error: "invalid seconds value"
     return parse
 
@@ -109,9 +113,13 @@ def add_log_level_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_port_file_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--port-file", default="", metavar="PATH",
-                        help="once listening, write the bound ports there as JSON (e.g. {\"http\": 8000}): what a "
-                             "supervisor reads after starting the process with port 0")
+    parser.add_argument(
+        "--port-file",
+        default="",
+        metavar="PATH",
+        help='once listening, write the bound ports there as JSON (e.g. {"http": 8000}): what a '
+        "supervisor reads after starting the process with port 0",
+    )
 
 
 def write_port_file(path: str, ports: dict[str, int]) -> None:

@@ -57,9 +57,13 @@ def sums_by_label(text: str, name: str, label: str) -> dict[str, float]:
 
 # The sample names a family of each type exposes, as suffixes of its name (a counter's `x` is sampled as
 # `x_total`; a labelled family with no child yet shows only its `# TYPE` line, so they are derived).
-_SAMPLE_SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
-                    "summary": ("_sum", "_count", "_created"), "gaugehistogram": ("_bucket", "_gsum", "_gcount"),
-                    "info": ("_info",)}
+_SAMPLE_SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "summary": ("_sum", "_count", "_created"),
+    "gaugehistogram": ("_bucket", "_gsum", "_gcount"),
+    "info": ("_info",),
+}
 
 
 def metric_names(text: str) -> set[str]:

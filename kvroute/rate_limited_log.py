@@ -19,8 +19,7 @@ class RateLimitedLog:
     """At most one line per `period_s` per kind of problem; the rest are counted and summarised
     in the next line of that kind."""
 
-    def __init__(self, logger: logging.Logger, period_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, logger: logging.Logger, period_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.logger, self.period_s, self.clock = logger, period_s, clock
         self._last: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}

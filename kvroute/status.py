@@ -24,9 +24,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class Readiness:
-    fatal: list[str] = field(default_factory=list)      # each one makes the process not ready
-    warnings: list[str] = field(default_factory=list)   # ready, but degraded
-    details: dict = field(default_factory=dict)         # the process's own fields of the /ready JSON
+    fatal: list[str] = field(default_factory=list)  # each one makes the process not ready
+    warnings: list[str] = field(default_factory=list)  # ready, but degraded
+    details: dict = field(default_factory=dict)  # the process's own fields of the /ready JSON
 
     @property
     def ready(self) -> bool:
@@ -67,10 +67,10 @@ def health_handler(health: Callable[[], dict]) -> Handler:
     return alive
 
 
-def status_routes(registry: CollectorRegistry, *, health: Callable[[], dict],
-                  readiness: Callable[[], Readiness]) -> dict[str, Handler]:
+def status_routes(
+    registry: CollectorRegistry, *, health: Callable[[], dict], readiness: Callable[[], Readiness]
+) -> dict[str, Handler]:
     """GET /metrics (the registry, in Prometheus' text format or OpenMetrics as asked), /health, /ready."""
     from prometheus_client.aiohttp import make_aiohttp_handler
 
-    return {"/metrics": make_aiohttp_handler(registry), "/health": health_handler(health),
-            "/ready": ready_handler(readiness)}
+    return {"/metrics": make_aiohttp_handler(registry), "/health": health_handler(health), "/ready": ready_handler(readiness)}

@@ -87,14 +87,23 @@ class TlsFiles:
 
 def add_tls_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] = os.environ) -> None:
     """--tls-cert/--tls-key/--tls-ca, defaulting to the KVROUTE_TLS_* environment variables."""
-    p.add_argument("--tls-cert", default=environ.get(ENV_CERT, ""), metavar="PEM",
-                   help=f"this process's certificate (chain), PEM; with --tls-key turns TLS on (env {ENV_CERT}). "
-                        "Reloaded when the file changes")
-    p.add_argument("--tls-key", default=environ.get(ENV_KEY, ""), metavar="PEM",
-                   help=f"the private key of --tls-cert, PEM (env {ENV_KEY})")
-    p.add_argument("--tls-ca", default=environ.get(ENV_CA, ""), metavar="PEM",
-                   help=f"CA bundle that verifies peers, PEM (env {ENV_CA}): servers then require client "
-                        "certificates signed by it (mTLS) and clients verify servers with it")
+    p.add_argument(
+        "--tls-cert",
+        default=environ.get(ENV_CERT, ""),
+        metavar="PEM",
+        help=f"this process's certificate (chain), PEM; with --tls-key turns TLS on (env {ENV_CERT}). "
+        "Reloaded when the file changes",
+    )
+    p.add_argument(
+        "--tls-key", default=environ.get(ENV_KEY, ""), metavar="PEM", help=f"the private key of --tls-cert, PEM (env {ENV_KEY})"
+    )
+    p.add_argument(
+        "--tls-ca",
+        default=environ.get(ENV_CA, ""),
+        metavar="PEM",
+        help=f"CA bundle that verifies peers, PEM (env {ENV_CA}): servers then require client "
+        "certificates signed by it (mTLS) and clients verify servers with it",
+    )
 
 
 def tls_files_from_args(args: argparse.Namespace, *, server: bool) -> TlsFiles:
@@ -129,8 +138,9 @@ def _load_pems(files: TlsFiles) -> _Pems:
     try:
         return _read_pems(files)
     except (OSError, ssl.SSLError, ValueError) as exc:
-        raise TlsConfigError(f"--tls-cert {files.cert or '-'} / --tls-key {files.key or '-'} / --tls-ca "
-                             f"{files.ca or '-'} do not load: {exc}") from None
+        raise TlsConfigError(
+            f"--tls-cert {files.cert or '-'} / --tls-key {files.key or '-'} / --tls-ca {files.ca or '-'} do not load: {exc}"
+        ) from None
 
 
 def _load_chain(context: ssl.SSLContext, cert: bytes, key: bytes) -> None:
@@ -195,8 +205,9 @@ class _WatchedFiles:
 
     def _reject(self, version: object, why: str) -> None:
         if version != self._rejected:
-            log.warning("TLS files %s changed but do not load (%s): keeping the previous ones",
-                        ", ".join(self.files.paths()), why)
+            log.warning(
+                "TLS files %s changed but do not load (%s): keeping the previous ones", ", ".join(self.files.paths()), why
+            )
             self._rejected = version
 
 
@@ -220,8 +231,7 @@ class ServerTls:
     def grpc_credentials(self) -> grpc.ServerCredentials:
         import grpc
 
-        return grpc.dynamic_ssl_server_credentials(self._config(), self.fetch,
-                                                   require_client_authentication=self.files.mutual)
+        return grpc.dynamic_ssl_server_credentials(self._config(), self.fetch, require_client_authentication=self.files.mutual)
 
     def ssl_context(self, *, require_client_cert: bool) -> ssl.SSLContext:
         """An HTTPS server context (aiohttp) that swaps in a reloaded one at the next handshake after
@@ -271,8 +281,7 @@ class ClientTls:
 
         self._watch.refresh()
         pems = self._watch.pems
-        return grpc.ssl_channel_credentials(root_certificates=pems.ca, private_key=pems.key,
-                                            certificate_chain=pems.cert)
+        return grpc.ssl_channel_credentials(root_certificates=pems.ca, private_key=pems.key, certificate_chain=pems.cert)
 
 
 def open_channel(address: str, tls: ClientTls | None, options: list[tuple[str, object]] | None = None):
@@ -365,9 +374,14 @@ def add_grpc_message_argument(p: argparse.ArgumentParser, default: int) -> None:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
         return value
 
-    p.add_argument("--grpc-max-message-bytes", type=positive, default=default, metavar="N",
-                   help="largest gRPC message this process sends or accepts, on each of its gRPC servers and clients "
-                        "(a larger one fails with RESOURCE_EXHAUSTED)")
+    p.add_argument(
+        "--grpc-max-message-bytes",
+        type=positive,
+        default=default,
+        metavar="N",
+        help="largest gRPC message this process sends or accepts, on each of its gRPC servers and clients "
+        "(a larger one fails with RESOURCE_EXHAUSTED)",
+    )
 
 
 def engine_client_context(ca: str, files: TlsFiles) -> ssl.SSLContext:

@@ -34,8 +34,12 @@ def compile_protos(protos: Path) -> list[descriptor_pb2.FileDescriptorProto]:
         raise SystemExit(f"check_protos: no .proto under {protos}")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "set.pb"
-        protoc = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{protos}",
-                                 f"--descriptor_set_out={out}", *files], capture_output=True, text=True, check=False)
+        protoc = subprocess.run(
+            [sys.executable, "-m", "grpc_tools.protoc", f"-I{protos}", f"--descriptor_set_out={out}", *files],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if protoc.returncode != 0:
             raise SystemExit(f"check_protos: protoc failed:\n{protoc.stderr}")
         return list(descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file)
@@ -94,16 +98,23 @@ def differences(protos: Path, stubs: Path) -> list[str]:
             continue
         committed, fd = without_default_json_names(embedded_descriptor(pb2)), without_default_json_names(fd)
         if committed != fd:
-            diff = difflib.unified_diff(text_format.MessageToString(committed).splitlines(),
-                                        text_format.MessageToString(fd).splitlines(),
-                                        f"{pb2} (committed)", f"{fd.name} (compiled)", lineterm="", n=2)
+            diff = difflib.unified_diff(
+                text_format.MessageToString(committed).splitlines(),
+                text_format.MessageToString(fd).splitlines(),
+                f"{pb2} (committed)",
+                f"{fd.name} (compiled)",
+                lineterm="",
+                n=2,
+            )
             problems.append(f"{fd.name}: the schema differs from {pb2}'s:\n" + "\n".join(list(diff)[:60]))
         wanted = schema_methods(fd)
         if wanted or grpc_stub.exists():
             served = stub_methods(grpc_stub) if grpc_stub.exists() else set()
             if served != wanted:
-                problems.append(f"{fd.name}: {grpc_stub} serves {sorted(served - wanted) or 'no extra method'}"
-                                f" beyond the schema and lacks {sorted(wanted - served) or 'none'}")
+                problems.append(
+                    f"{fd.name}: {grpc_stub} serves {sorted(served - wanted) or 'no extra method'}"
+                    f" beyond the schema and lacks {sorted(wanted - served) or 'none'}"
+                )
     return problems
 
 

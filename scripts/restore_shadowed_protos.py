@@ -58,8 +58,11 @@ def main(argv: list[str]) -> int:
     found = shadowed()
     if "--check" in argv:
         for name, (version, files) in found.items():
-            print(f"{name} {version}: {len(files)} files overwritten by another distribution (e.g. {files[0]}); "
-                  f"run scripts/restore_shadowed_protos.py", file=sys.stderr)
+            print(
+                f"{name} {version}: {len(files)} files overwritten by another distribution (e.g. {files[0]}); "
+                f"run scripts/restore_shadowed_protos.py",
+                file=sys.stderr,
+            )
         return 1 if found else 0
     if found:
         pins = [f"{name}=={version}" for name, (version, _) in found.items()]

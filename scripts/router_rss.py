@@ -53,9 +53,24 @@ def main() -> int:
         model = build_model_dir(Path(tmp) / "tiny")
         port = free_port()
         with open(Path(tmp) / "router.log", "wb") as log:
-            router = subprocess.Popen(kvroute_argv(
-                "router", "--control-plane", f"127.0.0.1:{free_port()}", "--tokenizer", str(model), "--model", "tiny",
-                "--port", str(port), "--grpc-port", "off", *args.router_args), stdout=log, stderr=subprocess.STDOUT)
+            router = subprocess.Popen(
+                kvroute_argv(
+                    "router",
+                    "--control-plane",
+                    f"127.0.0.1:{free_port()}",
+                    "--tokenizer",
+                    str(model),
+                    "--model",
+                    "tiny",
+                    "--port",
+                    str(port),
+                    "--grpc-port",
+                    "off",
+                    *args.router_args,
+                ),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         url = f"http://127.0.0.1:{port}"
         try:
             wait_until(lambda: http_ok(url + "/health"), 30, "router")
@@ -65,17 +80,22 @@ def main() -> int:
             for r in range(args.rounds):
                 bodies = []
                 for i in range(args.concurrency):  # distinct texts, so the segment cache cannot answer a later one
-                    text = (f"request {r} {i}: the cache router sends each prompt to the worker that holds its prefix "
-                            * (chars // 80 + 1))[:chars]
-                    bodies.append(json.dumps({"model": "tiny", "max_tokens": 1,
-                                              "messages": [{"role": "user", "content": text}]}).encode())
+                    text = (
+                        f"request {r} {i}: the cache router sends each prompt to the worker that holds its prefix "
+                        * (chars // 80 + 1)
+                    )[:chars]
+                    bodies.append(
+                        json.dumps({"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": text}]}).encode()
+                    )
                 with ThreadPoolExecutor(args.concurrency) as pool:
                     results = list(pool.map(lambda body: post(url + "/v1/chat/completions", body), bodies))
                 time.sleep(1.0)
                 for (status, seconds, answer), body in zip(results, bodies):
                     print(f"round {r}: {len(body) / 1e6:.1f} MB body -> {status} in {seconds:.2f} s: {answer[:100]!r}")
-                print(f"round {r}: RSS {proc_status_mb(router.pid, 'VmRSS'):.0f} MB, "
-                      f"peak {proc_status_mb(router.pid, 'VmHWM'):.0f} MB")
+                print(
+                    f"round {r}: RSS {proc_status_mb(router.pid, 'VmRSS'):.0f} MB, "
+                    f"peak {proc_status_mb(router.pid, 'VmHWM'):.0f} MB"
+                )
         finally:
             router.terminate()
             router.wait(10)

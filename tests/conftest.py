@@ -32,9 +32,25 @@ def kvroute_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         else:
             shutil.copy2(REPO / name, source / name)
     out = tmp_path_factory.mktemp("wheel")
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                            "--disable-pip-version-check", "-w", str(out), str(source)],
-                           check=False, capture_output=True, text=True, timeout=300)
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "-w",
+            str(out),
+            str(source),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert build.returncode == 0, f"the wheel does not build:\n{build.stdout[-2000:]}\n{build.stderr[-3000:]}"
     (wheel,) = out.glob("kvroute-*.whl")
     return wheel
@@ -52,11 +68,18 @@ def installed_kvroute(kvroute_wheel: Path) -> InstalledKvroute:
     python = str(venv / "bin" / "python")
     pip = [python, "-m", "pip", "--disable-pip-version-check", "-q"]
     subprocess.run([*pip, "uninstall", "-y", "kvroute"], check=True, capture_output=True, timeout=120)  # a previous run's
-    site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               check=True, capture_output=True, text=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
     before = {p.name for p in site.iterdir()}
-    install = subprocess.run([*pip, "install", "--no-index", str(kvroute_wheel)], check=False, capture_output=True,
-                             text=True, timeout=300)
+    install = subprocess.run(
+        [*pip, "install", "--no-index", str(kvroute_wheel)], check=False, capture_output=True, text=True, timeout=300
+    )
     assert install.returncode == 0, f"pip install . needs more than the runtime dependencies:\n{install.stderr[-3000:]}"
     after = {p.name for p in site.iterdir()}
     return InstalledKvroute(venv, site, frozenset(after - before), frozenset(before - after))
@@ -92,8 +115,7 @@ def local_fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) 
 
 
 @pytest.fixture(scope="module")
-def module_local_fleet(tmp_path_factory: pytest.TempPathFactory,
-                       tiny_model_dir: Path) -> Iterator[Callable[..., LocalCluster]]:
+def module_local_fleet(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Callable[..., LocalCluster]]:
     """`local_fleet` for a module's tests to share: stopped when the module's last test ends."""
     yield from _fleets(tmp_path_factory, tiny_model_dir)
 
@@ -135,6 +157,7 @@ def redis_any(request) -> str:
         return request.getfixturevalue("redis_single").url
     return request.getfixturevalue("redis_cluster").url
 
+
 # Hypothesis profiles for the property-based tests (tests/worker_agent/test_hostile_*.py,
 # tests/e2e/test_hostile_input_properties.py): `ci`
 # (default, what `make test` runs: ~200 examples per property, no deadline, since this machine's speed
@@ -152,8 +175,18 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 #   them itself (one of PROCESS_STARTERS in its source).
 REDIS_FIXTURES = frozenset({"_redis_single", "_redis_cluster", "redis_single", "redis_cluster", "redis_any"})
 PROCESS_FIXTURES = frozenset({"local_fleet", "module_local_fleet", "installed_kvroute", "kvroute_wheel"})
-PROCESS_STARTERS = ("ManagedProcess", "LocalCluster", "ReplicaCluster", "kvroute_argv", "subprocess.", "Popen(",
-                    "start_replica", "run_demo", "redis_harness", "multiprocessing")
+PROCESS_STARTERS = (
+    "ManagedProcess",
+    "LocalCluster",
+    "ReplicaCluster",
+    "kvroute_argv",
+    "subprocess.",
+    "Popen(",
+    "start_replica",
+    "run_demo",
+    "redis_harness",
+    "multiprocessing",
+)
 
 
 def _starts_processes(path: Path, cache: dict[Path, bool]) -> bool:

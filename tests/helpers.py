@@ -29,8 +29,9 @@ CACHE = REPO / ".kvroute-cache"  # what tests build once and keep (git ignores i
 FAKE_AGENT_BLOCK_SIZE = 16
 
 
-async def eventually(predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.01,
-                     what: str = "condition") -> object:
+async def eventually(
+    predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.01, what: str = "condition"
+) -> object:
     """Poll `predicate()` on the running event loop until it is truthy (a coroutine function's result
     is awaited each time) and return that value; fail after `timeout` seconds."""
     loop = asyncio.get_running_loop()
@@ -83,8 +84,23 @@ def floor_venv(deps: list[str], floors: dict[str, str]) -> Path:
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     constraints = venv / "floors.txt"
     constraints.write_text("".join(f"{name}=={version}\n" for name, version in floors.items()))
-    install = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                              "-c", str(constraints), *deps], check=False, capture_output=True, text=True, timeout=800)
+    install = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "-c",
+            str(constraints),
+            *deps,
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
     assert install.returncode == 0, f"the floors do not install with the other dependencies:\n{install.stderr[-3000:]}"
     ready.touch()
     return venv
@@ -94,7 +110,7 @@ def floor_venv(deps: list[str], floors: dict[str, str]) -> Path:
 class InstalledKvroute:
     venv: Path
     site_packages: Path
-    added: frozenset[str]    # top-level site-packages entries the install added
+    added: frozenset[str]  # top-level site-packages entries the install added
     removed: frozenset[str]  # ... and took away
 
     @property
@@ -105,7 +121,9 @@ class InstalledKvroute:
 async def run_audit(cluster: LocalCluster, *args: str) -> tuple[int, dict, str]:
     proc = await asyncio.create_subprocess_exec(
         *kvroute_argv("audit", "--control-plane", cluster.control_plane_addr, *args),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     lines = out.decode().strip().splitlines()
     return proc.returncode, json.loads(lines[-1]), out.decode() + err.decode()
@@ -125,12 +143,26 @@ class FakeAgent:
             yield message
 
     async def claim(self, worker_id: str, endpoint: str, tiers: dict[str, list[int]]) -> None:
-        await self.outbox.put(pb.AgentMessage(register=pb.RegisterWorker(
-            worker_id=worker_id, model="tiny-llama", engine="sim", block_size=FAKE_AGENT_BLOCK_SIZE, endpoint=endpoint)))
+        await self.outbox.put(
+            pb.AgentMessage(
+                register=pb.RegisterWorker(
+                    worker_id=worker_id, model="tiny-llama", engine="sim", block_size=FAKE_AGENT_BLOCK_SIZE, endpoint=endpoint
+                )
+            )
+        )
         await self.call.read()
-        await self.outbox.put(pb.AgentMessage(batch=pb.EventBatch(seq=1, snapshot=True, events=[
-            pb.BlockEvent(stored=pb.BlocksStored(block_keys=keys, tier=pb.Tier.Value(f"TIER_{tier.upper()}")))
-            for tier, keys in tiers.items()])))
+        await self.outbox.put(
+            pb.AgentMessage(
+                batch=pb.EventBatch(
+                    seq=1,
+                    snapshot=True,
+                    events=[
+                        pb.BlockEvent(stored=pb.BlocksStored(block_keys=keys, tier=pb.Tier.Value(f"TIER_{tier.upper()}")))
+                        for tier, keys in tiers.items()
+                    ],
+                )
+            )
+        )
         await self.call.read()
         self.heartbeats = asyncio.create_task(self._heartbeat())
 
@@ -163,7 +195,7 @@ def doc_sh_blocks(document: str, heading: str, count: int = 1) -> list[str]:
     """The first `count` ```sh blocks after `heading` in `document` (a path from the repository's root,
     e.g. "README.md" or "docs/operations.md")."""
     text = (REPO / document).read_text()
-    section = text[text.index(f"\n{heading}\n"):]
+    section = text[text.index(f"\n{heading}\n") :]
     blocks = re.findall(r"^```sh\n(.*?)^```$", section, re.DOTALL | re.MULTILINE)
     assert len(blocks) >= count, f"fewer than {count} sh blocks under {heading} in {document}"
     return blocks[:count]
@@ -194,8 +226,7 @@ def with_free_ports(block: str, block_ports: tuple[int, ...]) -> tuple[str, dict
     ports = {port: free_port() for port in block_ports}
     for port in block_ports:
         assert re.search(rf"\b{port}\b", block), f"the documented block no longer uses port {port}: update the test"
-    return re.sub(r"\b(" + "|".join(map(str, block_ports)) + r")\b", lambda m: str(ports[int(m.group(1))]),
-                  block), ports
+    return re.sub(r"\b(" + "|".join(map(str, block_ports)) + r")\b", lambda m: str(ports[int(m.group(1))]), block), ports
 
 
 def process_group_alive(pgid: int) -> bool:
@@ -240,8 +271,11 @@ class AgentStream(BidiStream):
         super().__init__(stub.Connect, pb.AgentMessage)
 
     async def register(self, worker_id: str, block_size: int = 4, **fields) -> pb.ControlMessage:
-        await self.send(register=pb.RegisterWorker(worker_id=worker_id, model=MODEL, engine="sim",
-                                                   block_size=block_size, endpoint=f"http://{worker_id}", **fields))
+        await self.send(
+            register=pb.RegisterWorker(
+                worker_id=worker_id, model=MODEL, engine="sim", block_size=block_size, endpoint=f"http://{worker_id}", **fields
+            )
+        )
         return await self.recv()
 
     async def batch(self, seq: int, *events: pb.BlockEvent, snapshot: bool = False) -> pb.ControlMessage:

@@ -17,8 +17,9 @@ TOKENS = list(range(1, 257))
 
 async def start_replica(url: str, name: str, **options) -> ControlPlaneServer:
     options.setdefault("heartbeat_timeout_s", 2.0)
-    server = ControlPlaneServer(ControlPlaneConfig(listen="127.0.0.1:0", redis_url=url, replica_id=name,
-                                                   redis_shards=4, **options))
+    server = ControlPlaneServer(
+        ControlPlaneConfig(listen="127.0.0.1:0", redis_url=url, replica_id=name, redis_shards=4, **options)
+    )
     await server.start()
     await eventually(lambda: server.ready, 10, what=f"replica {name} ready (log and router sessions)")
     return server
@@ -28,8 +29,13 @@ class Agent:
     def __init__(self, address: str, worker_id: str = "w1", resolver: BlockResolver | None = None, **options) -> None:
         self.resolver = resolver or BlockResolver(MODEL)  # a resolver of its own, or a restarted agent's engine state
         options.setdefault("backoff_max_s", 0.2)
-        self.link = ControlPlaneLink(address, WorkerIdentity(worker_id, MODEL, "vllm", 4, f"http://{worker_id}"),
-                                     self.resolver.snapshot_events, pb.WorkerLoad, **options)
+        self.link = ControlPlaneLink(
+            address,
+            WorkerIdentity(worker_id, MODEL, "vllm", 4, f"http://{worker_id}"),
+            self.resolver.snapshot_events,
+            pb.WorkerLoad,
+            **options,
+        )
         self.task = asyncio.create_task(self.link.run())
         self.next_hash = 1
 
@@ -58,5 +64,3 @@ class Agent:
     async def close(self) -> None:
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
-
-

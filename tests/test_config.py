@@ -25,7 +25,9 @@ def write(path: Path, text: str) -> Path:
 
 def kvroute(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(kvroute_config.ENV_PREFIX)}
-    return subprocess.run(kvroute_argv(*argv), check=False, capture_output=True, text=True, timeout=60, env={**clean, **(env or {})})
+    return subprocess.run(
+        kvroute_argv(*argv), check=False, capture_output=True, text=True, timeout=60, env={**clean, **(env or {})}
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +39,9 @@ def no_kvroute_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_flag_over_env_over_file_over_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    config = write(tmp_path / "kvroute.toml", """
+    config = write(
+        tmp_path / "kvroute.toml",
+        """
 [common]
 log_level = "WARNING"
 [control-plane]
@@ -45,7 +49,8 @@ listen = "0.0.0.0:6000"
 heartbeat_timeout = 7.5
 speculative_ttl_ms = 100
 audit_probe = true
-""")
+""",
+    )
     monkeypatch.setenv("KVROUTE_HEARTBEAT_TIMEOUT", "9")
     monkeypatch.setenv("KVROUTE_SPECULATIVE_TTL_MS", "200")
     args, effective = cli.parse_configured("control-plane", ["--config", str(config), "--speculative-ttl-ms", "300"])
@@ -67,15 +72,19 @@ audit_probe = true
 
 
 def test_file_and_env_satisfy_required_flags_and_lists_replace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    config = write(tmp_path / "k.toml", '[router]\ntokenizer = "/models/tiny"\nkv_aware_param = ["queue_weight=1", "decode_weight=2"]\n'
-                                        '[common]\nlisten = "ignored: a control-plane key"\n')
+    config = write(
+        tmp_path / "k.toml",
+        '[router]\ntokenizer = "/models/tiny"\nkv_aware_param = ["queue_weight=1", "decode_weight=2"]\n'
+        '[common]\nlisten = "ignored: a control-plane key"\n',
+    )
     args = cli.parse_configured("router", ["--config", str(config)])[0]
     assert (args.tokenizer, args.kv_aware_param) == ("/models/tiny", ["queue_weight=1", "decode_weight=2"])
     monkeypatch.setenv("KVROUTE_KV_AWARE_PARAM", "temperature=3, load_bound=4")
     assert cli.parse_configured("router", ["--config", str(config)])[0].kv_aware_param == ["temperature=3", "load_bound=4"]
     # Repeated flags replace the lower layers' list rather than extending it.
-    assert cli.parse_configured("router", ["--config", str(config), "--kv-aware-param",
-                                           "recompute_weight=5"])[0].kv_aware_param == ["recompute_weight=5"]
+    assert cli.parse_configured("router", ["--config", str(config), "--kv-aware-param", "recompute_weight=5"])[
+        0
+    ].kv_aware_param == ["recompute_weight=5"]
     monkeypatch.setenv("KVROUTE_NO_ROUTER_SESSION", "yes")
     assert cli.parse_configured("router", ["--config", str(config)])[0].no_router_session is True
 
@@ -113,24 +122,33 @@ def test_a_mutually_exclusive_flag_beats_its_partner_from_the_file(tmp_path: Pat
     assert cli.parse_configured("simulate", ["--config", str(config)])[0].trace == "t.jsonl"
 
 
-@pytest.mark.parametrize(("toml", "env", "message"), [
-    ("[router]\nprot = 1\n", {}, "[router]: unknown key 'prot' (did you mean 'port'?)"),
-    ("[common]\nlisen = 'x'\n", {}, "[common]: unknown key 'lisen'"),
-    ("[routr]\nport = 1\n", {}, "unknown table 'routr' (did you mean 'router'?)"),
-    ("[router]\nport = 'http'\n", {}, "[router] port: port 'http' is not a number"),
-    ("[router]\nport = 70000\n", {}, "[router] port: port 70000 is out of range (0..65535)"),
-    ("[router]\nkv_aware_param = ['load_bund=1.5']\n", {}, "[router] kv_aware_param: 'load_bund=1.5': expected NAME=VALUE"),
-    ("[router]\ncontrol_plane = '127.0.0.1:500051'\n", {},
-     "[router] control_plane: port 500051 in '127.0.0.1:500051' is out of range (1..65535)"),
-    ("[router]\npolicy = 'fastest'\n", {}, "[router] policy: invalid choice: 'fastest'"),
-    ("[router]\nstage_timing = 'maybe'\n", {}, "[router] stage_timing: expected true or false"),
-    ("[router]\nport = true\n", {}, "[router] port: --port takes a value, not true/false"),
-    ("[router]\nport = 1\n", {"KVROUTE_PORT": "eighty"}, "environment KVROUTE_PORT: port 'eighty' is not a number"),
-    ("[router]\nport = 1\n", {"KVROUTE_CONTROL_PLANE": "http://127.0.0.1:50051"},
-     "environment KVROUTE_CONTROL_PLANE: 'http://127.0.0.1:50051' is a URL: give HOST:PORT (no scheme)"),
-    ("[router]\nport = 1\n", {"KVROUTE_CAPTURE_SAMPLE_RATE": "2"}, "environment KVROUTE_CAPTURE_SAMPLE_RATE:"),
-    ("[router\n", {}, "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    ("toml", "env", "message"),
+    [
+        ("[router]\nprot = 1\n", {}, "[router]: unknown key 'prot' (did you mean 'port'?)"),
+        ("[common]\nlisen = 'x'\n", {}, "[common]: unknown key 'lisen'"),
+        ("[routr]\nport = 1\n", {}, "unknown table 'routr' (did you mean 'router'?)"),
+        ("[router]\nport = 'http'\n", {}, "[router] port: port 'http' is not a number"),
+        ("[router]\nport = 70000\n", {}, "[router] port: port 70000 is out of range (0..65535)"),
+        ("[router]\nkv_aware_param = ['load_bund=1.5']\n", {}, "[router] kv_aware_param: 'load_bund=1.5': expected NAME=VALUE"),
+        (
+            "[router]\ncontrol_plane = '127.0.0.1:500051'\n",
+            {},
+            "[router] control_plane: port 500051 in '127.0.0.1:500051' is out of range (1..65535)",
+        ),
+        ("[router]\npolicy = 'fastest'\n", {}, "[router] policy: invalid choice: 'fastest'"),
+        ("[router]\nstage_timing = 'maybe'\n", {}, "[router] stage_timing: expected true or false"),
+        ("[router]\nport = true\n", {}, "[router] port: --port takes a value, not true/false"),
+        ("[router]\nport = 1\n", {"KVROUTE_PORT": "eighty"}, "environment KVROUTE_PORT: port 'eighty' is not a number"),
+        (
+            "[router]\nport = 1\n",
+            {"KVROUTE_CONTROL_PLANE": "http://127.0.0.1:50051"},
+            "environment KVROUTE_CONTROL_PLANE: 'http://127.0.0.1:50051' is a URL: give HOST:PORT (no scheme)",
+        ),
+        ("[router]\nport = 1\n", {"KVROUTE_CAPTURE_SAMPLE_RATE": "2"}, "environment KVROUTE_CAPTURE_SAMPLE_RATE:"),
+        ("[router\n", {}, "not valid TOML"),
+    ],
+)
 def test_a_bad_key_or_value_fails_at_start_naming_it(tmp_path: Path, toml: str, env: dict[str, str], message: str) -> None:
     config = write(tmp_path / "bad.toml", toml)
     result = kvroute("router", "--config", str(config), "--tokenizer", str(tmp_path), env=env)
@@ -151,23 +169,38 @@ def test_a_missing_config_file_and_a_bad_control_plane_value_fail_at_start(tmp_p
 
 # What each command needs so that its `config show` has everything required (a command not listed needs nothing).
 SHOW_ARGS: dict[str, list[str]] = {
-    "control-plane": [], "agent": [], "router": [], "sim-engine": [], "tiny-model": ["model-dir"], "audit": [],
-    "demo": [], "simulate": ["--workload", "rag"], "bench": ["live"], "epp": ["--tokenizer", "/models/tiny"],
+    "control-plane": [],
+    "agent": [],
+    "router": [],
+    "sim-engine": [],
+    "tiny-model": ["model-dir"],
+    "audit": [],
+    "demo": [],
+    "simulate": ["--workload", "rag"],
+    "bench": ["live"],
+    "epp": ["--tokenizer", "/models/tiny"],
     "sim-dns": ["--records", "records.txt"],
 }
 # One value per command that differs from its default: `config show` must report it as the file's
 # (tiny-model has no flag, only its directory argument).
 FILE_VALUES = {
-    "control-plane": ("redis_shards", 3), "agent": ("engine", "sglang"), "router": ("port", 9999),
-    "sim-engine": ("num_blocks", 77), "audit": ("concurrency", 3), "demo": ("engines", 3),
-    "simulate": ("workers", 3), "bench": ("engines", 3),
+    "control-plane": ("redis_shards", 3),
+    "agent": ("engine", "sglang"),
+    "router": ("port", 9999),
+    "sim-engine": ("num_blocks", 77),
+    "audit": ("concurrency", 3),
+    "demo": ("engines", 3),
+    "simulate": ("workers", 3),
+    "bench": ("engines", 3),
 }
 
 
 def test_every_command_has_a_config_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     commands = [n for n, c in cli.SUBCOMMANDS.items() if c.configurable]
     assert set(SHOW_ARGS) <= set(commands) and len(commands) >= len(SHOW_ARGS)
-    config = write(tmp_path / "all.toml", """
+    config = write(
+        tmp_path / "all.toml",
+        """
 [common]
 log_level = "DEBUG"
 control_plane = "cp.example:50051"
@@ -189,7 +222,8 @@ engines = 3
 workers = 3
 [bench.live]
 engines = 3
-""")
+""",
+    )
     for name in commands:  # a command added later is shown with no argument: it must start from defaults
         extra = SHOW_ARGS.get(name, [])
         assert cli.main(["config", "show", name, "--config", str(config), *extra]) == 0, name
@@ -200,7 +234,8 @@ engines = 3
             key, value = FILE_VALUES[name]
             assert table[key] == value, (name, out)
             assert f"# file {config} [{name}{'.live' if name == 'bench' else ''}]" in next(
-                line for line in out.splitlines() if line.startswith(key + " ")), out
+                line for line in out.splitlines() if line.startswith(key + " ")
+            ), out
         if "control_plane" in table:
             assert table["control_plane"] == "cp.example:50051"
     # Nothing given: the required flag is named, exit 2.
@@ -209,8 +244,14 @@ engines = 3
 
 
 def test_config_show_lists_flags_and_env_as_their_sources(tmp_path: Path) -> None:
-    result = kvroute("config", "show", "agent", "--worker-id", "w7", env={"KVROUTE_ENGINE_URL": "http://e:8000",
-                                                                          "KVROUTE_REDIS": "not an agent key"})
+    result = kvroute(
+        "config",
+        "show",
+        "agent",
+        "--worker-id",
+        "w7",
+        env={"KVROUTE_ENGINE_URL": "http://e:8000", "KVROUTE_REDIS": "not an agent key"},
+    )
     assert result.returncode == 0, result.stderr
     lines = {line.split("=")[0].strip(): line for line in result.stdout.splitlines() if "=" in line}
     assert lines["worker_id"].endswith("# flag")
@@ -240,7 +281,9 @@ def test_no_flag_takes_a_reserved_environment_name() -> None:
 @pytest.mark.e2e
 async def test_a_control_plane_and_a_router_start_from_the_config_file_alone(tmp_path: Path, tiny_model_dir: Path) -> None:
     grpc_port, metrics_port, http_port = free_port(), free_port(), free_port()
-    config = write(tmp_path / "kvroute.toml", f"""
+    config = write(
+        tmp_path / "kvroute.toml",
+        f"""
 [common]
 log_level = "INFO"
 control_plane = "127.0.0.1:{grpc_port}"
@@ -252,9 +295,12 @@ heartbeat_timeout = 3.0
 tokenizer = "{tiny_model_dir}"
 port = {http_port}
 grpc_port = "off"
-""")
-    procs = [ManagedProcess(name, kvroute_argv(name, "--config", str(config)), tmp_path / f"{name}.log")
-             for name in ("control-plane", "router")]
+""",
+    )
+    procs = [
+        ManagedProcess(name, kvroute_argv(name, "--config", str(config)), tmp_path / f"{name}.log")
+        for name in ("control-plane", "router")
+    ]
     try:
         for proc in procs:
             proc.start()
@@ -263,16 +309,22 @@ grpc_port = "off"
         async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
             answer = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert answer.status == health_pb2.HealthCheckResponse.SERVING
-        wait_until(lambda: json.loads(http_get(f"http://127.0.0.1:{http_port}/health")[1])["control_plane"] == "reachable",
-                   30, "the router reaching the control plane named in [common]", procs)
+        wait_until(
+            lambda: json.loads(http_get(f"http://127.0.0.1:{http_port}/health")[1])["control_plane"] == "reachable",
+            30,
+            "the router reaching the control plane named in [common]",
+            procs,
+        )
     finally:
         for proc in procs:
             proc.stop()
 
 
 def test_config_check_validates_every_table_a_file_holds(tmp_path: Path) -> None:
-    good = write(tmp_path / "good.toml", '[common]\ncontrol_plane = "cp:50051"\n[router]\nport = 8081\n'
-                                         '[agent]\nengine = "sglang"\n[bench.live]\nengines = 2\n')
+    good = write(
+        tmp_path / "good.toml",
+        '[common]\ncontrol_plane = "cp:50051"\n[router]\nport = 8081\n[agent]\nengine = "sglang"\n[bench.live]\nengines = 2\n',
+    )
     result = kvroute("config", "check", str(good))
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["router: ok", "agent: ok", "bench live: ok"]

@@ -13,17 +13,22 @@ from tests.helpers import REPO
 
 def running_the_tests_section() -> str:
     text = (REPO / "docs" / "contributing.md").read_text()
-    section = text[text.index("\n## Running the tests\n"):]
-    return section[:section.index("\n## ", 1)]
+    section = text[text.index("\n## Running the tests\n") :]
+    return section[: section.index("\n## ", 1)]
 
 
 def test_every_marker_expression_the_doc_gives_leaves_the_real_vllm_tests_out() -> None:
     expressions = re.findall(r"`-m '([^']+)'", running_the_tests_section())
     assert {"not slow and not vllm", "not e2e and not vllm"} <= set(expressions), expressions
     for expression in expressions:
-        collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                                    "-m", expression, "tests/vllm"], cwd=REPO, capture_output=True, text=True,
-                                   timeout=120, check=False)
+        collected = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", expression, "tests/vllm"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         assert "tests/vllm/" not in collected.stdout, (expression, collected.stdout)
 
 
@@ -32,7 +37,13 @@ def test_make_test_passes_pytest_arguments_on_and_the_doc_says_how_long_it_takes
     assert "~11 min on a 2-core machine" in section
     example = re.search(r"`make test PYTEST_ARGS='([^']+)'`", section)
     assert example, "the doc shows how to pass pytest arguments to make test"
-    dry_run = subprocess.run(["make", "-n", "test", f"PYTEST_ARGS={example.group(1)}"], cwd=REPO, capture_output=True,
-                             text=True, timeout=60, check=False)
+    dry_run = subprocess.run(
+        ["make", "-n", "test", f"PYTEST_ARGS={example.group(1)}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert dry_run.returncode == 0, dry_run.stderr
     assert re.search(rf"bin/pytest {re.escape(example.group(1))}$", dry_run.stdout, re.MULTILINE), dry_run.stdout

@@ -63,8 +63,14 @@ def python_files(root: Path) -> list[Path]:
     """The repository's Python files: no hidden folders (.git, .venv), no virtualenvs, no build output."""
     out = []
     for folder, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in SKIPPED_DIRS and not d.endswith(".egg-info")
-                   and not (Path(folder) / d / "pyvenv.cfg").exists()]
+        dirs[:] = [
+            d
+            for d in dirs
+            if not d.startswith(".")
+            and d not in SKIPPED_DIRS
+            and not d.endswith(".egg-info")
+            and not (Path(folder) / d / "pyvenv.cfg").exists()
+        ]
         out.extend(Path(folder) / f for f in files if f.endswith(".py"))
     return sorted(out)
 
@@ -99,8 +105,10 @@ def broken_references(root: Path, skip: frozenset[Path] = frozenset()) -> list[s
             continue
         for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if SECTION_SIGN in line:
-                problems.append(f"{path.relative_to(root)}:{lineno}: a {SECTION_SIGN} reference: cite "
-                                f"the docs section instead: {line.strip()[:100]}")
+                problems.append(
+                    f"{path.relative_to(root)}:{lineno}: a {SECTION_SIGN} reference: cite "
+                    f"the docs section instead: {line.strip()[:100]}"
+                )
             for rel, anchor in CODE_CITATION.findall(line):
                 problem = check(path, lineno, root / rel, anchor, f"{rel}#{anchor}")
                 if problem:
@@ -124,25 +132,31 @@ def test_every_docs_reference_resolves() -> None:
 
 def test_the_wire_formats_doc_is_cited_from_the_code() -> None:
     # The check above passes vacuously if nothing cites the docs; the decoders must.
-    cited = {anchor for path in python_files(ROOT) for rel, anchor in CODE_CITATION.findall(path.read_text(encoding="utf-8"))
-             if rel == "docs/wire-formats.md"}
-    assert {"vllm-event-fields", "sglang-events-per-version", "replay-reply-framings",
-            "tensorrt-llm-pull-path-json"} <= cited
+    cited = {
+        anchor
+        for path in python_files(ROOT)
+        for rel, anchor in CODE_CITATION.findall(path.read_text(encoding="utf-8"))
+        if rel == "docs/wire-formats.md"
+    }
+    assert {"vllm-event-fields", "sglang-events-per-version", "replay-reply-framings", "tensorrt-llm-pull-path-json"} <= cited
 
 
-@pytest.mark.parametrize(("heading", "anchor"), [
-    ("vLLM event fields", "vllm-event-fields"),
-    ("vLLM extra keys, LoRA and cache salt", "vllm-extra-keys-lora-and-cache-salt"),
-    ("TensorRT-LLM pull-path JSON", "tensorrt-llm-pull-path-json"),
-    ("The `extra_keys` field (0.17+)", "the-extra_keys-field-017"),
-    ("Ünïcode stays", "ünïcode-stays"),
-])
+@pytest.mark.parametrize(
+    ("heading", "anchor"),
+    [
+        ("vLLM event fields", "vllm-event-fields"),
+        ("vLLM extra keys, LoRA and cache salt", "vllm-extra-keys-lora-and-cache-salt"),
+        ("TensorRT-LLM pull-path JSON", "tensorrt-llm-pull-path-json"),
+        ("The `extra_keys` field (0.17+)", "the-extra_keys-field-017"),
+        ("Ünïcode stays", "ünïcode-stays"),
+    ],
+)
 def test_github_anchor(heading: str, anchor: str) -> None:
     assert github_anchor(heading) == anchor
 
 
 def test_repeated_headings_and_code_fences() -> None:
-    text = "# Top\n## Replay\n```\n# not a heading\n```\n## Replay\n<a id=\"custom\"></a>\n"
+    text = '# Top\n## Replay\n```\n# not a heading\n```\n## Replay\n<a id="custom"></a>\n'
     assert markdown_anchors(text) == {"top", "replay", "replay-1", "custom"}
 
 
@@ -152,8 +166,10 @@ def test_broken_citations_are_reported(tmp_path: Path) -> None:
     (tmp_path / "README.md").write_text("[ok](docs/guide.md#guide) [bad](docs/guide.md#missing)\n")
     pkg = tmp_path / "pkg"
     pkg.mkdir()
-    (pkg / "mod.py").write_text("# fine: docs/guide.md#real-section\n# stale: docs/guide.md#old-section\n"
-                                f"# elsewhere: docs/absent.md#x\nX = 1  # wire spec {SECTION_SIGN}2.3\n")
+    (pkg / "mod.py").write_text(
+        "# fine: docs/guide.md#real-section\n# stale: docs/guide.md#old-section\n"
+        f"# elsewhere: docs/absent.md#x\nX = 1  # wire spec {SECTION_SIGN}2.3\n"
+    )
     venv = tmp_path / ".venv" / "lib"
     venv.mkdir(parents=True)
     (venv / "ignored.py").write_text(f"# {SECTION_SIGN}1 docs/guide.md#nowhere\n")

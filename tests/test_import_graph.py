@@ -37,9 +37,9 @@ OLD_NAMES = {"control_plane", "data_plane", "worker_agent", "tools", "sim_engine
 
 @dataclass(frozen=True)
 class Import:
-    source: str   # importing module
-    target: str   # imported module (the deepest packaged module the statement names)
-    where: str    # file:line
+    source: str  # importing module
+    target: str  # imported module (the deepest packaged module the statement names)
+    where: str  # file:line
 
     def __str__(self) -> str:
         return f"{self.where}: {self.source} imports {self.target}"
@@ -74,7 +74,7 @@ def imports(known: dict[str, Path]) -> Iterator[Import]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join([*package.split(".")[:len(package.split(".")) - node.level + 1], *filter(None, [base])])
+                    base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], *filter(None, [base])])
                 for alias in node.names:
                     candidate = f"{base}.{alias.name}"
                     yield Import(source, candidate if candidate in known else base, where)
@@ -105,17 +105,20 @@ def test_every_first_party_import_is_spelled_kvroute() -> None:
 
 
 def test_no_plane_imports_another_plane() -> None:
-    crossing = [str(i) for i in first_party()
-                if component(i.source) in PLANES and component(i.target) in PLANES
-                and component(i.source) != component(i.target)]
+    crossing = [
+        str(i)
+        for i in first_party()
+        if component(i.source) in PLANES and component(i.target) in PLANES and component(i.source) != component(i.target)
+    ]
     assert crossing == [], "planes talk through the proto only:\n" + "\n".join(crossing)
 
 
 def test_the_core_imports_no_plane_and_the_product_no_tool() -> None:
     upward = [str(i) for i in first_party() if component(i.source) == "kvroute" and component(i.target) in PLANES]
     assert upward == [], "the shared core is below the planes:\n" + "\n".join(upward)
-    product_to_tools = [str(i) for i in first_party()
-                        if not component(i.source).startswith(TOOLS) and component(i.target).startswith(TOOLS)]
+    product_to_tools = [
+        str(i) for i in first_party() if not component(i.source).startswith(TOOLS) and component(i.target).startswith(TOOLS)
+    ]
     assert product_to_tools == [], "the product never imports a tool:\n" + "\n".join(product_to_tools)
 
 
@@ -129,11 +132,11 @@ def test_the_sim_engine_imports_no_plane() -> None:
 def test_the_product_imports_nothing_only_the_tools_extra_installs() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     names = {re.match(r"[A-Za-z0-9._-]+", r).group(0).lower().replace("-", "_") for r in project["dependencies"]}
-    tool_only = {re.match(r"[A-Za-z0-9._-]+", r).group(0).lower().replace("-", "_")
-                 for r in project["optional-dependencies"]["tools"]} - names
+    tool_only = {
+        re.match(r"[A-Za-z0-9._-]+", r).group(0).lower().replace("-", "_") for r in project["optional-dependencies"]["tools"]
+    } - names
     assert tool_only, "the tools extra names no package of its own"
-    found = [str(i) for i in all_imports()
-             if not component(i.source).startswith(TOOLS) and i.target.split(".")[0] in tool_only]
+    found = [str(i) for i in all_imports() if not component(i.source).startswith(TOOLS) and i.target.split(".")[0] in tool_only]
     assert found == [], f"the product must run without {sorted(tool_only)}:\n" + "\n".join(found)
 
 
@@ -148,7 +151,7 @@ def test_components_import_one_another_without_a_cycle() -> None:
     def visit(node: str, path: list[str]) -> None:
         for nxt in sorted(edges.get(node, ())):
             if nxt in path:
-                cycles.append(" -> ".join([*path[path.index(nxt):], nxt]))
+                cycles.append(" -> ".join([*path[path.index(nxt) :], nxt]))
             elif len(path) < len(edges) + 1:
                 visit(nxt, [*path, nxt])
 
@@ -172,8 +175,24 @@ TRANSPORTS = DATA_PLANE_LAYERS[-2]
 DATA_PLANE = "kvroute.data_plane"
 # What the pure decision may import: first-party, only itself and the key algorithm; otherwise
 # computation only (no event loop, clock, socket or file).
-PURE_IMPORTS = {"__future__", "array", "argparse", "bisect", "collections", "dataclasses", "difflib", "enum",
-                "functools", "heapq", "itertools", "math", "operator", "random", "typing", "xxhash"}
+PURE_IMPORTS = {
+    "__future__",
+    "array",
+    "argparse",
+    "bisect",
+    "collections",
+    "dataclasses",
+    "difflib",
+    "enum",
+    "functools",
+    "heapq",
+    "itertools",
+    "math",
+    "operator",
+    "random",
+    "typing",
+    "xxhash",
+}
 
 
 def room(module: str) -> str | None:
@@ -208,9 +227,12 @@ def test_data_plane_rooms_import_only_their_layer_and_below() -> None:
 
 
 def test_the_decision_imports_nothing_with_io() -> None:
-    found = [str(i) for i in all_imports() if room(i.source) == "decision"
-             and not (room(i.target) == "decision" or i.target == "kvroute.block_keys"
-                      or i.target.split(".")[0] in PURE_IMPORTS)]
+    found = [
+        str(i)
+        for i in all_imports()
+        if room(i.source) == "decision"
+        and not (room(i.target) == "decision" or i.target == "kvroute.block_keys" or i.target.split(".")[0] in PURE_IMPORTS)
+    ]
     assert found == [], "the decision is pure (no await, no network, no clock):\n" + "\n".join(found)
 
 
@@ -239,16 +261,21 @@ sys.exit(main(sys.argv[2:]))
 def loaded_by(tmp_path: Path, *argv: str) -> tuple[int, set[str]]:
     """Run `kvroute ARGV` in a fresh interpreter: its exit code and every module it had loaded at exit."""
     dump = tmp_path / "modules.json"
-    proc = subprocess.run([sys.executable, "-c", _LOADED, str(dump), *argv], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOADED, str(dump), *argv], cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False
+    )
     return proc.returncode, set(json.loads(dump.read_text()))
 
 
 def foreign(modules: set[str], plane: str | None) -> list[str]:
     """What a product process must not have loaded: tools, tools-only packages, another plane."""
-    return sorted(m for m in modules
-                  if component(m).startswith(TOOLS) or m.split(".")[0] in ("matplotlib", "numpy")
-                  or (component(m) in PLANES and component(m) != plane))
+    return sorted(
+        m
+        for m in modules
+        if component(m).startswith(TOOLS)
+        or m.split(".")[0] in ("matplotlib", "numpy")
+        or (component(m) in PLANES and component(m) != plane)
+    )
 
 
 def test_kvroute_help_imports_no_subcommand(tmp_path: Path) -> None:
@@ -274,14 +301,38 @@ def test_a_running_router_loads_no_tool_and_no_other_plane(tmp_path: Path, tiny_
     """The router started and asked to route (no control plane: it fails open; no fleet: 503), then
     stopped with SIGTERM; what it had loaded by then."""
     dump, port = tmp_path / "modules.json", free_port()
-    proc = subprocess.Popen([sys.executable, "-c", _LOADED, str(dump), "router", "--tokenizer", str(tiny_model_dir),
-                             "--control-plane", f"127.0.0.1:{free_port()}", "--port", str(port), "--grpc-port", "0"],
-                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _LOADED,
+            str(dump),
+            "router",
+            "--tokenizer",
+            str(tiny_model_dir),
+            "--control-plane",
+            f"127.0.0.1:{free_port()}",
+            "--port",
+            str(port),
+            "--grpc-port",
+            "0",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/health"), 30, "the router",
-                   [ManagedProcess("router", [], tmp_path / "none.log", proc)])
-        status, _ = http_post_json(f"http://127.0.0.1:{port}/v1/chat/completions",
-                                   {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]})
+        wait_until(
+            lambda: http_ok(f"http://127.0.0.1:{port}/health"),
+            30,
+            "the router",
+            [ManagedProcess("router", [], tmp_path / "none.log", proc)],
+        )
+        status, _ = http_post_json(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert status == 503
     finally:
         proc.send_signal(signal.SIGTERM)

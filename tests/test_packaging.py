@@ -58,8 +58,7 @@ def test_the_wheel_holds_kvroute_only(kvroute_wheel: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_pip_install_dot_adds_kvroute_only_and_its_commands_work(installed_kvroute: InstalledKvroute,
-                                                                 tmp_path: Path) -> None:
+def test_pip_install_dot_adds_kvroute_only_and_its_commands_work(installed_kvroute: InstalledKvroute, tmp_path: Path) -> None:
     version = pyproject()["project"]["version"]
     assert installed_kvroute.added == {"kvroute", f"kvroute-{version}.dist-info"}
     assert installed_kvroute.removed == set()

@@ -44,7 +44,11 @@ def test_rate_limited_log_one_line_per_period_then_a_summary_and_a_recovery(capl
     assert problems.warning("down", "down %d", 4)
     assert problems.recovered("down", "up again")
     assert not problems.recovered("down", "up again")  # nothing was logged since
-    assert problems.warning("down", "down %d", 5)      # a new outage is news at once
+    assert problems.warning("down", "down %d", 5)  # a new outage is news at once
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
-        ("WARNING", "down 1"), ("ERROR", "another kind is not held back"),
-        ("WARNING", "down 4 (2 similar messages suppressed)"), ("INFO", "up again"), ("WARNING", "down 5")]
+        ("WARNING", "down 1"),
+        ("ERROR", "another kind is not held back"),
+        ("WARNING", "down 4 (2 similar messages suppressed)"),
+        ("INFO", "up again"),
+        ("WARNING", "down 5"),
+    ]

@@ -66,8 +66,9 @@ async def test_control_plane_serves_a_rotated_certificate_without_a_restart(tmp_
     # The CA file the server verifies clients with holds both CAs, so clients of either are let in.
     both = tmp_path / "clients-ca.pem"
     both.write_bytes(old_ca.ca_path.read_bytes() + new_ca.ca_path.read_bytes())
-    server = ControlPlaneServer(ControlPlaneConfig(listen="127.0.0.1:0", tls=TlsFiles(
-        str(served.cert), str(served.key), str(both))))
+    server = ControlPlaneServer(
+        ControlPlaneConfig(listen="127.0.0.1:0", tls=TlsFiles(str(served.cert), str(served.key), str(both)))
+    )
     port = await server.start()
     try:
         old_client, new_client = client(old_ca, "router-old"), client(new_ca, "router-new")
@@ -90,8 +91,9 @@ async def test_client_channels_pick_up_a_rotated_client_certificate(tmp_path):
     it trusts, the next channel opened with the same ClientTls gets in."""
     trusted, untrusted = TestCA(tmp_path / "trusted", "trusted-ca"), TestCA(tmp_path / "untrusted", "untrusted-ca")
     served = trusted.issue("control-plane")
-    server = ControlPlaneServer(ControlPlaneConfig(listen="127.0.0.1:0", tls=TlsFiles(
-        str(served.cert), str(served.key), str(trusted.ca_path))))
+    server = ControlPlaneServer(
+        ControlPlaneConfig(listen="127.0.0.1:0", tls=TlsFiles(str(served.cert), str(served.key), str(trusted.ca_path)))
+    )
     port = await server.start()
     try:
         mine = untrusted.issue("router-1", uris=[router_uri("router-1")])
@@ -126,8 +128,9 @@ async def test_client_tls_keeps_the_previous_certificate_when_new_files_do_not_l
     monkeypatch.setattr(tls_module, "RECHECK_S", 0.0)  # every look at the files checks them
     ca = TestCA(tmp_path / "pki", "kvroute-ca")
     served = ca.issue("control-plane")
-    server = ControlPlaneServer(ControlPlaneConfig(listen="127.0.0.1:0", tls=TlsFiles(
-        str(served.cert), str(served.key), str(ca.ca_path))))
+    server = ControlPlaneServer(
+        ControlPlaneConfig(listen="127.0.0.1:0", tls=TlsFiles(str(served.cert), str(served.key), str(ca.ca_path)))
+    )
     port = await server.start()
     caplog.set_level(logging.INFO, logger="kvroute.tls")
     try:
@@ -181,15 +184,15 @@ async def test_the_tls_hint_names_a_plaintext_server_and_stays_out_of_other_fail
     async def failure(address: str, tls: ClientTls | None) -> grpc.aio.AioRpcError:
         async with open_channel(address, tls) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as failed:  # an unknown worker: NOT_FOUND once connected
-                await pb_grpc.ControlPlaneStub(channel).GetWorkerKeys(pb.GetWorkerKeysRequest(worker_id="nobody"),
-                                                                      timeout=5)
+                await pb_grpc.ControlPlaneStub(channel).GetWorkerKeys(pb.GetWorkerKeysRequest(worker_id="nobody"), timeout=5)
         return failed.value
 
     try:
         plaintext = await failure(f"localhost:{port}", tls)
         assert describe_rpc_error(plaintext, tls).startswith("UNAVAILABLE: TLS handshake failed (WRONG_VERSION_NUMBER):")
-        assert "serves no TLS" in describe_rpc_error(plaintext, tls) and "--tls-cert/--tls-key/--tls-ca" in \
-            describe_rpc_error(plaintext, tls)
+        assert "serves no TLS" in describe_rpc_error(plaintext, tls) and "--tls-cert/--tls-key/--tls-ca" in describe_rpc_error(
+            plaintext, tls
+        )
         unknown = await failure(f"localhost:{port}", None)
         assert tls_failure_hint(unknown, None) is None and rpc_failure_reason(unknown, None) == unknown.code().name
     finally:
@@ -201,6 +204,7 @@ async def test_the_tls_hint_names_a_plaintext_server_and_stays_out_of_other_fail
 
 async def https_health_site(tls: ServerTls, require_client_cert: bool) -> tuple[web.AppRunner, int]:
     """A real HTTPS listener (the router's `start_http_site`) answering GET /health with `tls`'s context."""
+
     async def health(_request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -208,8 +212,9 @@ async def https_health_site(tls: ServerTls, require_client_cert: bool) -> tuple[
     app.router.add_get("/health", health)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    port = await start_http_site(runner, "--port", "127.0.0.1", 0,
-                                 ssl_context=tls.ssl_context(require_client_cert=require_client_cert))
+    port = await start_http_site(
+        runner, "--port", "127.0.0.1", 0, ssl_context=tls.ssl_context(require_client_cert=require_client_cert)
+    )
     return runner, port
 
 
@@ -274,22 +279,34 @@ def test_bad_tls_files_are_one_line_and_exit_2(tmp_path):
         TlsFiles(str(tmp_path / "missing.crt"), str(cert.key)).check(server=True)
     with pytest.raises(TlsConfigError, match="do not load"):  # a key that is not the certificate's
         TlsFiles(str(cert.cert), str(other.key)).check(server=True)
-    done = subprocess.run(kvroute_argv("control-plane", "--listen", "127.0.0.1:0", "--tls-cert", str(cert.cert),
-                                       "--tls-key", str(other.key)), check=False, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        kvroute_argv("control-plane", "--listen", "127.0.0.1:0", "--tls-cert", str(cert.cert), "--tls-key", str(other.key)),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvroute control-plane: error: --tls-cert"), done.stderr
     # The environment variables stand in for the flags.
-    done = subprocess.run(kvroute_argv("control-plane", "--listen", "127.0.0.1:0"), check=False, capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "KVROUTE_TLS_CERT": str(cert.cert)})
+    done = subprocess.run(
+        kvroute_argv("control-plane", "--listen", "127.0.0.1:0"),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "KVROUTE_TLS_CERT": str(cert.cert)},
+    )
     assert done.returncode == 2 and "--tls-cert and --tls-key go together" in done.stderr
 
 
 @pytest.mark.parametrize("worker_id", ["node-7:8000", "gpu node/3", "w-dp0", "ünïcode"])
 def test_worker_ids_round_trip_through_uri_sans(worker_id):
     uri = worker_uri(worker_id)
-    assert uri.startswith("spiffe://kvroute/worker/") and " " not in uri and "/" not in uri.removeprefix(
-        "spiffe://kvroute/worker/")
+    assert (
+        uri.startswith("spiffe://kvroute/worker/") and " " not in uri and "/" not in uri.removeprefix("spiffe://kvroute/worker/")
+    )
     identity = identity_from_uris([uri, router_uri("r1"), "spiffe://other/worker/x"])
     assert identity.worker_ids == {worker_id} and identity.routers == {"r1"}
     assert identity.may_write(worker_id) and not identity.may_write("x")

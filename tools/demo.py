@@ -37,15 +37,87 @@ from kvroute.tools.local_cluster import LocalCluster, engine_prefix_counters, ht
 from kvroute.tools.stats import percentile
 
 FAIL_OPEN_METRIC = "kvroute_router_fail_open_total"
-_WORDS = ["cache", "token", "prefix", "router", "worker", "model", "request", "latency", "block", "memory", "engine", "query", "index", "policy", "load", "queue", "system", "user", "assistant", "document", "answer", "question", "tool", "schema", "function", "value", "result", "error", "time", "first", "compute", "prefill", "decode", "batch", "stream", "event", "key", "hash", "store", "remove", "update", "graph", "kernel", "tensor", "layer", "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "this", "are", "or", "from", "at", "which"]
+_WORDS = [
+    "cache",
+    "token",
+    "prefix",
+    "router",
+    "worker",
+    "model",
+    "request",
+    "latency",
+    "block",
+    "memory",
+    "engine",
+    "query",
+    "index",
+    "policy",
+    "load",
+    "queue",
+    "system",
+    "user",
+    "assistant",
+    "document",
+    "answer",
+    "question",
+    "tool",
+    "schema",
+    "function",
+    "value",
+    "result",
+    "error",
+    "time",
+    "first",
+    "compute",
+    "prefill",
+    "decode",
+    "batch",
+    "stream",
+    "event",
+    "key",
+    "hash",
+    "store",
+    "remove",
+    "update",
+    "graph",
+    "kernel",
+    "tensor",
+    "layer",
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "that",
+    "for",
+    "it",
+    "as",
+    "was",
+    "with",
+    "be",
+    "by",
+    "on",
+    "not",
+    "this",
+    "are",
+    "or",
+    "from",
+    "at",
+    "which",
+]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", type=int, default=4, help="sim engines (each with its own agent) in each policy's fleet")
     from kvroute.data_plane.decision.policies import POLICIES
 
-    p.add_argument("--policies", type=name_list(POLICIES, "policy"), default="kv_aware,round_robin",
-                   help="comma-separated routing policies to compare")
+    p.add_argument(
+        "--policies",
+        type=name_list(POLICIES, "policy"),
+        default="kv_aware,round_robin",
+        help="comma-separated routing policies to compare",
+    )
     p.add_argument("--system-prompts", type=int, default=16, help="distinct shared system prompts")
     p.add_argument("--system-prompt-words", type=int, default=1000, help="words per system prompt")
     p.add_argument("--conversations", type=int, default=96, help="conversations per policy run")
@@ -58,19 +130,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--speedup", type=float, default=2.0, help="sim engines run this many times faster than the cost model")
     p.add_argument("--seed", type=int, default=1, help="workload seed")
-    p.add_argument("--models", type=int, default=1,
-                   help="models each fleet serves behind its one router (engine i serves model i mod N, "
-                        "conversation i asks for model i mod N; at most --engines)")
-    p.add_argument("--workdir", default="", help="directory for the tiny model and each policy's logs (in a subdirectory "
-                                                 "named after it), kept (default: a temporary "
-                                                 "directory, removed at the end unless something failed)")
+    p.add_argument(
+        "--models",
+        type=int,
+        default=1,
+        help="models each fleet serves behind its one router (engine i serves model i mod N, "
+        "conversation i asks for model i mod N; at most --engines)",
+    )
+    p.add_argument(
+        "--workdir",
+        default="",
+        help="directory for the tiny model and each policy's logs (in a subdirectory "
+        "named after it), kept (default: a temporary "
+        "directory, removed at the end unless something failed)",
+    )
 
 
 def validate(args: argparse.Namespace) -> None:
     """Flags valid alone but not together (checked when parsed, by `kvroute config check` too)."""
     if not 1 <= args.models <= args.engines:
-        raise ValueError(f"--models {args.models}: each model needs an engine of its own (1 to --engines "
-                         f"{args.engines})")
+        raise ValueError(f"--models {args.models}: each model needs an engine of its own (1 to --engines {args.engines})")
 
 
 @dataclass
@@ -121,13 +200,15 @@ def build_workload(args: argparse.Namespace) -> list[Conversation]:
     conversations, t = [], 0.0
     for i in range(args.conversations):
         t += rng.expovariate(args.arrival_rate)
-        conversations.append(Conversation(rng.choice(systems), [text(args.user_words) for _ in range(args.turns)], t,
-                                          models[i % len(models)]))
+        conversations.append(
+            Conversation(rng.choice(systems), [text(args.user_words) for _ in range(args.turns)], t, models[i % len(models)])
+        )
     return conversations
 
 
-async def run_conversation(session: aiohttp.ClientSession, router_url: str, conv: Conversation,
-                           args: argparse.Namespace, result: PolicyResult, t0: float) -> None:
+async def run_conversation(
+    session: aiohttp.ClientSession, router_url: str, conv: Conversation, args: argparse.Namespace, result: PolicyResult, t0: float
+) -> None:
     await asyncio.sleep(max(0.0, t0 + conv.start_offset_s - time.monotonic()))
     messages = [{"role": "system", "content": conv.system}]
     for turn, user in enumerate(conv.user_turns):
@@ -164,26 +245,28 @@ async def run_conversation(session: aiohttp.ClientSession, router_url: str, conv
         await asyncio.sleep(args.think_time)
 
 
-async def replay(router_url: str, workload: list[Conversation], args: argparse.Namespace,
-                 result: PolicyResult, t0: float) -> None:
+async def replay(
+    router_url: str, workload: list[Conversation], args: argparse.Namespace, result: PolicyResult, t0: float
+) -> None:
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
         await asyncio.gather(*(run_conversation(session, router_url, c, args, result, t0) for c in workload))
         result.wall_s = time.monotonic() - t0
 
 
-async def replay_all(fleets: list[PolicyFleet], workload: list[Conversation], args: argparse.Namespace,
-                     results: list[PolicyResult]) -> None:
+async def replay_all(
+    fleets: list[PolicyFleet], workload: list[Conversation], args: argparse.Namespace, results: list[PolicyResult]
+) -> None:
     """Every policy's replay of the same workload, on the same clock: request i of each policy is
     sent at the same instant, so a burst of outside load lands on all of them."""
     t0 = time.monotonic() + 0.2  # all sessions are open before the first request is due
-    await asyncio.gather(*(replay(f.router_url, workload, args, r, t0)
-                           for f, r in zip(fleets, results, strict=True)))
+    await asyncio.gather(*(replay(f.router_url, workload, args, r, t0) for f, r in zip(fleets, results, strict=True)))
 
 
 @dataclass
 class PolicyFleet:
     """One policy's own fleet: control plane, sim engines with agents, and its router."""
+
     policy: str
     cluster: LocalCluster
     router_url: str = ""
@@ -207,8 +290,12 @@ class PolicyFleet:
         self.router_url = self.cluster.start_router(self.policy, self.policy, *extra)
         for model in models:
             probe = {"model": model, "messages": [{"role": "user", "content": "probe"}]}
-            wait_until(lambda probe=probe: http_post_json(self.router_url + "/v1/route", probe)[0] == 200, 30,
-                       f"{self.policy} router knows its fleet of {model}", self.cluster.all_processes())
+            wait_until(
+                lambda probe=probe: http_post_json(self.router_url + "/v1/route", probe)[0] == 200,
+                30,
+                f"{self.policy} router knows its fleet of {model}",
+                self.cluster.all_processes(),
+            )
 
     def request_path_pids(self) -> list[int]:
         """Processes whose event loop every request waits on: router, control plane, engines."""
@@ -220,14 +307,17 @@ class PolicyFleet:
         return [p.popen.pid for p in self.cluster.all_processes() if p.popen is not None]
 
 
-def measure(fleets: list[PolicyFleet], workload: list[Conversation],
-            args: argparse.Namespace) -> tuple[list[PolicyResult], Disturbance]:
+def measure(
+    fleets: list[PolicyFleet], workload: list[Conversation], args: argparse.Namespace
+) -> tuple[list[PolicyResult], Disturbance]:
     """Replays the workload through every fleet at once; hit rates from each fleet's own engines."""
     before = [[engine_prefix_counters(e.url) for e in f.cluster.engines] for f in fleets]
     fail_open_before = [router_fail_opens(f.router_url) for f in fleets]
     results = [PolicyResult(f.policy) for f in fleets]
-    monitor = DisturbanceMonitor(own_pids=[os.getpid(), *(pid for f in fleets for pid in f.all_pids())],
-                                 loop_pids=[pid for f in fleets for pid in f.request_path_pids()])
+    monitor = DisturbanceMonitor(
+        own_pids=[os.getpid(), *(pid for f in fleets for pid in f.all_pids())],
+        loop_pids=[pid for f in fleets for pid in f.request_path_pids()],
+    )
     monitor.start()
     try:
         asyncio.run(replay_all(fleets, workload, args, results))
@@ -240,8 +330,7 @@ def measure(fleets: list[PolicyFleet], workload: list[Conversation],
         for engine, a, b in zip(fleet.cluster.engines, after, counters, strict=True):
             queried, hit = result.hits_by_model.get(fleet.model_of[engine.worker_id], (0.0, 0.0))
             result.hits_by_model[fleet.model_of[engine.worker_id]] = (queried + a[0] - b[0], hit + a[1] - b[1])
-        result.misrouted = sum(n for (model, worker), n in result.per_model_worker.items()
-                               if fleet.model_of.get(worker) != model)
+        result.misrouted = sum(n for (model, worker), n in result.per_model_worker.items() if fleet.model_of.get(worker) != model)
     for fleet, result, fail_opens in zip(fleets, results, fail_open_before, strict=True):
         result.fail_open = router_fail_opens(fleet.router_url) - fail_opens
     return results, disturbance
@@ -256,19 +345,23 @@ def router_fail_opens(router_url: str) -> float:
 
 
 def print_table(results: list[PolicyResult], file=sys.stdout) -> None:
-    header = (f"{'policy':<14}{'requests':>9}{'errors':>8}{'fail-open':>10}{'hit rate':>10}{'TTFT p50':>11}"
-              f"{'TTFT p99':>11}{'e2e p50':>10}{'wall s':>8}  requests per worker")
+    header = (
+        f"{'policy':<14}{'requests':>9}{'errors':>8}{'fail-open':>10}{'hit rate':>10}{'TTFT p50':>11}"
+        f"{'TTFT p99':>11}{'e2e p50':>10}{'wall s':>8}  requests per worker"
+    )
     print(header, file=file)
     print("-" * len(header), file=file)
     for r in results:
         spread = " ".join(f"{w}={n}" for w, n in sorted(r.per_worker.items()))
-        print(f"{r.policy:<14}{r.requests:>9}{r.errors:>8}{r.fail_open:>10.0f}{r.hit_rate:>9.1%}{percentile(r.ttft_ms, 50):>9.1f}ms"
-              f"{percentile(r.ttft_ms, 99):>9.1f}ms{percentile(r.e2e_ms, 50):>8.0f}ms{r.wall_s:>8.1f}  {spread}", file=file)
+        print(
+            f"{r.policy:<14}{r.requests:>9}{r.errors:>8}{r.fail_open:>10.0f}{r.hit_rate:>9.1%}{percentile(r.ttft_ms, 50):>9.1f}ms"
+            f"{percentile(r.ttft_ms, 99):>9.1f}ms{percentile(r.e2e_ms, 50):>8.0f}ms{r.wall_s:>8.1f}  {spread}",
+            file=file,
+        )
     for r in results:
         if len(r.hits_by_model) > 1:
             rates = ", ".join(f"{model} {rate:.1%}" for model, rate in r.hit_rate_by_model().items())
-            print(f"{r.policy}: hit rate by model {rates}; requests answered by another model's engine: "
-                  f"{r.misrouted}", file=file)
+            print(f"{r.policy}: hit rate by model {rates}; requests answered by another model's engine: {r.misrouted}", file=file)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -282,17 +375,23 @@ def run(args: argparse.Namespace) -> int:
     policies = list(dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip()))
     workload = build_workload(args)
     served = f" serving {args.models} models behind one router" if args.models > 1 else ""
-    print(f"kvroute demo: per policy ({', '.join(policies)}) a fleet of {args.engines} sim engines{served} x "
-          f"{args.num_blocks} blocks of {args.block_size} tokens; {len(workload)} conversations x {args.turns} turns "
-          f"over {args.system_prompts} system prompts, replayed through every policy at once; logs in {workdir}"
-          f"{' (removed at the end unless something fails)' if own_workdir else ''}", file=sys.stderr)
+    print(
+        f"kvroute demo: per policy ({', '.join(policies)}) a fleet of {args.engines} sim engines{served} x "
+        f"{args.num_blocks} blocks of {args.block_size} tokens; {len(workload)} conversations x {args.turns} turns "
+        f"over {args.system_prompts} system prompts, replayed through every policy at once; logs in {workdir}"
+        f"{' (removed at the end unless something fails)' if own_workdir else ''}",
+        file=sys.stderr,
+    )
     fleets: list[PolicyFleet] = []
     results: list[PolicyResult] = []
     finished = False
     try:
         for policy in policies:
-            fleets.append(PolicyFleet(policy, LocalCluster(workdir=workdir / policy, tokenizer_dir=tokenizer_dir,
-                                                           block_size=args.block_size)))
+            fleets.append(
+                PolicyFleet(
+                    policy, LocalCluster(workdir=workdir / policy, tokenizer_dir=tokenizer_dir, block_size=args.block_size)
+                )
+            )
             print(f"starting the {policy} fleet ...", file=sys.stderr)
             fleets[-1].start(args)
         print("replaying the workload through every policy at once ...", file=sys.stderr)
@@ -313,15 +412,31 @@ def run(args: argparse.Namespace) -> int:
     if warning:
         print(f"warning: {warning}")
     print()
-    print(json.dumps({"policies": {r.policy: {
-        "requests": r.requests,
-        "fail_open": int(r.fail_open),
-        "hit_rate": round(r.hit_rate, 4),
-        "ttft_p50_ms": round(percentile(r.ttft_ms, 50), 2),
-        "ttft_p99_ms": round(percentile(r.ttft_ms, 99), 2),
-        **({"hit_rate_by_model": {m: round(rate, 4) for m, rate in r.hit_rate_by_model().items()},
-            "misrouted": r.misrouted} if args.models > 1 else {}),
-    } for r in results}, "disturbance": disturbance.to_json()}))
+    print(
+        json.dumps(
+            {
+                "policies": {
+                    r.policy: {
+                        "requests": r.requests,
+                        "fail_open": int(r.fail_open),
+                        "hit_rate": round(r.hit_rate, 4),
+                        "ttft_p50_ms": round(percentile(r.ttft_ms, 50), 2),
+                        "ttft_p99_ms": round(percentile(r.ttft_ms, 99), 2),
+                        **(
+                            {
+                                "hit_rate_by_model": {m: round(rate, 4) for m, rate in r.hit_rate_by_model().items()},
+                                "misrouted": r.misrouted,
+                            }
+                            if args.models > 1
+                            else {}
+                        ),
+                    }
+                    for r in results
+                },
+                "disturbance": disturbance.to_json(),
+            }
+        )
+    )
     return 0 if all(r.errors == 0 and r.misrouted == 0 for r in results) else 1
 
 
@@ -329,6 +444,8 @@ def machine_line(d: Disturbance) -> str:
     """What else ran on the machine while the policies were measured (the same for all of them)."""
     if not d.measured:
         return "machine load during the run: not measured (no /proc)"
-    return (f"machine load during the run ({d.seconds:.1f} s, all policies at once): other processes "
-            f"{d.outside_cores_mean:.2f} of {d.cores} cores on average, {d.outside_cores_peak:.2f} at peak; "
-            f"event loops of routers, control planes and engines waited {d.loop_wait_ms_per_s_mean:.0f} ms/s for a CPU")
+    return (
+        f"machine load during the run ({d.seconds:.1f} s, all policies at once): other processes "
+        f"{d.outside_cores_mean:.2f} of {d.cores} cores on average, {d.outside_cores_peak:.2f} at peak; "
+        f"event loops of routers, control planes and engines waited {d.loop_wait_ms_per_s_mean:.0f} ms/s for a CPU"
+    )

@@ -34,10 +34,10 @@ _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
 @dataclass(frozen=True, slots=True)
 class CpuSnapshot:
-    at_s: float                 # monotonic
-    machine_busy_s: float       # every CPU's non-idle time, steal excluded (it is counted apart)
+    at_s: float  # monotonic
+    machine_busy_s: float  # every CPU's non-idle time, steal excluded (it is counted apart)
     steal_s: float
-    own_cpu_s: float            # our processes' user + system time, all threads
+    own_cpu_s: float  # our processes' user + system time, all threads
     loop_wait_s: dict[int, float] = field(default_factory=dict)  # pid -> its main thread's run-queue wait
 
 
@@ -80,17 +80,16 @@ class Disturbance:
 
     seconds: float
     cores: int
-    outside_cores_mean: float   # other processes' CPU + steal, averaged over the measurement
-    outside_cores_peak: float   # ... in the worst window
+    outside_cores_mean: float  # other processes' CPU + steal, averaged over the measurement
+    outside_cores_peak: float  # ... in the worst window
     steal_cores_mean: float
     loop_wait_ms_per_s_mean: float  # event-loop run-queue wait, per second, averaged over the watched loops
-    loop_wait_ms_per_s_max: float   # ... of the worst loop
+    loop_wait_ms_per_s_max: float  # ... of the worst loop
     measured: bool = True
 
     @property
     def disturbed(self) -> bool:
-        return self.measured and (self.outside_cores_mean >= MEAN_OUTSIDE_CORES
-                                  or self.outside_cores_peak >= PEAK_OUTSIDE_CORES)
+        return self.measured and (self.outside_cores_mean >= MEAN_OUTSIDE_CORES or self.outside_cores_peak >= PEAK_OUTSIDE_CORES)
 
     @classmethod
     def unmeasured(cls) -> Disturbance:
@@ -108,11 +107,19 @@ class Disturbance:
             return (others + b.steal_s - a.steal_s) / (b.at_s - a.at_s)
 
         windows = [outside(a, b) for a, b in zip(snapshots, snapshots[WINDOW_SAMPLES:], strict=False)]
-        waits = [(last.loop_wait_s[pid] - first.loop_wait_s[pid]) / seconds * 1000
-                 for pid in first.loop_wait_s.keys() & last.loop_wait_s.keys()]
-        return cls(seconds, cores, outside(first, last), max(windows, default=outside(first, last)),
-                   (last.steal_s - first.steal_s) / seconds,
-                   sum(waits) / len(waits) if waits else 0.0, max(waits, default=0.0))
+        waits = [
+            (last.loop_wait_s[pid] - first.loop_wait_s[pid]) / seconds * 1000
+            for pid in first.loop_wait_s.keys() & last.loop_wait_s.keys()
+        ]
+        return cls(
+            seconds,
+            cores,
+            outside(first, last),
+            max(windows, default=outside(first, last)),
+            (last.steal_s - first.steal_s) / seconds,
+            sum(waits) / len(waits) if waits else 0.0,
+            max(waits, default=0.0),
+        )
 
     def warning(self, loops: str = "the watched processes' event loops") -> str | None:
         """One line saying what disturbed the measurement and what it cost (`loops` names the watched
@@ -120,26 +127,38 @@ class Disturbance:
         if not self.disturbed:
             return None
         steal = f" (steal {self.steal_cores_mean:.2f})" if self.steal_cores_mean >= 0.05 else ""
-        return (f"measurement disturbed: other processes took {self.outside_cores_mean:.2f} of this machine's "
-                f"{self.cores} CPU cores on average{steal} and {self.outside_cores_peak:.2f} at the worst moment, "
-                f"and {loops} waited {self.loop_wait_ms_per_s_mean:.0f} ms per second "
-                f"for a CPU (worst loop {self.loop_wait_ms_per_s_max:.0f}): latencies include that wait; rerun on "
-                "an idle machine for figures to quote")
+        return (
+            f"measurement disturbed: other processes took {self.outside_cores_mean:.2f} of this machine's "
+            f"{self.cores} CPU cores on average{steal} and {self.outside_cores_peak:.2f} at the worst moment, "
+            f"and {loops} waited {self.loop_wait_ms_per_s_mean:.0f} ms per second "
+            f"for a CPU (worst loop {self.loop_wait_ms_per_s_max:.0f}): latencies include that wait; rerun on "
+            "an idle machine for figures to quote"
+        )
 
     def to_json(self) -> dict:
-        return {"measured": self.measured, "disturbed": self.disturbed, "seconds": round(self.seconds, 2),
-                "cores": self.cores, "outside_cores_mean": round(self.outside_cores_mean, 3),
-                "outside_cores_peak": round(self.outside_cores_peak, 3),
-                "steal_cores_mean": round(self.steal_cores_mean, 3),
-                "loop_wait_ms_per_s_mean": round(self.loop_wait_ms_per_s_mean, 1),
-                "loop_wait_ms_per_s_max": round(self.loop_wait_ms_per_s_max, 1)}
+        return {
+            "measured": self.measured,
+            "disturbed": self.disturbed,
+            "seconds": round(self.seconds, 2),
+            "cores": self.cores,
+            "outside_cores_mean": round(self.outside_cores_mean, 3),
+            "outside_cores_peak": round(self.outside_cores_peak, 3),
+            "steal_cores_mean": round(self.steal_cores_mean, 3),
+            "loop_wait_ms_per_s_mean": round(self.loop_wait_ms_per_s_mean, 1),
+            "loop_wait_ms_per_s_max": round(self.loop_wait_ms_per_s_max, 1),
+        }
 
 
 class DisturbanceMonitor:
     """Samples snapshots in a thread between `start()` and `stop()`; `stop()` returns the Disturbance."""
 
-    def __init__(self, own_pids: Iterable[int], loop_pids: Iterable[int], interval_s: float = 0.5,
-                 read: Callable[[], CpuSnapshot] | None = None) -> None:
+    def __init__(
+        self,
+        own_pids: Iterable[int],
+        loop_pids: Iterable[int],
+        interval_s: float = 0.5,
+        read: Callable[[], CpuSnapshot] | None = None,
+    ) -> None:
         own, loops = set(own_pids), list(loop_pids)
         self._read = read or (lambda: read_snapshot(own, loops))
         self.interval_s = interval_s

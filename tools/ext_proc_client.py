@@ -25,20 +25,23 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 from google.protobuf import struct_pb2
 
 DESTINATION = "x-gateway-destination-endpoint"
-_MODES = {"buffered": processing_mode_pb2.ProcessingMode.BUFFERED,
-          "streamed": processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED}
+_MODES = {
+    "buffered": processing_mode_pb2.ProcessingMode.BUFFERED,
+    "streamed": processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED,
+}
 
 
 @dataclass
 class Picked:
     """What the picker answered for the request path."""
-    endpoint: str = ""          # the x-gateway-destination-endpoint header it set ("" = none)
+
+    endpoint: str = ""  # the x-gateway-destination-endpoint header it set ("" = none)
     metadata_endpoint: str = ""  # envoy.lb / x-gateway-destination-endpoint in its dynamic metadata
     headers: dict[str, str] = field(default_factory=dict)  # every header it set
-    removed: list[str] = field(default_factory=list)        # headers it removed
-    status: int = 0             # an ImmediateResponse's HTTP status (0 = none: forward the request)
+    removed: list[str] = field(default_factory=list)  # headers it removed
+    status: int = 0  # an ImmediateResponse's HTTP status (0 = none: forward the request)
     error_body: bytes = b""
-    body: bytes = b""           # streamed mode: the body as the picker sent it back
+    body: bytes = b""  # streamed mode: the body as the picker sent it back
 
 
 def _metadata(namespace: str, key: str, value: object) -> base_pb2.Metadata:
@@ -50,26 +53,39 @@ def _metadata(namespace: str, key: str, value: object) -> base_pb2.Metadata:
 class EnvoyExtProcStream:
     """One HTTP request's ext_proc stream, driven the way Envoy drives it."""
 
-    def __init__(self, stub: ext_grpc.ExternalProcessorStub, mode: str = "streamed",
-                 send_protocol_config: bool = False) -> None:
+    def __init__(self, stub: ext_grpc.ExternalProcessorStub, mode: str = "streamed", send_protocol_config: bool = False) -> None:
         self.mode = mode
         self.call = stub.Process()
         self._protocol_config = send_protocol_config
 
-    async def request(self, path: str, body: bytes | None, headers: dict[str, str] | None = None, chunks: int = 1,
-                      subset: list[str] | None = None) -> Picked:
+    async def request(
+        self,
+        path: str,
+        body: bytes | None,
+        headers: dict[str, str] | None = None,
+        chunks: int = 1,
+        subset: list[str] | None = None,
+    ) -> Picked:
         """The request headers (`subset`: GAIE's endpoint subset hint in the metadata), then the body
         (in `chunks` pieces in streamed mode; None: a request without one, e.g. a GET); what the
         picker answered."""
-        all_headers = {":method": "POST" if body is not None else "GET", ":path": path, ":authority": "gateway",
-                       **({"content-type": "application/json", "content-length": str(len(body))} if body is not None
-                          else {}), **(headers or {})}
-        first = ext.ProcessingRequest(request_headers=ext.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
-            base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in all_headers.items()]),
-            end_of_stream=body is None))
+        all_headers = {
+            ":method": "POST" if body is not None else "GET",
+            ":path": path,
+            ":authority": "gateway",
+            **({"content-type": "application/json", "content-length": str(len(body))} if body is not None else {}),
+            **(headers or {}),
+        }
+        first = ext.ProcessingRequest(
+            request_headers=ext.HttpHeaders(
+                headers=base_pb2.HeaderMap(
+                    headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in all_headers.items()]
+                ),
+                end_of_stream=body is None,
+            )
+        )
         if subset is not None:
-            first.metadata_context.CopyFrom(_metadata("envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset",
-                                                      subset))
+            first.metadata_context.CopyFrom(_metadata("envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset", subset))
         if self._protocol_config:
             first.protocol_config.request_body_mode = _MODES[self.mode]
             first.protocol_config.response_body_mode = processing_mode_pb2.ProcessingMode.NONE
@@ -86,10 +102,11 @@ class EnvoyExtProcStream:
             self._note(await self.call.read(), picked)
             return picked
         size = max(1, -(-len(body) // max(1, chunks)))
-        pieces = [body[i:i + size] for i in range(0, len(body), size)] or [b""]
+        pieces = [body[i : i + size] for i in range(0, len(body), size)] or [b""]
         for i, piece in enumerate(pieces):
-            await self.call.write(ext.ProcessingRequest(request_body=ext.HttpBody(
-                body=piece, end_of_stream=i == len(pieces) - 1)))
+            await self.call.write(
+                ext.ProcessingRequest(request_body=ext.HttpBody(body=piece, end_of_stream=i == len(pieces) - 1))
+            )
         if self._note(await self.call.read(), picked):  # the headers response, held until the decision
             return picked
         echoed = bytearray()
@@ -123,10 +140,14 @@ class EnvoyExtProcStream:
     async def response(self, served: str, status: int = 200) -> None:
         """The upstream's response headers, with the endpoint that served it (GAIE's
         `x-gateway-destination-endpoint-served` in the `envoy.lb` metadata)."""
-        await self.call.write(ext.ProcessingRequest(
-            response_headers=ext.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
-                base_pb2.HeaderValue(key=":status", raw_value=str(status).encode())])),
-            metadata_context=_metadata("envoy.lb", "x-gateway-destination-endpoint-served", served)))
+        await self.call.write(
+            ext.ProcessingRequest(
+                response_headers=ext.HttpHeaders(
+                    headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=str(status).encode())])
+                ),
+                metadata_context=_metadata("envoy.lb", "x-gateway-destination-endpoint-served", served),
+            )
+        )
         await self.call.read()
 
     async def close(self) -> None:

@@ -34,8 +34,21 @@ from kvroute.control_plane.audit import FleetAudit, audit_fleet
 from kvroute.prom_text import sample_sums, samples
 from kvroute.tools.sim_engine.dialects import DEFAULT_DIALECT, get_dialect
 
-_WORDS = ("cache", "token", "prefix", "router", "worker", "model", "request", "latency", "block", "memory", "engine",
-          "query", "index")
+_WORDS = (
+    "cache",
+    "token",
+    "prefix",
+    "router",
+    "worker",
+    "model",
+    "request",
+    "latency",
+    "block",
+    "memory",
+    "engine",
+    "query",
+    "index",
+)
 
 
 def long_text(seed: int, n_words: int = 400) -> str:
@@ -142,8 +155,14 @@ class ManagedProcess:
         if self.port_file is not None:
             self.port_file.unlink(missing_ok=True)  # what the last run bound says nothing of this one
         with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
-            self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env={**os.environ, **(env or {})}, start_new_session=True)
+            self.popen = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+            )
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
@@ -222,7 +241,7 @@ class EngineHandle:
     agent: ManagedProcess | None = None
     dialect: str = DEFAULT_DIALECT
     block_size: int = 16
-    agent_metrics_url: str = ""   # the agent's own /metrics and /health (set by start_agent)
+    agent_metrics_url: str = ""  # the agent's own /metrics and /health (set by start_agent)
 
     @property
     def engine_family(self) -> str:
@@ -258,10 +277,21 @@ class LocalCluster:
     def start_control_plane(self, port: int | None = None, extra_args: tuple[str, ...] = ()) -> str:
         """`extra_args` go to `kvroute control-plane` as they are (e.g. --audit-interval-s 1). Without
         `port` it listens on one the kernel picks."""
-        self.control_plane = ManagedProcess("control-plane", kvroute_argv(
-            "control-plane", "--listen", f"127.0.0.1:{port or 0}", "--port-file", str(self.workdir / "control-plane.ports"),
-            "--heartbeat-timeout", str(self.heartbeat_timeout_s), *extra_args), self.workdir / "control-plane.log",
-            port_file=self.workdir / "control-plane.ports")
+        self.control_plane = ManagedProcess(
+            "control-plane",
+            kvroute_argv(
+                "control-plane",
+                "--listen",
+                f"127.0.0.1:{port or 0}",
+                "--port-file",
+                str(self.workdir / "control-plane.ports"),
+                "--heartbeat-timeout",
+                str(self.heartbeat_timeout_s),
+                *extra_args,
+            ),
+            self.workdir / "control-plane.log",
+            port_file=self.workdir / "control-plane.ports",
+        )
         self.control_plane.start()
         self.control_plane_addr = f"127.0.0.1:{self.control_plane.wait_ports()['grpc']}"
         self.control_plane.pin("--listen", self.control_plane_addr)  # a restart comes back where agents look
@@ -282,20 +312,40 @@ class LocalCluster:
 
     # -------------------------------------------------------------- engines + agents
 
-    def add_sim_engine(self, worker_id: str, *extra_engine_args: str, start_agent: bool = True,
-                       agent_args: tuple[str, ...] = (), dialect: str | None = None, block_size: int | None = None,
-                       lora_adapters: tuple[str, ...] = (), cpu_offload_blocks: int = 0) -> EngineHandle:
+    def add_sim_engine(
+        self,
+        worker_id: str,
+        *extra_engine_args: str,
+        start_agent: bool = True,
+        agent_args: tuple[str, ...] = (),
+        dialect: str | None = None,
+        block_size: int | None = None,
+        lora_adapters: tuple[str, ...] = (),
+        cpu_offload_blocks: int = 0,
+    ) -> EngineHandle:
         """A sim engine process (and its agent). `dialect` picks the engine/version it imitates
         (kvroute.tools.sim_engine.dialects; None = its default); `block_size` overrides the cluster's."""
-        handle = self._launch_sim_engine(worker_id, *extra_engine_args, dialect=dialect, block_size=block_size,
-                                         lora_adapters=lora_adapters, cpu_offload_blocks=cpu_offload_blocks)()
+        handle = self._launch_sim_engine(
+            worker_id,
+            *extra_engine_args,
+            dialect=dialect,
+            block_size=block_size,
+            lora_adapters=lora_adapters,
+            cpu_offload_blocks=cpu_offload_blocks,
+        )()
         if start_agent:
             self.start_agent(handle, *agent_args)
         return handle
 
-    def _launch_sim_engine(self, worker_id: str, *extra_engine_args: str, dialect: str | None = None,
-                           block_size: int | None = None, lora_adapters: tuple[str, ...] = (),
-                           cpu_offload_blocks: int = 0) -> Callable[[], EngineHandle]:
+    def _launch_sim_engine(
+        self,
+        worker_id: str,
+        *extra_engine_args: str,
+        dialect: str | None = None,
+        block_size: int | None = None,
+        lora_adapters: tuple[str, ...] = (),
+        cpu_offload_blocks: int = 0,
+    ) -> Callable[[], EngineHandle]:
         """Start a sim engine on ports of its choosing; the function returned waits for them and
         gives its handle (so a fleet's engines start side by side)."""
         block_size = block_size or self.block_size
@@ -305,8 +355,15 @@ class LocalCluster:
         zmq_events = get_dialect(dialect or DEFAULT_DIALECT).transport == "zmq"  # TRT-LLM's pull path has none
 
         def events_config(ev_port: int, replay_port: int) -> str:
-            return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ev_port}",
-                               "replay_endpoint": f"tcp://*:{replay_port}", "topic": ""})
+            return json.dumps(
+                {
+                    "enable_kv_cache_events": True,
+                    "publisher": "zmq",
+                    "endpoint": f"tcp://*:{ev_port}",
+                    "replay_endpoint": f"tcp://*:{replay_port}",
+                    "topic": "",
+                }
+            )
 
         if zmq_events:
             args += ["--kv-events-config", events_config(0, 0)]
@@ -315,10 +372,26 @@ class LocalCluster:
         if cpu_offload_blocks:
             args += ["--cpu-offload-blocks", str(cpu_offload_blocks)]
         port_file = self.workdir / f"{worker_id}.ports"
-        engine = ManagedProcess(worker_id, kvroute_argv(
-            "sim-engine", "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file), "--model", self.model,
-            "--tokenizer", str(self.tokenizer_dir), *args, *extra_engine_args), self.workdir / f"{worker_id}.log",
-            port_file=port_file)
+        engine = ManagedProcess(
+            worker_id,
+            kvroute_argv(
+                "sim-engine",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+                "--model",
+                self.model,
+                "--tokenizer",
+                str(self.tokenizer_dir),
+                *args,
+                *extra_engine_args,
+            ),
+            self.workdir / f"{worker_id}.log",
+            port_file=port_file,
+        )
         engine.start()
 
         def bound() -> EngineHandle:
@@ -327,8 +400,15 @@ class LocalCluster:
             engine.pin("--port", str(port))  # a restarted engine comes back where its agent and the routers look
             if zmq_events:
                 engine.pin("--kv-events-config", events_config(ev_port, replay_port))
-            handle = EngineHandle(worker_id, f"http://127.0.0.1:{port}", ev_port, replay_port, engine,
-                                  dialect=dialect or DEFAULT_DIALECT, block_size=block_size)
+            handle = EngineHandle(
+                worker_id,
+                f"http://127.0.0.1:{port}",
+                ev_port,
+                replay_port,
+                engine,
+                dialect=dialect or DEFAULT_DIALECT,
+                block_size=block_size,
+            )
             self.engines.append(handle)
             return handle
 
@@ -352,15 +432,39 @@ class LocalCluster:
         metrics_port = free_port()
         if get_dialect(handle.dialect).transport == "zmq":
             # Named explicitly: TensorRT-LLM's default transport is its pull path even for trtllm-zmq.
-            events = ("--kv-events-transport", "zmq", "--kv-events", f"tcp://127.0.0.1:{handle.kv_events_port}",
-                      "--replay-endpoint", f"tcp://127.0.0.1:{handle.replay_port}")
+            events = (
+                "--kv-events-transport",
+                "zmq",
+                "--kv-events",
+                f"tcp://127.0.0.1:{handle.kv_events_port}",
+                "--replay-endpoint",
+                f"tcp://127.0.0.1:{handle.replay_port}",
+            )
         else:  # trtllm-pull: POST /kv_cache_events, no sockets and no replay
             events = ("--kv-events-transport", "http")
-        agent = ManagedProcess(f"agent-{handle.worker_id}", kvroute_argv(
-            "agent", "--control-plane", self.control_plane_addr, "--engine", handle.engine_family, *events,
-            "--engine-url", handle.url, "--worker-id", handle.worker_id, "--model", self.model,
-            "--block-size", str(handle.block_size), "--metrics-port", str(metrics_port), *extra),
-            self.workdir / f"agent-{handle.worker_id}.log")
+        agent = ManagedProcess(
+            f"agent-{handle.worker_id}",
+            kvroute_argv(
+                "agent",
+                "--control-plane",
+                self.control_plane_addr,
+                "--engine",
+                handle.engine_family,
+                *events,
+                "--engine-url",
+                handle.url,
+                "--worker-id",
+                handle.worker_id,
+                "--model",
+                self.model,
+                "--block-size",
+                str(handle.block_size),
+                "--metrics-port",
+                str(metrics_port),
+                *extra,
+            ),
+            self.workdir / f"agent-{handle.worker_id}.log",
+        )
         agent.start()
         handle.agent = agent
         handle.agent_metrics_url = f"http://127.0.0.1:{metrics_port}"
@@ -374,8 +478,11 @@ class LocalCluster:
             return {}
         if status != 200:
             return {}
-        return {s.name[len("kvroute_agent_"):-len("_total")]: s.value for s in samples(body.decode())
-                if s.name.startswith("kvroute_agent_") and s.name.endswith("_total")}
+        return {
+            s.name[len("kvroute_agent_") : -len("_total")]: s.value
+            for s in samples(body.decode())
+            if s.name.startswith("kvroute_agent_") and s.name.endswith("_total")
+        }
 
     def wait_engines_healthy(self, timeout: float = 60.0) -> None:
         for e in self.engines:
@@ -383,8 +490,7 @@ class LocalCluster:
 
     def wait_workers_registered(self, count: int | None = None, timeout: float = 30.0) -> None:
         want = len(self.engines) if count is None else count
-        wait_until(lambda: len(self.list_workers()) >= want, timeout, f"{want} workers registered",
-                   self.all_processes())
+        wait_until(lambda: len(self.list_workers()) >= want, timeout, f"{want} workers registered", self.all_processes())
 
     def list_workers(self) -> list:
         import grpc
@@ -414,13 +520,17 @@ class LocalCluster:
         def clean() -> FleetAudit | None:
             nonlocal last
             last = self.audit(wanted)
-            ok = not last.errors and len(last.audits) == len(wanted) and all(
-                a.status == "ok" and a.divergence == 0 for a in last.audits)
+            ok = (
+                not last.errors
+                and len(last.audits) == len(wanted)
+                and all(a.status == "ok" and a.divergence == 0 for a in last.audits)
+            )
             return last if ok else None
 
         try:
-            return wait_until(clean, timeout, f"zero audit divergence for {', '.join(wanted)}", self.all_processes(),
-                              interval=0.05)
+            return wait_until(
+                clean, timeout, f"zero audit divergence for {', '.join(wanted)}", self.all_processes(), interval=0.05
+            )
         except TimeoutError as exc:
             raise TimeoutError(f"{exc}\nlast audit: {json.dumps(last.to_json() if last else None)}") from None
 
@@ -428,11 +538,31 @@ class LocalCluster:
 
     def start_router(self, name: str, policy: str, *extra: str, env: dict[str, str] | None = None) -> str:
         port_file = self.workdir / f"router-{name}.ports"
-        router = ManagedProcess(f"router-{name}", kvroute_argv(
-            "router", "--control-plane", self.control_plane_addr, "--policy", policy,
-            "--tokenizer", str(self.tokenizer_dir), "--model", self.model,
-            "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file), "--grpc-port", "off", *extra),
-            self.workdir / f"router-{name}.log", port_file=port_file)
+        router = ManagedProcess(
+            f"router-{name}",
+            kvroute_argv(
+                "router",
+                "--control-plane",
+                self.control_plane_addr,
+                "--policy",
+                policy,
+                "--tokenizer",
+                str(self.tokenizer_dir),
+                "--model",
+                self.model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+                "--grpc-port",
+                "off",
+                *extra,
+            ),
+            self.workdir / f"router-{name}.log",
+            port_file=port_file,
+        )
         router.start(env=env)
         port = router.wait_ports()["http"]
         router.pin("--port", str(port))  # a restarted router comes back at the URL its clients were given
@@ -446,10 +576,26 @@ class LocalCluster:
         """`kvroute epp` (the endpoint picker) on this fleet's control plane: its gRPC HOST:PORT. It
         is kept with the routers (as `epp-NAME`), so `stop()` ends it too."""
         port = free_port()
-        epp = ManagedProcess(f"epp-{name}", kvroute_argv(
-            "epp", "--control-plane", self.control_plane_addr, "--policy", policy,
-            "--tokenizer", str(self.tokenizer_dir), "--model", self.model,
-            "--host", "127.0.0.1", "--grpc-port", str(port), *extra), self.workdir / f"epp-{name}.log")
+        epp = ManagedProcess(
+            f"epp-{name}",
+            kvroute_argv(
+                "epp",
+                "--control-plane",
+                self.control_plane_addr,
+                "--policy",
+                policy,
+                "--tokenizer",
+                str(self.tokenizer_dir),
+                "--model",
+                self.model,
+                "--host",
+                "127.0.0.1",
+                "--grpc-port",
+                str(port),
+                *extra,
+            ),
+            self.workdir / f"epp-{name}.log",
+        )
         epp.start()
         address = f"127.0.0.1:{port}"
         wait_until(lambda: _tcp_open(address), 30, f"epp {name}", [epp])
@@ -458,8 +604,11 @@ class LocalCluster:
 
     def chat_request(self, system: str, user: str, max_tokens: int = 4) -> dict:
         """An OpenAI chat body for the cluster's model: one system and one user message."""
-        return {"model": self.model, "max_tokens": max_tokens,
-                "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+        return {
+            "model": self.model,
+            "max_tokens": max_tokens,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        }
 
     def stop_router(self, name: str) -> None:
         self.routers.pop(name).stop()

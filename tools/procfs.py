@@ -1,8 +1,8 @@
 """What /proc says about a process, for the benches: its resident memory and its open files.
 
-    rss_bytes()            # this process
-    rss_bytes(child.pid)   # another; 0 when it has gone
-    open_fds(child.pid)
+rss_bytes()            # this process
+rss_bytes(child.pid)   # another; 0 when it has gone
+open_fds(child.pid)
 """
 
 from __future__ import annotations

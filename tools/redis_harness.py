@@ -52,11 +52,30 @@ class RedisServer:
             self.port = _free_port_with_bus() if self.cluster else free_port()
         data = self.workdir / f"redis-{self.port}"
         data.mkdir(parents=True, exist_ok=True)
-        argv = [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", str(data), "--protected-mode", "no"]
+        argv = [
+            redis_binary(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(data),
+            "--protected-mode",
+            "no",
+        ]
         if self.cluster:
-            argv += ["--cluster-enabled", "yes", "--cluster-config-file", str(data / "nodes.conf"),
-                     "--cluster-node-timeout", "2000"]
+            argv += [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                str(data / "nodes.conf"),
+                "--cluster-node-timeout",
+                "2000",
+            ]
         self.process = ManagedProcess(f"redis-{self.port}", argv, self.workdir / f"redis-{self.port}.log")
         self.process.start()
         wait_until(lambda: _ping(self.port), 10, f"redis-server on {self.port}", [self.process], interval=0.02)
@@ -67,8 +86,13 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}"
 
     def cli(self, *args: str, timeout: float = 10.0) -> str:
-        out = subprocess.run([redis_binary("redis-cli"), "-h", "127.0.0.1", "-p", str(self.port), *args],
-                             capture_output=True, text=True, timeout=timeout, check=True)
+        out = subprocess.run(
+            [redis_binary("redis-cli"), "-h", "127.0.0.1", "-p", str(self.port), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=True,
+        )
         return out.stdout
 
     def stop(self) -> None:
@@ -95,11 +119,28 @@ class RedisClusterHarness:
 
     def start(self) -> RedisClusterHarness:
         self.nodes = [RedisServer(self.workdir, cluster=True).start() for _ in range(self.masters)]
-        subprocess.run([redis_binary("redis-cli"), "--cluster", "create",
-                        *(f"127.0.0.1:{n.port}" for n in self.nodes), "--cluster-replicas", "0", "--cluster-yes"],
-                       capture_output=True, text=True, timeout=60, check=True)
-        wait_until(lambda: all("cluster_state:ok" in n.cli("cluster", "info") for n in self.nodes), 30,
-                   "redis cluster state ok", [n.process for n in self.nodes if n.process], interval=0.1)
+        subprocess.run(
+            [
+                redis_binary("redis-cli"),
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        wait_until(
+            lambda: all("cluster_state:ok" in n.cli("cluster", "info") for n in self.nodes),
+            30,
+            "redis cluster state ok",
+            [n.process for n in self.nodes if n.process],
+            interval=0.1,
+        )
         return self
 
     @property

@@ -60,12 +60,29 @@ class ReplicaCluster(LocalCluster):
             metrics = free_port()  # known before start: a restarted replica keeps its /metrics address
             name = f"r{i}"
             port_file = self.workdir / f"replica-{name}.ports"
-            process = ManagedProcess(f"replica-{name}", kvroute_argv(
-                "control-plane", "--listen", "127.0.0.1:0", "--port-file", str(port_file), "--metrics-port", str(metrics),
-                "--redis", redis_url or proxy.url,
-                "--redis-shards", str(self.redis_shards), "--replica-id", name,
-                "--heartbeat-timeout", str(self.heartbeat_timeout_s), *extra), self.workdir / f"replica-{name}.log",
-                port_file=port_file)
+            process = ManagedProcess(
+                f"replica-{name}",
+                kvroute_argv(
+                    "control-plane",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--port-file",
+                    str(port_file),
+                    "--metrics-port",
+                    str(metrics),
+                    "--redis",
+                    redis_url or proxy.url,
+                    "--redis-shards",
+                    str(self.redis_shards),
+                    "--replica-id",
+                    name,
+                    "--heartbeat-timeout",
+                    str(self.heartbeat_timeout_s),
+                    *extra,
+                ),
+                self.workdir / f"replica-{name}.log",
+                port_file=port_file,
+            )
             self.replicas.append(Replica(name, "", metrics, proxy, process))
         for replica in self.replicas:
             replica.process.start()
@@ -85,8 +102,13 @@ class ReplicaCluster(LocalCluster):
 
     def wait_replica_ready(self, i: int, timeout: float = 10.0) -> float:
         started = time.monotonic()
-        wait_until(lambda: self.replica_ready(i), timeout, f"replica {self.replicas[i].name} ready",
-                   [self.replicas[i].process], interval=0.01)
+        wait_until(
+            lambda: self.replica_ready(i),
+            timeout,
+            f"replica {self.replicas[i].name} ready",
+            [self.replicas[i].process],
+            interval=0.01,
+        )
         return time.monotonic() - started
 
     def kill_replica(self, i: int) -> None:
@@ -152,15 +174,15 @@ class ReplicaCluster(LocalCluster):
         for i in self.live_replicas():
             try:
                 with grpc.insecure_channel(self.replicas[i].address) as channel:
-                    return list(pb_grpc.ControlPlaneStub(channel).ListWorkers(pb.ListWorkersRequest(),
-                                                                              timeout=1).workers)
+                    return list(pb_grpc.ControlPlaneStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=1).workers)
             except grpc.RpcError:
                 continue
         return []
 
     def audit_replica(self, i: int, settle_s: float = 0.2) -> FleetAudit:
-        return asyncio.run(audit_fleet(self.replicas[i].address, [e.worker_id for e in self.engines],
-                                       settle_s=settle_s, timeout_s=2.0))
+        return asyncio.run(
+            audit_fleet(self.replicas[i].address, [e.worker_id for e in self.engines], settle_s=settle_s, timeout_s=2.0)
+        )
 
     def wait_replicas_audit_clean(self, replicas: list[int], timeout: float = 2.0) -> tuple[float, dict]:
         """Poll until every one of `replicas` audits clean for every engine; (seconds it took, last audits)."""
@@ -204,8 +226,7 @@ class SharedPrefixLoad:
     """Open-loop chat requests at `rate` per second over `routers`, each a shared system prompt (one of
     `groups`) plus a new question, in a thread with its own event loop."""
 
-    def __init__(self, cluster: LocalCluster, router_urls: list[str], rate: float, groups: int = 16,
-                 seed: int = 0) -> None:
+    def __init__(self, cluster: LocalCluster, router_urls: list[str], rate: float, groups: int = 16, seed: int = 0) -> None:
         self.cluster, self.router_urls, self.rate, self.groups = cluster, router_urls, rate, groups
         self.seed = seed
         self.records: list[LoadRecord] = []
@@ -306,8 +327,12 @@ def fleet_hit_counters(cluster: LocalCluster) -> tuple[float, float]:
 
 def reset_caches(cluster: LocalCluster, timeout_s: float = 20.0) -> None:
     for engine in cluster.engines:
-        wait_until(lambda url=engine.url: http_post_json(url + "/reset_prefix_cache")[0] == 200, timeout_s,
-                   f"{engine.url} reset_prefix_cache", interval=0.2)
+        wait_until(
+            lambda url=engine.url: http_post_json(url + "/reset_prefix_cache")[0] == 200,
+            timeout_s,
+            f"{engine.url} reset_prefix_cache",
+            interval=0.2,
+        )
 
 
 @dataclass
@@ -317,7 +342,7 @@ class ChaosResult:
     failed: int = 0
     errors: list[str] = field(default_factory=list)
     hit_rate: float = 0.0
-    fail_open: dict[str, int] = field(default_factory=dict)           # by reason
+    fail_open: dict[str, int] = field(default_factory=dict)  # by reason
     fail_open_outside_deadline: dict[str, int] = field(default_factory=dict)  # by reason: not within a fault's deadline
     fault_times: dict[str, float] = field(default_factory=dict)
     audit_clean_s: dict[str, float] = field(default_factory=dict)
@@ -330,10 +355,22 @@ class ChaosResult:
         return {k: v for k, v in self.__dict__.items() if k != "errors"} | {"errors": self.errors[:5]}
 
 
-def run_chaos(cluster: ReplicaCluster, router_urls: list[str], *, faults: bool, cut: bool = True, rate: float = 100.0,
-              warm_s: float = 4.0, cut_s: float = 5.0, gap_s: float = 4.0, tail_s: float = 3.0,
-              query_deadline_s: float = 0.005, poll_s: float = 0.02, seed: int = 0,
-              audit_within_s: float = 2.0) -> ChaosResult:
+def run_chaos(
+    cluster: ReplicaCluster,
+    router_urls: list[str],
+    *,
+    faults: bool,
+    cut: bool = True,
+    rate: float = 100.0,
+    warm_s: float = 4.0,
+    cut_s: float = 5.0,
+    gap_s: float = 4.0,
+    tail_s: float = 3.0,
+    query_deadline_s: float = 0.005,
+    poll_s: float = 0.02,
+    seed: int = 0,
+    audit_within_s: float = 2.0,
+) -> ChaosResult:
     """One run of the shared-prefix load; with `faults`: kill -9 replica 0, later cut replica 1 from
     Redis for `cut_s`, then restart replica 0. After each fault's effect (the kill; the end of the cut;
     the restarted replica ready) every live replica must audit clean within `audit_within_s`. Fail-open decisions are
@@ -353,8 +390,7 @@ def run_chaos(cluster: ReplicaCluster, router_urls: list[str], *, faults: bool, 
         if faults:
             result.fault_times["kill"] = time.monotonic() - started
             cluster.kill_replica(0)
-            result.audit_clean_s["kill"] = cluster.wait_replicas_audit_clean(cluster.live_replicas(),
-                                                                             audit_within_s)[0]
+            result.audit_clean_s["kill"] = cluster.wait_replicas_audit_clean(cluster.live_replicas(), audit_within_s)[0]
             time.sleep(max(0.0, gap_s - result.audit_clean_s["kill"]))
             if cut:
                 result.fault_times["cut"] = time.monotonic() - started
@@ -362,14 +398,12 @@ def run_chaos(cluster: ReplicaCluster, router_urls: list[str], *, faults: bool, 
                 time.sleep(cut_s)
                 cluster.restore_redis(1)
                 result.fault_times["cut_end"] = time.monotonic() - started
-                result.audit_clean_s["cut_end"] = cluster.wait_replicas_audit_clean(cluster.live_replicas(),
-                                                                                    audit_within_s)[0]
+                result.audit_clean_s["cut_end"] = cluster.wait_replicas_audit_clean(cluster.live_replicas(), audit_within_s)[0]
                 time.sleep(max(0.0, gap_s - result.audit_clean_s["cut_end"]))
             result.fault_times["restart"] = time.monotonic() - started
             cluster.restart_replica(0)
             result.restart_ready_s = cluster.wait_replica_ready(0, 30)
-            result.audit_clean_s["restart"] = cluster.wait_replicas_audit_clean(cluster.live_replicas(),
-                                                                                audit_within_s)[0]
+            result.audit_clean_s["restart"] = cluster.wait_replicas_audit_clean(cluster.live_replicas(), audit_within_s)[0]
         else:
             time.sleep(2 * gap_s + (cut_s if cut else 0.0))
         time.sleep(tail_s)

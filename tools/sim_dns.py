@@ -81,8 +81,7 @@ class SimDns:
     def set(self, name: str, rdtype: str, values: list[str]) -> None:
         """Replace `name`'s records of `rdtype` (none: remove them)."""
         kind = dns.rdatatype.from_text(rdtype)
-        parsed = [dns.rdata.from_text(dns.rdataclass.IN, kind, v, origin=dns.name.root, relativize=False)
-                  for v in values]
+        parsed = [dns.rdata.from_text(dns.rdataclass.IN, kind, v, origin=dns.name.root, relativize=False) for v in values]
         with self._lock:
             if parsed:
                 self._records[(_name(name), kind)] = parsed
@@ -197,9 +196,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--host", type=listen_host, default="127.0.0.1", help="UDP listen address")
     p.add_argument("--port", type=port, default=5353, help="UDP port (0 = any free port)")
-    p.add_argument("--records", type=Path, required=True, metavar="FILE",
-                   help="the records, `NAME TYPE RDATA` a line (e.g. `engines.test A 127.0.0.1`, "
-                        "`_http._tcp.engines.test SRV 0 0 8001 localhost.`); read again when it changes")
+    p.add_argument(
+        "--records",
+        type=Path,
+        required=True,
+        metavar="FILE",
+        help="the records, `NAME TYPE RDATA` a line (e.g. `engines.test A 127.0.0.1`, "
+        "`_http._tcp.engines.test SRV 0 0 8001 localhost.`); read again when it changes",
+    )
     add_log_level_argument(p)
     add_port_file_argument(p)
 
@@ -218,8 +222,13 @@ async def serve(args: argparse.Namespace) -> int:
         server.start()
     except OSError as exc:
         raise ListenError("--port", str(address), describe_os_error(exc)) from None
-    log.info("sim-dns answering on %s:%d (udp) from %s: %d names", args.host, server.port, args.records,
-             len({name for name, _ in records}))
+    log.info(
+        "sim-dns answering on %s:%d (udp) from %s: %d names",
+        args.host,
+        server.port,
+        args.records,
+        len({name for name, _ in records}),
+    )
     write_port_file(args.port_file, {"dns": server.port})
     try:
         await wait_for_stop_signal()

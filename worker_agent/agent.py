@@ -130,24 +130,24 @@ class AgentConfig:
     control_plane: str = "127.0.0.1:50051"
     kv_events: str = "tcp://127.0.0.1:5557"
     engine_url: str = "http://127.0.0.1:8000"
-    worker_id: str | None = None      # default: default_worker_id(engine_url); "-dp<rank>" added per DP rank
-    model: str | None = None          # default: asked from the engine's GET /v1/models
+    worker_id: str | None = None  # default: default_worker_id(engine_url); "-dp<rank>" added per DP rank
+    model: str | None = None  # default: asked from the engine's GET /v1/models
     block_size: int = 16
     engine: str = "vllm"
-    role: str = ""                    # "prefill", "decode", or "" for both (kvroute/roles.py)
+    role: str = ""  # "prefill", "decode", or "" for both (kvroute/roles.py)
     kv_events_transport: str | None = None  # None: "http" for trtllm (its pull path), "zmq" otherwise
     replay_endpoint: str | None = None
     kv_events_bind: bool = False
     topic: str = ""
-    data_parallel_size: int | None = None   # None: not a data-parallel engine (one worker, no rank)
-    data_parallel_rank_start: int = 0       # first global DP rank this agent serves
+    data_parallel_size: int | None = None  # None: not a data-parallel engine (one worker, no rank)
+    data_parallel_rank_start: int = 0  # first global DP rank this agent serves
     metrics_host: str = "127.0.0.1"
-    metrics_port: int | None = None   # None = no status listener; 0 = any free port
-    port_file: str = ""                # where the bound metrics port goes (kvroute.process.write_port_file)
+    metrics_port: int | None = None  # None = no status listener; 0 = any free port
+    port_file: str = ""  # where the bound metrics port goes (kvroute.process.write_port_file)
     engine_poll_interval_s: float = 0.5
     models_poll_interval_s: float = 5.0
     kv_events_poll_interval_s: float = 0.1  # TRT-LLM pull path
-    kv_events_max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES    # worker_agent/limits.py: why these defaults
+    kv_events_max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # worker_agent/limits.py: why these defaults
     kv_events_max_batch_events: int = DEFAULT_MAX_BATCH_EVENTS
     kv_events_max_poll_bytes: int = DEFAULT_MAX_POLL_BYTES
     replay_timeout_s: float = 1.0
@@ -177,11 +177,15 @@ class AgentConfig:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown KV event transport {self.transport!r}: choose zmq or http")
         if self.transport == "http" and self.engine != "trtllm":
-            raise ValueError(f"{self.engine} publishes KV events over ZMQ only; the http transport is TensorRT-LLM's "
-                             "pull path (POST /kv_cache_events)")
+            raise ValueError(
+                f"{self.engine} publishes KV events over ZMQ only; the http transport is TensorRT-LLM's "
+                "pull path (POST /kv_cache_events)"
+            )
         if self.transport == "http" and (self.replay_endpoint or self.kv_events_bind):
-            raise ValueError("TensorRT-LLM's pull path (http) has no replay endpoint and nothing to bind: "
-                             "drop --replay-endpoint / --kv-events-bind, or use --kv-events-transport zmq")
+            raise ValueError(
+                "TensorRT-LLM's pull path (http) has no replay endpoint and nothing to bind: "
+                "drop --replay-endpoint / --kv-events-bind, or use --kv-events-transport zmq"
+            )
         if self.data_parallel_size is not None and self.data_parallel_size <= 0:
             raise ValueError(f"data_parallel_size must be positive, got {self.data_parallel_size}")
         if self.data_parallel_rank_start < 0:
@@ -212,9 +216,15 @@ class RankWorker:
         self.identity = identity
         self.rank = identity.data_parallel_rank
         self.resolver = BlockResolver(identity.model, config.block_size)
-        self.link = ControlPlaneLink(config.control_plane, identity, self.resolver.snapshot_events, load,
-                                     heartbeat_interval_s=config.heartbeat_interval_s,
-                                     tls=client_tls(config.tls), max_message_bytes=config.grpc_max_message_bytes)
+        self.link = ControlPlaneLink(
+            config.control_plane,
+            identity,
+            self.resolver.snapshot_events,
+            load,
+            heartbeat_interval_s=config.heartbeat_interval_s,
+            tls=client_tls(config.tls),
+            max_message_bytes=config.grpc_max_message_bytes,
+        )
         self.source: ZmqEventSource | None = None  # ZMQ transports: this rank's publisher
         self.state_resets = 0
         self.last_batch_at: float | None = None  # monotonic; when the last KV event batch arrived
@@ -231,8 +241,12 @@ class RankWorker:
                 self.link.send(out)
             observed = self.resolver.observed_block_size
             if observed is not None and observed != self.identity.block_size:
-                log.warning("%s: engine KV events carry block_size %d but the agent registered %d: re-registering",
-                            self.identity.worker_id, observed, self.identity.block_size)
+                log.warning(
+                    "%s: engine KV events carry block_size %d but the agent registered %d: re-registering",
+                    self.identity.worker_id,
+                    observed,
+                    self.identity.block_size,
+                )
                 self.identity.block_size = observed
                 self.link.reregister()
             if span.is_recording():
@@ -243,8 +257,12 @@ class RankWorker:
 
     def on_reset(self, reason: str) -> None:
         self.state_resets += 1
-        log.warning("%s: worker state unknown (%s): clearing %d blocks and resyncing the control plane",
-                    self.identity.worker_id, reason, len(self.resolver))
+        log.warning(
+            "%s: worker state unknown (%s): clearing %d blocks and resyncing the control plane",
+            self.identity.worker_id,
+            reason,
+            len(self.resolver),
+        )
         self.resolver.clear()
         self.link.resync()
 
@@ -262,18 +280,34 @@ class _AgentCollector:
         for name, value in agent.counters.items():
             if name in COUNTER_HELP:
                 yield CounterMetricFamily(f"kvroute_agent_{name}", COUNTER_HELP[name], value=value)
-        yield GaugeMetricFamily("kvroute_agent_blocks", "distinct GPU block keys the agent's workers hold",
-                                value=sum(len(w.resolver) for w in agent.workers))
-        yield GaugeMetricFamily("kvroute_agent_control_plane_connected", "1 while every worker's control-plane stream is up",
-                                value=int(all(w.link.connected for w in agent.workers)))
-        yield GaugeMetricFamily("kvroute_agent_engine_answering", "1 while the engine answers GET /v1/models "
-                                "(the agent registers its workers only then)", value=int(agent.models.answering))
-        yield GaugeMetricFamily("kvroute_agent_event_stream_silent", "1 while no KV event arrives although the "
-                                "engine's own counters show it stored new blocks", value=int(agent.silence.silent))
-        tiers = GaugeMetricFamily("kvroute_agent_tier_blocks", "distinct block keys held, per worker and tier",
-                                  labels=["worker", "medium"])
-        last_seq = GaugeMetricFamily("kvroute_agent_last_seq", "last engine KV event sequence number (or event_id) "
-                                     "applied, per worker (-1: none yet)", labels=["worker"])
+        yield GaugeMetricFamily(
+            "kvroute_agent_blocks",
+            "distinct GPU block keys the agent's workers hold",
+            value=sum(len(w.resolver) for w in agent.workers),
+        )
+        yield GaugeMetricFamily(
+            "kvroute_agent_control_plane_connected",
+            "1 while every worker's control-plane stream is up",
+            value=int(all(w.link.connected for w in agent.workers)),
+        )
+        yield GaugeMetricFamily(
+            "kvroute_agent_engine_answering",
+            "1 while the engine answers GET /v1/models (the agent registers its workers only then)",
+            value=int(agent.models.answering),
+        )
+        yield GaugeMetricFamily(
+            "kvroute_agent_event_stream_silent",
+            "1 while no KV event arrives although the engine's own counters show it stored new blocks",
+            value=int(agent.silence.silent),
+        )
+        tiers = GaugeMetricFamily(
+            "kvroute_agent_tier_blocks", "distinct block keys held, per worker and tier", labels=["worker", "medium"]
+        )
+        last_seq = GaugeMetricFamily(
+            "kvroute_agent_last_seq",
+            "last engine KV event sequence number (or event_id) applied, per worker (-1: none yet)",
+            labels=["worker"],
+        )
         for w in agent.workers:
             for medium, count in w.resolver.tier_sizes().items():
                 tiers.add_metric([w.identity.worker_id, medium], count)
@@ -291,14 +325,25 @@ class WorkerAgent:
         base_id = config.worker_id or default_worker_id(config.engine_url)
         endpoint = config.engine_url.rstrip("/")
         self.load = EngineLoadPoller(config.engine_url, engine=config.engine, interval_s=config.engine_poll_interval_s)
-        self.models = EngineModelsPoller(config.engine_url, config.model, self._set_adapters,
-                                         interval_s=config.models_poll_interval_s)
+        self.models = EngineModelsPoller(
+            config.engine_url, config.model, self._set_adapters, interval_s=config.models_poll_interval_s
+        )
         self.workers = [
-            RankWorker(config, WorkerIdentity(base_id if rank is None else f"{base_id}-dp{rank}", config.model or "",
-                                              config.engine, config.block_size, endpoint, data_parallel_rank=rank,
-                                              role=config.role),
-                       lambda: self.load.latest)
-            for rank in (ranks or [None])]
+            RankWorker(
+                config,
+                WorkerIdentity(
+                    base_id if rank is None else f"{base_id}-dp{rank}",
+                    config.model or "",
+                    config.engine,
+                    config.block_size,
+                    endpoint,
+                    data_parallel_rank=rank,
+                    role=config.role,
+                ),
+                lambda: self.load.latest,
+            )
+            for rank in (ranks or [None])
+        ]
         self._by_rank = {w.rank: w for w in self.workers}
         self._zmq: zmq.asyncio.Context | None = None
         self.poller: TrtllmEventPoller | None = None
@@ -309,16 +354,28 @@ class WorkerAgent:
             for w in self.workers:
                 rank = w.rank or 0
                 replay = offset_endpoint(config.replay_endpoint, rank, config.engine) if config.replay_endpoint else None
-                w.source = ZmqEventSource(offset_endpoint(config.kv_events, rank, config.engine), w.on_batch, w.on_reset,
-                                          replay, decode=decode, expected_rank=w.rank, bind=config.kv_events_bind,
-                                          topic=config.topic, replay_timeout_s=config.replay_timeout_s,
-                                          max_frame_bytes=config.kv_events_max_frame_bytes, context=self._zmq)
+                w.source = ZmqEventSource(
+                    offset_endpoint(config.kv_events, rank, config.engine),
+                    w.on_batch,
+                    w.on_reset,
+                    replay,
+                    decode=decode,
+                    expected_rank=w.rank,
+                    bind=config.kv_events_bind,
+                    topic=config.topic,
+                    replay_timeout_s=config.replay_timeout_s,
+                    max_frame_bytes=config.kv_events_max_frame_bytes,
+                    context=self._zmq,
+                )
         else:
-            self.poller = TrtllmEventPoller(config.engine_url,
-                                            TrtllmEventConverter(ranks, max_events=config.kv_events_max_batch_events),
-                                            self._on_rank_batch, self._on_rank_reset,
-                                            interval_s=config.kv_events_poll_interval_s,
-                                            max_body_bytes=config.kv_events_max_poll_bytes)
+            self.poller = TrtllmEventPoller(
+                config.engine_url,
+                TrtllmEventConverter(ranks, max_events=config.kv_events_max_batch_events),
+                self._on_rank_batch,
+                self._on_rank_reset,
+                interval_s=config.kv_events_poll_interval_s,
+                max_body_bytes=config.kv_events_max_poll_bytes,
+            )
         self.metrics_port: int | None = None  # the bound port once the metrics server runs
         self.metrics_registry = CollectorRegistry()
         register_build_info(self.metrics_registry, "agent")
@@ -396,18 +453,28 @@ class WorkerAgent:
             following = self._following(w)
             if not following and w.source is not None:
                 problems.append(f"{wid}: not receiving KV events ({self._publisher_problem(w.source)})")
-            workers.append({"worker_id": wid, "registered": self.advertised,
-                            "control_plane_connected": w.link.connected,
-                            "control_plane": w.link.not_connected_reason or "connected", "following_events": following})
+            workers.append(
+                {
+                    "worker_id": wid,
+                    "registered": self.advertised,
+                    "control_plane_connected": w.link.connected,
+                    "control_plane": w.link.not_connected_reason or "connected",
+                    "following_events": following,
+                }
+            )
         poller = self.poller
         if poller is not None and self._events_started and not self._poller_fresh():
             fresh = 2 * poller.timeout_s
-            problems.append(f"not receiving KV events: no POST {poller.url} answered in the last {fresh:g}s"
-                            + (f" ({poller.last_error})" if poller.last_error else ""))
+            problems.append(
+                f"not receiving KV events: no POST {poller.url} answered in the last {fresh:g}s"
+                + (f" ({poller.last_error})" if poller.last_error else "")
+            )
         if self.silence.silent:
             problems.append(f"KV event stream silent: {self.silence.reason}")
-        return Readiness(fatal=problems, details={"engine_answering": self.models.answering,
-                                                  "event_stream_silent": self.silence.silent, "workers": workers})
+        return Readiness(
+            fatal=problems,
+            details={"engine_answering": self.models.answering, "event_stream_silent": self.silence.silent, "workers": workers},
+        )
 
     def _engine_problem(self) -> str | None:
         """Why the workers are not (or soon no longer) registered: the engine does not answer."""
@@ -424,8 +491,10 @@ class WorkerAgent:
             return f"engine {url} {state}{why}: {ids} not registered until it answers"
         down = time.monotonic() - (models.failing_since or time.monotonic())
         if self.advertised:
-            return (f"engine {url} has not answered for {down:.0f}s{why}: {ids} withdrawn from the control plane after "
-                    f"{self.config.engine_gone_after_s:g}s")
+            return (
+                f"engine {url} has not answered for {down:.0f}s{why}: {ids} withdrawn from the control plane after "
+                f"{self.config.engine_gone_after_s:g}s"
+            )
         return f"engine {url} has not answered for {down:.0f}s{why}: {ids} withdrawn from the control plane until it answers"
 
     def _publisher_problem(self, source: ZmqEventSource) -> str:
@@ -435,8 +504,11 @@ class WorkerAgent:
 
     def _poller_fresh(self) -> bool:
         poller = self.poller
-        return (poller is not None and poller.last_success is not None
-                and time.monotonic() - poller.last_success <= 2 * poller.timeout_s)
+        return (
+            poller is not None
+            and poller.last_success is not None
+            and time.monotonic() - poller.last_success <= 2 * poller.timeout_s
+        )
 
     def _following(self, w: RankWorker) -> bool:
         return w.source.publisher_connected if w.source is not None else self._poller_fresh()
@@ -453,11 +525,17 @@ class WorkerAgent:
             if self.config.metrics_port is not None:
                 write_port_file(self.config.port_file, {"metrics": await self.start_metrics_server()})
             c = self.config
-            log.info("agent for %s engine %s: workers %s, model %s, KV events %s (%s), control plane %s; the workers "
-                     "register once the engine answers GET /v1/models", c.engine, c.engine_url,
-                     ", ".join(w.identity.worker_id for w in self.workers), c.model or "asked from the engine",
-                     c.engine_url + "/kv_cache_events" if self.poller else c.kv_events,
-                     c.transport if self.poller else ("bind" if c.kv_events_bind else "connect"), c.control_plane)
+            log.info(
+                "agent for %s engine %s: workers %s, model %s, KV events %s (%s), control plane %s; the workers "
+                "register once the engine answers GET /v1/models",
+                c.engine,
+                c.engine_url,
+                ", ".join(w.identity.worker_id for w in self.workers),
+                c.model or "asked from the engine",
+                c.engine_url + "/kv_cache_events" if self.poller else c.kv_events,
+                c.transport if self.poller else ("bind" if c.kv_events_bind else "connect"),
+                c.control_plane,
+            )
             async with asyncio.TaskGroup() as tasks:
                 self._tasks = tasks
                 tasks.create_task(self.load.run())
@@ -495,13 +573,22 @@ class WorkerAgent:
                 for w in self.workers:
                     w.identity.engine_version = models.engine_version
                 self._start_events()
-                log.info("engine %s answers (model %s): registering %s with the control plane", self.config.engine_url,
-                         self.workers[0].identity.model, ids)
+                log.info(
+                    "engine %s answers (model %s): registering %s with the control plane",
+                    self.config.engine_url,
+                    self.workers[0].identity.model,
+                    ids,
+                )
                 self._advertise()
                 await models.until_gone(http, self.config.engine_gone_after_s)
-                log.warning("engine %s has not answered GET /v1/models for %gs (%s): withdrawing %s from the control "
-                            "plane (it drops them after its heartbeat timeout) until the engine answers again",
-                            self.config.engine_url, self.config.engine_gone_after_s, models.last_error, ids)
+                log.warning(
+                    "engine %s has not answered GET /v1/models for %gs (%s): withdrawing %s from the control "
+                    "plane (it drops them after its heartbeat timeout) until the engine answers again",
+                    self.config.engine_url,
+                    self.config.engine_gone_after_s,
+                    models.last_error,
+                    ids,
+                )
                 await self._withdraw()
 
     def _advertise(self) -> None:
@@ -531,19 +618,27 @@ class WorkerAgent:
             else:
                 self.silence.events_seen(last_event)
             if self.silence.silent:
-                self._problems.warning("silent", "KV event stream silent: %s. The control plane learns none of this "
-                                       "engine's blocks: check %s", self.silence.reason, self._stream_hint())
+                self._problems.warning(
+                    "silent",
+                    "KV event stream silent: %s. The control plane learns none of this engine's blocks: check %s",
+                    self.silence.reason,
+                    self._stream_hint(),
+                )
             elif was_silent:
                 self._problems.recovered("silent", "KV events arrive again")
 
     def _stream_hint(self) -> str:
         c = self.config
         if self.poller is not None:
-            return ("that the engine's kv_cache_config has event_buffer_max_size > 0 and block reuse on "
-                    f"(POST {self.poller.url} answers without events)")
+            return (
+                "that the engine's kv_cache_config has event_buffer_max_size > 0 and block reuse on "
+                f"(POST {self.poller.url} answers without events)"
+            )
         where = "--kv-events-bind" if c.kv_events_bind else "--kv-events"
-        return (f"that {where} {c.kv_events} and --topic {c.topic!r} are the engine's kv-events-config endpoint and "
-                "topic, and that its prefix caching and KV events are on")
+        return (
+            f"that {where} {c.kv_events} and --topic {c.topic!r} are the engine's kv-events-config endpoint and "
+            "topic, and that its prefix caching and KV events are on"
+        )
 
     def _check_publishers(self, now: float) -> None:
         for w in self.workers:
@@ -553,20 +648,29 @@ class WorkerAgent:
             kind = f"publisher {wid}"
             if source.publisher_connected:
                 self._unfollowed_since.pop(wid, None)
-                self._problems.recovered(kind, "%s: connected to the engine's KV event publisher at %s", wid,
-                                         source.bound_endpoint or source.endpoint)
+                self._problems.recovered(
+                    kind, "%s: connected to the engine's KV event publisher at %s", wid, source.bound_endpoint or source.endpoint
+                )
                 continue
             since = self._unfollowed_since.setdefault(wid, now)
             if now - since >= PUBLISHER_GRACE_S:
-                self._problems.warning(kind, "%s: %s for %.0fs: the control plane learns none of its blocks (check "
-                                       "%s against the engine's kv-events-config endpoint)", wid,
-                                       self._publisher_problem(source), now - since,
-                                       "--kv-events-bind" if source.bind else "--kv-events")
+                self._problems.warning(
+                    kind,
+                    "%s: %s for %.0fs: the control plane learns none of its blocks (check "
+                    "%s against the engine's kv-events-config endpoint)",
+                    wid,
+                    self._publisher_problem(source),
+                    now - since,
+                    "--kv-events-bind" if source.bind else "--kv-events",
+                )
 
     async def start_metrics_server(self) -> int:
         self._metrics_runner, self.metrics_port = await start_status_site(
-            "--metrics-port", self.config.metrics_host, self.config.metrics_port,
-            status_routes(self.metrics_registry, health=self.health, readiness=self.readiness))
+            "--metrics-port",
+            self.config.metrics_host,
+            self.config.metrics_port,
+            status_routes(self.metrics_registry, health=self.health, readiness=self.readiness),
+        )
         log.info("agent metrics on http://%s:%d/metrics", self.config.metrics_host, self.metrics_port)
         return self.metrics_port
 
@@ -575,16 +679,29 @@ class WorkerAgent:
             await self._metrics_runner.cleanup()
             self._metrics_runner = None
 
-
     def health(self) -> dict:
         first = self.workers[0]
         return {
-            "status": "ok", "engine": self.config.engine, "model": first.identity.model,
+            "status": "ok",
+            "engine": self.config.engine,
+            "model": first.identity.model,
             "worker_id": first.identity.worker_id if len(self.workers) == 1 else None,
-            "block_size": first.identity.block_size, "blocks": sum(len(w.resolver) for w in self.workers),
-            "control_plane_connected": all(w.link.connected for w in self.workers), "last_seq": self.last_seq(first),
-            "engine_answering": self.models.answering, "registered": self.advertised,
+            "block_size": first.identity.block_size,
+            "blocks": sum(len(w.resolver) for w in self.workers),
+            "control_plane_connected": all(w.link.connected for w in self.workers),
+            "last_seq": self.last_seq(first),
+            "engine_answering": self.models.answering,
+            "registered": self.advertised,
             "event_stream_silent": self.silence.silent,
             "lora_adapters": first.identity.lora_adapters,
-            "workers": [{"worker_id": w.identity.worker_id, "data_parallel_rank": w.rank, "blocks": w.resolver.tier_sizes(),
-                         "control_plane_connected": w.link.connected, "last_seq": self.last_seq(w)} for w in self.workers]}
+            "workers": [
+                {
+                    "worker_id": w.identity.worker_id,
+                    "data_parallel_rank": w.rank,
+                    "blocks": w.resolver.tier_sizes(),
+                    "control_plane_connected": w.link.connected,
+                    "last_seq": self.last_seq(w),
+                }
+                for w in self.workers
+            ],
+        }

@@ -49,20 +49,20 @@ _UNKEYED = -1  # _parent_key: the parent is held but has no key (kvroute keys ar
 
 @dataclass(slots=True)
 class ResolverCounters:
-    stored_blocks: int = 0         # engine blocks newly keyed
-    removed_blocks: int = 0        # keyed engine blocks removed
-    duplicate_stores: int = 0      # store of a hash already held on that tier (no-op)
-    unknown_removes: int = 0       # removal of a hash not held on that tier (no-op)
-    orphan_blocks: int = 0         # stored blocks whose parent is unknown: cannot be keyed
-    short_token_ids: int = 0       # stored blocks whose event carries fewer than n*block_size tokens
-    invalid_token_ids: int = 0     # stored blocks with token ids outside u32
-    unkeyable_blocks: int = 0      # held blocks with multimodal / embedded content (or such a parent): no key
-    partial_blocks: int = 0        # held partial blocks (fewer tokens than the block size): no key
-    remote_blocks: int = 0         # blocks of events with locality other than LOCAL (not ours)
+    stored_blocks: int = 0  # engine blocks newly keyed
+    removed_blocks: int = 0  # keyed engine blocks removed
+    duplicate_stores: int = 0  # store of a hash already held on that tier (no-op)
+    unknown_removes: int = 0  # removal of a hash not held on that tier (no-op)
+    orphan_blocks: int = 0  # stored blocks whose parent is unknown: cannot be keyed
+    short_token_ids: int = 0  # stored blocks whose event carries fewer than n*block_size tokens
+    invalid_token_ids: int = 0  # stored blocks with token ids outside u32
+    unkeyable_blocks: int = 0  # held blocks with multimodal / embedded content (or such a parent): no key
+    partial_blocks: int = 0  # held partial blocks (fewer tokens than the block size): no key
+    remote_blocks: int = 0  # blocks of events with locality other than LOCAL (not ours)
     unknown_medium_blocks: int = 0  # blocks on a medium name we do not know (indexed as disk)
-    unnamed_lora_blocks: int = 0   # blocks of an adapter known only by int id (keyed where no request looks)
+    unnamed_lora_blocks: int = 0  # blocks of an adapter known only by int id (keyed where no request looks)
     skipped_group_blocks: int = 0  # blocks of a KV group that is not the main full-attention one
-    clears: int = 0                # AllBlocksCleared events
+    clears: int = 0  # AllBlocksCleared events
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -72,7 +72,7 @@ class ResolverCounters:
 class _Tier:
     keys: dict[int, int] = field(default_factory=dict)  # engine hash -> kvroute key
     refs: dict[int, int] = field(default_factory=dict)  # kvroute key -> number of engine hashes holding it
-    unkeyed: set[int] = field(default_factory=set)      # engine hashes held without a key (multimodal, partial)
+    unkeyed: set[int] = field(default_factory=set)  # engine hashes held without a key (multimodal, partial)
 
     def clear(self) -> None:
         self.keys.clear()
@@ -146,8 +146,10 @@ class BlockResolver:
                     runs[-1][2].extend(keys)
                 else:
                     runs.append((kind, tier, keys))
-        return [KeysStored(tier, keys) if kind == "stored" else KeysRemoved(tier, keys) if kind == "removed"
-                else AllKeysCleared() for kind, tier, keys in runs]
+        return [
+            KeysStored(tier, keys) if kind == "stored" else KeysRemoved(tier, keys) if kind == "removed" else AllKeysCleared()
+            for kind, tier, keys in runs
+        ]
 
     def _tier(self, medium: str, blocks: int) -> Tier:
         tier = tier_of_medium(medium)
@@ -238,7 +240,7 @@ class BlockResolver:
                 # A token that is not an int (TRT-LLM puts a multimodal digest string there): the chain stops at its block.
                 keyable = next((i for i, t in enumerate(tokens) if type(t) is not int), 0) // bs
                 try:
-                    keys = chain_block_keys(tokens[:keyable * bs], bs, parent_key) if keyable else []
+                    keys = chain_block_keys(tokens[: keyable * bs], bs, parent_key) if keyable else []
                 except (TypeError, ValueError):
                     c.invalid_token_ids += n
                     return tier, []

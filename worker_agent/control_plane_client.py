@@ -72,33 +72,43 @@ class WorkerIdentity:
     block_size: int
     endpoint: str
     engine_version: str = ""
-    data_parallel_rank: int | None = None   # set for one rank of a data-parallel engine
-    role: str = ""                          # "prefill", "decode", or "" for both (RegisterWorker.role)
+    data_parallel_rank: int | None = None  # set for one rank of a data-parallel engine
+    role: str = ""  # "prefill", "decode", or "" for both (RegisterWorker.role)
     lora_adapters: list[str] = field(default_factory=list)  # what the engine serves now (updated by the agent)
 
     def register_message(self, agent_instance: str = "", acked_seq: int = 0) -> pb.AgentMessage:
-        return pb.AgentMessage(register=pb.RegisterWorker(
-            worker_id=self.worker_id, model=self.model, engine=self.engine, block_size=self.block_size,
-            endpoint=self.endpoint, engine_version=self.engine_version, lora_adapters=self.lora_adapters,
-            data_parallel_rank=self.data_parallel_rank, agent_instance=agent_instance, acked_seq=acked_seq,
-            role=self.role))
+        return pb.AgentMessage(
+            register=pb.RegisterWorker(
+                worker_id=self.worker_id,
+                model=self.model,
+                engine=self.engine,
+                block_size=self.block_size,
+                endpoint=self.endpoint,
+                engine_version=self.engine_version,
+                lora_adapters=self.lora_adapters,
+                data_parallel_rank=self.data_parallel_rank,
+                agent_instance=agent_instance,
+                acked_seq=acked_seq,
+                role=self.role,
+            )
+        )
 
 
 @dataclass(slots=True)
 class LinkCounters:
-    sessions: int = 0            # streams that got `Registered`
-    connect_failures: int = 0    # attempts or sessions that ended in an error
+    sessions: int = 0  # streams that got `Registered`
+    connect_failures: int = 0  # attempts or sessions that ended in an error
     snapshots_sent: int = 0
-    batches_sent: int = 0        # incremental batches
+    batches_sent: int = 0  # incremental batches
     events_sent: int = 0
     batches_acked: int = 0
     heartbeats_sent: int = 0
     dropped_while_disconnected: int = 0  # held batches and deltas dropped: a snapshot superseded them
-    overflow_resyncs: int = 0    # held + queued events grew past max_pending_events: replaced by a snapshot
-    refusals: int = 0            # Connect refused: the worker id is held by another live agent
-    resumes: int = 0             # sessions that continued the sequence (no snapshot)
-    batches_resent: int = 0      # held batches sent again to another stream after a resume
-    failovers: int = 0           # sessions started on another address than the previous one
+    overflow_resyncs: int = 0  # held + queued events grew past max_pending_events: replaced by a snapshot
+    refusals: int = 0  # Connect refused: the worker id is held by another live agent
+    resumes: int = 0  # sessions that continued the sequence (no snapshot)
+    batches_resent: int = 0  # held batches sent again to another stream after a resume
+    failovers: int = 0  # sessions started on another address than the previous one
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -127,19 +137,33 @@ class _HeldBatch:
 
 
 class ControlPlaneLink:
-    def __init__(self, address: str, identity: WorkerIdentity, snapshot: Callable[[], list[BlockDelta]],
-                 load: Callable[[], pb.WorkerLoad], *, heartbeat_interval_s: float | None = None,
-                 register_timeout_s: float = 5.0, ack_timeout_s: float = 15.0, backoff_initial_s: float = 0.1,
-                 backoff_max_s: float = 5.0, max_pending_events: int = 100_000, stable_session_s: float = 5.0,
-                 probe_interval_s: float = 0.25, refused_backoff_s: float = 2.0,
-                 addresses: AddressRotation | None = None, tls: ClientTls | None = None,
-                 max_message_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        identity: WorkerIdentity,
+        snapshot: Callable[[], list[BlockDelta]],
+        load: Callable[[], pb.WorkerLoad],
+        *,
+        heartbeat_interval_s: float | None = None,
+        register_timeout_s: float = 5.0,
+        ack_timeout_s: float = 15.0,
+        backoff_initial_s: float = 0.1,
+        backoff_max_s: float = 5.0,
+        max_pending_events: int = 100_000,
+        stable_session_s: float = 5.0,
+        probe_interval_s: float = 0.25,
+        refused_backoff_s: float = 2.0,
+        addresses: AddressRotation | None = None,
+        tls: ClientTls | None = None,
+        max_message_bytes: int | None = None,
+    ) -> None:
         self.addresses = addresses or AddressRotation(address)
         # TLS (--tls-*): each session opens its channel with the certificate files as they are then,
         # so a rotated certificate is used from the next session on.
         self.tls = tls
-        self.grpc_options = GRPC_OPTIONS if max_message_bytes is None else [
-            *grpc_message_options(max_message_bytes), *GRPC_OPTIONS[2:]]
+        self.grpc_options = (
+            GRPC_OPTIONS if max_message_bytes is None else [*grpc_message_options(max_message_bytes), *GRPC_OPTIONS[2:]]
+        )
         self.address = self.addresses.entries[0]  # the replica of the current (or last) session
         self.identity = identity
         self._snapshot, self._load = snapshot, load
@@ -156,7 +180,7 @@ class ControlPlaneLink:
         # This agent process for this worker: the control plane lets it resume and never refuses it as
         # a second agent.
         self.instance = uuid.uuid4().hex[:16]
-        self.connected = False       # registered and the first batch written
+        self.connected = False  # registered and the first batch written
         self.not_connected_reason = "connecting"  # while not connected: why (the agent's /ready)
         self.refused: str | None = None  # the control plane's refusal while the worker id is held elsewhere
         self._episode_refusals = 0
@@ -164,7 +188,7 @@ class ControlPlaneLink:
         self.last_sent_seq = 0
         self.acked_seq = 0
         self.connected_event = asyncio.Event()  # set while connected (tests and /health)
-        self._seq = 0                            # the last seq given to a batch (runs on across sessions)
+        self._seq = 0  # the last seq given to a batch (runs on across sessions)
         self._held: deque[_HeldBatch] = deque()  # seq order, contiguous up to _seq
         self._held_events = 0
         self._pending: list[pb.BlockEvent] = []
@@ -183,8 +207,7 @@ class ControlPlaneLink:
         self._pending.extend(to_block_events(deltas))
         if self._held_events + len(self._pending) > self.max_pending_events:
             self.counters.overflow_resyncs += 1
-            log.warning("control plane backlog of %d events: sending a snapshot instead",
-                        self._held_events + len(self._pending))
+            log.warning("control plane backlog of %d events: sending a snapshot instead", self._held_events + len(self._pending))
             self.resync()
             return
         self._wake.set()
@@ -225,8 +248,12 @@ class ControlPlaneLink:
                 self.connected_event.clear()
                 raise
             except _Reregister:
-                log.info("re-registering with control plane %s as %s (block_size %d)", self.address,
-                         self.identity.worker_id, self.identity.block_size)
+                log.info(
+                    "re-registering with control plane %s as %s (block_size %d)",
+                    self.address,
+                    self.identity.worker_id,
+                    self.identity.block_size,
+                )
                 self._resync = True  # the worker's keys may have changed meaning
                 continue
             except grpc.aio.AioRpcError as exc:
@@ -264,8 +291,11 @@ class ControlPlaneLink:
 
     async def _wait_reachable(self, timeout_s: float) -> None:
         """Up to `timeout_s`, or until a fresh channel connects to one of the control planes."""
-        options = [*self.grpc_options, ("grpc.initial_reconnect_backoff_ms", int(self.probe_interval_s * 1000)),
-                   ("grpc.max_reconnect_backoff_ms", int(self.probe_interval_s * 1000))]
+        options = [
+            *self.grpc_options,
+            ("grpc.initial_reconnect_backoff_ms", int(self.probe_interval_s * 1000)),
+            ("grpc.max_reconnect_backoff_ms", int(self.probe_interval_s * 1000)),
+        ]
         channels = [open_channel(a, self.tls, options) for a in self.addresses.round_addresses()]
         waits = [asyncio.ensure_future(c.channel_ready()) for c in channels]
         try:
@@ -286,8 +316,12 @@ class ControlPlaneLink:
         self._episode_refusals += 1
         self.not_connected_reason = f"refused by control plane {self.address}: {details}"
         if self.refused is None:  # once per episode; it ends when a registration succeeds
-            log.error("control plane %s refused worker id %r: %s. Retrying every few seconds until that agent "
-                      "goes away.", self.address, self.identity.worker_id, details)
+            log.error(
+                "control plane %s refused worker id %r: %s. Retrying every few seconds until that agent goes away.",
+                self.address,
+                self.identity.worker_id,
+                details,
+            )
         self.refused = details
 
     def _disconnected(self) -> None:
@@ -305,8 +339,7 @@ class ControlPlaneLink:
             finally:
                 call.cancel()
 
-    async def _end_stream(self, call: grpc.aio.StreamStreamCall, reader: asyncio.Task[None],
-                          timeout_s: float = 2.0) -> None:
+    async def _end_stream(self, call: grpc.aio.StreamStreamCall, reader: asyncio.Task[None], timeout_s: float = 2.0) -> None:
         """Half-close and wait (briefly) until the control plane ended the stream: it has released the
         worker id then, so the next `register` is not refused as a second agent's."""
         try:
@@ -338,8 +371,12 @@ class ControlPlaneLink:
         if failover:
             self.counters.failovers += 1
         if self.refused is not None:
-            log.info("control plane %s accepted worker id %r after %d refusals", self.address,
-                     self.identity.worker_id, self._episode_refusals)
+            log.info(
+                "control plane %s accepted worker id %r after %d refusals",
+                self.address,
+                self.identity.worker_id,
+                self._episode_refusals,
+            )
             self.refused, self._episode_refusals = None, 0
         timeout_ms = registered.heartbeat_timeout_ms
         interval = self.heartbeat_interval_s or (min(1.0, timeout_ms / 3000) if timeout_ms else 1.0)
@@ -357,10 +394,16 @@ class ControlPlaneLink:
             self.last_sent_seq = batch.seq
             message = pb.AgentMessage(batch=pb.EventBatch(seq=batch.seq, snapshot=batch.snapshot, events=batch.events))
             if tracing_active():  # sampled by OTEL_TRACES_SAMPLER; the control plane's apply span joins it
-                with tracer.start_as_current_span("kvroute.agent.send_batch", kind=trace.SpanKind.PRODUCER,
-                                                  attributes={"kvroute.worker_id": self.identity.worker_id,
-                                                              "kvroute.seq": batch.seq, "kvroute.events": len(batch.events),
-                                                              "kvroute.snapshot": batch.snapshot}) as span:
+                with tracer.start_as_current_span(
+                    "kvroute.agent.send_batch",
+                    kind=trace.SpanKind.PRODUCER,
+                    attributes={
+                        "kvroute.worker_id": self.identity.worker_id,
+                        "kvroute.seq": batch.seq,
+                        "kvroute.events": len(batch.events),
+                        "kvroute.snapshot": batch.snapshot,
+                    },
+                ) as span:
                     if span.is_recording():
                         carrier: dict[str, str] = {}
                         propagate.inject(carrier)
@@ -405,10 +448,17 @@ class ControlPlaneLink:
         self.not_connected_reason = ""
         self.connected_event.set()
         self._problems.recovered("unavailable")  # the line below says it is back
-        log.info("registered with control plane %s as %s (model %s, block_size %d, epoch %d): %s", self.address,
-                 self.identity.worker_id, self.identity.model, self.identity.block_size, registered.epoch,
-                 f"resuming after seq {registered.last_seq}, {len(first)} batches to send" if resume else
-                 f"snapshot as seq {self._seq}")
+        log.info(
+            "registered with control plane %s as %s (model %s, block_size %d, epoch %d): %s",
+            self.address,
+            self.identity.worker_id,
+            self.identity.model,
+            self.identity.block_size,
+            registered.epoch,
+            f"resuming after seq {registered.last_seq}, {len(first)} batches to send"
+            if resume
+            else f"snapshot as seq {self._seq}",
+        )
         reader = asyncio.create_task(read_acks())
         reader.add_done_callback(lambda _: self._wake.set())
         try:
@@ -418,8 +468,9 @@ class ControlPlaneLink:
             while True:
                 now = time.monotonic()
                 if now >= next_heartbeat:
-                    await call.write(pb.AgentMessage(heartbeat=pb.Heartbeat(
-                        load=self._load(), lora_adapters=self.identity.lora_adapters)))
+                    await call.write(
+                        pb.AgentMessage(heartbeat=pb.Heartbeat(load=self._load(), lora_adapters=self.identity.lora_adapters))
+                    )
                     self.counters.heartbeats_sent += 1
                     next_heartbeat = now + interval
                 if self._held and self._held[0].sent_at and now - self._held[0].sent_at > self.ack_timeout_s:

@@ -44,5 +44,7 @@ def check_no_overlap(live: list[str], replay: list[str]) -> None:
     the DP size away from the live one (docs/wire-formats.md#data-parallel-endpoints)."""
     clash = sorted(set(live) & set(replay))
     if clash:
-        raise ValueError(f"replay endpoints overlap KV event endpoints ({', '.join(clash)}): with data parallelism "
-                         "put the replay base port at least --data-parallel-size away from the event port")
+        raise ValueError(
+            f"replay endpoints overlap KV event endpoints ({', '.join(clash)}): with data parallelism "
+            "put the replay base port at least --data-parallel-size away from the event port"
+        )

@@ -64,7 +64,7 @@ class PrometheusLoadNames:
 
     running: str
     waiting: str
-    usage: tuple[str, ...]    # KV usage 0..1, newest name first
+    usage: tuple[str, ...]  # KV usage 0..1, newest name first
     # (prompt tokens looked up, of those served from the cache), newest names first; and the requests counter
     prompt_cached: tuple[tuple[str, str], ...] = ()
     requests: str = ""
@@ -79,14 +79,23 @@ class PrometheusLoadNames:
         return (*self.load_names, *work)
 
 
-VLLM_METRICS = PrometheusLoadNames("vllm:num_requests_running", "vllm:num_requests_waiting",
-                                   ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-                                   (("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"),
-                                    ("vllm:gpu_prefix_cache_queries_total", "vllm:gpu_prefix_cache_hits_total")),
-                                   "vllm:time_to_first_token_seconds_count")
-SGLANG_METRICS = PrometheusLoadNames("sglang:num_running_reqs", "sglang:num_queue_reqs", ("sglang:token_usage",),
-                                     (("sglang:prompt_tokens_total", "sglang:cached_tokens_total"),),
-                                     "sglang:num_requests_total")
+VLLM_METRICS = PrometheusLoadNames(
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    (
+        ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"),
+        ("vllm:gpu_prefix_cache_queries_total", "vllm:gpu_prefix_cache_hits_total"),
+    ),
+    "vllm:time_to_first_token_seconds_count",
+)
+SGLANG_METRICS = PrometheusLoadNames(
+    "sglang:num_running_reqs",
+    "sglang:num_queue_reqs",
+    ("sglang:token_usage",),
+    (("sglang:prompt_tokens_total", "sglang:cached_tokens_total"),),
+    "sglang:num_requests_total",
+)
 PROMETHEUS_ENGINES = {"vllm": VLLM_METRICS, "sglang": SGLANG_METRICS}
 
 
@@ -111,8 +120,9 @@ def _now_ms(now_ms: int | None) -> int:
     return int(time.time() * 1000) if now_ms is None else now_ms
 
 
-def parse_metrics(text: str, names: PrometheusLoadNames = VLLM_METRICS,
-                  now_ms: int | None = None) -> tuple[pb.WorkerLoad, EngineWork | None]:
+def parse_metrics(
+    text: str, names: PrometheusLoadNames = VLLM_METRICS, now_ms: int | None = None
+) -> tuple[pb.WorkerLoad, EngineWork | None]:
     """(WorkerLoad, EngineWork or None when the engine exports no work counters) from a Prometheus text
     exposition. Raises ValueError if it holds none of the engine's load metrics."""
     sums = {name: 0.0 for name in names.wanted}
@@ -124,9 +134,12 @@ def parse_metrics(text: str, names: PrometheusLoadNames = VLLM_METRICS,
         raise ValueError(f"no {names.running} / {names.waiting} / {names.usage[0]} metrics in the response")
     usage_name = next((n for n in names.usage if counts[n]), None)
     usage = sums[usage_name] / counts[usage_name] if usage_name else 0.0
-    load = pb.WorkerLoad(running_requests=max(0, int(sums[names.running])),
-                         waiting_requests=max(0, int(sums[names.waiting])),
-                         kv_usage=min(1.0, max(0.0, usage)), observed_unix_ms=_now_ms(now_ms))
+    load = pb.WorkerLoad(
+        running_requests=max(0, int(sums[names.running])),
+        waiting_requests=max(0, int(sums[names.waiting])),
+        kv_usage=min(1.0, max(0.0, usage)),
+        observed_unix_ms=_now_ms(now_ms),
+    )
     pair = next((p for p in names.prompt_cached if counts[p[0]]), None)
     if pair is None or not counts[names.requests]:
         return load, None
@@ -158,8 +171,7 @@ class _IterationStats(msgspec.Struct):
 _dec_trtllm_stats = msgspec.json.Decoder(list[_IterationStats])
 
 
-def parse_trtllm_metrics(body: bytes, last: pb.WorkerLoad,
-                         now_ms: int | None = None) -> tuple[pb.WorkerLoad, EngineWork | None]:
+def parse_trtllm_metrics(body: bytes, last: pb.WorkerLoad, now_ms: int | None = None) -> tuple[pb.WorkerLoad, EngineWork | None]:
     """(WorkerLoad, the work of these iterations or None when they carry no batching stats) from
     trtllm-serve's `GET /metrics` JSON (iteration stats, drained by each call). Raises ValueError if
     it is not that."""
@@ -168,8 +180,14 @@ def parse_trtllm_metrics(body: bytes, last: pb.WorkerLoad,
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ValueError(f"not a JSON list of TensorRT-LLM iteration stats: {exc}") from None
     batching = [s.batching for s in stats if s.batching is not None]
-    work = EngineWork(float(sum(max(0, b.context_tokens or 0) for b in batching)),
-                      float(sum(max(0, b.context_requests or 0) for b in batching))) if batching or not stats else None
+    work = (
+        EngineWork(
+            float(sum(max(0, b.context_tokens or 0) for b in batching)),
+            float(sum(max(0, b.context_requests or 0) for b in batching)),
+        )
+        if batching or not stats
+        else None
+    )
     return _trtllm_load(stats, last, now_ms), work
 
 
@@ -186,8 +204,12 @@ def _trtllm_load(stats: list[_IterationStats], last: pb.WorkerLoad, now_ms: int 
     kv = newest.kv_cache
     if kv is not None and kv.max_blocks and kv.used_blocks is not None:
         usage = min(1.0, max(0.0, kv.used_blocks / kv.max_blocks))
-    return pb.WorkerLoad(running_requests=max(0, newest.active or 0), waiting_requests=max(0, newest.queued or 0),
-                         kv_usage=usage, observed_unix_ms=_now_ms(now_ms))
+    return pb.WorkerLoad(
+        running_requests=max(0, newest.active or 0),
+        waiting_requests=max(0, newest.queued or 0),
+        kv_usage=usage,
+        observed_unix_ms=_now_ms(now_ms),
+    )
 
 
 class EngineLoadPoller:
@@ -199,7 +221,7 @@ class EngineLoadPoller:
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.latest = pb.WorkerLoad()
         self.work: EngineWork | None = None  # cumulative; None while the engine exported no work counters
-        self.work_at: float | None = None    # monotonic time of the poll that read `work`
+        self.work_at: float | None = None  # monotonic time of the poll that read `work`
         self.polls = 0
         self.failures = 0
         self._problems = RateLimitedLog(log, period_s=60.0)
@@ -217,8 +239,13 @@ class EngineLoadPoller:
                     self.latest, work = parse_metrics(await resp.text(), PROMETHEUS_ENGINES[self.engine])
         except (TimeoutError, aiohttp.ClientError, ValueError, UnicodeDecodeError) as exc:
             self.failures += 1
-            self._problems.warning("unavailable", "engine metrics %s unavailable (%d failures), keeping the last known "
-                                   "load: %s", self.url, self.failures, exc or type(exc).__name__)
+            self._problems.warning(
+                "unavailable",
+                "engine metrics %s unavailable (%d failures), keeping the last known load: %s",
+                self.url,
+                self.failures,
+                exc or type(exc).__name__,
+            )
             return False
         self._problems.recovered("unavailable", "engine metrics %s available again", self.url)
         if work is not None:

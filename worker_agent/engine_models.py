@@ -65,8 +65,15 @@ class EngineModelsPoller:
     """Finds the served model (unless given) and keeps the adapter list current. `on_adapters(list)` is
     called whenever the list changes (and once at the first answer)."""
 
-    def __init__(self, engine_url: str, model: str | None, on_adapters: Callable[[list[str]], None], *,
-                 interval_s: float = 5.0, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        engine_url: str,
+        model: str | None,
+        on_adapters: Callable[[list[str]], None],
+        *,
+        interval_s: float = 5.0,
+        timeout_s: float = 5.0,
+    ) -> None:
         self.base = engine_url.rstrip("/")
         self.model = model
         self.on_adapters = on_adapters
@@ -74,8 +81,8 @@ class EngineModelsPoller:
         self.adapters: list[str] | None = None  # None until the engine answered once
         self.engine_version = ""
         self.failures = 0
-        self.answering = False               # the last poll was answered with a model list
-        self.last_error = ""                 # why the last poll failed ("" after an answer)
+        self.answering = False  # the last poll was answered with a model list
+        self.last_error = ""  # why the last poll failed ("" after an answer)
         self.failing_since: float | None = None  # monotonic time of the first failure in the current run of them
         self._problems = RateLimitedLog(log, period_s=60.0)
 
@@ -92,8 +99,9 @@ class EngineModelsPoller:
             self.answering, self.last_error = False, str(exc) or type(exc).__name__
             if self.failing_since is None:
                 self.failing_since = time.monotonic()
-            self._problems.warning("unavailable", "%s/v1/models unavailable (attempt %d): %s", self.base, self.failures,
-                                   self.last_error)
+            self._problems.warning(
+                "unavailable", "%s/v1/models unavailable (attempt %d): %s", self.base, self.failures, self.last_error
+            )
             return False
         self._problems.recovered("unavailable", "%s/v1/models available again", self.base)
         self.answering, self.last_error, self.failing_since = True, "", None

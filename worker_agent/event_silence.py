@@ -57,7 +57,7 @@ class SilenceWatch:
         self.window_s, self.min_blocks = window_s, min_blocks
         self.silent = False
         self.since: float | None = None  # when it turned silent
-        self.reason = ""                 # what the engine did meanwhile (for /ready and the log)
+        self.reason = ""  # what the engine did meanwhile (for /ready and the log)
         self._samples: deque[_Sample] = deque()
 
     def observe(self, now: float, work: EngineWork, last_event_at: float | None, block_size: int) -> bool:
@@ -65,8 +65,7 @@ class SilenceWatch:
         last KV batch arrived (None: never). Returns `silent`."""
         self.events_seen(last_event_at)
         samples = self._samples
-        if samples and (work.computed_tokens < samples[-1].work.computed_tokens
-                        or work.requests < samples[-1].work.requests):
+        if samples and (work.computed_tokens < samples[-1].work.computed_tokens or work.requests < samples[-1].work.requests):
             samples.clear()  # the engine restarted: its counters began again
         samples.append(_Sample(now, work))
         while len(samples) >= 2 and samples[1].at <= now - self.window_s:
@@ -81,9 +80,11 @@ class SilenceWatch:
         blocks = int((tokens - block_size * requests) // block_size)
         if blocks >= self.min_blocks:
             self.silent, self.since = True, now
-            self.reason = (f"the engine computed {tokens:.0f} uncached prompt tokens for {requests:.0f} requests in the "
-                           f"last {now - base.at:.0f}s (at least {blocks} new {block_size}-token blocks) and no KV event "
-                           "arrived")
+            self.reason = (
+                f"the engine computed {tokens:.0f} uncached prompt tokens for {requests:.0f} requests in the "
+                f"last {now - base.at:.0f}s (at least {blocks} new {block_size}-token blocks) and no KV event "
+                "arrived"
+            )
         return self.silent
 
     def events_seen(self, last_event_at: float | None) -> bool:

@@ -27,20 +27,20 @@ class UnknownEventError(EventError):
 class BlockStored(msgspec.Struct, gc=False):
     """Full blocks inserted into the engine's prefix cache, in chain order."""
 
-    block_hashes: list[int]         # u64, one per full block
-    parent_block_hash: int | None   # u64 hash of the block before block_hashes[0]; None = first block of the prompt
-    token_ids: list[int]            # tokens of the stored range (len >= len(block_hashes) * block_size); TRT-LLM
-                                    # may put a 64-hex digest string where a multimodal token sits
+    block_hashes: list[int]  # u64, one per full block
+    parent_block_hash: int | None  # u64 hash of the block before block_hashes[0]; None = first block of the prompt
+    token_ids: list[int]  # tokens of the stored range (len >= len(block_hashes) * block_size); TRT-LLM
+    # may put a 64-hex digest string where a multimodal token sits
     block_size: int
     lora_name: str | None = None
-    medium: str = "gpu"             # lower-cased engine name ("gpu", "cpu", "cpu_pinned", ...; tiers.py maps it)
-    group_idx: int | None = None    # KV-cache group (vLLM 0.20+, TRT-LLM layer group)
+    medium: str = "gpu"  # lower-cased engine name ("gpu", "cpu", "cpu_pinned", ...; tiers.py maps it)
+    group_idx: int | None = None  # KV-cache group (vLLM 0.20+, TRT-LLM layer group)
     kv_cache_spec_kind: str | None = None  # "full_attention", "sliding_window", ... (vLLM 0.22+)
-    cache_salt: str | None = None   # the request's salt, when the event carries it (first block of a prompt)
-    lora_id: int | None = None      # adapter int id when the event names no adapter (vLLM <= 0.13, TRT-LLM)
-    remote: bool = False            # vLLM 0.26+ locality REMOTE: a block another instance holds
+    cache_salt: str | None = None  # the request's salt, when the event carries it (first block of a prompt)
+    lora_id: int | None = None  # adapter int id when the event names no adapter (vLLM <= 0.13, TRT-LLM)
+    remote: bool = False  # vLLM 0.26+ locality REMOTE: a block another instance holds
     unkeyable_from: int | None = None  # first block whose content is not plain token ids (multimodal,
-                                       # prompt embeds): it and every later block cannot be keyed
+    # prompt embeds): it and every later block cannot be keyed
 
 
 class BlockRemoved(msgspec.Struct, gc=False):
@@ -62,10 +62,10 @@ class DecodedBatch(msgspec.Struct, gc=False):
     ts: float
     dp_rank: int | None
     events: list[EngineEvent] = msgspec.field(default_factory=list)
-    bad_events: list[str] = msgspec.field(default_factory=list)      # "event <i>: <why>" per rejected event
+    bad_events: list[str] = msgspec.field(default_factory=list)  # "event <i>: <why>" per rejected event
     unknown_events: list[str] = msgspec.field(default_factory=list)  # tags we do not know (tolerated)
     unknown_fields: list[str] = msgspec.field(default_factory=list)  # "event <i>: <paths>" per event with fields
-                                                                      # we do not know (dropped, event kept)
+    # we do not know (dropped, event kept)
 
 
 def normalize_hash(value: int | bytes | str) -> int:

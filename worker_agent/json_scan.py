@@ -23,7 +23,7 @@ class ScanError(ValueError):
 def split_array(body: bytes) -> list[bytes]:
     """The top-level elements of the JSON array `body`, stripped (an empty one where two commas meet)."""
     start = len(body) - len(body.lstrip())
-    if body[start:start + 1] != b"[":
+    if body[start : start + 1] != b"[":
         raise ScanError("not a JSON array")
     depth, out, element = 0, [], start + 1
     for match in _TOKENS.finditer(body, start):
@@ -33,13 +33,13 @@ def split_array(body: bytes) -> list[bytes]:
         elif c in _CLOSE:
             depth -= 1
             if depth == 0:
-                last = body[element:match.start()].strip()
+                last = body[element : match.start()].strip()
                 if last or out:
                     out.append(last)
-                if body[match.end():].strip():
+                if body[match.end() :].strip():
                     raise ScanError("trailing bytes after the array")
                 return out
         elif c == _COMMA and depth == 1:
-            out.append(body[element:match.start()].strip())
+            out.append(body[element : match.start()].strip())
             element = match.end()
     raise ScanError("unterminated array")

@@ -28,9 +28,9 @@ hostile input reaches them:
 
 from __future__ import annotations
 
-DEFAULT_MAX_FRAME_BYTES = 128 << 20   # ZMQ MAXMSGSIZE of the SUB and replay DEALER sockets, per frame
-DEFAULT_MAX_BATCH_EVENTS = 1 << 20    # events (elements) in one msgpack batch or pull-path body
-DEFAULT_MAX_POLL_BYTES = 64 << 20     # TensorRT-LLM pull path: one POST /kv_cache_events response body
+DEFAULT_MAX_FRAME_BYTES = 128 << 20  # ZMQ MAXMSGSIZE of the SUB and replay DEALER sockets, per frame
+DEFAULT_MAX_BATCH_EVENTS = 1 << 20  # events (elements) in one msgpack batch or pull-path body
+DEFAULT_MAX_POLL_BYTES = 64 << 20  # TensorRT-LLM pull path: one POST /kv_cache_events response body
 # One gRPC message to or from the control plane: a snapshot of a large cache is one message
 # (a million keys is ~9 MB); the control plane's own default is the same.
 DEFAULT_GRPC_MAX_MESSAGE_BYTES = 256 << 20

@@ -18,18 +18,45 @@ class ScanError(ValueError):
 
 
 # Fixed-size values by first byte: the number of bytes the whole value takes.
-_FIXED = {0xC0: 1, 0xC2: 1, 0xC3: 1, 0xCA: 5, 0xCB: 9, 0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9, 0xD0: 2, 0xD1: 3,
-          0xD2: 5, 0xD3: 9, 0xD4: 3, 0xD5: 4, 0xD6: 6, 0xD7: 10, 0xD8: 18}
+_FIXED = {
+    0xC0: 1,
+    0xC2: 1,
+    0xC3: 1,
+    0xCA: 5,
+    0xCB: 9,
+    0xCC: 2,
+    0xCD: 3,
+    0xCE: 5,
+    0xCF: 9,
+    0xD0: 2,
+    0xD1: 3,
+    0xD2: 5,
+    0xD3: 9,
+    0xD4: 3,
+    0xD5: 4,
+    0xD6: 6,
+    0xD7: 10,
+    0xD8: 18,
+}
 # Values with a length prefix: first byte -> (bytes of the length field, bytes before the data besides it).
-_SIZED = {0xC4: (1, 0), 0xC5: (2, 0), 0xC6: (4, 0), 0xD9: (1, 0), 0xDA: (2, 0), 0xDB: (4, 0),
-          0xC7: (1, 1), 0xC8: (2, 1), 0xC9: (4, 1)}  # bin8/16/32, str8/16/32, ext8/16/32 (+ the type byte)
+_SIZED = {
+    0xC4: (1, 0),
+    0xC5: (2, 0),
+    0xC6: (4, 0),
+    0xD9: (1, 0),
+    0xDA: (2, 0),
+    0xDB: (4, 0),
+    0xC7: (1, 1),
+    0xC8: (2, 1),
+    0xC9: (4, 1),
+}  # bin8/16/32, str8/16/32, ext8/16/32 (+ the type byte)
 _CONTAINERS = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}  # array16/32, map16/32: (length bytes, items per entry)
 
 
 def _uint(buf: bytes, pos: int, size: int) -> int:
     if pos + size > len(buf):
         raise ScanError("truncated")
-    return int.from_bytes(buf[pos:pos + size], "big")
+    return int.from_bytes(buf[pos : pos + size], "big")
 
 
 def container(buf: bytes, pos: int) -> tuple[str, int, int] | None:
@@ -83,8 +110,11 @@ def skip(buf: bytes, pos: int) -> int:
     return pos
 
 
-_NUMBER_SIZES = {**{b: 1 for b in range(0x80)}, **{b: 1 for b in range(0xE0, 0x100)},
-                 **{b: _FIXED[b] for b in (0xCA, 0xCB, 0xCC, 0xCD, 0xCE, 0xCF, 0xD0, 0xD1, 0xD2, 0xD3)}}
+_NUMBER_SIZES = {
+    **{b: 1 for b in range(0x80)},
+    **{b: 1 for b in range(0xE0, 0x100)},
+    **{b: _FIXED[b] for b in (0xCA, 0xCB, 0xCC, 0xCD, 0xCE, 0xCF, 0xD0, 0xD1, 0xD2, 0xD3)},
+}
 
 
 class _MapEvents(msgspec.Struct):

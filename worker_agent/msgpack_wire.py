@@ -81,8 +81,9 @@ class ClearedMap(msgspec.Struct, tag_field="type", tag="AllBlocksCleared", forbi
 
 def typed_batch_decoder(event_type: object) -> msgspec.msgpack.Decoder:
     """Fast-path decoder of a positional batch `[ts, events, rank]` whose events are `event_type`."""
-    batch = msgspec.defstruct("TypedBatch", [("ts", float), ("events", list[event_type]), ("rank", Any, None)],
-                              array_like=True, gc=False)
+    batch = msgspec.defstruct(
+        "TypedBatch", [("ts", float), ("events", list[event_type]), ("rank", Any, None)], array_like=True, gc=False
+    )
     return msgspec.msgpack.Decoder(batch)
 
 
@@ -107,8 +108,16 @@ class BatchDecoder:
     sends one.
     """
 
-    def __init__(self, name: str, *, array_events: Any, map_events: Any, convert: Callable[[Any], EngineEvent],
-                 map_batch: msgspec.msgpack.Decoder | None = None, known_tags: frozenset[str] = EVENT_TAGS) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        array_events: Any,
+        map_events: Any,
+        convert: Callable[[Any], EngineEvent],
+        map_batch: msgspec.msgpack.Decoder | None = None,
+        known_tags: frozenset[str] = EVENT_TAGS,
+    ) -> None:
         self.name = name
         self._fast = [typed_batch_decoder(map_events), typed_batch_decoder(array_events)]
         self._array_type, self._map_type = array_events, map_events
@@ -221,8 +230,9 @@ class BatchDecoder:
             raise PayloadError(f"payload nests too deeply to decode ({len(payload)} bytes)")
         try:
             ts, events, rank = msgpack_scan.split_batch(payload)
-            return RawArrayBatch(_dec_ts.decode(ts), [msgspec.Raw(e) for e in events],
-                                 _dec_any.decode(rank) if rank is not None else None)
+            return RawArrayBatch(
+                _dec_ts.decode(ts), [msgspec.Raw(e) for e in events], _dec_any.decode(rank) if rank is not None else None
+            )
         except msgpack_scan.ScanError as exc:
             raise PayloadError(f"payload is not msgpack (garbage or truncated): {exc}") from None
         except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:

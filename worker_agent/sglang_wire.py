@@ -50,14 +50,13 @@ class _StoredArray(msgspec.Struct, array_like=True, tag="BlockStored", forbid_un
     parent_block_hash: _Hash | None
     token_ids: list[_Token]
     block_size: int
-    lora_id: Any = None                 # always None in the releases read
-    medium: str | None = None           # 0.5.9+
+    lora_id: Any = None  # always None in the releases read
+    medium: str | None = None  # 0.5.9+
 
 
 class _RemovedArray(msgspec.Struct, array_like=True, tag="BlockRemoved", forbid_unknown_fields=True, gc=False):
     block_hashes: list[_Hash]
-    medium: str | None = None           # 0.5.9+
-
+    medium: str | None = None  # 0.5.9+
 
 
 class _StoredMap(msgspec.Struct, tag_field="type", tag="BlockStored", forbid_unknown_fields=True, gc=False):
@@ -67,9 +66,9 @@ class _StoredMap(msgspec.Struct, tag_field="type", tag="BlockStored", forbid_unk
     parent_block_hash: _Hash | None = None  # key order does not matter in a map; nil may be omitted
     lora_id: Any = None
     medium: str | None = None
-    cache_salt: str | None = None       # 0.5.20+
-    session_id: Any = None              # 0.5.20+, not needed
-    lora_name: str | None = None        # 0.5.22+
+    cache_salt: str | None = None  # 0.5.20+
+    session_id: Any = None  # 0.5.20+, not needed
+    lora_name: str | None = None  # 0.5.22+
 
 
 class _RemovedMap(msgspec.Struct, tag_field="type", tag="BlockRemoved", forbid_unknown_fields=True, gc=False):
@@ -77,10 +76,8 @@ class _RemovedMap(msgspec.Struct, tag_field="type", tag="BlockRemoved", forbid_u
     medium: str | None = None
 
 
-
 _ArrayEvent = _StoredArray | _RemovedArray | ClearedArray
 _MapEvent = _StoredMap | _RemovedMap | ClearedMap
-
 
 
 def first_of_pairs(token_ids: list) -> list[int]:
@@ -102,10 +99,17 @@ def _convert(w: Any) -> EngineEvent:
         # One hash per page means exactly n pages of tokens; more is a radix-node hash (0.4.7).
         unkeyable = 0 if len(tokens) > len(hashes) * block_size else None
         is_map = t is _StoredMap
-        return BlockStored(hashes, normalize_parent(w.parent_block_hash), tokens, block_size,
-                           w.lora_name if is_map else None, normalize_medium(w.medium),
-                           cache_salt=w.cache_salt if is_map else None,
-                           lora_id=w.lora_id if type(w.lora_id) is int else None, unkeyable_from=unkeyable)
+        return BlockStored(
+            hashes,
+            normalize_parent(w.parent_block_hash),
+            tokens,
+            block_size,
+            w.lora_name if is_map else None,
+            normalize_medium(w.medium),
+            cache_salt=w.cache_salt if is_map else None,
+            lora_id=w.lora_id if type(w.lora_id) is int else None,
+            unkeyable_from=unkeyable,
+        )
     if t is _RemovedMap or t is _RemovedArray:
         return BlockRemoved(normalize_hashes(w.block_hashes), normalize_medium(w.medium))
     return AllBlocksCleared()

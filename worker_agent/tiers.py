@@ -32,8 +32,16 @@ _WIRE = {Tier.GPU: pb.TIER_GPU, Tier.CPU: pb.TIER_CPU, Tier.DISK: pb.TIER_DISK}
 TIERS = tuple(Tier)
 
 # Engine medium names, lower-cased, -> tier.
-ENGINE_MEDIA: dict[str, Tier] = {"gpu": Tier.GPU, "cpu": Tier.CPU, "cpu_pinned": Tier.CPU, "storage": Tier.DISK,
-                                 "disk": Tier.DISK, "fs": Tier.DISK, "obj": Tier.DISK, "external": Tier.DISK}
+ENGINE_MEDIA: dict[str, Tier] = {
+    "gpu": Tier.GPU,
+    "cpu": Tier.CPU,
+    "cpu_pinned": Tier.CPU,
+    "storage": Tier.DISK,
+    "disk": Tier.DISK,
+    "fs": Tier.DISK,
+    "obj": Tier.DISK,
+    "external": Tier.DISK,
+}
 
 
 def normalize_medium(value: str | None) -> str:

@@ -112,18 +112,18 @@ class OversizeBodyError(BodyError):
 
 @dataclass(slots=True)
 class TrtllmCounters:
-    malformed_frames: int = 0       # response bodies that could not be decoded
-    oversize_bodies: int = 0        # response bodies over the byte or event limit (dropped)
-    malformed_events: int = 0       # single events rejected inside otherwise good bodies
-    unknown_events: int = 0         # events with an unknown data type (skipped)
-    unknown_fields: int = 0         # events carrying fields we do not know (dropped; the event applies)
-    gaps: int = 0                   # event_id jumped forward
-    unrecoverable_gaps: int = 0     # every gap on the pull path: no replay -> rank state reset
-    sequence_resets: int = 0        # event_id went back: engine restarted
-    incomplete_catch_ups: int = 0   # the first event seen for a rank was not its first ever
+    malformed_frames: int = 0  # response bodies that could not be decoded
+    oversize_bodies: int = 0  # response bodies over the byte or event limit (dropped)
+    malformed_events: int = 0  # single events rejected inside otherwise good bodies
+    unknown_events: int = 0  # events with an unknown data type (skipped)
+    unknown_fields: int = 0  # events carrying fields we do not know (dropped; the event applies)
+    gaps: int = 0  # event_id jumped forward
+    unrecoverable_gaps: int = 0  # every gap on the pull path: no replay -> rank state reset
+    sequence_resets: int = 0  # event_id went back: engine restarted
+    incomplete_catch_ups: int = 0  # the first event seen for a rank was not its first ever
     window_filtered_events: int = 0  # events of a window other than the full-attention one
-    updated_events: int = 0         # `updated` events (ignored)
-    rank_mismatches: int = 0        # events of an attention-DP rank this agent does not serve
+    updated_events: int = 0  # `updated` events (ignored)
+    rank_mismatches: int = 0  # events of an attention-DP rank this agent does not serve
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -158,8 +158,8 @@ class TrtllmEventConverter:
         self.ranks = None if ranks is None else frozenset(ranks)
         self.max_events = max_events
         self.counters = TrtllmCounters()
-        self.full_window: int | None = None     # widest window of the `created` events
-        self._widest_seen: int | None = None    # stand-in until a `created` event arrives
+        self.full_window: int | None = None  # widest window of the `created` events
+        self._widest_seen: int | None = None  # stand-in until a `created` event arrives
         self._last_id: dict[int | None, int] = {}
         self.last_bad_event: str | None = None  # why the last rejected event was rejected (for the log)
         self.last_unknown_fields: list[str] | None = None  # the last event's fields we do not know (for the log)
@@ -189,8 +189,10 @@ class TrtllmEventConverter:
     def _elements(self, body: bytes) -> list[msgspec.Raw] | list[bytes]:
         """The body's top-level elements, for a body that does not decode in one call."""
         if body.count(b",") >= self.max_events:  # more elements would be possible: not taken apart one by one
-            raise OversizeBodyError(f"KV event body of {len(body)} bytes does not decode as a whole and has too many "
-                                    f"elements to decode one by one (limit {self.max_events})")
+            raise OversizeBodyError(
+                f"KV event body of {len(body)} bytes does not decode as a whole and has too many "
+                f"elements to decode one by one (limit {self.max_events})"
+            )
         try:
             return _dec_raw_body.decode(body)
         except msgspec.ValidationError as exc:
@@ -275,9 +277,11 @@ class TrtllmEventConverter:
                 c.window_filtered_events += 1
                 continue
             try:
-                converted = (self._stored(data, ev.layer_group_id) if type(data) is _Stored
-                             else [BlockRemoved([_hash(h) for h in data.block_hashes],
-                                                group_idx=ev.layer_group_id)])
+                converted = (
+                    self._stored(data, ev.layer_group_id)
+                    if type(data) is _Stored
+                    else [BlockRemoved([_hash(h) for h in data.block_hashes], group_idx=ev.layer_group_id)]
+                )
             except EventError:
                 c.malformed_events += 1
                 continue
@@ -337,8 +341,18 @@ class TrtllmEventConverter:
                 tokens.extend(t.token_id for t in block.tokens)  # a str id: the resolver stops the chain there
             if size == 0:
                 raise EventError("stored block without tokens")
-            out.append(BlockStored(hashes, parent, tokens, size, group_idx=group, lora_id=first.lora_id,
-                                   cache_salt=first.cache_salt, unkeyable_from=unkeyable))
+            out.append(
+                BlockStored(
+                    hashes,
+                    parent,
+                    tokens,
+                    size,
+                    group_idx=group,
+                    lora_id=first.lora_id,
+                    cache_salt=first.cache_salt,
+                    unkeyable_from=unkeyable,
+                )
+            )
             parent = hashes[-1]
             start = end
         return out

@@ -35,19 +35,27 @@ RankResetCallback = Callable[[int | None, str], Awaitable[None] | None]
 
 @dataclass(slots=True)
 class PollerCounters:
-    polls: int = 0              # POST /kv_cache_events answered
-    poll_failures: int = 0      # requests that failed (engine unreachable, HTTP error, timeout)
-    batches: int = 0            # per-rank event batches applied
-    callback_errors: int = 0    # exceptions raised by on_batch / on_reset (or, a bug, by a poll)
+    polls: int = 0  # POST /kv_cache_events answered
+    poll_failures: int = 0  # requests that failed (engine unreachable, HTTP error, timeout)
+    batches: int = 0  # per-rank event batches applied
+    callback_errors: int = 0  # exceptions raised by on_batch / on_reset (or, a bug, by a poll)
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 class TrtllmEventPoller:
-    def __init__(self, engine_url: str, converter: TrtllmEventConverter, on_batch: RankBatchCallback,
-                 on_reset: RankResetCallback, *, interval_s: float = 0.1, timeout_s: float = 5.0,
-                 max_body_bytes: int = DEFAULT_MAX_POLL_BYTES) -> None:
+    def __init__(
+        self,
+        engine_url: str,
+        converter: TrtllmEventConverter,
+        on_batch: RankBatchCallback,
+        on_reset: RankResetCallback,
+        *,
+        interval_s: float = 0.1,
+        timeout_s: float = 5.0,
+        max_body_bytes: int = DEFAULT_MAX_POLL_BYTES,
+    ) -> None:
         # Older servers hold the request up to 2 s when the queue is empty: the timeout must exceed that.
         self.url = engine_url.rstrip("/") + "/kv_cache_events"
         self.converter = converter
@@ -56,7 +64,7 @@ class TrtllmEventPoller:
         self.counters = PollerCounters()
         self.last_event_id: int | None = None
         self.last_success: float | None = None  # monotonic time of the last answered poll (readiness)
-        self.last_error = ""                     # why the last poll failed ("" after a success)
+        self.last_error = ""  # why the last poll failed ("" after a success)
         self._log = RateLimitedLog(log)
 
     def counter_values(self) -> dict[str, int]:
@@ -91,15 +99,17 @@ class TrtllmEventPoller:
             self._log.warning("bad_event", "KV event skipped: %s", converter.last_bad_event)
             converter.last_bad_event = None
         if converter.last_unknown_fields:
-            self._log.warning("unknown_fields", "KV event fields not known to this agent dropped: %s",
-                              ", ".join(converter.last_unknown_fields))
+            self._log.warning(
+                "unknown_fields", "KV event fields not known to this agent dropped: %s", ", ".join(converter.last_unknown_fields)
+            )
             converter.last_unknown_fields = None
         for action in actions:
             if type(action) is RankEvents:
                 self.last_event_id = action.last_id
                 self.counters.batches += 1
-                await self._call(self.on_batch, action.rank,
-                                 DecodedBatch(action.last_id, time.time(), action.rank, action.events))
+                await self._call(
+                    self.on_batch, action.rank, DecodedBatch(action.last_id, time.time(), action.rank, action.events)
+                )
             else:
                 log.warning("TRT-LLM KV events, rank %s: %s; worker state reset", action.rank, action.reason)
                 await self._call(self.on_reset, action.rank, action.reason)

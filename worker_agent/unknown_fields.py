@@ -57,8 +57,9 @@ def _strip_struct(value: Any, info: mi.StructType, path: str, unknown: list[str]
         known = offset + len(info.fields)
         if len(value) > known:
             unknown.append(f"{path}[{known}:]")
-        return value[:offset] + [_strip(v, f.type, f"{path}[{i + offset}]", unknown)
-                                 for i, (v, f) in enumerate(zip(value[offset:known], info.fields))]
+        return value[:offset] + [
+            _strip(v, f.type, f"{path}[{i + offset}]", unknown) for i, (v, f) in enumerate(zip(value[offset:known], info.fields))
+        ]
     if not isinstance(value, dict):
         return value
     fields = {f.encode_name: f for f in info.fields}
@@ -84,8 +85,9 @@ def _union_member(value: Any, info: mi.UnionType) -> mi.Type | None:
             if not member.array_like and isinstance(value, dict) and value.get(member.tag_field) == member.tag:
                 return member
     for member in info.types:
-        if isinstance(value, list) and (isinstance(member, (mi.ListType, mi.VarTupleType))
-                                        or (isinstance(member, mi.StructType) and member.array_like)):
+        if isinstance(value, list) and (
+            isinstance(member, (mi.ListType, mi.VarTupleType)) or (isinstance(member, mi.StructType) and member.array_like)
+        ):
             return member
         if isinstance(value, dict) and isinstance(member, mi.StructType) and not member.array_like:
             return member

@@ -62,9 +62,27 @@ from kvroute.worker_agent.msgpack_wire import (
 )
 from kvroute.worker_agent.tiers import normalize_medium
 
-__all__ = ["U64", "AllBlocksCleared", "BatchShapeError", "BlockRemoved", "BlockStored", "DecodedBatch", "EngineEvent",
-           "EventError", "FrameCountError", "PayloadError", "SequenceFrameError", "UnknownEventError", "WireFormatError",
-           "decode_event", "decode_frames", "decode_payload", "normalize_hash", "read_extra_keys", "split_frames"]
+__all__ = [
+    "U64",
+    "AllBlocksCleared",
+    "BatchShapeError",
+    "BlockRemoved",
+    "BlockStored",
+    "DecodedBatch",
+    "EngineEvent",
+    "EventError",
+    "FrameCountError",
+    "PayloadError",
+    "SequenceFrameError",
+    "UnknownEventError",
+    "WireFormatError",
+    "decode_event",
+    "decode_frames",
+    "decode_payload",
+    "normalize_hash",
+    "read_extra_keys",
+    "split_frames",
+]
 
 # ----------------------------------------------------------------------------- wire structs (private)
 
@@ -78,28 +96,27 @@ class _StoredArray(msgspec.Struct, array_like=True, tag="BlockStored", forbid_un
     parent_block_hash: _Hash | None
     token_ids: list[int]
     block_size: int
-    lora_id: Any = None                 # adapter int id (deprecated since 0.14, when lora_name took over)
-    medium: str | None = None           # 0.10.2+
-    lora_name: str | None = None        # 0.14+
-    extra_keys: Any = None              # 0.17+
-    group_idx: int | None = None        # 0.20+
+    lora_id: Any = None  # adapter int id (deprecated since 0.14, when lora_name took over)
+    medium: str | None = None  # 0.10.2+
+    lora_name: str | None = None  # 0.14+
+    extra_keys: Any = None  # 0.17+
+    group_idx: int | None = None  # 0.20+
     kv_cache_spec_kind: str | None = None  # 0.22+
     kv_cache_spec_sliding_window: Any = None  # 0.22+, not needed
 
 
 class _RemovedArray(msgspec.Struct, array_like=True, tag="BlockRemoved", forbid_unknown_fields=True, gc=False):
     block_hashes: list[_Hash]
-    medium: str | None = None           # 0.10.2+
-    group_idx: int | None = None        # 0.20+
-
+    medium: str | None = None  # 0.10.2+
+    group_idx: int | None = None  # 0.20+
 
 
 class _StoredMap(msgspec.Struct, tag_field="type", tag="BlockStored", forbid_unknown_fields=True, gc=False):
     # Every key of docs/wire-formats.md#vllm-event-fields and docs/wire-formats.md#tensorrt-llm-streaming-publisher
     # (a key not here is stripped and counted as unknown); the last four are not needed.
     block_hashes: list[_Hash]
-    parent_block_hash: _Hash | None     # always written by vLLM (no default): required
-    token_ids: list[int | str]          # str: a TRT-LLM multimodal token digest
+    parent_block_hash: _Hash | None  # always written by vLLM (no default): required
+    token_ids: list[int | str]  # str: a TRT-LLM multimodal token digest
     block_size: int
     lora_id: Any = None
     medium: str | None = None
@@ -107,12 +124,12 @@ class _StoredMap(msgspec.Struct, tag_field="type", tag="BlockStored", forbid_unk
     extra_keys: Any = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
-    locality: str | None = None         # 0.26+
-    mm_keys: Any = None                 # TRT-LLM streaming: per block, a list of multimodal keys
+    locality: str | None = None  # 0.26+
+    mm_keys: Any = None  # TRT-LLM streaming: per block, a list of multimodal keys
     kv_cache_spec_sliding_window: Any = None  # 0.22+
-    ownership: Any = None               # 0.29+
-    session_id: Any = None              # 0.30+
-    lookahead_token_ids: Any = None     # 0.33+
+    ownership: Any = None  # 0.29+
+    session_id: Any = None  # 0.30+
+    lookahead_token_ids: Any = None  # 0.33+
 
 
 class _RemovedMap(msgspec.Struct, tag_field="type", tag="BlockRemoved", forbid_unknown_fields=True, gc=False):
@@ -120,13 +137,11 @@ class _RemovedMap(msgspec.Struct, tag_field="type", tag="BlockRemoved", forbid_u
     medium: str | None = None
     group_idx: int | None = None
     locality: str | None = None
-    ownership: Any = None               # 0.29+, not needed
-
+    ownership: Any = None  # 0.29+, not needed
 
 
 _ArrayEvent = _StoredArray | _RemovedArray | ClearedArray
 _MapEvent = _StoredMap | _RemovedMap | ClearedMap
-
 
 
 # A non-release vLLM snapshot encodes the batch as a map (docs/wire-formats.md#vllm-map-batch-snapshot).
@@ -184,12 +199,22 @@ def _convert(w: Any) -> EngineEvent:
                 mm = _first_multimodal_block(w.mm_keys)
                 if mm is not None and (unkeyable is None or mm < unkeyable):
                     unkeyable = mm
-        return BlockStored(normalize_hashes(w.block_hashes), normalize_parent(parent),
-                           w.token_ids, w.block_size, w.lora_name, normalize_medium(w.medium), w.group_idx,
-                           w.kv_cache_spec_kind, salt, lora_id, remote, unkeyable)
+        return BlockStored(
+            normalize_hashes(w.block_hashes),
+            normalize_parent(parent),
+            w.token_ids,
+            w.block_size,
+            w.lora_name,
+            normalize_medium(w.medium),
+            w.group_idx,
+            w.kv_cache_spec_kind,
+            salt,
+            lora_id,
+            remote,
+            unkeyable,
+        )
     if t is _RemovedMap:
-        return BlockRemoved(normalize_hashes(w.block_hashes), normalize_medium(w.medium), w.group_idx,
-                            is_remote(w.locality))
+        return BlockRemoved(normalize_hashes(w.block_hashes), normalize_medium(w.medium), w.group_idx, is_remote(w.locality))
     if t is _RemovedArray:
         return BlockRemoved(normalize_hashes(w.block_hashes), normalize_medium(w.medium), w.group_idx)
     return AllBlocksCleared()

@@ -80,25 +80,25 @@ ResetCallback = Callable[[str], Awaitable[None] | None]
 
 @dataclass(slots=True)
 class SourceCounters:
-    batches: int = 0              # batches applied (live or replayed)
-    malformed_frames: int = 0     # ZMQ messages (live or replayed) that could not be decoded
-    malformed_events: int = 0     # single events rejected inside otherwise good batches
-    unknown_events: int = 0       # events with an unknown tag (skipped)
-    unknown_fields: int = 0       # events carrying fields we do not know (dropped; the event applies)
-    gaps: int = 0                 # seq jumped forward
-    unrecoverable_gaps: int = 0   # gaps the replay could not fill -> worker state reset
-    replays: int = 0              # replay requests sent
-    replayed_batches: int = 0     # batches applied from a replay
-    replay_timeouts: int = 0      # replay requests that got no (complete) answer in time
-    sequence_resets: int = 0      # seq went backwards: engine restarted
-    duplicate_batches: int = 0    # live copies of batches a replay already applied
+    batches: int = 0  # batches applied (live or replayed)
+    malformed_frames: int = 0  # ZMQ messages (live or replayed) that could not be decoded
+    malformed_events: int = 0  # single events rejected inside otherwise good batches
+    unknown_events: int = 0  # events with an unknown tag (skipped)
+    unknown_fields: int = 0  # events carrying fields we do not know (dropped; the event applies)
+    gaps: int = 0  # seq jumped forward
+    unrecoverable_gaps: int = 0  # gaps the replay could not fill -> worker state reset
+    replays: int = 0  # replay requests sent
+    replayed_batches: int = 0  # batches applied from a replay
+    replay_timeouts: int = 0  # replay requests that got no (complete) answer in time
+    sequence_resets: int = 0  # seq went backwards: engine restarted
+    duplicate_batches: int = 0  # live copies of batches a replay already applied
     incomplete_catch_ups: int = 0  # catch-up from seq 0 found the start no longer buffered
-    callback_errors: int = 0      # exceptions raised by on_batch / on_reset
-    rank_mismatches: int = 0      # batches naming another data-parallel rank than the socket's (not applied)
-    reconnects: int = 0           # the SUB's connection to the publisher re-established
-    reconnect_resets: int = 0     # reconnects to another history (engine restarted) or an unverifiable one
-    oversize_frames: int = 0      # connections ZMQ closed for a frame over max_frame_bytes (SUB or replay)
-    oversize_batches: int = 0     # batches claiming more events than max_batch_events (dropped undecoded)
+    callback_errors: int = 0  # exceptions raised by on_batch / on_reset
+    rank_mismatches: int = 0  # batches naming another data-parallel rank than the socket's (not applied)
+    reconnects: int = 0  # the SUB's connection to the publisher re-established
+    reconnect_resets: int = 0  # reconnects to another history (engine restarted) or an unverifiable one
+    oversize_frames: int = 0  # connections ZMQ closed for a frame over max_frame_bytes (SUB or replay)
+    oversize_batches: int = 0  # batches claiming more events than max_batch_events (dropped undecoded)
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -106,9 +106,9 @@ class SourceCounters:
 
 @dataclass(slots=True)
 class _Replay:
-    batches: dict[int, DecodedBatch]         # seq -> batch (a payload that cannot be decoded is missing)
-    digests: dict[int, int]                  # seq -> payload digest
-    complete: bool                           # end marker seen
+    batches: dict[int, DecodedBatch]  # seq -> batch (a payload that cannot be decoded is missing)
+    digests: dict[int, int]  # seq -> payload digest
+    complete: bool  # end marker seen
 
 
 class ZmqEventSource:
@@ -117,11 +117,23 @@ class ZmqEventSource:
     functions or coroutines. `decode`: the engine's payload decoder. `expected_rank`: the rank the
     batches must name (None: not checked)."""
 
-    def __init__(self, endpoint: str, on_batch: BatchCallback, on_reset: ResetCallback,
-                 replay_endpoint: str | None = None, *, decode: PayloadDecoder = vllm_wire.decode_payload,
-                 expected_rank: int | None = None, bind: bool = False, topic: str = "",
-                 replay_timeout_s: float = 1.0, replay_max_s: float = 30.0, rcvhwm: int = 100_000,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, context: zmq.asyncio.Context | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        on_batch: BatchCallback,
+        on_reset: ResetCallback,
+        replay_endpoint: str | None = None,
+        *,
+        decode: PayloadDecoder = vllm_wire.decode_payload,
+        expected_rank: int | None = None,
+        bind: bool = False,
+        topic: str = "",
+        replay_timeout_s: float = 1.0,
+        replay_max_s: float = 30.0,
+        rcvhwm: int = 100_000,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
         self.endpoint, self.replay_endpoint, self.bind, self.topic = endpoint, replay_endpoint, bind, topic
         self.on_batch, self.on_reset = on_batch, on_reset
         self.decode, self.expected_rank = decode, expected_rank
@@ -130,15 +142,15 @@ class ZmqEventSource:
         self.counters = SourceCounters()
         self.last_seq: int | None = None
         self.bound_endpoint: str | None = None  # the SUB's resolved address when bind=True (e.g. port 0)
-        self.ready = asyncio.Event()            # set once the SUB socket is bound/connected
+        self.ready = asyncio.Event()  # set once the SUB socket is bound/connected
         self._own_ctx = context is None
         self._ctx = context or zmq.asyncio.Context()
-        self._replayed: dict[int, int] = {}    # seq -> digest of batches applied by a catch-up replay
+        self._replayed: dict[int, int] = {}  # seq -> digest of batches applied by a catch-up replay
         self._replayed_max = -1
-        self._last_digest: int | None = None   # payload digest of batch `last_seq` (reconnect check)
-        self._connections = 0                  # ZMTP handshakes with the publisher so far
-        self.publisher_connected = False       # a publisher handshake and no disconnect since (readiness)
-        self._lost_at: float | None = None     # when a connected SUB lost its publisher, until ZMQ retries
+        self._last_digest: int | None = None  # payload digest of batch `last_seq` (reconnect check)
+        self._connections = 0  # ZMTP handshakes with the publisher so far
+        self.publisher_connected = False  # a publisher handshake and no disconnect since (readiness)
+        self._lost_at: float | None = None  # when a connected SUB lost its publisher, until ZMQ retries
         self._sub: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._log = RateLimitedLog(log)
@@ -155,8 +167,7 @@ class ZmqEventSource:
         sub.setsockopt(zmq.RCVHWM, self.rcvhwm)  # ZMQ's default 1000 drops the bursts of a busy engine
         sub.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
-        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-                                         | zmq.EVENT_CONNECT_RETRIED)
+        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
         try:
             endpoint = open_zmq(sub, "--kv-events-bind" if self.bind else "--kv-events", self.endpoint, bind=self.bind)
         except BaseException:
@@ -170,8 +181,13 @@ class ZmqEventSource:
         self.open()
         sub, monitor = self._sub, self._monitor
         assert sub is not None and monitor is not None
-        log.info("KV events: SUB %s %s (topic %r, replay %s)", "bound to" if self.bind else "connected to",
-                 self.bound_endpoint or self.endpoint, self.topic, self.replay_endpoint or "off")
+        log.info(
+            "KV events: SUB %s %s (topic %r, replay %s)",
+            "bound to" if self.bind else "connected to",
+            self.bound_endpoint or self.endpoint,
+            self.topic,
+            self.replay_endpoint or "off",
+        )
         try:
             poller = zmq.asyncio.Poller()
             poller.register(sub, zmq.POLLIN)
@@ -233,9 +249,13 @@ class ZmqEventSource:
             return
         self._lost_at = None
         self.counters.oversize_frames += 1
-        self._log.warning("oversize_frame", "KV events: ZMQ closed the connection to %s without reconnecting (a frame "
-                          "over %d bytes, or one that broke ZMTP framing): connecting again", self.endpoint,
-                          self.max_frame_bytes)
+        self._log.warning(
+            "oversize_frame",
+            "KV events: ZMQ closed the connection to %s without reconnecting (a frame "
+            "over %d bytes, or one that broke ZMTP framing): connecting again",
+            self.endpoint,
+            self.max_frame_bytes,
+        )
         try:
             sub.disconnect(self.endpoint)
         except zmq.ZMQError:
@@ -313,22 +333,40 @@ class ZmqEventSource:
         c = self.counters
         if self.expected_rank is not None and batch.dp_rank is not None and batch.dp_rank != self.expected_rank:
             c.rank_mismatches += 1
-            self._log.warning("rank", "KV event batch seq %d names data-parallel rank %d on rank %d's socket: "
-                              "not applied", batch.seq, batch.dp_rank, self.expected_rank)
+            self._log.warning(
+                "rank",
+                "KV event batch seq %d names data-parallel rank %d on rank %d's socket: not applied",
+                batch.seq,
+                batch.dp_rank,
+                self.expected_rank,
+            )
             return
         c.batches += 1
         if batch.bad_events:
             c.malformed_events += len(batch.bad_events)
-            self._log.warning("bad_event", "KV event batch seq %d: %d malformed events skipped (first: %s)",
-                                         batch.seq, len(batch.bad_events), batch.bad_events[0])
+            self._log.warning(
+                "bad_event",
+                "KV event batch seq %d: %d malformed events skipped (first: %s)",
+                batch.seq,
+                len(batch.bad_events),
+                batch.bad_events[0],
+            )
         if batch.unknown_fields:
             c.unknown_fields += len(batch.unknown_fields)
-            self._log.warning("unknown_fields", "KV event batch seq %d: fields not known to this agent dropped (%s)",
-                              batch.seq, "; ".join(batch.unknown_fields[:3]))
+            self._log.warning(
+                "unknown_fields",
+                "KV event batch seq %d: fields not known to this agent dropped (%s)",
+                batch.seq,
+                "; ".join(batch.unknown_fields[:3]),
+            )
         if batch.unknown_events:
             c.unknown_events += len(batch.unknown_events)
-            self._log.warning("unknown_event", "KV event batch seq %d: unknown event types %s skipped", batch.seq,
-                                         sorted(set(batch.unknown_events)))
+            self._log.warning(
+                "unknown_event",
+                "KV event batch seq %d: unknown event types %s skipped",
+                batch.seq,
+                sorted(set(batch.unknown_events)),
+            )
         try:
             result = self.on_batch(batch)
             if inspect.isawaitable(result):
@@ -364,8 +402,7 @@ class ZmqEventSource:
                 first = i  # a hole: what came before it lacks the lost events
         if seqs[first] > 0:
             self.counters.incomplete_catch_ups += 1
-            log.info("KV event catch-up: replay buffer holds seq %d..%d; earlier events are not known",
-                     seqs[first], seqs[-1])
+            log.info("KV event catch-up: replay buffer holds seq %d..%d; earlier events are not known", seqs[first], seqs[-1])
         for s in seqs[first:]:
             await self._apply_replayed(s, replay.batches[s], replay.digests[s])
         if stop_before is None:  # live copies of these may already be queued on the SUB socket
@@ -383,17 +420,19 @@ class ZmqEventSource:
         if replay is not None and replay.complete and replay.digests.get(last) == self._last_digest:
             later = sorted(s for s in replay.batches if s > last)
             if later:  # published while we were disconnected
-                log.info("KV events: reconnected to the same publisher; %d batches missed meanwhile replayed",
-                         len(later))
+                log.info("KV events: reconnected to the same publisher; %d batches missed meanwhile replayed", len(later))
                 await self._fill_gap(last + 1, later[-1] + 1, replay)
                 self._remember_replayed(replay, later)
             return
         self.counters.reconnect_resets += 1
-        why = ("no complete replay answer" if replay is None or not replay.complete
-               else f"its replay buffer lacks our last batch (seq {last})" if last not in replay.digests
-               else f"its batch seq {last} is not the one we applied")
-        log.warning("KV events: reconnected to a publisher with another history (%s): engine restarted, "
-                    "worker state reset", why)
+        why = (
+            "no complete replay answer"
+            if replay is None or not replay.complete
+            else f"its replay buffer lacks our last batch (seq {last})"
+            if last not in replay.digests
+            else f"its batch seq {last} is not the one we applied"
+        )
+        log.warning("KV events: reconnected to a publisher with another history (%s): engine restarted, worker state reset", why)
         await self._reset("publisher restarted")
         self._forget_position()
         await self._catch_up_from_zero(None)
@@ -406,9 +445,13 @@ class ZmqEventSource:
         if missing:
             first, last = missing
             self.counters.unrecoverable_gaps += 1
-            why = ("no replay endpoint" if not self.replay_endpoint else "no replay answer" if replay is None
-                   else f"replay buffer lacks seq {first}" + (f"..{last}" if last > first else "") + " (or has no "
-                   "readable copy)")
+            why = (
+                "no replay endpoint"
+                if not self.replay_endpoint
+                else "no replay answer"
+                if replay is None
+                else f"replay buffer lacks seq {first}" + (f"..{last}" if last > first else "") + " (or has no readable copy)"
+            )
             log.warning("KV event gap [%d, %d) not recoverable (%s): worker state reset", start, stop_before, why)
             await self._reset("gap not recoverable")
             start = last + 1  # batches before the last lost one apply to state we just dropped
@@ -441,10 +484,14 @@ class ZmqEventSource:
                 if timeout <= 0 or not await dealer.poll(int(timeout * 1000)):
                     self.counters.replay_timeouts += 1
                     dropped = await self._dropped_for_a_protocol_error(monitor)
-                    log.warning("replay from seq %d (%s): no %s within %.1fs%s", start, self.replay_endpoint,
-                                "end marker" if out.batches else "answer", self.replay_timeout_s,
-                                f" (ZMQ closed the connection: a frame over {self.max_frame_bytes} bytes)" if dropped
-                                else "")
+                    log.warning(
+                        "replay from seq %d (%s): no %s within %.1fs%s",
+                        start,
+                        self.replay_endpoint,
+                        "end marker" if out.batches else "answer",
+                        self.replay_timeout_s,
+                        f" (ZMQ closed the connection: a frame over {self.max_frame_bytes} bytes)" if dropped else "",
+                    )
                     return out if out.batches else None
                 message = read_replay_reply(await dealer.recv_multipart())
                 if isinstance(message, str):
@@ -472,8 +519,13 @@ class ZmqEventSource:
                 out.batches[seq] = decoded
                 out.digests[seq] = _digest(payload)
                 if len(out.batches) >= MAX_REPLAY_BATCHES:
-                    self._log.warning("replay_size", "replay from seq %d (%s): stopped after %d batches",
-                                      start, self.replay_endpoint, len(out.batches))
+                    self._log.warning(
+                        "replay_size",
+                        "replay from seq %d (%s): stopped after %d batches",
+                        start,
+                        self.replay_endpoint,
+                        len(out.batches),
+                    )
                     return out
         except TimeoutError:
             self.counters.replay_timeouts += 1
@@ -511,9 +563,9 @@ def read_replay_reply(frames: list[bytes]) -> tuple[bytes, bytes] | str:
     (docs/wire-formats.md#replay-reply-framings), or why it is not one. The end marker's seq8 is END_SEQ."""
     if frames and frames[0] == b"":
         frames = frames[1:]  # the DEALER-side empty delimiter
-    if len(frames) == 3:     # new framing (vLLM >= 0.26, SGLang >= 0.5.22): [topic, seq8, payload]
+    if len(frames) == 3:  # new framing (vLLM >= 0.26, SGLang >= 0.5.22): [topic, seq8, payload]
         seq8, payload = frames[1], frames[2]
-    elif len(frames) == 2:   # old framing: [seq8, payload]
+    elif len(frames) == 2:  # old framing: [seq8, payload]
         seq8, payload = frames
     else:
         return f"{len(frames)} frames"

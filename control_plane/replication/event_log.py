@@ -40,16 +40,25 @@ class AgentSession:
     epoch: int
     instance: str
     resume: bool
-    last_seq: int            # the log's last seq from this agent at registration (0 without resume)
+    last_seq: int  # the log's last seq from this agent at registration (0 without resume)
     peer: str
     record: WorkerRecord | None = None  # LocalEventLog: the record it registered
-    owner: str = ""                     # RedisEventLog: the owner key's value this stream holds
+    owner: str = ""  # RedisEventLog: the owner key's value this stream holds
 
 
 def register_body(req: pb.RegisterWorker, peer: str) -> RegisterBody:
-    return RegisterBody(req.model, req.engine, req.block_size, req.endpoint, req.engine_version,
-                        list(req.lora_adapters), req.data_parallel_rank if req.HasField("data_parallel_rank") else None,
-                        req.agent_instance, peer, parse_role(req.role))
+    return RegisterBody(
+        req.model,
+        req.engine,
+        req.block_size,
+        req.endpoint,
+        req.engine_version,
+        list(req.lora_adapters),
+        req.data_parallel_rank if req.HasField("data_parallel_rank") else None,
+        req.agent_instance,
+        peer,
+        parse_role(req.role),
+    )
 
 
 def check_register(req: pb.RegisterWorker) -> None:
@@ -57,8 +66,7 @@ def check_register(req: pb.RegisterWorker) -> None:
     if not req.worker_id:
         raise LogRefusal(grpc.StatusCode.INVALID_ARGUMENT, "bad_register", "worker_id must not be empty")
     if req.block_size <= 0:
-        raise LogRefusal(grpc.StatusCode.INVALID_ARGUMENT, "bad_register",
-                         f"block_size must be positive, got {req.block_size}")
+        raise LogRefusal(grpc.StatusCode.INVALID_ARGUMENT, "bad_register", f"block_size must be positive, got {req.block_size}")
     if not req.model:
         raise LogRefusal(grpc.StatusCode.INVALID_ARGUMENT, "bad_register", "model must not be empty")
     try:
@@ -66,8 +74,11 @@ def check_register(req: pb.RegisterWorker) -> None:
     except ValueError as exc:
         raise LogRefusal(grpc.StatusCode.INVALID_ARGUMENT, "bad_register", str(exc)) from None
     if (why := endpoint_problem(req.endpoint)) is not None:
-        raise LogRefusal(grpc.StatusCode.INVALID_ARGUMENT, "bad_register",
-                         f"endpoint must be the engine's http(s) base URL, got {req.endpoint!r}: {why}")
+        raise LogRefusal(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "bad_register",
+            f"endpoint must be the engine's http(s) base URL, got {req.endpoint!r}: {why}",
+        )
 
 
 def endpoint_problem(endpoint: str) -> str | None:
@@ -87,8 +98,10 @@ def endpoint_problem(endpoint: str) -> str | None:
 
 
 def in_use_detail(worker_id: str, holder_peer: str, peer: str) -> str:
-    return (f"worker id {worker_id!r} is already connected from {holder_peer} (this connection: {peer}); "
-            "each agent needs its own --worker-id")
+    return (
+        f"worker id {worker_id!r} is already connected from {holder_peer} (this connection: {peer}); "
+        "each agent needs its own --worker-id"
+    )
 
 
 class EventLog(Protocol):
@@ -96,8 +109,9 @@ class EventLog(Protocol):
 
     async def register(self, req: pb.RegisterWorker, peer: str) -> AgentSession: ...
 
-    async def append_batch(self, session: AgentSession, seq: int, snapshot: bool, ops: list[BlockOp],
-                           source: pb.EventBatch | None = None) -> None:
+    async def append_batch(
+        self, session: AgentSession, seq: int, snapshot: bool, ops: list[BlockOp], source: pb.EventBatch | None = None
+    ) -> None:
         """`ops` is the batch; `source` the agent's message it came from, when there is one."""
 
     async def heartbeat(self, session: AgentSession, body: HeartbeatBody) -> None: ...
@@ -125,31 +139,39 @@ class LocalEventLog:
         holder = self.registry.holder(req.worker_id)
         same_agent = holder is not None and req.agent_instance and holder.agent_instance == req.agent_instance
         if holder is not None and not same_agent:  # refused before anything changes
-            raise LogRefusal(grpc.StatusCode.ALREADY_EXISTS, "worker_id_in_use",
-                             in_use_detail(req.worker_id, holder.peer, peer))
+            raise LogRefusal(grpc.StatusCode.ALREADY_EXISTS, "worker_id_in_use", in_use_detail(req.worker_id, holder.peer, peer))
         old = self.registry.get(req.worker_id)
-        resume = (old is not None and bool(req.agent_instance) and old.agent_instance == req.agent_instance
-                  and old.model == req.model and old.block_size == req.block_size)
+        resume = (
+            old is not None
+            and bool(req.agent_instance)
+            and old.agent_instance == req.agent_instance
+            and old.model == req.model
+            and old.block_size == req.block_size
+        )
         record = self.applier.register(req.worker_id, register_body(req, peer), resume)
-        return AgentSession(record.worker_id, record.generation, req.agent_instance, resume, record.last_seq, peer,
-                            record)
+        return AgentSession(record.worker_id, record.generation, req.agent_instance, resume, record.last_seq, peer, record)
 
     def _current(self, session: AgentSession) -> WorkerRecord:
         record = session.record
         assert record is not None
         if record.generation != session.epoch or self.registry.get(record.worker_id) is not record:
-            raise LogRefusal(grpc.StatusCode.ABORTED, "superseded",
-                             f"worker {record.worker_id!r} was re-registered or expired; reconnect")
+            raise LogRefusal(
+                grpc.StatusCode.ABORTED, "superseded", f"worker {record.worker_id!r} was re-registered or expired; reconnect"
+            )
         self.registry.touch(record)
         return record
 
-    async def append_batch(self, session: AgentSession, seq: int, snapshot: bool, ops: list[BlockOp],
-                           source: pb.EventBatch | None = None) -> None:
+    async def append_batch(
+        self, session: AgentSession, seq: int, snapshot: bool, ops: list[BlockOp], source: pb.EventBatch | None = None
+    ) -> None:
         record = self._current(session)
         if seq != record.last_seq + 1:
-            raise LogRefusal(grpc.StatusCode.FAILED_PRECONDITION, "sequence",
-                             f"worker {record.worker_id!r}: expected batch seq {record.last_seq + 1}, got {seq}; "
-                             "reconnect and send a snapshot")
+            raise LogRefusal(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "sequence",
+                f"worker {record.worker_id!r}: expected batch seq {record.last_seq + 1}, got {seq}; "
+                "reconnect and send a snapshot",
+            )
         self.applier.apply_batch(record, seq, snapshot, ops)
 
     async def heartbeat(self, session: AgentSession, body: HeartbeatBody) -> None:

@@ -72,7 +72,7 @@ _OP_NAMES = ("open", "reserve", "prefill_done", "release", "close", "beat")
 class RouterOp(msgspec.Struct, array_like=True):
     kind: int
     router_id: str = ""
-    session: int = 0            # the session's number on the publishing replica
+    session: int = 0  # the session's number on the publishing replica
     reservation_id: int = 0
     worker_id: str = ""
     block_size: int = 0
@@ -88,10 +88,10 @@ class HeldReservation(msgspec.Struct, array_like=True):
     reservation_id: int
     worker_id: str
     block_size: int
-    prefill_tokens: int      # still pending (0 after prefill_done)
+    prefill_tokens: int  # still pending (0 after prefill_done)
     max_age_ms: int
-    claim_ttl_ms: int = 0    # 0: no live claims
-    keys: bytes = b""        # the keys it claims (pack_keys)
+    claim_ttl_ms: int = 0  # 0: no live claims
+    keys: bytes = b""  # the keys it claims (pack_keys)
 
 
 class HeldSession(msgspec.Struct, array_like=True):
@@ -109,27 +109,38 @@ _ENCODE = msgspec.msgpack.Encoder().encode
 class SyncCounters:
     published: int = 0
     applied: int = 0
-    publish_failures: int = 0        # ops lost while Redis was unreachable (the next state repairs them)
-    unknown_worker: int = 0          # a reservation on a worker this replica does not know (yet)
+    publish_failures: int = 0  # ops lost while Redis was unreachable (the next state repairs them)
+    unknown_worker: int = 0  # a reservation on a worker this replica does not know (yet)
     dropped_silent_replicas: int = 0
     states_published: int = 0
     states_applied: int = 0
-    unknown_session: int = 0         # reserve/prefill_done/release for a session not mirrored here (ops lost)
-    before_state: int = 0            # the same from a replica whose first state this one has not read yet
-    superseded: int = 0              # the same for a router's older session after it opened a newer one (its
-                                     # reservations were re-sent there: nothing lost)
-    restored_sessions: int = 0       # sessions a state held that the ops had not opened here (all, at start)
-    restored_reservations: int = 0   # the same for reservations
-    dropped_by_state: int = 0        # sessions and reservations a state no longer held (they ended at their
-                                     # origin without an op reaching here, or expired there first)
-    malformed_entries: int = 0       # entries that did not decode (skipped)
+    unknown_session: int = 0  # reserve/prefill_done/release for a session not mirrored here (ops lost)
+    before_state: int = 0  # the same from a replica whose first state this one has not read yet
+    superseded: int = 0  # the same for a router's older session after it opened a newer one (its
+    # reservations were re-sent there: nothing lost)
+    restored_sessions: int = 0  # sessions a state held that the ops had not opened here (all, at start)
+    restored_reservations: int = 0  # the same for reservations
+    dropped_by_state: int = 0  # sessions and reservations a state no longer held (they ended at their
+    # origin without an op reaching here, or expired there first)
+    malformed_entries: int = 0  # entries that did not decode (skipped)
 
 
 class InflightSync:
-    def __init__(self, redis, inflight: InflightTracker, registry: WorkerRegistry, replica_id: str,
-                 silent_after_s: float = 3.0, beat_s: float = 1.0, max_len: int = 100_000, state_s: float = 2.0,
-                 replay_s: float | None = None, retain_s: float = 60.0, read_count: int = 1000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        redis,
+        inflight: InflightTracker,
+        registry: WorkerRegistry,
+        replica_id: str,
+        silent_after_s: float = 3.0,
+        beat_s: float = 1.0,
+        max_len: int = 100_000,
+        state_s: float = 2.0,
+        replay_s: float | None = None,
+        retain_s: float = 60.0,
+        read_count: int = 1000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.redis, self.inflight, self.registry = redis, inflight, registry
         self.replica_id = replica_id.encode()
         self.silent_after_s, self.beat_s, self.max_len = silent_after_s, beat_s, max_len
@@ -139,7 +150,7 @@ class InflightSync:
         self.read_count = read_count
         self.clock = clock
         self.counters = SyncCounters()
-        self.ready = False               # the stream's recent past is replayed
+        self.ready = False  # the stream's recent past is replayed
         self._outbox: list[RouterOp] = []
         self._state_due = False
         self._local: dict[int, RouterSessionState] = {}  # this replica's router sessions, by session id
@@ -165,10 +176,31 @@ class InflightSync:
         self._latest[router_id] = (self.replica_id, session.session_id)
         self._publish(RouterOp(OPEN, router_id, session.session_id))
 
-    def reserved(self, session: RouterSessionState, reservation_id: int, worker_id: str, block_size: int,
-                 keys, prefill_tokens: int, ttl_ms: int, prompt_tokens: int) -> None:
-        self._publish(RouterOp(RESERVE, session.router.router_id, session.session_id, reservation_id, worker_id,
-                               block_size, pack_keys(keys), prefill_tokens, ttl_ms, prompt_tokens))
+    def reserved(
+        self,
+        session: RouterSessionState,
+        reservation_id: int,
+        worker_id: str,
+        block_size: int,
+        keys,
+        prefill_tokens: int,
+        ttl_ms: int,
+        prompt_tokens: int,
+    ) -> None:
+        self._publish(
+            RouterOp(
+                RESERVE,
+                session.router.router_id,
+                session.session_id,
+                reservation_id,
+                worker_id,
+                block_size,
+                pack_keys(keys),
+                prefill_tokens,
+                ttl_ms,
+                prompt_tokens,
+            )
+        )
 
     def prefill_done(self, session: RouterSessionState, reservation_id: int) -> None:
         self._publish(RouterOp(PREFILL_DONE, session.router.router_id, session.session_id, reservation_id))
@@ -220,9 +252,14 @@ class InflightSync:
         self.inflight.expire()  # nothing due goes out
         now = self.inflight.clock()
         workers = {record.slot: record for record in self.registry.workers()}
-        return [HeldSession(s.router.router_id, s.session_id,
-                            [_held(r, workers[r.slot], now) for r in s.reservations.values() if r.slot in workers])
-                for s in self._local.values()]
+        return [
+            HeldSession(
+                s.router.router_id,
+                s.session_id,
+                [_held(r, workers[r.slot], now) for r in s.reservations.values() if r.slot in workers],
+            )
+            for s in self._local.values()
+        ]
 
     # ------------------------------------------------------------ what other replicas' routers do
 
@@ -275,8 +312,11 @@ class InflightSync:
                     position = await self._replay_recent()
                     self.ready = True
                     self._drop_silent()  # replicas whose last entry was already old
-                    log.info("router sessions of other replicas replayed: %d sessions, %d reservations",
-                             len(self._remote), self.inflight.reservation_count())
+                    log.info(
+                        "router sessions of other replicas replayed: %d sessions, %d reservations",
+                        len(self._remote),
+                        self.inflight.reservation_count(),
+                    )
                 reply = await self.redis.xread({STREAM: position}, count=self.read_count, block=1000)
                 backoff.reset()
             except asyncio.CancelledError:
@@ -326,8 +366,9 @@ class InflightSync:
             state = _STATE.decode(fields[b"s"]) if b"s" in fields else None
         except (KeyError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.counters.malformed_entries += 1
-            self._problems.warning("malformed", "in-flight stream entry %s from %r does not decode (skipped): %s",
-                                   entry_id.decode(), replica, exc)
+            self._problems.warning(
+                "malformed", "in-flight stream entry %s from %r does not decode (skipped): %s", entry_id.decode(), replica, exc
+            )
             return
         self._heard[replica] = self.clock() - age_s
         for op in ops:
@@ -369,10 +410,16 @@ class InflightSync:
             self.counters.before_state += 1
             return
         self.counters.unknown_session += 1
-        self._problems.warning("unknown_session", "replica %s: %s for router %s's session %d, which this replica "
-                               "does not mirror (ops lost while Redis was unreachable, or trimmed); that replica's "
-                               "next state repairs it", replica.decode(errors="replace"), _OP_NAMES[op.kind],
-                               op.router_id, op.session)
+        self._problems.warning(
+            "unknown_session",
+            "replica %s: %s for router %s's session %d, which this replica "
+            "does not mirror (ops lost while Redis was unreachable, or trimmed); that replica's "
+            "next state repairs it",
+            replica.decode(errors="replace"),
+            _OP_NAMES[op.kind],
+            op.router_id,
+            op.session,
+        )
 
     def _reserve(self, session: RouterSessionState, op: RouterOp, age_s: float) -> None:
         record = self._worker(op.worker_id)
@@ -388,8 +435,17 @@ class InflightSync:
             if ttl_ms <= 0:
                 keys, ttl_ms = [], 0
         try:
-            self.inflight.reserve(session, op.reservation_id, record.slot, keys, op.prefill_tokens, ttl_ms,
-                                  op.prompt_tokens, record.block_size, max_age_s)
+            self.inflight.reserve(
+                session,
+                op.reservation_id,
+                record.slot,
+                keys,
+                op.prefill_tokens,
+                ttl_ms,
+                op.prompt_tokens,
+                record.block_size,
+                max_age_s,
+            )
         except DuplicateReservation:
             pass
 
@@ -408,8 +464,7 @@ class InflightSync:
             if session is None:
                 if self._superseded(held.router_id, replica, held.session):
                     continue  # the router opened a session since: that one counts
-                session = self._remote[key] = self.inflight.open_session(held.router_id, replica.decode(),
-                                                                         held.session)
+                session = self._remote[key] = self.inflight.open_session(held.router_id, replica.decode(), held.session)
                 self.counters.restored_sessions += 1
             listed.add(key)
             wanted = {r.reservation_id for r in held.reservations}
@@ -439,8 +494,17 @@ class InflightSync:
         ttl_ms = math.ceil(held.claim_ttl_ms - age_s * 1000) if held.claim_ttl_ms else 0
         keys = unpack_keys(held.keys) if ttl_ms > 0 and held.block_size == record.block_size else []
         # The prefill is the origin's, already capped there: no prompt_tokens to cap it again.
-        self.inflight.reserve(session, held.reservation_id, record.slot, keys, held.prefill_tokens,
-                              ttl_ms if keys else 0, 0, record.block_size, max_age_s)
+        self.inflight.reserve(
+            session,
+            held.reservation_id,
+            record.slot,
+            keys,
+            held.prefill_tokens,
+            ttl_ms if keys else 0,
+            0,
+            record.block_size,
+            max_age_s,
+        )
         self.counters.restored_reservations += 1
 
     def _worker(self, worker_id: str) -> WorkerRecord | None:
@@ -464,8 +528,7 @@ class InflightSync:
     def _drop_replica(self, replica: bytes) -> None:
         keys = [k for k in self._remote if k[0] == replica]
         if keys:
-            log.warning("replica %s silent for %.0fs: dropping its routers' reservations", replica.decode(),
-                        self.silent_after_s)
+            log.warning("replica %s silent for %.0fs: dropping its routers' reservations", replica.decode(), self.silent_after_s)
             self.counters.dropped_silent_replicas += 1
         for key in keys:
             self._close(key)
@@ -476,7 +539,12 @@ class InflightSync:
 
 def _held(reservation: Reservation, record: WorkerRecord, now: float) -> HeldReservation:
     claimed = reservation.claimed_keys
-    return HeldReservation(reservation.reservation_id, record.worker_id, record.block_size, reservation.prefill_tokens,
-                           max(1, math.ceil((reservation.expires_at - now) * 1000)),
-                           max(1, math.ceil((reservation.claims_expire_at - now) * 1000)) if claimed else 0,
-                           pack_keys(claimed) if claimed else b"")
+    return HeldReservation(
+        reservation.reservation_id,
+        record.worker_id,
+        record.block_size,
+        reservation.prefill_tokens,
+        max(1, math.ceil((reservation.expires_at - now) * 1000)),
+        max(1, math.ceil((reservation.claims_expire_at - now) * 1000)) if claimed else 0,
+        pack_keys(claimed) if claimed else b"",
+    )

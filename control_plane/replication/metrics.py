@@ -17,26 +17,31 @@ class RedisLogCollector:
 
     def collect(self):
         rlog = self.redis_log
-        events = CounterMetricFamily("kvroute_cp_redis_log_events_total",
-                                     "Redis log events (see control_plane.replication.redis_log.RedisLogCounters)",
-                                     labels=["event"])
+        events = CounterMetricFamily(
+            "kvroute_cp_redis_log_events_total",
+            "Redis log events (see control_plane.replication.redis_log.RedisLogCounters)",
+            labels=["event"],
+        )
         for name, value in dataclasses.asdict(rlog.counters).items():
             events.add_metric([name], value)
         yield events
         ready = rlog.ready and (self.inflight_sync is None or self.inflight_sync.ready)
-        yield GaugeMetricFamily("kvroute_cp_redis_ready", "1 once the log is loaded and caught up and the other "
-                                "replicas' router sessions replayed", value=int(ready))
-        yield GaugeMetricFamily("kvroute_cp_redis_reachable", "1 while the last Redis call succeeded",
-                                value=int(rlog.redis_ok))
-        applied = GaugeMetricFamily("kvroute_cp_redis_shard_entries_applied", "Entry number applied per shard",
-                                    labels=["shard"])
+        yield GaugeMetricFamily(
+            "kvroute_cp_redis_ready",
+            "1 once the log is loaded and caught up and the other replicas' router sessions replayed",
+            value=int(ready),
+        )
+        yield GaugeMetricFamily("kvroute_cp_redis_reachable", "1 while the last Redis call succeeded", value=int(rlog.redis_ok))
+        applied = GaugeMetricFamily("kvroute_cp_redis_shard_entries_applied", "Entry number applied per shard", labels=["shard"])
         for tail in rlog.shards:
             applied.add_metric([str(tail.keys.shard)], tail.n)
         yield applied
         if self.inflight_sync is not None:
-            sync = CounterMetricFamily("kvroute_cp_inflight_sync_events_total",
-                                       "Reservations shared with other replicas (see control_plane.replication."
-                                       "inflight_sync.SyncCounters)", labels=["event"])
+            sync = CounterMetricFamily(
+                "kvroute_cp_inflight_sync_events_total",
+                "Reservations shared with other replicas (see control_plane.replication.inflight_sync.SyncCounters)",
+                labels=["event"],
+            )
             for name, value in dataclasses.asdict(self.inflight_sync.counters).items():
                 sync.add_metric([name], value)
             yield sync

@@ -199,8 +199,8 @@ class ShardTail:
     """How far this replica has applied one shard."""
 
     keys: ShardKeys
-    position: bytes = NO_ID     # stream id of the last entry applied (or the snapshot's)
-    n: int = 0                  # its entry number
+    position: bytes = NO_ID  # stream id of the last entry applied (or the snapshot's)
+    n: int = 0  # its entry number
     head_at_start: bytes = NO_ID
     caught_up: bool = False
     reloads: int = 0
@@ -210,16 +210,16 @@ class ShardTail:
 class RedisLogCounters:
     appended: int = 0
     applied: int = 0
-    stale_entries: int = 0       # entries of an epoch that is not the worker's current one (not applied)
-    out_of_sequence: int = 0     # batches not at last_seq + 1 (not applied)
+    stale_entries: int = 0  # entries of an epoch that is not the worker's current one (not applied)
+    out_of_sequence: int = 0  # batches not at last_seq + 1 (not applied)
     stale_epoch_refusals: int = 0
     redis_errors: int = 0
-    shard_reloads: int = 0       # gaps in a shard's entry numbers: reloaded from its snapshot
-    expiries: int = 0            # expire entries this replica appended
+    shard_reloads: int = 0  # gaps in a shard's entry numbers: reloaded from its snapshot
+    expiries: int = 0  # expire entries this replica appended
     snapshots_written: int = 0
-    snapshot_refusals: int = 0   # snapshot writes refused (an older token or an older position)
-    snapshot_skips: int = 0      # shards not written: a worker there lost entries to --max-index-entries
-    snapshots_loaded: int = 0    # worker snapshots applied at start or on a reload
+    snapshot_refusals: int = 0  # snapshot writes refused (an older token or an older position)
+    snapshot_skips: int = 0  # shards not written: a worker there lost entries to --max-index-entries
+    snapshots_loaded: int = 0  # worker snapshots applied at start or on a reload
 
 
 @dataclass
@@ -228,8 +228,8 @@ class RedisLogConfig:
     replica_id: str = ""
     snapshot_interval_s: float = 10.0
     lease_ttl_s: float = 10.0
-    read_count: int = 1000       # entries per XREAD
-    block_ms: int = 1000         # XREAD BLOCK
+    read_count: int = 1000  # entries per XREAD
+    block_ms: int = 1000  # XREAD BLOCK
     unreachable_after_s: float = 1.0  # no successful Redis call for this long: degraded
 
 
@@ -243,8 +243,7 @@ class _Health:
 class RedisEventLog:
     """EventLog over Redis Streams (see the module docstring). `start()` loads and catches up."""
 
-    def __init__(self, applier: LogApplier, redis, config: RedisLogConfig,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, applier: LogApplier, redis, config: RedisLogConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.applier = applier
         self.registry = applier.registry
         self.redis = redis
@@ -252,7 +251,7 @@ class RedisEventLog:
         self.clock = clock
         self.counters = RedisLogCounters()
         self.shards = [ShardTail(ShardKeys(s)) for s in range(config.shards)]
-        self.epochs: dict[str, int] = {}     # worker id -> current epoch, as applied
+        self.epochs: dict[str, int] = {}  # worker id -> current epoch, as applied
         self.health = _Health()
         self.loaded = False
         self._register = redis.register_script(REGISTER)
@@ -291,8 +290,7 @@ class RedisEventLog:
             behind = [t.keys.shard for t in self.shards if not t.caught_up]
             out.append(f"catching up with the log ({len(behind)} of {len(self.shards)} shards behind)")
         if self.health.failing_since:
-            out.append(f"redis unreachable for {self.clock() - self.health.failing_since:.1f}s: "
-                       f"{self.health.last_error}")
+            out.append(f"redis unreachable for {self.clock() - self.health.failing_since:.1f}s: {self.health.last_error}")
         return out
 
     def _ok(self) -> None:
@@ -367,16 +365,19 @@ class RedisEventLog:
         await self.redis.set(key, len(self.shards), nx=True)
         stored = int(await self.redis.get(key))
         if stored != len(self.shards):
-            raise SystemExit(f"kvroute control-plane: error: --redis-shards {len(self.shards)} but the replicas "
-                             f"sharing this Redis use {stored}; start every replica with the same count")
+            raise SystemExit(
+                f"kvroute control-plane: error: --redis-shards {len(self.shards)} but the replicas "
+                f"sharing this Redis use {stored}; start every replica with the same count"
+            )
 
     def _mark_caught_up(self, tail: ShardTail) -> None:
         if not tail.caught_up and parse_id(tail.position) >= parse_id(tail.head_at_start):
             tail.caught_up = True
             if self.ready:
                 self._caught_up.set()
-                log.info("caught up with the log: %d workers, %d index entries", len(self.registry),
-                         self.registry.index.entry_count())
+                log.info(
+                    "caught up with the log: %d workers, %d index entries", len(self.registry), self.registry.index.entry_count()
+                )
 
     # ------------------------------------------------------------ loading
 
@@ -404,8 +405,7 @@ class RedisEventLog:
         stream = tail.keys.stream
         while True:
             try:
-                reply = await self.redis.xread({stream: tail.position}, count=self.config.read_count,
-                                               block=self.config.block_ms)
+                reply = await self.redis.xread({stream: tail.position}, count=self.config.read_count, block=self.config.block_ms)
                 if self._stopping:
                     return
                 self._ok()
@@ -453,8 +453,9 @@ class RedisEventLog:
         if kind == KIND_EXPIRE:
             self.epochs[worker_id] = epoch
             if self.applier.drop(worker_id, expired=True):
-                log.warning("worker %s expired (no heartbeat for %.1fs): dropped with its blocks", worker_id,
-                            self.heartbeat_timeout_s)
+                log.warning(
+                    "worker %s expired (no heartbeat for %.1fs): dropped with its blocks", worker_id, self.heartbeat_timeout_s
+                )
             return
         record = self.registry.get(worker_id)
         if record is None or self.epochs.get(worker_id) != epoch:
@@ -482,28 +483,37 @@ class RedisEventLog:
 
     def _unavailable(self, exc: BaseException) -> LogRefusal:
         self._failed(exc)
-        return LogRefusal(grpc.StatusCode.UNAVAILABLE, "redis_unreachable",
-                          f"control plane replica {self.config.replica_id}: redis unreachable ({type(exc).__name__}); "
-                          "try another replica")
+        return LogRefusal(
+            grpc.StatusCode.UNAVAILABLE,
+            "redis_unreachable",
+            f"control plane replica {self.config.replica_id}: redis unreachable ({type(exc).__name__}); try another replica",
+        )
 
     async def register(self, req: pb.RegisterWorker, peer: str) -> AgentSession:
         check_register(req)
         if not self.ready:
-            raise LogRefusal(grpc.StatusCode.UNAVAILABLE, "not_ready",
-                             f"control plane replica {self.config.replica_id} is catching up with the log; "
-                             "try another replica")
+            raise LogRefusal(
+                grpc.StatusCode.UNAVAILABLE,
+                "not_ready",
+                f"control plane replica {self.config.replica_id} is catching up with the log; try another replica",
+            )
         keys = self.keys_of(req.worker_id)
         owner = self._owner_value(req.agent_instance, peer)
         body = ENCODER.encode(register_body(req, peer))
         try:
-            reply = await self._register(keys=keys.for_worker(req.worker_id), args=[
-                req.worker_id, req.agent_instance, owner, int(self.heartbeat_timeout_s * 1000), body])
+            reply = await self._register(
+                keys=keys.for_worker(req.worker_id),
+                args=[req.worker_id, req.agent_instance, owner, int(self.heartbeat_timeout_s * 1000), body],
+            )
         except (RedisError, OSError) as exc:
             raise self._unavailable(exc) from None
         self._ok()
         if reply[0] == b"in_use":
-            raise LogRefusal(grpc.StatusCode.ALREADY_EXISTS, "worker_id_in_use",
-                             in_use_detail(req.worker_id, reply[1].decode(errors="replace"), peer))
+            raise LogRefusal(
+                grpc.StatusCode.ALREADY_EXISTS,
+                "worker_id_in_use",
+                in_use_detail(req.worker_id, reply[1].decode(errors="replace"), peer),
+            )
         _, epoch, seq, resume = reply
         self.counters.appended += 1
         return AgentSession(req.worker_id, int(epoch), req.agent_instance, bool(resume), int(seq), peer, owner=owner)
@@ -511,25 +521,32 @@ class RedisEventLog:
     async def _append_entry(self, session: AgentSession, kind: bytes, seq: int, body: bytes) -> None:
         keys = self.keys_of(session.worker_id)
         try:
-            reply = await self._append(keys=keys.for_worker(session.worker_id), args=[
-                session.worker_id, session.epoch, kind, seq, session.owner,
-                int(self.heartbeat_timeout_s * 1000), body])
+            reply = await self._append(
+                keys=keys.for_worker(session.worker_id),
+                args=[session.worker_id, session.epoch, kind, seq, session.owner, int(self.heartbeat_timeout_s * 1000), body],
+            )
         except (RedisError, OSError) as exc:
             raise self._unavailable(exc) from None
         self._ok()
         if reply[0] == b"stale":
             self.counters.stale_epoch_refusals += 1
-            raise LogRefusal(grpc.StatusCode.ABORTED, "stale_epoch",
-                             f"worker {session.worker_id!r}: epoch {session.epoch} is no longer current (now "
-                             f"{reply[1].decode()}): another agent registered this worker id, or it expired; reconnect")
+            raise LogRefusal(
+                grpc.StatusCode.ABORTED,
+                "stale_epoch",
+                f"worker {session.worker_id!r}: epoch {session.epoch} is no longer current (now "
+                f"{reply[1].decode()}): another agent registered this worker id, or it expired; reconnect",
+            )
         if reply[0] == b"sequence":
-            raise LogRefusal(grpc.StatusCode.FAILED_PRECONDITION, "sequence",
-                             f"worker {session.worker_id!r}: expected batch seq {int(reply[1]) + 1}, got {seq}; "
-                             "reconnect and send a snapshot")
+            raise LogRefusal(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "sequence",
+                f"worker {session.worker_id!r}: expected batch seq {int(reply[1]) + 1}, got {seq}; reconnect and send a snapshot",
+            )
         self.counters.appended += 1
 
-    async def append_batch(self, session: AgentSession, seq: int, snapshot: bool, ops: list[BlockOp],
-                           source: pb.EventBatch | None = None) -> None:
+    async def append_batch(
+        self, session: AgentSession, seq: int, snapshot: bool, ops: list[BlockOp], source: pb.EventBatch | None = None
+    ) -> None:
         if source is not None:  # protobuf's C serializer: no Python loop over the keys
             await self._append_entry(session, KIND_PB_BATCH, seq, source.SerializeToString())
         else:
@@ -541,8 +558,9 @@ class RedisEventLog:
     async def release(self, session: AgentSession) -> None:
         keys = self.keys_of(session.worker_id)
         try:
-            await self._release(keys=[keys.worker(session.worker_id), keys.owner(session.worker_id)],
-                                args=[session.epoch, session.owner])
+            await self._release(
+                keys=[keys.worker(session.worker_id), keys.owner(session.worker_id)], args=[session.epoch, session.owner]
+            )
         except (RedisError, OSError) as exc:
             self._failed(exc)  # the owner key then lapses by its TTL
 
@@ -555,8 +573,9 @@ class RedisEventLog:
         for record in [r for r in self.registry.workers() if r.last_seen < deadline]:
             keys = self.keys_of(record.worker_id)
             try:
-                if await self._expire(keys=keys.for_worker(record.worker_id),
-                                      args=[record.worker_id, self.epochs.get(record.worker_id, 0)]):
+                if await self._expire(
+                    keys=keys.for_worker(record.worker_id), args=[record.worker_id, self.epochs.get(record.worker_id, 0)]
+                ):
                     self.counters.expiries += 1
                 self._ok()
             except (RedisError, OSError) as exc:
@@ -586,10 +605,13 @@ class RedisEventLog:
                 now_evicted = any(self._evicted(r) for r in self.registry.workers())
                 if now_evicted != evicted:
                     evicted = now_evicted
-                    log.warning("this replica's index dropped entries for --max-index-entries: it leaves snapshots "
-                                "to replicas without evictions (if none, the log is not trimmed)" if evicted else
-                                "no worker lacks entries here any more (each sent a snapshot or left): this replica "
-                                "may write snapshots again")
+                    log.warning(
+                        "this replica's index dropped entries for --max-index-entries: it leaves snapshots "
+                        "to replicas without evictions (if none, the log is not trimmed)"
+                        if evicted
+                        else "no worker lacks entries here any more (each sent a snapshot or left): this replica "
+                        "may write snapshots again"
+                    )
                 if evicted:  # leave snapshots to a replica that knows every worker's whole state
                     if holding:
                         holding = False
@@ -629,8 +651,7 @@ class RedisEventLog:
                 self.counters.snapshot_skips += 1
                 continue
             for record in records:
-                args += [record.worker_id, ENCODER.encode(self.applier.snapshot_of(
-                    record, self.epochs.get(record.worker_id, 0)))]
+                args += [record.worker_id, ENCODER.encode(self.applier.snapshot_of(record, self.epochs.get(record.worker_id, 0)))]
             keys = [tail.keys.snapshot, tail.keys.token, tail.keys.stream]
             if await self._write_snapshot(keys=keys, args=args):
                 written += 1

@@ -47,11 +47,17 @@ class Admission:
         self.keys = keys
         self.max_concurrent = max_concurrent
         self.active = 0
-        self.refused = Counter("kvroute_router_refused_requests_total", "Requests refused before routing: "
-                               "unauthenticated (401), forbidden (403), over_capacity (429)", ["reason"],
-                               registry=registry)
-        Gauge("kvroute_router_requests_in_progress", "HTTP requests in progress (limit: --max-concurrent-requests)",
-              registry=registry).set_function(lambda: self.active)
+        self.refused = Counter(
+            "kvroute_router_refused_requests_total",
+            "Requests refused before routing: unauthenticated (401), forbidden (403), over_capacity (429)",
+            ["reason"],
+            registry=registry,
+        )
+        Gauge(
+            "kvroute_router_requests_in_progress",
+            "HTTP requests in progress (limit: --max-concurrent-requests)",
+            registry=registry,
+        ).set_function(lambda: self.active)
         self._log = RateLimitedLog(log, period_s=30.0)
 
     def _refuse(self, reason: str, peer: str | None, why: str) -> None:
@@ -59,24 +65,29 @@ class Admission:
         self._log.warning(f"{reason}:{peer}", "refused a request from %s: %s", peer or "unknown peer", why)
 
     @web.middleware
-    async def middleware(self, request: web.Request,
-                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    async def middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
         if request.path in OPEN_PATHS:
             return await handler(request)
-        verdict, _key = self.keys.check(request.headers.get("Authorization"),
-                                        proxied=request.path not in ROUTE_ONLY_PATHS)
+        verdict, _key = self.keys.check(request.headers.get("Authorization"), proxied=request.path not in ROUTE_ONLY_PATHS)
         if verdict in (Verdict.MISSING, Verdict.INVALID):
             self._refuse("unauthenticated", request.remote, verdict.value)
-            return error_response(_MESSAGES[verdict], 401, "invalid_api_key",
-                                  headers={"WWW-Authenticate": 'Bearer realm="kvroute"'})
+            return error_response(
+                _MESSAGES[verdict], 401, "invalid_api_key", headers={"WWW-Authenticate": 'Bearer realm="kvroute"'}
+            )
         if verdict is Verdict.FORBIDDEN:
             self._refuse("forbidden", request.remote, f"key {_key.name if _key else '?'} has scope=route")
             return error_response(_MESSAGES[verdict], 403, "permission_denied")
         if self.active >= self.max_concurrent:
             self.refused.labels("over_capacity").inc()
-            return error_response(f"The router is serving its limit of {self.max_concurrent} concurrent requests "
-                                  "(--max-concurrent-requests); retry shortly.", 429, "too_many_requests",
-                                  headers={"Retry-After": str(RETRY_AFTER_S)})
+            return error_response(
+                f"The router is serving its limit of {self.max_concurrent} concurrent requests "
+                "(--max-concurrent-requests); retry shortly.",
+                429,
+                "too_many_requests",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         self.active += 1
         try:
             return await handler(request)

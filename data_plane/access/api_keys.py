@@ -49,10 +49,10 @@ class ApiKey:
 
 
 class Verdict(Enum):
-    OPEN = "open"            # no keys configured
+    OPEN = "open"  # no keys configured
     ALLOWED = "allowed"
-    MISSING = "missing"      # 401: no `Authorization: Bearer`
-    INVALID = "invalid"      # 401: a key that is not one of ours
+    MISSING = "missing"  # 401: no `Authorization: Bearer`
+    INVALID = "invalid"  # 401: a key that is not one of ours
     FORBIDDEN = "forbidden"  # 403: a valid key whose scope does not cover this request
 
 

@@ -28,11 +28,14 @@ SESSION_HEADER = "x-session-id"
 def error_type(status: int) -> str:
     """OpenAI's error `type` for an HTTP status (the error object: data_plane/api/errors.py)."""
     return "server_error" if status >= 500 else "invalid_request_error"
+
+
 _ROUTING_FIELDS = ("model", "lora_name", "cache_salt", "user")  # strings the router hashes or compares
 
 
 class RoutingFields(msgspec.Struct):
     """The body fields the router reads; everything else goes to the engine untouched."""
+
     model: Any = None
     messages: Any = msgspec.UNSET  # UNSET: absent (for /v1/route, which takes either kind)
     prompt: Any = None
@@ -46,8 +49,7 @@ class RoutingFields(msgspec.Struct):
     max_completion_tokens: Any = None
 
     def requested_output_tokens(self) -> int:
-        return requested_output_tokens({"max_tokens": self.max_tokens,
-                                        "max_completion_tokens": self.max_completion_tokens})
+        return requested_output_tokens({"max_tokens": self.max_tokens, "max_completion_tokens": self.max_completion_tokens})
 
 
 _FIELDS_DECODER = msgspec.json.Decoder(RoutingFields)
@@ -102,7 +104,14 @@ def parse_routing_body(raw: bytes, kind: str, headers: Mapping[str, str]) -> tup
         kind = "chat"
     session_key = session_key_of(headers, {"user": fields.user})
     return fields, RouteInput(
-        fields.model, kind, None if fields.messages is msgspec.UNSET else fields.messages, fields.prompt,
-        lora_name=str(fields.lora_name or ""), cache_salt=str(fields.cache_salt or ""), session_key=session_key,
-        tools=fields.tools, template_kwargs=fields.chat_template_kwargs,
-        add_generation_prompt=fields.add_generation_prompt is not False)
+        fields.model,
+        kind,
+        None if fields.messages is msgspec.UNSET else fields.messages,
+        fields.prompt,
+        lora_name=str(fields.lora_name or ""),
+        cache_salt=str(fields.cache_salt or ""),
+        session_key=session_key,
+        tools=fields.tools,
+        template_kwargs=fields.chat_template_kwargs,
+        add_generation_prompt=fields.add_generation_prompt is not False,
+    )

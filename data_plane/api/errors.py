@@ -34,10 +34,12 @@ log = logging.getLogger("kvroute.router.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def error_response(message: str, status: int, code: str | None = None, param: str | None = None,
-                   headers: Mapping[str, str] | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": error_type(status), "param": param,
-                                        "code": code}}, status=status, headers=headers)
+def error_response(
+    message: str, status: int, code: str | None = None, param: str | None = None, headers: Mapping[str, str] | None = None
+) -> web.Response:
+    return web.json_response(
+        {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}, status=status, headers=headers
+    )
 
 
 def _http_exception_message(request: web.Request, exc: web.HTTPException) -> str:
@@ -61,8 +63,7 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         if request.writer.output_size > 0:  # a streamed response had begun: aiohttp closes the connection
             raise
         log.exception("unexpected error answering %s %s", request.method, request.path)
-        return error_response("The router failed to handle the request (an internal error; its log has the details).",
-                              500)
+        return error_response("The router failed to handle the request (an internal error; its log has the details).", 500)
 
 
 MAX_ENGINE_TEXT = 2000  # characters of a non-JSON engine error kept as the message (an HTML error page...)
@@ -77,8 +78,7 @@ def engine_error_body(status: int, body: bytes, headers: Iterable[tuple[str, str
     message, param, code = _engine_error_fields(body)
     if not message:
         message = f"the engine answered HTTP {status} with no message"
-    return json.dumps({"error": {"message": message, "type": error_type(status), "param": param,
-                                 "code": code}}).encode()
+    return json.dumps({"error": {"message": message, "type": error_type(status), "param": param, "code": code}}).encode()
 
 
 def _engine_error_fields(body: bytes) -> tuple[str, str | None, str | None]:
@@ -101,14 +101,14 @@ def _engine_error_fields(body: bytes) -> tuple[str, str | None, str | None]:
     else:
         message = parsed
     param, code = parsed.get("param"), parsed.get("code")
-    return (_as_text(message), param if isinstance(param, str) else None,
-            code if isinstance(code, str) and code else None)
+    return (_as_text(message), param if isinstance(param, str) else None, code if isinstance(code, str) and code else None)
 
 
 def _fastapi_detail(detail: object) -> object:
     if isinstance(detail, list) and all(isinstance(d, dict) and "msg" in d for d in detail):
-        return "; ".join(f"{'.'.join(str(p) for p in d.get('loc', ()))}: {d['msg']}" if d.get("loc") else str(d["msg"])
-                         for d in detail)
+        return "; ".join(
+            f"{'.'.join(str(p) for p in d.get('loc', ()))}: {d['msg']}" if d.get("loc") else str(d["msg"]) for d in detail
+        )
     return detail
 
 

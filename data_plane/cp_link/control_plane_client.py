@@ -65,13 +65,24 @@ class KnownWorker:
 
 
 class ControlPlaneClient:
-    def __init__(self, address: str, query_timeout_s: float = 0.005, refresh_interval_s: float = 0.5,
-                 static_workers: dict[str, str] | None = None, static_block_size: int = 16,
-                 router_id: str | None = None, use_session: bool = True,
-                 query_deadline: QueryDeadline | None = None, tls: ClientTls | None = None,
-                 max_message_bytes: int = 64 * 1024 * 1024, view: FleetView | None = None,
-                 discovery: EngineDiscovery | None = None, unreported_model: str = "",
-                 static_models: Mapping[str, str] | None = None, only_models: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        address: str,
+        query_timeout_s: float = 0.005,
+        refresh_interval_s: float = 0.5,
+        static_workers: dict[str, str] | None = None,
+        static_block_size: int = 16,
+        router_id: str | None = None,
+        use_session: bool = True,
+        query_deadline: QueryDeadline | None = None,
+        tls: ClientTls | None = None,
+        max_message_bytes: int = 64 * 1024 * 1024,
+        view: FleetView | None = None,
+        discovery: EngineDiscovery | None = None,
+        unreported_model: str = "",
+        static_models: Mapping[str, str] | None = None,
+        only_models: frozenset[str] = frozenset(),
+    ) -> None:
         """`query_deadline`: an adaptive deadline (`query_deadline.py`); without one the deadline is
         `query_timeout_s`, fixed. `tls`: TLS to the control plane (kvroute/tls.py); when its files
         change, channels are opened anew and the old ones closed after `RETIRE_GRACE_S`. `view`: follow
@@ -89,21 +100,26 @@ class ControlPlaneClient:
         # gRPC backs off reconnecting a channel up to 120 s by default: after a long outage a returning
         # control plane would wait that long for its routers. Retrying at least every second costs one
         # refused connect.
-        self._grpc_options = [*grpc_message_options(max_message_bytes), ("grpc.initial_reconnect_backoff_ms", 100),
-                              ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+        self._grpc_options = [
+            *grpc_message_options(max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
         self.addresses = AddressRotation(address)
         self.address = self.addresses.next()[0]  # the replica in use
         self.query_deadline = query_deadline or QueryDeadline.fixed(query_timeout_s)
         self.refresh_interval_s = refresh_interval_s
         self._problems = RateLimitedLog(log, period_s=60.0)  # refresh failures: a line a minute at most
         self._channels: dict[str, tuple[grpc.aio.Channel, pb_grpc.ControlPlaneStub]] = {}
-        self.failovers = 0           # moves to another replica
+        self.failovers = 0  # moves to another replica
         self._down_until: dict[str, float] = {}  # replicas that failed lately: skipped by a failover until then
         self._session_address = ""
-        self._session_losses = 0     # in a row, since the last session that opened
+        self._session_losses = 0  # in a row, since the last session that opened
         self._sessions_seen = 0
-        self.session = RouterSessionLink(self._session_stub, router_id, on_lost=self._session_lost, tls=tls) \
-            if use_session else None
+        self.session = (
+            RouterSessionLink(self._session_stub, router_id, on_lost=self._session_lost, tls=tls) if use_session else None
+        )
         self.view = view
         if view is not None and self.session is not None:
             # Its own reservations are known exactly (RouterInflight): the view leaves them out.
@@ -112,11 +128,13 @@ class ControlPlaneClient:
             self.session.on_late_answer = self.query_deadline.observe
         self.fleet: dict[str, KnownWorker] = {}
         self.fleet_updated_at = 0.0  # monotonic time of the last successful ListWorkers; 0 = never
-        self.reachable = False       # did the last ListWorkers succeed
-        self.last_error = ""         # why the last ListWorkers failed ("" after a success)
+        self.reachable = False  # did the last ListWorkers succeed
+        self.last_error = ""  # why the last ListWorkers failed ("" after a success)
         self._last_known: dict[str, list[KnownWorker]] = {}  # model -> last non-empty snapshot
-        self._static = [KnownWorker(wid, "", url.rstrip("/"), static_block_size, pb.WorkerLoad())
-                        for wid, url in (static_workers or {}).items()]
+        self._static = [
+            KnownWorker(wid, "", url.rstrip("/"), static_block_size, pb.WorkerLoad())
+            for wid, url in (static_workers or {}).items()
+        ]
         # model -> its static workers ("": those of the default model, or of any without one)
         self._static_by_model: dict[str, list[KnownWorker]] = {}
         for worker in self._static:
@@ -204,9 +222,11 @@ class ControlPlaneClient:
                 channel = self._channels[address][0]
                 channel.get_state(try_to_connect=True)
         if self._task is None:
-            self._task = (asyncio.create_task(FleetFollower(self.view, self).run(), name="kvroute-cp-follow")
-                          if self.view is not None else
-                          asyncio.create_task(self._refresh_forever(), name="kvroute-cp-refresh"))
+            self._task = (
+                asyncio.create_task(FleetFollower(self.view, self).run(), name="kvroute-cp-follow")
+                if self.view is not None
+                else asyncio.create_task(self._refresh_forever(), name="kvroute-cp-refresh")
+            )
         if self.view is not None and self.tls is not None and self._tls_task is None:
             self._tls_task = asyncio.create_task(self._watch_tls_forever(), name="kvroute-cp-tls")
         if self.session is not None:
@@ -281,8 +301,7 @@ class ControlPlaneClient:
         "control_plane" (the latest ListWorkers), "last_known" (the last non-empty one), "static"
         (--static-workers), "discovered" (engines found by DNS alone) or "none"."""
         source = self._fleet_of(model)[0]
-        if source == "none" and self.discovery is not None and self.discovery.engines() \
-                and self._serves_unreported(model):
+        if source == "none" and self.discovery is not None and self.discovery.engines() and self._serves_unreported(model):
             return "discovered"
         return source
 
@@ -331,9 +350,13 @@ class ControlPlaneClient:
         assert self.discovery is not None
         version = self.discovery.version
         if self._found[0] != version:
-            self._found = (version, [(_host_port(url), KnownWorker(wid, "", url, self._block_size_unreported,
-                                                                   pb.WorkerLoad()))
-                                     for wid, url in self.discovery.engines().items()])
+            self._found = (
+                version,
+                [
+                    (_host_port(url), KnownWorker(wid, "", url, self._block_size_unreported, pb.WorkerLoad()))
+                    for wid, url in self.discovery.engines().items()
+                ],
+            )
         return self._found[1]
 
     def _taken_endpoints(self) -> frozenset[str]:
@@ -348,9 +371,11 @@ class ControlPlaneClient:
             endpoints: Iterable[str] = [r.endpoint for r in workers]
         else:
             roster, static = self.fleet, not self.ever_reached  # self.fleet: replaced by every ListWorkers
-            endpoints = [w.endpoint for w in self.fleet.values()] + \
-                [w.endpoint for known in self._last_known.values() for w in known] + \
-                ([w.endpoint for w in self._static] if static else [])
+            endpoints = (
+                [w.endpoint for w in self.fleet.values()]
+                + [w.endpoint for known in self._last_known.values() for w in known]
+                + ([w.endpoint for w in self._static] if static else [])
+            )
         if self._taken[0] is not roster or self._taken[1] != static:
             self._taken = (roster, static, frozenset(map(_host_port, endpoints)))
         return self._taken[2]
@@ -358,11 +383,12 @@ class ControlPlaneClient:
     def _log_already_known(self, ids: set[str]) -> None:
         if ids != self._already_known:
             if ids - self._already_known:
-                log.info("found by DNS and known already as another worker (an agent reports on it, routed as "
-                         "that worker): %s", ", ".join(sorted(ids - self._already_known)))
+                log.info(
+                    "found by DNS and known already as another worker (an agent reports on it, routed as that worker): %s",
+                    ", ".join(sorted(ids - self._already_known)),
+                )
             if self._already_known - ids:
-                log.info("found by DNS, no longer known as another worker: %s",
-                         ", ".join(sorted(self._already_known - ids)))
+                log.info("found by DNS, no longer known as another worker: %s", ", ".join(sorted(self._already_known - ids)))
             self._already_known = frozenset(ids)
 
     def models(self) -> frozenset[str]:
@@ -389,20 +415,35 @@ class ControlPlaneClient:
     async def refresh(self) -> None:
         address = self.address
         try:
-            response = await self.stub_for(address).ListWorkers(pb.ListWorkersRequest(),
-                                                                 timeout=max(1.0, self.refresh_interval_s))
+            response = await self.stub_for(address).ListWorkers(
+                pb.ListWorkersRequest(), timeout=max(1.0, self.refresh_interval_s)
+            )
         except grpc.aio.AioRpcError:
             self._failover(address)
             raise
-        fleet = {w.worker_id: KnownWorker(w.worker_id, w.model, w.endpoint.rstrip("/"), w.block_size, w.load,
-                                          w.cached_blocks, frozenset(w.lora_adapters),
-                                          w.data_parallel_rank if w.HasField("data_parallel_rank") else None,
-                                          w.role)
-                 for w in response.workers if not self.only_models or w.model in self.only_models}
+        fleet = {
+            w.worker_id: KnownWorker(
+                w.worker_id,
+                w.model,
+                w.endpoint.rstrip("/"),
+                w.block_size,
+                w.load,
+                w.cached_blocks,
+                frozenset(w.lora_adapters),
+                w.data_parallel_rank if w.HasField("data_parallel_rank") else None,
+                w.role,
+            )
+            for w in response.workers
+            if not self.only_models or w.model in self.only_models
+        }
         joined, left = fleet.keys() - self.fleet.keys(), self.fleet.keys() - fleet.keys()
         if joined or left:
-            log.info("fleet: %d workers (joined: %s; left: %s)", len(fleet), ", ".join(sorted(joined)) or "-",
-                     ", ".join(sorted(left)) or "-")
+            log.info(
+                "fleet: %d workers (joined: %s; left: %s)",
+                len(fleet),
+                ", ".join(sorted(joined)) or "-",
+                ", ".join(sorted(left)) or "-",
+            )
         self.fleet = fleet
         for model in {w.model for w in fleet.values()}:
             self._last_known[model] = [w for w in fleet.values() if w.model == model]
@@ -414,8 +455,9 @@ class ControlPlaneClient:
         while True:
             try:
                 await self.refresh()
-                self._problems.recovered("unreachable", "control plane %s reachable again after %d failed refreshes",
-                                         self.address, failures)
+                self._problems.recovered(
+                    "unreachable", "control plane %s reachable again after %d failed refreshes", self.address, failures
+                )
                 failures = 0
             except asyncio.CancelledError:
                 raise
@@ -424,9 +466,14 @@ class ControlPlaneClient:
                 failures += 1
                 reason = rpc_failure_reason(exc, self.tls)
                 self.last_error = reason
-                self._problems.warning("unreachable", "control plane %s unreachable (%s, %d times); routing on the last "
-                                       "known fleet (%d workers)", self.address, reason, failures,
-                                       len(self.fleet) or len(self._static))
+                self._problems.warning(
+                    "unreachable",
+                    "control plane %s unreachable (%s, %d times); routing on the last known fleet (%d workers)",
+                    self.address,
+                    reason,
+                    failures,
+                    len(self.fleet) or len(self._static),
+                )
             await asyncio.sleep(self.refresh_interval_s)
 
     # ------------------------------------------------------------ the index
@@ -455,8 +502,7 @@ class ControlPlaneClient:
             address = self.address
             tried.add(address)
             try:
-                response = await self.stub_for(address).Query(message.query,
-                                                               timeout=max(1e-4, give_up_at - loop.time()))
+                response = await self.stub_for(address).Query(message.query, timeout=max(1e-4, give_up_at - loop.time()))
                 deadline.observe(time.perf_counter() - started)
                 return response.columns
             except grpc.aio.AioRpcError as exc:

@@ -59,29 +59,35 @@ VIEW_STALE = "the view of the fleet is stale (no control plane heard from)"
 
 @dataclass(slots=True)
 class ViewCounters:
-    messages: int = 0        # FollowUpdates applied (keepalives included)
-    changes: int = 0         # changes applied
-    snapshots: int = 0       # snapshots completed
-    resumed: int = 0         # streams that resumed from the view's position without a snapshot
-    malformed: int = 0       # changes refused (the view resynchronises)
-    streams: int = 0         # Follow streams opened
+    messages: int = 0  # FollowUpdates applied (keepalives included)
+    changes: int = 0  # changes applied
+    snapshots: int = 0  # snapshots completed
+    resumed: int = 0  # streams that resumed from the view's position without a snapshot
+    malformed: int = 0  # changes refused (the view resynchronises)
+    streams: int = 0  # Follow streams opened
     stream_failures: int = 0
 
 
 class FleetView:
-    def __init__(self, router_id: str, models: Collection[str] = (), max_stale_s: float = 120.0,
-                 lag_bound_s: float = 2.0, index_factory: Callable[[], PrefixIndex] = make_index,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        router_id: str,
+        models: Collection[str] = (),
+        max_stale_s: float = 120.0,
+        lag_bound_s: float = 2.0,
+        index_factory: Callable[[], PrefixIndex] = make_index,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.router_id = router_id
         self.knows_own = False  # the router's own session's changes are left out of the stream (set by its client)
         self.models = frozenset(models)
         self.max_stale_s, self.lag_bound_s = max_stale_s, lag_bound_s
         self.index_factory = index_factory
         self.clock = clock
-        self.state: FleetState | None = None     # None until the first snapshot completed
+        self.state: FleetState | None = None  # None until the first snapshot completed
         self._pending: FleetState | None = None  # a snapshot being applied
         self.position: pb.FollowPosition | None = None
-        self.last_heard = 0.0                    # clock() of the last message (0 = never)
+        self.last_heard = 0.0  # clock() of the last message (0 = never)
         self.lag_s = 0.0
         self.counters = ViewCounters()
         self._known: dict[tuple[str, str], tuple[int, list[KnownWorker]]] = {}
@@ -108,8 +114,7 @@ class FleetView:
             return VIEW_STALE
         return ""
 
-    def answer(self, model: str, chains: Mapping[int, Sequence[int]],
-               lora_name: str = "") -> tuple[IndexColumns | None, str]:
+    def answer(self, model: str, chains: Mapping[int, Sequence[int]], lora_name: str = "") -> tuple[IndexColumns | None, str]:
         """The index's answer from the view, or None and why the index cannot be used."""
         why = self.unusable_reason()
         if why:
@@ -127,7 +132,7 @@ class FleetView:
         return self._fleet(model, lora_name)[1]
 
     def fleet_source(self, model: str, lora_name: str = "") -> str:
-        """"view", "last_known" (the view lists no worker of the model now) or "none"."""
+        """ "view", "last_known" (the view lists no worker of the model now) or "none"."""
         return self._fleet(model, lora_name)[0]
 
     def _fleet(self, model: str, lora_name: str) -> tuple[str, list[KnownWorker]]:
@@ -141,10 +146,20 @@ class FleetView:
         cached = self._known.get(key)
         if cached is None or cached[0] != registry.roster_version:
             count = state.index.worker_block_count
-            known = [KnownWorker(r.worker_id, r.model, r.endpoint.rstrip("/"), r.block_size, r.load,  # type: ignore[arg-type]
-                                 count(r.slot, Tier.GPU), frozenset(r.lora_adapters), r.data_parallel_rank,
-                                 r.role)
-                     for r in registry.workers(model, lora_name)]
+            known = [
+                KnownWorker(
+                    r.worker_id,
+                    r.model,
+                    r.endpoint.rstrip("/"),
+                    r.block_size,
+                    r.load,  # type: ignore[arg-type]
+                    count(r.slot, Tier.GPU),
+                    frozenset(r.lora_adapters),
+                    r.data_parallel_rank,
+                    r.role,
+                )
+                for r in registry.workers(model, lora_name)
+            ]
             cached = self._known[key] = (registry.roster_version, known)
             if known:
                 self._last_known[key] = known
@@ -223,8 +238,9 @@ class FleetFollower:
     """Keeps `view` following the control plane through `client`'s channels: reconnects with backoff,
     moves to the next replica when one fails, resumes from the view's position."""
 
-    def __init__(self, view: FleetView, client: ControlPlaneClient, initial_backoff_s: float = 0.05,
-                 max_backoff_s: float = 0.5) -> None:
+    def __init__(
+        self, view: FleetView, client: ControlPlaneClient, initial_backoff_s: float = 0.05, max_backoff_s: float = 0.5
+    ) -> None:
         """A dead control plane is retried every `max_backoff_s` at most: an attempt is one refused TCP
         connect, and a router should follow a returning control plane within a second."""
         self.view = view
@@ -237,8 +253,7 @@ class FleetFollower:
         while True:
             address = client.address
             # Its own sessions are known here exactly: their echo is left out (`leave_out_own`).
-            request = pb.FollowRequest(router_id=view.router_id, models=sorted(view.models),
-                                       leave_out_own=view.knows_own)
+            request = pb.FollowRequest(router_id=view.router_id, models=sorted(view.models), leave_out_own=view.knows_own)
             resume = view.resume_point()
             if resume is not None:
                 request.resume_after.CopyFrom(resume)
@@ -261,12 +276,18 @@ class FleetFollower:
             except MalformedChange as exc:
                 view.counters.malformed += 1
                 view.forget_position()
-                self._problems.warning("malformed", "refused a change from control plane %s (%s): resynchronising "
-                                       "with a snapshot", address, exc)
+                self._problems.warning(
+                    "malformed", "refused a change from control plane %s (%s): resynchronising with a snapshot", address, exc
+                )
             except grpc.aio.AioRpcError as exc:
                 view.counters.stream_failures += 1
                 reason = rpc_failure_reason(exc, client.tls)
                 client.lost_control_plane(address, reason)
-                self._problems.warning("lost", "control plane %s unreachable (%s): the follow stream is down, "
-                                       "deciding on the last view of the fleet meanwhile", address, reason)
+                self._problems.warning(
+                    "lost",
+                    "control plane %s unreachable (%s): the follow stream is down, "
+                    "deciding on the last view of the fleet meanwhile",
+                    address,
+                    reason,
+                )
             await self._backoff.sleep()

@@ -62,8 +62,9 @@ class RouterInflight:
         # block key -> {worker_id: in-flight requests whose prompt holds it}
         self._speculative: dict[int, dict[str, int]] = {}
 
-    def start(self, worker_id: str, uncached_tokens: int, block_keys: Sequence[int] = (), block_size: int = 0,
-              prompt_tokens: int = 0) -> InflightTicket:
+    def start(
+        self, worker_id: str, uncached_tokens: int, block_keys: Sequence[int] = (), block_size: int = 0, prompt_tokens: int = 0
+    ) -> InflightTicket:
         """The request was sent to `worker_id`; `block_keys`: its prompt's chain at that worker's
         `block_size`."""
         uncached_tokens = max(0, uncached_tokens)
@@ -79,8 +80,7 @@ class RouterInflight:
                 holders[worker_id] = holders.get(worker_id, 0) + 1
         ticket = InflightTicket(worker_id, uncached_tokens, block_keys)
         if self.session is not None:
-            ticket.reservation_id = self.session.reserve(worker_id, block_size, block_keys, uncached_tokens,
-                                                         prompt_tokens)
+            ticket.reservation_id = self.session.reserve(worker_id, block_size, block_keys, uncached_tokens, prompt_tokens)
             self._by_reservation[ticket.reservation_id] = ticket
         return ticket
 

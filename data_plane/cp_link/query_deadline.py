@@ -30,8 +30,15 @@ from collections import deque
 
 
 class QueryDeadline:
-    def __init__(self, min_s: float, max_s: float | None = None, factor: float = 0.0, window: int = 256,
-                 warmup: int = 32, recompute_every: int = 16) -> None:
+    def __init__(
+        self,
+        min_s: float,
+        max_s: float | None = None,
+        factor: float = 0.0,
+        window: int = 256,
+        warmup: int = 32,
+        recompute_every: int = 16,
+    ) -> None:
         if min_s <= 0:
             raise ValueError(f"the query deadline must be positive, got {min_s}")
         self.min_s = min_s
@@ -47,14 +54,17 @@ class QueryDeadline:
 
     def describe(self) -> str:
         """What the deadline is, for the router's start-up line."""
+
         def ms(seconds: float) -> str:
             return f"{seconds * 1000:g} ms"
 
         if not self.adaptive:
             return f"control-plane query deadline {ms(self.min_s)}, fixed"
-        return (f"control-plane query deadline {self.factor:g} x the slowest of the last {self._recent.maxlen} "
-                f"answers, kept within {ms(self.min_s)}-{ms(self.max_s)} ({ms(self.max_s)} until {self.warmup} "
-                "answers are known)")
+        return (
+            f"control-plane query deadline {self.factor:g} x the slowest of the last {self._recent.maxlen} "
+            f"answers, kept within {ms(self.min_s)}-{ms(self.max_s)} ({ms(self.max_s)} until {self.warmup} "
+            "answers are known)"
+        )
 
     @classmethod
     def fixed(cls, seconds: float) -> QueryDeadline:

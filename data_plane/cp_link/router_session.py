@@ -66,9 +66,15 @@ def default_router_id() -> str:
 
 
 class RouterSessionLink:
-    def __init__(self, stub: pb_grpc.ControlPlaneStub | Callable[[], pb_grpc.ControlPlaneStub],
-                 router_id: str | None = None, reconnect_delay_s: float = 0.2, max_reconnect_delay_s: float = 5.0,
-                 on_lost: Callable[[], bool] | None = None, tls: ClientTls | None = None) -> None:
+    def __init__(
+        self,
+        stub: pb_grpc.ControlPlaneStub | Callable[[], pb_grpc.ControlPlaneStub],
+        router_id: str | None = None,
+        reconnect_delay_s: float = 0.2,
+        max_reconnect_delay_s: float = 5.0,
+        on_lost: Callable[[], bool] | None = None,
+        tls: ClientTls | None = None,
+    ) -> None:
         # A stub, or a function giving the stub of the replica to use now (several replicas).
         self._stub_of = stub if callable(stub) else (lambda: stub)
         # Called when a session fails; True = another replica was picked, reconnect without a pause.
@@ -77,7 +83,7 @@ class RouterSessionLink:
         self.router_id = router_id or default_router_id()
         self._backoff = Backoff(reconnect_delay_s, max_reconnect_delay_s)
         self._problems = RateLimitedLog(log, period_s=30.0)
-        self._call = None                       # the open stream, or None
+        self._call = None  # the open stream, or None
         self._outbox = pb.RouterMessage()  # `ops` filled as reservations come and go; one write takes it all
         self._outbox_ready = asyncio.Event()
         self._write_lock = asyncio.Lock()
@@ -171,9 +177,14 @@ class RouterSessionLink:
     def reserve(self, worker_id: str, block_size: int, block_keys, prefill_tokens: int, prompt_tokens: int = 0) -> int:
         """Announce a request just sent to `worker_id`; returns the reservation id."""
         reservation_id = next(self._reservation_ids)
-        message = pb.Reservation(reservation_id=reservation_id, worker_id=worker_id, block_size=block_size,
-                                 block_keys=block_keys, prefill_tokens=max(0, prefill_tokens),
-                                 prompt_tokens=max(0, prompt_tokens))
+        message = pb.Reservation(
+            reservation_id=reservation_id,
+            worker_id=worker_id,
+            block_size=block_size,
+            block_keys=block_keys,
+            prefill_tokens=max(0, prefill_tokens),
+            prompt_tokens=max(0, prompt_tokens),
+        )
         self._live[reservation_id] = _Live(message)
         if self.connected:  # else: kept in _live, re-sent after the reconnect
             self._outbox.ops.reserve.append(message)
@@ -229,8 +240,12 @@ class RouterSessionLink:
                 if self.connected:  # it was up: its loss is news, not more of an outage already logged
                     self._problems.recovered("lost")
                 reason = rpc_failure_reason(exc, self._tls)
-                self._problems.warning("lost", "router session to the control plane failed (%s); queries go unary "
-                                       "and in-flight state stays local until it is back", reason)
+                self._problems.warning(
+                    "lost",
+                    "router session to the control plane failed (%s); queries go unary "
+                    "and in-flight state stays local until it is back",
+                    reason,
+                )
             finally:
                 self.connected = False
                 self._fail_pending(SessionUnavailable("router session lost"))

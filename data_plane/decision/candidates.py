@@ -47,6 +47,7 @@ class WorkerLoadView(Protocol):
 
 class KnownWorkerView(Protocol):
     """What the builder reads of a known worker (`control_plane_client.KnownWorker`)."""
+
     worker_id: str
     model: str  # "": no agent reports on it, so the index never names it
     endpoint: str
@@ -66,6 +67,7 @@ class OwnInflight(Protocol):
 
 class IndexColumnsView(Protocol):
     """The index's columnar answer, as the builder reads it (`IndexColumns` or `pb.WorkerColumns`)."""
+
     worker_id: Sequence[str]
     matched_blocks: Sequence[int]
     cpu_blocks: Sequence[int]
@@ -81,9 +83,14 @@ class IndexColumnsView(Protocol):
 _NOTHING_OWN = (0, 0)
 
 
-def build_candidates(known: Sequence[KnownWorkerView], own: OwnInflight, chains: Mapping[int, Sequence[int]],
-                     prompt_tokens: int, columns: IndexColumnsView | None = None,
-                     avoid: Collection[str] = frozenset()) -> list[Candidate]:
+def build_candidates(
+    known: Sequence[KnownWorkerView],
+    own: OwnInflight,
+    chains: Mapping[int, Sequence[int]],
+    prompt_tokens: int,
+    columns: IndexColumnsView | None = None,
+    avoid: Collection[str] = frozenset(),
+) -> list[Candidate]:
     """The candidates of one decision (see the module docstring); [] when the answer names no known worker."""
     if avoid:
         known = [w for w in known if w.worker_id not in avoid] or known
@@ -94,18 +101,33 @@ def build_candidates(known: Sequence[KnownWorkerView], own: OwnInflight, chains:
     return _from_columns(columns, known, mine, speculative, prompt_tokens)
 
 
-def _from_columns(columns: IndexColumnsView, known: Sequence[KnownWorkerView], mine: dict[str, tuple[int, int]],
-                  speculative: dict[int, dict[str, int]], prompt_tokens: int) -> list[Candidate]:
+def _from_columns(
+    columns: IndexColumnsView,
+    known: Sequence[KnownWorkerView],
+    mine: dict[str, tuple[int, int]],
+    speculative: dict[int, dict[str, int]],
+    prompt_tokens: int,
+) -> list[Candidate]:
     # Every column is read in one C call (zip over the repeated fields): this runs for every worker
     # on every decision.
     by_id = {w.worker_id: w for w in known}
     out = []
     held = columns.cached_blocks
     claims = columns.speculative_blocks or repeat(0)  # an answer may leave it out: nothing claimed
-    for i, (wid, matched, cpu, disk, claimed, reserved, prefill, running, waiting, usage) in enumerate(zip(
-            columns.worker_id, columns.matched_blocks, columns.cpu_blocks, columns.disk_blocks,
-            claims, columns.reserved_requests, columns.reserved_prefill_tokens,
-            columns.running_requests, columns.waiting_requests, columns.kv_usage)):
+    for i, (wid, matched, cpu, disk, claimed, reserved, prefill, running, waiting, usage) in enumerate(
+        zip(
+            columns.worker_id,
+            columns.matched_blocks,
+            columns.cpu_blocks,
+            columns.disk_blocks,
+            claims,
+            columns.reserved_requests,
+            columns.reserved_prefill_tokens,
+            columns.running_requests,
+            columns.waiting_requests,
+            columns.kv_usage,
+        )
+    ):
         w = by_id.get(wid)
         if w is None:
             continue
@@ -117,11 +139,23 @@ def _from_columns(columns: IndexColumnsView, known: Sequence[KnownWorkerView], m
         # Conditionals, not min(): this runs per worker per decision and tiers are mostly empty.
         cached = matched * bs
         in_flight = (matched - confirmed) * bs
-        out.append(Candidate(wid, w.endpoint, bs, cached if cached < prompt_tokens else prompt_tokens,
-                             min(cpu * bs, prompt_tokens) if cpu else 0,
-                             min(disk * bs, prompt_tokens) if disk else 0, running, waiting, usage,
-                             own_requests + reserved, own_pending + prefill, held[i] if held else w.cached_blocks,
-                             in_flight if in_flight < prompt_tokens else prompt_tokens))
+        out.append(
+            Candidate(
+                wid,
+                w.endpoint,
+                bs,
+                cached if cached < prompt_tokens else prompt_tokens,
+                min(cpu * bs, prompt_tokens) if cpu else 0,
+                min(disk * bs, prompt_tokens) if disk else 0,
+                running,
+                waiting,
+                usage,
+                own_requests + reserved,
+                own_pending + prefill,
+                held[i] if held else w.cached_blocks,
+                in_flight if in_flight < prompt_tokens else prompt_tokens,
+            )
+        )
     if out and len(out) < len(by_id):  # some known worker is not in the answer: one no agent reports on?
         answered = set(columns.worker_id)
         unreported = [w for w in known if not w.model and w.worker_id not in answered]
@@ -130,14 +164,29 @@ def _from_columns(columns: IndexColumnsView, known: Sequence[KnownWorkerView], m
     return out
 
 
-def _from_known(known: Sequence[KnownWorkerView], mine: dict[str, tuple[int, int]],
-                speculative: dict[int, dict[str, int]], prompt_tokens: int) -> list[Candidate]:
+def _from_known(
+    known: Sequence[KnownWorkerView], mine: dict[str, tuple[int, int]], speculative: dict[int, dict[str, int]], prompt_tokens: int
+) -> list[Candidate]:
     out = []
     for w in known:
         own_requests, own_pending = mine.get(w.worker_id, _NOTHING_OWN)
         blocks = speculative[w.block_size].get(w.worker_id, 0) if w.block_size in speculative else 0
         in_flight = min(blocks * w.block_size, prompt_tokens)  # without the index all of it is this router's own
-        out.append(Candidate(w.worker_id, w.endpoint, w.block_size, in_flight, 0, 0, w.load.running_requests,
-                             w.load.waiting_requests, w.load.kv_usage, own_requests, own_pending, w.cached_blocks,
-                             in_flight))
+        out.append(
+            Candidate(
+                w.worker_id,
+                w.endpoint,
+                w.block_size,
+                in_flight,
+                0,
+                0,
+                w.load.running_requests,
+                w.load.waiting_requests,
+                w.load.kv_usage,
+                own_requests,
+                own_pending,
+                w.cached_blocks,
+                in_flight,
+            )
+        )
     return out

@@ -42,23 +42,29 @@ log = logging.getLogger("kvroute.router.health")
 @dataclass(frozen=True, slots=True)
 class HealthCheckConfig:
     """The router's --health-check-* flags (defaults: docs/operations.md "Health checks")."""
-    interval_s: float = 5.0   # 0 = no active checks
+
+    interval_s: float = 5.0  # 0 = no active checks
     timeout_s: float = 5.0
     failures_to_down: int = 3
     successes_to_up: int = 2
-    path: str = "/health"     # vLLM's and SGLang's liveness path
+    path: str = "/health"  # vLLM's and SGLang's liveness path
 
 
 @dataclass(slots=True)
 class _Checked:
     up: bool
-    streak: int = 0        # results in a row that disagree with `up`
+    streak: int = 0  # results in a row that disagree with `up`
     last_failure: str = ""
 
 
 class BackendHealth:
-    def __init__(self, cooldown_s: float = 2.0, clock: Callable[[], float] = time.monotonic,
-                 failures_to_down: int = 3, successes_to_up: int = 2) -> None:
+    def __init__(
+        self,
+        cooldown_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+        failures_to_down: int = 3,
+        successes_to_up: int = 2,
+    ) -> None:
         self.cooldown_s = cooldown_s
         self.failures_to_down, self.successes_to_up = failures_to_down, successes_to_up
         self._clock = clock
@@ -121,8 +127,7 @@ class HealthChecks:
     """Probes `targets()` (worker_id -> endpoint URL, read before each round) every
     `config.interval_s`, all of them at once, and writes the results into `health`."""
 
-    def __init__(self, health: BackendHealth, targets: Callable[[], Mapping[str, str]],
-                 config: HealthCheckConfig) -> None:
+    def __init__(self, health: BackendHealth, targets: Callable[[], Mapping[str, str]], config: HealthCheckConfig) -> None:
         self.health, self.targets, self.config = health, targets, config
         self._ssl: ssl.SSLContext | bool = True  # https:// engines: verified with the system's CAs
         self._task: asyncio.Task | None = None
@@ -135,7 +140,8 @@ class HealthChecks:
             self._ssl = ssl_context
         if self._task is None and self.config.interval_s > 0:
             self._task = asyncio.create_task(
-                poll_forever(self._round, self.config.interval_s, self.config.timeout_s), name="kvroute-health-checks")
+                poll_forever(self._round, self.config.interval_s, self.config.timeout_s), name="kvroute-health-checks"
+            )
 
     async def close(self) -> None:
         await cancel_and_wait(self._task)
@@ -148,14 +154,19 @@ class HealthChecks:
         for (worker_id, url), why in zip(targets.items(), results):
             changed = self.health.checked(worker_id, not why, why)
             if changed is False:
-                log.warning("worker %s (%s) is down: %s; routing around it until %d health checks in a row pass",
-                            worker_id, url, why, self.health.successes_to_up)
+                log.warning(
+                    "worker %s (%s) is down: %s; routing around it until %d health checks in a row pass",
+                    worker_id,
+                    url,
+                    why,
+                    self.health.successes_to_up,
+                )
             elif changed:
                 log.info("worker %s (%s) is up again: its health checks pass", worker_id, url)
         self.rounds += 1
 
     async def _probe(self, session: aiohttp.ClientSession, endpoint: str) -> str:
-        """"" when the engine answered 2xx, else what went wrong."""
+        """ "" when the engine answered 2xx, else what went wrong."""
         try:
             async with session.get(endpoint + self.config.path, ssl=self._ssl, allow_redirects=False) as response:
                 await response.read()

@@ -63,9 +63,9 @@ class ResolutionFailed(Exception):
 
 @dataclass(frozen=True, slots=True)
 class DiscoveryTarget:
-    spec: str   # as given: the metric label and what log lines name
+    spec: str  # as given: the metric label and what log lines name
     name: str
-    port: int   # dns://: every address's port; 0 for dnssrv:// (each record has its own)
+    port: int  # dns://: every address's port; 0 for dnssrv:// (each record has its own)
 
     @property
     def srv(self) -> bool:
@@ -114,8 +114,9 @@ def make_resolver(dns_server: str = "", timeout_s: float = QUERY_TIMEOUT_S) -> d
         try:
             resolver = dns.asyncresolver.Resolver()
         except dns.exception.DNSException as exc:
-            raise DiscoveryError(f"cannot read the system's DNS configuration ({exc}); name a server with "
-                                 "--dns-server IP[:PORT]") from None
+            raise DiscoveryError(
+                f"cannot read the system's DNS configuration ({exc}); name a server with --dns-server IP[:PORT]"
+            ) from None
     resolver.lifetime = timeout_s
     return resolver
 
@@ -127,15 +128,20 @@ def engine_id(address: str, port: int) -> str:
 @dataclass(slots=True)
 class TargetState:
     engines: dict[str, str] = field(default_factory=dict)  # worker id -> endpoint, as last applied
-    failures: int = 0              # resolutions that failed (the engines were kept)
+    failures: int = 0  # resolutions that failed (the engines were kept)
     last_success_unix: float = 0.0  # wall time of the last answer, empty ones included (0 = none yet)
     empty_since: float | None = None  # monotonic time empty answers began while engines were kept
 
 
 class EngineDiscovery:
-    def __init__(self, targets: Sequence[DiscoveryTarget], resolver: dns.asyncresolver.Resolver,
-                 interval_s: float = 5.0, empty_grace_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        targets: Sequence[DiscoveryTarget],
+        resolver: dns.asyncresolver.Resolver,
+        interval_s: float = 5.0,
+        empty_grace_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.targets = list(targets)
         self.resolver = resolver
         self.interval_s, self.empty_grace_s = interval_s, empty_grace_s
@@ -199,8 +205,13 @@ class EngineDiscovery:
             now = self.clock()
             if state.empty_since is None:
                 state.empty_since = now
-                log.warning("%s answered no engine; keeping the %d found before for %gs (--discovery-empty-grace-s) "
-                            "unless it answers again", target.spec, len(state.engines), self.empty_grace_s)
+                log.warning(
+                    "%s answered no engine; keeping the %d found before for %gs (--discovery-empty-grace-s) "
+                    "unless it answers again",
+                    target.spec,
+                    len(state.engines),
+                    self.empty_grace_s,
+                )
                 return False
             if now - state.empty_since < self.empty_grace_s:
                 return False
@@ -215,8 +226,13 @@ class EngineDiscovery:
         joined, left = found.keys() - state.engines.keys(), state.engines.keys() - found.keys()
         if not joined and not left:
             return False
-        log.info("%s: %d engines (joined: %s; left: %s)", target.spec, len(found), ", ".join(sorted(joined)) or "-",
-                 ", ".join(sorted(left)) or "-")
+        log.info(
+            "%s: %d engines (joined: %s; left: %s)",
+            target.spec,
+            len(found),
+            ", ".join(sorted(joined)) or "-",
+            ", ".join(sorted(left)) or "-",
+        )
         state.engines = found
         return True
 
@@ -224,8 +240,14 @@ class EngineDiscovery:
         state = self.states[target.spec]
         state.failures += 1
         why = str(exc) if isinstance(exc, ResolutionFailed) else f"{type(exc).__name__}: {exc}"
-        self._problems.warning(f"failed {target.spec}", "cannot resolve %s (%s; %d failed resolutions so far); "
-                               "keeping its %d engines", target.spec, why, state.failures, len(state.engines))
+        self._problems.warning(
+            f"failed {target.spec}",
+            "cannot resolve %s (%s; %d failed resolutions so far); keeping its %d engines",
+            target.spec,
+            why,
+            state.failures,
+            len(state.engines),
+        )
 
     # ------------------------------------------------------------ asking the DNS
 
@@ -235,8 +257,9 @@ class EngineDiscovery:
             addresses = await self._addresses(target.name, search=True)
             return {engine_id(a, target.port): f"http://{engine_id(a, target.port)}" for a in sorted(addresses)}
         # A target of "." says the service is not offered there (RFC 2782).
-        records = sorted({(r.target, r.port) for r in await self._query(target.name, "SRV", search=True)
-                          if r.target != dns.name.root})
+        records = sorted(
+            {(r.target, r.port) for r in await self._query(target.name, "SRV", search=True) if r.target != dns.name.root}
+        )
         resolved = await asyncio.gather(*(self._addresses(host, search=False) for host, _ in records))
         found = {}
         for (_, port), addresses in zip(records, resolved):

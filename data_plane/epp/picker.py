@@ -73,11 +73,16 @@ _BodyMode = processing_mode_pb2.ProcessingMode.BodySendMode
 _BUFFERED_MODES = (_BodyMode.Value("BUFFERED"), _BodyMode.Value("BUFFERED_PARTIAL"))
 _FULL_DUPLEX = _BodyMode.Value("FULL_DUPLEX_STREAMED")
 _STREAMED, _NO_BODY = _BodyMode.Value("STREAMED"), _BodyMode.Value("NONE")
-_STREAMED_REFUSED = ("the ext_proc filter's request_body_mode is STREAMED: Envoy sends the request headers upstream "
-                     "before the body, so a decision made from the body cannot reach it; use FULL_DUPLEX_STREAMED "
-                     "(GAIE's) or BUFFERED")
-_PREPARE_STATUS = {"invalid": (400, None), "model_not_found": (404, "model_not_found"),
-                   "too_long": (400, "context_length_exceeded")}
+_STREAMED_REFUSED = (
+    "the ext_proc filter's request_body_mode is STREAMED: Envoy sends the request headers upstream "
+    "before the body, so a decision made from the body cannot reach it; use FULL_DUPLEX_STREAMED "
+    "(GAIE's) or BUFFERED"
+)
+_PREPARE_STATUS = {
+    "invalid": (400, None),
+    "model_not_found": (404, "model_not_found"),
+    "too_long": (400, "context_length_exceeded"),
+}
 
 
 def host_port(endpoint: str) -> str:
@@ -88,12 +93,15 @@ def host_port(endpoint: str) -> str:
 def _header_option(key: str, value: str) -> base_pb2.HeaderValueOption:
     return base_pb2.HeaderValueOption(
         header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
-        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
 
 
 def _headers_of(message: ext.HttpHeaders) -> dict[str, str]:
-    return {h.key.lower(): (h.raw_value.decode("utf-8", "surrogateescape") if h.raw_value else h.value)
-            for h in message.headers.headers}
+    return {
+        h.key.lower(): (h.raw_value.decode("utf-8", "surrogateescape") if h.raw_value else h.value)
+        for h in message.headers.headers
+    }
 
 
 def _metadata_value(msg: ext.ProcessingRequest, namespace: str, key: str):
@@ -115,9 +123,14 @@ def _metadata_value(msg: ext.ProcessingRequest, namespace: str, key: str):
 def immediate(status: int, message: str, code: str | None = None, param: str | None = None) -> ext.ProcessingResponse:
     """An answer Envoy sends to the client in place of forwarding: OpenAI's error object."""
     body = json.dumps({"error": {"message": message, "type": error_type(status), "param": param, "code": code}}).encode()
-    return ext.ProcessingResponse(immediate_response=ext.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=status), body=body, details=f"kvroute_epp_{status}",
-        headers=ext.HeaderMutation(set_headers=[_header_option("content-type", "application/json")])))
+    return ext.ProcessingResponse(
+        immediate_response=ext.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),
+            body=body,
+            details=f"kvroute_epp_{status}",
+            headers=ext.HeaderMutation(set_headers=[_header_option("content-type", "application/json")]),
+        )
+    )
 
 
 # ---------------------------------------------------------------------------- one request
@@ -126,6 +139,7 @@ def immediate(status: int, message: str, code: str | None = None, param: str | N
 @dataclass(slots=True)
 class Pick:
     """What the picker tells Envoy: the endpoints (chosen first), or nothing (fail open)."""
+
     endpoints: list[str] = field(default_factory=list)
     headers: list[base_pb2.HeaderValueOption] = field(default_factory=list)
     decision: RouteDecision | None = None
@@ -136,8 +150,10 @@ class Pick:
             headers.append(_header_option("content-length", str(body_length)))
         # No pick (FailOpen): a destination header the client sent itself must not steer Envoy.
         removed = [] if self.endpoints else [DESTINATION]
-        return ext.CommonResponse(header_mutation=ext.HeaderMutation(set_headers=headers, remove_headers=removed),
-                                  clear_route_cache=bool(self.endpoints))
+        return ext.CommonResponse(
+            header_mutation=ext.HeaderMutation(set_headers=headers, remove_headers=removed),
+            clear_route_cache=bool(self.endpoints),
+        )
 
     def metadata(self) -> struct_pb2.Struct | None:
         if not self.endpoints:
@@ -150,9 +166,10 @@ class Pick:
 @dataclass(slots=True)
 class _Exchange:
     """One HTTP request as the picker follows it along its stream."""
+
     buffered: bool
     response_full_duplex: bool
-    body_sent: bool = True      # False: Envoy's request_body_mode is NONE, the headers are all there is
+    body_sent: bool = True  # False: Envoy's request_body_mode is NONE, the headers are all there is
     response_body_sent: bool = True  # False: response_body_mode NONE, the response headers end the prefill
     headers: dict[str, str] = field(default_factory=dict)
     body: bytearray = field(default_factory=bytearray)
@@ -163,9 +180,17 @@ class _Exchange:
 
 
 class EndpointPicker(ext_grpc.ExternalProcessorServicer):
-    def __init__(self, service: RoutingService, *, buffered: bool = False, fail_open: bool = False,
-                 max_body_bytes: int = 4 * 1024 * 1024, fallback_endpoints: int = 0,
-                 sheddable_objectives: Iterable[str] = (), saturation_load: int = 0) -> None:
+    def __init__(
+        self,
+        service: RoutingService,
+        *,
+        buffered: bool = False,
+        fail_open: bool = False,
+        max_body_bytes: int = 4 * 1024 * 1024,
+        fallback_endpoints: int = 0,
+        sheddable_objectives: Iterable[str] = (),
+        saturation_load: int = 0,
+    ) -> None:
         self.service = service
         self.buffered, self.fail_open, self.max_body_bytes = buffered, fail_open, max_body_bytes
         self.fallback_endpoints = fallback_endpoints
@@ -173,8 +198,9 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
         self.saturation_load = saturation_load
         self._policy_reads_tokens = service.policy.needs.tokens
 
-    async def Process(self, request_iterator: AsyncIterator[ext.ProcessingRequest],
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[ext.ProcessingResponse]:
+    async def Process(
+        self, request_iterator: AsyncIterator[ext.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ext.ProcessingResponse]:
         exchange: _Exchange | None = None
         try:
             async for msg in request_iterator:
@@ -197,14 +223,15 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             config = first.protocol_config
             if config.request_body_mode == _STREAMED:
                 return None
-            return _Exchange(buffered=config.request_body_mode in _BUFFERED_MODES,
-                             response_full_duplex=config.response_body_mode == _FULL_DUPLEX,
-                             body_sent=config.request_body_mode != _NO_BODY,
-                             response_body_sent=config.response_body_mode != _NO_BODY)
+            return _Exchange(
+                buffered=config.request_body_mode in _BUFFERED_MODES,
+                response_full_duplex=config.response_body_mode == _FULL_DUPLEX,
+                body_sent=config.request_body_mode != _NO_BODY,
+                response_body_sent=config.response_body_mode != _NO_BODY,
+            )
         # Without protocol_config: streamed is GAIE's configuration (response bodies full duplex too);
         # buffered is taken as a filter that does not send response bodies.
-        return _Exchange(buffered=self.buffered, response_full_duplex=not self.buffered,
-                         response_body_sent=not self.buffered)
+        return _Exchange(buffered=self.buffered, response_full_duplex=not self.buffered, response_body_sent=not self.buffered)
 
     async def _handle(self, ex: _Exchange, msg: ext.ProcessingRequest) -> list[ext.ProcessingResponse]:
         kind = msg.WhichOneof("request")
@@ -216,16 +243,25 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             ex.headers = _headers_of(msg.request_headers)
             if msg.request_headers.end_of_stream or not ex.body_sent:  # no body (e.g. GET /v1/models): on load
                 pick = await self._pick(ex, bodiless=True)
-                return [pick] if isinstance(pick, ext.ProcessingResponse) else [
-                    self._respond(pick, "request_headers", pick.common())]
+                return (
+                    [pick]
+                    if isinstance(pick, ext.ProcessingResponse)
+                    else [self._respond(pick, "request_headers", pick.common())]
+                )
             if ex.buffered:
                 return [ext.ProcessingResponse(request_headers=ext.HeadersResponse())]
             return []  # streamed: the headers response waits for the decision
         if kind == "request_body":
             ex.body += msg.request_body.body
             if len(ex.body) > self.max_body_bytes:
-                return [immediate(413, f"the request body is larger than this endpoint picker accepts "
-                                       f"({self.max_body_bytes} bytes; see --max-body-bytes)", "request_too_large")]
+                return [
+                    immediate(
+                        413,
+                        f"the request body is larger than this endpoint picker accepts "
+                        f"({self.max_body_bytes} bytes; see --max-body-bytes)",
+                        "request_too_large",
+                    )
+                ]
             if ex.pick is not None:  # buffered with trailers: the body part already decided on
                 return [ext.ProcessingResponse(request_body=ext.BodyResponse())]
             if not msg.request_body.end_of_stream and not ex.buffered:
@@ -250,9 +286,19 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             if msg.response_body.end_of_stream:
                 self._finish(ex)
             if ex.response_full_duplex:  # the processor owns the body in this mode: pass it on as it came
-                return [ext.ProcessingResponse(response_body=ext.BodyResponse(response=ext.CommonResponse(
-                    body_mutation=ext.BodyMutation(streamed_response=ext.StreamedBodyResponse(
-                        body=msg.response_body.body, end_of_stream=msg.response_body.end_of_stream)))))]
+                return [
+                    ext.ProcessingResponse(
+                        response_body=ext.BodyResponse(
+                            response=ext.CommonResponse(
+                                body_mutation=ext.BodyMutation(
+                                    streamed_response=ext.StreamedBodyResponse(
+                                        body=msg.response_body.body, end_of_stream=msg.response_body.end_of_stream
+                                    )
+                                )
+                            )
+                        )
+                    )
+                ]
             return [ext.ProcessingResponse(response_body=ext.BodyResponse())]
         if kind == "response_trailers":
             self._finish(ex)
@@ -268,17 +314,28 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             return [self._respond(pick, "request_body", pick.common())]
         body = bytes(ex.body)
         out = [self._respond(pick, "request_headers", pick.common(len(body)))]
-        pieces = [body[i:i + BODY_ECHO_CHUNK] for i in range(0, len(body), BODY_ECHO_CHUNK)] or [b""]
+        pieces = [body[i : i + BODY_ECHO_CHUNK] for i in range(0, len(body), BODY_ECHO_CHUNK)] or [b""]
         for i, piece in enumerate(pieces):
-            out.append(ext.ProcessingResponse(request_body=ext.BodyResponse(response=ext.CommonResponse(
-                body_mutation=ext.BodyMutation(streamed_response=ext.StreamedBodyResponse(
-                    body=piece, end_of_stream=body_ends and i == len(pieces) - 1))))))
+            out.append(
+                ext.ProcessingResponse(
+                    request_body=ext.BodyResponse(
+                        response=ext.CommonResponse(
+                            body_mutation=ext.BodyMutation(
+                                streamed_response=ext.StreamedBodyResponse(
+                                    body=piece, end_of_stream=body_ends and i == len(pieces) - 1
+                                )
+                            )
+                        )
+                    )
+                )
+            )
         return out
 
     @staticmethod
     def _respond(pick: Pick, field_name: str, common: ext.CommonResponse) -> ext.ProcessingResponse:
-        response = ext.ProcessingResponse(**{field_name: (ext.HeadersResponse if field_name == "request_headers"
-                                                           else ext.BodyResponse)(response=common)})
+        response = ext.ProcessingResponse(
+            **{field_name: (ext.HeadersResponse if field_name == "request_headers" else ext.BodyResponse)(response=common)}
+        )
         metadata = pick.metadata()
         if metadata is not None:
             response.dynamic_metadata.CopyFrom(metadata)
@@ -289,8 +346,7 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
     async def _pick(self, ex: _Exchange, bodiless: bool = False) -> Pick | ext.ProcessingResponse:
         service = self.service
         path = ex.headers.get(":path", "").split("?", 1)[0]
-        kind = "chat" if path.endswith("/chat/completions") else "completions" if path.endswith("/completions") \
-            else "either"
+        kind = "chat" if path.endswith("/chat/completions") else "completions" if path.endswith("/completions") else "either"
         eligible = None
         if ex.subset is not None:
             allowed = frozenset(ex.subset)
@@ -303,9 +359,14 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
             else:
                 _, parsed = parse_routing_body(bytes(ex.body), kind, ex.headers)
                 prepared = await service.preparer.prepare(parsed, tokenize=self._policy_reads_tokens)
-                decision = await service.router.decide(prepared.model, prepared.token_ids, prepared.lora_name,
-                                                       prepared.cache_salt, session_key=prepared.session_key,
-                                                       eligible=eligible)
+                decision = await service.router.decide(
+                    prepared.model,
+                    prepared.token_ids,
+                    prepared.lora_name,
+                    prepared.cache_salt,
+                    session_key=prepared.session_key,
+                    eligible=eligible,
+                )
         except BadRequest as exc:
             return immediate(exc.status, str(exc), exc.code, exc.param)
         except PrepareError as exc:
@@ -320,11 +381,14 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
                 return ex.pick
             return immediate(500, "the endpoint picker failed to handle the request (its log has the details)")
         if self._sheds(ex, decision):
-            return immediate(429, f"every eligible worker is saturated (--saturation-load {self.saturation_load}) and "
-                                  f"this request's objective {ex.headers.get(OBJECTIVE_HEADER)!r} is sheddable",
-                             "overloaded")
+            return immediate(
+                429,
+                f"every eligible worker is saturated (--saturation-load {self.saturation_load}) and "
+                f"this request's objective {ex.headers.get(OBJECTIVE_HEADER)!r} is sheddable",
+                "overloaded",
+            )
         ranked = decision.ranked()
-        endpoints = list(dict.fromkeys(host_port(c.endpoint) for c in ranked[:1 + self.fallback_endpoints]))
+        endpoints = list(dict.fromkeys(host_port(c.endpoint) for c in ranked[: 1 + self.fallback_endpoints]))
         headers = [_header_option(DESTINATION, ",".join(endpoints))]
         rank = decision.dp_ranks.get(decision.worker_id)
         if rank is not None:
@@ -341,9 +405,13 @@ class EndpointPicker(ext_grpc.ExternalProcessorServicer):
     def _start(self, decision: RouteDecision, worker_id: str) -> InflightTicket:
         """Count the request in flight on `worker_id`, as the router's proxy counts what it sends."""
         chosen = next(c for c in decision.candidates if c.worker_id == worker_id)
-        return self.service.inflight.start(worker_id, decision.prompt_tokens - chosen.cached_tokens,
-                                           decision.chains.get(chosen.block_size, ()), chosen.block_size,
-                                           decision.prompt_tokens)
+        return self.service.inflight.start(
+            worker_id,
+            decision.prompt_tokens - chosen.cached_tokens,
+            decision.chains.get(chosen.block_size, ()),
+            chosen.block_size,
+            decision.prompt_tokens,
+        )
 
     def _served(self, ex: _Exchange, served: object) -> None:
         """Envoy names the endpoint that served the request; after a retry to a fallback it is not

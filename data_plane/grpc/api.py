@@ -36,8 +36,11 @@ from kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
 tracer = trace.get_tracer("kvroute.router")
 # PrepareError.kind -> status
-_PREPARE_STATUS = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "model_not_found": grpc.StatusCode.NOT_FOUND,
-                   "too_long": grpc.StatusCode.INVALID_ARGUMENT}
+_PREPARE_STATUS = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "model_not_found": grpc.StatusCode.NOT_FOUND,
+    "too_long": grpc.StatusCode.INVALID_ARGUMENT,
+}
 log = logging.getLogger("kvroute.router.grpc")
 
 
@@ -68,20 +71,21 @@ def add_router_service(service: RouterGrpcService, server: grpc.aio.Server) -> N
     metrics = service.router.metrics
     descriptor = pb.DESCRIPTOR.services_by_name["Router"]
     counted = SimpleNamespace(**{m.name: _counted(m.name, getattr(service, m.name), metrics) for m in descriptor.methods})
-    add_servicer(server, descriptor, counted,
-                 on_unparseable=lambda method: metrics.grpc_requests.labels(method, "INVALID_ARGUMENT").inc())
+    add_servicer(
+        server, descriptor, counted, on_unparseable=lambda method: metrics.grpc_requests.labels(method, "INVALID_ARGUMENT").inc()
+    )
 
 
 class RouterGrpcService(pb_grpc.RouterServicer):
-    def __init__(self, router: Router, preparer: RequestPreparer, reservations: AppReservations,
-                 capture: TrafficCapture | None = None) -> None:
+    def __init__(
+        self, router: Router, preparer: RequestPreparer, reservations: AppReservations, capture: TrafficCapture | None = None
+    ) -> None:
         self.router, self.preparer = router, preparer
         self.reservations = reservations
         self.capture = capture  # a Route call is a decision for a request served elsewhere: record it too
 
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
-        carrier = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)} \
-            if tracing_active() else {}
+        carrier = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)} if tracing_active() else {}
         with span(tracer, "kvroute.v1.Router/Route", context=propagate.extract(carrier), kind=trace.SpanKind.SERVER):
             try:
                 return await self._route(request, context)
@@ -89,8 +93,10 @@ class RouterGrpcService(pb_grpc.RouterServicer):
                 raise
             except Exception:
                 log.exception("unexpected error in Router/Route")
-                await context.abort(grpc.StatusCode.INTERNAL,
-                                    "the router failed to handle the request (an internal error; its log has the details)")
+                await context.abort(
+                    grpc.StatusCode.INTERNAL,
+                    "the router failed to handle the request (an internal error; its log has the details)",
+                )
 
     async def _route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         arrived = self.capture.sample_arrival() if self.capture else None
@@ -99,8 +105,14 @@ class RouterGrpcService(pb_grpc.RouterServicer):
         except PrepareError as exc:
             await context.abort(_PREPARE_STATUS[exc.kind], str(exc))
         try:
-            decision = await self.router.decide(prepared.model, prepared.token_ids, prepared.lora_name, prepared.cache_salt,
-                                                session_key=prepared.session_key, explain=request.explain)
+            decision = await self.router.decide(
+                prepared.model,
+                prepared.token_ids,
+                prepared.lora_name,
+                prepared.cache_salt,
+                session_key=prepared.session_key,
+                explain=request.explain,
+            )
         except NoWorkersError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         if self.capture and arrived is not None:  # RouteRequest has no output budget: output_length 0
@@ -116,27 +128,38 @@ class RouterGrpcService(pb_grpc.RouterServicer):
 
     async def PrefillDone(self, request: pb.ReservationRef, context: grpc.aio.ServicerContext) -> pb.ReservationState:
         await self._check_issued(request.reservation_id, context)
-        return pb.ReservationState(reservation_id=request.reservation_id,
-                                   was_held=self.reservations.prefill_done(request.reservation_id))
+        return pb.ReservationState(
+            reservation_id=request.reservation_id, was_held=self.reservations.prefill_done(request.reservation_id)
+        )
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReservationState:
         await self._check_issued(request.reservation_id, context)
-        outcome = pb.RequestOutcome.Name(request.outcome).removeprefix("REQUEST_OUTCOME_").lower() \
-            if request.outcome in pb.RequestOutcome.values() else "unspecified"
-        return pb.ReservationState(reservation_id=request.reservation_id,
-                                   was_held=self.reservations.release(request.reservation_id, outcome))
+        outcome = (
+            pb.RequestOutcome.Name(request.outcome).removeprefix("REQUEST_OUTCOME_").lower()
+            if request.outcome in pb.RequestOutcome.values()
+            else "unspecified"
+        )
+        return pb.ReservationState(
+            reservation_id=request.reservation_id, was_held=self.reservations.release(request.reservation_id, outcome)
+        )
 
     async def _check_issued(self, rid: int, context: grpc.aio.ServicerContext) -> None:
         if not self.reservations.issued(rid):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"reservation {rid} was not issued by this router "
-                                "(reservations live on the router that answered the Route call)")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"reservation {rid} was not issued by this router (reservations live on the router that answered the Route call)",
+            )
 
 
 def route_input(request: pb.RouteRequest) -> RouteInput:
     """What request preparation takes, from a RouteRequest (its `input` oneof)."""
     kind = request.WhichOneof("input")
-    parsed = RouteInput(request.model, lora_name=request.lora_name, cache_salt=request.cache_salt,
-                        missing_prompt="one of 'prompt', 'token_ids' or 'messages' is required")
+    parsed = RouteInput(
+        request.model,
+        lora_name=request.lora_name,
+        cache_salt=request.cache_salt,
+        missing_prompt="one of 'prompt', 'token_ids' or 'messages' is required",
+    )
     if kind == "prompt":
         parsed.kind, parsed.prompt = "completions", request.prompt
     elif kind == "token_ids":
@@ -156,8 +179,10 @@ def _chat_message(m: pb.ChatMessage) -> dict:
     """The OpenAI message the HTTP path would have parsed: content as a string or as parts."""
     if m.parts and m.content:
         raise PrepareError("a ChatMessage has either 'content' or 'parts', not both", param="messages")
-    message: dict = {"role": m.role,
-                     "content": [{"type": p.type or "text", "text": p.text} for p in m.parts] if m.parts else m.content}
+    message: dict = {
+        "role": m.role,
+        "content": [{"type": p.type or "text", "text": p.text} for p in m.parts] if m.parts else m.content,
+    }
     if m.name:
         message["name"] = m.name
     return message
@@ -173,29 +198,50 @@ def _tool(t: pb.ToolDefinition) -> dict:
         except ValueError as exc:
             raise PrepareError(f"tool {t.name!r}: 'parameters_json' is not valid JSON ({exc})", param="tools") from None
         except RecursionError:  # json recurses per level: arrays nested past Python's limit
-            raise PrepareError(f"tool {t.name!r}: 'parameters_json' nests arrays and objects too deeply",
-                               param="tools") from None
+            raise PrepareError(f"tool {t.name!r}: 'parameters_json' nests arrays and objects too deeply", param="tools") from None
     return {"type": t.type or "function", "function": function}
 
 
 def to_route_response(d: RouteDecision) -> pb.RouteResponse:
     return pb.RouteResponse(
-        worker_id=d.worker_id, endpoint=d.endpoint, prompt_tokens=d.prompt_tokens, cached_tokens=d.cached_tokens,
-        policy=d.policy, fail_open=d.fail_open,
-        workers=[pb.WorkerScore(worker_id=c.worker_id, endpoint=c.endpoint, cached_tokens=c.cached_tokens,
-                                score=d.scores.get(c.worker_id, 0.0), inflight_requests=c.inflight_requests,
-                                load=pb.WorkerLoad(running_requests=c.running_requests,
-                                                   waiting_requests=c.waiting_requests, kv_usage=c.kv_usage))
-                 for c in d.candidates],
-        explanation=to_explanation(d) if d.explanation is not None else None)
+        worker_id=d.worker_id,
+        endpoint=d.endpoint,
+        prompt_tokens=d.prompt_tokens,
+        cached_tokens=d.cached_tokens,
+        policy=d.policy,
+        fail_open=d.fail_open,
+        workers=[
+            pb.WorkerScore(
+                worker_id=c.worker_id,
+                endpoint=c.endpoint,
+                cached_tokens=c.cached_tokens,
+                score=d.scores.get(c.worker_id, 0.0),
+                inflight_requests=c.inflight_requests,
+                load=pb.WorkerLoad(running_requests=c.running_requests, waiting_requests=c.waiting_requests, kv_usage=c.kv_usage),
+            )
+            for c in d.candidates
+        ],
+        explanation=to_explanation(d) if d.explanation is not None else None,
+    )
 
 
 def to_explanation(d: RouteDecision) -> pb.DecisionExplanation:
     e = d.explanation_json()
     return pb.DecisionExplanation(
-        policy=e["policy"], reason=e["reason"], params=e["params"], fail_open_reason=e["fail_open_reason"],
-        workers=[pb.CandidateExplanation(worker_id=w["worker_id"], cost=w["cost"], terms=w["terms"],
-                                         credited_tokens=w["credited_tokens"], within_load_bound=w["within_load_bound"],
-                                         in_spread_pool=w["in_spread_pool"],
-                                         index=pb.IndexMatch(**w["index"]) if w["index"] is not None else None)
-                 for w in e["workers"]])
+        policy=e["policy"],
+        reason=e["reason"],
+        params=e["params"],
+        fail_open_reason=e["fail_open_reason"],
+        workers=[
+            pb.CandidateExplanation(
+                worker_id=w["worker_id"],
+                cost=w["cost"],
+                terms=w["terms"],
+                credited_tokens=w["credited_tokens"],
+                within_load_bound=w["within_load_bound"],
+                in_spread_pool=w["in_spread_pool"],
+                index=pb.IndexMatch(**w["index"]) if w["index"] is not None else None,
+            )
+            for w in e["workers"]
+        ],
+    )

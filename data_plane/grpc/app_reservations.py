@@ -37,8 +37,14 @@ class _Held:
 
 
 class AppReservations:
-    def __init__(self, inflight: RouterInflight, metrics: RouterMetrics, default_ttl_s: float = 60.0,
-                 max_ttl_s: float = 3600.0, max_held: int = 100_000) -> None:
+    def __init__(
+        self,
+        inflight: RouterInflight,
+        metrics: RouterMetrics,
+        default_ttl_s: float = 60.0,
+        max_ttl_s: float = 3600.0,
+        max_held: int = 100_000,
+    ) -> None:
         self.inflight, self.metrics = inflight, metrics
         self.default_ttl_s, self.max_ttl_s, self.max_held = default_ttl_s, max_ttl_s, max_held
         self._first = random.getrandbits(62) + 1
@@ -49,13 +55,18 @@ class AppReservations:
     def reserve(self, decision: RouteDecision, ttl_s: float = 0.0) -> tuple[int, float]:
         """Count `decision` as in flight on its worker; (reservation id, the TTL it got)."""
         if len(self._held) >= self.max_held:
-            raise TooManyReservations(f"{len(self._held)} reservations are held (--max-reservations "
-                                      f"{self.max_held}); release finished requests first")
+            raise TooManyReservations(
+                f"{len(self._held)} reservations are held (--max-reservations {self.max_held}); release finished requests first"
+            )
         chosen = decision.ranked()[0]
         ttl_s = min(ttl_s or self.default_ttl_s, self.max_ttl_s)
-        ticket = self.inflight.start(chosen.worker_id, decision.prompt_tokens - chosen.cached_tokens,
-                                     decision.chains.get(chosen.block_size, ()), chosen.block_size,
-                                     decision.prompt_tokens)
+        ticket = self.inflight.start(
+            chosen.worker_id,
+            decision.prompt_tokens - chosen.cached_tokens,
+            decision.chains.get(chosen.block_size, ()),
+            chosen.block_size,
+            decision.prompt_tokens,
+        )
         rid, self._next = self._next, self._next + 1
         self._held[rid] = _Held(ticket, asyncio.get_running_loop().call_later(ttl_s, self._expire, rid))
         self.metrics.reservations.labels("reserved").inc()
@@ -87,7 +98,7 @@ class AppReservations:
         if held is not None:
             self.inflight.finish(held.ticket)
             self.metrics.reservations.labels("expired").inc()
-    
+
     def close(self) -> None:
         """Release everything (the router is stopping)."""
         for rid in list(self._held):

@@ -63,8 +63,11 @@ tracer = trace.get_tracer("kvroute.router")
 # (base64 content parts, not tokenized here) may need more: --max-body-bytes.
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 # PrepareError.kind -> (HTTP status, OpenAI error code)
-_PREPARE_STATUS = {"invalid": (400, None), "model_not_found": (404, "model_not_found"),
-                   "too_long": (400, "context_length_exceeded")}
+_PREPARE_STATUS = {
+    "invalid": (400, None),
+    "model_not_found": (404, "model_not_found"),
+    "too_long": (400, "context_length_exceeded"),
+}
 
 
 def _asks_to_explain(request: web.Request) -> bool:
@@ -72,15 +75,25 @@ def _asks_to_explain(request: web.Request) -> bool:
 
 
 def _body_too_large(size: int, limit: int) -> BadRequest:
-    return BadRequest(f"the request body ({size} bytes) is larger than this router accepts ({limit} bytes; "
-                      "see --max-body-bytes)", 413, "request_too_large")
+    return BadRequest(
+        f"the request body ({size} bytes) is larger than this router accepts ({limit} bytes; see --max-body-bytes)",
+        413,
+        "request_too_large",
+    )
 
 
 class RouterHttpApi:
-    def __init__(self, router: Router, proxy: BackendProxy, preparer: RequestPreparer,
-                 capture: TrafficCapture | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 stages: StageSamples | None = None, admission: Admission | None = None,
-                 pd: PdRouting | None = None) -> None:
+    def __init__(
+        self,
+        router: Router,
+        proxy: BackendProxy,
+        preparer: RequestPreparer,
+        capture: TrafficCapture | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        stages: StageSamples | None = None,
+        admission: Admission | None = None,
+        pd: PdRouting | None = None,
+    ) -> None:
         self.router, self.proxy, self.preparer = router, proxy, preparer
         self.pd = pd  # prefill/decode disaggregation (pd.py); None: whole requests to one worker
         self.admission = admission  # API keys and the concurrency limit (admission.py); None: everyone, unbounded
@@ -99,19 +112,25 @@ class RouterHttpApi:
         if bound is None:
             self.prompt_bound_note = f"model {self.model}: its tokenizer loads with its first request"
         elif bound.chars_per_token is None:
-            self.prompt_bound_note = (f"no character bound on prompts ({bound.why}): every prompt under "
-                                      "--max-body-bytes is tokenized")
+            self.prompt_bound_note = (
+                f"no character bound on prompts ({bound.why}): every prompt under --max-body-bytes is tokenized"
+            )
         else:
-            self.prompt_bound_note = (f"prompts over {bound.max_chars(max_prompt_tokens)} characters are rejected "
-                                      f"without tokenizing ({bound.chars_per_token} per token: {bound.why})")
+            self.prompt_bound_note = (
+                f"prompts over {bound.max_chars(max_prompt_tokens)} characters are rejected "
+                f"without tokenizing ({bound.chars_per_token} per token: {bound.why})"
+            )
 
     def app(self) -> web.Application:
         middlewares = [self._count_requests, openai_errors]
         if self.admission is not None:
             middlewares.append(self.admission.middleware)
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=middlewares)
-        for path, handler in (("/v1/completions", self.handle_completions), ("/v1/chat/completions", self.handle_chat),
-                              ("/v1/route", self.handle_route)):
+        for path, handler in (
+            ("/v1/completions", self.handle_completions),
+            ("/v1/chat/completions", self.handle_chat),
+            ("/v1/route", self.handle_route),
+        ):
             app.router.add_post(path, handler, expect_handler=self._expect_body)
         app.router.add_get("/v1/models", self.handle_models)
         app.router.add_get("/health", self.handle_health)
@@ -144,8 +163,10 @@ class RouterHttpApi:
             self.metrics.http_in_flight.dec()
             counted = self._answers.get((route, status))
             if counted is None:  # labels() costs a few us per call: keep the children per (route, status)
-                counted = self._answers[(route, status)] = (self.metrics.http_requests.labels(route, str(status)),
-                                                            self.metrics.http_request_seconds.labels(route))
+                counted = self._answers[(route, status)] = (
+                    self.metrics.http_requests.labels(route, str(status)),
+                    self.metrics.http_request_seconds.labels(route),
+                )
             counted[0].inc()
             counted[1].observe(time.perf_counter() - started)
 
@@ -180,8 +201,9 @@ class RouterHttpApi:
         span joined to the caller's trace (W3C traceparent) while tracing is active."""
         if not tracing_active():
             return await self._serve(request, kind, forward_to)
-        with tracer.start_as_current_span(f"POST {request.path}", context=propagate.extract(request.headers),
-                                          kind=trace.SpanKind.SERVER):
+        with tracer.start_as_current_span(
+            f"POST {request.path}", context=propagate.extract(request.headers), kind=trace.SpanKind.SERVER
+        ):
             return await self._serve(request, kind, forward_to)
 
     async def _serve(self, request: web.Request, kind: str, forward_to: str | None) -> web.StreamResponse:
@@ -201,13 +223,26 @@ class RouterHttpApi:
             explain = forward_to is None and _asks_to_explain(request)
             decode = None
             if self.pd is not None:
-                decision = await self.pd.decide_prefill(prepared.model, prepared.token_ids, prepared.lora_name,
-                                                        prepared.cache_salt, prepared.session_key, clock, explain)
+                decision = await self.pd.decide_prefill(
+                    prepared.model,
+                    prepared.token_ids,
+                    prepared.lora_name,
+                    prepared.cache_salt,
+                    prepared.session_key,
+                    clock,
+                    explain,
+                )
                 decode = await self.pd.decide_decode(prepared.model, prepared.lora_name)
             else:
-                decision = await self.router.decide(prepared.model, prepared.token_ids, prepared.lora_name,
-                                                    prepared.cache_salt, session_key=prepared.session_key,
-                                                    clock=clock, explain=explain)
+                decision = await self.router.decide(
+                    prepared.model,
+                    prepared.token_ids,
+                    prepared.lora_name,
+                    prepared.cache_salt,
+                    session_key=prepared.session_key,
+                    clock=clock,
+                    explain=explain,
+                )
         except BadRequest as exc:
             return error_response(str(exc), exc.status, exc.code, exc.param)
         except PrepareError as exc:
@@ -220,20 +255,28 @@ class RouterHttpApi:
         if forward_to is None:
             answer = decision.as_json()
             if decode is not None:  # P/D: the decision above is the prefill leg's
-                answer["pd"] = {"protocol": self.pd.protocol, "prefill_worker_id": decision.worker_id,
-                                "decode_worker_id": decode.worker_id,
-                                "decode_workers": [{"worker_id": c.worker_id, "inflight_requests": c.inflight_requests,
-                                                    "running_requests": c.running_requests,
-                                                    "waiting_requests": c.waiting_requests}
-                                                   for c in decode.candidates]}
+                answer["pd"] = {
+                    "protocol": self.pd.protocol,
+                    "prefill_worker_id": decision.worker_id,
+                    "decode_worker_id": decode.worker_id,
+                    "decode_workers": [
+                        {
+                            "worker_id": c.worker_id,
+                            "inflight_requests": c.inflight_requests,
+                            "running_requests": c.running_requests,
+                            "waiting_requests": c.waiting_requests,
+                        }
+                        for c in decode.candidates
+                    ],
+                }
             return web.json_response(answer)
         tail = bytearray()  # the response's end: its usage (cached tokens as the engine reports them)
         if decode is not None:
-            response = await self.pd.forward(request, forward_to, raw, decision, decode, prepared.prompt_tokens,
-                                             tail, clock, started)
+            response = await self.pd.forward(
+                request, forward_to, raw, decision, decode, prepared.prompt_tokens, tail, clock, started
+            )
         else:
-            response = await self.proxy.forward(request, forward_to, raw, decision, prepared.prompt_tokens, tail,
-                                                clock, started)
+            response = await self.proxy.forward(request, forward_to, raw, decision, prepared.prompt_tokens, tail, clock, started)
         if clock is not None:
             self.stages.record(clock)
         if response.status >= 400:  # the engine did no work worth counting or replaying
@@ -245,9 +288,14 @@ class RouterHttpApi:
             tokens.engine_cached.inc(cached[1])
         if arrived is not None:
             output = reported_output_tokens(tail)
-            self.capture.record(arrived, prepared.token_ids,
-                                fields.requested_output_tokens() if output is None else output,
-                                prepared.model, prepared.lora_name, prepared.cache_salt)
+            self.capture.record(
+                arrived,
+                prepared.token_ids,
+                fields.requested_output_tokens() if output is None else output,
+                prepared.model,
+                prepared.lora_name,
+                prepared.cache_salt,
+            )
         return response
 
     async def handle_models(self, request: web.Request) -> web.Response:
@@ -255,19 +303,30 @@ class RouterHttpApi:
         data = []
         for model in self.served_models():
             data.append({"id": model, "object": "model", "owned_by": "kvroute"})
-            data += [{"id": a, "object": "model", "owned_by": "kvroute", "parent": model}
-                     for a in sorted(cp.adapters_of(model))]
+            data += [{"id": a, "object": "model", "owned_by": "kvroute", "parent": model} for a in sorted(cp.adapters_of(model))]
         return web.json_response({"object": "list", "data": data})
 
     async def handle_health(self, request: web.Request) -> web.Response:
         cp = self.router.control_plane
-        return web.json_response({"status": "ok", "model": self.model, "models": self.served_models(),
-                                  "policy": self.router.policy.name, "workers": len(self.known_workers()),
-                                  "control_plane": "reachable" if cp.reachable else "unreachable"})
+        return web.json_response(
+            {
+                "status": "ok",
+                "model": self.model,
+                "models": self.served_models(),
+                "policy": self.router.policy.name,
+                "workers": len(self.known_workers()),
+                "control_plane": "reachable" if cp.reachable else "unreachable",
+            }
+        )
 
     def readiness(self) -> Readiness:
-        return router_readiness(self.router.control_plane, self.model, self.router.health, self.served_models(),
-                                role_of=self.pd.role_of if self.pd is not None else None)
+        return router_readiness(
+            self.router.control_plane,
+            self.model,
+            self.router.health,
+            self.served_models(),
+            role_of=self.pd.role_of if self.pd is not None else None,
+        )
 
     async def handle_stages(self, request: web.Request) -> web.Response:
         """Per-stage samples in ms (`?reset=1`: and start over)."""

@@ -66,15 +66,28 @@ PREFILL_WORKER_HEADER = "x-kvroute-prefill-worker"
 SGLANG_DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
 _ROOM_LIMIT = 2**63 - 1  # SGLang's bootstrap rooms are non-negative signed 64-bit integers
 # The prefill leg asks a vLLM engine to keep the prompt's KV for a remote decode (NixlConnector's request fields).
-_VLLM_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                        "remote_block_ids": None, "remote_host": None, "remote_port": None}
+_VLLM_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 _NOT_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
 class PdRouting:
-    def __init__(self, protocol: str, router: Router, proxy: BackendProxy, roles: Mapping[str, str] | None = None,
-                 bootstrap_ports: Mapping[str, int] | None = None,
-                 default_bootstrap_port: int = SGLANG_DEFAULT_BOOTSTRAP_PORT, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        protocol: str,
+        router: Router,
+        proxy: BackendProxy,
+        roles: Mapping[str, str] | None = None,
+        bootstrap_ports: Mapping[str, int] | None = None,
+        default_bootstrap_port: int = SGLANG_DEFAULT_BOOTSTRAP_PORT,
+        rng: random.Random | None = None,
+    ) -> None:
         """`roles`: worker id -> role for workers that register none (static, found by DNS);
         `bootstrap_ports`: worker id -> its SGLang bootstrap port, else `default_bootstrap_port`."""
         if protocol not in PROTOCOLS:
@@ -84,8 +97,7 @@ class PdRouting:
         self.bootstrap_ports = dict(bootstrap_ports or {})
         self.default_bootstrap_port = default_bootstrap_port
         # The decode leg: fewest requests, over the same fleet, in-flight state and health as the router's.
-        self.decode_router = Router(router.control_plane, LeastLoaded(), router.inflight, router.health,
-                                    router.metrics)
+        self.decode_router = Router(router.control_plane, LeastLoaded(), router.inflight, router.health, router.metrics)
         self._rng = rng or random.Random()
         self._log = RateLimitedLog(log)
 
@@ -103,17 +115,34 @@ class PdRouting:
     def _require(self, model: str, lora_name: str, role: str) -> None:
         known = self.router.control_plane.workers_for(model, lora_name)
         if known and not any(self.role_of(w) == role for w in known):
-            raise NoWorkersError(f"no {role} worker of model {model!r} is known ({len(known)} workers, none with "
-                                 f"role {role}): in P/D mode workers register a role (`kvroute agent --role {role}`) "
-                                 f"or the router names it (--pd-role ID={role})")
+            raise NoWorkersError(
+                f"no {role} worker of model {model!r} is known ({len(known)} workers, none with "
+                f"role {role}): in P/D mode workers register a role (`kvroute agent --role {role}`) "
+                f"or the router names it (--pd-role ID={role})"
+            )
 
-    async def decide_prefill(self, model: str, token_ids: Sequence[int] | None, lora_name: str = "",
-                             cache_salt: str = "", session_key: str = "", clock: StageClock | None = None,
-                             explain: bool = False) -> RouteDecision:
+    async def decide_prefill(
+        self,
+        model: str,
+        token_ids: Sequence[int] | None,
+        lora_name: str = "",
+        cache_salt: str = "",
+        session_key: str = "",
+        clock: StageClock | None = None,
+        explain: bool = False,
+    ) -> RouteDecision:
         """The router's policy over the prefill workers (NoWorkersError when there are none)."""
         self._require(model, lora_name, PREFILL)
-        return await self.router.decide(model, token_ids, lora_name, cache_salt, session_key=session_key,
-                                        clock=clock, explain=explain, eligible=self.is_prefill)
+        return await self.router.decide(
+            model,
+            token_ids,
+            lora_name,
+            cache_salt,
+            session_key=session_key,
+            clock=clock,
+            explain=explain,
+            eligible=self.is_prefill,
+        )
 
     async def decide_decode(self, model: str, lora_name: str = "") -> RouteDecision:
         """Fewest requests over the decode workers (NoWorkersError when there are none)."""
@@ -122,9 +151,18 @@ class PdRouting:
 
     # ------------------------------------------------------------ forwarding
 
-    async def forward(self, request: web.Request, path: str, raw: bytes, prefill: RouteDecision,
-                      decode: RouteDecision, prompt_tokens: int, tail: bytearray | None = None,
-                      clock: StageClock | None = None, started: float | None = None) -> web.StreamResponse:
+    async def forward(
+        self,
+        request: web.Request,
+        path: str,
+        raw: bytes,
+        prefill: RouteDecision,
+        decode: RouteDecision,
+        prompt_tokens: int,
+        tail: bytearray | None = None,
+        clock: StageClock | None = None,
+        started: float | None = None,
+    ) -> web.StreamResponse:
         body = json.loads(raw)  # an object: the router parsed it already (http_api.parse_routing_body)
         if self.protocol == "vllm":
             return await self._vllm(request, path, body, prefill, decode, prompt_tokens, tail, clock, started)
@@ -134,9 +172,18 @@ class PdRouting:
         limit = self.proxy.max_attempts
         return ranked[:limit] if limit > 0 else ranked
 
-    async def _vllm(self, request: web.Request, path: str, body: dict, prefill: RouteDecision, decode: RouteDecision,
-                    prompt_tokens: int, tail: bytearray | None, clock: StageClock | None,
-                    started: float | None) -> web.StreamResponse:
+    async def _vllm(
+        self,
+        request: web.Request,
+        path: str,
+        body: dict,
+        prefill: RouteDecision,
+        decode: RouteDecision,
+        prompt_tokens: int,
+        tail: bytearray | None,
+        clock: StageClock | None,
+        started: float | None,
+    ) -> web.StreamResponse:
         prefill_body = json.dumps(vllm_prefill_body(body)).encode()
         failures = []
         for candidate in self._attempts(prefill.ranked()):
@@ -144,26 +191,46 @@ class PdRouting:
                 answer = await self.proxy.leg(request, path, prefill_body, candidate, prefill, prompt_tokens)
             except LegFailed as exc:
                 failures.append(f"{candidate.worker_id}: {exc}")
-                self._log.warning(f"prefill:{candidate.worker_id}", "prefill leg on %s failed (%s)",
-                                  candidate.worker_id, exc)
+                self._log.warning(f"prefill:{candidate.worker_id}", "prefill leg on %s failed (%s)", candidate.worker_id, exc)
                 continue
             if answer.status >= 400:  # the engine refused the request itself: another worker would too
                 return self.proxy.engine_error(answer)
             params = transfer_params(answer.body)
             if params is None:
                 failures.append(f"{candidate.worker_id}: answered without kv_transfer_params")
-                self._log.warning(f"params:{candidate.worker_id}", "prefill worker %s answered without "
-                                  "kv_transfer_params: is it started with a KV connector (--kv-transfer-config)?",
-                                  candidate.worker_id)
+                self._log.warning(
+                    f"params:{candidate.worker_id}",
+                    "prefill worker %s answered without "
+                    "kv_transfer_params: is it started with a KV connector (--kv-transfer-config)?",
+                    candidate.worker_id,
+                )
                 continue
             decode_body = json.dumps({**body, "kv_transfer_params": params}).encode()
-            return await self.proxy.forward(request, path, decode_body, decode, prompt_tokens, tail, clock, started,
-                                            extra_headers={PREFILL_WORKER_HEADER: candidate.worker_id})
+            return await self.proxy.forward(
+                request,
+                path,
+                decode_body,
+                decode,
+                prompt_tokens,
+                tail,
+                clock,
+                started,
+                extra_headers={PREFILL_WORKER_HEADER: candidate.worker_id},
+            )
         return self._exhausted("prefill", failures)
 
-    async def _sglang(self, request: web.Request, path: str, body: dict, prefill: RouteDecision,
-                      decode: RouteDecision, prompt_tokens: int, tail: bytearray | None, clock: StageClock | None,
-                      started: float | None) -> web.StreamResponse:
+    async def _sglang(
+        self,
+        request: web.Request,
+        path: str,
+        body: dict,
+        prefill: RouteDecision,
+        decode: RouteDecision,
+        prompt_tokens: int,
+        tail: bytearray | None,
+        clock: StageClock | None,
+        started: float | None,
+    ) -> web.StreamResponse:
         prefills, decodes = self._attempts(prefill.ranked()), self._attempts(decode.ranked())
         p = d = 0
         failures: list[str] = []
@@ -171,13 +238,20 @@ class PdRouting:
         while p < len(prefills) and d < len(decodes):
             candidate, decoder = prefills[p], decodes[d]
             legs_body = json.dumps(self.with_bootstrap(body, candidate)).encode()
-            prefill_leg = asyncio.create_task(self.proxy.leg(request, path, legs_body, candidate, prefill,
-                                                             prompt_tokens))
+            prefill_leg = asyncio.create_task(self.proxy.leg(request, path, legs_body, candidate, prefill, prompt_tokens))
             try:
                 response = await self.proxy.forward(
-                    request, path, legs_body, _only(decode, decoder), prompt_tokens, tail, clock, started,
+                    request,
+                    path,
+                    legs_body,
+                    _only(decode, decoder),
+                    prompt_tokens,
+                    tail,
+                    clock,
+                    started,
                     extra_headers={PREFILL_WORKER_HEADER: candidate.worker_id},
-                    gate=lambda leg=prefill_leg: self._prefill_answered(leg))
+                    gate=lambda leg=prefill_leg: self._prefill_answered(leg),
+                )
             except LegAborted as aborted:
                 if aborted.response is not None:
                     return aborted.response
@@ -209,14 +283,20 @@ class PdRouting:
         host = urlsplit(prefill.endpoint).hostname or ""
         if ":" in host:  # an IPv6 address goes in brackets, as SGLang's load balancer sends it
             host = f"[{host}]"
-        return {**body, "bootstrap_host": host,
-                "bootstrap_port": self.bootstrap_ports.get(prefill.worker_id, self.default_bootstrap_port),
-                "bootstrap_room": self._rng.randint(0, _ROOM_LIMIT)}
+        return {
+            **body,
+            "bootstrap_host": host,
+            "bootstrap_port": self.bootstrap_ports.get(prefill.worker_id, self.default_bootstrap_port),
+            "bootstrap_room": self._rng.randint(0, _ROOM_LIMIT),
+        }
 
     def _exhausted(self, leg: str, failures: list[str]) -> web.Response:
         self._log.warning(f"exhausted:{leg}", "no %s worker could serve the request: %s", leg, "; ".join(failures))
-        return error_response(f"no {leg} worker could serve the request: all {len(failures)} tried failed "
-                              "(the router's log has the details)", 502, "backend_unavailable")
+        return error_response(
+            f"no {leg} worker could serve the request: all {len(failures)} tried failed (the router's log has the details)",
+            502,
+            "backend_unavailable",
+        )
 
 
 def vllm_prefill_body(body: dict) -> dict:
@@ -241,8 +321,7 @@ def transfer_params(answer: bytes) -> dict | None:
 
 def _only(decision: RouteDecision, candidate: Candidate) -> RouteDecision:
     """`decision` narrowed to one worker (one leg of one attempt)."""
-    return dataclasses.replace(decision, worker_id=candidate.worker_id, endpoint=candidate.endpoint,
-                               candidates=[candidate])
+    return dataclasses.replace(decision, worker_id=candidate.worker_id, endpoint=candidate.endpoint, candidates=[candidate])
 
 
 def parse_roles(text: str) -> dict[str, str]:

@@ -67,9 +67,23 @@ DP_RANK_HEADER = "X-data-parallel-rank"
 WHOLE_BODY_BYTES = 1 << 20
 TAIL_BYTES = 16384  # enough for a response's trailing usage object / an SSE stream's last chunks
 # Not forwarded in either direction: per-connection headers, framing we redo, and trace context we replace.
-_HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                          "transfer-encoding", "upgrade", "content-length", "host", "traceparent", "tracestate",
-                          "x-data-parallel-rank"})
+_HOP_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "host",
+        "traceparent",
+        "tracestate",
+        "x-data-parallel-rank",
+    }
+)
 
 
 class _Failed(Exception):
@@ -96,6 +110,7 @@ class LegAborted(Exception):
 @dataclass(slots=True)
 class LegAnswer:
     """An engine's answer read whole (status < 500)."""
+
     worker_id: str
     status: int
     reason: str
@@ -104,9 +119,17 @@ class LegAnswer:
 
 
 class BackendProxy:
-    def __init__(self, inflight: RouterInflight, health: BackendHealth, metrics: RouterMetrics, max_attempts: int = 0,
-                 connect_timeout_s: float = 2.0, read_timeout_s: float = 1800.0, forward_authorization: bool = False,
-                 engine_ssl: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        inflight: RouterInflight,
+        health: BackendHealth,
+        metrics: RouterMetrics,
+        max_attempts: int = 0,
+        connect_timeout_s: float = 2.0,
+        read_timeout_s: float = 1800.0,
+        forward_authorization: bool = False,
+        engine_ssl: ssl.SSLContext | None = None,
+    ) -> None:
         self.inflight, self.health, self.metrics = inflight, health, metrics
         # The client's Authorization is the router's API key unless engines take the same (--forward-authorization).
         self._dropped = _HOP_HEADERS if forward_authorization else _HOP_HEADERS | {"authorization"}
@@ -125,11 +148,19 @@ class BackendProxy:
             await self._pool.close()
             self._pool = None
 
-    async def forward(self, request: web.Request, path: str, body: bytes, decision: RouteDecision,
-                      prompt_tokens: int, tail: bytearray | None = None,
-                      clock: StageClock | None = None, started: float | None = None,
-                      extra_headers: Mapping[str, str] | None = None,
-                      gate: Callable[[], Awaitable[None]] | None = None) -> web.StreamResponse:
+    async def forward(
+        self,
+        request: web.Request,
+        path: str,
+        body: bytes,
+        decision: RouteDecision,
+        prompt_tokens: int,
+        tail: bytearray | None = None,
+        clock: StageClock | None = None,
+        started: float | None = None,
+        extra_headers: Mapping[str, str] | None = None,
+        gate: Callable[[], Awaitable[None]] | None = None,
+    ) -> web.StreamResponse:
         """`started` (time.perf_counter() at the request's arrival) times the first byte of a streamed answer."""
         ranked = decision.ranked()
         attempts = ranked[: self.max_attempts] if self.max_attempts > 0 else ranked
@@ -137,8 +168,9 @@ class BackendProxy:
         for i, candidate in enumerate(attempts):
             last = i == len(attempts) - 1
             try:
-                return await self._attempt(request, path, body, decision, candidate, prompt_tokens, i, last, tail,
-                                           clock, started, extra_headers, gate)
+                return await self._attempt(
+                    request, path, body, decision, candidate, prompt_tokens, i, last, tail, clock, started, extra_headers, gate
+                )
             except _Failed as failed:
                 self.metrics.backend_errors.labels(candidate.worker_id).inc()
                 if self.health.failed(candidate.worker_id):
@@ -146,26 +178,41 @@ class BackendProxy:
                 failures.append(f"{candidate.worker_id}: {failed}")
                 if not last:
                     self.metrics.retries.inc()
-                    self._log.warning(f"retry:{candidate.worker_id}", "backend %s failed before its first byte (%s); "
-                                      "retrying on %s", candidate.worker_id, failed, attempts[i + 1].worker_id)
+                    self._log.warning(
+                        f"retry:{candidate.worker_id}",
+                        "backend %s failed before its first byte (%s); retrying on %s",
+                        candidate.worker_id,
+                        failed,
+                        attempts[i + 1].worker_id,
+                    )
                 elif failed.upstream is not None:  # the last attempt's own 5xx goes to the client as is
-                    self._log.warning(f"last:{candidate.worker_id}", "backend %s answered %s; no attempts left",
-                                      candidate.worker_id, failed)
+                    self._log.warning(
+                        f"last:{candidate.worker_id}", "backend %s answered %s; no attempts left", candidate.worker_id, failed
+                    )
                     return self._replay_error(failed, candidate)
         self._log.warning("exhausted", "no backend could serve the request: %s", "; ".join(failures))
         down = self.health.down()
-        checks = ", as every one fails its health checks" if down and all(c.worker_id in down for c in attempts) \
-            else ""
-        return error_response(f"no backend could serve the request: all {len(failures)} workers tried failed{checks} "
-                              "(the router's log has the details)", 502, "backend_unavailable")
+        checks = ", as every one fails its health checks" if down and all(c.worker_id in down for c in attempts) else ""
+        return error_response(
+            f"no backend could serve the request: all {len(failures)} workers tried failed{checks} "
+            "(the router's log has the details)",
+            502,
+            "backend_unavailable",
+        )
 
-    async def leg(self, request: web.Request, path: str, body: bytes, candidate: Candidate, decision: RouteDecision,
-                  prompt_tokens: int) -> LegAnswer:
+    async def leg(
+        self, request: web.Request, path: str, body: bytes, candidate: Candidate, decision: RouteDecision, prompt_tokens: int
+    ) -> LegAnswer:
         """One exchange with `candidate`, read whole (module docstring); raises LegFailed."""
         assert self._pool is not None, "BackendProxy.open() was not called"
         worker = candidate.worker_id
-        ticket = self.inflight.start(worker, prompt_tokens - candidate.cached_tokens,
-                                     decision.chains.get(candidate.block_size, ()), candidate.block_size, prompt_tokens)
+        ticket = self.inflight.start(
+            worker,
+            prompt_tokens - candidate.cached_tokens,
+            decision.chains.get(candidate.block_size, ()),
+            candidate.block_size,
+            prompt_tokens,
+        )
         upstream = None
         try:
             with span(tracer, "kvroute.proxy", kind=trace.SpanKind.CLIENT) as proxy_span:
@@ -173,8 +220,9 @@ class BackendProxy:
                     proxy_span.set_attribute("kvroute.worker_id", worker)
                     proxy_span.set_attribute("url.full", candidate.endpoint + path)
                 try:
-                    upstream = await self._pool.post(candidate.endpoint + path, body, self._backend_headers(
-                        request, decision.dp_ranks.get(worker)))
+                    upstream = await self._pool.post(
+                        candidate.endpoint + path, body, self._backend_headers(request, decision.dp_ranks.get(worker))
+                    )
                     answer = await upstream.read()
                 except (aiohttp.ClientError, OSError, TimeoutError, BadEndpoint) as exc:
                     proxy_span.record_exception(exc)
@@ -199,8 +247,7 @@ class BackendProxy:
     def engine_error(self, answer: LegAnswer) -> web.Response:
         """A leg's error answer (status >= 400) as the client gets it: OpenAI's error object."""
         rewritten = engine_error_body(answer.status, answer.body, answer.headers)
-        response = web.Response(status=answer.status, reason=answer.reason,
-                                body=answer.body if rewritten is None else rewritten)
+        response = web.Response(status=answer.status, reason=answer.reason, body=answer.body if rewritten is None else rewritten)
         for name, value in answer.headers:
             if name.lower() not in _HOP_HEADERS:
                 response.headers.add(name, value)
@@ -218,8 +265,9 @@ class BackendProxy:
         return self.engine_error(LegAnswer(worker_id, upstream.status, upstream.reason, list(upstream.headers), body))
 
     @staticmethod
-    def _copy_headers(upstream: UpstreamResponse, response: web.StreamResponse, worker_id: str,
-                      extra: Mapping[str, str] | None = None) -> None:
+    def _copy_headers(
+        upstream: UpstreamResponse, response: web.StreamResponse, worker_id: str, extra: Mapping[str, str] | None = None
+    ) -> None:
         for name, value in upstream.headers:
             if name.lower() not in _HOP_HEADERS:
                 response.headers.add(name, value)
@@ -247,16 +295,32 @@ class BackendProxy:
             tokens.prompt.inc(prompt_tokens)
             tokens.predicted_cached.inc(cached_tokens)
 
-    async def _attempt(self, request: web.Request, path: str, body: bytes, decision: RouteDecision,
-                       candidate: Candidate, prompt_tokens: int, attempt: int, last: bool,
-                       tail: bytearray | None = None, clock: StageClock | None = None,
-                       started: float | None = None, extra_headers: Mapping[str, str] | None = None,
-                       gate: Callable[[], Awaitable[None]] | None = None) -> web.StreamResponse:
+    async def _attempt(
+        self,
+        request: web.Request,
+        path: str,
+        body: bytes,
+        decision: RouteDecision,
+        candidate: Candidate,
+        prompt_tokens: int,
+        attempt: int,
+        last: bool,
+        tail: bytearray | None = None,
+        clock: StageClock | None = None,
+        started: float | None = None,
+        extra_headers: Mapping[str, str] | None = None,
+        gate: Callable[[], Awaitable[None]] | None = None,
+    ) -> web.StreamResponse:
         assert self._pool is not None, "BackendProxy.open() was not called"
         worker = candidate.worker_id
         url = candidate.endpoint + path
-        ticket = self.inflight.start(worker, prompt_tokens - candidate.cached_tokens,
-                                 decision.chains.get(candidate.block_size, ()), candidate.block_size, prompt_tokens)
+        ticket = self.inflight.start(
+            worker,
+            prompt_tokens - candidate.cached_tokens,
+            decision.chains.get(candidate.block_size, ()),
+            candidate.block_size,
+            prompt_tokens,
+        )
         with span(tracer, "kvroute.proxy", kind=trace.SpanKind.CLIENT) as proxy_span:
             if proxy_span.is_recording():
                 proxy_span.set_attribute("kvroute.worker_id", worker)
@@ -265,8 +329,7 @@ class BackendProxy:
             upstream = None
             try:
                 try:
-                    upstream = await self._pool.post(url, body, self._backend_headers(
-                        request, decision.dp_ranks.get(worker)))
+                    upstream = await self._pool.post(url, body, self._backend_headers(request, decision.dp_ranks.get(worker)))
                     if clock is not None:
                         clock.mark("connect")
                     proxy_span.set_attribute("http.response.status_code", upstream.status)

@@ -53,7 +53,7 @@ class _Connection(asyncio.Protocol):
         self.reason = b""
         self.headers: list[tuple[str, str]] = []
         self.keep_alive = False
-        self.got_bytes = False                   # any byte of the current answer arrived
+        self.got_bytes = False  # any byte of the current answer arrived
         self.headers_done: asyncio.Future | None = None
         self.chunks: deque[bytes] = deque()
         self.buffered = 0
@@ -181,9 +181,15 @@ class UpstreamResponse:
 
 
 class UpstreamPool:
-    def __init__(self, connect_timeout_s: float = 2.0, read_timeout_s: float = 1800.0, keepalive_s: float = 15.0,
-                 max_idle_per_engine: int = 256, high_water: int = 1 << 20,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        connect_timeout_s: float = 2.0,
+        read_timeout_s: float = 1800.0,
+        keepalive_s: float = 15.0,
+        max_idle_per_engine: int = 256,
+        high_water: int = 1 << 20,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         self.connect_timeout_s, self.read_timeout_s = connect_timeout_s, read_timeout_s
         self.keepalive_s, self.max_idle, self.high_water = keepalive_s, max_idle_per_engine, high_water
         self._idle: dict[_Key, list[_Connection]] = {}
@@ -267,6 +273,7 @@ class UpstreamPool:
             self._ssl = ssl.create_default_context()
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(self.connect_timeout_s):
-            _, conn = await loop.create_connection(lambda: _Connection(self.high_water), host, port,
-                                                   ssl=self._ssl if tls else None)
+            _, conn = await loop.create_connection(
+                lambda: _Connection(self.high_water), host, port, ssl=self._ssl if tls else None
+            )
         return conn

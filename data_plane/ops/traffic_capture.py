@@ -45,8 +45,9 @@ log = logging.getLogger("kvroute.router.capture")
 CAPTURE_BLOCK_TOKENS = 64  # tokens per hash id by default; written into every row as block_size
 
 
-def trace_block_keys(token_ids: Sequence[int], model: str, lora_name: str = "", cache_salt: str = "",
-                     block_tokens: int = CAPTURE_BLOCK_TOKENS) -> list[int]:
+def trace_block_keys(
+    token_ids: Sequence[int], model: str, lora_name: str = "", cache_salt: str = "", block_tokens: int = CAPTURE_BLOCK_TOKENS
+) -> list[int]:
     """Chained keys of every `block_tokens` block of the prompt, plus one for a partial tail.
 
     The tail key is chained from the last full block's key (or the namespace seed) over the tail's
@@ -55,7 +56,7 @@ def trace_block_keys(token_ids: Sequence[int], model: str, lora_name: str = "", 
     keys = chain_block_keys(token_ids, block_tokens, seed)
     tail = len(token_ids) % block_tokens
     if tail:
-        keys += chain_block_keys(token_ids[len(token_ids) - tail:], tail, keys[-1] if keys else seed)
+        keys += chain_block_keys(token_ids[len(token_ids) - tail :], tail, keys[-1] if keys else seed)
     return keys
 
 
@@ -85,7 +86,7 @@ def reported_usage(tail: bytes | bytearray) -> dict | None:
     if at < 0:
         return None
     try:
-        text = bytes(tail[at + len(_USAGE):]).decode("utf-8", errors="replace").lstrip()
+        text = bytes(tail[at + len(_USAGE) :]).decode("utf-8", errors="replace").lstrip()
         usage, _ = json.JSONDecoder().raw_decode(text)
     except ValueError:
         return None
@@ -122,9 +123,18 @@ def _open_unbuffered(path: Path) -> BinaryIO:
 
 
 class TrafficCapture:
-    def __init__(self, path: str | Path, sample_rate: float = 1.0, metrics: RouterMetrics | None = None, *,
-                 max_ids: int = 1_000_000, max_buffered_rows: int = 100_000, flush_interval_s: float = 1.0,
-                 block_tokens: int = CAPTURE_BLOCK_TOKENS, open_file: Callable[[Path], BinaryIO] = _open_unbuffered) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        sample_rate: float = 1.0,
+        metrics: RouterMetrics | None = None,
+        *,
+        max_ids: int = 1_000_000,
+        max_buffered_rows: int = 100_000,
+        flush_interval_s: float = 1.0,
+        block_tokens: int = CAPTURE_BLOCK_TOKENS,
+        open_file: Callable[[Path], BinaryIO] = _open_unbuffered,
+    ) -> None:
         if not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"sample rate must be in (0, 1], got {sample_rate}")
         if block_tokens <= 0:
@@ -154,8 +164,7 @@ class TrafficCapture:
         self._file = self.open_file(self.path)
         self._started_at = time.monotonic()
         self._task = asyncio.get_running_loop().create_task(self._flush_loop(), name="kvroute-capture-flush")
-        log.info("capturing traffic to %s (sample rate %g, %d-token blocks)", self.path, self.sample_rate,
-                 self.block_tokens)
+        log.info("capturing traffic to %s (sample rate %g, %d-token blocks)", self.path, self.sample_rate, self.block_tokens)
 
     async def aclose(self) -> None:
         """Writes every buffered row and closes the file."""
@@ -191,8 +200,15 @@ class TrafficCapture:
         self._credit -= 1.0
         return int((time.monotonic() - self._started_at) * 1000)
 
-    def record(self, timestamp_ms: int, token_ids: Sequence[int], output_length: int, model: str,
-               lora_name: str = "", cache_salt: str = "") -> None:
+    def record(
+        self,
+        timestamp_ms: int,
+        token_ids: Sequence[int],
+        output_length: int,
+        model: str,
+        lora_name: str = "",
+        cache_salt: str = "",
+    ) -> None:
         """Buffers one row. Never raises: a row that cannot be kept is counted as dropped."""
         if len(self._pending) >= self.max_buffered_rows:
             self.metrics.capture_dropped.inc()
@@ -218,21 +234,33 @@ class TrafficCapture:
         self.metrics.capture_dropped.inc(len(batch))
         if not self._write_error_logged:
             self._write_error_logged = True
-            log.error("cannot write the traffic capture %s (%s); dropping rows, counted in "
-                      "kvroute_router_capture_dropped_rows_total (logged once)", self.path, error)
+            log.error(
+                "cannot write the traffic capture %s (%s); dropping rows, counted in "
+                "kvroute_router_capture_dropped_rows_total (logged once)",
+                self.path,
+                error,
+            )
 
     def _write(self, batch: list[_Row]) -> Exception | None:
         batch.sort(key=lambda r: r.timestamp_ms)
-        lines = [json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
-                             "output_length": r.output_length, "hash_ids": [self._id(k) for k in r.keys],
-                             "block_size": self.block_tokens})
-                 for r in batch]
+        lines = [
+            json.dumps(
+                {
+                    "timestamp": r.timestamp_ms,
+                    "input_length": r.input_length,
+                    "output_length": r.output_length,
+                    "hash_ids": [self._id(k) for k in r.keys],
+                    "block_size": self.block_tokens,
+                }
+            )
+            for r in batch
+        ]
         data = memoryview(("\n".join(lines) + "\n").encode())
         if self._file is None:
             return ValueError("capture file is not open")
         try:
             while data:  # a raw write may be short
-                data = data[self._file.write(data):]
+                data = data[self._file.write(data) :]
         except OSError as exc:
             # Cut a half-written line back off, so the trace stays loadable when the disk recovers.
             try:

@@ -46,6 +46,7 @@ _SPLITTING_PRE_TOKENIZERS = frozenset({"Split", "Punctuation"})  # keep all text
 @dataclass(frozen=True)
 class CharBound:
     """`chars_per_token` is K, or None when the tokenizer may drop text (then `why` says what)."""
+
     chars_per_token: int | None
     why: str
 
@@ -112,8 +113,11 @@ def _model_entries(model: dict, pre_tokenizer: dict | None) -> tuple[list[str] |
             return vocab, ""
         if model.get("unk_token") and not model.get("fuse_unk"):
             return vocab, ""  # one unk token per unknown character
-        return None, ("a run of unknown characters becomes one token (fuse_unk)" if model.get("unk_token")
-                      else "unknown characters are dropped (no unk token, no byte fallback)")
+        return None, (
+            "a run of unknown characters becomes one token (fuse_unk)"
+            if model.get("unk_token")
+            else "unknown characters are dropped (no unk token, no byte fallback)"
+        )
     if kind == "Unigram":
         if model.get("byte_fallback"):
             return [piece for piece, _score in model.get("vocab", [])], ""

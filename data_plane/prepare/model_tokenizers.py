@@ -77,14 +77,18 @@ def resolve_tokenizer_dir(source: str, hub_cache: Path | None = None) -> Path:
     directory = Path(source).expanduser()
     if directory.is_dir():
         if not (directory / "tokenizer.json").is_file():
-            raise TokenizerNotFound(f"no tokenizer.json in {directory} (a tokenizer is a local model directory "
-                                    "or a model id in the local Hugging Face cache)")
+            raise TokenizerNotFound(
+                f"no tokenizer.json in {directory} (a tokenizer is a local model directory "
+                "or a model id in the local Hugging Face cache)"
+            )
         return directory
     cache = hub_cache if hub_cache is not None else hub_cache_dir()
     snapshot = cached_snapshot(source, cache)
     if snapshot is None:
-        raise TokenizerNotFound(f"{source!r} is no local directory, and no model of that id with a tokenizer.json is "
-                                f"in the Hugging Face cache {cache} (nothing is downloaded: fetch it beforehand)")
+        raise TokenizerNotFound(
+            f"{source!r} is no local directory, and no model of that id with a tokenizer.json is "
+            f"in the Hugging Face cache {cache} (nothing is downloaded: fetch it beforehand)"
+        )
     return snapshot
 
 
@@ -103,9 +107,15 @@ def parse_model_tokenizer(value: str) -> tuple[str, str]:
 
 
 class ModelTokenizers:
-    def __init__(self, sources: Mapping[str, str], default_model: str, cache_tokens: int = 4_000_000,
-                 max_loaded: int = DEFAULT_MAX_LOADED, hub_cache: Path | None = None,
-                 loader: Callable[[Path, int], PromptTokenizer] | None = None) -> None:
+    def __init__(
+        self,
+        sources: Mapping[str, str],
+        default_model: str,
+        cache_tokens: int = 4_000_000,
+        max_loaded: int = DEFAULT_MAX_LOADED,
+        hub_cache: Path | None = None,
+        loader: Callable[[Path, int], PromptTokenizer] | None = None,
+    ) -> None:
         """`sources`: model -> local directory or model id (checked by `check_sources`); `cache_tokens`:
         each tokenizer's segment-cache budget (--tokenizer-cache-tokens)."""
         self.sources = dict(sources)
@@ -129,7 +139,6 @@ class ModelTokenizers:
         out._lookup = False
         out.configured = frozenset(tokenizers)
         return out
-
 
     def check_sources(self) -> None:
         """Every configured source resolves (TokenizerNotFound naming the first that does not)."""
@@ -186,8 +195,11 @@ class ModelTokenizers:
             if model in self.sources:  # configured, checked at start, and gone since
                 log.error("model %r: cannot load its tokenizer (%s): routing its requests on load alone", model, exc)
             else:
-                log.warning("model %r has no tokenizer (no --model-tokenizer for it, and no model of that id in the "
-                            "Hugging Face cache): its requests are routed on load alone", model)
+                log.warning(
+                    "model %r has no tokenizer (no --model-tokenizer for it, and no model of that id in the "
+                    "Hugging Face cache): its requests are routed on load alone",
+                    model,
+                )
             return None
         except Exception as exc:  # noqa: BLE001 - a bad tokenizer file must not fail requests for it
             self._remember_without(model)
@@ -215,5 +227,4 @@ class ModelTokenizers:
         while len(self._loaded) > self.max_loaded:
             dropped, old = self._loaded.popitem(last=False)
             self._dropped_chars += old.tokenized_chars
-            log.info("model %r: tokenizer unloaded (more than --max-loaded-tokenizers=%d in use)", dropped,
-                     self.max_loaded)
+            log.info("model %r: tokenizer unloaded (more than --max-loaded-tokenizers=%d in use)", dropped, self.max_loaded)

@@ -30,8 +30,7 @@ class PromptKeyCache:
         self.hit_blocks = 0
         self.hashed_blocks = 0
 
-    def keys(self, token_ids: Sequence[int], block_size: int, model: str, lora_name: str = "",
-             cache_salt: str = "") -> list[int]:
+    def keys(self, token_ids: Sequence[int], block_size: int, model: str, lora_name: str = "", cache_salt: str = "") -> list[int]:
         seed = self._seed(model, block_size, lora_name, cache_salt)
         tokens = pack_token_ids(token_ids)
         n_blocks = len(tokens) // block_size
@@ -51,7 +50,7 @@ class PromptKeyCache:
                 keys, found = cached[0][: cached[1]], c
                 break
         start = found * CHECKPOINT_BLOCKS
-        keys += chain_block_keys(tokens[start * block_size:], block_size, keys[-1] if keys else seed)
+        keys += chain_block_keys(tokens[start * block_size :], block_size, keys[-1] if keys else seed)
         self.hit_blocks += start
         self.hashed_blocks += n_blocks - start
         for c in range(found + 1, last + 1):

@@ -55,6 +55,7 @@ class RouteInput:
     """What a transport parsed. `kind`: "chat" (`messages` required), "completions" (`prompt`
     required: a string, a list of token ids, or a list of those) or "either" (whichever is set,
     `messages` first; `missing_prompt` is the error when neither is)."""
+
     model: object
     kind: str = "either"
     messages: object = None
@@ -77,9 +78,9 @@ class ServedModels(Protocol):
 
 @dataclass(slots=True)
 class PreparedRequest:
-    model: str                   # the base model: routed among its workers
+    model: str  # the base model: routed among its workers
     token_ids: Sequence[int] | None  # None: not tokenized (the policy reads no tokens, or the model has no tokenizer)
-    lora_name: str = ""          # "" = the served model itself
+    lora_name: str = ""  # "" = the served model itself
     cache_salt: str = ""
     session_key: str = ""
 
@@ -94,14 +95,20 @@ def _text_chars(content: object) -> int:
     if isinstance(content, str):
         return len(content)
     if isinstance(content, list):
-        return sum(len(part["text"]) for part in content
-                   if isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str))
+        return sum(
+            len(part["text"])
+            for part in content
+            if isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str)
+        )
     return 0
 
 
 def is_token_ids(value: object) -> bool:
-    return (isinstance(value, list) and bool(value)
-            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in value))
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in value)
+    )
 
 
 class RequestPreparer:
@@ -143,8 +150,7 @@ class RequestPreparer:
             assert tokenizer is not None
             tokens = await self._completion_tokens(request.prompt, tokenizer)
         elif request.kind == "completions":
-            raise PrepareError("'prompt' is required (a string, a list of token ids, or a list of those)",
-                               param="prompt")
+            raise PrepareError("'prompt' is required (a string, a list of token ids, or a list of those)", param="prompt")
         else:
             raise PrepareError(request.missing_prompt)
         return PreparedRequest(model, tokens, lora_name, request.cache_salt or "", request.session_key or "")
@@ -171,17 +177,20 @@ class RequestPreparer:
                     if not isinstance(p, str):
                         self._check_length(p, "prompt")
             else:
-                raise PrepareError("'prompt' must be a string, a non-empty list of token ids, or a list of those",
-                                   param="prompt")
+                raise PrepareError("'prompt' must be a string, a non-empty list of token ids, or a list of those", param="prompt")
             param = "prompt"
         if tokenizer is None:
             return
         limit = tokenizer.char_bound.max_chars(self.max_prompt_tokens)
         if limit is not None and chars > limit:
-            raise PrepareError(f"prompt has at least {chars} characters; with this model's tokenizer (at most "
-                               f"{tokenizer.char_bound.chars_per_token} characters per token) that is more than "
-                               f"{self.max_prompt_tokens} tokens, the most this router accepts (see "
-                               "--max-prompt-tokens)", "too_long", param)
+            raise PrepareError(
+                f"prompt has at least {chars} characters; with this model's tokenizer (at most "
+                f"{tokenizer.char_bound.chars_per_token} characters per token) that is more than "
+                f"{self.max_prompt_tokens} tokens, the most this router accepts (see "
+                "--max-prompt-tokens)",
+                "too_long",
+                param,
+            )
 
     async def _chat_tokens(self, request: RouteInput, tokenizer: PromptTokenizer) -> Sequence[int]:
         messages = request.messages
@@ -191,23 +200,33 @@ class RequestPreparer:
         extra = request.template_kwargs if isinstance(request.template_kwargs, dict) else {}
         extra = {k: v for k, v in extra.items() if k not in _RESERVED_TEMPLATE_VARS}
         size = sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, dict))
-        return self._check_length(await self._tokenize(
-            "messages", size, tokenizer.encode_chat, messages, request.add_generation_prompt, tools, extra,
-            self.max_prompt_tokens), "messages")
+        return self._check_length(
+            await self._tokenize(
+                "messages",
+                size,
+                tokenizer.encode_chat,
+                messages,
+                request.add_generation_prompt,
+                tools,
+                extra,
+                self.max_prompt_tokens,
+            ),
+            "messages",
+        )
 
-    async def _completion_tokens(self, prompt: object, tokenizer: PromptTokenizer,
-                                 where: str = "prompt") -> Sequence[int]:
+    async def _completion_tokens(self, prompt: object, tokenizer: PromptTokenizer, where: str = "prompt") -> Sequence[int]:
         if isinstance(prompt, str):
-            return self._check_length(await self._tokenize(
-                "prompt", len(prompt), tokenizer.encode_prompt, prompt, self.max_prompt_tokens, where), "prompt")
+            return self._check_length(
+                await self._tokenize("prompt", len(prompt), tokenizer.encode_prompt, prompt, self.max_prompt_tokens, where),
+                "prompt",
+            )
         if is_token_ids(prompt):
             return self._check_length(prompt, "prompt")  # type: ignore[arg-type]
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_token_ids(p) for p in prompt):
             # A batch goes to one worker: route on its first prompt; every prompt must fit.
             batch = [await self._completion_tokens(p, tokenizer, f"prompt[{i}]") for i, p in enumerate(prompt)]
             return batch[0]
-        raise PrepareError("'prompt' must be a string, a non-empty list of token ids, or a list of those",
-                           param="prompt")
+        raise PrepareError("'prompt' must be a string, a non-empty list of token ids, or a list of those", param="prompt")
 
     async def _tokenize(self, param: str, size: int, fn, *args) -> Sequence[int]:
         try:
@@ -221,6 +240,10 @@ class RequestPreparer:
 
     def _check_length(self, tokens: Sequence[int], param: str) -> Sequence[int]:
         if len(tokens) > self.max_prompt_tokens:
-            raise PrepareError(f"prompt has {len(tokens)} tokens, more than this router accepts "
-                               f"({self.max_prompt_tokens}; see --max-prompt-tokens)", "too_long", param)
+            raise PrepareError(
+                f"prompt has {len(tokens)} tokens, more than this router accepts "
+                f"({self.max_prompt_tokens}; see --max-prompt-tokens)",
+                "too_long",
+                param,
+            )
         return tokens

@@ -45,6 +45,7 @@ def _encode_batch(tokenizer: Tokenizer) -> EncodeBatch:
             return [tokenizer.encode(t, add_special_tokens=add_special).ids for t in texts]
         # encode_batch releases the GIL (encode does not) and runs the pieces in parallel.
         return [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=add_special)]
+
     return encode
 
 
@@ -66,9 +67,11 @@ def safe_boundary_tokens(tokenizer: Tokenizer) -> list[str]:
 
     # rstrip/single_word look at the text after the token; normalized tokens match normalized
     # text, which a raw-text scan would not see the same way.
-    return [added.content for added in tokenizer.get_added_tokens_decoder().values()
-            if added.content and not (added.rstrip or added.single_word or added.normalized)
-            and splits_cleanly(added.content)]
+    return [
+        added.content
+        for added in tokenizer.get_added_tokens_decoder().values()
+        if added.content and not (added.rstrip or added.single_word or added.normalized) and splits_cleanly(added.content)
+    ]
 
 
 # One cached segment costs ~260 bytes besides its ids (dict entry, key, array object; measured with
@@ -89,8 +92,7 @@ class SegmentTokenCache:
     SEGMENT_OVERHEAD_TOKENS for its bookkeeping. Thread-safe (long prompts are tokenized in worker
     threads)."""
 
-    def __init__(self, tokenizer: Tokenizer, max_tokens: int = 4_000_000,
-                 boundaries: list[str] | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_tokens: int = 4_000_000, boundaries: list[str] | None = None) -> None:
         self._encode = _encode_batch(tokenizer)
         self.boundaries = safe_boundary_tokens(tokenizer) if boundaries is None else boundaries
         # Longest first: at one position the tokenizer matches the longest added token.

@@ -76,24 +76,26 @@ def lone_surrogate(value: Any, where: str) -> str | None:
                     pending.append((key, f"{path} (a key)"))
                 pending.append((item[key], f"{path}.{key}"))
         elif isinstance(item, (list, tuple)):
-            pending.extend((v, f"{path}[{i}]") for i, v in reversed(list(enumerate(item)))
-                           if isinstance(v, (str, Mapping, list, tuple)))
+            pending.extend(
+                (v, f"{path}[{i}]") for i, v in reversed(list(enumerate(item))) if isinstance(v, (str, Mapping, list, tuple))
+            )
     return None
 
 
 def _check_text(value: Any, where: str) -> None:
     found = lone_surrogate(value, where)
     if found is not None:
-        raise TokenizationError(f"{found} contains a lone UTF-16 surrogate: text must be valid Unicode "
-                                "(a pair such as \\ud83d\\ude00 is fine, half of one is not)")
+        raise TokenizationError(
+            f"{found} contains a lone UTF-16 surrogate: text must be valid Unicode "
+            "(a pair such as \\ud83d\\ude00 is fine, half of one is not)"
+        )
 
 
 def _raise_exception(message: str) -> None:  # templates call raise_exception(...) on bad input
     raise TokenizationError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
-            sort_keys: bool = False) -> str:
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
     # HF overrides Jinja's HTML-escaping tojson with plain json.dumps.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -126,8 +128,9 @@ def _chat_environment() -> ImmutableSandboxedEnvironment:
 
 def _flatten_content(content: Any) -> Any:
     if isinstance(content, list):
-        return "\n".join(str(part.get("text", "")) for part in content
-                         if isinstance(part, Mapping) and part.get("type", "text") == "text")
+        return "\n".join(
+            str(part.get("text", "")) for part in content if isinstance(part, Mapping) and part.get("type", "text") == "text"
+        )
     return content
 
 
@@ -168,9 +171,11 @@ class PromptTokenizer:
     def _check_chars(self, chars: int, max_tokens: int | None) -> None:
         limit = None if max_tokens is None else self.char_bound.max_chars(max_tokens)
         if limit is not None and chars > limit:
-            raise PromptTooLong(f"prompt has {chars} characters; with this model's tokenizer (at most "
-                                f"{self.char_bound.chars_per_token} characters per token) that is more than "
-                                f"{max_tokens} tokens, the most this router accepts (see --max-prompt-tokens)")
+            raise PromptTooLong(
+                f"prompt has {chars} characters; with this model's tokenizer (at most "
+                f"{self.char_bound.chars_per_token} characters per token) that is more than "
+                f"{max_tokens} tokens, the most this router accepts (see --max-prompt-tokens)"
+            )
 
     def _encode(self, text: str, add_special_tokens: bool, max_tokens: int | None) -> array:
         """Token ids packed as array('I'): block-key hashing takes the packed bytes as they are."""
@@ -197,8 +202,13 @@ class PromptTokenizer:
 
     # ------------------------------------------------------------ chat
 
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                    tools: list | None = None, template_kwargs: Mapping[str, Any] | None = None) -> str:
+    def render_chat(
+        self,
+        messages: Sequence[dict],
+        add_generation_prompt: bool = True,
+        tools: list | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
         if self._template is None:
             raise TokenizationError("this model's tokenizer has no chat_template; use /v1/completions")
         _check_text(messages, "messages")
@@ -206,15 +216,26 @@ class PromptTokenizer:
         _check_text(template_kwargs, "chat_template_kwargs")
         variables = {**self.special_tokens, **(template_kwargs or {})}
         try:
-            return self._template.render(messages=_normalize_messages(messages), tools=tools, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **variables)
+            return self._template.render(
+                messages=_normalize_messages(messages),
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
         except TokenizationError:
             raise
         except Exception as exc:  # a template error is the request's fault: it becomes a clear 400
             raise TokenizationError(f"chat template failed: {exc}") from exc
 
-    def encode_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True, tools: list | None = None,
-                    template_kwargs: Mapping[str, Any] | None = None, max_tokens: int | None = None) -> array:
+    def encode_chat(
+        self,
+        messages: Sequence[dict],
+        add_generation_prompt: bool = True,
+        tools: list | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        max_tokens: int | None = None,
+    ) -> array:
         """Render the chat template, then encode without special tokens (the template has them). The
         character bound is checked on the rendered text: what a template leaves out cannot count."""
         text = self.render_chat(messages, add_generation_prompt, tools, template_kwargs)
@@ -261,5 +282,11 @@ def load_tokenizer(path: str | Path, cache_tokens: int = 4_000_000) -> PromptTok
     config = _read_json(directory / "tokenizer_config.json")
     special = {**_read_json(directory / "special_tokens_map.json"), **config}
     tokens = {name: _token_text(special.get(name)) for name in _SPECIAL_TOKEN_NAMES if special.get(name)}
-    return PromptTokenizer(Tokenizer.from_file(str(tokenizer_file)), _chat_template(directory, config),
-                           tokens.get("bos_token", ""), tokens.get("eos_token", ""), tokens, cache_tokens)
+    return PromptTokenizer(
+        Tokenizer.from_file(str(tokenizer_file)),
+        _chat_template(directory, config),
+        tokens.get("bos_token", ""),
+        tokens.get("eos_token", ""),
+        tokens,
+        cache_tokens,
+    )

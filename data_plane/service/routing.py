@@ -55,9 +55,12 @@ log = logging.getLogger("kvroute.router")
 tracer = trace.get_tracer("kvroute.router")
 
 
-_INDEX_REASONS = {"index has no workers for the model": "index_empty",
-                  NO_KNOWN_WORKER: "index_unknown_workers",
-                  VIEW_NOT_SYNCED: "view_not_synced", VIEW_STALE: "view_stale"}
+_INDEX_REASONS = {
+    "index has no workers for the model": "index_empty",
+    NO_KNOWN_WORKER: "index_unknown_workers",
+    VIEW_NOT_SYNCED: "view_not_synced",
+    VIEW_STALE: "view_stale",
+}
 
 
 def fail_open_label(reason: str) -> str:
@@ -81,8 +84,14 @@ class NoWorkersError(RuntimeError):
 
 
 class Router:
-    def __init__(self, control_plane: ControlPlaneClient, policy: RoutingPolicy, inflight: RouterInflight,
-                 health: BackendHealth | None = None, metrics: RouterMetrics | None = None) -> None:
+    def __init__(
+        self,
+        control_plane: ControlPlaneClient,
+        policy: RoutingPolicy,
+        inflight: RouterInflight,
+        health: BackendHealth | None = None,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
         """`inflight` and `health` are built once at start-up and shared with the proxy, which writes
         them (requests sent and finished, backends that failed); decisions only read them."""
         self.control_plane = control_plane
@@ -93,9 +102,17 @@ class Router:
         self.prompt_keys = PromptKeyCache()
         self._log = RateLimitedLog(log)
 
-    async def decide(self, model: str, token_ids: Sequence[int] | None, lora_name: str = "", cache_salt: str = "",
-                     session_key: str = "", clock: StageClock | None = None, explain: bool = False,
-                     eligible: Callable[[KnownWorker], bool] | None = None) -> RouteDecision:
+    async def decide(
+        self,
+        model: str,
+        token_ids: Sequence[int] | None,
+        lora_name: str = "",
+        cache_salt: str = "",
+        session_key: str = "",
+        clock: StageClock | None = None,
+        explain: bool = False,
+        eligible: Callable[[KnownWorker], bool] | None = None,
+    ) -> RouteDecision:
         """`token_ids`: the prompt, or None when the request was not tokenized (the policy needs no
         tokens). Block keys and the control-plane query happen only for a policy that reads them
         (`policy.needs`). Workers failing their health checks (`health.down()`) are left out unless
@@ -121,8 +138,10 @@ class Router:
                 known = [w for w in known if w.worker_id not in down] or known
             chains: dict[int, list[int]] = {}
             if needs.block_keys and token_ids is not None:
-                chains = {bs: self.prompt_keys.keys(token_ids, bs, model, lora_name, cache_salt)
-                          for bs in sorted({w.block_size for w in known if w.block_size > 0})}
+                chains = {
+                    bs: self.prompt_keys.keys(token_ids, bs, model, lora_name, cache_salt)
+                    for bs in sorted({w.block_size for w in known if w.block_size > 0})
+                }
             if clock is not None:
                 clock.mark("keys")
             reason = ""
@@ -135,10 +154,12 @@ class Router:
                     columns, reason = await self._query(model, chains, lora_name)
             if clock is not None:
                 clock.mark("query")
-            routing_input = RoutingInput(model, prompt_tokens, token_ids=token_ids or (), session_key=session_key,
-                                         chains=chains, now_s=started)
-            decision = decide(self.policy, routing_input, known, self.inflight, columns, reason,
-                              self.health.cooling_down(), explain)
+            routing_input = RoutingInput(
+                model, prompt_tokens, token_ids=token_ids or (), session_key=session_key, chains=chains, now_s=started
+            )
+            decision = decide(
+                self.policy, routing_input, known, self.inflight, columns, reason, self.health.cooling_down(), explain
+            )
             reason = decision.fail_open_reason
             if clock is not None:
                 clock.mark("score")
@@ -162,25 +183,34 @@ class Router:
         self.metrics.query_deadline_seconds.set(deadline.seconds)
         if label == "deadline_exceeded":
             if deadline.adaptive:
-                self._log.warning(label, "deciding on load alone: the control-plane query took longer than its "
-                                  "deadline (%.1f ms; slowest recent answer %.1f ms, bounds %g-%g ms: "
-                                  "--query-timeout-ms, --query-timeout-max-ms); affinity is lost for these requests",
-                                  deadline.seconds * 1000, deadline.recent_slowest_s * 1000, deadline.min_s * 1000,
-                                  deadline.max_s * 1000)
+                self._log.warning(
+                    label,
+                    "deciding on load alone: the control-plane query took longer than its "
+                    "deadline (%.1f ms; slowest recent answer %.1f ms, bounds %g-%g ms: "
+                    "--query-timeout-ms, --query-timeout-max-ms); affinity is lost for these requests",
+                    deadline.seconds * 1000,
+                    deadline.recent_slowest_s * 1000,
+                    deadline.min_s * 1000,
+                    deadline.max_s * 1000,
+                )
             else:
-                self._log.warning(label, "deciding on load alone: the control-plane query took longer than its "
-                                  "fixed deadline (%.1f ms, --query-timeout-ms; --query-timeout-factor makes it follow "
-                                  "the host); affinity is lost for these requests", deadline.seconds * 1000)
+                self._log.warning(
+                    label,
+                    "deciding on load alone: the control-plane query took longer than its "
+                    "fixed deadline (%.1f ms, --query-timeout-ms; --query-timeout-factor makes it follow "
+                    "the host); affinity is lost for these requests",
+                    deadline.seconds * 1000,
+                )
         elif label in ("index_empty", "index_unknown_workers"):
-            self._log.warning(label, "deciding on load alone: %s (workers registering, or this router's fleet "
-                              "view is behind)", reason)
+            self._log.warning(
+                label, "deciding on load alone: %s (workers registering, or this router's fleet view is behind)", reason
+            )
         elif label in ("view_not_synced", "view_stale"):
             self._log.warning(label, "deciding on load alone: %s", reason)
         else:
             self._log.warning(label, "deciding on load alone: the control-plane query failed (%s)", reason)
 
-    async def _query(self, model: str, chains: dict[int, list[int]],
-                     lora_name: str) -> tuple[pb.WorkerColumns | None, str]:
+    async def _query(self, model: str, chains: dict[int, list[int]], lora_name: str) -> tuple[pb.WorkerColumns | None, str]:
         """The index's answer and "" — or None and why the index could not be used."""
         try:
             columns = await self.control_plane.query(model, chains, lora_name)

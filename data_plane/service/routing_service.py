@@ -48,17 +48,17 @@ from kvroute.tls import TlsConfigError, TlsFiles, client_tls, tls_files_from_arg
 
 @dataclass(slots=True)
 class RoutingService:
-    model: str                  # the default model (--model; the workers no agent reports on serve it)
+    model: str  # the default model (--model; the workers no agent reports on serve it)
     tokenizers: ModelTokenizers  # every model's, loaded when first asked for
     kv_params: dict[str, float]  # --kv-aware-param overrides, for the start-up log line
     policy: RoutingPolicy
     control_plane: ControlPlaneClient
-    inflight: RouterInflight    # written by whoever sends the request (proxy, reservations, epp)
+    inflight: RouterInflight  # written by whoever sends the request (proxy, reservations, epp)
     health: BackendHealth
     metrics: RouterMetrics
     router: Router
     preparer: RequestPreparer
-    tls_files: TlsFiles         # --tls-*: the control-plane link's, and the caller's listeners'
+    tls_files: TlsFiles  # --tls-*: the control-plane link's, and the caller's listeners'
     health_checks: HealthChecks  # active checks of the workers no agent reports on
     discovery: EngineDiscovery | None = None  # --discover-engines
 
@@ -103,12 +103,14 @@ def build_routing_service(args: argparse.Namespace, command: str) -> RoutingServ
     process in error messages. The flags were checked when parsed (their types, cli.validate)."""
     model = args.model or default_model_name(args.tokenizer)
     sources = {model: args.tokenizer, **dict(map(parse_model_tokenizer, args.model_tokenizer))}
-    tokenizers = ModelTokenizers(sources, model, cache_tokens=args.tokenizer_cache_tokens,
-                                 max_loaded=args.max_loaded_tokenizers)
+    tokenizers = ModelTokenizers(sources, model, cache_tokens=args.tokenizer_cache_tokens, max_loaded=args.max_loaded_tokenizers)
     static = parse_static_fleet(args.static_workers)
     # --serve-models: these and the ones given a tokenizer or static workers; else every model (empty: no filter).
-    only_models = (frozenset(args.serve_models.split(",")) | frozenset(sources)
-                   | frozenset(w.model for w in static.values() if w.model)) if args.serve_models else frozenset()
+    only_models = (
+        (frozenset(args.serve_models.split(",")) | frozenset(sources) | frozenset(w.model for w in static.values() if w.model))
+        if args.serve_models
+        else frozenset()
+    )
     tokenizers.check_sources()  # FileNotFoundError: one line and exit 2 (run_routing_process)
     tokenizers.load_now(model)  # the default model's now: its char bound is logged at start
     kv_params = parse_kv_aware_params(args.kv_aware_param)
@@ -129,16 +131,29 @@ def build_routing_service(args: argparse.Namespace, command: str) -> RoutingServ
         except IndexBackendError as exc:
             raise SystemExit(f"kvroute {command}: error: {exc}") from None
         # Every model (unless --serve-models): the router serves whichever its fleet does.
-        view = FleetView(args.router_id or default_router_id(), models=only_models, max_stale_s=args.view_max_stale_s,
-                         lag_bound_s=args.view_lag_bound_s, index_factory=partial(make_index, args.index_backend))
+        view = FleetView(
+            args.router_id or default_router_id(),
+            models=only_models,
+            max_stale_s=args.view_max_stale_s,
+            lag_bound_s=args.view_lag_bound_s,
+            index_factory=partial(make_index, args.index_backend),
+        )
     discovery = engine_discovery(args, command)
     # The control-plane link presents the certificate when it has one (mTLS), verifies with the CA.
-    control_plane = ControlPlaneClient(args.control_plane, static_workers={wid: w.url for wid, w in static.items()},
-                                       static_models={wid: w.model for wid, w in static.items() if w.model},
-                                       router_id=args.router_id, use_session=share_inflight,
-                                       query_deadline=deadline, tls=client_tls(tls_files),
-                                       max_message_bytes=args.grpc_max_message_bytes, view=view, discovery=discovery,
-                                       unreported_model=model, only_models=only_models)
+    control_plane = ControlPlaneClient(
+        args.control_plane,
+        static_workers={wid: w.url for wid, w in static.items()},
+        static_models={wid: w.model for wid, w in static.items() if w.model},
+        router_id=args.router_id,
+        use_session=share_inflight,
+        query_deadline=deadline,
+        tls=client_tls(tls_files),
+        max_message_bytes=args.grpc_max_message_bytes,
+        view=view,
+        discovery=discovery,
+        unreported_model=model,
+        only_models=only_models,
+    )
     # Built once: the proxy writes in-flight state and backend failures, decisions read them.
     inflight = RouterInflight(control_plane.session)
     checks = health_check_config(args)
@@ -150,16 +165,39 @@ def build_routing_service(args: argparse.Namespace, command: str) -> RoutingServ
         metrics.watch_discovery(discovery)
     router = Router(control_plane, policy, inflight, health, metrics)
     preparer = RequestPreparer(tokenizers, control_plane, args.max_prompt_tokens)
-    health_checks = HealthChecks(health, lambda: unmonitored_workers(
-        [w for served in control_plane.models() | {model} for w in control_plane.workers_for(served)]), checks)
-    return RoutingService(model, tokenizers, kv_params, policy, control_plane, inflight, health, metrics, router,
-                          preparer, tls_files, health_checks, discovery)
+    health_checks = HealthChecks(
+        health,
+        lambda: unmonitored_workers(
+            [w for served in control_plane.models() | {model} for w in control_plane.workers_for(served)]
+        ),
+        checks,
+    )
+    return RoutingService(
+        model,
+        tokenizers,
+        kv_params,
+        policy,
+        control_plane,
+        inflight,
+        health,
+        metrics,
+        router,
+        preparer,
+        tls_files,
+        health_checks,
+        discovery,
+    )
 
 
 def health_check_config(args: argparse.Namespace) -> HealthCheckConfig:
     """The --health-check-* flags (checked by their argparse types)."""
-    return HealthCheckConfig(args.health_check_interval_s, args.health_check_timeout_s,
-                             args.health_failure_threshold, args.health_success_threshold, args.health_check_path)
+    return HealthCheckConfig(
+        args.health_check_interval_s,
+        args.health_check_timeout_s,
+        args.health_failure_threshold,
+        args.health_success_threshold,
+        args.health_check_path,
+    )
 
 
 def run_routing_process(command: str, serving: Coroutine[object, object, int], log_level: str) -> int:

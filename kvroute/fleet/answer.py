@@ -22,6 +22,7 @@ from kvroute.prefix_index import Tier, TierMatch
 @dataclass(slots=True)
 class IndexColumns:
     """The answer, index i = worker_id[i] (the fields of `kvroute.v1.WorkerColumns`)."""
+
     worker_id: list[str] = field(default_factory=list)
     matched_blocks: list[int] = field(default_factory=list)
     cpu_blocks: list[int] = field(default_factory=list)
@@ -38,8 +39,9 @@ class IndexColumns:
 _NO_MATCH = TierMatch()
 
 
-def answer_columns(state: FleetState, model: str, chains: Mapping[int, Sequence[int]], lora_name: str = "",
-                   asking: RouterTally | None = None) -> IndexColumns:
+def answer_columns(
+    state: FleetState, model: str, chains: Mapping[int, Sequence[int]], lora_name: str = "", asking: RouterTally | None = None
+) -> IndexColumns:
     """Every live worker of `model` (serving `lora_name` if given), matched against the chain of its
     own block size in `chains` (block size -> keys); a column that is all zeros (no tiers, nothing
     reserved: the common case) is one shared list, not computed."""
@@ -63,8 +65,9 @@ def answer_columns(state: FleetState, model: str, chains: Mapping[int, Sequence[
             return list(map(getattr(single, name).get, slots, zeros))
         return [getattr(m, name).get(slot, 0) for m, slot in zip(per_worker, slots)]
 
-    out = IndexColumns([r.worker_id for r in records], column("depth"), column("cpu_blocks"),
-                       column("disk_blocks"), column("speculative_blocks"))
+    out = IndexColumns(
+        [r.worker_id for r in records], column("depth"), column("cpu_blocks"), column("disk_blocks"), column("speculative_blocks")
+    )
     all_requests, all_prefill = inflight.requests, inflight.prefill_tokens
     if all_requests:
         own_requests = asking.requests if asking is not None else {}

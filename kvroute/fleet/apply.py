@@ -34,7 +34,7 @@ class ApplyCounters:
     stored_keys: int = 0
     removed_keys: int = 0
     cleared: int = 0
-    expired_workers: int = 0   # dropped for missing heartbeats
+    expired_workers: int = 0  # dropped for missing heartbeats
 
 
 class ApplyListener(Protocol):
@@ -61,9 +61,18 @@ class LogApplier:
         continues), else it starts over and the agent's next batch is a snapshot."""
         old = self.registry.get(worker_id)
         last_seq = old.last_seq if resume and old is not None else 0
-        record = self.registry.register(worker_id, body.model, body.engine, body.block_size, body.endpoint,
-                                        body.engine_version, body.lora_adapters, body.data_parallel_rank, body.peer,
-                                        body.role)
+        record = self.registry.register(
+            worker_id,
+            body.model,
+            body.engine,
+            body.block_size,
+            body.endpoint,
+            body.engine_version,
+            body.lora_adapters,
+            body.data_parallel_rank,
+            body.peer,
+            body.role,
+        )
         record.agent_instance = body.instance
         record.last_seq = last_seq
         if self.listener is not None:
@@ -108,8 +117,7 @@ class LogApplier:
 
     def heartbeat(self, record: WorkerRecord, body: HeartbeatBody) -> None:
         self.registry.touch(record)
-        self.registry.update_load(record, body.running_requests, body.waiting_requests, body.kv_usage,
-                                  body.observed_unix_ms)
+        self.registry.update_load(record, body.running_requests, body.waiting_requests, body.kv_usage, body.observed_unix_ms)
         if tuple(body.lora_adapters) != record.lora_adapters:
             self.registry.set_lora_adapters(record, body.lora_adapters)
         if self.listener is not None:
@@ -136,17 +144,26 @@ class LogApplier:
             keys = index.worker_keys(record.slot, tier)
             if keys:
                 tiers.append(PackedOp(Op.STORED, tier, pack_keys(keys)))
-        register = RegisterBody(record.model, record.engine, record.block_size, record.endpoint,
-                                record.engine_version, list(record.lora_adapters), record.data_parallel_rank,
-                                record.agent_instance, record.peer, record.role)
-        heartbeat = HeartbeatBody(load.running_requests, load.waiting_requests, load.kv_usage, load.observed_unix_ms,
-                                  list(record.lora_adapters))
+        register = RegisterBody(
+            record.model,
+            record.engine,
+            record.block_size,
+            record.endpoint,
+            record.engine_version,
+            list(record.lora_adapters),
+            record.data_parallel_rank,
+            record.agent_instance,
+            record.peer,
+            record.role,
+        )
+        heartbeat = HeartbeatBody(
+            load.running_requests, load.waiting_requests, load.kv_usage, load.observed_unix_ms, list(record.lora_adapters)
+        )
         return WorkerSnapshot(record.worker_id, epoch, record.last_seq, register, heartbeat, tiers)
 
     def restore(self, snap: WorkerSnapshot) -> WorkerRecord:
         """Make the worker exactly what the snapshot says (identity, sequence, load, keys)."""
         record = self.register(snap.worker_id, snap.register, resume=False)
-        self.apply_batch(record, snap.last_seq, True,
-                         [BlockOp(t.op, t.tier, unpack_keys(t.keys)) for t in snap.tiers])
+        self.apply_batch(record, snap.last_seq, True, [BlockOp(t.op, t.tier, unpack_keys(t.keys)) for t in snap.tiers])
         self.heartbeat(record, snap.load)
         return record

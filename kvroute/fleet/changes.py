@@ -157,7 +157,7 @@ def snapshot_changes(state: FleetState, origin: str, models: Collection[str] = (
         for tier in TIERS:
             keys = list(index.worker_keys(record.slot, tier))
             for start in range(0, len(keys), SNAPSHOT_CHUNK_KEYS) if keys else ():
-                out.append(_blocks_change(record, stamp, first, tier, keys[start:start + SNAPSHOT_CHUNK_KEYS]))
+                out.append(_blocks_change(record, stamp, first, tier, keys[start : start + SNAPSHOT_CHUNK_KEYS]))
                 first = False
         if first:  # holds nothing: still a snapshot, so that the follower's copy is empty too
             out.append(_blocks_change(record, stamp, True, TIERS[0], []))
@@ -207,19 +207,33 @@ def apply_change(state: FleetState, change: pb.FleetChange) -> None:
         load = heartbeat.load
         if not 0.0 <= load.kv_usage <= 1.0:
             raise MalformedChange(f"worker {heartbeat.worker_id!r}: kv_usage {load.kv_usage} is not in 0..1")
-        state.applier.heartbeat(record, HeartbeatBody(load.running_requests, load.waiting_requests, load.kv_usage,
-                                                      load.observed_unix_ms, list(heartbeat.lora_adapters)))
+        state.applier.heartbeat(
+            record,
+            HeartbeatBody(
+                load.running_requests, load.waiting_requests, load.kv_usage, load.observed_unix_ms, list(heartbeat.lora_adapters)
+            ),
+        )
     elif kind == "router":
         _apply_router(state, change.router)
     elif kind == "joined":
         joined = change.joined
         if not joined.worker_id or not joined.model or joined.block_size <= 0:
-            raise MalformedChange(f"a joined worker needs an id, a model and a block size: {joined.worker_id!r}, "
-                                  f"{joined.model!r}, {joined.block_size}")
-        body = RegisterBody(joined.model, joined.engine, joined.block_size, joined.endpoint, joined.engine_version,
-                            list(joined.lora_adapters),
-                            joined.data_parallel_rank if joined.HasField("data_parallel_rank") else None,
-                            joined.agent_instance, "", joined.role)
+            raise MalformedChange(
+                f"a joined worker needs an id, a model and a block size: {joined.worker_id!r}, "
+                f"{joined.model!r}, {joined.block_size}"
+            )
+        body = RegisterBody(
+            joined.model,
+            joined.engine,
+            joined.block_size,
+            joined.endpoint,
+            joined.engine_version,
+            list(joined.lora_adapters),
+            joined.data_parallel_rank if joined.HasField("data_parallel_rank") else None,
+            joined.agent_instance,
+            "",
+            joined.role,
+        )
         state.applier.register(joined.worker_id, body, joined.resume)
     elif kind == "left":
         state.applier.drop(change.left.worker_id, change.left.expired)
@@ -269,8 +283,7 @@ def _apply_router(state: FleetState, router: pb.RouterChange) -> None:
         record = _known(state, router.worker_id)
         keys = _keys(router.keys) if router.keys and router.block_size == record.block_size else []
         try:
-            state.inflight.reserve(session, router.reservation_id, record.slot, keys, router.prefill_tokens,
-                                   router.ttl_ms)
+            state.inflight.reserve(session, router.reservation_id, record.slot, keys, router.prefill_tokens, router.ttl_ms)
         except DuplicateReservation as exc:
             raise MalformedChange(str(exc)) from None
     elif kind == pb.ROUTER_PREFILL_DONE:
@@ -279,4 +292,3 @@ def _apply_router(state: FleetState, router: pb.RouterChange) -> None:
         state.inflight.release(session, router.reservation_id)
     else:
         raise MalformedChange(f"router change kind {kind} unknown")
-

@@ -27,8 +27,8 @@ class Op(IntEnum):
 
 
 class BlockOp(msgspec.Struct, array_like=True, frozen=True):
-    op: int                   # Op
-    tier: int                 # Tier
+    op: int  # Op
+    tier: int  # Tier
     keys: Sequence[int] = ()  # chain order for stores
 
 
@@ -72,7 +72,7 @@ class WorkerSnapshot(msgspec.Struct, array_like=True):
     last_seq: int
     register: RegisterBody
     load: HeartbeatBody
-    tiers: list[PackedOp]   # one STORED op per non-empty tier
+    tiers: list[PackedOp]  # one STORED op per non-empty tier
 
 
 _LITTLE = sys.byteorder == "little"

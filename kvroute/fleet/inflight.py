@@ -66,9 +66,9 @@ class Reservation:
     session: RouterSessionState
     reservation_id: int
     slot: int
-    prefill_tokens: int          # still pending: 0 after prefill_done
-    order: int                   # creation order, unique across the tracker
-    expires_at: float            # max age
+    prefill_tokens: int  # still pending: 0 after prefill_done
+    order: int  # creation order, unique across the tracker
+    expires_at: float  # max age
     claimed_keys: list[int] | None = None  # keys it vouches for, until its TTL passes
     claims_expire_at: float = 0.0
 
@@ -78,15 +78,15 @@ class InflightCounters:
     reserved: int = 0
     released: int = 0
     prefill_done: int = 0
-    unknown_worker: int = 0          # reserve naming a worker the control plane does not know
-    block_size_mismatch: int = 0     # reserve whose chain is not at the worker's block size (keys ignored)
-    unknown_reservation: int = 0     # prefill_done/release of an id not live (expired, dropped, never made)
-    expired: int = 0                 # dropped at max age, never released
-    closed_with_session: int = 0     # dropped because their router's stream closed
-    dropped_with_worker: int = 0     # dropped because their worker was
-    claims_made: int = 0             # new (worker, key) speculative claims
-    claims_confirmed: int = 0        # claims the worker's own events replaced
-    claims_expired: int = 0          # reservations whose claims reached their TTL
+    unknown_worker: int = 0  # reserve naming a worker the control plane does not know
+    block_size_mismatch: int = 0  # reserve whose chain is not at the worker's block size (keys ignored)
+    unknown_reservation: int = 0  # prefill_done/release of an id not live (expired, dropped, never made)
+    expired: int = 0  # dropped at max age, never released
+    closed_with_session: int = 0  # dropped because their router's stream closed
+    dropped_with_worker: int = 0  # dropped because their worker was
+    claims_made: int = 0  # new (worker, key) speculative claims
+    claims_confirmed: int = 0  # claims the worker's own events replaced
+    claims_expired: int = 0  # reservations whose claims reached their TTL
 
 
 class InflightListener(Protocol):
@@ -106,8 +106,13 @@ class InflightListener(Protocol):
 
 
 class InflightTracker:
-    def __init__(self, index: PrefixIndex, default_ttl_s: float = 5.0, max_age_s: float = 600.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        default_ttl_s: float = 5.0,
+        max_age_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if default_ttl_s <= 0 or max_age_s <= 0:
             raise ValueError("speculative TTL and reservation max age must be positive")
         self.index = index
@@ -122,9 +127,9 @@ class InflightTracker:
         self._sessions = 0
         self._orders = 0
         self._live: OrderedDict[int, Reservation] = OrderedDict()  # by order = by expiry (one max age)
-        self._by_slot: dict[int, dict[int, Reservation]] = {}       # slot -> order -> reservation
-        self._claims: dict[int, dict[int, int]] = {}                # slot -> key -> claim (see _ORDER_SHIFT)
-        self._claim_deadlines: list[tuple[float, int]] = []         # heap of (claims_expire_at, order)
+        self._by_slot: dict[int, dict[int, Reservation]] = {}  # slot -> order -> reservation
+        self._claims: dict[int, dict[int, int]] = {}  # slot -> key -> claim (see _ORDER_SHIFT)
+        self._claim_deadlines: list[tuple[float, int]] = []  # heap of (claims_expire_at, order)
         self.open_sessions = 0
         self.sessions: dict[int, RouterSessionState] = {}  # open ones, by session_id
         self.listener: InflightListener | None = None
@@ -162,17 +167,27 @@ class InflightTracker:
 
     # ------------------------------------------------------------ reservations
 
-    def reserve(self, session: RouterSessionState, reservation_id: int, slot: int, keys: Sequence[int],
-                prefill_tokens: int, ttl_ms: int = 0, prompt_tokens: int = 0, block_size: int = 0,
-                max_age_s: float | None = None) -> Reservation:
+    def reserve(
+        self,
+        session: RouterSessionState,
+        reservation_id: int,
+        slot: int,
+        keys: Sequence[int],
+        prefill_tokens: int,
+        ttl_ms: int = 0,
+        prompt_tokens: int = 0,
+        block_size: int = 0,
+        max_age_s: float | None = None,
+    ) -> Reservation:
         """`prompt_tokens` and `block_size` (both known): the prefill charged is at most what the
         worker has to compute past the blocks it holds or that live claims there already cover.
         `max_age_s`: what is left of the max age of a reservation made elsewhere earlier (a replica
         restoring another's); expiry goes in creation order, so such a one may outlive it until the
         reservations made before it expire."""
         if reservation_id in session.reservations:
-            raise DuplicateReservation(f"reservation_id {reservation_id} is already live in this session "
-                                       "(ids must be unique within a router session)")
+            raise DuplicateReservation(
+                f"reservation_id {reservation_id} is already live in this session (ids must be unique within a router session)"
+            )
         self.expire()
         if prompt_tokens and block_size and keys and prefill_tokens:
             prefill_tokens = min(prefill_tokens, max(0, prompt_tokens - self.covered_blocks(slot, keys) * block_size))

@@ -41,9 +41,9 @@ class WorkerRecord:
     block_size: int
     endpoint: str
     engine_version: str = ""
-    lora_adapters: tuple[str, ...] = ()      # adapters the engine serves now (requests name them as `model`)
-    data_parallel_rank: int | None = None    # None: not one rank of a data-parallel engine
-    role: str = ""                           # "prefill", "decode", or "" for both (RegisterWorker.role)
+    lora_adapters: tuple[str, ...] = ()  # adapters the engine serves now (requests name them as `model`)
+    data_parallel_rank: int | None = None  # None: not one rank of a data-parallel engine
+    role: str = ""  # "prefill", "decode", or "" for both (RegisterWorker.role)
     load: WorkerLoadState = field(default_factory=WorkerLoadState)
     last_seen: float = 0.0
     last_seq: int = 0
@@ -68,8 +68,13 @@ class SlotWatcher(Protocol):
 
 
 class WorkerRegistry:
-    def __init__(self, index: PrefixIndex, heartbeat_timeout_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic, watcher: SlotWatcher | None = None) -> None:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        heartbeat_timeout_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+        watcher: SlotWatcher | None = None,
+    ) -> None:
         self.index = index
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.watcher = watcher
@@ -84,9 +89,19 @@ class WorkerRegistry:
         self._rosters: dict[tuple[str, str], tuple[WorkerRecord, ...]] = {}
         self.roster_version = 0  # +1 whenever a roster may have changed (what callers cache per roster keys on)
 
-    def register(self, worker_id: str, model: str, engine: str, block_size: int, endpoint: str,
-                 engine_version: str = "", lora_adapters: Iterable[str] = (),
-                 data_parallel_rank: int | None = None, peer: str = "", role: str = "") -> WorkerRecord:
+    def register(
+        self,
+        worker_id: str,
+        model: str,
+        engine: str,
+        block_size: int,
+        endpoint: str,
+        engine_version: str = "",
+        lora_adapters: Iterable[str] = (),
+        data_parallel_rank: int | None = None,
+        peer: str = "",
+        role: str = "",
+    ) -> WorkerRecord:
         """(Re)register a worker. Its blocks are kept until the agent's snapshot replaces them,
         so a reconnecting agent does not blank the worker for routers in between."""
         if not worker_id:
@@ -104,8 +119,9 @@ class WorkerRegistry:
             if self.watcher:
                 self.watcher.slot_cleared(record.slot)
         if record is None:
-            record = WorkerRecord(worker_id=worker_id, slot=self._take_slot(), model=model, engine=engine,
-                                  block_size=block_size, endpoint=endpoint)
+            record = WorkerRecord(
+                worker_id=worker_id, slot=self._take_slot(), model=model, engine=engine, block_size=block_size, endpoint=endpoint
+            )
             self._workers[worker_id] = record
             self._by_slot[record.slot] = record
         record.model, record.engine, record.block_size = model, engine, block_size
@@ -136,8 +152,9 @@ class WorkerRegistry:
     def touch(self, record: WorkerRecord) -> None:
         record.last_seen = self._clock()
 
-    def update_load(self, record: WorkerRecord, running_requests: int, waiting_requests: int, kv_usage: float,
-                    observed_unix_ms: int) -> None:
+    def update_load(
+        self, record: WorkerRecord, running_requests: int, waiting_requests: int, kv_usage: float, observed_unix_ms: int
+    ) -> None:
         load = record.load
         load.running_requests, load.waiting_requests = running_requests, waiting_requests
         load.kv_usage, load.observed_unix_ms = kv_usage, observed_unix_ms
@@ -159,8 +176,10 @@ class WorkerRegistry:
         roster = self._rosters.get((model, lora_name))
         if roster is None:
             roster = self._rosters[(model, lora_name)] = tuple(
-                record for record in self._workers.values()
-                if (not model or record.model == model) and (not lora_name or lora_name in record.lora_adapters))
+                record
+                for record in self._workers.values()
+                if (not model or record.model == model) and (not lora_name or lora_name in record.lora_adapters)
+            )
         return roster
 
     def __len__(self) -> int:

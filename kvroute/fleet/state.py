@@ -76,8 +76,14 @@ class FleetState:
     sessions: RemoteSessions
 
     @classmethod
-    def build(cls, index: PrefixIndex | None = None, heartbeat_timeout_s: float = 5.0, speculative_ttl_s: float = 5.0,
-              reservation_max_age_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> FleetState:
+    def build(
+        cls,
+        index: PrefixIndex | None = None,
+        heartbeat_timeout_s: float = 5.0,
+        speculative_ttl_s: float = 5.0,
+        reservation_max_age_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> FleetState:
         index = index if index is not None else BitmaskPrefixIndex()
         inflight = InflightTracker(index, default_ttl_s=speculative_ttl_s, max_age_s=reservation_max_age_s, clock=clock)
         registry = WorkerRegistry(index, heartbeat_timeout_s=heartbeat_timeout_s, clock=clock, watcher=inflight)

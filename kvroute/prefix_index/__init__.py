@@ -27,6 +27,21 @@ from kvroute.prefix_index.bitmask import BitmaskPrefixIndex
 from kvroute.prefix_index.bounded import BoundedPrefixIndex, EvictionCounters
 from kvroute.prefix_index.reference import SetPrefixIndex
 
-__all__ = ["BACKENDS", "NATIVE_IMPORT_ERROR", "NO_EVICTIONS", "TIERS", "BitmaskPrefixIndex", "BoundedPrefixIndex",
-           "EvictionCounters", "IndexBackendError", "PrefixIndex", "SetPrefixIndex", "Tier", "TierMatch", "is_bounded",
-           "make_index", "resolve_backend", "tier_of_wire"]
+__all__ = [
+    "BACKENDS",
+    "NATIVE_IMPORT_ERROR",
+    "NO_EVICTIONS",
+    "TIERS",
+    "BitmaskPrefixIndex",
+    "BoundedPrefixIndex",
+    "EvictionCounters",
+    "IndexBackendError",
+    "PrefixIndex",
+    "SetPrefixIndex",
+    "Tier",
+    "TierMatch",
+    "is_bounded",
+    "make_index",
+    "resolve_backend",
+    "tier_of_wire",
+]

@@ -33,15 +33,17 @@ class IndexBackendError(ValueError):
 
 
 def resolve_backend(name: str) -> str:
-    """"native" or "bitmask" for a backend name (auto: native when the extension imports)."""
+    """ "native" or "bitmask" for a backend name (auto: native when the extension imports)."""
     if name not in BACKENDS:
         raise IndexBackendError(f"--index-backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     if name == "auto":
         return "bitmask" if NATIVE_IMPORT_ERROR else "native"
     if name == "native" and NATIVE_IMPORT_ERROR:
-        raise IndexBackendError("--index-backend native: the C extension kvroute.prefix_index._native is not built "
-                                f"({NATIVE_IMPORT_ERROR}); reinstall kvroute where a C compiler and the Python "
-                                "headers are present (pip install .), or use --index-backend bitmask")
+        raise IndexBackendError(
+            "--index-backend native: the C extension kvroute.prefix_index._native is not built "
+            f"({NATIVE_IMPORT_ERROR}); reinstall kvroute where a C compiler and the Python "
+            "headers are present (pip install .), or use --index-backend bitmask"
+        )
     return name
 
 

@@ -42,7 +42,7 @@ class Tier(IntEnum):
 
     @property
     def label(self) -> str:
-        """"gpu", "cpu" or "disk": the tier's name in audits and eviction metadata."""
+        """ "gpu", "cpu" or "disk": the tier's name in audits and eviction metadata."""
         return self.name.lower()
 
 
@@ -111,4 +111,3 @@ class PrefixIndex(Protocol):
 
 
 NO_EVICTIONS: Mapping[Tier, int] = {}
-

@@ -14,10 +14,10 @@ from kvroute.prefix_index.bitmask import BitmaskPrefixIndex, mean_int_size
 
 @dataclass(slots=True)
 class EvictionCounters:
-    keys: int = 0                      # keys dropped for the bound (each with every worker's entries, on every tier)
-    entries: int = 0                   # (key, worker, tier) entries dropped
+    keys: int = 0  # keys dropped for the bound (each with every worker's entries, on every tier)
+    entries: int = 0  # (key, worker, tier) entries dropped
     recently_matched_entries: int = 0  # of those, on keys still marked recently matched: the bound is below the
-                                       # working set (the second chances of one eviction ran out)
+    # working set (the second chances of one eviction ran out)
 
 
 class BoundedPrefixIndex(BitmaskPrefixIndex):
@@ -52,8 +52,17 @@ class BoundedPrefixIndex(BitmaskPrefixIndex):
     longer knows (the audit and the replicas' snapshot writer read it).
     """
 
-    __slots__ = ("_departed", "_entries", "_evicted", "_lap_left", "_marked_before", "_marked_now", "_ring",
-                 "counters", "max_entries")
+    __slots__ = (
+        "_departed",
+        "_entries",
+        "_evicted",
+        "_lap_left",
+        "_marked_before",
+        "_marked_now",
+        "_ring",
+        "counters",
+        "max_entries",
+    )
 
     def __init__(self, max_entries: int) -> None:
         if max_entries <= 0:
@@ -114,8 +123,12 @@ class BoundedPrefixIndex(BitmaskPrefixIndex):
     def estimated_bytes(self) -> int:
         marks = (self._marked_now, self._marked_before, self._departed)
         # Marked keys are the queries' own int objects; departed ones only the clock keeps alive.
-        return (super().estimated_bytes() + sys.getsizeof(self._ring) + sum(sys.getsizeof(s) for s in marks)
-                + sum(len(s) for s in marks) * mean_int_size(self._ring))
+        return (
+            super().estimated_bytes()
+            + sys.getsizeof(self._ring)
+            + sum(sys.getsizeof(s) for s in marks)
+            + sum(len(s) for s in marks) * mean_int_size(self._ring)
+        )
 
     # ------------------------------------------------------------ walks mark what they matched
 

@@ -76,8 +76,7 @@ class SetPrefixIndex:
                 depth += 1
             if depth:
                 out.depth[worker] = depth
-                for name, target in (("cpu", out.cpu_blocks), ("disk", out.disk_blocks),
-                                     ("spec", out.speculative_blocks)):
+                for name, target in (("cpu", out.cpu_blocks), ("disk", out.disk_blocks), ("spec", out.speculative_blocks)):
                     if counts[name]:
                         target[worker] = counts[name]
         return out

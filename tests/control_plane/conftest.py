@@ -21,8 +21,13 @@ def NativeBoundedPrefixIndexUnreached() -> NativeBoundedPrefixIndex:
 
 # The indexes the control plane serves (each backend, unbounded or bounded) and the plain reference they are
 # checked against.
-INDEX_IMPLEMENTATIONS = [NativePrefixIndex, NativeBoundedPrefixIndexUnreached, BitmaskPrefixIndex,
-                         BoundedPrefixIndexUnreached, SetPrefixIndex]
+INDEX_IMPLEMENTATIONS = [
+    NativePrefixIndex,
+    NativeBoundedPrefixIndexUnreached,
+    BitmaskPrefixIndex,
+    BoundedPrefixIndexUnreached,
+    SetPrefixIndex,
+]
 
 
 @pytest.fixture(params=INDEX_IMPLEMENTATIONS, ids=lambda c: c.__name__)

@@ -93,7 +93,7 @@ def test_bounded_match_never_claims_more_than_the_reference(Bounded: type, seed:
         op = rng.random()
         if op < 0.45:
             chain = forest.new_chain() if rng.random() < 0.4 or not forest.chains else forest.some_chain()
-            keys = chain[rng.randrange(len(chain)):] if rng.random() < 0.3 else chain
+            keys = chain[rng.randrange(len(chain)) :] if rng.random() < 0.3 else chain
             index.store(worker, keys, tier)
             reference.store(worker, keys, tier)
         elif op < 0.7 and forest.chains:
@@ -272,8 +272,12 @@ def test_estimated_bytes_agree_with_tracemalloc() -> None:
     rng = random.Random(0)
     keys = rng.sample(range(1, 2**63), 60_000)
     per_worker = [array("Q", keys[worker::16] + keys[:1000]) for worker in range(16)]
-    for make in (BitmaskPrefixIndex, lambda: BoundedPrefixIndex(1 << 30), NativePrefixIndex,
-                 lambda: NativeBoundedPrefixIndex(1 << 30)):
+    for make in (
+        BitmaskPrefixIndex,
+        lambda: BoundedPrefixIndex(1 << 30),
+        NativePrefixIndex,
+        lambda: NativeBoundedPrefixIndex(1 << 30),
+    ):
         tracemalloc.start()
         before = tracemalloc.take_snapshot()
         index = make()

@@ -16,11 +16,23 @@ LIMIT = 64 * 1024
 async def snapshot(stub: pb_grpc.ControlPlaneStub, worker_id: str, keys: int) -> pb.ControlMessage:
     call = stub.Connect()
     try:
-        await call.write(pb.AgentMessage(register=pb.RegisterWorker(worker_id=worker_id, model="tiny", engine="sim",
-                                                                    block_size=4, endpoint=f"http://{worker_id}")))
+        await call.write(
+            pb.AgentMessage(
+                register=pb.RegisterWorker(
+                    worker_id=worker_id, model="tiny", engine="sim", block_size=4, endpoint=f"http://{worker_id}"
+                )
+            )
+        )
         assert (await call.read()).HasField("registered")
-        await call.write(pb.AgentMessage(batch=pb.EventBatch(seq=1, snapshot=True, events=[pb.BlockEvent(
-            stored=pb.BlocksStored(block_keys=list(range(1, keys + 1)), tier=pb.TIER_GPU))])))
+        await call.write(
+            pb.AgentMessage(
+                batch=pb.EventBatch(
+                    seq=1,
+                    snapshot=True,
+                    events=[pb.BlockEvent(stored=pb.BlocksStored(block_keys=list(range(1, keys + 1)), tier=pb.TIER_GPU))],
+                )
+            )
+        )
         reply = await call.read()
         if reply is grpc.aio.EOF:
             await call

@@ -113,7 +113,7 @@ def test_match_walks_any_tier_and_counts_blocks_below_gpu(index: PrefixIndex) ->
     index.store(1, [1, 2, 3], CPU)
     index.store(1, [2, 3], GPU)  # gpu and cpu: counts as gpu
     index.store(1, [4], DISK)
-    index.store(1, [4], CPU)     # cpu and disk: counts as cpu
+    index.store(1, [4], CPU)  # cpu and disk: counts as cpu
     keys = [1, 2, 3, 4, 5, 6]
     assert index.match(keys) == {0: 5, 1: 4}
     assert index.match_tiers(keys) == TierMatch(depth={0: 5, 1: 4}, cpu_blocks={0: 2, 1: 2}, disk_blocks={0: 1})
@@ -158,19 +158,18 @@ def test_speculative_claims_continue_the_walk(index: PrefixIndex) -> None:
     index.speculate(1, [2])
     index.speculate(2, [1, 2])
     assert index.match_tiers([1, 2, 3, 4, 5]) == TierMatch(
-        depth={0: 4, 1: 2, 2: 2}, cpu_blocks={1: 1}, speculative_blocks={0: 2, 1: 1, 2: 2})
+        depth={0: 4, 1: 2, 2: 2}, cpu_blocks={1: 1}, speculative_blocks={0: 2, 1: 1, 2: 2}
+    )
     assert index.match([1, 2, 3]) == {0: 2, 1: 1}  # `match` is confirmed entries only
     # A claim on a key the worker already holds adds nothing; claims are not entries.
     index.speculate(0, [1])
-    assert index.match_tiers([1, 2]) == TierMatch(depth={0: 2, 1: 2, 2: 2}, cpu_blocks={1: 1},
-                                                  speculative_blocks={1: 1, 2: 2})
+    assert index.match_tiers([1, 2]) == TierMatch(depth={0: 2, 1: 2, 2: 2}, cpu_blocks={1: 1}, speculative_blocks={1: 1, 2: 2})
     assert index.entry_count() == 3 and index.worker_keys(2, GPU) == set() and index.clear(2) == 0
     assert [index.held_prefix(w, [1, 2, 3]) for w in range(3)] == [2, 1, 0]
     index.unspeculate(0, [1, 3])
     index.unspeculate(2, [1, 2])
     index.unspeculate(3, [1])  # never claimed: nothing to do
-    assert index.match_tiers([1, 2, 3, 4]) == TierMatch(depth={0: 2, 1: 2}, cpu_blocks={1: 1},
-                                                        speculative_blocks={1: 1})
+    assert index.match_tiers([1, 2, 3, 4]) == TierMatch(depth={0: 2, 1: 2}, cpu_blocks={1: 1}, speculative_blocks={1: 1})
     # Confirmed later on a tier: the worker holds it, the claim no longer counts as speculative.
     index.store(1, [2], DISK)
     assert index.match_tiers([1, 2]) == TierMatch(depth={0: 2, 1: 2}, cpu_blocks={1: 1}, disk_blocks={1: 1})
@@ -179,11 +178,11 @@ def test_speculative_claims_continue_the_walk(index: PrefixIndex) -> None:
 def test_claims_and_offloads_on_other_prompts_leave_this_match_alone(index: PrefixIndex) -> None:
     index.store(0, [1, 2, 3], GPU)
     index.store(1, [1, 2], GPU)
-    index.store(2, [50, 51], CPU)   # offloaded, another prompt
-    index.speculate(3, [60, 61])    # in flight, another prompt's tail
+    index.store(2, [50, 51], CPU)  # offloaded, another prompt
+    index.speculate(3, [60, 61])  # in flight, another prompt's tail
     assert index.match_tiers([1, 2, 3, 4]) == TierMatch(depth={0: 3, 1: 2})
     assert index.match_tiers((1, 2, 3)) == TierMatch(depth={0: 3, 1: 2})  # any sequence, not only lists
-    index.speculate(1, [3])         # now one key of this prompt is claimed: the tiered walk counts it
+    index.speculate(1, [3])  # now one key of this prompt is claimed: the tiered walk counts it
     assert index.match_tiers([1, 2, 3, 4]) == TierMatch(depth={0: 3, 1: 3}, speculative_blocks={1: 1})
 
 
@@ -207,11 +206,25 @@ def test_tiers_are_the_wire_enum() -> None:
 
 @pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("tiered", [True, False], ids=["tiers", "gpu-only"])
-@pytest.mark.parametrize(("impl", "workers"), [
-    (NativePrefixIndex, 8), (lambda: NativeBoundedPrefixIndex(1 << 40), 8), (BitmaskPrefixIndex, 8),
-    (lambda: BoundedPrefixIndex(1 << 40), 8), (NativePrefixIndex, 300), (lambda: NativeBoundedPrefixIndex(1 << 40), 300),
-], ids=["NativePrefixIndex", "NativeBoundedPrefixIndexUnreached", "BitmaskPrefixIndex", "BoundedPrefixIndexUnreached",
-        "NativePrefixIndex-300-workers", "NativeBoundedPrefixIndexUnreached-300-workers"])
+@pytest.mark.parametrize(
+    ("impl", "workers"),
+    [
+        (NativePrefixIndex, 8),
+        (lambda: NativeBoundedPrefixIndex(1 << 40), 8),
+        (BitmaskPrefixIndex, 8),
+        (lambda: BoundedPrefixIndex(1 << 40), 8),
+        (NativePrefixIndex, 300),
+        (lambda: NativeBoundedPrefixIndex(1 << 40), 300),
+    ],
+    ids=[
+        "NativePrefixIndex",
+        "NativeBoundedPrefixIndexUnreached",
+        "BitmaskPrefixIndex",
+        "BoundedPrefixIndexUnreached",
+        "NativePrefixIndex-300-workers",
+        "NativeBoundedPrefixIndexUnreached-300-workers",
+    ],
+)
 def test_random_operations_agree_with_reference(impl: type, tiered: bool, seed: int, workers: int) -> None:
     """SetPrefixIndex is the oracle every other implementation must agree with. With 300 workers a key
     has many holders (the native index then keeps them out of line, sorted, and bisects them)."""
@@ -235,7 +248,10 @@ def test_random_operations_agree_with_reference(impl: type, tiered: bool, seed: 
             index.replace(worker, batch, tier)
             reference.replace(worker, batch, tier)
         else:
-            by_tier = {t: rng.sample(keys, rng.randint(0, 4)) for t in rng.sample(TIERS if tiered else [GPU], rng.randint(0, 1 + 2 * tiered))}
+            by_tier = {
+                t: rng.sample(keys, rng.randint(0, 4))
+                for t in rng.sample(TIERS if tiered else [GPU], rng.randint(0, 1 + 2 * tiered))
+            }
             index.replace_all(worker, by_tier)
             reference.replace_all(worker, by_tier)
         if rng.random() < 0.2:
@@ -274,8 +290,17 @@ def test_native_takes_keys_packed_or_as_any_iterable(make) -> None:
     generators all mean the same keys as a list."""
     rng = random.Random(1)
     keys = [rng.getrandbits(64) for _ in range(100)] + [0, 2**64 - 1]
-    forms = [list, tuple, pack_keys, lambda k: bytearray(pack_keys(k)), lambda k: memoryview(pack_keys(k)),
-             lambda k: array("Q", k), repeated_fixed64, iter, lambda k: (key for key in k)]
+    forms = [
+        list,
+        tuple,
+        pack_keys,
+        lambda k: bytearray(pack_keys(k)),
+        lambda k: memoryview(pack_keys(k)),
+        lambda k: array("Q", k),
+        repeated_fixed64,
+        iter,
+        lambda k: (key for key in k),
+    ]
     for worker, form in enumerate(forms):
         index = make()
         assert index.store(worker, form(keys), CPU) == len(keys)
@@ -332,7 +357,7 @@ def test_native_columns_are_match_tiers_in_slot_order(make) -> None:
         index.store(worker, held[:cut], GPU)
         index.store(worker, held[cut:], rng.choice([CPU, DISK]))
         if worker % 3 == 0:
-            index.speculate(worker, prompt[len(held): len(held) + 5])
+            index.speculate(worker, prompt[len(held) : len(held) + 5])
     match = index.match_tiers(prompt)
     slots = [7, 3, 19, 0, 25, 1000, 12]  # any order; slots the index never saw answer 0
     columns = index.match_columns(prompt, slots)
@@ -441,9 +466,16 @@ def test_native_memory_per_entry_and_no_leak_across_cycles() -> None:
 
 # ------------------------------------------------------------ choosing the backend
 
-@pytest.mark.parametrize(("backend", "bound", "kind"), [
-    ("auto", 0, NativePrefixIndex), ("native", 10, NativeBoundedPrefixIndex), ("bitmask", 0, BitmaskPrefixIndex),
-    ("bitmask", 10, BoundedPrefixIndex)])
+
+@pytest.mark.parametrize(
+    ("backend", "bound", "kind"),
+    [
+        ("auto", 0, NativePrefixIndex),
+        ("native", 10, NativeBoundedPrefixIndex),
+        ("bitmask", 0, BitmaskPrefixIndex),
+        ("bitmask", 10, BoundedPrefixIndex),
+    ],
+)
 def test_the_control_plane_holds_the_backend_it_is_configured_with(backend: str, bound: int, kind: type) -> None:
     """--index-backend and --max-index-entries pick the index; its bound and evictions are exported whichever it is."""
     from kvroute.control_plane.server import ControlPlaneConfig, ControlPlaneServer
@@ -455,21 +487,40 @@ def test_the_control_plane_holds_the_backend_it_is_configured_with(backend: str,
     metrics = server.metrics_registry
     assert metrics.get_sample_value("kvroute_cp_index_max_entries") == bound
     assert metrics.get_sample_value("kvroute_cp_index_evicted_entries_total", {"recently_matched": "false"}) == (
-        20 if bound else 0)
+        20 if bound else 0
+    )
     assert metrics.get_sample_value("kvroute_cp_index_bytes_per_entry") > 0
 
 
 def test_native_asked_for_without_the_build_is_one_line_and_exit_2() -> None:
     """An install that did not build the extension: `native` says so in one line (exit 2); `auto` falls back."""
     blocked = "import sys; sys.modules['kvroute.prefix_index._native'] = None; "  # import fails as without the .so
-    asked = subprocess.run([sys.executable, "-c", blocked + "from kvroute.cli import main; sys.exit(main(["
-                            "'control-plane', '--index-backend', 'native', '--listen', '127.0.0.1:0']))"],
-                           capture_output=True, text=True, timeout=60, check=False)
+    asked = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            blocked + "from kvroute.cli import main; sys.exit(main(["
+            "'control-plane', '--index-backend', 'native', '--listen', '127.0.0.1:0']))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert asked.returncode == 2 and asked.stdout == "", asked
     assert asked.stderr.count("\n") == 1 and "--index-backend native" in asked.stderr and "not built" in asked.stderr
-    fallback = subprocess.run([sys.executable, "-c", blocked + "from kvroute.prefix_index import make_index; "
-                               "print(type(make_index('auto')).__name__, type(make_index('auto', 5)).__name__)"],
-                              capture_output=True, text=True, timeout=60, check=False)
+    fallback = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            blocked + "from kvroute.prefix_index import make_index; "
+            "print(type(make_index('auto')).__name__, type(make_index('auto', 5)).__name__)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert fallback.stdout.split() == ["BitmaskPrefixIndex", "BoundedPrefixIndex"], fallback
 
 

@@ -84,7 +84,7 @@ def test_claims_cover_only_what_the_worker_does_not_hold(tracker: InflightTracke
 def test_claims_expire_at_their_ttl_while_the_reservation_lives(tracker: InflightTracker, clock) -> None:
     index = tracker.index
     session = tracker.open_session("r")
-    tracker.reserve(session, 1, slot=0, keys=[1, 2], prefill_tokens=0)              # default TTL: 5 s
+    tracker.reserve(session, 1, slot=0, keys=[1, 2], prefill_tokens=0)  # default TTL: 5 s
     tracker.reserve(session, 2, slot=1, keys=[1], prefill_tokens=0, ttl_ms=500)
     clock.now += 0.4
     tracker.expire()

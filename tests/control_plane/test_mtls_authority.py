@@ -24,11 +24,13 @@ MODEL = "tiny"
 @pytest.fixture
 def certs(tmp_path: Path) -> dict[str, CertFiles]:
     ca = TestCA(tmp_path / "pki")
-    return {"server": ca.issue("control-plane"),
-            "agent_a": ca.issue("agent-a", uris=[worker_uri("node-a:8000")]),
-            "agent_b": ca.issue("agent-b", uris=[worker_uri("node-b:8000")]),
-            "router": ca.issue("router-1", uris=[router_uri("router-1")]),
-            "stranger": TestCA(tmp_path / "other-pki", "other-ca").issue("stranger", uris=[worker_uri("node-a:8000")])}
+    return {
+        "server": ca.issue("control-plane"),
+        "agent_a": ca.issue("agent-a", uris=[worker_uri("node-a:8000")]),
+        "agent_b": ca.issue("agent-b", uris=[worker_uri("node-b:8000")]),
+        "router": ca.issue("router-1", uris=[router_uri("router-1")]),
+        "stranger": TestCA(tmp_path / "other-pki", "other-ca").issue("stranger", uris=[worker_uri("node-a:8000")]),
+    }
 
 
 def files(cert: CertFiles) -> TlsFiles:
@@ -50,13 +52,23 @@ async def connect(control_plane: pb_grpc.ControlPlaneStub, worker_id: str, keys:
     """Register `worker_id` and send one snapshot of `keys`; the ack (raises AioRpcError when refused)."""
     call = control_plane.Connect()
     try:
-        await call.write(pb.AgentMessage(register=pb.RegisterWorker(worker_id=worker_id, model=MODEL, engine="sim",
-                                                                    block_size=4, endpoint=f"http://{worker_id}")))
+        await call.write(
+            pb.AgentMessage(
+                register=pb.RegisterWorker(
+                    worker_id=worker_id, model=MODEL, engine="sim", block_size=4, endpoint=f"http://{worker_id}"
+                )
+            )
+        )
         registered = await call.read()
         if registered is grpc.aio.EOF:
             await call  # the status
-        await call.write(pb.AgentMessage(batch=pb.EventBatch(seq=1, snapshot=True, events=[
-            pb.BlockEvent(stored=pb.BlocksStored(block_keys=keys, tier=pb.TIER_GPU))])))
+        await call.write(
+            pb.AgentMessage(
+                batch=pb.EventBatch(
+                    seq=1, snapshot=True, events=[pb.BlockEvent(stored=pb.BlocksStored(block_keys=keys, tier=pb.TIER_GPU))]
+                )
+            )
+        )
         return await call.read()
     finally:
         call.cancel()
@@ -67,8 +79,7 @@ def denied(server: ControlPlaneServer, reason: str) -> float:
 
 
 async def matched(control_plane: pb_grpc.ControlPlaneStub, keys: list[int]) -> dict[str, int]:
-    response = await control_plane.Query(pb.QueryRequest(model=MODEL, chains=[pb.KeyChain(block_size=4,
-                                                                                          block_keys=keys)]))
+    response = await control_plane.Query(pb.QueryRequest(model=MODEL, chains=[pb.KeyChain(block_size=4, block_keys=keys)]))
     return {w.worker_id: w.matched_blocks for w in response.workers}
 
 
@@ -81,11 +92,19 @@ async def test_agent_writes_only_its_own_worker_and_a_router_never(certs):
         keys_a, keys_b = [1, 2, 3], [7, 8, 9]
         # B writes its own worker: the index holds it.
         stream_b = agent_b.Connect()
-        await stream_b.write(pb.AgentMessage(register=pb.RegisterWorker(
-            worker_id="node-b:8000", model=MODEL, engine="sim", block_size=4, endpoint="http://b")))
+        await stream_b.write(
+            pb.AgentMessage(
+                register=pb.RegisterWorker(worker_id="node-b:8000", model=MODEL, engine="sim", block_size=4, endpoint="http://b")
+            )
+        )
         assert (await stream_b.read()).HasField("registered")
-        await stream_b.write(pb.AgentMessage(batch=pb.EventBatch(seq=1, snapshot=True, events=[
-            pb.BlockEvent(stored=pb.BlocksStored(block_keys=keys_b, tier=pb.TIER_GPU))])))
+        await stream_b.write(
+            pb.AgentMessage(
+                batch=pb.EventBatch(
+                    seq=1, snapshot=True, events=[pb.BlockEvent(stored=pb.BlocksStored(block_keys=keys_b, tier=pb.TIER_GPU))]
+                )
+            )
+        )
         assert (await stream_b.read()).ack.seq == 1
         before = await matched(router, keys_b)
         assert before == {"node-b:8000": 3}
@@ -121,10 +140,14 @@ async def test_agent_writes_only_its_own_worker_and_a_router_never(certs):
         session = router.RouterSession()
         await session.write(pb.RouterMessage(hello=pb.RouterHello(router_id="router-1")))
         assert (await session.read()).HasField("welcome")
-        await session.write(pb.RouterMessage(reserve=pb.Reservation(reservation_id=1, worker_id="node-b:8000",
-                                                                     block_size=4, prefill_tokens=8, ttl_ms=5000)))
-        await session.write(pb.RouterMessage(query=pb.QueryRequest(model=MODEL, chains=[
-            pb.KeyChain(block_size=4, block_keys=keys_b)])))
+        await session.write(
+            pb.RouterMessage(
+                reserve=pb.Reservation(reservation_id=1, worker_id="node-b:8000", block_size=4, prefill_tokens=8, ttl_ms=5000)
+            )
+        )
+        await session.write(
+            pb.RouterMessage(query=pb.QueryRequest(model=MODEL, chains=[pb.KeyChain(block_size=4, block_keys=keys_b)]))
+        )
         reply = await session.read()
         assert {w.worker_id: w.matched_blocks for w in reply.result.workers}["node-b:8000"] == 3
         session.cancel()
@@ -145,9 +168,11 @@ async def test_agent_writes_only_its_own_worker_and_a_router_never(certs):
 async def test_certificates_the_ca_did_not_sign_and_plaintext_do_not_connect(certs):
     server = await start(certs)
     try:
-        for channel in (open_channel(f"localhost:{server.port}", ClientTls(files(certs["stranger"]))),
-                        open_channel(f"localhost:{server.port}", ClientTls(TlsFiles(ca=str(certs["server"].ca)))),
-                        open_channel(f"localhost:{server.port}", None)):
+        for channel in (
+            open_channel(f"localhost:{server.port}", ClientTls(files(certs["stranger"]))),
+            open_channel(f"localhost:{server.port}", ClientTls(TlsFiles(ca=str(certs["server"].ca)))),
+            open_channel(f"localhost:{server.port}", None),
+        ):
             async with channel:
                 with pytest.raises(grpc.aio.AioRpcError) as failed:
                     await pb_grpc.ControlPlaneStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=3)

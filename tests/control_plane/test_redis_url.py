@@ -11,8 +11,7 @@ def test_single_server_forms() -> None:
     t = parse_redis_url("redis://cache.internal")
     assert (t.kind, t.hosts, t.tls, t.db, t.password) == ("single", (("cache.internal", 6379),), False, 0, None)
     t = parse_redis_url("rediss://app:s%40cret@10.0.0.5:6380/2")
-    assert (t.kind, t.hosts, t.tls, t.db, t.username, t.password) == ("single", (("10.0.0.5", 6380),), True, 2, "app",
-                                                                      "s@cret")
+    assert (t.kind, t.hosts, t.tls, t.db, t.username, t.password) == ("single", (("10.0.0.5", 6380),), True, 2, "app", "s@cret")
     t = parse_redis_url("redis://:pw@[::1]:7000")
     assert (t.hosts, t.username, t.password) == ((("::1", 7000),), None, "pw")
     assert parse_redis_url("redis://pw@h").password == "pw"  # redis-py's password-only form
@@ -34,18 +33,21 @@ def test_cluster_form() -> None:
     assert parse_redis_url("rediss+cluster://n1").tls
 
 
-@pytest.mark.parametrize(("url", "message"), [
-    ("http://h", "scheme must be one of"),
-    ("h:6379", "scheme must be one of"),
-    ("redis://", "no host"),
-    ("redis://a,b", "several hosts need"),
-    ("redis://h:port", "port 'port' in 'h:port' is not a number"),
-    ("redis://h:70000", r"port 70000 in 'h:70000' is out of range"),
-    ("redis://h/x", "database must be a number"),
-    ("redis://h/1/2", "unexpected path"),
-    ("redis+sentinel://s1", "names the master's service"),
-    ("redis+cluster://n1/3", "has no databases"),
-])
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("http://h", "scheme must be one of"),
+        ("h:6379", "scheme must be one of"),
+        ("redis://", "no host"),
+        ("redis://a,b", "several hosts need"),
+        ("redis://h:port", "port 'port' in 'h:port' is not a number"),
+        ("redis://h:70000", r"port 70000 in 'h:70000' is out of range"),
+        ("redis://h/x", "database must be a number"),
+        ("redis://h/1/2", "unexpected path"),
+        ("redis+sentinel://s1", "names the master's service"),
+        ("redis+cluster://n1/3", "has no databases"),
+    ],
+)
 def test_malformed_urls_say_what_is_wrong(url: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_redis_url(url)

@@ -59,7 +59,7 @@ async def test_a_bounded_replicas_evictions_stay_its_own(redis_single) -> None:
         assert small.redis_log.counters.snapshots_written == written_while_exact
 
         # Whatever a router asks, the bounded replica answers at most what the full one does.
-        chains = [sorted(truth)[i:i + 16] for i in range(0, 320, 16)]
+        chains = [sorted(truth)[i : i + 16] for i in range(0, 320, 16)]
         for chain in chains:
             ours, theirs = small.registry.index.match_tiers(chain), full.registry.index.match_tiers(chain)
             assert all(depth <= theirs.depth.get(slot, 0) for slot, depth in ours.depth.items())

@@ -60,8 +60,9 @@ class Engine:
 
 
 async def start_replica_on(url: str, port: int, name: str) -> ControlPlaneServer:
-    server = ControlPlaneServer(ControlPlaneConfig(listen=f"127.0.0.1:{port}", redis_url=url, replica_id=name,
-                                                   redis_shards=4, heartbeat_timeout_s=3.0))
+    server = ControlPlaneServer(
+        ControlPlaneConfig(listen=f"127.0.0.1:{port}", redis_url=url, replica_id=name, redis_shards=4, heartbeat_timeout_s=3.0)
+    )
     await server.start()
     return server
 
@@ -79,8 +80,9 @@ async def test_replicas_converge_on_the_engines_truth(redis_any, seed) -> None:
     counts: dict[str, int] = {}
     try:
         for _ in range(STEPS):
-            action = rng.choices(["store", "remove", "clear", "agent_restart", "replica_restart", "trim"],
-                                 weights=[10, 5, 1, 1, 1, 2])[0]
+            action = rng.choices(
+                ["store", "remove", "clear", "agent_restart", "replica_restart", "trim"], weights=[10, 5, 1, 1, 1, 2]
+            )[0]
             counts[action] = counts.get(action, 0) + 1
             engine = rng.choice(engines)
             if action == "store":
@@ -117,8 +119,7 @@ async def test_replicas_converge_on_the_engines_truth(redis_any, seed) -> None:
                 if record is None:
                     return False
                 for tier in TIERS:
-                    if replica.registry.index.worker_keys(record.slot, tier) != reference.worker_keys(
-                            slots[e.worker_id], tier):
+                    if replica.registry.index.worker_keys(record.slot, tier) != reference.worker_keys(slots[e.worker_id], tier):
                         return False
             return len(replica.registry) == len(engines)
 

@@ -47,8 +47,7 @@ async def test_reservations_cross_replicas(redis_any) -> None:
         seen = {}
 
         async def seen_on_b() -> pb.WorkerMatch:
-            reply = await stub_b.Query(pb.QueryRequest(model=MODEL, chains=[pb.KeyChain(block_size=4,
-                                                                                          block_keys=chain)]))
+            reply = await stub_b.Query(pb.QueryRequest(model=MODEL, chains=[pb.KeyChain(block_size=4, block_keys=chain)]))
             seen["w1"] = reply.workers[0]
             return reply.workers[0]
 
@@ -83,8 +82,10 @@ async def test_reservations_cross_replicas(redis_any) -> None:
         await a.inflight_sync.stop()  # a stops publishing (its beats too), as if cut off
         await wait_b(lambda w: w.reserved_requests == 0)
         assert b.inflight_sync.counters.dropped_silent_replicas == 1
-        assert b.metrics_registry.get_sample_value("kvroute_cp_inflight_sync_events_total",
-                                                   {"event": "dropped_silent_replicas"}) == 1
+        assert (
+            b.metrics_registry.get_sample_value("kvroute_cp_inflight_sync_events_total", {"event": "dropped_silent_replicas"})
+            == 1
+        )
         assert b.metrics_registry.get_sample_value("kvroute_cp_redis_ready") == 1
     finally:
         await link.close()
@@ -132,8 +133,7 @@ async def test_a_replica_started_later_holds_the_live_reservations_and_nothing_r
 
         async def c_sees(requests: int, prefill: int, speculative: int) -> bool:
             w = await query_w1(stub_c, chain)
-            return (w.reserved_requests, w.reserved_prefill_tokens, w.speculative_blocks) == (
-                requests, prefill, speculative)
+            return (w.reserved_requests, w.reserved_prefill_tokens, w.speculative_blocks) == (requests, prefill, speculative)
 
         # The released one stays gone, the started one's prefill is done, the claims are restored.
         await eventually(lambda: c_sees(2, 8, 2), 10, what="c holds a's 2 live reservations")
@@ -181,8 +181,7 @@ async def test_state_entries_restore_and_drop_and_ops_for_unknown_sessions_are_c
             await redis.xadd(STREAM, ghost_entry(reserve))
             await eventually(lambda: sync.counters.unknown_session == 1)
         assert "reserve for router router-g's session 1, which this replica does not mirror" in caplog.text
-        assert b.metrics_registry.get_sample_value("kvroute_cp_inflight_sync_events_total",
-                                                   {"event": "unknown_session"}) == 1
+        assert b.metrics_registry.get_sample_value("kvroute_cp_inflight_sync_events_total", {"event": "unknown_session"}) == 1
         # Its next state repairs it: the session and its reservation (load and claims) are restored.
         held = HeldReservation(1, "w1", 4, 8, 60_000, 60_000, pack_keys([111, 222]))
         await redis.xadd(STREAM, ghost_entry(state=[HeldSession("router-g", 1, [held])]))
@@ -190,8 +189,7 @@ async def test_state_entries_restore_and_drop_and_ops_for_unknown_sessions_are_c
         assert (w.reserved_prefill_tokens, w.speculative_blocks) == (8, 2)
         # A state no longer holding the reservation, then the session, drops them.
         await redis.xadd(STREAM, ghost_entry(state=[HeldSession("router-g", 1, [])]))
-        await eventually(lambda: query_matching(stub, chain, lambda w: w.reserved_requests == 0 and
-                                                not w.speculative_blocks))
+        await eventually(lambda: query_matching(stub, chain, lambda w: w.reserved_requests == 0 and not w.speculative_blocks))
         await redis.xadd(STREAM, ghost_entry(state=[]))
         await eventually(lambda: b.inflight.open_sessions == 0, what="b dropped the session no state holds")
         assert sync.counters.dropped_by_state == 2 and sync.counters.restored_reservations == 1
@@ -217,17 +215,33 @@ async def test_a_replayed_state_brings_back_nothing_expired_meanwhile(redis_sing
     try:
         chain = await agent.chain_past_held()
         at_ms = parse_id((await redis.xrevrange(STREAM, count=1))[0][0])[0] + 1
-        state = [HeldSession("router-g", 1, [
-            HeldReservation(1, "w1", 4, 10, max_age_ms=500),                        # expired since
-            HeldReservation(2, "w1", 4, 20, max_age_ms=60_000, claim_ttl_ms=500,    # its claims expired since
-                            keys=pack_keys([111])),
-            HeldReservation(3, "w1", 4, 40, max_age_ms=60_000, claim_ttl_ms=60_000, keys=pack_keys([111, 222])),
-        ])]
+        state = [
+            HeldSession(
+                "router-g",
+                1,
+                [
+                    HeldReservation(1, "w1", 4, 10, max_age_ms=500),  # expired since
+                    HeldReservation(
+                        2,
+                        "w1",
+                        4,
+                        20,
+                        max_age_ms=60_000,
+                        claim_ttl_ms=500,  # its claims expired since
+                        keys=pack_keys([111]),
+                    ),
+                    HeldReservation(3, "w1", 4, 40, max_age_ms=60_000, claim_ttl_ms=60_000, keys=pack_keys([111, 222])),
+                ],
+            )
+        ]
         # Written at at_ms; the stream's head is 2 s later (ids fix the times the replay computes with).
         await redis.xadd(STREAM, ghost_entry(state=state), id=f"{at_ms}-0")
         await redis.xadd(STREAM, ghost_entry(RouterOp(BEAT)), id=f"{at_ms + 2000}-0")
-        c = ControlPlaneServer(ControlPlaneConfig(listen="127.0.0.1:0", redis_url=redis_single.url, replica_id="c",
-                                                  redis_shards=4, heartbeat_timeout_s=2.0))
+        c = ControlPlaneServer(
+            ControlPlaneConfig(
+                listen="127.0.0.1:0", redis_url=redis_single.url, replica_id="c", redis_shards=4, heartbeat_timeout_s=2.0
+            )
+        )
         c.inflight_sync.silent_after_s = 600.0  # the ghost replica writes no beats
         await c.start()
         await eventually(lambda: c.ready, 10, what="c ready")
@@ -251,8 +265,10 @@ async def test_the_router_sessions_gauge_tells_local_streams_from_mirrored_ones(
     link = RouterSessionLink(pb_grpc.ControlPlaneStub(channel), "router-1")
 
     def sessions(replica: ControlPlaneServer) -> tuple[float | None, float | None]:
-        return tuple(replica.metrics_registry.get_sample_value("kvroute_cp_router_sessions", {"origin": origin})
-                     for origin in ("local", "replica"))
+        return tuple(
+            replica.metrics_registry.get_sample_value("kvroute_cp_router_sessions", {"origin": origin})
+            for origin in ("local", "replica")
+        )
 
     try:
         assert sessions(a) == sessions(b) == (0, 0)
@@ -291,8 +307,11 @@ async def test_a_router_that_moved_counts_once_while_its_old_replica_still_holds
         new.reserve("w1", 4, [], prefill_tokens=8)
         await eventually(lambda: b.inflight.reservation_count() == c.inflight.reservation_count() == 1)
         applied = {r: r.inflight_sync.counters.states_applied for r in (b, c)}
-        await eventually(lambda: all(r.inflight_sync.counters.states_applied >= n + 4 for r, n in applied.items()),
-                         20, what="two rounds of states from the other replicas")
+        await eventually(
+            lambda: all(r.inflight_sync.counters.states_applied >= n + 4 for r, n in applied.items()),
+            20,
+            what="two rounds of states from the other replicas",
+        )
         for replica in (b, c):
             assert replica.inflight.reservation_count() == 1, replica.replica_id
             assert replica.inflight_sync.counters.restored_sessions == 0, replica.replica_id

@@ -33,8 +33,17 @@ async def fill_log(log: RedisEventLog, seed: int = 0) -> dict[str, set[int]]:
 
     async def one(w: int) -> None:
         worker_id = f"w{w}"
-        session = await log.register(pb.RegisterWorker(worker_id=worker_id, model="m", engine="sim", block_size=16,
-                                                       endpoint=f"http://{worker_id}", agent_instance=f"i{w}"), "test")
+        session = await log.register(
+            pb.RegisterWorker(
+                worker_id=worker_id,
+                model="m",
+                engine="sim",
+                block_size=16,
+                endpoint=f"http://{worker_id}",
+                agent_instance=f"i{w}",
+            ),
+            "test",
+        )
         held: set[int] = set()
         seq = 0
         while len(held) < BLOCKS // WORKERS:
@@ -55,9 +64,25 @@ async def fill_log(log: RedisEventLog, seed: int = 0) -> dict[str, set[int]]:
 
 def start_process(url: str, workdir) -> tuple[ManagedProcess, int, int]:
     port, metrics = free_port(), free_port()
-    proc = ManagedProcess("replica", kvroute_argv(
-        "control-plane", "--listen", f"127.0.0.1:{port}", "--metrics-port", str(metrics), "--redis", url,
-        "--redis-shards", "4", "--replica-id", "restarted", "--heartbeat-timeout", "600"), workdir / "replica.log")
+    proc = ManagedProcess(
+        "replica",
+        kvroute_argv(
+            "control-plane",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--metrics-port",
+            str(metrics),
+            "--redis",
+            url,
+            "--redis-shards",
+            "4",
+            "--replica-id",
+            "restarted",
+            "--heartbeat-timeout",
+            "600",
+        ),
+        workdir / "replica.log",
+    )
     return proc, port, metrics
 
 

@@ -79,10 +79,15 @@ async def test_block_size_chains_are_matched_per_worker(control_plane) -> None:
     await large.register("large", block_size=16)
     await small.batch(1, stored(prompt_block_keys(tokens, 4, MODEL)))
     await large.batch(1, stored(prompt_block_keys(tokens, 16, MODEL)[:2]))
-    response = await stub.Query(pb.QueryRequest(model=MODEL, chains=[
-        pb.KeyChain(block_size=4, block_keys=prompt_block_keys(tokens, 4, MODEL)),
-        pb.KeyChain(block_size=16, block_keys=prompt_block_keys(tokens, 16, MODEL)),
-    ]))
+    response = await stub.Query(
+        pb.QueryRequest(
+            model=MODEL,
+            chains=[
+                pb.KeyChain(block_size=4, block_keys=prompt_block_keys(tokens, 4, MODEL)),
+                pb.KeyChain(block_size=16, block_keys=prompt_block_keys(tokens, 16, MODEL)),
+            ],
+        )
+    )
     assert {w.worker_id: w.matched_blocks for w in response.workers} == {"small": 16, "large": 2}
 
 
@@ -177,8 +182,13 @@ async def test_tiers_are_held_apart_and_matched_together(control_plane) -> None:
     agent = AgentStream(stub)
     await agent.register("a")
     # Snapshot: one BlocksStored per tier (an unset tier is gpu).
-    await agent.batch(1, pb.BlockEvent(stored=pb.BlocksStored(block_keys=[1, 2])), stored([3, 4], pb.TIER_CPU),
-                      stored([4, 5], pb.TIER_DISK), snapshot=True)
+    await agent.batch(
+        1,
+        pb.BlockEvent(stored=pb.BlocksStored(block_keys=[1, 2])),
+        stored([3, 4], pb.TIER_CPU),
+        stored([4, 5], pb.TIER_DISK),
+        snapshot=True,
+    )
     assert matches(await stub.Query(query([1, 2, 3, 4, 5, 6]))) == {"a": (5, 2, 1)}
     # An offload: removed from gpu, stored on cpu. Removing a key on one tier keeps the others.
     await agent.batch(2, removed([2]), stored([2], pb.TIER_CPU), removed([4], pb.TIER_CPU))
@@ -269,10 +279,13 @@ async def test_roles_are_exposed_and_an_unknown_role_is_refused(control_plane) -
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "role must be one of" in err.value.details()
 
 
-@pytest.mark.parametrize("chains,message", [
-    ([pb.KeyChain(block_size=0, block_keys=[1])], "block_size"),
-    ([pb.KeyChain(block_size=4, block_keys=[1]), pb.KeyChain(block_size=4, block_keys=[2])], "one KeyChain per block size"),
-])
+@pytest.mark.parametrize(
+    "chains,message",
+    [
+        ([pb.KeyChain(block_size=0, block_keys=[1])], "block_size"),
+        ([pb.KeyChain(block_size=4, block_keys=[1]), pb.KeyChain(block_size=4, block_keys=[2])], "one KeyChain per block size"),
+    ],
+)
 async def test_malformed_query_is_invalid_argument(control_plane, chains, message) -> None:
     _, stub = control_plane
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -302,11 +315,25 @@ class RouterStream(BidiStream):
         assert reply.WhichOneof("body") == "result" and reply.result.query_id == query_id
         return {w.worker_id: w for w in reply.result.workers}
 
-    async def reserve(self, reservation_id: int, worker_id: str, keys: list[int] = (), prefill_tokens: int = 0,
-                      ttl_ms: int = 0, block_size: int = 4) -> None:
-        await self.send(reserve=pb.Reservation(reservation_id=reservation_id, worker_id=worker_id,
-                                               block_size=block_size, block_keys=list(keys),
-                                               prefill_tokens=prefill_tokens, ttl_ms=ttl_ms))
+    async def reserve(
+        self,
+        reservation_id: int,
+        worker_id: str,
+        keys: list[int] = (),
+        prefill_tokens: int = 0,
+        ttl_ms: int = 0,
+        block_size: int = 4,
+    ) -> None:
+        await self.send(
+            reserve=pb.Reservation(
+                reservation_id=reservation_id,
+                worker_id=worker_id,
+                block_size=block_size,
+                block_keys=list(keys),
+                prefill_tokens=prefill_tokens,
+                ttl_ms=ttl_ms,
+            )
+        )
 
 
 async def two_routers(stub: pb_grpc.ControlPlaneStub) -> tuple[RouterStream, RouterStream]:
@@ -384,8 +411,7 @@ async def test_reservations_are_seen_by_other_routers_until_released(control_pla
     assert reserved(await router_a.query()) == {"a": (0, 0), "b": (1, 7)}
     assert reserved(await router_b.query()) == {"a": (2, 130), "b": (0, 0)}
     unary = await stub.Query(query([]))
-    assert {w.worker_id: (w.reserved_requests, w.reserved_prefill_tokens) for w in unary.workers} == {
-        "a": (2, 130), "b": (1, 7)}
+    assert {w.worker_id: (w.reserved_requests, w.reserved_prefill_tokens) for w in unary.workers} == {"a": (2, 130), "b": (1, 7)}
     await router_a.send(prefill_done=pb.ReservationDone(reservation_id=1))  # first token: prefill no longer pending
     await router_a.query()
     assert reserved(await router_b.query()) == {"a": (2, 30), "b": (0, 0)}
@@ -395,8 +421,11 @@ async def test_reservations_are_seen_by_other_routers_until_released(control_pla
     assert reserved(await router_b.query()) == {"a": (1, 30), "b": (0, 0)}
     # Closing the stream drops the router's reservations.
     await router_a.close()
-    await eventually(lambda: _equals(reserved_of(router_b), {"a": (0, 0), "b": (0, 0)}), 5,
-                     what="router a's reservations dropped with its stream")
+    await eventually(
+        lambda: _equals(reserved_of(router_b), {"a": (0, 0), "b": (0, 0)}),
+        5,
+        what="router a's reservations dropped with its stream",
+    )
     assert reserved(await router_b.query()) == reserved(await router_b.query())
 
 
@@ -429,8 +458,11 @@ async def test_speculative_blocks_expire_by_ttl(control_plane) -> None:
     # Speculative holders count for every router, the one that reserved included.
     for router in (router_a, router_b):
         assert blocks(await router.query([1, 2, 3, 4, 5])) == {"a": (4, 3), "b": (2, 2)}
-    await eventually(lambda: _equals(blocks_of(router_b, [1, 2, 3, 4, 5]), {"a": (1, 0), "b": (2, 2)}), 5,
-                     what="a's speculative blocks gone after their 300 ms TTL")
+    await eventually(
+        lambda: _equals(blocks_of(router_b, [1, 2, 3, 4, 5]), {"a": (1, 0), "b": (2, 2)}),
+        5,
+        what="a's speculative blocks gone after their 300 ms TTL",
+    )
     assert reserved(await router_b.query()) == {"a": (1, 16), "b": (1, 8)}  # the requests still count
 
 
@@ -487,13 +519,16 @@ async def test_reservations_on_unknown_workers_or_other_block_sizes(control_plan
     assert reservation_events(server, "block_size_mismatch") == 1
 
 
-@pytest.mark.parametrize("bad,message", [
-    (pb.RouterMessage(), "no body"),
-    (pb.RouterMessage(hello=pb.RouterHello(router_id="again")), "only be sent once"),
-    (pb.RouterMessage(reserve=pb.Reservation(reservation_id=1, worker_id="a")), "already live"),
-    (pb.RouterMessage(reserve=pb.Reservation(reservation_id=2)), "needs a worker_id"),
-    (pb.RouterMessage(query=pb.QueryRequest(model=MODEL, chains=[pb.KeyChain(block_keys=[1])])), "block_size"),
-])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (pb.RouterMessage(), "no body"),
+        (pb.RouterMessage(hello=pb.RouterHello(router_id="again")), "only be sent once"),
+        (pb.RouterMessage(reserve=pb.Reservation(reservation_id=1, worker_id="a")), "already live"),
+        (pb.RouterMessage(reserve=pb.Reservation(reservation_id=2)), "needs a worker_id"),
+        (pb.RouterMessage(query=pb.QueryRequest(model=MODEL, chains=[pb.KeyChain(block_keys=[1])])), "block_size"),
+    ],
+)
 async def test_malformed_router_message_ends_only_that_stream(control_plane, bad, message) -> None:
     _, stub = control_plane
     await AgentStream(stub).register("a")
@@ -519,8 +554,11 @@ async def test_bytes_that_are_no_request_are_invalid_argument_and_counted(contro
     server, _ = control_plane
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
     bad_requests = server.service.metrics.bad_requests
-    for method, payload in (("Query", b"\xff\xff\xff"), ("GetWorkerKeys", b"\x0a\x03\xed\xa0\x80"),
-                            ("ListWorkers", b"\x0a\x05ab")):
+    for method, payload in (
+        ("Query", b"\xff\xff\xff"),
+        ("GetWorkerKeys", b"\x0a\x03\xed\xa0\x80"),
+        ("ListWorkers", b"\x0a\x05ab"),
+    ):
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await channel.unary_unary(f"/kvroute.v1.ControlPlane/{method}")(payload, timeout=5)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
@@ -528,8 +566,7 @@ async def test_bytes_that_are_no_request_are_invalid_argument_and_counted(contro
         assert bad_requests.labels(method, "unparseable")._value.get() == 1
     for method in ("Connect", "RouterSession"):
         # register.worker_id / hello.router_id (field 1 in field 1) holding U+D800 as (invalid) UTF-8
-        call = channel.stream_stream(f"/kvroute.v1.ControlPlane/{method}")(iter([b"\x0a\x05\x0a\x03\xed\xa0\x80"]),
-                                                                            timeout=5)
+        call = channel.stream_stream(f"/kvroute.v1.ControlPlane/{method}")(iter([b"\x0a\x05\x0a\x03\xed\xa0\x80"]), timeout=5)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             async for _ in call:
                 pass

@@ -279,6 +279,7 @@ async def test_router_passes_tokens_and_session_key_to_the_policy() -> None:
 
         def workers_for(self, model, lora_name=""):
             from kvroute.data_plane.cp_link.control_plane_client import KnownWorker
+
             return [KnownWorker(w, model, f"http://{w}", 16, pb.WorkerLoad()) for w in ("a", "b")]
 
         async def query(self, model, chains, lora_name=""):
@@ -330,7 +331,7 @@ def test_hot_prefix_workload_puts_one_prompt_on_most_of_the_traffic() -> None:
         by_session.setdefault(r.session, []).append(r.tokens)
     assert "" not in by_session and any(len(v) > 1 for v in by_session.values())
     for convo in by_session.values():  # each turn extends the previous one
-        assert all(later[:len(earlier)] == earlier for earlier, later in itertools.pairwise(convo))
+        assert all(later[: len(earlier)] == earlier for earlier, later in itertools.pairwise(convo))
 
 
 def test_all_seven_policies_run_in_the_simulator_and_session_beats_round_robin_on_multi_turn() -> None:

@@ -67,8 +67,22 @@ def test_the_file_is_read_again_when_it_changes_and_a_bad_one_keeps_the_last(tmp
 def test_the_router_refuses_a_bad_keys_file_in_one_line(tmp_path, tiny_model_dir):
     path = tmp_path / "keys"
     path.write_text("sk-plaintext\n")
-    done = subprocess.run(kvroute_argv("router", "--tokenizer", str(tiny_model_dir), "--port", str(free_port()),
-                                       "--grpc-port", "off", "--api-keys-file", str(path)),
-                          check=False, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        kvroute_argv(
+            "router",
+            "--tokenizer",
+            str(tiny_model_dir),
+            "--port",
+            str(free_port()),
+            "--grpc-port",
+            "off",
+            "--api-keys-file",
+            str(path),
+        ),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode != 0
     assert f"kvroute router: error: {path}:1: expected sha256:<64 hex digits>" in done.stderr

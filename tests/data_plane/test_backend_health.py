@@ -37,6 +37,7 @@ def test_a_failed_worker_sits_out_its_cooldown_then_comes_back() -> None:
 
 class _Fleet:
     """A control plane that knows two workers and whose index is down (decisions fail open)."""
+
     reachable = True
     query_deadline = QueryDeadline.fixed(0.005)
 
@@ -107,15 +108,16 @@ def test_decisions_leave_out_workers_failing_health_checks_unless_every_one_is()
 def test_the_health_check_flags_take_their_defaults_and_refuse_bad_values(tiny_model_dir, capsys) -> None:
     base = ["router", "--tokenizer", str(tiny_model_dir)]
     checks = health_check_config(parse_args(base))
-    assert checks == HealthCheckConfig(interval_s=5.0, timeout_s=5.0, failures_to_down=3, successes_to_up=2,
-                                       path="/health")
+    assert checks == HealthCheckConfig(interval_s=5.0, timeout_s=5.0, failures_to_down=3, successes_to_up=2, path="/health")
     assert health_check_config(parse_args([*base, "--health-check-interval-s", "0"])).interval_s == 0  # off
-    for flag, value, says in (("--health-check-interval-s", "-1", "must be >= 0 seconds"),
-                              ("--health-check-interval-s", "nan", "must be >= 0 seconds"),
-                              ("--health-check-timeout-s", "0", "must be positive seconds"),
-                              ("--health-failure-threshold", "0", "must be > 0"),
-                              ("--health-success-threshold", "1.5", "invalid"),
-                              ("--health-check-path", "health", "must be a URL path starting with /")):
+    for flag, value, says in (
+        ("--health-check-interval-s", "-1", "must be >= 0 seconds"),
+        ("--health-check-interval-s", "nan", "must be >= 0 seconds"),
+        ("--health-check-timeout-s", "0", "must be positive seconds"),
+        ("--health-failure-threshold", "0", "must be > 0"),
+        ("--health-success-threshold", "1.5", "invalid"),
+        ("--health-check-path", "health", "must be a URL path starting with /"),
+    ):
         with pytest.raises(SystemExit) as exited:
             parse_args([*base, flag, value])
         assert exited.value.code == 2
@@ -145,8 +147,9 @@ async def test_health_checks_probe_over_http_and_name_what_failed() -> None:
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     targets = {"ok": url, "slow": url + "/slow", "gone": f"http://127.0.0.1:{free_port()}"}
     health_state = BackendHealth(failures_to_down=2, successes_to_up=2)
-    checks = HealthChecks(health_state, lambda: targets, HealthCheckConfig(interval_s=0.05, timeout_s=0.3,
-                                                                             failures_to_down=2, successes_to_up=2))
+    checks = HealthChecks(
+        health_state, lambda: targets, HealthCheckConfig(interval_s=0.05, timeout_s=0.3, failures_to_down=2, successes_to_up=2)
+    )
     checks.start()
     try:
         await eventually(lambda: health_state.down() == {"slow", "gone"}, 10, what="first checks")

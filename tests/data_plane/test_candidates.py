@@ -13,17 +13,28 @@ BS = 16
 
 
 def _known(*ids: str, block_size: int = BS) -> list[KnownWorker]:
-    return [KnownWorker(w, "m", f"http://{w}", block_size, pb.WorkerLoad(running_requests=i, waiting_requests=1),
-                        cached_blocks=10 * i) for i, w in enumerate(ids)]
+    return [
+        KnownWorker(
+            w, "m", f"http://{w}", block_size, pb.WorkerLoad(running_requests=i, waiting_requests=1), cached_blocks=10 * i
+        )
+        for i, w in enumerate(ids)
+    ]
 
 
 def _columns(ids: list[str], matched: list[int], **extra: list) -> IndexColumns:
     n = len(ids)
-    return IndexColumns(ids, matched, cpu_blocks=extra.get("cpu", [0] * n), disk_blocks=extra.get("disk", [0] * n),
-                        speculative_blocks=[0] * n, reserved_requests=extra.get("reserved", [0] * n),
-                        reserved_prefill_tokens=extra.get("prefill", [0] * n),
-                        running_requests=extra.get("running", [0] * n), waiting_requests=extra.get("waiting", [0] * n),
-                        kv_usage=extra.get("usage", [0.0] * n))
+    return IndexColumns(
+        ids,
+        matched,
+        cpu_blocks=extra.get("cpu", [0] * n),
+        disk_blocks=extra.get("disk", [0] * n),
+        speculative_blocks=[0] * n,
+        reserved_requests=extra.get("reserved", [0] * n),
+        reserved_prefill_tokens=extra.get("prefill", [0] * n),
+        running_requests=extra.get("running", [0] * n),
+        waiting_requests=extra.get("waiting", [0] * n),
+        kv_usage=extra.get("usage", [0.0] * n),
+    )
 
 
 def test_columns_give_the_index_match_tiers_and_reservations_plus_own_inflight() -> None:
@@ -31,8 +42,16 @@ def test_columns_give_the_index_match_tiers_and_reservations_plus_own_inflight()
     keys = prompt_block_keys(tokens, BS, "m")
     own = RouterInflight()
     own.start("b", 40, keys[:3])  # this router has 3 of the prompt's blocks in flight at b
-    cols = _columns(["a", "b", "z"], [4, 1, 9], cpu=[1, 0, 0], reserved=[2, 0, 0], prefill=[100, 0, 0],
-                    running=[3, 4, 5], waiting=[0, 1, 0], usage=[0.5, 0.25, 0.0])
+    cols = _columns(
+        ["a", "b", "z"],
+        [4, 1, 9],
+        cpu=[1, 0, 0],
+        reserved=[2, 0, 0],
+        prefill=[100, 0, 0],
+        running=[3, 4, 5],
+        waiting=[0, 1, 0],
+        usage=[0.5, 0.25, 0.0],
+    )
     out = build_candidates(_known("a", "b"), own, {BS: keys}, len(tokens), cols)
     assert [c.worker_id for c in out] == ["a", "b"]  # "z" is not known here yet: left out
     a, b = out
@@ -49,7 +68,9 @@ def test_without_columns_it_fails_open_over_the_known_fleet_on_load_and_own_prom
     own.start("a", 32, keys)
     out = build_candidates(_known("a", "b"), own, {BS: keys}, len(tokens))
     assert [(c.worker_id, c.cached_tokens, c.inflight_requests, c.running_requests) for c in out] == [
-        ("a", 32, 1, 0), ("b", 0, 0, 1)]
+        ("a", 32, 1, 0),
+        ("b", 0, 0, 1),
+    ]
 
 
 def test_avoided_workers_are_left_out_unless_every_known_worker_is_avoided() -> None:
@@ -64,9 +85,17 @@ def test_avoided_workers_are_left_out_unless_every_known_worker_is_avoided() -> 
 
 
 def test_a_pb_answer_reads_the_same_as_plain_columns() -> None:
-    cols = pb.WorkerColumns(worker_id=["a"], matched_blocks=[2], cpu_blocks=[0], disk_blocks=[1],
-                            reserved_requests=[1], reserved_prefill_tokens=[7], running_requests=[2],
-                            waiting_requests=[3], kv_usage=[0.5])
+    cols = pb.WorkerColumns(
+        worker_id=["a"],
+        matched_blocks=[2],
+        cpu_blocks=[0],
+        disk_blocks=[1],
+        reserved_requests=[1],
+        reserved_prefill_tokens=[7],
+        running_requests=[2],
+        waiting_requests=[3],
+        kv_usage=[0.5],
+    )
     plain = _columns(["a"], [2], disk=[1], reserved=[1], prefill=[7], running=[2], waiting=[3], usage=[0.5])
     known = _known("a")
     assert build_candidates(known, RouterInflight(), {}, 100, cols) == build_candidates(known, RouterInflight(), {}, 100, plain)

@@ -36,9 +36,11 @@ def test_no_prompt_that_fits_is_rejected(tiny: PromptTokenizer) -> None:
     assert k is not None
     entries = sorted(tiny.tokenizer.get_vocab(), key=len, reverse=True)
     rng = random.Random(5)
-    texts = [tiny.tokenizer.decode([tiny.tokenizer.token_to_id(entries[0])] * 300),
-             tiny.tokenizer.decode([tiny.tokenizer.token_to_id(rng.choice(entries[:50])) for _ in range(300)]),
-             tiny.tokenizer.decode(list(range(7, 2048)))]
+    texts = [
+        tiny.tokenizer.decode([tiny.tokenizer.token_to_id(entries[0])] * 300),
+        tiny.tokenizer.decode([tiny.tokenizer.token_to_id(rng.choice(entries[:50])) for _ in range(300)]),
+        tiny.tokenizer.decode(list(range(7, 2048))),
+    ]
     for text in texts:
         n = len(tiny.tokenizer.encode(text).ids)
         assert len(text) <= n * k, (len(text), n)
@@ -74,25 +76,33 @@ def _bpe(vocab: dict[str, int], **kw) -> Tokenizer:
 VOCAB = {"<unk>": 0, "a": 1, "b": 2, "▁": 3, "ab": 4, "abba": 5}
 
 
-@pytest.mark.parametrize(("build", "expected"), [
-    (lambda: _bpe(VOCAB, unk_token="<unk>"), 5),                                   # one unk per unknown character
-    (lambda: _bpe(VOCAB, unk_token="<unk>", fuse_unk=True), None),                  # a run of them is one token
-    (lambda: _bpe(VOCAB), None),                                                    # unknown characters vanish
-    (lambda: _bpe(VOCAB, byte_fallback=True), 5),
-    (lambda: _with(_bpe(VOCAB, unk_token="<unk>"), normalizer=normalizers.NFKC()), 5 * CANONICAL_DECOMPOSITION_MAX),
-    (lambda: _with(_bpe(VOCAB, unk_token="<unk>"), normalizer=normalizers.Sequence(
-        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])), 5),           # Llama-2 style
-    (lambda: _with(_bpe(VOCAB, unk_token="<unk>"), normalizer=normalizers.Replace("ab", "")), None),
-    (lambda: _with(_bpe(VOCAB, unk_token="<unk>"), normalizer=normalizers.Strip()), None),
-    (lambda: _with(_bpe(VOCAB, unk_token="<unk>"), normalizer=normalizers.BertNormalizer()), None),
-    (lambda: _with(_bpe(VOCAB, unk_token="<unk>"), pre_tokenizer=pre_tokenizers.Whitespace()), None),
-    (lambda: _with(_bpe(VOCAB, unk_token="<unk>"), pre_tokenizer=pre_tokenizers.Metaspace()), 5),
-    (lambda: _with(_bpe(VOCAB, unk_token="<unk>"), pre_tokenizer=pre_tokenizers.Split("a", "removed")), None),
-    (lambda: _with(_bpe(VOCAB), pre_tokenizer=pre_tokenizers.ByteLevel()), None),  # its vocab lacks the byte alphabet
-    (lambda: Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]")), None),
-    (lambda: Tokenizer(models.Unigram([("<unk>", 0.0), ("abc", -1.0)], 0, byte_fallback=False)), None),
-    (lambda: _truncating(_bpe(VOCAB, unk_token="<unk>")), None),
-])
+@pytest.mark.parametrize(
+    ("build", "expected"),
+    [
+        (lambda: _bpe(VOCAB, unk_token="<unk>"), 5),  # one unk per unknown character
+        (lambda: _bpe(VOCAB, unk_token="<unk>", fuse_unk=True), None),  # a run of them is one token
+        (lambda: _bpe(VOCAB), None),  # unknown characters vanish
+        (lambda: _bpe(VOCAB, byte_fallback=True), 5),
+        (lambda: _with(_bpe(VOCAB, unk_token="<unk>"), normalizer=normalizers.NFKC()), 5 * CANONICAL_DECOMPOSITION_MAX),
+        (
+            lambda: _with(
+                _bpe(VOCAB, unk_token="<unk>"),
+                normalizer=normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]),
+            ),
+            5,
+        ),  # Llama-2 style
+        (lambda: _with(_bpe(VOCAB, unk_token="<unk>"), normalizer=normalizers.Replace("ab", "")), None),
+        (lambda: _with(_bpe(VOCAB, unk_token="<unk>"), normalizer=normalizers.Strip()), None),
+        (lambda: _with(_bpe(VOCAB, unk_token="<unk>"), normalizer=normalizers.BertNormalizer()), None),
+        (lambda: _with(_bpe(VOCAB, unk_token="<unk>"), pre_tokenizer=pre_tokenizers.Whitespace()), None),
+        (lambda: _with(_bpe(VOCAB, unk_token="<unk>"), pre_tokenizer=pre_tokenizers.Metaspace()), 5),
+        (lambda: _with(_bpe(VOCAB, unk_token="<unk>"), pre_tokenizer=pre_tokenizers.Split("a", "removed")), None),
+        (lambda: _with(_bpe(VOCAB), pre_tokenizer=pre_tokenizers.ByteLevel()), None),  # its vocab lacks the byte alphabet
+        (lambda: Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]")), None),
+        (lambda: Tokenizer(models.Unigram([("<unk>", 0.0), ("abc", -1.0)], 0, byte_fallback=False)), None),
+        (lambda: _truncating(_bpe(VOCAB, unk_token="<unk>")), None),
+    ],
+)
 def test_bound_by_pipeline(build, expected) -> None:
     bound = char_bound(build())
     assert bound.chars_per_token == expected, bound

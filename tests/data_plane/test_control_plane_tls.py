@@ -20,12 +20,17 @@ async def mtls_link(server_ca: TestCA, client_ca: TestCA) -> tuple[ControlPlaneS
     """A control plane trusting `server_ca`'s client certificates and a router client (not started)
     whose certificate `client_ca` signed; the client's certificate files."""
     served = server_ca.issue("control-plane")
-    server = ControlPlaneServer(ControlPlaneConfig(listen="127.0.0.1:0", tls=TlsFiles(
-        str(served.cert), str(served.key), str(server_ca.ca_path))))
+    server = ControlPlaneServer(
+        ControlPlaneConfig(listen="127.0.0.1:0", tls=TlsFiles(str(served.cert), str(served.key), str(server_ca.ca_path)))
+    )
     port = await server.start()
     mine = client_ca.issue("router-1", uris=[router_uri("router-1")])
-    client = ControlPlaneClient(f"localhost:{port}", refresh_interval_s=0.1, router_id="router-1", tls=ClientTls(
-        TlsFiles(str(mine.cert), str(mine.key), str(server_ca.ca_path))))
+    client = ControlPlaneClient(
+        f"localhost:{port}",
+        refresh_interval_s=0.1,
+        router_id="router-1",
+        tls=ClientTls(TlsFiles(str(mine.cert), str(mine.key), str(server_ca.ca_path))),
+    )
     return server, client, mine
 
 
@@ -54,8 +59,7 @@ async def test_router_client_keeps_its_link_when_the_new_certificate_does_not_lo
     caplog.set_level(logging.INFO, logger="kvroute")
     client.start()
     try:
-        await eventually(lambda: client.reachable and server.inflight.open_sessions == 1, timeout=10,
-                         what="the link up")
+        await eventually(lambda: client.reachable and server.inflight.open_sessions == 1, timeout=10, what="the link up")
         mine.cert.write_text("garbage\n")
         await eventually(lambda: "do not load" in caplog.text, timeout=10, what="the warning")
         warned_at = client.fleet_updated_at
@@ -67,11 +71,15 @@ async def test_router_client_keeps_its_link_when_the_new_certificate_does_not_lo
         replacement = ca.issue("router-1b", uris=[router_uri("router-1")])
         for src, dst in ((replacement.cert, mine.cert), (replacement.key, mine.key)):
             os.replace(src, dst)
-        await eventually(lambda: "control-plane TLS certificates changed: new channels" in caplog.text, timeout=10,
-                         what="the new certificate taken")
+        await eventually(
+            lambda: "control-plane TLS certificates changed: new channels" in caplog.text,
+            timeout=10,
+            what="the new certificate taken",
+        )
         changed_at = client.fleet_updated_at
-        await eventually(lambda: client.fleet_updated_at > changed_at and client.reachable, timeout=10,
-                         what="a refresh over a new channel")
+        await eventually(
+            lambda: client.fleet_updated_at > changed_at and client.reachable, timeout=10, what="a refresh over a new channel"
+        )
     finally:
         await client.close()
         await server.stop(0)

@@ -42,25 +42,37 @@ def dns():
     server.stop()
 
 
-def discovery(dns: SimDns, *specs: str, grace_s: float = 30.0, timeout_s: float = 2.0,
-              clock=None) -> EngineDiscovery:
-    return EngineDiscovery([parse_target(s) for s in specs], make_resolver(f"127.0.0.1:{dns.port}", timeout_s),
-                           interval_s=0.05, empty_grace_s=grace_s, **({"clock": clock} if clock else {}))
+def discovery(dns: SimDns, *specs: str, grace_s: float = 30.0, timeout_s: float = 2.0, clock=None) -> EngineDiscovery:
+    return EngineDiscovery(
+        [parse_target(s) for s in specs],
+        make_resolver(f"127.0.0.1:{dns.port}", timeout_s),
+        interval_s=0.05,
+        empty_grace_s=grace_s,
+        **({"clock": clock} if clock else {}),
+    )
 
 
 # ---------------------------------------------------------------- targets and servers
 
 
 def test_targets_name_a_port_for_addresses_and_none_for_srv() -> None:
-    assert (parse_target("dns://vllm.llm.svc.cluster.local:8000").name, parse_target("dns://v:8000").port) == \
-        ("vllm.llm.svc.cluster.local", 8000)
+    assert (parse_target("dns://vllm.llm.svc.cluster.local:8000").name, parse_target("dns://v:8000").port) == (
+        "vllm.llm.svc.cluster.local",
+        8000,
+    )
     srv = parse_target("dnssrv://_http._tcp.vllm.llm.svc.cluster.local")
     assert srv.srv and srv.name == "_http._tcp.vllm.llm.svc.cluster.local"
-    for bad, why in (("vllm:8000", "neither dns://NAME:PORT nor dnssrv://NAME"), ("http://v:8000", "neither"),
-                     ("dns://vllm", "needs the engines' port"), ("dns://vllm:0", "needs the engines' port"),
-                     ("dns://vllm:http", "needs the engines' port"), ("dnssrv://_http._tcp.v:8000", "takes no port"),
-                     ("dns://:8000", "no DNS name"), ("dns://a..b:8000", "is not a DNS name"),
-                     (f"dns://{'x' * 64}.test:1", "is not a DNS name")):
+    for bad, why in (
+        ("vllm:8000", "neither dns://NAME:PORT nor dnssrv://NAME"),
+        ("http://v:8000", "neither"),
+        ("dns://vllm", "needs the engines' port"),
+        ("dns://vllm:0", "needs the engines' port"),
+        ("dns://vllm:http", "needs the engines' port"),
+        ("dnssrv://_http._tcp.v:8000", "takes no port"),
+        ("dns://:8000", "no DNS name"),
+        ("dns://a..b:8000", "is not a DNS name"),
+        (f"dns://{'x' * 64}.test:1", "is not a DNS name"),
+    ):
         with pytest.raises(DiscoveryError, match=why):
             parse_target(bad)
     assert parse_dns_server("10.96.0.10") == ("10.96.0.10", 53)
@@ -74,10 +86,12 @@ def test_targets_name_a_port_for_addresses_and_none_for_srv() -> None:
 def test_the_router_refuses_bad_discovery_flags_with_one_line(tiny_model_dir, capsys) -> None:
     from kvroute.cli import main
 
-    for argv, said in ((["--discover-engines", "vllm:8000"], "argument --discover-engines: 'vllm:8000' is neither"),
-                       (["--dns-server", "kube-dns"], "argument --dns-server: 'kube-dns': the DNS server must be an IP"),
-                       (["--dns-server", "127.0.0.1:5353"], "--dns-server needs --discover-engines"),
-                       (["--discover-engines", "dns://v:1", "--discovery-interval-s", "0"], "must be positive")):
+    for argv, said in (
+        (["--discover-engines", "vllm:8000"], "argument --discover-engines: 'vllm:8000' is neither"),
+        (["--dns-server", "kube-dns"], "argument --dns-server: 'kube-dns': the DNS server must be an IP"),
+        (["--dns-server", "127.0.0.1:5353"], "--dns-server needs --discover-engines"),
+        (["--discover-engines", "dns://v:1", "--discovery-interval-s", "0"], "must be positive"),
+    ):
         with pytest.raises(SystemExit) as stop:
             main(["router", "--tokenizer", str(tiny_model_dir), "--port", "0", "--grpc-port", "off", *argv])
         assert stop.value.code == 2 or said in str(stop.value.code), argv
@@ -94,14 +108,20 @@ async def test_address_records_give_an_engine_per_address_at_the_port(dns: SimDn
     dns.set("v6.test", "AAAA", ["fd00::2"])
     d = discovery(dns, "dns://engines.test:8000", "dns://v6.test:9000")
     await d.resolve_once()
-    assert d.engines() == {"10.1.2.3:8000": "http://10.1.2.3:8000", "10.1.2.4:8000": "http://10.1.2.4:8000",
-                           "[fd00::2]:9000": "http://[fd00::2]:9000"}
+    assert d.engines() == {
+        "10.1.2.3:8000": "http://10.1.2.3:8000",
+        "10.1.2.4:8000": "http://10.1.2.4:8000",
+        "[fd00::2]:9000": "http://[fd00::2]:9000",
+    }
     assert d.version == 1 and d.states["dns://engines.test:8000"].last_success_unix > 0
 
 
 async def test_srv_records_give_each_target_at_its_own_port(dns: SimDns) -> None:
-    dns.set("_http._tcp.engines.test", "SRV", ["0 0 8001 pod-a.engines.test.", "0 0 8002 pod-b.engines.test.",
-                                               "0 0 8003 gone.engines.test.", "0 0 0 ."])
+    dns.set(
+        "_http._tcp.engines.test",
+        "SRV",
+        ["0 0 8001 pod-a.engines.test.", "0 0 8002 pod-b.engines.test.", "0 0 8003 gone.engines.test.", "0 0 0 ."],
+    )
     dns.set("pod-a.engines.test", "A", ["10.0.0.1"])
     dns.set("pod-b.engines.test", "A", ["10.0.0.2"])  # gone.engines.test: NXDOMAIN, a pod that just left
     d = discovery(dns, "dnssrv://_http._tcp.engines.test")
@@ -120,8 +140,10 @@ async def test_joins_and_leaves_are_logged_and_move_the_version(dns: SimDns, cap
     await d.resolve_once()
     assert d.version == 2 and set(d.engines()) == {"10.0.0.2:8000", "10.0.0.3:8000"}
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["dns://engines.test:8000: 2 engines (joined: 10.0.0.1:8000, 10.0.0.2:8000; left: -)",
-                     "dns://engines.test:8000: 2 engines (joined: 10.0.0.3:8000; left: 10.0.0.1:8000)"], lines
+    assert lines == [
+        "dns://engines.test:8000: 2 engines (joined: 10.0.0.1:8000, 10.0.0.2:8000; left: -)",
+        "dns://engines.test:8000: 2 engines (joined: 10.0.0.3:8000; left: 10.0.0.1:8000)",
+    ], lines
 
 
 @pytest.mark.parametrize("failing", ["servfail", "drop"])
@@ -208,15 +230,15 @@ async def control_plane():
 
 async def register(stub: pb_grpc.ControlPlaneStub, worker_id: str, endpoint: str) -> BidiStream:
     agent = BidiStream(stub.Connect, pb.AgentMessage)
-    await agent.send(register=pb.RegisterWorker(worker_id=worker_id, model=MODEL, engine="sim", block_size=16,
-                                                endpoint=endpoint))
+    await agent.send(register=pb.RegisterWorker(worker_id=worker_id, model=MODEL, engine="sim", block_size=16, endpoint=endpoint))
     await agent.recv()
     return agent
 
 
 @pytest.mark.parametrize("index", ["remote", "local"])
 async def test_found_engines_join_the_known_fleet_and_one_an_agent_reports_is_its_worker(
-        control_plane, dns: SimDns, index: str, caplog) -> None:
+    control_plane, dns: SimDns, index: str, caplog
+) -> None:
     caplog.set_level(logging.INFO, "kvroute.router.cp")
     stub, address = control_plane
     agent = await register(stub, "gpu-0", "http://10.0.0.1:8000/")
@@ -230,14 +252,17 @@ async def test_found_engines_join_the_known_fleet_and_one_an_agent_reports_is_it
         await eventually(lambda: client.reachable and (view is None or view.synced), 10, what="the control plane")
         known = client.workers_for(MODEL)
         assert [(w.worker_id, w.model, w.endpoint) for w in known] == [
-            ("gpu-0", MODEL, "http://10.0.0.1:8000"), ("10.0.0.2:8000", "", "http://10.0.0.2:8000")]
+            ("gpu-0", MODEL, "http://10.0.0.1:8000"),
+            ("10.0.0.2:8000", "", "http://10.0.0.2:8000"),
+        ]
         if view is not None:
             assert client.workers_for(MODEL) is known  # a decision reads it: cached while neither side changes
         assert [w.worker_id for w in client.workers_for(MODEL, "some-adapter")] == ["10.0.0.2:8000"]
         assert unmonitored_workers(known) == {"10.0.0.2:8000": "http://10.0.0.2:8000"}  # health-checked
         assert client.fleet_source(MODEL) == ("view" if view else "control_plane")
-        assert ("found by DNS and known already as another worker (an agent reports on it, routed as that worker): "
-                "10.0.0.1:8000") in caplog.text
+        assert (
+            "found by DNS and known already as another worker (an agent reports on it, routed as that worker): 10.0.0.1:8000"
+        ) in caplog.text
     finally:
         await agent.close()
         await client.close()
@@ -272,16 +297,16 @@ async def test_with_engines_found_by_dns_alone_the_router_is_ready_and_routes_on
 
 
 def test_engines_no_agent_reports_on_follow_the_index_answer_on_load() -> None:
-    known = [KnownWorker("gpu-0", "m", "http://10.0.0.1:8000", 16, pb.WorkerLoad(running_requests=3)),
-             KnownWorker("10.0.0.2:8000", "", "http://10.0.0.2:8000", 16, pb.WorkerLoad())]
+    known = [
+        KnownWorker("gpu-0", "m", "http://10.0.0.1:8000", 16, pb.WorkerLoad(running_requests=3)),
+        KnownWorker("10.0.0.2:8000", "", "http://10.0.0.2:8000", 16, pb.WorkerLoad()),
+    ]
 
     def columns(*ids: str) -> IndexColumns:
         n = len(ids)
-        return IndexColumns(list(ids), [2] * n, [0] * n, [0] * n, [0] * n, [0] * n, [0] * n, [3] * n, [0] * n,
-                            [0.0] * n)
+        return IndexColumns(list(ids), [2] * n, [0] * n, [0] * n, [0] * n, [0] * n, [0] * n, [3] * n, [0] * n, [0.0] * n)
 
     out = build_candidates(known, RouterInflight(), {}, 64, columns("gpu-0"))
-    assert [(c.worker_id, c.cached_tokens, c.running_requests) for c in out] == [("gpu-0", 32, 3),
-                                                                                 ("10.0.0.2:8000", 0, 0)]
+    assert [(c.worker_id, c.cached_tokens, c.running_requests) for c in out] == [("gpu-0", 32, 3), ("10.0.0.2:8000", 0, 0)]
     # An answer naming no known worker: none from it (the decision fails open over every known worker).
     assert build_candidates(known, RouterInflight(), {}, 64, columns("elsewhere")) == []

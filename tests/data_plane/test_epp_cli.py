@@ -20,8 +20,22 @@ from kvroute.tools.local_cluster import free_port
 
 
 def test_the_picker_takes_the_routers_routing_flags_and_not_its_listeners(tiny_model_dir) -> None:
-    args = parse_args(["epp", "--tokenizer", str(tiny_model_dir), "--policy", "kv_aware", "--query-timeout-ms", "7",
-                       "--kv-aware-param", "load_bound=2", "--no-router-session", "--failure-mode", "FailOpen"])
+    args = parse_args(
+        [
+            "epp",
+            "--tokenizer",
+            str(tiny_model_dir),
+            "--policy",
+            "kv_aware",
+            "--query-timeout-ms",
+            "7",
+            "--kv-aware-param",
+            "load_bound=2",
+            "--no-router-session",
+            "--failure-mode",
+            "FailOpen",
+        ]
+    )
     assert (args.policy, args.query_timeout_ms, args.no_router_session) == ("kv_aware", 7.0, True)
     assert args.kv_aware_param == ["load_bound=2"] and args.failure_mode == "FailOpen"
     assert args.grpc_port == 9002 and args.body_mode == "streamed"
@@ -45,8 +59,17 @@ def test_endpoints_are_named_as_gaie_names_them() -> None:
 async def _serve_picker(tiny_model_dir, fail_open: bool):
     """A picker on a real gRPC server in this process, deciding over a static fleet (the control plane
     address answers nothing: the router falls back to --static-workers)."""
-    args = parse_args(["epp", "--tokenizer", str(tiny_model_dir), "--control-plane", f"127.0.0.1:{free_port()}",
-                       "--static-workers", "w0=http://10.0.0.1:8000,w1=http://10.0.0.2:8000"])
+    args = parse_args(
+        [
+            "epp",
+            "--tokenizer",
+            str(tiny_model_dir),
+            "--control-plane",
+            f"127.0.0.1:{free_port()}",
+            "--static-workers",
+            "w0=http://10.0.0.1:8000,w1=http://10.0.0.2:8000",
+        ]
+    )
     service = build_routing_service(args, "epp")
     picker = EndpointPicker(service, fail_open=fail_open)
     server = grpc.aio.server()
@@ -73,7 +96,8 @@ async def test_an_internal_error_follows_the_failure_mode(tiny_model_dir, fail_o
 
             service.router.decide = broken  # the one way to make the router's own code fail on demand
             picked = await EnvoyExtProcStream(stub, "streamed").request(
-                "/v1/completions", body, headers={"x-gateway-destination-endpoint": "169.254.169.254:80"})
+                "/v1/completions", body, headers={"x-gateway-destination-endpoint": "169.254.169.254:80"}
+            )
     finally:
         await server.stop(None)
         await service.control_plane.close()
@@ -91,8 +115,11 @@ async def test_envoys_body_modes_none_and_streamed(tiny_model_dir) -> None:
     server, service, address = await _serve_picker(tiny_model_dir, False)
 
     def first(mode: int) -> ext.ProcessingRequest:
-        msg = ext.ProcessingRequest(request_headers=ext.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
-            base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions")])))
+        msg = ext.ProcessingRequest(
+            request_headers=ext.HttpHeaders(
+                headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions")])
+            )
+        )
         msg.protocol_config.request_body_mode = mode
         return msg
 

@@ -24,16 +24,31 @@ def fleets(draw) -> tuple[int, list[Candidate]]:
         cached = draw(st.integers(0, prompt)) // BS * BS
         cpu = draw(st.integers(0, cached)) // BS * BS
         disk = draw(st.integers(0, cached - cpu)) // BS * BS
-        candidates.append(Candidate(
-            f"w{i}", f"http://w{i}", BS, cached, cpu, disk, draw(st.integers(0, 40)), draw(st.integers(0, 40)),
-            draw(st.floats(0, 1)), draw(st.integers(0, 40)), draw(st.integers(0, 200_000)),
-            draw(st.integers(0, 50_000))))
+        candidates.append(
+            Candidate(
+                f"w{i}",
+                f"http://w{i}",
+                BS,
+                cached,
+                cpu,
+                disk,
+                draw(st.integers(0, 40)),
+                draw(st.integers(0, 40)),
+                draw(st.floats(0, 1)),
+                draw(st.integers(0, 40)),
+                draw(st.integers(0, 200_000)),
+                draw(st.integers(0, 50_000)),
+            )
+        )
     return prompt, candidates
 
 
-params_st = st.builds(KvAwareParams, recompute_weight=st.sampled_from([0.0, 0.5, 1.0]),
-                      load_bound=st.sampled_from([0.0, 1.0, 1.25, 2.0]),
-                      spread_new_prefixes=st.sampled_from([0.0, 0.25]))
+params_st = st.builds(
+    KvAwareParams,
+    recompute_weight=st.sampled_from([0.0, 0.5, 1.0]),
+    load_bound=st.sampled_from([0.0, 1.0, 1.25, 2.0]),
+    spread_new_prefixes=st.sampled_from([0.0, 0.25]),
+)
 
 
 @given(fleets(), params_st)

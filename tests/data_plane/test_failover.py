@@ -17,8 +17,7 @@ DEADLINE_S = 0.05
 async def test_a_router_moves_to_another_replica_within_one_query_deadline(redis_single) -> None:
     a, b = await start_replica(redis_single.url, "a"), await start_replica(redis_single.url, "b")
     agent = Agent(f"127.0.0.1:{a.port},127.0.0.1:{b.port}")
-    client = ControlPlaneClient(f"127.0.0.1:{a.port},127.0.0.1:{b.port}", query_timeout_s=DEADLINE_S,
-                                refresh_interval_s=0.1)
+    client = ControlPlaneClient(f"127.0.0.1:{a.port},127.0.0.1:{b.port}", query_timeout_s=DEADLINE_S, refresh_interval_s=0.1)
     client.start()
     try:
         await eventually(lambda: agent.link.connected)

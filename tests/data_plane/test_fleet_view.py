@@ -33,13 +33,25 @@ def digest(state: FleetState) -> dict:
     inflight = state.inflight
     for r in state.registry.workers():
         load = r.load
-        out[r.worker_id] = (r.model, r.block_size, r.endpoint, r.lora_adapters, r.data_parallel_rank, r.role,
-                            (load.running_requests, load.waiting_requests, round(load.kv_usage, 6)),
-                            tuple(tuple(sorted(state.index.worker_keys(r.slot, tier))) for tier in TIERS),
-                            inflight.reserved_by_others(r.slot, None))
-    out["_routers"] = sorted((router_id, tally.sessions, tuple(sorted(
-        (state.registry.at_slot(slot).worker_id, n) for slot, n in tally.requests.items())))
-        for router_id, tally in inflight.routers.items())
+        out[r.worker_id] = (
+            r.model,
+            r.block_size,
+            r.endpoint,
+            r.lora_adapters,
+            r.data_parallel_rank,
+            r.role,
+            (load.running_requests, load.waiting_requests, round(load.kv_usage, 6)),
+            tuple(tuple(sorted(state.index.worker_keys(r.slot, tier))) for tier in TIERS),
+            inflight.reserved_by_others(r.slot, None),
+        )
+    out["_routers"] = sorted(
+        (
+            router_id,
+            tally.sessions,
+            tuple(sorted((state.registry.at_slot(slot).worker_id, n) for slot, n in tally.requests.items())),
+        )
+        for router_id, tally in inflight.routers.items()
+    )
     return out
 
 
@@ -67,8 +79,9 @@ async def following(address: str, router_id: str = "follower", **view_options) -
 
 
 async def caught_up(server: ControlPlaneServer, view: FleetView) -> None:
-    await eventually(lambda: view.position is not None and view.position.seq == server.feed.seq, 10,
-                     what="the view at the feed's position")
+    await eventually(
+        lambda: view.position is not None and view.position.seq == server.feed.seq, 10, what="the view at the feed's position"
+    )
 
 
 class RouterStream(BidiStream):
@@ -87,8 +100,7 @@ async def test_the_view_equals_the_control_plane_after_every_change(control_plan
     agents: dict[str, tuple[AgentStream, int]] = {}
     for i in range(3):
         agent = AgentStream(stub)
-        await agent.register(f"w{i}", block_size=BS, lora_adapters=["ad"] if i == 0 else [],
-                             role=("prefill", "decode", "")[i])
+        await agent.register(f"w{i}", block_size=BS, lora_adapters=["ad"] if i == 0 else [], role=("prefill", "decode", "")[i])
         agents[f"w{i}"] = (agent, 0)
     client, view = await following(f"127.0.0.1:{port}")
     routers = [RouterStream(stub, "r1"), RouterStream(stub, "r2")]
@@ -104,23 +116,35 @@ async def test_the_view_equals_the_control_plane_after_every_change(control_plan
             agent, seq = agents[worker]
             chain = rng.choice(chains)
             if action < 0.35:
-                await agent.batch(seq + 1, stored(chain[:rng.randint(1, 8)], rng.choice([0, 0, 1, 2])))
+                await agent.batch(seq + 1, stored(chain[: rng.randint(1, 8)], rng.choice([0, 0, 1, 2])))
                 agents[worker] = (agent, seq + 1)
             elif action < 0.5:
-                await agent.batch(seq + 1, removed(chain[rng.randint(0, 7):], rng.choice([0, 1])))
+                await agent.batch(seq + 1, removed(chain[rng.randint(0, 7) :], rng.choice([0, 1])))
                 agents[worker] = (agent, seq + 1)
             elif action < 0.55:
                 await agent.batch(seq + 1, pb.BlockEvent(cleared=pb.AllBlocksCleared()))
                 agents[worker] = (agent, seq + 1)
             elif action < 0.65:
-                await agent.send(heartbeat=pb.Heartbeat(load=pb.WorkerLoad(
-                    running_requests=rng.randint(0, 9), waiting_requests=rng.randint(0, 3), kv_usage=rng.random()),
-                    lora_adapters=rng.choice([[], ["ad"], ["ad", "other"]])))
+                await agent.send(
+                    heartbeat=pb.Heartbeat(
+                        load=pb.WorkerLoad(
+                            running_requests=rng.randint(0, 9), waiting_requests=rng.randint(0, 3), kv_usage=rng.random()
+                        ),
+                        lora_adapters=rng.choice([[], ["ad"], ["ad", "other"]]),
+                    )
+                )
             elif action < 0.85 or not live:
                 router = rng.choice(routers)
-                await router.send(reserve=pb.Reservation(
-                    reservation_id=next_reservation, worker_id=worker, block_size=BS, block_keys=chain,
-                    prefill_tokens=rng.randint(1, 64), prompt_tokens=len(chain) * BS))
+                await router.send(
+                    reserve=pb.Reservation(
+                        reservation_id=next_reservation,
+                        worker_id=worker,
+                        block_size=BS,
+                        block_keys=chain,
+                        prefill_tokens=rng.randint(1, 64),
+                        prompt_tokens=len(chain) * BS,
+                    )
+                )
                 live.append((router, next_reservation))
                 next_reservation += 1
             else:
@@ -174,8 +198,7 @@ async def test_a_follower_resumes_after_a_cut_without_a_snapshot(control_plane) 
 
 
 async def test_a_position_outside_the_window_gets_a_snapshot_and_the_window_is_bounded() -> None:
-    server = ControlPlaneServer(ControlPlaneConfig(listen="127.0.0.1:0", heartbeat_timeout_s=30,
-                                                   follow_window_changes=50))
+    server = ControlPlaneServer(ControlPlaneConfig(listen="127.0.0.1:0", heartbeat_timeout_s=30, follow_window_changes=50))
     port = await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     stub = pb_grpc.ControlPlaneStub(channel)
@@ -213,28 +236,45 @@ class ScriptedFollow:
 
 
 def _update(seq: int, *changes: pb.FleetChange, begin: bool = False, end: bool = False) -> pb.FollowUpdate:
-    return pb.FollowUpdate(position=pb.FollowPosition(feed_id="scripted", seq=seq), snapshot_begin=begin,
-                           snapshot_end=end, changes=list(changes))
+    return pb.FollowUpdate(
+        position=pb.FollowPosition(feed_id="scripted", seq=seq), snapshot_begin=begin, snapshot_end=end, changes=list(changes)
+    )
 
 
 def _joined(worker_id: str) -> pb.FleetChange:
-    return pb.FleetChange(joined=pb.WorkerJoined(worker_id=worker_id, model=MODEL, engine="sim", block_size=BS,
-                                                 endpoint=f"http://{worker_id}"))
+    return pb.FleetChange(
+        joined=pb.WorkerJoined(worker_id=worker_id, model=MODEL, engine="sim", block_size=BS, endpoint=f"http://{worker_id}")
+    )
 
 
 def _blocks(worker_id: str, data: bytes) -> pb.FleetChange:
-    return pb.FleetChange(blocks=pb.WorkerBlocks(worker_id=worker_id, seq=1, ops=[
-        pb.PackedBlockOp(kind=pb.BLOCKS_STORED, tier=pb.TIER_GPU, keys=data)]))
+    return pb.FleetChange(
+        blocks=pb.WorkerBlocks(
+            worker_id=worker_id, seq=1, ops=[pb.PackedBlockOp(kind=pb.BLOCKS_STORED, tier=pb.TIER_GPU, keys=data)]
+        )
+    )
 
 
 async def test_a_malformed_change_is_refused_counted_and_the_view_resynchronises() -> None:
-    script = ScriptedFollow([
-        [_update(1, _joined("w0"), begin=True, end=True), _update(2, _blocks("w0", b"\x01" * 7))],  # 7 bytes: no key
-        [_update(5, _joined("w1"), _blocks("w1", pack_keys([11, 12])), begin=True, end=True)]])
+    script = ScriptedFollow(
+        [
+            [_update(1, _joined("w0"), begin=True, end=True), _update(2, _blocks("w0", b"\x01" * 7))],  # 7 bytes: no key
+            [_update(5, _joined("w1"), _blocks("w1", pack_keys([11, 12])), begin=True, end=True)],
+        ]
+    )
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvroute.v1.ControlPlane", {
-        "Follow": grpc.unary_stream_rpc_method_handler(script.follow, pb.FollowRequest.FromString,
-                                                       pb.FollowUpdate.SerializeToString)}),))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "kvroute.v1.ControlPlane",
+                {
+                    "Follow": grpc.unary_stream_rpc_method_handler(
+                        script.follow, pb.FollowRequest.FromString, pb.FollowUpdate.SerializeToString
+                    )
+                },
+            ),
+        )
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     view = FleetView("follower")
@@ -256,12 +296,15 @@ def test_each_kind_of_malformed_change_is_refused_before_it_changes_anything() -
     view = FleetView("follower")
     view.apply_update(_update(1, _joined("w0"), begin=True, end=True))
     before = digest(view.state)
-    bad = [_blocks("w0", b"\x00" * 9), _blocks("nobody", pack_keys([1])),
-           pb.FleetChange(blocks=pb.WorkerBlocks(worker_id="w0", ops=[pb.PackedBlockOp(kind=7, keys=pack_keys([1]))])),
-           pb.FleetChange(heartbeat=pb.WorkerHeartbeat(worker_id="w0", load=pb.WorkerLoad(kv_usage=2.0))),
-           pb.FleetChange(router=pb.RouterChange(kind=pb.ROUTER_RESERVED, origin="x", session=1, worker_id="w0")),
-           pb.FleetChange(joined=pb.WorkerJoined(worker_id="w1", model=MODEL)),
-           pb.FleetChange()]
+    bad = [
+        _blocks("w0", b"\x00" * 9),
+        _blocks("nobody", pack_keys([1])),
+        pb.FleetChange(blocks=pb.WorkerBlocks(worker_id="w0", ops=[pb.PackedBlockOp(kind=7, keys=pack_keys([1]))])),
+        pb.FleetChange(heartbeat=pb.WorkerHeartbeat(worker_id="w0", load=pb.WorkerLoad(kv_usage=2.0))),
+        pb.FleetChange(router=pb.RouterChange(kind=pb.ROUTER_RESERVED, origin="x", session=1, worker_id="w0")),
+        pb.FleetChange(joined=pb.WorkerJoined(worker_id="w1", model=MODEL)),
+        pb.FleetChange(),
+    ]
     for change in bad:
         with pytest.raises(MalformedChange):
             view.apply_update(_update(2, change))
@@ -327,8 +370,9 @@ async def test_a_router_s_own_sessions_are_left_out_of_its_view(control_plane) -
     try:
         await eventually(lambda: view.synced, 10, what="the view's first snapshot")
         for router in (me, other):
-            await router.send(reserve=pb.Reservation(reservation_id=1, worker_id="w0", block_size=BS,
-                                                     block_keys=[7, 8], prefill_tokens=32))
+            await router.send(
+                reserve=pb.Reservation(reservation_id=1, worker_id="w0", block_size=BS, block_keys=[7, 8], prefill_tokens=32)
+            )
         await eventually(lambda: server.state.inflight.reservation_count() == 2, 10, what="both reservations")
         await caught_up(server, view)
         assert sorted(server.state.inflight.routers) == ["me", "other"]

@@ -78,8 +78,9 @@ class FakeControlPlane(pb_grpc.ControlPlaneServicer):
         self.empty_query = False
 
     def add_worker(self, worker_id: str, endpoint: str, block_size: int = 16) -> None:
-        self.workers.append(pb.WorkerInfo(worker_id=worker_id, model=MODEL, engine="sim", block_size=block_size,
-                                          endpoint=endpoint))
+        self.workers.append(
+            pb.WorkerInfo(worker_id=worker_id, model=MODEL, engine="sim", block_size=block_size, endpoint=endpoint)
+        )
 
     async def Query(self, request: pb.QueryRequest, context) -> pb.QueryResponse:
         self.queries.append(request)
@@ -91,11 +92,21 @@ class FakeControlPlane(pb_grpc.ControlPlaneServicer):
         served = [w for w in self.workers if w.model == request.model]
         loads = [self.loads.get(w.worker_id, pb.WorkerLoad()) for w in served]
         n = len(served)
-        return pb.QueryResponse(query_id=request.query_id, columns=pb.WorkerColumns(
-            worker_id=[w.worker_id for w in served], matched_blocks=[self.matched_blocks.get(w.worker_id, 0) for w in served],
-            cpu_blocks=[0] * n, disk_blocks=[0] * n, speculative_blocks=[0] * n, reserved_requests=[0] * n,
-            reserved_prefill_tokens=[0] * n, running_requests=[x.running_requests for x in loads],
-            waiting_requests=[x.waiting_requests for x in loads], kv_usage=[x.kv_usage for x in loads]))
+        return pb.QueryResponse(
+            query_id=request.query_id,
+            columns=pb.WorkerColumns(
+                worker_id=[w.worker_id for w in served],
+                matched_blocks=[self.matched_blocks.get(w.worker_id, 0) for w in served],
+                cpu_blocks=[0] * n,
+                disk_blocks=[0] * n,
+                speculative_blocks=[0] * n,
+                reserved_requests=[0] * n,
+                reserved_prefill_tokens=[0] * n,
+                running_requests=[x.running_requests for x in loads],
+                waiting_requests=[x.waiting_requests for x in loads],
+                kv_usage=[x.kv_usage for x in loads],
+            ),
+        )
 
     async def ListWorkers(self, request: pb.ListWorkersRequest, context) -> pb.ListWorkersResponse:
         return pb.ListWorkersResponse(workers=[w for w in self.workers if not request.model or w.model == request.model])
@@ -104,6 +115,7 @@ class FakeControlPlane(pb_grpc.ControlPlaneServicer):
 @dataclass
 class FakeBackend:
     """An OpenAI-ish engine: SSE when stream is true (first event, then waits for `gate`), else JSON."""
+
     name: str
     mode: str = "ok"  # ok | http500 | drop (close before answering) | die (close after the first event) | error
     error: tuple[int, dict[str, str], bytes] = (400, {}, b"")  # mode "error": status, headers, body (0 = chunked)
@@ -134,9 +146,14 @@ class FakeBackend:
             return web.Response()
         body = json.loads(raw)
         if not body.get("stream"):
-            return web.json_response({"backend": self.name, "path": request.path, "raw": raw.decode(),
-                                      "usage": {"prompt_tokens": 40, "completion_tokens": 2,
-                                                "prompt_tokens_details": {"cached_tokens": 32}}})
+            return web.json_response(
+                {
+                    "backend": self.name,
+                    "path": request.path,
+                    "raw": raw.decode(),
+                    "usage": {"prompt_tokens": 40, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 32}},
+                }
+            )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Backend": self.name})
         await resp.prepare(request)
         await resp.write(f'data: {{"backend": "{self.name}", "n": 0}}\n\n'.encode())
@@ -203,9 +220,17 @@ async def start_control_plane(cp: FakeControlPlane, port: int = 0) -> tuple[grpc
     return server, port
 
 
-async def make_stack(tiny_model_dir, *, policy: str = "kv_aware", with_cp: bool = True, static_a: bool = False,
-                     query_timeout_s: float = 0.5, max_prompt_tokens: int = 4096, block_sizes=(16, 16),
-                     listed: bool = True) -> Stack:
+async def make_stack(
+    tiny_model_dir,
+    *,
+    policy: str = "kv_aware",
+    with_cp: bool = True,
+    static_a: bool = False,
+    query_timeout_s: float = 0.5,
+    max_prompt_tokens: int = 4096,
+    block_sizes=(16, 16),
+    listed: bool = True,
+) -> Stack:
     """`listed`: the control plane lists A and B (else no worker at all)."""
     cp = FakeControlPlane()
     a, b = FakeBackend("A"), FakeBackend("B")
@@ -218,8 +243,12 @@ async def make_stack(tiny_model_dir, *, policy: str = "kv_aware", with_cp: bool 
         cp_server, cp_port = await start_control_plane(cp)
     else:  # an address where nothing listens
         cp_server, cp_port = None, free_port()
-    client = ControlPlaneClient(f"127.0.0.1:{cp_port}", query_timeout_s=query_timeout_s, refresh_interval_s=0.1,
-                                static_workers={"A": a.url} if static_a else None)
+    client = ControlPlaneClient(
+        f"127.0.0.1:{cp_port}",
+        query_timeout_s=query_timeout_s,
+        refresh_interval_s=0.1,
+        static_workers={"A": a.url} if static_a else None,
+    )
     if with_cp:
         await client.refresh()
     client.start()
@@ -236,9 +265,20 @@ async def make_stack(tiny_model_dir, *, policy: str = "kv_aware", with_cp: bool 
     add_router_service(RouterGrpcService(router, preparer, AppReservations(inflight, router.metrics)), grpc_server)
     grpc_port = grpc_server.add_insecure_port("127.0.0.1:0")
     await grpc_server.start()
-    return Stack(cp, cp_server, a, b, client, router, runner, grpc_server,
-                 f"http://127.0.0.1:{runner.addresses[0][1]}", f"127.0.0.1:{grpc_port}", aiohttp.ClientSession(),
-                 tokenizer)
+    return Stack(
+        cp,
+        cp_server,
+        a,
+        b,
+        client,
+        router,
+        runner,
+        grpc_server,
+        f"http://127.0.0.1:{runner.addresses[0][1]}",
+        f"127.0.0.1:{grpc_port}",
+        aiohttp.ClientSession(),
+        tokenizer,
+    )
 
 
 async def close_stack(s: Stack) -> None:
@@ -295,8 +335,15 @@ async def test_route_endpoint_shape_and_cached_tokens(stack: Stack) -> None:
     assert d["fail_open"] is False and d["cached_tokens"] == d["prompt_tokens"] > 48
     workers = {w["worker_id"]: w for w in d["workers"]}
     assert set(workers) == {"A", "B"}
-    assert set(workers["A"]) == {"worker_id", "endpoint", "cached_tokens", "score", "inflight_requests",
-                                 "running_requests", "waiting_requests"}
+    assert set(workers["A"]) == {
+        "worker_id",
+        "endpoint",
+        "cached_tokens",
+        "score",
+        "inflight_requests",
+        "running_requests",
+        "waiting_requests",
+    }
     assert workers["A"]["cached_tokens"] == 48 and workers["A"]["running_requests"] == 2
     assert workers["A"]["waiting_requests"] == 1 and workers["A"]["score"] > workers["B"]["score"]
     assert not stack.a.received and not stack.b.received  # /v1/route forwards nothing
@@ -328,13 +375,15 @@ async def test_one_chain_per_distinct_block_size(tiny_model_dir) -> None:
 async def test_sse_is_streamed_through_unbuffered(stack: Stack) -> None:
     stack.cp.matched_blocks = {"A": 5}
     stack.a.gate = asyncio.Event()
-    async with stack.session.post(stack.url + "/v1/chat/completions", json={
-            "model": MODEL, "stream": True, "messages": [{"role": "user", "content": PROMPT}]}) as resp:
+    async with stack.session.post(
+        stack.url + "/v1/chat/completions",
+        json={"model": MODEL, "stream": True, "messages": [{"role": "user", "content": PROMPT}]},
+    ) as resp:
         assert resp.status == 200
         assert resp.headers["x-kvroute-worker"] == "A" and resp.headers["Content-Type"] == "text/event-stream"
         # The first event arrives while the backend is still holding the rest back: nothing is buffered.
         first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
-        assert json.loads(first[len(b"data: "):]) == {"backend": "A", "n": 0}
+        assert json.loads(first[len(b"data: ") :]) == {"backend": "A", "n": 0}
         assert stack.router.inflight.inflight("A") == (1, 0)  # in flight; prefill done at the first byte
         stack.a.gate.set()
         rest = await asyncio.wait_for(resp.content.read(), 5)
@@ -364,9 +413,14 @@ async def test_client_going_away_releases_the_backend(stack: Stack) -> None:
     assert stack.router.inflight.inflight("A") == (1, 0)
     resp.close()  # the client disconnects mid-stream
     backend_request = stack.a.requests[-1]
-    await eventually(lambda: stack.router.inflight.snapshot() == {} and (
-        backend_request.transport is None or backend_request.transport.is_closing()), 2,
-        what="the backend request released and closed")
+    await eventually(
+        lambda: (
+            stack.router.inflight.snapshot() == {}
+            and (backend_request.transport is None or backend_request.transport.is_closing())
+        ),
+        2,
+        what="the backend request released and closed",
+    )
     stack.a.gate.set()
 
 
@@ -386,6 +440,7 @@ async def test_control_plane_stopped_requests_still_succeed(stack: Stack) -> Non
     assert status == 200 and d["fail_open"] is True and d["cached_tokens"] == 0
     assert {w["worker_id"] for w in d["workers"]} == {"A", "B"}
     assert served == {"A", "B"}  # load alone: both workers get traffic
+
     async def health_says_unreachable() -> bool:  # once a refresh or two failed
         async with stack.session.get(stack.url + "/health") as resp:
             return (await resp.json())["control_plane"] == "unreachable"
@@ -421,8 +476,7 @@ async def test_static_workers_when_control_plane_never_reached(tiny_model_dir) -
     try:
         status, _, body = await s.post("/v1/completions", completion())
         assert status == 503 and "no workers known" in body["error"]["message"]
-        assert "not reached yet" in body["error"]["message"] and "no --static-workers were given" in \
-            body["error"]["message"]
+        assert "not reached yet" in body["error"]["message"] and "no --static-workers were given" in body["error"]["message"]
     finally:
         await close_stack(s)
     s = await make_stack(tiny_model_dir, with_cp=False, static_a=True)
@@ -515,8 +569,11 @@ async def test_regression_client_headers_beyond_latin1_reach_the_engine_as_sent(
     body = json.dumps(completion()).encode()
     for value in ("日本語のメモ".encode(), "café".encode(), b"caf\xe9"):
         reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\nX-Note: " + value
-                     + b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\nX-Note: "
+            + value
+            + b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         response = await asyncio.wait_for(reader.read(), 5)
         writer.close()
         assert response.startswith(b"HTTP/1.1 200"), response
@@ -537,34 +594,63 @@ async def test_every_backend_failing_surfaces_the_last_error(stack: Stack) -> No
 
 # ---------------------------------------------------------------- errors relayed from an engine
 
-_VLLM_400 = {"error": {"message": "max_tokens must be at least 1, got -1.", "type": "BadRequestError",
-                       "param": "max_tokens", "code": 400}}
-_SGLANG_400 = {"object": "error", "message": "max_tokens must be positive", "type": "BadRequestError",
-               "param": None, "code": 400}
+_VLLM_400 = {
+    "error": {"message": "max_tokens must be at least 1, got -1.", "type": "BadRequestError", "param": "max_tokens", "code": 400}
+}
+_SGLANG_400 = {"object": "error", "message": "max_tokens must be positive", "type": "BadRequestError", "param": None, "code": 400}
 
 
 def _json(value: object) -> bytes:
     return json.dumps(value).encode()
 
 
-@pytest.mark.parametrize(("status", "body", "expected"), [
-    (400, _json(_VLLM_400), ("max_tokens must be at least 1, got -1.", "max_tokens", None)),
-    (400, _json(_SGLANG_400), ("max_tokens must be positive", None, None)),
-    (404, _json({"object": "error", "message": "The model `x` does not exist.", "type": "NotFoundError",
-                 "param": "model", "code": 404}), ("The model `x` does not exist.", "model", None)),
-    (400, _json({"error": {"message": "too long", "type": "invalid_request_error", "param": "messages",
-                           "code": "context_length_exceeded"}}), ("too long", "messages", "context_length_exceeded")),
-    (422, _json({"detail": [{"loc": ["body", "max_tokens"], "msg": "Input should be a valid integer",
-                             "type": "int_parsing"}]}), ("body.max_tokens: Input should be a valid integer", None, None)),
-    (404, b'{"detail": "Not Found"}', ("Not Found", None, None)),
-    (429, b'{"error": "rate limited"}', ("rate limited", None, None)),
-    (503, b"Service Unavailable: engine is draining\n", ("Service Unavailable: engine is draining", None, None)),
-    (502, b"<html><body>bad gateway</body></html>", ("<html><body>bad gateway</body></html>", None, None)),
-    (500, b"", ("the engine answered HTTP 500 with no message", None, None)),
-    (400, b"\xff\xfe not utf-8", ("\ufffd\ufffd not utf-8", None, None)),
-    (400, b'["a", 1]', ('["a", 1]', None, None)),
-    (400, b'{"message": {"nested": true}, "param": 3, "code": 400}', ('{"nested": true}', None, None)),
-])
+@pytest.mark.parametrize(
+    ("status", "body", "expected"),
+    [
+        (400, _json(_VLLM_400), ("max_tokens must be at least 1, got -1.", "max_tokens", None)),
+        (400, _json(_SGLANG_400), ("max_tokens must be positive", None, None)),
+        (
+            404,
+            _json(
+                {
+                    "object": "error",
+                    "message": "The model `x` does not exist.",
+                    "type": "NotFoundError",
+                    "param": "model",
+                    "code": 404,
+                }
+            ),
+            ("The model `x` does not exist.", "model", None),
+        ),
+        (
+            400,
+            _json(
+                {
+                    "error": {
+                        "message": "too long",
+                        "type": "invalid_request_error",
+                        "param": "messages",
+                        "code": "context_length_exceeded",
+                    }
+                }
+            ),
+            ("too long", "messages", "context_length_exceeded"),
+        ),
+        (
+            422,
+            _json({"detail": [{"loc": ["body", "max_tokens"], "msg": "Input should be a valid integer", "type": "int_parsing"}]}),
+            ("body.max_tokens: Input should be a valid integer", None, None),
+        ),
+        (404, b'{"detail": "Not Found"}', ("Not Found", None, None)),
+        (429, b'{"error": "rate limited"}', ("rate limited", None, None)),
+        (503, b"Service Unavailable: engine is draining\n", ("Service Unavailable: engine is draining", None, None)),
+        (502, b"<html><body>bad gateway</body></html>", ("<html><body>bad gateway</body></html>", None, None)),
+        (500, b"", ("the engine answered HTTP 500 with no message", None, None)),
+        (400, b"\xff\xfe not utf-8", ("\ufffd\ufffd not utf-8", None, None)),
+        (400, b'["a", 1]', ('["a", 1]', None, None)),
+        (400, b'{"message": {"nested": true}, "param": 3, "code": 400}', ('{"nested": true}', None, None)),
+    ],
+)
 def test_engine_errors_take_openais_error_object(status: int, body: bytes, expected: tuple) -> None:
     error = json.loads(engine_error_body(status, body, [("Content-Type", "application/json")]))["error"]
     assert (error["message"], error["param"], error["code"]) == expected
@@ -580,28 +666,39 @@ def test_a_compressed_engine_error_is_relayed_as_it_is() -> None:
 async def test_engine_errors_reach_the_client_as_openai_errors_with_their_status(stack: Stack) -> None:
     stack.cp.matched_blocks = {"A": 5}
     stack.a.mode = "error"
-    for status, engine_body, message in ((400, _VLLM_400, "max_tokens must be at least 1, got -1."),
-                                         (400, _SGLANG_400, "max_tokens must be positive")):
+    for status, engine_body, message in (
+        (400, _VLLM_400, "max_tokens must be at least 1, got -1."),
+        (400, _SGLANG_400, "max_tokens must be positive"),
+    ):
         stack.a.error = (status, {"Content-Type": "application/json"}, json.dumps(engine_body).encode())
         for stream in (False, True):  # a streamed request refused before streaming: a plain JSON answer
             got, headers, body = await stack.post("/v1/completions", completion(stream=stream))
             assert got == status and headers["x-kvroute-worker"] == "A", body
             assert headers["Content-Type"].startswith("application/json")
-            assert body == {"error": {"message": message, "type": "invalid_request_error",
-                                      "param": engine_body.get("param", engine_body.get("error", {}).get("param")),
-                                      "code": None}}
+            assert body == {
+                "error": {
+                    "message": message,
+                    "type": "invalid_request_error",
+                    "param": engine_body.get("param", engine_body.get("error", {}).get("param")),
+                    "code": None,
+                }
+            }
     # The last engine's 5xx (every worker failed), as text: its words, OpenAI's shape, its status.
     stack.b.mode = "error"
     stack.a.error = stack.b.error = (503, {"Content-Type": "text/plain"}, b"engine overloaded, retry later")
     got, _, body = await stack.post("/v1/completions", completion())
-    assert got == 503 and body == {"error": {"message": "engine overloaded, retry later", "type": "server_error",
-                                             "param": None, "code": None}}
+    assert got == 503 and body == {
+        "error": {"message": "engine overloaded, retry later", "type": "server_error", "param": None, "code": None}
+    }
     # Streamed (no Content-Length) or compressed error bodies go through untouched.
     stack.a.error = stack.b.error = (400, {"Content-Type": "text/plain", "Transfer-Encoding": "chunked"}, b"raw words")
     async with stack.session.post(stack.url + "/v1/completions", json=completion()) as resp:
         assert resp.status == 400 and await resp.read() == b"raw words"
-    stack.a.error = stack.b.error = (400, {"Content-Type": "application/json", "Content-Encoding": "gzip"},
-                                     gzip.compress(b'{"error": {"message": "zipped"}}'))
+    stack.a.error = stack.b.error = (
+        400,
+        {"Content-Type": "application/json", "Content-Encoding": "gzip"},
+        gzip.compress(b'{"error": {"message": "zipped"}}'),
+    )
     async with stack.session.post(stack.url + "/v1/completions", json=completion()) as resp:
         assert resp.status == 400 and json.loads(await resp.read()) == {"error": {"message": "zipped"}}
     assert stack.router.inflight.snapshot() == {}
@@ -648,9 +745,14 @@ async def test_models_health_metrics(stack: Stack) -> None:
     await stack.post("/v1/completions", completion())
     async with stack.session.get(stack.url + "/metrics") as resp:
         text = await resp.text()
-    for name in ("kvroute_router_proxied_requests_total", "kvroute_router_decision_seconds_bucket",
-                 "kvroute_router_fail_open_total", "kvroute_router_backend_errors_total",
-                 "kvroute_router_predicted_cached_tokens_total", "kvroute_router_prompt_tokens_total"):
+    for name in (
+        "kvroute_router_proxied_requests_total",
+        "kvroute_router_decision_seconds_bucket",
+        "kvroute_router_fail_open_total",
+        "kvroute_router_backend_errors_total",
+        "kvroute_router_predicted_cached_tokens_total",
+        "kvroute_router_prompt_tokens_total",
+    ):
         assert name in text, name
     # What the engine reported it reused (usage.prompt_tokens_details), beside what the router expected.
     assert sample_value(text, "kvroute_router_engine_prompt_tokens_total") == 40
@@ -693,10 +795,11 @@ async def test_grpc_route(stack: Stack) -> None:
     stack.cp.matched_blocks = {"B": 3}
     async with grpc.aio.insecure_channel(stack.grpc_target) as channel:
         stub = pb_grpc.RouterStub(channel)
-        for request in (pb.RouteRequest(model=MODEL, prompt=PROMPT),
-                        pb.RouteRequest(model=MODEL, token_ids=pb.TokenIds(ids=list(range(100)))),
-                        pb.RouteRequest(model=MODEL, messages=pb.ChatMessages(messages=[
-                            pb.ChatMessage(role="user", content=PROMPT)]))):
+        for request in (
+            pb.RouteRequest(model=MODEL, prompt=PROMPT),
+            pb.RouteRequest(model=MODEL, token_ids=pb.TokenIds(ids=list(range(100)))),
+            pb.RouteRequest(model=MODEL, messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=PROMPT)])),
+        ):
             answer = await stub.Route(request, timeout=5)
             assert answer.worker_id == "B" and answer.endpoint == stack.b.url and answer.cached_tokens == 48
             assert answer.policy == "kv_aware" and not answer.fail_open and answer.prompt_tokens >= 48
@@ -705,13 +808,20 @@ async def test_grpc_route(stack: Stack) -> None:
         grpc_answer = await stub.Route(pb.RouteRequest(model=MODEL, prompt=PROMPT), timeout=5)
         assert grpc_answer.prompt_tokens == http["prompt_tokens"]
         for bad, code, message in (
-                (pb.RouteRequest(model=MODEL), grpc.StatusCode.INVALID_ARGUMENT, "one of 'prompt'"),
-                (pb.RouteRequest(prompt="x"), grpc.StatusCode.INVALID_ARGUMENT, "'model' is required"),
-                (pb.RouteRequest(model="other", prompt="x"), grpc.StatusCode.NOT_FOUND, "does not exist"),
-                (pb.RouteRequest(model=MODEL, token_ids=pb.TokenIds(ids=[1] * 5000)),
-                 grpc.StatusCode.INVALID_ARGUMENT, "more than this router accepts"),
-                (pb.RouteRequest(model=MODEL, messages=pb.ChatMessages(messages=[pb.ChatMessage(content="x")])),
-                 grpc.StatusCode.INVALID_ARGUMENT, "role")):
+            (pb.RouteRequest(model=MODEL), grpc.StatusCode.INVALID_ARGUMENT, "one of 'prompt'"),
+            (pb.RouteRequest(prompt="x"), grpc.StatusCode.INVALID_ARGUMENT, "'model' is required"),
+            (pb.RouteRequest(model="other", prompt="x"), grpc.StatusCode.NOT_FOUND, "does not exist"),
+            (
+                pb.RouteRequest(model=MODEL, token_ids=pb.TokenIds(ids=[1] * 5000)),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "more than this router accepts",
+            ),
+            (
+                pb.RouteRequest(model=MODEL, messages=pb.ChatMessages(messages=[pb.ChatMessage(content="x")])),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "role",
+            ),
+        ):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Route(bad, timeout=5)
             assert err.value.code() == code and message in err.value.details(), err.value.details()
@@ -755,10 +865,13 @@ async def test_every_error_the_router_answers_is_openai_json(stack: Stack) -> No
     assert "GET" in error["message"]
     assert_openai_error(*await call("POST", "/v1/completions", data=b"{not json"), 400)
     error = assert_openai_error(*await call("POST", "/v1/completions", json={"model": "gpt-5", "prompt": "x"}), 404)
-    assert error == {"message": "The model `gpt-5` does not exist or you do not have access to it.",  # OpenAI's
-                     "type": "invalid_request_error", "param": None, "code": "model_not_found"}
-    error = assert_openai_error(*await call("POST", "/v1/completions",
-                                            json={"model": MODEL, "prompt": list(range(4097))}), 400)
+    assert error == {
+        "message": "The model `gpt-5` does not exist or you do not have access to it.",  # OpenAI's
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "model_not_found",
+    }
+    error = assert_openai_error(*await call("POST", "/v1/completions", json={"model": MODEL, "prompt": list(range(4097))}), 400)
     assert error["code"] == "context_length_exceeded"
     # Every engine down: the 502 says so without naming the engines' addresses.
     await stack.a.stop()
@@ -776,14 +889,27 @@ async def test_every_error_the_router_answers_is_openai_json(stack: Stack) -> No
 
 SURROGATE_BODIES = [  # raw JSON: Python's json module cannot write a lone surrogate escape by accident
     ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content"),
-    ("/v1/chat/completions", ('{"model": "tiny", "messages": [{"role": "user", "content": '
-                              '[{"type": "text", "text": "ok"}, {"type": "text", "text": "\\udfff"}]}]}'),
-     "messages[0].content[1].text"),
-    ("/v1/chat/completions", ('{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
-                              '"tools": [{"type": "function", "function": {"name": "f\\ud83d"}}]}'),
-     "tools[0].function.name"),
-    ("/v1/chat/completions", ('{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
-                              '"chat_template_kwargs": {"extra": "\\udc00"}}'), "chat_template_kwargs.extra"),
+    (
+        "/v1/chat/completions",
+        (
+            '{"model": "tiny", "messages": [{"role": "user", "content": '
+            '[{"type": "text", "text": "ok"}, {"type": "text", "text": "\\udfff"}]}]}'
+        ),
+        "messages[0].content[1].text",
+    ),
+    (
+        "/v1/chat/completions",
+        (
+            '{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
+            '"tools": [{"type": "function", "function": {"name": "f\\ud83d"}}]}'
+        ),
+        "tools[0].function.name",
+    ),
+    (
+        "/v1/chat/completions",
+        ('{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"extra": "\\udc00"}}'),
+        "chat_template_kwargs.extra",
+    ),
     ("/v1/completions", '{"model": "tiny", "prompt": "\\ud800"}', "prompt"),
     ("/v1/completions", '{"model": "tiny", "prompt": ["fine", "\\ud800 not fine"]}', "prompt[1]"),
     ("/v1/route", '{"model": "tiny", "prompt": "x", "cache_salt": "\\ud800"}', "cache_salt"),
@@ -799,7 +925,7 @@ async def test_lone_surrogates_are_a_400(stack: Stack, path: str, raw: str, wher
     assert not stack.a.received and not stack.b.received
     # A valid surrogate *pair* is one character and routes fine.
     fine = raw.replace("\\ud800", "\\ud83d\\ude00").replace("\\udfff", "\\ud83d\\ude00")
-    fine = fine.replace("\\ud83d\"", "\\ud83d\\ude00\"").replace("\\udc00", "\\ud83d\\ude00")
+    fine = fine.replace('\\ud83d"', '\\ud83d\\ude00"').replace("\\udc00", "\\ud83d\\ude00")
     assert (await stack.post("/v1/route", fine.encode(), headers={"Content-Type": "application/json"}))[0] == 200
 
 
@@ -820,8 +946,9 @@ async def test_grpc_route_rejects_lone_surrogates_and_reports_bugs(stack: Stack,
     async with grpc.aio.insecure_channel(stack.grpc_target) as channel:
         # protobuf cannot serialize a lone surrogate, so the bytes are written by hand: field 3 of
         # RouteRequest is `prompt`; ED A0 80 is U+D800 as (invalid) UTF-8.
-        raw_route = channel.unary_unary("/kvroute.v1.Router/Route", request_serializer=lambda b: b,
-                                        response_deserializer=pb.RouteResponse.FromString)
+        raw_route = channel.unary_unary(
+            "/kvroute.v1.Router/Route", request_serializer=lambda b: b, response_deserializer=pb.RouteResponse.FromString
+        )
         model = pb.RouteRequest(model=MODEL).SerializeToString()
         prompt_field = pb.RouteRequest.DESCRIPTOR.fields_by_name["prompt"].number
         bad = model + bytes([prompt_field << 3 | 2, 3]) + b"\xed\xa0\x80"
@@ -848,8 +975,10 @@ async def test_an_undecodable_session_header_is_a_400(stack: Stack) -> None:
     """aiohttp keeps header bytes that are not UTF-8 as lone surrogates; the session key is hashed as UTF-8."""
     body = json.dumps(completion()).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", int(stack.url.rsplit(":", 1)[1]))
-    writer.write(b"POST /v1/route HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
-                 b"x-session-id: caf\xe9\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    writer.write(
+        b"POST /v1/route HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+        b"x-session-id: caf\xe9\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     response = await asyncio.wait_for(reader.read(), 5)
     writer.close()
     head, _, payload = response.partition(b"\r\n\r\n")
@@ -875,8 +1004,7 @@ async def test_load_policies_neither_tokenize_nor_query_a_proxied_request(tiny_m
     try:
         chars, queries = s.tokenizer.tokenized_chars, len(s.cp.queries)
         for body in (completion(), {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}):
-            status, headers, answer = await s.post("/v1/chat/completions" if "messages" in body else "/v1/completions",
-                                                   body)
+            status, headers, answer = await s.post("/v1/chat/completions" if "messages" in body else "/v1/completions", body)
             assert status == 200 and headers["x-kvroute-worker"] in ("A", "B"), answer
         assert (s.tokenizer.tokenized_chars, len(s.cp.queries)) == (chars, queries)
         # Bad input is still refused, a prompt too long by its characters alone too.

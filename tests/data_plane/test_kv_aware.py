@@ -46,8 +46,9 @@ def burst_workers(policy: KvAware, speculative: bool, n: int = 64) -> list[str]:
     """Where n simultaneous requests sharing a new 4096-token prefix go when each decision sees the
     ones before it only through the router's tracker (no engine event has arrived yet)."""
     prefix = list(range(1000, 1000 + 4096))
-    return burst_decisions(policy, [prefix + [50_000 + i] * 64 for i in range(n)], workers=8, block_size=BS,
-                           speculative=speculative)
+    return burst_decisions(
+        policy, [prefix + [50_000 + i] * 64 for i in range(n)], workers=8, block_size=BS, speculative=speculative
+    )
 
 
 def test_a_burst_of_one_new_prefix_stays_on_few_workers() -> None:
@@ -114,8 +115,9 @@ def test_ties_go_to_the_emptiest_cache_then_agree_across_routers() -> None:
     picks = {KvAware(seed=s).choose(req, ws).worker.worker_id for s in range(10)}
     assert len(picks) == 1 and picks <= {"b", "c"}
     # ...and different new prefixes spread over the equally empty workers, never "always the first".
-    spread = Counter(KvAware(seed=0).choose(request(list(range(i * 1000, i * 1000 + 64))), ws).worker.worker_id
-                     for i in range(200))
+    spread = Counter(
+        KvAware(seed=0).choose(request(list(range(i * 1000, i * 1000 + 64))), ws).worker.worker_id for i in range(200)
+    )
     assert set(spread) == {"b", "c"} and min(spread.values()) > 60
 
 
@@ -123,32 +125,43 @@ def test_new_prefixes_spread_by_cache_size_while_caches_fill() -> None:
     new = request(list(range(7000, 7000 + 2048)))  # 128 blocks nobody holds
     # A worker holding two prefixes more than the others but a little less busy right now: while
     # caches fill, the new prefix still goes to an emptier one (its future traffic comes along).
-    ws = [cand("full", worker_cached_blocks=400, running_requests=1),
-          cand("empty1", worker_cached_blocks=150, running_requests=2),
-          cand("empty2", worker_cached_blocks=170, running_requests=3)]
+    ws = [
+        cand("full", worker_cached_blocks=400, running_requests=1),
+        cand("empty1", worker_cached_blocks=150, running_requests=2),
+        cand("empty2", worker_cached_blocks=170, running_requests=3),
+    ]
     assert KvAware(seed=0).choose(new, ws).worker.worker_id == "empty1"
     assert KvAware(KvAwareParams(spread_new_prefixes=0), seed=0).choose(new, ws).worker.worker_id == "full"
     # Within spread_new_prefixes x the prompt (0.25 x 128 blocks) of the emptiest, the cost decides.
     close = [cand("a", worker_cached_blocks=150, running_requests=2), cand("b", worker_cached_blocks=180, running_requests=1)]
     assert KvAware(seed=0).choose(new, close).worker.worker_id == "b"
     # Full caches (emptiest >= 0.9 x fullest): block counts now measure in-flight work, the cost decides.
-    full = [cand("busy", worker_cached_blocks=1000, running_requests=1), cand("idle", worker_cached_blocks=920,
-                                                                             running_requests=4)]
+    full = [
+        cand("busy", worker_cached_blocks=1000, running_requests=1),
+        cand("idle", worker_cached_blocks=920, running_requests=4),
+    ]
     assert KvAware(seed=0).choose(new, full).worker.worker_id == "busy"
     # A prompt some worker holds part of is not new: the cost (here: its cache hit) decides.
     held = [cand("full", worker_cached_blocks=400, cached_tokens=512), cand("empty", worker_cached_blocks=100)]
     assert KvAware(seed=0).choose(new, held).worker.worker_id == "full"
     # Block sizes may differ: caches compare in tokens.
-    mixed = [Candidate("big", "http://big", 64, worker_cached_blocks=100, running_requests=1),
-             Candidate("small", "http://small", 16, worker_cached_blocks=200, running_requests=2)]
+    mixed = [
+        Candidate("big", "http://big", 64, worker_cached_blocks=100, running_requests=1),
+        Candidate("small", "http://small", 16, worker_cached_blocks=200, running_requests=2),
+    ]
     assert KvAware(seed=0).choose(new, mixed).worker.worker_id == "small"
 
 
 def test_parameters_are_validated_and_settable_flat() -> None:
-    assert make_policy("kv_aware", recompute_weight=0.5, load_bound=0).params == KvAwareParams(recompute_weight=0.5,
-                                                                                                 load_bound=0)
-    for bad in ({"cpu_tier_credit": 1.5}, {"decode_weight": -1}, {"load_bound": 0.5}, {"temperature": float("nan")},
-                {"spread_new_prefixes": -1}, {"spread_while_fill_below": 1.5}):
+    assert make_policy("kv_aware", recompute_weight=0.5, load_bound=0).params == KvAwareParams(recompute_weight=0.5, load_bound=0)
+    for bad in (
+        {"cpu_tier_credit": 1.5},
+        {"decode_weight": -1},
+        {"load_bound": 0.5},
+        {"temperature": float("nan")},
+        {"spread_new_prefixes": -1},
+        {"spread_while_fill_below": 1.5},
+    ):
         with pytest.raises(ValueError, match="kv_aware"):
             make_policy("kv_aware", **bad)
 
@@ -165,8 +178,13 @@ def test_a_burst_is_not_spilled_off_the_worker_still_prefilling_its_prefix() -> 
     against w0 in the load bound: w0. Counted like any other queue (the old bound), it left w0 out
     and the request recomputed the prefix on an idle worker."""
     tokens = list(range(AGENT_PROMPT))
-    holder = cand("w0", cached_tokens=AGENT_PREFIX, inflight_cached_tokens=AGENT_PREFIX, inflight_requests=1,
-                  pending_prefill_tokens=AGENT_PROMPT)
+    holder = cand(
+        "w0",
+        cached_tokens=AGENT_PREFIX,
+        inflight_cached_tokens=AGENT_PREFIX,
+        inflight_requests=1,
+        pending_prefill_tokens=AGENT_PROMPT,
+    )
     others = [cand(f"w{i}") for i in range(1, 8)]
     assert KvAware().choose(request(tokens), [holder, *others]).worker.worker_id == "w0"
     old = KvAware(KvAwareParams(inflight_prefix_credit=0.0)).choose(request(tokens), [holder, *others])
@@ -180,11 +198,21 @@ def test_waiting_for_a_prefill_in_progress_beats_recomputing_unless_the_queue_be
     recomputing a prefix it holds. So w0. With a long queue of unrelated prefill on w0 as well (40k
     tokens of other requests), waiting costs more than recomputing: w1."""
     tokens = list(range(AGENT_PROMPT))
-    computing = cand("w0", cached_tokens=AGENT_PREFIX, inflight_cached_tokens=AGENT_PREFIX, inflight_requests=1,
-                     pending_prefill_tokens=AGENT_PREFIX)
+    computing = cand(
+        "w0",
+        cached_tokens=AGENT_PREFIX,
+        inflight_cached_tokens=AGENT_PREFIX,
+        inflight_requests=1,
+        pending_prefill_tokens=AGENT_PREFIX,
+    )
     assert KvAware().choose(request(tokens), [computing, cand("w1")]).worker.worker_id == "w0"
-    queued = cand("w0", cached_tokens=AGENT_PREFIX, inflight_cached_tokens=AGENT_PREFIX, inflight_requests=6,
-                  pending_prefill_tokens=AGENT_PREFIX + 40_000)
+    queued = cand(
+        "w0",
+        cached_tokens=AGENT_PREFIX,
+        inflight_cached_tokens=AGENT_PREFIX,
+        inflight_requests=6,
+        pending_prefill_tokens=AGENT_PREFIX + 40_000,
+    )
     assert KvAware().choose(request(tokens), [queued, cand("w1")]).worker.worker_id == "w1"
 
 
@@ -193,17 +221,22 @@ def test_a_prefix_is_replicated_for_sustained_demand_not_for_one_busy_moment() -
     holder while the holder's queue is within the hard bound, however busy that moment looks against
     the fleet mean; a prefix asked for by most requests (more than its holders can serve) is spread by
     the load bound, which then adds a holder."""
+
     def holder_busy(tokens: list[int]) -> list[Candidate]:
-        return [cand("holder", cached_tokens=2048, pending_prefill_tokens=4000),
-                *(cand(f"w{i}", pending_prefill_tokens=300) for i in range(7))]
+        return [
+            cand("holder", cached_tokens=2048, pending_prefill_tokens=4000),
+            *(cand(f"w{i}", pending_prefill_tokens=300) for i in range(7)),
+        ]
 
     rare, hot = list(range(2304)), list(range(10_000, 12_304))
     background = [list(range(50_000 + 3000 * i, 50_000 + 3000 * i + 2304)) for i in range(40)]
 
     quiet = KvAware()
     for i, tokens in enumerate(background):  # a fleet busy with other prefixes: this one is 1 request in 41
-        quiet.choose(RoutingInput("m", len(tokens), chains=request(tokens).chains, now_s=i * 0.1),
-                     [cand("w0", cached_tokens=2048), cand("w1")])
+        quiet.choose(
+            RoutingInput("m", len(tokens), chains=request(tokens).chains, now_s=i * 0.1),
+            [cand("w0", cached_tokens=2048), cand("w1")],
+        )
     rare_request = RoutingInput("m", len(rare), chains=request(rare).chains, now_s=4.1)
     assert quiet.choose(rare_request, holder_busy(rare)).worker.worker_id == "holder"
 

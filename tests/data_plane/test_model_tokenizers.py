@@ -57,8 +57,9 @@ def test_tokenizers_load_lazily_once_and_at_most_max_loaded(tmp_path: Path, tiny
         loaded_from.append(directory)
         return load_tokenizer(directory, cache_tokens=cache_tokens)
 
-    tokenizers = ModelTokenizers({"a": str(tiny_model_dir), "b": str(tiny_model_dir)}, "a", max_loaded=2,
-                                 hub_cache=hub, loader=loader)
+    tokenizers = ModelTokenizers(
+        {"a": str(tiny_model_dir), "b": str(tiny_model_dir)}, "a", max_loaded=2, hub_cache=hub, loader=loader
+    )
     tokenizers.check_sources()
 
     async def scenario() -> None:

@@ -17,25 +17,50 @@ from kvroute.data_plane.http.pd import parse_roles, transfer_params, vllm_prefil
 
 
 def test_the_vllm_prefill_leg_asks_for_one_unstreamed_token_and_a_remote_decode() -> None:
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 50,
-            "max_completion_tokens": 50, "stream_options": {"include_usage": True}, "min_tokens": 3, "user": "u"}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "max_tokens": 50,
+        "max_completion_tokens": 50,
+        "stream_options": {"include_usage": True},
+        "min_tokens": 3,
+        "user": "u",
+    }
     prefill = vllm_prefill_body(body)
-    assert prefill == {"model": "m", "messages": body["messages"], "stream": False, "max_tokens": 1,
-                       "max_completion_tokens": 1, "user": "u", "kv_transfer_params": {
-                           "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                           "remote_block_ids": None, "remote_host": None, "remote_port": None}}
+    assert prefill == {
+        "model": "m",
+        "messages": body["messages"],
+        "stream": False,
+        "max_tokens": 1,
+        "max_completion_tokens": 1,
+        "user": "u",
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+    }
     assert body["stream"] is True and body["max_tokens"] == 50  # the decode leg still gets the client's body
     assert "max_completion_tokens" not in vllm_prefill_body({"prompt": "x"})
 
 
-@pytest.mark.parametrize("answer,params", [
-    (b'{"choices": [], "kv_transfer_params": {"do_remote_prefill": true, "remote_block_ids": [1]}}',
-     {"do_remote_prefill": True, "remote_block_ids": [1]}),
-    (b'{"choices": [], "kv_transfer_params": null}', None),  # an engine without a KV connector
-    (b'{"choices": [], "kv_transfer_params": {}}', None),
-    (b'[1, 2]', None),
-    (b'not json', None),
-])
+@pytest.mark.parametrize(
+    "answer,params",
+    [
+        (
+            b'{"choices": [], "kv_transfer_params": {"do_remote_prefill": true, "remote_block_ids": [1]}}',
+            {"do_remote_prefill": True, "remote_block_ids": [1]},
+        ),
+        (b'{"choices": [], "kv_transfer_params": null}', None),  # an engine without a KV connector
+        (b'{"choices": [], "kv_transfer_params": {}}', None),
+        (b"[1, 2]", None),
+        (b"not json", None),
+    ],
+)
 def test_transfer_params_are_read_from_the_prefill_answer(answer, params) -> None:
     assert transfer_params(answer) == params
 

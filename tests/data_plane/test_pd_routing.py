@@ -33,6 +33,7 @@ from tests.helpers import eventually
 @dataclass
 class LegEngine:
     """Answers every request with `answer` (status, JSON), after `release` is set when there is one."""
+
     name: str
     answer: tuple[int, dict] = (200, {})
     release: asyncio.Event | None = None
@@ -79,8 +80,9 @@ async def fleet(tiny_model_dir):
             for engine in engines:
                 await engine.start()
                 started.append(engine.runner)
-                cp.workers.append(pb.WorkerInfo(worker_id=engine.name, model=MODEL, engine="sim", block_size=16,
-                                                endpoint=engine.url, role=role))
+                cp.workers.append(
+                    pb.WorkerInfo(worker_id=engine.name, model=MODEL, engine="sim", block_size=16, endpoint=engine.url, role=role)
+                )
         server, port = await start_control_plane(cp)
         client = ControlPlaneClient(f"127.0.0.1:{port}", query_timeout_s=0.5, refresh_interval_s=0.1)
         await client.refresh()
@@ -88,8 +90,7 @@ async def fleet(tiny_model_dir):
         inflight, health = RouterInflight(client.session), BackendHealth()
         router = Router(client, make_policy("kv_aware", seed=0), inflight, health)
         proxy = BackendProxy(inflight, health, router.metrics)
-        preparer = RequestPreparer(ModelTokenizers.preloaded({MODEL: load_tokenizer(tiny_model_dir)}, MODEL), client,
-                                   4096)
+        preparer = RequestPreparer(ModelTokenizers.preloaded({MODEL: load_tokenizer(tiny_model_dir)}, MODEL), client, 4096)
         http = RouterHttpApi(router, proxy, preparer, pd=PdRouting(protocol, router, proxy))
         runner = web.AppRunner(http.app(), handler_cancellation=True)
         await runner.setup()
@@ -176,8 +177,10 @@ async def test_a_missing_pool_is_a_503_naming_the_role(fleet) -> None:
     status, _, answer = await post(url, {"model": MODEL, "prompt": PROMPT})
     assert status == 503 and answer["error"]["code"] == "no_workers"
     assert "no decode worker" in answer["error"]["message"] and "--role decode" in answer["error"]["message"]
-    async with aiohttp.ClientSession() as session, session.post(url + "/v1/route", json={
-            "model": MODEL, "prompt": PROMPT}) as resp:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url + "/v1/route", json={"model": MODEL, "prompt": PROMPT}) as resp,
+    ):
         status, raw = resp.status, await resp.read()
     assert status == 503, raw
     assert json.loads(raw)["error"]["code"] == "no_workers"

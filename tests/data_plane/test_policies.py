@@ -33,7 +33,9 @@ def test_kv_aware_ties_break_at_random_not_first() -> None:
 def test_round_robin_cycles_and_least_loaded_follows_load() -> None:
     rr = make_policy("round_robin")
     assert [rr.choose(REQ, [cand("b"), cand("a")]).worker.worker_id for _ in range(4)] == ["a", "b", "a", "b"]
-    assert LeastLoaded(seed=0).choose(REQ, [cand("a", running_requests=3), cand("b", inflight_requests=1)]).worker.worker_id == "b"
+    assert (
+        LeastLoaded(seed=0).choose(REQ, [cand("a", running_requests=3), cand("b", inflight_requests=1)]).worker.worker_id == "b"
+    )
 
 
 def test_unknown_policy_is_a_clear_error() -> None:
@@ -55,12 +57,10 @@ def test_kv_aware_cost_is_the_documented_formula() -> None:
     from kvroute.data_plane.decision.policies import KvAwareParams
 
     p = KvAwareParams(queue_weight=0.5, mean_prompt_tokens=1000, decode_weight=10)
-    c = cand("a", cached_tokens=1000, pending_prefill_tokens=300, waiting_requests=7, running_requests=3,
-             inflight_requests=5)
+    c = cand("a", cached_tokens=1000, pending_prefill_tokens=300, waiting_requests=7, running_requests=3, inflight_requests=5)
     # 7 waiting, 5 of them possibly ours (their prefill is in pending_prefill_tokens): 2 are estimated.
     assert KvAware(p).cost(REQ, c) == (4096 - 1000) + 300 + 0.5 * 2 * 1000 + 10 * 5
-    ours = cand("a", cached_tokens=1000, pending_prefill_tokens=300, waiting_requests=2, running_requests=3,
-                inflight_requests=5)
+    ours = cand("a", cached_tokens=1000, pending_prefill_tokens=300, waiting_requests=2, running_requests=3, inflight_requests=5)
     assert KvAware(p).cost(REQ, ours) == (4096 - 1000) + 300 + 10 * 5  # our own queue is not counted twice
     assert make_policy("kv_aware", queue_weight=0.5, mean_prompt_tokens=1000, decode_weight=10).params == p
 

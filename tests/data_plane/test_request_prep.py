@@ -30,8 +30,11 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def preparer(tiny_model_dir: Path) -> RequestPreparer:
-    return RequestPreparer(ModelTokenizers.preloaded({"tiny": load_tokenizer(tiny_model_dir)}, "tiny"),
-                           Fleet({"tiny": {"ad-1"}}), max_prompt_tokens=64)
+    return RequestPreparer(
+        ModelTokenizers.preloaded({"tiny": load_tokenizer(tiny_model_dir)}, "tiny"),
+        Fleet({"tiny": {"ad-1"}}),
+        max_prompt_tokens=64,
+    )
 
 
 def _prepare(preparer: RequestPreparer, request: RouteInput):
@@ -46,19 +49,21 @@ def test_model_adapter_salt_and_session_key_come_through(preparer: RequestPrepar
     assert list(batch.token_ids) == [9, 9]  # a batch is routed on its first prompt
 
 
-@pytest.mark.parametrize(("request_", "kind", "param"), [
-    (RouteInput(None, prompt="x"), "invalid", "model"),
-    (RouteInput("other", prompt="x"), "model_not_found", None),  # OpenAI's param: null
-    (RouteInput("tiny", prompt="x", lora_name="other"), "model_not_found", "lora_name"),
-    (RouteInput("tiny", "completions"), "invalid", "prompt"),
-    (RouteInput("tiny", "chat", prompt="x"), "invalid", "messages"),
-    (RouteInput("tiny", "completions", prompt=[1] * 65), "too_long", "prompt"),
-    (RouteInput("tiny", "completions", prompt=["ok", [1] * 65]), "too_long", "prompt"),
-    (RouteInput("tiny", "completions", prompt="word " * 5000), "too_long", "prompt"),  # past the character bound
-    (RouteInput("tiny", "chat", messages=[{"content": "no role"}]), "invalid", "messages"),
-])
-def test_errors_are_typed_for_the_transports(preparer: RequestPreparer, request_: RouteInput, kind: str,
-                                             param: str) -> None:
+@pytest.mark.parametrize(
+    ("request_", "kind", "param"),
+    [
+        (RouteInput(None, prompt="x"), "invalid", "model"),
+        (RouteInput("other", prompt="x"), "model_not_found", None),  # OpenAI's param: null
+        (RouteInput("tiny", prompt="x", lora_name="other"), "model_not_found", "lora_name"),
+        (RouteInput("tiny", "completions"), "invalid", "prompt"),
+        (RouteInput("tiny", "chat", prompt="x"), "invalid", "messages"),
+        (RouteInput("tiny", "completions", prompt=[1] * 65), "too_long", "prompt"),
+        (RouteInput("tiny", "completions", prompt=["ok", [1] * 65]), "too_long", "prompt"),
+        (RouteInput("tiny", "completions", prompt="word " * 5000), "too_long", "prompt"),  # past the character bound
+        (RouteInput("tiny", "chat", messages=[{"content": "no role"}]), "invalid", "messages"),
+    ],
+)
+def test_errors_are_typed_for_the_transports(preparer: RequestPreparer, request_: RouteInput, kind: str, param: str) -> None:
     with pytest.raises(PrepareError) as err:
         _prepare(preparer, request_)
     assert (err.value.kind, err.value.param) == (kind, param), str(err.value)
@@ -66,8 +71,10 @@ def test_errors_are_typed_for_the_transports(preparer: RequestPreparer, request_
 
 def test_grpc_and_http_inputs_prepare_to_the_same_tokens(preparer: RequestPreparer) -> None:
     messages = [{"role": "user", "content": "hello there"}]
-    via_grpc = _prepare(preparer, route_input(pb.RouteRequest(
-        model="tiny", messages=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in messages]))))
+    via_grpc = _prepare(
+        preparer,
+        route_input(pb.RouteRequest(model="tiny", messages=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in messages]))),
+    )
     via_http = _prepare(preparer, RouteInput("tiny", "chat", messages=messages))
     assert list(via_grpc.token_ids) == list(via_http.token_ids) and via_http.token_ids
     with pytest.raises(PrepareError, match="'token_ids' must not be empty"):
@@ -78,8 +85,11 @@ def test_each_model_is_prepared_with_its_own_tokenizer_and_named_as_routed(tiny_
     """Two models behind one router: a request names its model or an adapter of it, is tokenized with
     that model's tokenizer and says which model's workers it goes to; any other name is a 404."""
     tiny, other = load_tokenizer(tiny_model_dir), load_tokenizer(tiny_model_dir)
-    preparer = RequestPreparer(ModelTokenizers.preloaded({"tiny": tiny, "other": other}, "tiny"),
-                               Fleet({"tiny": {"ad-1"}, "other": {"ad-2"}}), max_prompt_tokens=64)
+    preparer = RequestPreparer(
+        ModelTokenizers.preloaded({"tiny": tiny, "other": other}, "tiny"),
+        Fleet({"tiny": {"ad-1"}, "other": {"ad-2"}}),
+        max_prompt_tokens=64,
+    )
     for model, tokenizer in (("tiny", tiny), ("other", other)):
         before = tokenizer.tokenized_chars
         assert _prepare(preparer, RouteInput(model, "completions", prompt="hello")).model == model
@@ -91,13 +101,18 @@ def test_each_model_is_prepared_with_its_own_tokenizer_and_named_as_routed(tiny_
     assert (err.value.kind, err.value.param) == ("model_not_found", "lora_name")
     with pytest.raises(PrepareError) as err:
         _prepare(preparer, RouteInput("third", prompt="x"))
-    assert (err.value.kind, str(err.value)) == ("model_not_found",
-                                                "The model `third` does not exist or you do not have access to it.")
+    assert (err.value.kind, str(err.value)) == (
+        "model_not_found",
+        "The model `third` does not exist or you do not have access to it.",
+    )
 
 
 def test_a_served_model_without_a_tokenizer_is_routed_untokenized(tiny_model_dir: Path) -> None:
-    preparer = RequestPreparer(ModelTokenizers.preloaded({"tiny": load_tokenizer(tiny_model_dir)}, "tiny"),
-                               Fleet({"tiny": set(), "bare": set()}), max_prompt_tokens=64)
+    preparer = RequestPreparer(
+        ModelTokenizers.preloaded({"tiny": load_tokenizer(tiny_model_dir)}, "tiny"),
+        Fleet({"tiny": set(), "bare": set()}),
+        max_prompt_tokens=64,
+    )
     out = _prepare(preparer, RouteInput("bare", "chat", messages=[{"role": "user", "content": "hi"}]))
     assert (out.model, out.token_ids) == ("bare", None)
     with pytest.raises(PrepareError, match="string 'role'"):  # its shape is still checked

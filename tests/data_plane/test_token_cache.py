@@ -15,8 +15,10 @@ from kvroute.data_plane.prepare.tokenization import load_tokenizer
 def _random_chat_text(rng: random.Random) -> str:
     words = ["the", "cache", "<|end|>", "router", "ü", "<|user|>", "x", "", " y\n", "z", "<s>", "12", "\t"]
     parts = ["<|system|>\n", "<|user|>\n", "<|end|>\n", "<|assistant|>\n"]
-    return "".join(rng.choice(parts) if rng.random() < 0.4 else " ".join(rng.choice(words) for _ in range(rng.randint(0, 20)))
-                   for _ in range(rng.randint(1, 12)))
+    return "".join(
+        rng.choice(parts) if rng.random() < 0.4 else " ".join(rng.choice(words) for _ in range(rng.randint(0, 20)))
+        for _ in range(rng.randint(1, 12))
+    )
 
 
 def test_cached_ids_equal_the_tokenizers_on_random_texts(tiny_model_dir: Path) -> None:

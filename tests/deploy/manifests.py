@@ -25,12 +25,16 @@ def render(tools: DeployTools, overlay: str, components: tuple[str, ...], workdi
     root = workdir / "kustomization"
     root.mkdir(parents=True, exist_ok=True)
     rel = Path(os.path.relpath(KUSTOMIZE, root))
-    kustomization = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-                     "resources": [str(rel / "overlays" / overlay)],
-                     "components": [str(rel / "components" / c) for c in components]}
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [str(rel / "overlays" / overlay)],
+        "components": [str(rel / "components" / c) for c in components],
+    }
     (root / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-    result = subprocess.run([str(tools.kubectl), "kustomize", str(root)], capture_output=True, text=True, timeout=120,
-                            check=False)
+    result = subprocess.run(
+        [str(tools.kubectl), "kustomize", str(root)], capture_output=True, text=True, timeout=120, check=False
+    )
     assert result.returncode == 0, f"kubectl kustomize {overlay} {components}:\n{result.stderr}"
     (workdir / "rendered.yaml").write_text(result.stdout)
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
@@ -44,17 +48,30 @@ def validate(tools: DeployTools, path: Path) -> subprocess.CompletedProcess[str]
     """Every object of `path` against its schema, strictly (an unknown field fails): the built-in kinds
     with kubernetes-validate, the custom resources with tests/deploy/custom_resources.py. A kind neither
     has a schema for fails too (kubernetes-validate alone would only warn)."""
-    builtin = subprocess.run([str(tools.kubernetes_validate), "--strict", "--quiet", str(path)],
-                             capture_output=True, text=True, timeout=300, check=False)
+    builtin = subprocess.run(
+        [str(tools.kubernetes_validate), "--strict", "--quiet", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     unknown = {(api, kind) for kind, api in NO_SCHEMA.findall(builtin.stdout)} - set(custom_resources.SCHEMAS)
-    custom = subprocess.run([str(tools.python), str(Path(custom_resources.__file__)), str(path)],
-                            capture_output=True, text=True, timeout=300, check=False)
+    custom = subprocess.run(
+        [str(tools.python), str(Path(custom_resources.__file__)), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     failed = builtin.returncode or custom.returncode or unknown
     return subprocess.CompletedProcess(
-        builtin.args, 1 if failed else 0,
-        builtin.stdout + custom.stdout + "".join(f"ERROR no schema for {k} {a}: add one to custom_resources.py\n"
-                                                 for a, k in sorted(unknown)),
-        builtin.stderr + custom.stderr)
+        builtin.args,
+        1 if failed else 0,
+        builtin.stdout
+        + custom.stdout
+        + "".join(f"ERROR no schema for {k} {a}: add one to custom_resources.py\n" for a, k in sorted(unknown)),
+        builtin.stderr + custom.stderr,
+    )
 
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
@@ -73,8 +90,9 @@ def kvroute_containers(docs: list[dict[str, Any]]) -> Iterator[tuple[dict[str, A
                 yield pod, container
 
 
-def container_env(container: dict[str, Any], field_refs: Mapping[str, str],
-                  secrets: Mapping[tuple[str, str], str] | None = None) -> dict[str, str]:
+def container_env(
+    container: dict[str, Any], field_refs: Mapping[str, str], secrets: Mapping[tuple[str, str], str] | None = None
+) -> dict[str, str]:
     """The container's environment as Kubernetes sets it: downward-API values from `field_refs`, Secret
     keys from `secrets` ((secret name, key) -> value), and $(NAME) expanded from the variables defined
     before it."""
@@ -101,8 +119,12 @@ def selects(selector: dict[str, Any], labels: Mapping[str, str]) -> bool:
         return False
     for e in selector.get("matchExpressions", []):
         value, present = labels.get(e["key"]), e["key"] in labels
-        if not {"In": present and value in e.get("values", []), "NotIn": not present or value not in e.get("values", []),
-                "Exists": present, "DoesNotExist": not present}[e["operator"]]:
+        if not {
+            "In": present and value in e.get("values", []),
+            "NotIn": not present or value not in e.get("values", []),
+            "Exists": present,
+            "DoesNotExist": not present,
+        }[e["operator"]]:
             return False
     return True
 

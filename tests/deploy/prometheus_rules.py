@@ -17,9 +17,11 @@ from tests.helpers import REPO
 
 RULES = REPO / "deploy" / "prometheus" / "kvroute-alerts.yaml"
 PROMETHEUS_RULE = REPO / "deploy" / "prometheus" / "kvroute-prometheusrule.yaml"
-HEADER = ("# Generated from kvroute-alerts.yaml by `python -m tests.deploy.prometheus_rules`: edit that file, then run it\n"
-          "# (tests/deploy/test_prometheus.py fails while the two differ). A Prometheus selects PrometheusRules by\n"
-          "# its ruleSelector: add the labels yours requires (kustomize `labels`).\n")
+HEADER = (
+    "# Generated from kvroute-alerts.yaml by `python -m tests.deploy.prometheus_rules`: edit that file, then run it\n"
+    "# (tests/deploy/test_prometheus.py fails while the two differ). A Prometheus selects PrometheusRules by\n"
+    "# its ruleSelector: add the labels yours requires (kustomize `labels`).\n"
+)
 
 
 class _Dumper(yaml.SafeDumper):
@@ -35,8 +37,12 @@ _Dumper.add_representer(str, _str)
 
 
 def prometheus_rule(rules: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
-            "metadata": {"name": "kvroute"}, "spec": {"groups": rules["groups"]}}
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {"name": "kvroute"},
+        "spec": {"groups": rules["groups"]},
+    }
 
 
 def render(rules_path: Path = RULES) -> str:

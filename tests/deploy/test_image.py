@@ -86,8 +86,9 @@ def excluded(path: str, rules: list[tuple[bool, re.Pattern[str]]]) -> bool:
 def context_files() -> list[str]:
     """The files of the build context: the repository's (tracked, or new and not git-ignored) that
     .dockerignore does not exclude."""
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True,
-                            check=True).stdout.split()
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
     rules = dockerignore_rules((REPO / ".dockerignore").read_text())
     return [f for f in listed if (REPO / f).is_file() and not excluded(f, rules)]
 
@@ -111,8 +112,9 @@ def test_the_dockerignore_reading_is_dockers() -> None:
 
 
 def test_the_dockerfile_is_multi_stage_non_root_and_lints_clean(deploy_tools: DeployTools) -> None:
-    result = subprocess.run([str(deploy_tools.hadolint), str(DOCKERFILE)], capture_output=True, text=True, timeout=60,
-                            check=False)
+    result = subprocess.run(
+        [str(deploy_tools.hadolint), str(DOCKERFILE)], capture_output=True, text=True, timeout=60, check=False
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     build, *_, final = stages(DOCKERFILE.read_text())
     assert build is not final, "multi-stage: build, then a final stage holding the virtualenv only"
@@ -138,8 +140,9 @@ def test_every_copy_source_is_in_the_build_context() -> None:
                 inside = [f for f in context if f == source or f.startswith(source + "/")]
                 assert inside, f"COPY {source}: .dockerignore leaves it out of the build context"
                 if (REPO / source).is_dir():  # every tracked Python file of a copied folder goes in
-                    tracked = subprocess.run(["git", "ls-files", source], cwd=REPO, capture_output=True, text=True,
-                                             check=True).stdout.split()
+                    tracked = subprocess.run(
+                        ["git", "ls-files", source], cwd=REPO, capture_output=True, text=True, check=True
+                    ).stdout.split()
                     missing = [f for f in tracked if f.endswith(".py") and f not in inside]
                     assert not missing, f"COPY {source}: .dockerignore leaves out {missing[:5]}"
 
@@ -191,20 +194,37 @@ def test_the_build_stage_replayed_in_a_fresh_virtualenv_runs_the_picker(tmp_path
                     into.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy2(context / file, into)
         elif instruction == "RUN":
-            done = subprocess.run(["bash", "-euo", "pipefail", "-c", arguments], cwd=workdir, env=env, capture_output=True,
-                                  text=True, timeout=800, check=False)
+            done = subprocess.run(
+                ["bash", "-euo", "pipefail", "-c", arguments],
+                cwd=workdir,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=800,
+                check=False,
+            )
             assert done.returncode == 0, f"RUN {arguments}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     kvroute = venv / "bin" / "kvroute"
-    picker = subprocess.run([str(kvroute), "epp", "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                            check=False)
+    picker = subprocess.run(
+        [str(kvroute), "epp", "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
+    )
     assert picker.returncode == 0 and "--grpc-port" in picker.stdout, picker.stderr
-    code = ("from envoy.service.ext_proc.v3 import external_processor_pb2, external_processor_pb2_grpc\n"
-            "from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter\n"
-            "from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope\n")
-    imported = subprocess.run([str(venv / "bin" / "python"), "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=120, check=False)
+    code = (
+        "from envoy.service.ext_proc.v3 import external_processor_pb2, external_processor_pb2_grpc\n"
+        "from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter\n"
+        "from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope\n"
+    )
+    imported = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
+    )
     assert imported.returncode == 0, imported.stderr[-2000:]
-    check = subprocess.run([str(venv / "bin" / "python"), str(REPO / "scripts" / "restore_shadowed_protos.py"), "--check"],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    check = subprocess.run(
+        [str(venv / "bin" / "python"), str(REPO / "scripts" / "restore_shadowed_protos.py"), "--check"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert check.returncode == 0, check.stderr
     assert not (venv / "bin" / "pip").exists(), "the build stage removes pip from the virtualenv it ships"

@@ -40,8 +40,17 @@ from tests.deploy.manifests import (
 )
 
 OVERLAYS = ("single", "ha")
-COMPONENTS = ((), ("sglang",), ("trtllm",), ("mtls",), ("sglang", "mtls"), ("trtllm", "mtls"), ("gateway",),
-              ("prometheus-operator",), ("gateway", "mtls", "prometheus-operator"))
+COMPONENTS = (
+    (),
+    ("sglang",),
+    ("trtllm",),
+    ("mtls",),
+    ("sglang", "mtls"),
+    ("trtllm", "mtls"),
+    ("gateway",),
+    ("prometheus-operator",),
+    ("gateway", "mtls", "prometheus-operator"),
+)
 KVROUTE_COMMANDS = ("control-plane", "router", "agent")  # and "epp" with components/gateway
 # The Secret the ha overlay reads (yours to create; README): its password goes into the Redis URL as is.
 REDIS_SECRET = {("kvroute-redis", "password"): "0123456789abcdef0123456789abcdef"}
@@ -56,10 +65,30 @@ TLS_FILES = ("tls.crt", "tls.key", "ca.crt")  # what the Secret holds (cert-mana
 def write_test_certificates(directory: Path) -> None:
     """A self-signed certificate as the Secret would hold it, for flags that check their file at start."""
     directory.mkdir(parents=True)
-    made = subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                           "-nodes", "-days", "1", "-subj", "/CN=kvroute-control-plane",
-                           "-keyout", str(directory / "tls.key"), "-out", str(directory / "tls.crt")],
-                          capture_output=True, text=True, timeout=60, check=False)
+    made = subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=kvroute-control-plane",
+            "-keyout",
+            str(directory / "tls.key"),
+            "-out",
+            str(directory / "tls.crt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert made.returncode == 0, f"openssl could not make a test certificate: {made.stderr}"
     (directory / "ca.crt").write_bytes((directory / "tls.crt").read_bytes())
 
@@ -67,8 +96,11 @@ def write_test_certificates(directory: Path) -> None:
 def tls_flags_exist() -> bool:
     """The security work adds --tls-cert/--tls-key/--tls-ca; until it has landed, components/mtls names
     keys no command has, and the check below must fail on exactly that (strict xfail)."""
-    return all(has_key(cli.command_parser(name)[0], key) for name in (*KVROUTE_COMMANDS, "epp")
-               for key in ("tls_cert", "tls_key", "tls_ca"))
+    return all(
+        has_key(cli.command_parser(name)[0], key)
+        for name in (*KVROUTE_COMMANDS, "epp")
+        for key in ("tls_cert", "tls_key", "tls_ca")
+    )
 
 
 def variants() -> Iterator[Any]:
@@ -76,29 +108,49 @@ def variants() -> Iterator[Any]:
         for components in COMPONENTS:
             marks = []
             if "mtls" in components and not tls_flags_exist():
-                marks.append(pytest.mark.xfail(strict=True, raises=AssertionError,
-                                               reason="tls_cert/tls_key/tls_ca: the TLS flags are not in the CLI yet"))
+                marks.append(
+                    pytest.mark.xfail(
+                        strict=True, raises=AssertionError, reason="tls_cert/tls_key/tls_ca: the TLS flags are not in the CLI yet"
+                    )
+                )
             yield pytest.param(overlay, components, id="+".join((overlay, *components)), marks=marks)
 
 
-@pytest.mark.parametrize(("overlay", "components"),
-                         [pytest.param(o, c, id="+".join((o, *c))) for o in OVERLAYS for c in COMPONENTS])
-def test_every_overlay_renders_and_validates_offline(deploy_tools: DeployTools, tmp_path: Path, overlay: str,
-                                                     components: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(
+    ("overlay", "components"), [pytest.param(o, c, id="+".join((o, *c))) for o in OVERLAYS for c in COMPONENTS]
+)
+def test_every_overlay_renders_and_validates_offline(
+    deploy_tools: DeployTools, tmp_path: Path, overlay: str, components: tuple[str, ...]
+) -> None:
     docs = render(deploy_tools, overlay, components, tmp_path)
     result = validate(deploy_tools, tmp_path / "rendered.yaml")
     assert result.returncode == 0, result.stdout + result.stderr
     kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
-    assert {("StatefulSet", "kvroute-control-plane"), ("Deployment", "kvroute-router"), ("Deployment", "kvroute-engine"),
-            ("Service", "kvroute-control-plane"), ("Service", "kvroute-router"),
-            ("NetworkPolicy", "kvroute-control-plane")} <= kinds
+    assert {
+        ("StatefulSet", "kvroute-control-plane"),
+        ("Deployment", "kvroute-router"),
+        ("Deployment", "kvroute-engine"),
+        ("Service", "kvroute-control-plane"),
+        ("Service", "kvroute-router"),
+        ("NetworkPolicy", "kvroute-control-plane"),
+    } <= kinds
     assert by_kind(docs, "Service")["kvroute-control-plane"]["spec"]["clusterIP"] == "None"  # headless
     if "gateway" in components:
-        assert {("InferencePool", "kvroute"), ("HTTPRoute", "kvroute"), ("Deployment", "kvroute-epp"),
-                ("Service", "kvroute-epp"), ("PodDisruptionBudget", "kvroute-epp")} <= kinds
+        assert {
+            ("InferencePool", "kvroute"),
+            ("HTTPRoute", "kvroute"),
+            ("Deployment", "kvroute-epp"),
+            ("Service", "kvroute-epp"),
+            ("PodDisruptionBudget", "kvroute-epp"),
+        } <= kinds
     if "prometheus-operator" in components:
-        assert {("PrometheusRule", "kvroute"), ("ServiceMonitor", "kvroute-control-plane"), ("ServiceMonitor", "kvroute-router"),
-                ("ServiceMonitor", "kvroute-epp"), ("PodMonitor", "kvroute-agent")} <= kinds
+        assert {
+            ("PrometheusRule", "kvroute"),
+            ("ServiceMonitor", "kvroute-control-plane"),
+            ("ServiceMonitor", "kvroute-router"),
+            ("ServiceMonitor", "kvroute-epp"),
+            ("PodMonitor", "kvroute-agent"),
+        } <= kinds
 
 
 def broken(docs: list[dict[str, Any]], kind: str, name: str, edit: Callable[[dict[str, Any]], object]) -> list[dict[str, Any]]:
@@ -119,9 +171,13 @@ CUSTOM_BREAKS = {
     "bad Gateway API duration": ("HTTPRoute", "kvroute", lambda d: d["spec"]["rules"][0]["timeouts"].update(request="10 min")),
     "ServiceMonitor without endpoints": ("ServiceMonitor", "kvroute-router", lambda d: d["spec"].pop("endpoints")),
     "misspelt PodMonitor field": ("PodMonitor", "kvroute-agent", lambda d: d["spec"]["podMetricsEndpoints"][0].update(prot="x")),
-    "rule both alerting and recording": ("PrometheusRule", "kvroute",
-                                         lambda d: d["spec"]["groups"][0]["rules"][0].update(record="kvroute:x")),
+    "rule both alerting and recording": (
+        "PrometheusRule",
+        "kvroute",
+        lambda d: d["spec"]["groups"][0]["rules"][0].update(record="kvroute:x"),
+    ),
 }
+
 
 def test_the_validator_rejects_what_the_api_server_would(deploy_tools: DeployTools, tmp_path: Path) -> None:
     """The validation is a real check: a misspelt field and a wrong type in a rendered overlay fail it."""
@@ -150,8 +206,9 @@ def test_the_custom_resources_validator_rejects_what_the_crds_would(deploy_tools
     assert result.returncode != 0 and "no schema for Widget example.com/v1" in result.stdout, result.stdout
 
 
-def parse_container(command: str, container: dict[str, Any], config_dir: Path,
-                    monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+def parse_container(
+    command: str, container: dict[str, Any], config_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Any, Any]:
     """The container's arguments and environment through the real CLI, its config directory (the
     ConfigMap's files) at `config_dir`. Fails with the CLI's own one-line error."""
     args = [str(config_dir) if a == CONFIG_DIR else a for a in container["args"][1:]]
@@ -169,9 +226,9 @@ def parse_container(command: str, container: dict[str, Any], config_dir: Path,
 
 
 @pytest.mark.parametrize(("overlay", "components"), list(variants()))
-def test_every_flag_env_and_config_key_the_manifests_use_exists(deploy_tools: DeployTools, tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch, overlay: str,
-                                                                components: tuple[str, ...]) -> None:
+def test_every_flag_env_and_config_key_the_manifests_use_exists(
+    deploy_tools: DeployTools, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overlay: str, components: tuple[str, ...]
+) -> None:
     docs = render(deploy_tools, overlay, components, tmp_path)
     seen = set()
     parsed: dict[str, Any] = {}
@@ -280,7 +337,7 @@ def test_probes_resources_budgets_policies_and_replicas(deploy_tools: DeployTool
         assert args[args.index("--requirepass") + 1] == REDIS_SECRET[("kvroute-redis", "password")]
         assert env["REDISCLI_AUTH"] == REDIS_SECRET[("kvroute-redis", "password")]
         assert redis["readinessProbe"]["exec"]["command"][0] == "redis-cli"
-        rule, = policies["kvroute-redis"]["spec"]["ingress"]
+        (rule,) = policies["kvroute-redis"]["spec"]["ingress"]
         assert selects(policies["kvroute-redis"]["spec"]["podSelector"], pod_labels(pods["kvroute-redis"]))
         assert [p["port"] for p in rule["ports"]] == ["redis"]
         for name, workload in pods.items():
@@ -288,4 +345,3 @@ def test_probes_resources_budgets_policies_and_replicas(deploy_tools: DeployTool
             assert admitted == (name == "kvroute-control-plane"), name
         config = next(iter(by_kind(docs, "ConfigMap").values()))["data"]
         assert "redis" not in tomllib.loads(config["20-ha.toml"])["control-plane"], "the URL with its password is env only"
-

@@ -15,7 +15,8 @@ from tests.deploy.manifests import by_kind, pod_labels, render, selects, workloa
 def test_the_prometheus_rule_is_generated_from_the_rules_file() -> None:
     assert prometheus_rules.PROMETHEUS_RULE.read_text() == prometheus_rules.render(), (
         "deploy/prometheus/kvroute-prometheusrule.yaml differs from kvroute-alerts.yaml's rules: "
-        "run .venv/bin/python -m tests.deploy.prometheus_rules")
+        "run .venv/bin/python -m tests.deploy.prometheus_rules"
+    )
     rules = yaml.safe_load(prometheus_rules.RULES.read_text())
     assert yaml.safe_load(prometheus_rules.PROMETHEUS_RULE.read_text())["spec"]["groups"] == rules["groups"]
 

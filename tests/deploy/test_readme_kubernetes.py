@@ -20,8 +20,9 @@ def test_the_kubernetes_block_makes_a_usable_redis_secret_and_renders_ha(deploy_
     (block,) = doc_sh_blocks("README.md", "## Kubernetes")
     (tmp_path / "deploy").symlink_to(REPO / "deploy")
     env = {**os.environ, "PATH": f"{deploy_tools.kubectl.parent}:{os.environ['PATH']}"}
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=120, check=False)
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
     assert done.returncode == 0, done.stderr
     secret = yaml.safe_load((tmp_path / "kvroute-redis-secret.yaml").read_text())
     assert (secret["kind"], secret["metadata"]["name"]) == ("Secret", "kvroute-redis")

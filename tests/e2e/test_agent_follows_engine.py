@@ -94,22 +94,36 @@ def test_an_agent_on_a_wrong_kv_events_port_warns_and_is_not_ready_while_request
     cluster.wait_engines_healthy()
     cluster.wait_workers_registered()  # both engines answer: both workers are advertised
     router = cluster.start_router("rr", "round_robin")
-    wait_until(lambda: {served_by(router, cluster) for _ in range(4)} == {"good", "bad"}, 30,
-               "requests routed to both workers", cluster.all_processes())
+    wait_until(
+        lambda: {served_by(router, cluster) for _ in range(4)} == {"good", "bad"},
+        30,
+        "requests routed to both workers",
+        cluster.all_processes(),
+    )
 
     with traffic(cluster, router):
-        silent = wait_until(lambda: agent_gauge(bad.agent_metrics_url, "kvroute_agent_event_stream_silent") == 1, 60,
-                            "the agent on the wrong port to find its stream silent", cluster.all_processes())
+        silent = wait_until(
+            lambda: agent_gauge(bad.agent_metrics_url, "kvroute_agent_event_stream_silent") == 1,
+            60,
+            "the agent on the wrong port to find its stream silent",
+            cluster.all_processes(),
+        )
         assert silent
         text = log_of(bad.agent)
         assert "KV event stream silent: the engine computed" in text and f"--kv-events tcp://127.0.0.1:{wrong}" in text
-        wait_until(lambda: f"bad: no connection to the engine's publisher at tcp://127.0.0.1:{wrong} for"
-                   in log_of(bad.agent), 30, "the publisher warning", [bad.agent])
+        wait_until(
+            lambda: f"bad: no connection to the engine's publisher at tcp://127.0.0.1:{wrong} for" in log_of(bad.agent),
+            30,
+            "the publisher warning",
+            [bad.agent],
+        )
         status, body = get_ready(bad.agent_metrics_url)
         assert status == 503 and body["event_stream_silent"] is True, body
         assert any(p.startswith("KV event stream silent: the engine computed") for p in body["problems"]), body
-        assert any(f"bad: not receiving KV events (no connection to the engine's publisher at tcp://127.0.0.1:{wrong})"
-                   in p for p in body["problems"]), body
+        assert any(
+            f"bad: not receiving KV events (no connection to the engine's publisher at tcp://127.0.0.1:{wrong})" in p
+            for p in body["problems"]
+        ), body
         # Its neighbour on the right port, under the same traffic, follows its engine: ready and quiet.
         status, body = get_ready(good.agent_metrics_url)
         assert status == 200 and body["problems"] == [] and body["event_stream_silent"] is False, body
@@ -129,8 +143,12 @@ def test_a_connected_publisher_that_withholds_its_events_is_a_silent_stream_unti
     assert status == 200, raw
 
     with traffic(cluster, engine.url):
-        wait_until(lambda: get_ready(engine.agent_metrics_url)[1].get("event_stream_silent"), 60,
-                   "the agent to find its stream silent", cluster.all_processes())
+        wait_until(
+            lambda: get_ready(engine.agent_metrics_url)[1].get("event_stream_silent"),
+            60,
+            "the agent to find its stream silent",
+            cluster.all_processes(),
+        )
     status, body = get_ready(engine.agent_metrics_url)
     assert status == 503 and body["workers"][0]["following_events"] is True, body  # connected, yet nothing arrives
     assert any(p.startswith("KV event stream silent") for p in body["problems"]), body
@@ -143,18 +161,37 @@ def test_a_connected_publisher_that_withholds_its_events_is_a_silent_stream_unti
     engine.engine.start()
     cluster.wait_engines_healthy()
     with traffic(cluster, engine.url):
-        wait_until(lambda: get_ready(engine.agent_metrics_url)[0] == 200, 60, "the agent ready again",
-                   cluster.all_processes())
+        wait_until(lambda: get_ready(engine.agent_metrics_url)[0] == 200, 60, "the agent ready again", cluster.all_processes())
     assert agent_gauge(engine.agent_metrics_url, "kvroute_agent_event_stream_silent") == 0
     assert "KV events arrive again" in log_of(engine.agent)
 
 
 def _sim_engine(cluster: LocalCluster, name: str, port: int, events: int, replay: int) -> ManagedProcess:
-    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",
-                         "replay_endpoint": f"tcp://*:{replay}"})
-    return ManagedProcess(name, kvroute_argv(
-        "sim-engine", "--host", "127.0.0.1", "--port", str(port), "--model", cluster.model, "--tokenizer",
-        str(cluster.tokenizer_dir), "--kv-events-config", config), cluster.workdir / f"{name}.log")
+    config = json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{events}",
+            "replay_endpoint": f"tcp://*:{replay}",
+        }
+    )
+    return ManagedProcess(
+        name,
+        kvroute_argv(
+            "sim-engine",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--model",
+            cluster.model,
+            "--tokenizer",
+            str(cluster.tokenizer_dir),
+            "--kv-events-config",
+            config,
+        ),
+        cluster.workdir / f"{name}.log",
+    )
 
 
 def test_an_agent_never_registers_a_worker_for_a_dead_engine_url(local_fleet) -> None:
@@ -162,11 +199,29 @@ def test_an_agent_never_registers_a_worker_for_a_dead_engine_url(local_fleet) ->
     cluster.start_control_plane()
     port, events, replay, metrics = free_port(), free_port(), free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
-    agent = ManagedProcess("agent", kvroute_argv(
-        "agent", "--control-plane", cluster.control_plane_addr, "--engine", "vllm", "--engine-url", url,
-        "--kv-events", f"tcp://127.0.0.1:{events}", "--replay-endpoint", f"tcp://127.0.0.1:{replay}",
-        "--worker-id", "ghost", "--model", cluster.model, "--metrics-port", str(metrics)),
-        cluster.workdir / "agent.log")
+    agent = ManagedProcess(
+        "agent",
+        kvroute_argv(
+            "agent",
+            "--control-plane",
+            cluster.control_plane_addr,
+            "--engine",
+            "vllm",
+            "--engine-url",
+            url,
+            "--kv-events",
+            f"tcp://127.0.0.1:{events}",
+            "--replay-endpoint",
+            f"tcp://127.0.0.1:{replay}",
+            "--worker-id",
+            "ghost",
+            "--model",
+            cluster.model,
+            "--metrics-port",
+            str(metrics),
+        ),
+        cluster.workdir / "agent.log",
+    )
     agent.start()
     engine: ManagedProcess | None = None
     metrics_url = f"http://127.0.0.1:{metrics}"
@@ -179,8 +234,10 @@ def test_an_agent_never_registers_a_worker_for_a_dead_engine_url(local_fleet) ->
         wait_until(asked_three_times, 60, "three attempts to reach the engine", [agent, cluster.control_plane])
         status, body = get_ready(metrics_url)
         assert status == 503 and body["engine_answering"] is False and body["workers"][0]["registered"] is False
-        assert any(p.startswith(f"engine {url}/v1/models does not answer (") and "ghost not registered until it answers"
-                   in p for p in body["problems"]), body
+        assert any(
+            p.startswith(f"engine {url}/v1/models does not answer (") and "ghost not registered until it answers" in p
+            for p in body["problems"]
+        ), body
         assert agent_gauge(metrics_url, "kvroute_agent_engine_answering") == 0
         text = log_of(agent)
         assert f"{url}/v1/models unavailable" in text and "register once the engine answers GET /v1/models" in text
@@ -189,8 +246,12 @@ def test_an_agent_never_registers_a_worker_for_a_dead_engine_url(local_fleet) ->
         # An engine comes up there: the worker registers, and the agent follows it.
         engine = _sim_engine(cluster, "engine", port, events, replay)
         engine.start()
-        wait_until(lambda: [w.worker_id for w in cluster.list_workers()] == ["ghost"], 60, "the worker registered",
-                   [agent, engine, cluster.control_plane])
+        wait_until(
+            lambda: [w.worker_id for w in cluster.list_workers()] == ["ghost"],
+            60,
+            "the worker registered",
+            [agent, engine, cluster.control_plane],
+        )
         wait_until(lambda: get_ready(metrics_url)[0] == 200, 30, "the agent ready", [agent, engine])
         assert f"engine {url} answers (model {cluster.model}): registering ghost" in log_of(agent)
     finally:
@@ -206,15 +267,21 @@ def test_an_engine_gone_for_longer_than_the_bound_is_withdrawn_and_comes_back(lo
     cluster.wait_engines_healthy()
     cluster.wait_workers_registered()
     engine.engine.kill()
-    wait_until(lambda: cluster.list_workers() == [], 60, "the worker dropped by the control plane",
-               [engine.agent, cluster.control_plane])
+    wait_until(
+        lambda: cluster.list_workers() == [], 60, "the worker dropped by the control plane", [engine.agent, cluster.control_plane]
+    )
     text = log_of(engine.agent)
     assert f"engine {engine.url} has not answered GET /v1/models for 2s" in text and "withdrawing engine-0" in text
     status, body = get_ready(engine.agent_metrics_url)
-    assert status == 503 and any("engine-0 withdrawn from the control plane until it answers" in p
-                                 for p in body["problems"]), body
+    assert status == 503 and any("engine-0 withdrawn from the control plane until it answers" in p for p in body["problems"]), (
+        body
+    )
 
     engine.engine.start()  # the same ports
-    wait_until(lambda: [w.worker_id for w in cluster.list_workers()] == ["engine-0"], 60, "the worker back",
-               [engine.agent, engine.engine, cluster.control_plane])
+    wait_until(
+        lambda: [w.worker_id for w in cluster.list_workers()] == ["engine-0"],
+        60,
+        "the worker back",
+        [engine.agent, engine.engine, cluster.control_plane],
+    )
     wait_until(lambda: get_ready(engine.agent_metrics_url)[0] == 200, 30, "the agent ready again", [engine.agent])

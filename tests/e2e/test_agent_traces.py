@@ -35,15 +35,21 @@ def test_control_plane_apply_span_is_a_child_of_the_agents_batch_span(local_flee
     (engine,) = cluster.start_sim_fleet(1)
     cluster.wait_engines_healthy()
     cluster.wait_workers_registered(1)
-    status, _ = http_post_json(engine.url + "/v1/completions",
-                               {"model": cluster.model, "prompt": "the cache router worker " * 40, "max_tokens": 2})
+    status, _ = http_post_json(
+        engine.url + "/v1/completions", {"model": cluster.model, "prompt": "the cache router worker " * 40, "max_tokens": 2}
+    )
     assert status == 200
     agent_log = cluster.workdir / f"agent-{engine.worker_id}.log"
     cp_log = cluster.workdir / "control-plane.log"
 
     def linked() -> tuple[dict, dict] | None:
-        sends = {s["context"]["span_id"]: s for s in console_spans(agent_log) if s["name"] == "kvroute.agent.send_batch"
-                 and s["attributes"].get("kvroute.events", 0) > 0 and not s["attributes"].get("kvroute.snapshot")}
+        sends = {
+            s["context"]["span_id"]: s
+            for s in console_spans(agent_log)
+            if s["name"] == "kvroute.agent.send_batch"
+            and s["attributes"].get("kvroute.events", 0) > 0
+            and not s["attributes"].get("kvroute.snapshot")
+        }
         for apply in console_spans(cp_log):
             if apply["name"] == "kvroute.cp.apply_batch" and apply.get("parent_id") in sends:
                 return sends[apply["parent_id"]], apply

@@ -18,8 +18,11 @@ from tests.helpers import FakeAgent, run_audit
 
 def test_compare_reports_missing_and_extra_per_tier() -> None:
     result = compare({"gpu": {1, 2, 3}, "cpu": {7}, "disk": set()}, {"gpu": {2, 3, 4}, "cpu": {7}})
-    assert result == {"cpu": TierDivergence(set(), set(), 1, 1), "disk": TierDivergence(set(), set(), 0, 0),
-                      "gpu": TierDivergence({4}, {1}, 3, 3)}
+    assert result == {
+        "cpu": TierDivergence(set(), set(), 1, 1),
+        "disk": TierDivergence(set(), set(), 0, 0),
+        "gpu": TierDivergence({4}, {1}, 3, 3),
+    }
 
 
 def test_settle_keeps_only_divergence_seen_both_times() -> None:
@@ -39,8 +42,9 @@ def fleet(module_local_fleet):
     """A control plane auditing itself every 0.5 s (and serving /metrics), one sim engine with its agent."""
     c = module_local_fleet("audit", heartbeat_timeout_s=30)
     metrics_port = free_port()
-    c.start_control_plane(extra_args=("--metrics-port", str(metrics_port), "--audit-interval-s", "0.5",
-                                      "--audit-settle-ms", "200"))
+    c.start_control_plane(
+        extra_args=("--metrics-port", str(metrics_port), "--audit-interval-s", "0.5", "--audit-settle-ms", "200")
+    )
     # A small GPU cache with a CPU tier, so both tiers hold blocks.
     c.start_sim_fleet(1, "--speedup", "50", "--num-blocks", "24", cpu_offload_blocks=16)
     engine = c.engines[0]
@@ -57,8 +61,7 @@ def engine_truth(url: str) -> dict[str, set[int]]:
 
 def control_plane_keys(address: str, worker_id: str) -> dict[str, set[int]]:
     with grpc.insecure_channel(address) as channel:
-        response = pb_grpc.ControlPlaneStub(channel).GetWorkerKeys(pb.GetWorkerKeysRequest(worker_id=worker_id),
-                                                                   timeout=5)
+        response = pb_grpc.ControlPlaneStub(channel).GetWorkerKeys(pb.GetWorkerKeysRequest(worker_id=worker_id), timeout=5)
     return {pb.Tier.Name(tier.tier).removeprefix("TIER_").lower(): set(tier.block_keys) for tier in response.tiers}
 
 
@@ -68,8 +71,12 @@ async def test_audit_of_a_truthful_fleet_finds_no_divergence(fleet) -> None:
     truth = engine_truth(engine.url)
     assert truth["gpu"] and truth["cpu"]  # both tiers are exercised
     # Let the agent's events land, then audit with the real command.
-    wait_until(lambda: control_plane_keys(cluster.control_plane_addr, engine.worker_id).get("cpu") == truth["cpu"],
-               20, "the control plane to catch up", cluster.all_processes())
+    wait_until(
+        lambda: control_plane_keys(cluster.control_plane_addr, engine.worker_id).get("cpu") == truth["cpu"],
+        20,
+        "the control plane to catch up",
+        cluster.all_processes(),
+    )
     code, result, output = await run_audit(cluster)
     assert code == 0, output
     assert result["divergence"] == 0 and result["audited"] == 1 and result["errors"] == []
@@ -107,10 +114,12 @@ async def test_audit_finds_what_the_control_plane_was_told_falsely(fleet) -> Non
         assert code == 0 and [w["worker_id"] for w in result["workers"]] == [engine.worker_id]
         code, result, _ = await run_audit(cluster, "--worker", "nobody", "--json")
         assert code == 2 and "nobody" in result["errors"][0]
+
         # The control plane's own periodic audit exports the same per worker, tier and kind.
         def divergence_exported():
             text = http_get(metrics_url + "/metrics")[1].decode()
             return 'kvroute_cp_audit_divergent_blocks{kind="missing",medium="gpu",worker="liar"} 2.0' in text and text
+
         text = wait_until(divergence_exported, 20, "the periodic audit to report the liar", cluster.all_processes())
         assert 'kvroute_cp_audit_divergent_blocks{kind="extra",medium="gpu",worker="liar"} 2.0' in text
         assert f'kvroute_cp_audit_divergent_blocks{{kind="missing",medium="gpu",worker="{engine.worker_id}"}} 0.0' in text
@@ -125,7 +134,9 @@ async def test_audit_finds_what_the_control_plane_was_told_falsely(fleet) -> Non
 async def test_audit_exits_2_when_the_control_plane_is_unreachable() -> None:
     proc = await asyncio.create_subprocess_exec(
         *kvroute_argv("audit", "--control-plane", f"127.0.0.1:{free_port()}", "--timeout-s", "1", "--json"),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, _ = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2 and "ListWorkers" in json.loads(out.decode().splitlines()[-1])["errors"][0]
 
@@ -137,10 +148,13 @@ async def test_an_audit_that_audits_nothing_says_so_and_exits_2_unless_allowed()
     server = ControlPlaneServer(ControlPlaneConfig(listen="127.0.0.1:0"))
     port = await server.start()
     try:
+
         async def audit(*args: str) -> tuple[int, dict, str]:
             proc = await asyncio.create_subprocess_exec(
                 *kvroute_argv("audit", "--control-plane", f"127.0.0.1:{port}", *args),
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
             out, err = await asyncio.wait_for(proc.communicate(), 60)
             return proc.returncode, json.loads(out.decode().splitlines()[-1]), err.decode()
 

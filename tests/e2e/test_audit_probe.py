@@ -31,6 +31,7 @@ PROBE_HIT = PROBE_BLOCKS * BLOCK_SIZE
 
 async def test_trtllm_is_not_probed_and_its_metrics_are_not_read() -> None:
     """Reading trtllm-serve's /metrics would drain the iteration stats its agent needs."""
+
     async def held(keys: list[int]) -> int:
         raise AssertionError("a TensorRT-LLM worker must not be probed")
 
@@ -61,11 +62,13 @@ class BlindFront:
         if request.path == "/kvroute/blocks":
             return web.json_response({"detail": "Not Found"}, status=404)
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "x-data-parallel-rank")}
-        async with self._http.request(request.method, self.upstream + request.path_qs, data=await request.read(),
-                                      headers=headers) as response:
+        async with self._http.request(
+            request.method, self.upstream + request.path_qs, data=await request.read(), headers=headers
+        ) as response:
             body = await response.read()
-            return web.Response(body=body, status=response.status,
-                                headers={"Content-Type": response.headers.get("Content-Type", "text/plain")})
+            return web.Response(
+                body=body, status=response.status, headers={"Content-Type": response.headers.get("Content-Type", "text/plain")}
+            )
 
     async def _start(self) -> None:
         self._http = aiohttp.ClientSession()
@@ -94,15 +97,19 @@ class BlindFront:
 class Fleet:
     cluster: LocalCluster
     front: BlindFront
-    blind: str       # worker id of the vLLM-dialect engine behind the front
-    sglang: str      # worker id of the SGLang-dialect engine (serves its block set)
+    blind: str  # worker id of the vLLM-dialect engine behind the front
+    sglang: str  # worker id of the SGLang-dialect engine (serves its block set)
     engine_url: str  # the blind engine's own address
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, tiny_model_dir):
-    c = LocalCluster(workdir=tmp_path_factory.mktemp("audit-probe"), tokenizer_dir=tiny_model_dir, heartbeat_timeout_s=30,
-                     block_size=BLOCK_SIZE)
+    c = LocalCluster(
+        workdir=tmp_path_factory.mktemp("audit-probe"),
+        tokenizer_dir=tiny_model_dir,
+        heartbeat_timeout_s=30,
+        block_size=BLOCK_SIZE,
+    )
     front = None
     try:
         c.start_control_plane()
@@ -166,8 +173,9 @@ async def test_probe_finds_a_worker_whose_events_never_reach_the_control_plane(f
     liar = FakeAgent(fleet.cluster.control_plane_addr)
     try:
         await liar.claim("liar", fleet.front.url, {"gpu": [11, 12, 13]})
-        code, result, output = await run_audit(fleet.cluster, "--probe", "--worker", "liar", "--worker", fleet.blind,
-                                               "--probe-deadline-s", "1")
+        code, result, output = await run_audit(
+            fleet.cluster, "--probe", "--worker", "liar", "--worker", fleet.blind, "--probe-deadline-s", "1"
+        )
         assert code == 1, output
         workers = workers_by_id(result)
         worker = workers["liar"]
@@ -203,8 +211,7 @@ async def probe_in_process(fleet: Fleet, make_prober) -> WorkerAudit:
     """The blind worker's probe audit by `make_prober(http)`, in this process, against the live fleet."""
     async with grpc.aio.insecure_channel(fleet.cluster.control_plane_addr) as channel:
         stub = pb_grpc.ControlPlaneStub(channel)
-        info = next(w for w in (await stub.ListWorkers(pb.ListWorkersRequest(), timeout=5)).workers
-                    if w.worker_id == fleet.blind)
+        info = next(w for w in (await stub.ListWorkers(pb.ListWorkersRequest(), timeout=5)).workers if w.worker_id == fleet.blind)
         async with aiohttp.ClientSession() as http:
             return await make_prober(http).audit(probe_target(stub, info))
 
@@ -242,16 +249,18 @@ class NoisyProber(Prober):
     async def _send(self, target: ProbeTarget, prompt: list[int]) -> int | None:
         self.sends += 1
         if self.sends in self.noisy:
-            async with self.http.post(self.engine_url + "/v1/completions",
-                                      json={"prompt": self.noise, "max_tokens": 1}) as response:
+            async with self.http.post(
+                self.engine_url + "/v1/completions", json={"prompt": self.noise, "max_tokens": 1}
+            ) as response:
                 assert response.status == 200, await response.text()
         cached = await super()._send(target, prompt)
         return cached if self.usage else None
 
 
 async def test_other_requests_in_the_measurement_are_not_counted_as_the_probe_s(fleet: Fleet) -> None:
-    status, body = http_post_json(fleet.engine_url + "/v1/completions",
-                                  {"prompt": NoisyProber(None, "", set(), True).noise, "max_tokens": 1})
+    status, body = http_post_json(
+        fleet.engine_url + "/v1/completions", {"prompt": NoisyProber(None, "", set(), True).noise, "max_tokens": 1}
+    )
     assert status == 200, body  # the noise prompt is cached now: each noisy send adds its hit to the counters
     # The window of the second send has other tokens in it: the response's cached_tokens is used instead.
     audit = await probe_in_process(fleet, lambda http: NoisyProber(http, fleet.engine_url, {2}, True, force=True))
@@ -269,8 +278,7 @@ async def test_other_requests_in_the_measurement_are_not_counted_as_the_probe_s(
     assert audit.status == "ok" and audit.divergence == 0 and audit.probe.source == "metrics", audit
     assert audit.probe.engine_hit_tokens == PROBE_HIT and prober.sends == 4
     # Never alone: an error, not a guess.
-    audit = await probe_in_process(fleet, lambda http: NoisyProber(http, fleet.engine_url, {2, 3, 4}, False,
-                                                                   force=True))
+    audit = await probe_in_process(fleet, lambda http: NoisyProber(http, fleet.engine_url, {2, 3, 4}, False, force=True))
     assert audit.status == "error" and "busy" in audit.detail, audit
 
 
@@ -278,12 +286,22 @@ async def test_control_plane_probes_periodically_and_exports_the_divergence(flee
     """A second control plane, auditing itself with --audit-probe, fed by a second agent of the blind engine
     (its ZMQ publisher serves both agents) and by the lying fake agent."""
     metrics_port = free_port()
-    second = LocalCluster(workdir=tmp_path, tokenizer_dir=fleet.cluster.tokenizer_dir, heartbeat_timeout_s=3,
-                          block_size=BLOCK_SIZE)
+    second = LocalCluster(
+        workdir=tmp_path, tokenizer_dir=fleet.cluster.tokenizer_dir, heartbeat_timeout_s=3, block_size=BLOCK_SIZE
+    )
     liar = None
     try:
-        second.start_control_plane(extra_args=("--metrics-port", str(metrics_port), "--audit-interval-s", "0.3",
-                                               "--audit-probe", "--audit-probe-deadline-s", "1"))
+        second.start_control_plane(
+            extra_args=(
+                "--metrics-port",
+                str(metrics_port),
+                "--audit-interval-s",
+                "0.3",
+                "--audit-probe",
+                "--audit-probe-deadline-s",
+                "1",
+            )
+        )
         blind = next(e for e in fleet.cluster.engines if e.worker_id == fleet.blind)
         second.engines.append(dataclasses.replace(blind, url=fleet.front.url, agent=None))
         second.start_agent(second.engines[0])
@@ -298,15 +316,21 @@ async def test_control_plane_probes_periodically_and_exports_the_divergence(flee
             text = http_get(metrics)[1].decode()
             return f"{liar_series} {float(PROBE_BLOCKS)}" in text and f"{blind_series} 0.0" in text and text
 
-        text = await asyncio.to_thread(wait_until, exported, 30, "the periodic probe audit to export both workers",
-                                       second.all_processes())
+        text = await asyncio.to_thread(
+            wait_until, exported, 30, "the periodic probe audit to export both workers", second.all_processes()
+        )
         assert f'kvroute_cp_audit_last_success_timestamp_seconds{{worker="{fleet.blind}"}}' in text
         assert 'kvroute_cp_audit_runs_total{result="ok"}' in text
         # A worker that leaves (its agent stops heartbeating) loses its series.
         await liar.close()
         liar = None
-        await asyncio.to_thread(wait_until, lambda: liar_series not in http_get(metrics)[1].decode(), 30,
-                                "the liar's series to go", second.all_processes())
+        await asyncio.to_thread(
+            wait_until,
+            lambda: liar_series not in http_get(metrics)[1].decode(),
+            30,
+            "the liar's series to go",
+            second.all_processes(),
+        )
         assert blind_series in http_get(metrics)[1].decode()
     finally:
         if liar is not None:

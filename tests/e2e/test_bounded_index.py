@@ -30,8 +30,18 @@ async def test_a_bounded_control_plane_keeps_its_bound_and_its_audit_honest(loca
     cluster = local_fleet("bounded", heartbeat_timeout_s=30)
     metrics_port = free_port()
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-    cluster.start_control_plane(extra_args=("--max-index-entries", str(BOUND), "--metrics-port", str(metrics_port),
-                                            "--audit-interval-s", "0.5", "--audit-settle-ms", "200"))
+    cluster.start_control_plane(
+        extra_args=(
+            "--max-index-entries",
+            str(BOUND),
+            "--metrics-port",
+            str(metrics_port),
+            "--audit-interval-s",
+            "0.5",
+            "--audit-settle-ms",
+            "200",
+        )
+    )
     cluster.start_sim_fleet(1, "--speedup", "50", "--num-blocks", "128")
     engine = cluster.engines[0]
     for i in range(14):  # 14 prompts of 5 full blocks: ~70 blocks cached, the bound is 40
@@ -55,7 +65,8 @@ async def test_a_bounded_control_plane_keeps_its_bound_and_its_audit_honest(loca
     # GetWorkerKeys says how many of the worker's entries the bound dropped, beside the keys it kept.
     with grpc.insecure_channel(cluster.control_plane_addr) as channel:
         keys, call = pb_grpc.ControlPlaneStub(channel).GetWorkerKeys.with_call(
-            pb.GetWorkerKeysRequest(worker_id=engine.worker_id), timeout=5)
+            pb.GetWorkerKeysRequest(worker_id=engine.worker_id), timeout=5
+        )
     evicted = int(dict(call.initial_metadata())["kvroute-evicted-entries-gpu"])
     kept = {key for tier in keys.tiers for key in tier.block_keys}
     assert kept <= truth["gpu"] and len(kept) <= BOUND and evicted >= len(truth["gpu"] - kept) > 0
@@ -96,6 +107,7 @@ async def test_a_bounded_control_plane_keeps_its_bound_and_its_audit_honest(loca
 
 
 def test_a_negative_bound_is_a_usage_error() -> None:
-    done = subprocess.run(kvroute_argv("control-plane", "--max-index-entries", "-5"), check=False, capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        kvroute_argv("control-plane", "--max-index-entries", "-5"), check=False, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2 and "--max-index-entries: must be >= 0" in done.stderr

@@ -29,8 +29,12 @@ def cluster(module_local_fleet):
     for name in ("a", "b"):
         url = c.start_router(name, "kv_aware")
         # Every worker in its view: a burst sent to a router still syncing would be decided on load alone.
-        wait_until(lambda url=url: json.loads(http_get(url + "/ready")[1]).get("workers") == WORKERS, 30,
-                   f"router {name} with all {WORKERS} workers", c.all_processes())
+        wait_until(
+            lambda url=url: json.loads(http_get(url + "/ready")[1]).get("workers") == WORKERS,
+            30,
+            f"router {name} with all {WORKERS} workers",
+            c.all_processes(),
+        )
     return c
 
 

@@ -61,9 +61,20 @@ def test_engines_join_and_leave_the_fleet_with_the_dns_answer(local_fleet, dns: 
     cluster.wait_engines_healthy()
     cluster.wait_workers_registered(1)
     publish(dns, reported, a)
-    flags = ("--discover-engines", f"dnssrv://{NAME}", "--dns-server", f"127.0.0.1:{dns.port}",
-             "--discovery-interval-s", str(INTERVAL_S), "--discovery-empty-grace-s", str(GRACE_S),
-             "--health-check-interval-s", "0.3", "--health-failure-threshold", "2")
+    flags = (
+        "--discover-engines",
+        f"dnssrv://{NAME}",
+        "--dns-server",
+        f"127.0.0.1:{dns.port}",
+        "--discovery-interval-s",
+        str(INTERVAL_S),
+        "--discovery-empty-grace-s",
+        str(GRACE_S),
+        "--health-check-interval-s",
+        "0.3",
+        "--health-failure-threshold",
+        "2",
+    )
     rr = cluster.start_router("rr", "round_robin", *flags)
     kv = cluster.start_router("kv", "kv_aware", *flags)
     procs = cluster.all_processes()
@@ -95,8 +106,12 @@ def test_engines_join_and_leave_the_fleet_with_the_dns_answer(local_fleet, dns: 
     target = {"target": f"dnssrv://{NAME}"}
     before = sample_value(metrics(rr), "kvroute_router_discovery_failures_total", target) or 0
     dns.failing = "servfail"
-    wait_until(lambda: (sample_value(metrics(rr), "kvroute_router_discovery_failures_total", target) or 0) >= before + 3,
-               30, "three failed resolutions", procs)
+    wait_until(
+        lambda: (sample_value(metrics(rr), "kvroute_router_discovery_failures_total", target) or 0) >= before + 3,
+        30,
+        "three failed resolutions",
+        procs,
+    )
     assert known(rr) == {"engine-0", found_id(b)}
     assert served_by(rr, request, 4) == {"engine-0", found_id(b)}
     dns.failing = None
@@ -104,15 +119,18 @@ def test_engines_join_and_leave_the_fleet_with_the_dns_answer(local_fleet, dns: 
     # A discovered engine that dies is taken out by its health checks, before a request fails on it.
     b.engine.kill()
     procs = [p for p in procs if p is not b.engine]
-    wait_until(lambda: sample_value(metrics(rr), "kvroute_router_worker_healthy", {"worker": found_id(b)}) == 0, 30,
-               "engine-b down by its health checks", procs)
+    wait_until(
+        lambda: sample_value(metrics(rr), "kvroute_router_worker_healthy", {"worker": found_id(b)}) == 0,
+        30,
+        "engine-b down by its health checks",
+        procs,
+    )
     assert served_by(rr, request, 4) == {"engine-0"}
     assert not sample_value(metrics(rr), "kvroute_router_backend_errors_total", {"worker": found_id(b)})
 
     # An empty answer empties the discovered fleet, after the grace; the agent's worker stays.
     dns.clear()
-    wait_until(lambda: known(rr) == {"engine-0"} and known(kv) == {"engine-0"}, 30, "the discovered engines gone",
-               procs)
+    wait_until(lambda: known(rr) == {"engine-0"} and known(kv) == {"engine-0"}, 30, "the discovered engines gone", procs)
     assert sample_value(metrics(rr), "kvroute_router_discovered_engines", target) == 0
     log = cluster.routers["rr"].log_path.read_text()
     assert f"dnssrv://{NAME} answered no engine; keeping the 2 found before for {GRACE_S:g}s" in log, log[-3000:]

@@ -28,15 +28,12 @@ class Agent:
     def __init__(self, port: int, endpoint: str, **options) -> None:
         self.resolver = BlockResolver(MODEL)
         self.identity = WorkerIdentity("w1", MODEL, "vllm", 4, endpoint)
-        self.link = ControlPlaneLink(f"127.0.0.1:{port}", self.identity, self.resolver.snapshot_events,
-                                     pb.WorkerLoad, **options)
+        self.link = ControlPlaneLink(f"127.0.0.1:{port}", self.identity, self.resolver.snapshot_events, pb.WorkerLoad, **options)
         self.task = asyncio.create_task(self.link.run())
 
     async def close(self) -> None:
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
-
-
 
 
 async def test_the_second_agent_is_refused_logs_once_and_gets_the_id_when_the_first_leaves(caplog) -> None:
@@ -109,8 +106,10 @@ def test_two_agent_processes_with_one_worker_id(cluster: LocalCluster) -> None:
     cluster.wait_engines_healthy()
     for handle, seed in ((first, 1), (second, 2)):  # different prompts: different blocks on each engine
         for turn in range(3):
-            status, _ = http_post_json(handle.url + "/v1/completions", {
-                "model": cluster.model, "prompt": long_text(seed * 10 + turn, 120), "max_tokens": 2})
+            status, _ = http_post_json(
+                handle.url + "/v1/completions",
+                {"model": cluster.model, "prompt": long_text(seed * 10 + turn, 120), "max_tokens": 2},
+            )
             assert status == 200
 
     wait_until(lambda: http_ok(second.agent_metrics_url + "/health"), 30, "the second agent", [second.agent])
@@ -132,6 +131,7 @@ def test_two_agent_processes_with_one_worker_id(cluster: LocalCluster) -> None:
 
     # The first agent stops: the second one connects within its backoff (at most ~7.5 s).
     first.agent.stop()
-    wait_until(lambda: any(w.endpoint == second.url for w in cluster.list_workers()), 15,
-               "the second agent registered", [second.agent])
+    wait_until(
+        lambda: any(w.endpoint == second.url for w in cluster.list_workers()), 15, "the second agent registered", [second.agent]
+    )
     assert "accepted worker id 'engine-0' after" in second.agent.log_path.read_text()

@@ -35,18 +35,27 @@ def fleet(module_local_fleet) -> Iterator[tuple[LocalCluster, str, dict[str, str
     patient = ("--query-timeout-ms", "500")  # on a busy test host a 5 ms query deadline fails open now and then
     url = cluster.start_router("r", "kv_aware", *patient)
     main_metrics, nothing_metrics = free_port(), free_port()
-    epps = {"main": cluster.start_epp("main", "kv_aware", "--no-router-session", "--metrics-port", str(main_metrics),
-                                      *patient),
-            "main-metrics": f"http://127.0.0.1:{main_metrics}",
-            "session": cluster.start_epp("session", "kv_aware", *patient),
-            "nothing": cluster.start_epp("nothing", "kv_aware", "--model", "nothing-served", "--metrics-port",
-                                         str(nothing_metrics), "--control-plane", f"127.0.0.1:{free_port()}"),
-            "nothing-metrics": f"http://127.0.0.1:{nothing_metrics}",
-            "shedding": cluster.start_epp("shedding", "kv_aware", "--no-router-session", "--sheddable-objectives",
-                                          "batch", "--saturation-load", "1")}
+    epps = {
+        "main": cluster.start_epp("main", "kv_aware", "--no-router-session", "--metrics-port", str(main_metrics), *patient),
+        "main-metrics": f"http://127.0.0.1:{main_metrics}",
+        "session": cluster.start_epp("session", "kv_aware", *patient),
+        "nothing": cluster.start_epp(
+            "nothing",
+            "kv_aware",
+            "--model",
+            "nothing-served",
+            "--metrics-port",
+            str(nothing_metrics),
+            "--control-plane",
+            f"127.0.0.1:{free_port()}",
+        ),
+        "nothing-metrics": f"http://127.0.0.1:{nothing_metrics}",
+        "shedding": cluster.start_epp(
+            "shedding", "kv_aware", "--no-router-session", "--sheddable-objectives", "batch", "--saturation-load", "1"
+        ),
+    }
     for seed in range(6):  # different system prompts end up cached on different engines
-        status, raw = http_post_json(url + "/v1/completions", {"model": MODEL, "prompt": long_text(seed, 200),
-                                                               "max_tokens": 2})
+        status, raw = http_post_json(url + "/v1/completions", {"model": MODEL, "prompt": long_text(seed, 200), "max_tokens": 2})
         assert status == 200, raw
     wait_until(lambda: quiet(url), 15, "the engines idle and the index holding the warm-up prompts")
     # Every process refreshes its fleet view (cached blocks per worker: the kv_aware spread rule reads
@@ -62,8 +71,12 @@ def quiet(url: str) -> bool:
     for seed in range(6):
         status, raw = http_post_json(url + "/v1/route", {"model": MODEL, "prompt": long_text(seed, 200)})
         answer = json.loads(raw)
-        if status != 200 or answer["fail_open"] or not max(w["cached_tokens"] for w in answer["workers"]) or any(
-                w["running_requests"] or w["waiting_requests"] or w["inflight_requests"] for w in answer["workers"]):
+        if (
+            status != 200
+            or answer["fail_open"]
+            or not max(w["cached_tokens"] for w in answer["workers"])
+            or any(w["running_requests"] or w["waiting_requests"] or w["inflight_requests"] for w in answer["workers"])
+        ):
             return False
     return True
 
@@ -84,13 +97,20 @@ def host_port(endpoint: str) -> str:
     return endpoint.split("//", 1)[-1]
 
 
-async def pick(address: str, path: str, body: bytes, mode: str, chunks: int = 1, subset: list[str] | None = None,
-               headers: dict[str, str] | None = None, protocol_config: bool = False) -> Picked:
+async def pick(
+    address: str,
+    path: str,
+    body: bytes,
+    mode: str,
+    chunks: int = 1,
+    subset: list[str] | None = None,
+    headers: dict[str, str] | None = None,
+    protocol_config: bool = False,
+) -> Picked:
     """One request through the picker as Envoy sends it; the stream is closed after (the request is over).
     Buffered mode needs `protocol_config` (the pickers here default to streamed), as recent Envoy sends it."""
     async with grpc.aio.insecure_channel(address) as channel:
-        stream = EnvoyExtProcStream(ext_grpc.ExternalProcessorStub(channel), mode,
-                                    protocol_config or mode == "buffered")
+        stream = EnvoyExtProcStream(ext_grpc.ExternalProcessorStub(channel), mode, protocol_config or mode == "buffered")
         picked = await asyncio.wait_for(stream.request(path, body, headers=headers, chunks=chunks, subset=subset), 10)
         if not picked.status:
             await asyncio.wait_for(stream.close(), 10)
@@ -101,18 +121,25 @@ def requests() -> list[tuple[str, dict]]:
     """Completions sharing the warm prefixes (so the index decides), new prompts, and chats."""
     out: list[tuple[str, dict]] = []
     for seed in range(6):
-        out.append(("/v1/completions", {"model": MODEL, "prompt": long_text(seed, 200) + " and then some more",
-                                        "max_tokens": 3}))
+        out.append(("/v1/completions", {"model": MODEL, "prompt": long_text(seed, 200) + " and then some more", "max_tokens": 3}))
     for seed in (40, 41):
         out.append(("/v1/completions", {"model": MODEL, "prompt": long_text(seed, 150), "max_tokens": 3}))
     for seed in (1, 50):
-        out.append(("/v1/chat/completions", {"model": MODEL, "messages": [
-            {"role": "system", "content": long_text(seed, 120)}, {"role": "user", "content": "hi"}]}))
+        out.append(
+            (
+                "/v1/chat/completions",
+                {
+                    "model": MODEL,
+                    "messages": [{"role": "system", "content": long_text(seed, 120)}, {"role": "user", "content": "hi"}],
+                },
+            )
+        )
     return out
 
 
-@pytest.mark.parametrize(("mode", "chunks", "protocol_config"),
-                         [("buffered", 1, True), ("streamed", 1, False), ("streamed", 4, True)])
+@pytest.mark.parametrize(
+    ("mode", "chunks", "protocol_config"), [("buffered", 1, True), ("streamed", 1, False), ("streamed", 4, True)]
+)
 def test_the_picker_chooses_what_v1_route_answers(fleet, mode: str, chunks: int, protocol_config: bool) -> None:
     _, url, epps = fleet
     chosen = set()
@@ -147,8 +174,9 @@ def test_the_subset_hint_is_honoured_and_no_endpoint_is_a_503(fleet) -> None:
         for subset in ([], ["10.255.255.1:8000"]):
             refused = asyncio.run(pick(epps["main"], "/v1/completions", raw, mode, subset=subset))
             assert refused.status == 503 and json.loads(refused.error_body)["error"]["code"] == "no_workers"
-    nothing = asyncio.run(pick(epps["nothing"], "/v1/completions",
-                               json.dumps({**body, "model": "nothing-served"}).encode(), "streamed"))
+    nothing = asyncio.run(
+        pick(epps["nothing"], "/v1/completions", json.dumps({**body, "model": "nothing-served"}).encode(), "streamed")
+    )
     assert nothing.status == 503 and "no workers known" in json.loads(nothing.error_body)["error"]["message"]
 
 
@@ -189,8 +217,9 @@ def test_a_sheddable_request_on_a_saturated_fleet_is_a_429(fleet) -> None:
             held, seen = [], set()
             for seed in range(100, 130):  # until every engine has one
                 stream = EnvoyExtProcStream(stub, "streamed")
-                picked = await stream.request("/v1/completions", json.dumps(
-                    {"model": MODEL, "prompt": long_text(seed, 60)}).encode())
+                picked = await stream.request(
+                    "/v1/completions", json.dumps({"model": MODEL, "prompt": long_text(seed, 60)}).encode()
+                )
                 if picked.endpoint in seen:
                     await stream.close()
                     continue
@@ -200,13 +229,12 @@ def test_a_sheddable_request_on_a_saturated_fleet_is_a_429(fleet) -> None:
                     break
             body = json.dumps({"model": MODEL, "prompt": long_text(200, 60)}).encode()
             shed = await EnvoyExtProcStream(stub, "streamed").request(
-                "/v1/completions", body, headers={"x-gateway-inference-objective": "batch"})
-            critical = await pick(address, "/v1/completions", body, "streamed",
-                                  headers={"x-gateway-inference-objective": "chat"})
+                "/v1/completions", body, headers={"x-gateway-inference-objective": "batch"}
+            )
+            critical = await pick(address, "/v1/completions", body, "streamed", headers={"x-gateway-inference-objective": "chat"})
             for stream in held:
                 await stream.close()
-            after = await pick(address, "/v1/completions", body, "streamed",
-                               headers={"x-gateway-inference-objective": "batch"})
+            after = await pick(address, "/v1/completions", body, "streamed", headers={"x-gateway-inference-objective": "batch"})
             return shed, critical, after
 
     shed, critical, after = asyncio.run(scenario())
@@ -222,8 +250,11 @@ def others_on(url: str, endpoint: str, what: str = "requests") -> int:
     assert status == 200, raw
     answer = json.loads(raw)
     worker = {w["worker_id"]: host_port(w["endpoint"]) for w in answer["workers"]}
-    return sum(w["index"][f"other_routers_{what}"] for w in answer["explain"]["workers"]
-               if w["index"] and worker[w["worker_id"]] == endpoint)
+    return sum(
+        w["index"][f"other_routers_{what}"]
+        for w in answer["explain"]["workers"]
+        if w["index"] and worker[w["worker_id"]] == endpoint
+    )
 
 
 def test_the_prefill_counts_until_the_response_starts(fleet) -> None:
@@ -234,14 +265,20 @@ def test_the_prefill_counts_until_the_response_starts(fleet) -> None:
     async def scenario() -> None:
         async with grpc.aio.insecure_channel(epps["session"]) as channel:
             stream = EnvoyExtProcStream(ext_grpc.ExternalProcessorStub(channel), "streamed", send_protocol_config=True)
-            picked = await stream.request("/v1/completions", json.dumps(
-                {"model": MODEL, "prompt": long_text(77, 200), "max_tokens": 3}).encode())
+            picked = await stream.request(
+                "/v1/completions", json.dumps({"model": MODEL, "prompt": long_text(77, 200), "max_tokens": 3}).encode()
+            )
             chosen = picked.endpoint
-            await asyncio.to_thread(wait_until, lambda: others_on(url, chosen, "prefill_tokens") > 100, 5,
-                                    "the new prompt's prefill counted")
+            await asyncio.to_thread(
+                wait_until, lambda: others_on(url, chosen, "prefill_tokens") > 100, 5, "the new prompt's prefill counted"
+            )
             await stream.response(served=chosen)
-            await asyncio.to_thread(wait_until, lambda: others_on(url, chosen, "prefill_tokens") == 0
-                                    and others_on(url, chosen) == 1, 5, "the prefill done, the request still running")
+            await asyncio.to_thread(
+                wait_until,
+                lambda: others_on(url, chosen, "prefill_tokens") == 0 and others_on(url, chosen) == 1,
+                5,
+                "the prefill done, the request still running",
+            )
             await stream.close()
             await asyncio.to_thread(wait_until, lambda: others_on(url, chosen) == 0, 5, "the request over")
 
@@ -256,14 +293,19 @@ def test_the_served_endpoint_is_read_back(fleet) -> None:
     async def scenario() -> None:
         async with grpc.aio.insecure_channel(epps["session"]) as channel:
             stream = EnvoyExtProcStream(ext_grpc.ExternalProcessorStub(channel), "streamed")
-            picked = await stream.request("/v1/completions", json.dumps(
-                {"model": MODEL, "prompt": long_text(3, 200), "max_tokens": 3}).encode())
+            picked = await stream.request(
+                "/v1/completions", json.dumps({"model": MODEL, "prompt": long_text(3, 200), "max_tokens": 3}).encode()
+            )
             chosen = picked.endpoint
             fallback = next(host_port(e.url) for e in cluster.engines if host_port(e.url) != chosen)
             await asyncio.to_thread(wait_until, lambda: others_on(url, chosen) == 1, 5, "the pick counted")
             await stream.response(served=fallback)  # Envoy retried on another endpoint
-            await asyncio.to_thread(wait_until, lambda: others_on(url, fallback) == 1 and others_on(url, chosen) == 0,
-                                    5, "the request counted where it was served")
+            await asyncio.to_thread(
+                wait_until,
+                lambda: others_on(url, fallback) == 1 and others_on(url, chosen) == 0,
+                5,
+                "the request counted where it was served",
+            )
             await stream.close()
             await asyncio.to_thread(wait_until, lambda: others_on(url, fallback) == 0, 5, "the request over")
 

@@ -55,8 +55,7 @@ def test_explain_over_http_and_grpc(local_fleet) -> None:
 
     with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
         stub = pb_grpc.RouterStub(channel)
-        messages = pb.ChatMessages(messages=[pb.ChatMessage(role=m["role"], content=m["content"])
-                                             for m in body["messages"]])
+        messages = pb.ChatMessages(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in body["messages"]])
         plain = stub.Route(pb.RouteRequest(model=cluster.model, messages=messages), timeout=5)
         assert not plain.HasField("explanation")
         routed = stub.Route(pb.RouteRequest(model=cluster.model, messages=messages, explain=True), timeout=5)
@@ -65,5 +64,4 @@ def test_explain_over_http_and_grpc(local_fleet) -> None:
     for wid, w in by_id.items():
         g = grpc_workers[wid]
         assert dict(g.terms) == w["terms"] and g.cost == w["cost"]
-        assert MessageToDict(g.index, preserving_proto_field_name=True, always_print_fields_with_no_presence=True) \
-            == w["index"]
+        assert MessageToDict(g.index, preserving_proto_field_name=True, always_print_fields_with_no_presence=True) == w["index"]

@@ -136,9 +136,14 @@ def test_a_restarted_control_plane_gets_snapshots(cluster: LocalCluster) -> None
         down_until = time.monotonic() + CONTROL_PLANE_OUTAGE_S
         for engine in cluster.engines:
             traffic(cluster, engine, 2)  # events while the control plane is gone
-        wait_until(lambda: all(cluster.agent_counters(e)["control_plane_failures"] >=
-                               before[e.worker_id]["control_plane_failures"] + 3 for e in cluster.engines),
-                   10, "agents retrying")
+        wait_until(
+            lambda: all(
+                cluster.agent_counters(e)["control_plane_failures"] >= before[e.worker_id]["control_plane_failures"] + 3
+                for e in cluster.engines
+            ),
+            10,
+            "agents retrying",
+        )
         time.sleep(max(0.0, down_until - time.monotonic()))
 
     cluster.restart_control_plane(while_down=outage, kill=True)
@@ -164,8 +169,11 @@ def test_a_lost_pull_batch_costs_hits_never_false_ones(cluster: LocalCluster) ->
     assert gpu.missing and not gpu.extra, worker.to_json()
     assert grew(before, cluster.agent_counters(engine), "state_resets") == 1
     traffic(cluster, engine, 1)  # a new prompt after the reset: its blocks are indexed again
-    wait_until(lambda: cluster.audit([engine.worker_id]).audits[0].tiers["gpu"].control_plane_blocks
-               > gpu.control_plane_blocks, HEAL_S, "the new prompt indexed")
+    wait_until(
+        lambda: cluster.audit([engine.worker_id]).audits[0].tiers["gpu"].control_plane_blocks > gpu.control_plane_blocks,
+        HEAL_S,
+        "the new prompt indexed",
+    )
     (worker,) = cluster.audit([engine.worker_id], settle_s=0.2).audits
     assert not worker.tiers["gpu"].extra and worker.tiers["gpu"].missing <= gpu.missing, worker.to_json()
     assert http_post_json(engine.url + "/reset_prefix_cache")[0] == 200  # leave the fleet clean

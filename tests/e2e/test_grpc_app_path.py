@@ -51,8 +51,9 @@ def others_on(stub: pb_grpc.RouterStub, worker_id: str) -> int:
 
 def test_reservations_count_on_the_other_router_until_released(fleet) -> None:
     _, stubs, _, _ = fleet
-    held = [stubs["a"].Route(pb.RouteRequest(model="tiny-llama", prompt=long_text(1, 300), reserve=True), timeout=5)
-            for _ in range(3)]
+    held = [
+        stubs["a"].Route(pb.RouteRequest(model="tiny-llama", prompt=long_text(1, 300), reserve=True), timeout=5) for _ in range(3)
+    ]
     assert all(r.reservation_id for r in held) and len({r.reservation_id for r in held}) == 3
     assert held[0].reservation_ttl_ms == 30000
     worker = held[0].worker_id
@@ -65,8 +66,9 @@ def test_reservations_count_on_the_other_router_until_released(fleet) -> None:
     first = stubs["a"].PrefillDone(pb.ReservationRef(reservation_id=held[0].reservation_id), timeout=5)
     assert first.was_held
     for r in held:
-        state = stubs["a"].Release(pb.ReleaseRequest(reservation_id=r.reservation_id,
-                                                     outcome=pb.REQUEST_OUTCOME_COMPLETED), timeout=5)
+        state = stubs["a"].Release(
+            pb.ReleaseRequest(reservation_id=r.reservation_id, outcome=pb.REQUEST_OUTCOME_COMPLETED), timeout=5
+        )
         assert state.was_held
     wait_until(lambda: others_on(stubs["b"], worker) == 0, 5, "router a's released reservations gone from router b's view")
     again = stubs["a"].Release(pb.ReleaseRequest(reservation_id=held[0].reservation_id), timeout=5)
@@ -79,8 +81,9 @@ def test_reservations_count_on_the_other_router_until_released(fleet) -> None:
 
 def test_an_unreleased_reservation_expires(fleet) -> None:
     _, stubs, urls, _ = fleet
-    r = stubs["a"].Route(pb.RouteRequest(model="tiny-llama", prompt=long_text(3, 300), reserve=True,
-                                         reservation_ttl_ms=700), timeout=5)
+    r = stubs["a"].Route(
+        pb.RouteRequest(model="tiny-llama", prompt=long_text(3, 300), reserve=True, reservation_ttl_ms=700), timeout=5
+    )
     assert r.reservation_ttl_ms == 700
     wait_until(lambda: others_on(stubs["b"], r.worker_id) >= 1, 5, "router b counting the reservation")
     wait_until(lambda: others_on(stubs["b"], r.worker_id) == 0, 5, "the reservation gone after its TTL")
@@ -94,25 +97,48 @@ def test_an_unreleased_reservation_expires(fleet) -> None:
 
 def test_content_parts_and_tools_render_as_the_http_path_renders_them(fleet) -> None:
     _, stubs, urls, _ = fleet
-    tool = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
-    body = {"model": "tiny-llama", "tools": [tool], "messages": [
-        {"role": "system", "content": "You are terse."},
-        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}, {"type": "text", "text": "Briefly."}]}]}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+    body = {
+        "model": "tiny-llama",
+        "tools": [tool],
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}, {"type": "text", "text": "Briefly."}]},
+        ],
+    }
     status, raw = http_post_json(urls["a"] + "/v1/route", body)
     assert status == 200, raw
     http_tokens = json.loads(raw)["prompt_tokens"]
-    request = pb.RouteRequest(model="tiny-llama", messages=pb.ChatMessages(messages=[
-        pb.ChatMessage(role="system", content="You are terse."),
-        pb.ChatMessage(role="user", parts=[pb.ContentPart(type="text", text="Weather in Paris?"),
-                                           pb.ContentPart(type="text", text="Briefly.")])]),
-        tools=[pb.ToolDefinition(name="get_weather", description="Weather in a city",
-                                 parameters_json=json.dumps(tool["function"]["parameters"]))])
+    request = pb.RouteRequest(
+        model="tiny-llama",
+        messages=pb.ChatMessages(
+            messages=[
+                pb.ChatMessage(role="system", content="You are terse."),
+                pb.ChatMessage(
+                    role="user",
+                    parts=[pb.ContentPart(type="text", text="Weather in Paris?"), pb.ContentPart(type="text", text="Briefly.")],
+                ),
+            ]
+        ),
+        tools=[
+            pb.ToolDefinition(
+                name="get_weather", description="Weather in a city", parameters_json=json.dumps(tool["function"]["parameters"])
+            )
+        ],
+    )
     assert stubs["a"].Route(request, timeout=5).prompt_tokens == http_tokens
     without_tools = pb.RouteRequest(model="tiny-llama", messages=request.messages)
     assert stubs["a"].Route(without_tools, timeout=5).prompt_tokens < http_tokens  # the tools were rendered
-    bad = pb.RouteRequest(model="tiny-llama", messages=request.messages,
-                          tools=[pb.ToolDefinition(name="t", parameters_json="{not json")])
+    bad = pb.RouteRequest(
+        model="tiny-llama", messages=request.messages, tools=[pb.ToolDefinition(name="t", parameters_json="{not json")]
+    )
     with pytest.raises(grpc.RpcError) as invalid:
         stubs["a"].Route(bad, timeout=5)
     assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "parameters_json" in invalid.value.details()

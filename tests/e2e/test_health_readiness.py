@@ -73,9 +73,18 @@ async def test_a_trtllm_agent_is_ready_only_while_its_polls_are_answered() -> No
     cp = ControlPlaneServer(ControlPlaneConfig(listen="127.0.0.1:0"))
     cp_port = await cp.start()
     metrics_port = free_port()
-    agent = WorkerAgent(AgentConfig(control_plane=f"127.0.0.1:{cp_port}", engine="trtllm",
-                                    engine_url=f"http://127.0.0.1:{engine_port}", worker_id="trt-0", model="tiny",
-                                    block_size=32, metrics_port=metrics_port, kv_events_poll_interval_s=0.05))
+    agent = WorkerAgent(
+        AgentConfig(
+            control_plane=f"127.0.0.1:{cp_port}",
+            engine="trtllm",
+            engine_url=f"http://127.0.0.1:{engine_port}",
+            worker_id="trt-0",
+            model="tiny",
+            block_size=32,
+            metrics_port=metrics_port,
+            kv_events_poll_interval_s=0.05,
+        )
+    )
     assert agent.poller is not None
     agent.poller.timeout_s = 0.25  # following = a poll answered within two timeouts: 0.5 s here
     task = asyncio.create_task(agent.run())
@@ -100,8 +109,10 @@ async def test_a_trtllm_agent_is_ready_only_while_its_polls_are_answered() -> No
         assert body["workers"][0]["following_events"] is True
         await engine.cleanup()  # the engine goes away
         body = await until_status(503)
-        assert any(f"not receiving KV events: no POST http://127.0.0.1:{engine_port}/kv_cache_events answered" in p
-                   for p in body["problems"]), body
+        assert any(
+            f"not receiving KV events: no POST http://127.0.0.1:{engine_port}/kv_cache_events answered" in p
+            for p in body["problems"]
+        ), body
         assert not any("control plane" in p for p in body["problems"])  # still connected there
     finally:
         task.cancel()
@@ -146,10 +157,15 @@ def test_router_and_agent_readiness_follow_control_plane_and_engines(cluster: Lo
     assert status == 503 and body["status"] == "not_ready" and body["fleet"] == "none"
     assert any(f"control plane {cluster.control_plane_addr} not reached" in p for p in body["problems"]), body
     assert _grpc_health(router_grpc) == NOT_SERVING and _grpc_health(router_grpc, "kvroute.v1.Router") == NOT_SERVING
-    status, body = _eventually(lambda: (r := get_ready(engine.agent_metrics_url))[0] and r[1]["workers"][0]["control_plane"]
-                               != "connecting" and r, 20, "the agent's first connection attempt")
-    assert status == 503 and any("engine-0: not connected to the control plane: control plane "
-                                 f"{cluster.control_plane_addr} unreachable" in p for p in body["problems"]), body
+    status, body = _eventually(
+        lambda: (r := get_ready(engine.agent_metrics_url))[0] and r[1]["workers"][0]["control_plane"] != "connecting" and r,
+        20,
+        "the agent's first connection attempt",
+    )
+    assert status == 503 and any(
+        f"engine-0: not connected to the control plane: control plane {cluster.control_plane_addr} unreachable" in p
+        for p in body["problems"]
+    ), body
     assert http_get(engine.agent_metrics_url + "/health")[0] == 200
 
     # 2. The control plane comes: all ready.
@@ -180,28 +196,46 @@ def test_router_and_agent_readiness_follow_control_plane_and_engines(cluster: Lo
     def fail_a_request() -> None:  # each failure restarts the proxy's 2 s cooldown for the worker
         assert http_post_json(router + "/v1/chat/completions", request)[0] == 502
 
-    status, body = _eventually(lambda: (r := get_ready(router))[0] == 503 and r, 10, "router not ready",
-                               every=fail_a_request)
+    status, body = _eventually(lambda: (r := get_ready(router))[0] == 503 and r, 10, "router not ready", every=fail_a_request)
     assert body["cooling_down"] == ["engine-0"] and body["healthy_workers"] == 0
     assert any("every worker of model 'tiny-llama' failed" in p for p in body["problems"]), body
-    _eventually(lambda: _grpc_health(router_grpc, "kvroute.v1.Router") == NOT_SERVING, 10,
-                "router gRPC health NOT_SERVING", every=fail_a_request)
+    _eventually(
+        lambda: _grpc_health(router_grpc, "kvroute.v1.Router") == NOT_SERVING,
+        10,
+        "router gRPC health NOT_SERVING",
+        every=fail_a_request,
+    )
     # The agent of the dead engine: its publisher connection went away.
     status, body = _eventually(lambda: (r := get_ready(engine.agent_metrics_url))[0] == 503 and r, 10, "agent not ready")
     assert any("engine-0: not receiving KV events" in p for p in body["problems"]), body
 
 
 async def test_a_router_says_listening_at_bind_and_ready_only_once_its_ready_answers_200(tmp_path, tiny_model_dir) -> None:
-    """"router ready" while GET /ready answers 503 sends operators (and scripts that grep logs) the wrong way."""
+    """ "router ready" while GET /ready answers 503 sends operators (and scripts that grep logs) the wrong way."""
     from kvroute.tools.local_cluster import ManagedProcess, kvroute_argv, wait_until
     from tests.helpers import FakeAgent, eventually
 
     server = ControlPlaneServer(ControlPlaneConfig(listen="127.0.0.1:0"))
     cp_port = await server.start()
     port_file = tmp_path / "router.ports"
-    router = ManagedProcess("router", kvroute_argv(
-        "router", "--control-plane", f"127.0.0.1:{cp_port}", "--tokenizer", str(tiny_model_dir), "--port", "0",
-        "--port-file", str(port_file), "--grpc-port", "off"), tmp_path / "router.log", port_file=port_file)
+    router = ManagedProcess(
+        "router",
+        kvroute_argv(
+            "router",
+            "--control-plane",
+            f"127.0.0.1:{cp_port}",
+            "--tokenizer",
+            str(tiny_model_dir),
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--grpc-port",
+            "off",
+        ),
+        tmp_path / "router.log",
+        port_file=port_file,
+    )
     agent = None
     try:
         router.start()

@@ -23,9 +23,11 @@ from kvroute.worker_agent.cli import add_arguments, config_from_args
 from kvroute.worker_agent.limits import DEFAULT_MAX_BATCH_EVENTS, DEFAULT_MAX_FRAME_BYTES, DEFAULT_MAX_POLL_BYTES
 
 OPERATIONS = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
-LIMIT_FLAGS = {"--kv-events-max-frame-bytes": DEFAULT_MAX_FRAME_BYTES,
-               "--kv-events-max-batch-events": DEFAULT_MAX_BATCH_EVENTS,
-               "--kv-events-max-poll-bytes": DEFAULT_MAX_POLL_BYTES}
+LIMIT_FLAGS = {
+    "--kv-events-max-frame-bytes": DEFAULT_MAX_FRAME_BYTES,
+    "--kv-events-max-batch-events": DEFAULT_MAX_BATCH_EVENTS,
+    "--kv-events-max-poll-bytes": DEFAULT_MAX_POLL_BYTES,
+}
 
 
 def agent_from(*argv: str) -> WorkerAgent:
@@ -35,8 +37,16 @@ def agent_from(*argv: str) -> WorkerAgent:
 
 
 async def test_the_limit_flags_reach_the_sockets_the_decoder_and_the_poller() -> None:
-    agent = agent_from("--kv-events-max-frame-bytes", "12345", "--kv-events-max-batch-events", "77",
-                       "--kv-events", "tcp://127.0.0.1:1", "--replay-endpoint", "tcp://127.0.0.1:2")
+    agent = agent_from(
+        "--kv-events-max-frame-bytes",
+        "12345",
+        "--kv-events-max-batch-events",
+        "77",
+        "--kv-events",
+        "tcp://127.0.0.1:1",
+        "--replay-endpoint",
+        "tcp://127.0.0.1:2",
+    )
     source = agent.workers[0].source
     assert source is not None and source.max_frame_bytes == 12345 and source.decode.keywords == {"max_events": 77}
     source.open()
@@ -50,8 +60,10 @@ async def test_the_limit_flags_reach_the_sockets_the_decoder_and_the_poller() ->
     pull = agent_from("--engine", "trtllm", "--kv-events-max-poll-bytes", "999", "--kv-events-max-batch-events", "5")
     assert pull.poller.max_body_bytes == 999 and pull.poller.converter.max_events == 5
     default = agent_from("--engine", "trtllm")
-    assert (default.poller.max_body_bytes, default.poller.converter.max_events) == (DEFAULT_MAX_POLL_BYTES,
-                                                                                     DEFAULT_MAX_BATCH_EVENTS)
+    assert (default.poller.max_body_bytes, default.poller.converter.max_events) == (
+        DEFAULT_MAX_POLL_BYTES,
+        DEFAULT_MAX_BATCH_EVENTS,
+    )
 
 
 def test_the_operations_doc_names_every_limit_with_its_default() -> None:
@@ -59,8 +71,11 @@ def test_the_operations_doc_names_every_limit_with_its_default() -> None:
     for flag, default in LIMIT_FLAGS.items():
         assert flag in text, flag
         mib = default >> 20
-        assert (f"{flag}` (default {mib} MiB" in text if default % (1 << 20) == 0 and flag.endswith("bytes")
-                else f"{flag}` (default {default:,}" in text), flag
+        assert (
+            f"{flag}` (default {mib} MiB" in text
+            if default % (1 << 20) == 0 and flag.endswith("bytes")
+            else f"{flag}` (default {default:,}" in text
+        ), flag
 
 
 @pytest.mark.slow

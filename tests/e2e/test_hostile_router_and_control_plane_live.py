@@ -33,24 +33,35 @@ MESSAGES = 300
 def test_live_fuzz(target: str, tmp_path: Path) -> None:
     seed = random.randrange(1 << 30)
     report = run_target(target, MESSAGES, seed=seed, workdir=tmp_path)
-    summary = (f"seed {seed} (kvroute bench fuzz --target {target} --messages {MESSAGES} --seed {seed}): "
-               f"{report.problems} failures {report.details.get('failures')}")
+    summary = (
+        f"seed {seed} (kvroute bench fuzz --target {target} --messages {MESSAGES} --seed {seed}): "
+        f"{report.problems} failures {report.details.get('failures')}"
+    )
     assert report.bad_messages == MESSAGES and report.valid_messages >= MESSAGES // 4, summary
     assert report.crashes == 0 and report.hangs == 0 and report.health_ms < 1000, summary
     assert report.applied, summary
     assert report.bad_counted == report.bad_expected, summary
     # Every family of bad input was sent at least once.
     families = {kind.split(":")[0] for kind in report.bad_expected}
-    assert families >= {"router-http": {"not_json", "wrong_type", "surrogate", "deep_nesting", "too_large", "mutated"},
-                        "router-grpc": {"unparseable", "surrogate", "semantic", "mutated", "random"},
-                        "control-plane": {"unparseable", "connect", "router_session", "query", "random"}}[target], summary
+    assert (
+        families
+        >= {
+            "router-http": {"not_json", "wrong_type", "surrogate", "deep_nesting", "too_large", "mutated"},
+            "router-grpc": {"unparseable", "surrogate", "semantic", "mutated", "random"},
+            "control-plane": {"unparseable", "connect", "router_session", "query", "random"},
+        }[target]
+    ), summary
     assert report.ok, summary
 
 
 def test_the_command_prints_the_table_and_json_and_exits_0(tmp_path: Path) -> None:
-    done = subprocess.run(kvroute_argv("bench", "fuzz", "--target", "router-grpc", "--messages", "40", "--seed", "7",
-                                       "--workdir", str(tmp_path)), check=False, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        kvroute_argv("bench", "fuzz", "--target", "router-grpc", "--messages", "40", "--seed", "7", "--workdir", str(tmp_path)),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines[0].startswith("target router-grpc: ") and any(line.split()[:1] == ["unparseable"] for line in lines)

@@ -55,30 +55,35 @@ def cluster(module_local_fleet, tiny_model_dir: Path, tmp_path_factory: pytest.T
     c = module_local_fleet("many-models")
     c.start_control_plane()
     for worker_id, model in ENGINES.items():
-        c.add_sim_engine(worker_id, "--num-blocks", "512", "--speedup", "50", "--model", model,
-                         agent_args=("--model", model))
+        c.add_sim_engine(worker_id, "--num-blocks", "512", "--speedup", "50", "--model", model, agent_args=("--model", model))
     c.wait_engines_healthy()
     c.wait_workers_registered()
     for engine in c.engines:  # warm each engine directly, bypassing the router
         for doc in _documents(engine.worker_id):
-            status, raw = http_post_json(engine.url + "/v1/chat/completions",
-                                         _body(ENGINES[engine.worker_id], doc, "warm up"))
+            status, raw = http_post_json(engine.url + "/v1/chat/completions", _body(ENGINES[engine.worker_id], doc, "warm up"))
             assert status == 200, raw
     c.wait_audit_clean(timeout=20)
     hub = _hub_cache_with(CHAT_MODEL, tiny_model_dir, tmp_path_factory.mktemp("hf") / "hub")
     # A generous index deadline: on two shared cores a 20 ms query can time out and fail open.
-    c.start_router("kv", "kv_aware", "--query-timeout-ms", "500", "--grpc-port", str(free_port()),
-                   env={"HF_HUB_CACHE": str(hub)})
+    c.start_router("kv", "kv_aware", "--query-timeout-ms", "500", "--grpc-port", str(free_port()), env={"HF_HUB_CACHE": str(hub)})
     ready = c.router_urls["kv"] + "/ready"
-    wait_until(lambda: http_get(ready)[0] == 200 and all(json.loads(http_get(ready)[1])["models"].get(m)
-                                                         for m in ("tiny-llama", CHAT_MODEL)),
-               30, "the router knows both models' workers", c.all_processes())
+    wait_until(
+        lambda: (
+            http_get(ready)[0] == 200 and all(json.loads(http_get(ready)[1])["models"].get(m) for m in ("tiny-llama", CHAT_MODEL))
+        ),
+        30,
+        "the router knows both models' workers",
+        c.all_processes(),
+    )
     return c
 
 
 def _body(model: str, document: str, question: str) -> dict:
-    return {"model": model, "max_tokens": 4,
-            "messages": [{"role": "system", "content": document}, {"role": "user", "content": question}]}
+    return {
+        "model": model,
+        "max_tokens": 4,
+        "messages": [{"role": "system", "content": document}, {"role": "user", "content": question}],
+    }
 
 
 def _documents(worker_id: str) -> list[str]:
@@ -118,9 +123,15 @@ def test_the_grpc_route_api_routes_by_the_requests_model(cluster: LocalCluster) 
 
     async def route(model: str) -> pb.RouteResponse:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-            return await pb_grpc.RouterStub(channel).Route(pb.RouteRequest(model=model, messages=pb.ChatMessages(
-                messages=[pb.ChatMessage(role="system", content=doc), pb.ChatMessage(role="user", content="q")])),
-                timeout=10)
+            return await pb_grpc.RouterStub(channel).Route(
+                pb.RouteRequest(
+                    model=model,
+                    messages=pb.ChatMessages(
+                        messages=[pb.ChatMessage(role="system", content=doc), pb.ChatMessage(role="user", content="q")]
+                    ),
+                ),
+                timeout=10,
+            )
 
     answer = asyncio.run(route(CHAT_MODEL))
     assert answer.worker_id in ("chat-0", "chat-1") and answer.cached_tokens > 0, answer
@@ -137,9 +148,14 @@ def test_models_lists_both_and_an_unknown_model_is_openais_404(cluster: LocalClu
 
     status, raw = http_post_json(router + "/v1/chat/completions", _body("gpt-unknown", "hello", "hi"))
     assert status == 404, raw
-    assert json.loads(raw) == {"error": {  # OpenAI's answer to a model it does not serve, word for word
-        "message": "The model `gpt-unknown` does not exist or you do not have access to it.",
-        "type": "invalid_request_error", "param": None, "code": "model_not_found"}}
+    assert json.loads(raw) == {
+        "error": {  # OpenAI's answer to a model it does not serve, word for word
+            "message": "The model `gpt-unknown` does not exist or you do not have access to it.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "model_not_found",
+        }
+    }
 
     status, raw = http_get(router + "/ready")
     ready = json.loads(raw)
@@ -158,9 +174,16 @@ def test_static_workers_name_their_model(cluster: LocalCluster) -> None:
     """A router that never reached its control plane routes on its --static-workers: each entry serves
     the model it names (ID@MODEL=URL), else the default one."""
     url_of = {e.worker_id: e.url for e in cluster.engines}
-    router = cluster.start_router("static", "round_robin", "--control-plane", f"127.0.0.1:{free_port()}",
-                                  "--static-workers", f"llama-0={url_of['llama-0']},chat-1@{CHAT_MODEL}="
-                                                      f"{url_of['chat-1']}", "--health-check-interval-s", "0")
+    router = cluster.start_router(
+        "static",
+        "round_robin",
+        "--control-plane",
+        f"127.0.0.1:{free_port()}",
+        "--static-workers",
+        f"llama-0={url_of['llama-0']},chat-1@{CHAT_MODEL}={url_of['chat-1']}",
+        "--health-check-interval-s",
+        "0",
+    )
     for model, worker in (("tiny-llama", "llama-0"), (CHAT_MODEL, "chat-1"), ("tiny-llama", "llama-0")):
         status, headers, raw = http_post_json_headers(router + "/v1/chat/completions", _body(model, "hello", "hi"))
         assert status == 200 and headers["x-kvroute-worker"] == worker, (model, headers, raw)
@@ -171,8 +194,9 @@ def test_static_workers_name_their_model(cluster: LocalCluster) -> None:
 
 
 def test_the_endpoint_picker_routes_by_the_requests_model(cluster: LocalCluster, tiny_model_dir: Path) -> None:
-    picker = cluster.start_epp("many", "kv_aware", "--query-timeout-ms", "500",
-                               "--model-tokenizer", f"{CHAT_MODEL}={tiny_model_dir}")
+    picker = cluster.start_epp(
+        "many", "kv_aware", "--query-timeout-ms", "500", "--model-tokenizer", f"{CHAT_MODEL}={tiny_model_dir}"
+    )
 
     async def pick(body: dict):
         async with grpc.aio.insecure_channel(picker) as channel:
@@ -194,10 +218,10 @@ def test_serve_models_limits_a_router_to_the_models_it_names(cluster: LocalClust
     """--serve-models: a router that follows (or, --index remote, lists) only the default model's workers
     answers only for it; the other model the fleet serves is a 404 there."""
     for name, index in (("only-view", "local"), ("only-remote", "remote")):
-        router = cluster.start_router(name, "kv_aware", "--query-timeout-ms", "500", "--index", index,
-                                      "--serve-models", "tiny-llama")
-        wait_until(lambda router=router: http_get(router + "/ready")[0] == 200, 30, f"{name} ready",
-                   cluster.all_processes())
+        router = cluster.start_router(
+            name, "kv_aware", "--query-timeout-ms", "500", "--index", index, "--serve-models", "tiny-llama"
+        )
+        wait_until(lambda router=router: http_get(router + "/ready")[0] == 200, 30, f"{name} ready", cluster.all_processes())
         status, raw = http_get(router + "/v1/models")
         assert [m["id"] for m in json.loads(raw)["data"]] == ["tiny-llama"], (name, raw)
         status, raw = http_post_json(router + "/v1/route", _body(CHAT_MODEL, "hello", "hi"))

@@ -33,15 +33,15 @@ CATALOGUE = REPO / "docs" / "metrics.md"
 
 @dataclass(frozen=True)
 class Family:
-    name: str            # as exposed: a counter with its _total
+    name: str  # as exposed: a counter with its _total
     type: str
     labels: frozenset[str] | None  # None: no sample yet to read them from
 
 
 @dataclass
 class Scrape:
-    families: dict[str, Family]   # kvroute's own, by exposed name
-    names: set[str]               # every name PromQL may use, across all processes (engines' included)
+    families: dict[str, Family]  # kvroute's own, by exposed name
+    names: set[str]  # every name PromQL may use, across all processes (engines' included)
 
 
 def _families(text: str) -> dict[str, Family]:
@@ -73,16 +73,24 @@ def dns() -> Iterator[SimDns]:
 def scrape(module_local_fleet, redis_server: RedisServer, dns: SimDns) -> Scrape:
     cluster: LocalCluster = module_local_fleet("catalogue")
     cp_metrics = f"http://127.0.0.1:{free_port()}"
-    cluster.start_control_plane(extra_args=(
-        "--metrics-port", cp_metrics.rsplit(":", 1)[1], "--redis", redis_server.url, "--audit-interval-s", "0.5"))
+    cluster.start_control_plane(
+        extra_args=("--metrics-port", cp_metrics.rsplit(":", 1)[1], "--redis", redis_server.url, "--audit-interval-s", "0.5")
+    )
     wait_until(lambda: http_get(cp_metrics + "/ready")[0] == 200, 30, "the replica ready", [cluster.control_plane])
     engine = cluster.start_sim_fleet(1)[0]
     grpc_port = free_port()
     # The engine is also found by DNS (and so is one worker, its agent's): the discovery metrics exist.
     dns.set("engines.catalogue.test", "A", ["127.0.0.1"])
-    router = cluster.start_router("r", "kv_aware", "--grpc-port", str(grpc_port), "--discover-engines",
-                                  f"dns://engines.catalogue.test:{engine.url.rsplit(':', 1)[1]}",
-                                  "--dns-server", f"127.0.0.1:{dns.port}")
+    router = cluster.start_router(
+        "r",
+        "kv_aware",
+        "--grpc-port",
+        str(grpc_port),
+        "--discover-engines",
+        f"dns://engines.catalogue.test:{engine.url.rsplit(':', 1)[1]}",
+        "--dns-server",
+        f"127.0.0.1:{dns.port}",
+    )
     wait_until(lambda: http_get(router + "/ready")[0] == 200, 30, "the router ready", cluster.all_processes())
     chat = cluster.chat_request("You are a terse assistant. " * 20, "Say hi.")
     for body in (chat, chat, {**chat, "stream": True}):
@@ -100,8 +108,12 @@ def scrape(module_local_fleet, redis_server: RedisServer, dns: SimDns) -> Scrape
         return "kvroute_cp_audit_last_success_timestamp_seconds{" in http_get(cp_metrics + "/metrics")[1].decode()
 
     wait_until(audited, 20, "a periodic audit", cluster.all_processes())
-    wait_until(lambda: "kvroute_router_discovered_engines{" in http_get(router + "/metrics")[1].decode(), 20,
-               "the engine found by DNS", cluster.all_processes())
+    wait_until(
+        lambda: "kvroute_router_discovered_engines{" in http_get(router + "/metrics")[1].decode(),
+        20,
+        "the engine found by DNS",
+        cluster.all_processes(),
+    )
     families: dict[str, Family] = {}
     names: set[str] = set()
     for url in urls:
@@ -130,13 +142,17 @@ def catalogue_rows() -> dict[str, tuple[str, frozenset[str]]]:
 def test_the_catalogue_holds_every_metric_and_only_those(scrape: Scrape) -> None:
     rows = catalogue_rows()
     assert len(rows) >= 50, "docs/metrics.md's tables were not found or not parsed"
-    assert not (unknown := sorted(set(rows) - set(scrape.families))), f"docs/metrics.md names metrics no process exposes: {unknown}"
+    assert not (unknown := sorted(set(rows) - set(scrape.families))), (
+        f"docs/metrics.md names metrics no process exposes: {unknown}"
+    )
     assert not (missing := sorted(set(scrape.families) - set(rows))), f"metrics missing from docs/metrics.md: {missing}"
     for name, (kind, labels) in rows.items():
         family = scrape.families[name]
         assert kind == family.type, f"{name}: docs/metrics.md says {kind}, the process exposes a {family.type}"
         if family.labels is not None:
-            assert labels == family.labels, f"{name}: docs/metrics.md says labels {sorted(labels)}, exposed {sorted(family.labels)}"
+            assert labels == family.labels, (
+                f"{name}: docs/metrics.md says labels {sorted(labels)}, exposed {sorted(family.labels)}"
+            )
 
 
 def test_only_counters_end_in_total_and_units_are_base_units(scrape: Scrape) -> None:
@@ -152,18 +168,33 @@ def test_only_counters_end_in_total_and_units_are_base_units(scrape: Scrape) -> 
 
 # What a PromQL expression may name besides metrics: functions and aggregations (followed by "("),
 # keywords, and the series Prometheus itself adds when it scrapes.
-PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-                "offset", "inf", "nan", "up", "le"}
+PROMQL_WORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "inf",
+    "nan",
+    "up",
+    "le",
+}
 
 
 def promql_metric_names(expr: str) -> set[str]:
     """The metric names an expression refers to: identifiers left once strings, label matchers, range
     selectors, grouping clauses, function calls and keywords are taken out."""
-    expr = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)        # strings
-    expr = re.sub(r"\{[^}]*\}", "", expr)                 # label matchers (strings inside already gone)
-    expr = re.sub(r"\[[^\]]*\]", "", expr)                # range and subquery selectors
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)  # strings
+    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers (strings inside already gone)
+    expr = re.sub(r"\[[^\]]*\]", "", expr)  # range and subquery selectors
     expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)
-    expr = re.sub(r"\$\{?\w+\}?", "", expr)               # Grafana variables ($__rate_interval)
+    expr = re.sub(r"\$\{?\w+\}?", "", expr)  # Grafana variables ($__rate_interval)
     names = set()
     for found in re.finditer(r"(?<![\w:.])([a-zA-Z_:][a-zA-Z0-9_:]*)(\s*\()?", expr):
         if found.group(2) is None and found.group(1) not in PROMQL_WORDS:
@@ -172,13 +203,18 @@ def promql_metric_names(expr: str) -> set[str]:
 
 
 def test_promql_names_are_read_out_of_expressions() -> None:
-    expr = ('sum by (worker) (rate(kvroute_router_proxied_requests_total{policy=~"kv_.*"}[$__rate_interval])) / '
-            'on (worker) group_left() max(kvroute_build_info{version!="x,y}"}) > bool 0.5 unless '
-            'histogram_quantile(0.99, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket[5m]))) '
-            'or time() - kvroute_cp_audit_last_success_timestamp_seconds > 3e2')
-    assert promql_metric_names(expr) == {"kvroute_router_proxied_requests_total", "kvroute_build_info",
-                                         "vllm:time_to_first_token_seconds_bucket",
-                                         "kvroute_cp_audit_last_success_timestamp_seconds"}
+    expr = (
+        'sum by (worker) (rate(kvroute_router_proxied_requests_total{policy=~"kv_.*"}[$__rate_interval])) / '
+        'on (worker) group_left() max(kvroute_build_info{version!="x,y}"}) > bool 0.5 unless '
+        "histogram_quantile(0.99, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket[5m]))) "
+        "or time() - kvroute_cp_audit_last_success_timestamp_seconds > 3e2"
+    )
+    assert promql_metric_names(expr) == {
+        "kvroute_router_proxied_requests_total",
+        "kvroute_build_info",
+        "vllm:time_to_first_token_seconds_bucket",
+        "kvroute_cp_audit_last_success_timestamp_seconds",
+    }
 
 
 def dashboard_expressions() -> list[tuple[str, str]]:
@@ -211,8 +247,14 @@ def test_the_alert_rules_cover_what_operators_are_paged_for() -> None:
         assert {"alert", "expr", "labels", "annotations"} <= set(rule), rule.get("alert")
         assert rule["labels"].get("severity") in {"page", "ticket", "info"}, rule["alert"]
         assert rule["annotations"].get("summary") and rule["annotations"].get("description"), rule["alert"]
-    assert {"KvrouteIndexStale", "KvrouteIndexDivergent", "KvrouteFailOpenRateHigh", "KvrouteAgentDisconnected",
-            "KvrouteReplicaLagging", "KvrouteReplicaRouterSessionsDiverge"} <= names
+    assert {
+        "KvrouteIndexStale",
+        "KvrouteIndexDivergent",
+        "KvrouteFailOpenRateHigh",
+        "KvrouteAgentDisconnected",
+        "KvrouteReplicaLagging",
+        "KvrouteReplicaRouterSessionsDiverge",
+    } <= names
 
 
 def test_the_dashboard_is_importable_json_with_one_routing_quality_panel() -> None:
@@ -224,4 +266,3 @@ def test_the_dashboard_is_importable_json_with_one_routing_quality_panel() -> No
     assert len(quality) == 1
     exprs = " ".join(t["expr"] for t in quality[0]["targets"])
     assert "kvroute_router_predicted_cached_tokens_total" in exprs and "kvroute_router_engine_cached_tokens_total" in exprs
-

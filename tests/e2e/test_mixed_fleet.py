@@ -19,7 +19,7 @@ import pytest
 from kvroute.tools.local_cluster import LocalCluster, http_post_json, http_post_json_headers, long_text
 
 FLEET = (("vllm", "vllm-0.24", 16), ("sglang", "sglang-0.5.22", 32), ("trtllm", "trtllm-pull", 64))
-DOC_WORDS = 600        # ~610 prompt tokens: 9 blocks of 64, 19 of 32, 38 of 16
+DOC_WORDS = 600  # ~610 prompt tokens: 9 blocks of 64, 19 of 32, 38 of 16
 DOCS_PER_ENGINE = 2
 
 

@@ -35,9 +35,11 @@ def client(fleet) -> Iterator[openai.OpenAI]:
 
 def test_chat_completion(fleet, client: openai.OpenAI) -> None:
     cluster, _ = fleet
-    reply = client.chat.completions.create(model=cluster.model, max_tokens=4, messages=[
-        {"role": "system", "content": "You are a terse assistant."},
-        {"role": "user", "content": "Name a colour."}])
+    reply = client.chat.completions.create(
+        model=cluster.model,
+        max_tokens=4,
+        messages=[{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "Name a colour."}],
+    )
     assert reply.object == "chat.completion"
     assert reply.choices and reply.choices[0].message.role == "assistant"
     assert isinstance(reply.choices[0].message.content, str) and reply.choices[0].message.content
@@ -46,8 +48,11 @@ def test_chat_completion(fleet, client: openai.OpenAI) -> None:
 
 def test_streamed_chat_completion(fleet, client: openai.OpenAI) -> None:
     cluster, _ = fleet
-    chunks = list(client.chat.completions.create(model=cluster.model, max_tokens=5, stream=True, messages=[
-        {"role": "user", "content": "Count to five."}]))
+    chunks = list(
+        client.chat.completions.create(
+            model=cluster.model, max_tokens=5, stream=True, messages=[{"role": "user", "content": "Count to five."}]
+        )
+    )
     assert len(chunks) >= 2, "a stream of more than one chunk"
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -59,8 +64,7 @@ def test_completion_and_streamed_completion(fleet, client: openai.OpenAI) -> Non
     cluster, _ = fleet
     reply = client.completions.create(model=cluster.model, prompt="The cache router", max_tokens=3)
     assert reply.object == "text_completion" and reply.choices[0].text
-    streamed = list(client.completions.create(model=cluster.model, prompt="The cache router", max_tokens=3,
-                                              stream=True))
+    streamed = list(client.completions.create(model=cluster.model, prompt="The cache router", max_tokens=3, stream=True))
     assert streamed and "".join(c.choices[0].text for c in streamed if c.choices)
 
 
@@ -74,18 +78,20 @@ def test_errors_are_the_clients_exception_types(fleet, client: openai.OpenAI) ->
     """The router's errors are OpenAI error objects, so the client raises its typed exceptions with
     the router's message (not a generic APIError with an unparsed body)."""
     with pytest.raises(openai.NotFoundError) as not_found:
-        client.chat.completions.create(model="no-such-model", max_tokens=1,
-                                       messages=[{"role": "user", "content": "hi"}])
+        client.chat.completions.create(model="no-such-model", max_tokens=1, messages=[{"role": "user", "content": "hi"}])
     assert "no-such-model" in str(not_found.value.message)
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model=fleet[0].model, max_tokens=1, messages=[])
     assert bad.value.body and isinstance(bad.value.body, dict) and bad.value.body.get("message")
 
 
-@pytest.mark.parametrize(("extra", "param", "words"), [({"max_tokens": -1}, "max_tokens", "max_tokens must be at least 1"),
-                                                        ({"n": 2}, "n", "only supports n=1")])
-def test_an_engines_error_comes_back_as_openais_error_object(fleet, client: openai.OpenAI, extra: dict, param: str,
-                                                             words: str) -> None:
+@pytest.mark.parametrize(
+    ("extra", "param", "words"),
+    [({"max_tokens": -1}, "max_tokens", "max_tokens must be at least 1"), ({"n": 2}, "n", "only supports n=1")],
+)
+def test_an_engines_error_comes_back_as_openais_error_object(
+    fleet, client: openai.OpenAI, extra: dict, param: str, words: str
+) -> None:
     """The engine refuses the request (vLLM's error shape: type "BadRequestError", code 400): the
     client gets its status and message in OpenAI's error object, raw and through the client."""
     cluster, url = fleet

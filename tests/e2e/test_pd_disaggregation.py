@@ -31,13 +31,31 @@ def fleet(request, module_local_fleet) -> tuple[LocalCluster, str, str]:
     dialect = "sglang-0.5.22" if protocol == "sglang" else None
     for worker_id in PREFILL + DECODE:
         role = worker_id.split("-")[0]
-        c.add_sim_engine(worker_id, "--role", role, "--pd-protocol", protocol, "--speedup", "20", "--num-blocks", "512",
-                         dialect=dialect, agent_args=("--role", role))
+        c.add_sim_engine(
+            worker_id,
+            "--role",
+            role,
+            "--pd-protocol",
+            protocol,
+            "--speedup",
+            "20",
+            "--num-blocks",
+            "512",
+            dialect=dialect,
+            agent_args=("--role", role),
+        )
     c.wait_engines_healthy()
     c.wait_workers_registered()
     ports = ",".join(f"{w}={p}" for w, p in BOOTSTRAP_PORTS.items())
-    router = c.start_router("pd", "kv_aware", "--pd", protocol, "--query-timeout-ms", "500",
-                            *(("--pd-bootstrap-port", ports) if protocol == "sglang" else ()))
+    router = c.start_router(
+        "pd",
+        "kv_aware",
+        "--pd",
+        protocol,
+        "--query-timeout-ms",
+        "500",
+        *(("--pd-bootstrap-port", ports) if protocol == "sglang" else ()),
+    )
     wait_until(lambda: http_get(router + "/ready")[0] == 200, 30, "router ready", c.all_processes())
     return c, protocol, router
 
@@ -74,8 +92,9 @@ def test_requests_succeed_streamed_and_not(fleet) -> None:
     assert answer["usage"]["completion_tokens"] == 5, answer  # the decode worker's whole answer, not the prefill's
     check_transfer(cluster, protocol, headers, answer["usage"]["prompt_tokens"])
 
-    status, headers, raw = http_post_json_headers(router + "/v1/chat/completions", {
-        **body, "stream": True, "stream_options": {"include_usage": True}})
+    status, headers, raw = http_post_json_headers(
+        router + "/v1/chat/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}
+    )
     assert status == 200, raw
     events = [line.removeprefix(b"data: ") for line in raw.split(b"\n\n") if line.startswith(b"data: ")]
     assert events[-1] == b"[DONE]", raw[-200:]
@@ -98,14 +117,19 @@ def test_a_repeated_prefix_lands_on_the_prefill_worker_holding_it(fleet) -> None
         chosen[doc] = headers["x-kvroute-prefill-worker"]
         # The prefill worker's KV events reach the index: the router now expects the prefix there.
         follow_up = cluster.chat_request(long_text(doc, DOC_WORDS), "another question")
-        wait_until(lambda body=follow_up: route(router, body)["cached_tokens"] >= DOC_WORDS // 2, 20,
-                   f"doc {doc} indexed on {chosen[doc]}", cluster.all_processes())
+        wait_until(
+            lambda body=follow_up: route(router, body)["cached_tokens"] >= DOC_WORDS // 2,
+            20,
+            f"doc {doc} indexed on {chosen[doc]}",
+            cluster.all_processes(),
+        )
         decision = route(router, follow_up)
         assert decision["pd"]["prefill_worker_id"] == chosen[doc], decision
         assert {w["worker_id"] for w in decision["workers"]} == set(PREFILL), decision  # prefill workers only
         for question in ("another question", "a third question"):
             status, headers, raw = http_post_json_headers(
-                router + "/v1/chat/completions", cluster.chat_request(long_text(doc, DOC_WORDS), question))
+                router + "/v1/chat/completions", cluster.chat_request(long_text(doc, DOC_WORDS), question)
+            )
             assert status == 200, raw
             assert headers["x-kvroute-prefill-worker"] == chosen[doc], (doc, chosen, headers)
 
@@ -122,14 +146,19 @@ def test_a_killed_leg_is_retried_and_all_dead_is_one_clear_error(fleet) -> None:
     status, headers, raw = http_post_json_headers(router + "/v1/chat/completions", body)
     assert status == 200, raw
     preferred = headers["x-kvroute-prefill-worker"]
-    wait_until(lambda: route(router, body)["pd"]["prefill_worker_id"] == preferred
-               and route(router, body)["cached_tokens"] > 0, 20, "prefix indexed", cluster.all_processes())
+    wait_until(
+        lambda: route(router, body)["pd"]["prefill_worker_id"] == preferred and route(router, body)["cached_tokens"] > 0,
+        20,
+        "prefix indexed",
+        cluster.all_processes(),
+    )
 
     engine(cluster, preferred).engine.kill()  # its agent still registers it: the router finds out by trying
     engine(cluster, "decode-0").engine.kill()
     for question in ("q1", "q2", "q3", "q4"):
-        status, headers, raw = http_post_json_headers(router + "/v1/chat/completions",
-                                                      cluster.chat_request(long_text(20, DOC_WORDS), question))
+        status, headers, raw = http_post_json_headers(
+            router + "/v1/chat/completions", cluster.chat_request(long_text(20, DOC_WORDS), question)
+        )
         assert status == 200, raw
         assert headers["x-kvroute-prefill-worker"] != preferred and headers["x-kvroute-worker"] == "decode-1", headers
     wait_until(lambda: nothing_in_flight(router, body), 10, "no request in flight", cluster.all_processes())

@@ -35,8 +35,11 @@ def test_routing_follows_the_cache_after_events_arrive(cluster: LocalCluster) ->
         assert status == 200, raw
     for i, engine in enumerate(cluster.engines):
         body = cluster.chat_request(long_text(i), "a different question about the same document")
-        decision = wait_until(lambda body=body: (d := route(cluster, body)) and d["cached_tokens"] > 0 and d,
-                              15, f"events of {engine.worker_id} reach the router")
+        decision = wait_until(
+            lambda body=body: (d := route(cluster, body)) and d["cached_tokens"] > 0 and d,
+            15,
+            f"events of {engine.worker_id} reach the router",
+        )
         assert decision["worker_id"] == engine.worker_id, decision
         assert decision["cached_tokens"] >= 300
         assert decision["fail_open"] is False
@@ -55,8 +58,9 @@ def test_unknown_prefix_spreads_by_load_and_header_names_worker(cluster: LocalCl
     seen = set()
     for i in range(12):
         body = cluster.chat_request(f"unique {i} " + long_text(100 + i, 30), "hi")
-        req = urllib.request.Request(cluster.router_urls["kv"] + "/v1/chat/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            cluster.router_urls["kv"] + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=10) as resp:
             seen.add(resp.headers["x-kvroute-worker"])
     assert len(seen) >= 2  # random tie-break among idle engines, never "always the first"
@@ -70,18 +74,20 @@ def test_control_plane_down_fails_open(cluster: LocalCluster) -> None:
     cluster.control_plane.stop()
     try:
         started = time.monotonic()
-        status, raw = http_post_json(cluster.router_urls["kv"] + "/v1/chat/completions",
-                                     cluster.chat_request(long_text(0), "still there?"))
+        status, raw = http_post_json(
+            cluster.router_urls["kv"] + "/v1/chat/completions", cluster.chat_request(long_text(0), "still there?")
+        )
         assert status == 200, raw
         assert time.monotonic() - started < 5
     finally:
         cluster.control_plane.start()
-        wait_until(lambda: len(cluster.list_workers()) == len(cluster.engines), 20, "agents re-register",
-                   cluster.all_processes())
+        wait_until(lambda: len(cluster.list_workers()) == len(cluster.engines), 20, "agents re-register", cluster.all_processes())
     # After the restart the agents' snapshots rebuild the index: routing follows the cache again.
-    decision = wait_until(lambda: (d := route(cluster, cluster.chat_request(long_text(1), "again")))
-                          and d["cached_tokens"] > 0 and d,
-                          15, "index rebuilt from agent snapshots")
+    decision = wait_until(
+        lambda: (d := route(cluster, cluster.chat_request(long_text(1), "again"))) and d["cached_tokens"] > 0 and d,
+        15,
+        "index rebuilt from agent snapshots",
+    )
     assert decision["worker_id"] == cluster.engines[1].worker_id
 
 
@@ -105,8 +111,9 @@ def test_only_a_router_whose_policy_reads_the_index_opens_a_router_session(local
     for name in ("rr", "kv"):
         wait_until(lambda name=name: http_ok(cluster.router_urls[name] + "/ready"), 30, f"router {name} ready")
     for name in ("rr", "kv"):  # both route; round_robin's requests are neither queried nor announced
-        status, raw = http_post_json(cluster.router_urls[name] + "/v1/completions",
-                                     {"model": cluster.model, "prompt": "hello", "max_tokens": 2})
+        status, raw = http_post_json(
+            cluster.router_urls[name] + "/v1/completions", {"model": cluster.model, "prompt": "hello", "max_tokens": 2}
+        )
         assert status == 200, raw
     time.sleep(0.5)  # a second session would have opened by now
     assert sessions() == 1

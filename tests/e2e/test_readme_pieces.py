@@ -38,8 +38,8 @@ class BlockRun:
     returncode: int
     out: str
     err: str
-    logs: str   # the tail of every *.log the block wrote
-    pgid: int   # the block's process group: every process it started
+    logs: str  # the tail of every *.log the block wrote
+    pgid: int  # the block's process group: every process it started
 
 
 def kill_line(jobs: int) -> str:
@@ -54,8 +54,15 @@ def run_block(tmp_path: Path, block: str, jobs: int = 4) -> BlockRun:
     script = tmp_path / "block.sh"
     script.write_text("set -e\n" + block + kill_line(jobs) + "\nwait\n")
     env = doc_env()
-    proc = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", str(script)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=150)
     except subprocess.TimeoutExpired:
@@ -101,8 +108,10 @@ def test_running_the_pieces_yourself_works_as_written(tmp_path: Path) -> None:
         assert agent_ready["engine_answering"] is True and agent_ready["event_stream_silent"] is False, agent_ready
         # The log lines the README quotes, on this run's ports.
         agent_log = (tmp_path / "agent.log").read_text()
-        for quoted in ("engine http://127.0.0.1:8000 answers (model tiny-llama):\nregistering sim-0",
-                       "registered with control plane 127.0.0.1:50051 as sim-0"):
+        for quoted in (
+            "engine http://127.0.0.1:8000 answers (model tiny-llama):\nregistering sim-0",
+            "registered with control plane 127.0.0.1:50051 as sim-0",
+        ):
             assert f"`{quoted}`" in prose, quoted
             line = quoted.replace("\n", " ").replace("8000", str(ports[8000])).replace("50051", str(ports[50051]))
             assert line in agent_log, f"{line!r} not in the agent's log:\n{agent_log}"
@@ -124,8 +133,7 @@ def test_the_documented_trace_command_runs_on_the_shipped_trace(tmp_path: Path) 
     command = operations_line("kvroute simulate --trace traces/mooncake_conversation_trace.jsonl")
     (tmp_path / "traces").symlink_to(REPO / "traces")  # the command as written, from a clone's root
     env = doc_env()
-    out = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-                         check=False)
+    out = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.splitlines()[-1])
     assert result["block_size"] == 512 and result["warnings"] == []
@@ -141,15 +149,23 @@ def test_the_high_availability_block_works_as_written(tmp_path: Path) -> None:
     """Three replicas over one Redis, an agent and a router: the block waits for each to be ready before
     its audit, after the `kvroute tiny-model` / `kvroute sim-engine` lines of "Running the pieces yourself"."""
     assert shutil.which("redis-server") and shutil.which("redis-cli"), "the replica tests need redis-server"
-    pieces = doc_commands(doc_sh_blocks("README.md", "## Running the pieces yourself")[0], "kvroute tiny-model",
-                             "kvroute sim-engine")
+    pieces = doc_commands(
+        doc_sh_blocks("README.md", "## Running the pieces yourself")[0], "kvroute tiny-model", "kvroute sim-engine"
+    )
     ha = doc_sh_blocks("docs/operations.md", "## High availability: control-plane replicas over Redis")[0]
     assert all(port < 32768 for port in map(int, re.findall(r":(\d+)\b", ha))), "a port in the ephemeral range"
     block, ports = with_free_ports(pieces + ha, HA_PORTS)
     script = tmp_path / "ha.sh"
     script.write_text("set -e\n" + block)
-    proc = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=doc_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", str(script)],
+        cwd=tmp_path,
+        env=doc_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         try:
             out, err = proc.communicate(timeout=200)
@@ -169,8 +185,9 @@ def test_the_high_availability_block_works_as_written(tmp_path: Path) -> None:
         router_log = (tmp_path / "router.log").read_text()
         assert router_log.index("router listening") < router_log.index("router ready: 1 of 1 workers"), router_log
     finally:
-        subprocess.run(["redis-cli", "-p", str(ports[6380]), "shutdown", "nosave"], capture_output=True, timeout=10,
-                       check=False)  # daemonized: not in the script's process group
+        subprocess.run(
+            ["redis-cli", "-p", str(ports[6380]), "shutdown", "nosave"], capture_output=True, timeout=10, check=False
+        )  # daemonized: not in the script's process group
         if process_group_alive(proc.pid):  # the block's background processes outlive the script
             os.killpg(proc.pid, signal.SIGTERM)
             deadline = time.monotonic() + 10
@@ -188,8 +205,9 @@ def test_dns_discovery_works_as_written(tmp_path: Path) -> None:
     """docs/operations.md's DNS discovery block: two sim engines without agents, `kvroute sim-dns` answering
     SRV records from a file, a router that finds both through it (its --control-plane on a port where
     nothing listens) and four requests that land on both; then its `kill %1 %2 %3 %4` stops all four."""
-    block, ports = with_free_ports(doc_sh_blocks("docs/operations.md", "## Engines without an agent: DNS discovery")[0],
-                                   DISCOVERY_PORTS)
+    block, ports = with_free_ports(
+        doc_sh_blocks("docs/operations.md", "## Engines without an agent: DNS discovery")[0], DISCOVERY_PORTS
+    )
     prose = OPERATIONS.read_text()
     assert "Engines found this way are routed on load" in prose and "routed on the index as well" in prose
     assert "`kill %1 %2 %3 %4` stops the four processes" in prose.split("## Engines without an agent")[1]
@@ -213,13 +231,13 @@ def test_the_pd_fleet_block_works_as_written(tmp_path: Path) -> None:
     assert f"`{kill_line(6)}` stops the six processes" in prose
     run = run_block(tmp_path, block, jobs=6)
     with stopped_by_the_kill_line(run):
-        assert run.returncode == 0, f"exit {run.returncode} (ports {ports})\nstdout:\n{run.out}\nstderr:\n{run.err}\n" \
-                                    f"{run.logs}"
+        assert run.returncode == 0, f"exit {run.returncode} (ports {ports})\nstdout:\n{run.out}\nstderr:\n{run.err}\n{run.logs}"
         lines = run.out.splitlines()
         completion = json.loads(lines[1])
         assert completion["object"] == "chat.completion" and completion["usage"]["completion_tokens"] == 8, run.out
-        headers = {name.strip().lower(): value.strip() for name, value in
-                   (line.split(":", 1) for line in lines[2:] if ":" in line)}
+        headers = {
+            name.strip().lower(): value.strip() for name, value in (line.split(":", 1) for line in lines[2:] if ":" in line)
+        }
         for name, value in (("x-kvroute-prefill-worker", "prefill-0"), ("x-kvroute-worker", "decode-0")):
             assert f"`{name}: {value}`" in prose and headers.get(name) == value, (name, run.out)
         # The decode engine got the prefill engine's transfer parameters: its KV came from there.
@@ -236,8 +254,9 @@ def test_many_models_behind_one_router_works_as_written(tmp_path: Path) -> None:
     """Two models, a sim engine and an agent each, one router: each model's requests reach its own
     engine, /v1/models lists both, an unknown model is OpenAI's 404; the kill line stops all six."""
     pieces = doc_commands(doc_sh_blocks("README.md", "## Running the pieces yourself")[0], "kvroute tiny-model")
-    block, ports = with_free_ports(pieces + doc_sh_blocks("docs/operations.md", "## Many models behind one router")[0],
-                                   MANY_MODELS_PORTS)
+    block, ports = with_free_ports(
+        pieces + doc_sh_blocks("docs/operations.md", "## Many models behind one router")[0], MANY_MODELS_PORTS
+    )
     prose = (REPO / "docs" / "operations.md").read_text().split("## Many models behind one router")[1]
     assert f"`{kill_line(6)}` stops the six processes" in prose
     run = run_block(tmp_path, block, jobs=6)
@@ -251,7 +270,12 @@ def test_many_models_behind_one_router_works_as_written(tmp_path: Path) -> None:
         assert workers == ["llama-0", "chat-0", "llama-0", "chat-0"], f"{out}\n{logs}"
         models = json.loads(lines[-2])
         assert [m["id"] for m in models["data"]] == ["tiny-llama", "tiny-chat"], models
-        assert json.loads(lines[-1]) == {"error": {
-            "message": "The model `gpt-4o` does not exist or you do not have access to it.",
-            "type": "invalid_request_error", "param": None, "code": "model_not_found"}}, lines[-1]
+        assert json.loads(lines[-1]) == {
+            "error": {
+                "message": "The model `gpt-4o` does not exist or you do not have access to it.",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "model_not_found",
+            }
+        }, lines[-1]
         assert 'gets a 404,\nOpenAI\'s own answer word for word: ``{"error": {"message": "The model `gpt-4o`' in prose

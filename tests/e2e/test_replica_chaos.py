@@ -21,8 +21,7 @@ AUDIT_CLEAN_BOUND_S = 15.0  # a liveness bound: divergence that never heals fail
 
 
 def start_fleet(workdir, redis_port: int, redis_url: str = ""):
-    cluster = ReplicaCluster(workdir=workdir, tokenizer_dir=build_model_dir(workdir / "tiny-llama"),
-                             heartbeat_timeout_s=5.0)
+    cluster = ReplicaCluster(workdir=workdir, tokenizer_dir=build_model_dir(workdir / "tiny-llama"), heartbeat_timeout_s=5.0)
     try:
         cluster.start_replicas(redis_port, 3, redis_url=redis_url)
         for i in range(ENGINES):
@@ -70,8 +69,10 @@ def check(baseline, chaos) -> None:
 @pytest.mark.timeout(300)
 def test_chaos_under_load(fleet) -> None:
     cluster, urls = fleet
-    check(run_chaos(cluster, urls, faults=False, rate=RATE, audit_within_s=AUDIT_CLEAN_BOUND_S),
-          run_chaos(cluster, urls, faults=True, rate=RATE, audit_within_s=AUDIT_CLEAN_BOUND_S))
+    check(
+        run_chaos(cluster, urls, faults=False, rate=RATE, audit_within_s=AUDIT_CLEAN_BOUND_S),
+        run_chaos(cluster, urls, faults=True, rate=RATE, audit_within_s=AUDIT_CLEAN_BOUND_S),
+    )
 
 
 @pytest.mark.slow
@@ -80,5 +81,7 @@ def test_chaos_under_load_on_a_redis_cluster(fleet_on_cluster) -> None:
     """The same against a 3-master Redis Cluster: kill -9 and restart (a replica's connections to a
     Cluster's nodes are not behind one proxy, so the Redis cut is the single-server test's)."""
     cluster, urls = fleet_on_cluster
-    check(run_chaos(cluster, urls, faults=False, cut=False, rate=RATE, audit_within_s=AUDIT_CLEAN_BOUND_S),
-          run_chaos(cluster, urls, faults=True, cut=False, rate=RATE, audit_within_s=AUDIT_CLEAN_BOUND_S))
+    check(
+        run_chaos(cluster, urls, faults=False, cut=False, rate=RATE, audit_within_s=AUDIT_CLEAN_BOUND_S),
+        run_chaos(cluster, urls, faults=True, cut=False, rate=RATE, audit_within_s=AUDIT_CLEAN_BOUND_S),
+    )

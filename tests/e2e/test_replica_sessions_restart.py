@@ -59,8 +59,9 @@ async def test_a_restarted_replica_sees_the_sessions_opened_before_it(tmp_path) 
 
         async def sees(link: RouterSessionLink, requests: int, speculative: int | None = None) -> bool:
             w = await seen_by(link, chain)
-            return w is not None and w.reserved_requests == requests and (
-                speculative is None or w.speculative_blocks == speculative)
+            return (
+                w is not None and w.reserved_requests == requests and (speculative is None or w.speculative_blocks == speculative)
+            )
 
         first = link1.reserve("w1", 4, chain, prefill_tokens=24, prompt_tokens=24)
         await eventually(lambda: sees(link2, 1, 2), 20, what="router-2 (on B) sees router-1's reservation")
@@ -72,8 +73,11 @@ async def test_a_restarted_replica_sees_the_sessions_opened_before_it(tmp_path) 
         cluster.restart_replica(1)
         await asyncio.to_thread(cluster.wait_replica_ready, 1, 60)
         await eventually(lambda: link2.connected and link2.sessions >= 2, 30, what="router-2 back on B")
-        await eventually(lambda: sees(link2, 1, 2), VISIBLE_WITHIN_S,
-                         what="router-2 (on the restarted B) sees router-1's reservation and its claims")
+        await eventually(
+            lambda: sees(link2, 1, 2),
+            VISIBLE_WITHIN_S,
+            what="router-2 (on the restarted B) sees router-1's reservation and its claims",
+        )
         await eventually(lambda: sees(link1, 1), 20, what="router-1 sees router-2's re-sent reservation")
         # The restored session is router-1's own: what it does next applies on B.
         link1.release(first)

@@ -66,13 +66,34 @@ class RecordingEngine:
         return self.url
 
 
-def start_router(workdir: Path, model_dir: Path, name: str, engine_url: str, *extra: str,
-                 env: dict[str, str] | None = None) -> tuple[ManagedProcess, str, int]:
+def start_router(
+    workdir: Path, model_dir: Path, name: str, engine_url: str, *extra: str, env: dict[str, str] | None = None
+) -> tuple[ManagedProcess, str, int]:
     port, grpc_port = free_port(), free_port()
-    router = ManagedProcess(f"router-{name}", kvroute_argv(
-        "router", "--control-plane", f"127.0.0.1:{free_port()}", "--policy", "round_robin",
-        "--static-workers", f"engine={engine_url}", "--tokenizer", str(model_dir), "--model", MODEL,
-        "--host", "127.0.0.1", "--port", str(port), "--grpc-port", str(grpc_port), *extra), workdir / f"{name}.log")
+    router = ManagedProcess(
+        f"router-{name}",
+        kvroute_argv(
+            "router",
+            "--control-plane",
+            f"127.0.0.1:{free_port()}",
+            "--policy",
+            "round_robin",
+            "--static-workers",
+            f"engine={engine_url}",
+            "--tokenizer",
+            str(model_dir),
+            "--model",
+            MODEL,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(grpc_port),
+            *extra,
+        ),
+        workdir / f"{name}.log",
+    )
     router.start(env=env)
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: http_ok(url + "/health"), 30, f"router {name}", [router])
@@ -84,8 +105,9 @@ def completion(authorization: str | None = None) -> tuple[dict, dict[str, str]]:
     return {"model": MODEL, "prompt": "hello there", "max_tokens": 2}, headers
 
 
-async def post(session: aiohttp.ClientSession, url: str, authorization: str | None = None,
-               path: str = "/v1/completions") -> tuple[int, dict, dict[str, str]]:
+async def post(
+    session: aiohttp.ClientSession, url: str, authorization: str | None = None, path: str = "/v1/completions"
+) -> tuple[int, dict, dict[str, str]]:
     body, headers = completion(authorization)
     async with session.post(url + path, json=body, headers=headers) as response:
         return response.status, json.loads(await response.read() or b"{}"), dict(response.headers)
@@ -101,8 +123,9 @@ async def test_api_keys_scopes_reload_and_authorization_not_forwarded(tmp_path, 
     engine_url = await engine.start()
     keys_file = tmp_path / "api-keys"
     keys_file.write_text(f"# router keys\n{sha(FULL_KEY)} ci-full\n{sha(ROUTE_KEY)} app scope=route\n")
-    router, url, grpc_port = start_router(tmp_path, tiny_model_dir, "keys", engine_url, "--api-keys-file",
-                                          str(keys_file), env={"KVROUTE_API_KEYS": ENV_KEY})
+    router, url, grpc_port = start_router(
+        tmp_path, tiny_model_dir, "keys", engine_url, "--api-keys-file", str(keys_file), env={"KVROUTE_API_KEYS": ENV_KEY}
+    )
     try:
         async with aiohttp.ClientSession() as session:
             status, body, headers = await post(session, url)
@@ -159,6 +182,7 @@ async def test_api_keys_scopes_reload_and_authorization_not_forwarded(tmp_path, 
             answer = await route(request, metadata=(("authorization", f"Bearer {ROUTE_KEY}"),), timeout=5)
             assert answer.worker_id == "engine"
             from grpc_health.v1 import health_pb2, health_pb2_grpc
+
             health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert health.status in (health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING)
     finally:
@@ -182,8 +206,9 @@ async def test_forward_authorization_to_an_https_engine(tmp_path, tiny_model_dir
             assert engine.seen == []
     finally:
         router.stop()
-    router, url, _ = start_router(tmp_path, tiny_model_dir, "forward", engine_url, "--forward-authorization",
-                                  "--engine-tls-ca", str(ca.ca_path))
+    router, url, _ = start_router(
+        tmp_path, tiny_model_dir, "forward", engine_url, "--forward-authorization", "--engine-tls-ca", str(ca.ca_path)
+    )
     try:
         async with aiohttp.ClientSession() as session:
             status, body, _ = await post(session, url, "Bearer engine-token")

@@ -26,10 +26,26 @@ TOKENIZED = "kvroute_router_tokenized_chars_total"
 
 def start_router(workdir: Path, model_dir: Path, name: str, *extra: str) -> tuple[ManagedProcess, str]:
     port = free_port()
-    router = ManagedProcess(f"router-{name}", kvroute_argv(
-        "router", "--control-plane", f"127.0.0.1:{free_port()}",  # nothing there: the router fails open
-        "--tokenizer", str(model_dir), "--model", MODEL,
-        "--host", "127.0.0.1", "--port", str(port), "--grpc-port", "off", *extra), workdir / f"{name}.log")
+    router = ManagedProcess(
+        f"router-{name}",
+        kvroute_argv(
+            "router",
+            "--control-plane",
+            f"127.0.0.1:{free_port()}",  # nothing there: the router fails open
+            "--tokenizer",
+            str(model_dir),
+            "--model",
+            MODEL,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--grpc-port",
+            "off",
+            *extra,
+        ),
+        workdir / f"{name}.log",
+    )
     router.start()
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: http_ok(url + "/health"), 30, f"router {name}", [router])
@@ -38,8 +54,15 @@ def start_router(workdir: Path, model_dir: Path, name: str, *extra: str) -> tupl
 
 @pytest.fixture(scope="module")
 def router(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[ManagedProcess, str]]:
-    proc, url = start_router(tmp_path_factory.mktemp("limits"), tiny_model_dir, "limits", "--max-body-bytes", str(MAX_BODY),
-                             "--max-prompt-tokens", str(MAX_TOKENS))
+    proc, url = start_router(
+        tmp_path_factory.mktemp("limits"),
+        tiny_model_dir,
+        "limits",
+        "--max-body-bytes",
+        str(MAX_BODY),
+        "--max-prompt-tokens",
+        str(MAX_TOKENS),
+    )
     try:
         yield proc, url
     finally:
@@ -100,8 +123,9 @@ def tokenized_chars(url: str) -> float:
 
 
 def head(path: str, *headers: str) -> bytes:
-    return ("\r\n".join([f"POST {path} HTTP/1.1", "Host: router", "Content-Type: application/json", *headers])
-            + "\r\n\r\n").encode()
+    return (
+        "\r\n".join([f"POST {path} HTTP/1.1", "Host: router", "Content-Type: application/json", *headers]) + "\r\n\r\n"
+    ).encode()
 
 
 def test_a_body_over_the_cap_is_a_413_before_it_is_read(router) -> None:
@@ -132,9 +156,11 @@ def test_a_prompt_past_the_character_bound_is_rejected_without_tokenizing(router
     before = tokenized_chars(url)
     # The tiny tokenizer's longest token is 13 characters, so 1000 tokens are at most 13000 characters.
     long_text = "the cache router " * 12000  # 204000 characters: under the body cap, far over the bound
-    for path, body in (("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": long_text}]}),
-                       ("/v1/completions", {"model": MODEL, "prompt": long_text}),
-                       ("/v1/route", {"model": MODEL, "prompt": ["the cache router", long_text]})):
+    for path, body in (
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": long_text}]}),
+        ("/v1/completions", {"model": MODEL, "prompt": long_text}),
+        ("/v1/route", {"model": MODEL, "prompt": ["the cache router", long_text]}),
+    ):
         status, raw = http_post_json(url + path, body)
         error = json.loads(raw)["error"]
         assert status == 400 and error["code"] == "context_length_exceeded", raw
@@ -157,8 +183,17 @@ def rss_mb(pid: int) -> float:
 def test_a_large_tokenized_prompt_does_not_stay_resident(tmp_path, tiny_model_dir) -> None:
     """2M characters are tokenized (under both limits here); the tokenizer's ~200 MB of scratch
     memory is freed, and the router gives it back to the OS (malloc_trim) instead of keeping it."""
-    proc, url = start_router(tmp_path, tiny_model_dir, "memory", "--max-body-bytes", str(8 << 20), "--max-prompt-tokens", "1000000",
-                             "--tokenizer-cache-tokens", "0")
+    proc, url = start_router(
+        tmp_path,
+        tiny_model_dir,
+        "memory",
+        "--max-body-bytes",
+        str(8 << 20),
+        "--max-prompt-tokens",
+        "1000000",
+        "--tokenizer-cache-tokens",
+        "0",
+    )
     try:
         http_post_json(url + "/v1/route", {"model": MODEL, "prompt": "warm up the tokenizer"})
         assert proc.popen is not None

@@ -36,8 +36,15 @@ async def test_traceparent_reaches_backend_and_grpc_route_fails_open(tmp_path, t
     grpc_port = free_port()
     try:
         url = await asyncio.to_thread(
-            cluster.start_router, "r", "kv_aware", "--static-workers", f"fake=http://127.0.0.1:{backend_port}",
-            "--grpc-port", str(grpc_port), env={"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "100"})
+            cluster.start_router,
+            "r",
+            "kv_aware",
+            "--static-workers",
+            f"fake=http://127.0.0.1:{backend_port}",
+            "--grpc-port",
+            str(grpc_port),
+            env={"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "100"},
+        )
         import aiohttp
 
         async with aiohttp.ClientSession() as session:
@@ -59,8 +66,12 @@ async def test_traceparent_reaches_backend_and_grpc_route_fails_open(tmp_path, t
 
         async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
             stub = pb_grpc.RouterStub(channel)
-            answer = await stub.Route(pb.RouteRequest(model="tiny-llama", messages=pb.ChatMessages(
-                messages=[pb.ChatMessage(role="user", content="hello")])), timeout=5)
+            answer = await stub.Route(
+                pb.RouteRequest(
+                    model="tiny-llama", messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hello")])
+                ),
+                timeout=5,
+            )
             assert answer.worker_id == "fake" and answer.fail_open and answer.prompt_tokens > 0
             try:
                 await stub.Route(pb.RouteRequest(model="tiny-llama"), timeout=5)

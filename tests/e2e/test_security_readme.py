@@ -37,18 +37,27 @@ def tls(pki: Path, name: str) -> ClientTls:
 
 
 async def check_authority(address: str, pki: Path, stranger: Path) -> None:
-    async with open_channel(address, tls(pki, "router-1")) as router_channel, \
-            open_channel(address, tls(pki, "agent-sim-0")) as agent_channel:
+    async with (
+        open_channel(address, tls(pki, "router-1")) as router_channel,
+        open_channel(address, tls(pki, "agent-sim-0")) as agent_channel,
+    ):
         router, agent = pb_grpc.ControlPlaneStub(router_channel), pb_grpc.ControlPlaneStub(agent_channel)
         workers = (await router.ListWorkers(pb.ListWorkersRequest(), timeout=5)).workers
         assert [w.worker_id for w in workers] == ["sim-0"] and workers[0].cached_blocks > 0
         before = {w.worker_id: w.cached_blocks for w in workers}
-        for stub, worker_id, expected in ((agent, "sim-1", "does not name worker 'sim-1'"),
-                                          (agent, "sim-0-other", "does not name worker"),
-                                          (router, "sim-0", "may query and reserve but not write")):
+        for stub, worker_id, expected in (
+            (agent, "sim-1", "does not name worker 'sim-1'"),
+            (agent, "sim-0-other", "does not name worker"),
+            (router, "sim-0", "may query and reserve but not write"),
+        ):
             call = stub.Connect()
-            await call.write(pb.AgentMessage(register=pb.RegisterWorker(
-                worker_id=worker_id, model="tiny-llama", engine="vllm", block_size=16, endpoint="http://evil")))
+            await call.write(
+                pb.AgentMessage(
+                    register=pb.RegisterWorker(
+                        worker_id=worker_id, model="tiny-llama", engine="vllm", block_size=16, endpoint="http://evil"
+                    )
+                )
+            )
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 reply = await call.read()
                 if reply is grpc.aio.EOF:
@@ -57,8 +66,13 @@ async def check_authority(address: str, pki: Path, stranger: Path) -> None:
             assert expected in refused.value.details()
         after = {w.worker_id: w.cached_blocks for w in (await router.ListWorkers(pb.ListWorkersRequest())).workers}
         assert after == before  # nothing applied, sim-0 untouched
-    for channel in (open_channel(address, None), open_channel(address, ClientTls(TlsFiles(
-            str(stranger.with_suffix(".crt")), str(stranger.with_suffix(".key")), str(pki / "ca.crt"))))):
+    for channel in (
+        open_channel(address, None),
+        open_channel(
+            address,
+            ClientTls(TlsFiles(str(stranger.with_suffix(".crt")), str(stranger.with_suffix(".key")), str(pki / "ca.crt"))),
+        ),
+    ):
         async with channel:
             with pytest.raises(grpc.aio.AioRpcError) as failed:
                 await pb_grpc.ControlPlaneStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=3)
@@ -77,8 +91,7 @@ async def check_router_grpc(address: str, pki: Path) -> None:
         assert answer.worker_id == "sim-0"
     async with open_channel(address, ClientTls(TlsFiles(ca=str(pki / "ca.crt")))) as channel:  # no certificate
         with pytest.raises(grpc.aio.AioRpcError) as failed:
-            await pb_grpc.RouterStub(channel).Route(request, metadata=(("authorization", "Bearer sk-demo-key"),),
-                                                    timeout=3)
+            await pb_grpc.RouterStub(channel).Route(request, metadata=(("authorization", "Bearer sk-demo-key"),), timeout=3)
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
@@ -90,8 +103,15 @@ def test_mtls_setup_works_as_written(tmp_path: Path) -> None:
     # set -e: a failing openssl, curl or audit fails the run; the processes stay up for the checks below.
     script.write_text("set -e\n" + certs + fleet + "echo READY\nwait\n")
     env = doc_env()
-    proc = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", str(script)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 180
@@ -117,15 +137,39 @@ def test_mtls_setup_works_as_written(tmp_path: Path) -> None:
         asyncio.run(check_router_grpc(f"localhost:{ports[50052]}", pki))
         # The README's claim: an agent process with that certificate and another worker id is refused, says
         # so in its log, and keeps retrying; the index never holds sim-1.
-        intruder = ManagedProcess("agent-sim-1", kvroute_argv(
-            "agent", "--control-plane", f"127.0.0.1:{ports[50051]}", "--engine", "vllm", "--kv-events",
-            f"tcp://127.0.0.1:{ports[5557]}", "--engine-url", f"http://127.0.0.1:{ports[8000]}", "--worker-id", "sim-1",
-            "--block-size", "16", "--tls-cert", str(pki / "agent-sim-0.crt"), "--tls-key", str(pki / "agent-sim-0.key"),
-            "--tls-ca", str(pki / "ca.crt")), tmp_path / "intruder.log")
+        intruder = ManagedProcess(
+            "agent-sim-1",
+            kvroute_argv(
+                "agent",
+                "--control-plane",
+                f"127.0.0.1:{ports[50051]}",
+                "--engine",
+                "vllm",
+                "--kv-events",
+                f"tcp://127.0.0.1:{ports[5557]}",
+                "--engine-url",
+                f"http://127.0.0.1:{ports[8000]}",
+                "--worker-id",
+                "sim-1",
+                "--block-size",
+                "16",
+                "--tls-cert",
+                str(pki / "agent-sim-0.crt"),
+                "--tls-key",
+                str(pki / "agent-sim-0.key"),
+                "--tls-ca",
+                str(pki / "ca.crt"),
+            ),
+            tmp_path / "intruder.log",
+        )
         intruder.start()
         try:
-            wait_until(lambda: "PERMISSION_DENIED" in (tmp_path / "intruder.log").read_text(), 30,
-                       "the intruding agent's refusal", [intruder])
+            wait_until(
+                lambda: "PERMISSION_DENIED" in (tmp_path / "intruder.log").read_text(),
+                30,
+                "the intruding agent's refusal",
+                [intruder],
+            )
             assert "does not name worker 'sim-1'" in (tmp_path / "intruder.log").read_text()
             assert intruder.alive()
         finally:

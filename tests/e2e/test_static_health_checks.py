@@ -36,22 +36,41 @@ def test_a_dead_static_engine_is_routed_around_before_a_request_fails_on_it(loca
     doomed = cluster.add_sim_engine("engine-1", start_agent=False)
     cluster.wait_engines_healthy()
     router = cluster.start_router(
-        "r", "round_robin", "--static-workers", f"engine-0={alive.url},engine-1={doomed.url}",
-        "--health-check-interval-s", str(INTERVAL_S), "--health-check-timeout-s", "2",
-        "--health-failure-threshold", str(FAILURES), "--health-success-threshold", str(SUCCESSES))
+        "r",
+        "round_robin",
+        "--static-workers",
+        f"engine-0={alive.url},engine-1={doomed.url}",
+        "--health-check-interval-s",
+        str(INTERVAL_S),
+        "--health-check-timeout-s",
+        "2",
+        "--health-failure-threshold",
+        str(FAILURES),
+        "--health-success-threshold",
+        str(SUCCESSES),
+    )
     request = cluster.chat_request("You are terse.", "Say hi.")
 
     def served_by(n: int) -> set[str]:
         return served_by_router(router, request, n)
 
-    wait_until(lambda: _healthy(router, "engine-0") == 1 and _healthy(router, "engine-1") == 1, 30,
-               "both static engines checked healthy", [alive.engine, doomed.engine, cluster.routers["r"]])
+    wait_until(
+        lambda: _healthy(router, "engine-0") == 1 and _healthy(router, "engine-1") == 1,
+        30,
+        "both static engines checked healthy",
+        [alive.engine, doomed.engine, cluster.routers["r"]],
+    )
     assert served_by(4) == {"engine-0", "engine-1"}
 
     doomed.engine.kill()
     killed_at = time.monotonic()
-    wait_until(lambda: _healthy(router, "engine-1") == 0, 30, "engine-1 marked down by its health checks",
-               [cluster.routers["r"]], interval=0.05)
+    wait_until(
+        lambda: _healthy(router, "engine-1") == 0,
+        30,
+        "engine-1 marked down by its health checks",
+        [cluster.routers["r"]],
+        interval=0.05,
+    )
     # FAILURES x INTERVAL_S after the kill, plus probes and scrapes on a busy machine.
     assert time.monotonic() - killed_at < 15
     metrics = _metrics(router)
@@ -67,21 +86,33 @@ def test_a_dead_static_engine_is_routed_around_before_a_request_fails_on_it(loca
     assert not sample_value(metrics, "kvroute_router_retries_total")
 
     doomed.engine.start()  # the same port (pinned in its argv)
-    wait_until(lambda: _healthy(router, "engine-1") == 1, 30, "engine-1 back after its health checks pass",
-               [doomed.engine, cluster.routers["r"]], interval=0.05)
+    wait_until(
+        lambda: _healthy(router, "engine-1") == 1,
+        30,
+        "engine-1 back after its health checks pass",
+        [doomed.engine, cluster.routers["r"]],
+        interval=0.05,
+    )
     assert _ready(router)["failing_health_checks"] == []
     assert served_by(4) == {"engine-0", "engine-1"}
 
     # Every engine dead: not ready, and a request (tried on all, as none is better) says why it failed.
     alive.engine.kill()
     doomed.engine.kill()
-    wait_until(lambda: _ready(router)["failing_health_checks"] == ["engine-0", "engine-1"], 30,
-               "both engines marked down", [cluster.routers["r"]], interval=0.05)
+    wait_until(
+        lambda: _ready(router)["failing_health_checks"] == ["engine-0", "engine-1"],
+        30,
+        "both engines marked down",
+        [cluster.routers["r"]],
+        interval=0.05,
+    )
     status, ready = http_get(router + "/ready")
-    assert status == 503 and "no worker of model 'tiny-llama' is healthy (failing their health checks: " \
-        "engine-0, engine-1)" in json.loads(ready)["problems"], ready
+    assert (
+        status == 503
+        and "no worker of model 'tiny-llama' is healthy (failing their health checks: engine-0, engine-1)"
+        in json.loads(ready)["problems"]
+    ), ready
     status, _, body = http_post_json_headers(router + "/v1/chat/completions", request)
     error = json.loads(body)["error"]
     assert status == 502 and error["code"] == "backend_unavailable", body
     assert "all 2 workers tried failed, as every one fails its health checks" in error["message"], body
-

@@ -89,20 +89,27 @@ def test_client_certificates_that_do_not_load_keep_the_link_until_a_valid_one(tm
 
     for pair in (router_cert, agent_cert):
         pair.cert.write_text("not a certificate at all\n")
-    wait_until(lambda: log_count(cluster, "router-kv", "do not load"), 30, "the router's warning",
-               cluster.all_processes())
+    wait_until(lambda: log_count(cluster, "router-kv", "do not load"), 30, "the router's warning", cluster.all_processes())
     warned = time.monotonic()
     # Refreshes after the warning succeed (a refresh less old than the warning), and decisions use the index.
-    wait_until(lambda: (cp := ready_control_plane(router))["reachable"] and cp["last_refresh_s_ago"] is not None
-               and cp["last_refresh_s_ago"] < time.monotonic() - warned - 1.0, 30,
-               "a control-plane refresh after the warning", cluster.all_processes())
+    wait_until(
+        lambda: (
+            (cp := ready_control_plane(router))["reachable"]
+            and cp["last_refresh_s_ago"] is not None
+            and cp["last_refresh_s_ago"] < time.monotonic() - warned - 1.0
+        ),
+        30,
+        "a control-plane refresh after the warning",
+        cluster.all_processes(),
+    )
     assert kv_aware(router, body), "the router stopped using the index"
     assert log_count(cluster, "router-kv", "unreachable") == 0, cluster.routers["kv"].log_tail()
     assert log_count(cluster, "router-kv", "TLS files reloaded") == 0
 
     cluster.restart_control_plane()
-    wait_until(lambda: workers() == ["sim-0"], 60, "sim-0 registered again with the previous certificate",
-               cluster.all_processes())
+    wait_until(
+        lambda: workers() == ["sim-0"], 60, "sim-0 registered again with the previous certificate", cluster.all_processes()
+    )
     assert log_count(cluster, "agent-sim-0", "do not load") == 1, engine.agent.log_tail()
     assert log_count(cluster, "agent-sim-0", "TLS files reloaded") == 0
     wait_until(lambda: kv_aware(router, body), 30, "kv-aware decisions after the restart", cluster.all_processes())
@@ -110,20 +117,28 @@ def test_client_certificates_that_do_not_load_keep_the_link_until_a_valid_one(tm
     # Valid certificates from the new CA; then a control plane that trusts only that CA.
     replace_pair(router_cert, new_ca.issue("router-1-new", uris=[router_uri("router-1")]))
     replace_pair(agent_cert, new_ca.issue("agent-sim-0-new", uris=[worker_uri("sim-0")]))
-    wait_until(lambda: log_count(cluster, "router-kv", "TLS files reloaded"), 30, "the router taking the new files",
-               cluster.all_processes())
+    wait_until(
+        lambda: log_count(cluster, "router-kv", "TLS files reloaded"),
+        30,
+        "the router taking the new files",
+        cluster.all_processes(),
+    )
     cluster.restart_control_plane(while_down=lambda: cluster.control_plane.pin("--tls-ca", str(new_ca.ca_path)))
-    wait_until(lambda: workers() == ["sim-0"], 60, "sim-0 registered with the new certificate",
-               cluster.all_processes())
+    wait_until(lambda: workers() == ["sim-0"], 60, "sim-0 registered with the new certificate", cluster.all_processes())
     assert log_count(cluster, "agent-sim-0", "TLS files reloaded") == 1, engine.agent.log_tail()
-    wait_until(lambda: kv_aware(router, body) and ready_control_plane(router)["reachable"], 30,
-               "the router back with the new certificate", cluster.all_processes())
+    wait_until(
+        lambda: kv_aware(router, body) and ready_control_plane(router)["reachable"],
+        30,
+        "the router back with the new certificate",
+        cluster.all_processes(),
+    )
 
 
 def audit(address: str, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVROUTE_TLS_", "GRPC_VERBOSITY"))}
-    return subprocess.run(kvroute_argv("audit", "--control-plane", address, *args), capture_output=True, text=True,
-                          timeout=60, env=env, check=False)
+    return subprocess.run(
+        kvroute_argv("audit", "--control-plane", address, *args), capture_output=True, text=True, timeout=60, env=env, check=False
+    )
 
 
 @pytest.mark.timeout(240)
@@ -137,10 +152,12 @@ def test_failed_tls_handshakes_say_so_and_name_the_flags(tmp_path, local_fleet) 
     cluster = local_fleet("tls-hints")
     address = cluster.start_control_plane(extra_args=tls_args(served, ca.ca_path))
     stranger = other.issue("stranger", uris=[router_uri("stranger")])
-    cases = {"no client certificate": (("--tls-ca", str(ca.ca_path)), "requires a client certificate"),
-             "a certificate from another CA": (tls_args(stranger, ca.ca_path), "refused this client's certificate"),
-             "another CA altogether": (tls_args(stranger, other.ca_path), "CERTIFICATE_VERIFY_FAILED"),
-             "plaintext": ((), "it probably serves TLS and this client has none")}
+    cases = {
+        "no client certificate": (("--tls-ca", str(ca.ca_path)), "requires a client certificate"),
+        "a certificate from another CA": (tls_args(stranger, ca.ca_path), "refused this client's certificate"),
+        "another CA altogether": (tls_args(stranger, other.ca_path), "CERTIFICATE_VERIFY_FAILED"),
+        "plaintext": ((), "it probably serves TLS and this client has none"),
+    }
     for case, (args, cause) in cases.items():
         done = audit(address, *args)
         lines = done.stderr.strip().splitlines()
@@ -149,13 +166,17 @@ def test_failed_tls_handshakes_say_so_and_name_the_flags(tmp_path, local_fleet) 
         assert cause in lines[0] and FLAGS in lines[0] and "Traceback" not in done.stdout, (case, lines)
 
     router = cluster.start_router("no-cert", "kv_aware", "--tls-ca", str(ca.ca_path))
-    wait_until(lambda: HINT in (ready_control_plane(router)["error"] or ""), 30, "the router's /ready",
-               cluster.all_processes())
-    wait_until(lambda: log_count(cluster, "router-no-cert", f"unreachable ({HINT}"), 30, "the router's log",
-               cluster.all_processes())
+    wait_until(lambda: HINT in (ready_control_plane(router)["error"] or ""), 30, "the router's /ready", cluster.all_processes())
+    wait_until(
+        lambda: log_count(cluster, "router-no-cert", f"unreachable ({HINT}"), 30, "the router's log", cluster.all_processes()
+    )
     assert "requires a client certificate" in ready_control_plane(router)["error"]
     engine = cluster.add_sim_engine("sim-0", start_agent=False)
     cluster.start_agent(engine, *tls_args(other.issue("agent-sim-0", uris=[worker_uri("sim-0")]), ca.ca_path))
-    wait_until(lambda: log_count(cluster, "agent-sim-0", f"unavailable (attempt 1): UNAVAILABLE: {HINT}"), 30,
-               "the agent's log", cluster.all_processes())
+    wait_until(
+        lambda: log_count(cluster, "agent-sim-0", f"unavailable (attempt 1): UNAVAILABLE: {HINT}"),
+        30,
+        "the agent's log",
+        cluster.all_processes(),
+    )
     assert "refused this client's certificate" in engine.agent.log_tail(50)

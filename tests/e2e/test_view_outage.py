@@ -56,8 +56,11 @@ def test_routers_decide_on_their_view_through_a_control_plane_outage(local_fleet
         returned = time.monotonic()
 
         def resynced() -> bool:
-            return all(_router_sums(u, "kvroute_router_view_snapshots_total")["kvroute_router_view_snapshots_total"]
-                       > before["kvroute_router_view_snapshots_total"] for u, before in zip(urls, snapshots_before))
+            return all(
+                _router_sums(u, "kvroute_router_view_snapshots_total")["kvroute_router_view_snapshots_total"]
+                > before["kvroute_router_view_snapshots_total"]
+                for u, before in zip(urls, snapshots_before)
+            )
 
         wait_until(resynced, 10, "both routers' views resynchronised")
         resync_s = time.monotonic() - returned

@@ -38,7 +38,9 @@ def test_grpc_echo_answers_every_message_on_one_stream() -> None:
     from kvroute.tools.local_cluster import free_port
 
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "kvroute.tools.bench.grpc_echo", "--port", str(port), "--reply-bytes", "300"])
+    server = subprocess.Popen(
+        [sys.executable, "-m", "kvroute.tools.bench.grpc_echo", "--port", str(port), "--reply-bytes", "300"]
+    )
     try:
         samples = aio.run_value(round_trips_ms(f"127.0.0.1:{port}", 4000, iterations=20, warmup=2))
     finally:
@@ -51,21 +53,20 @@ def test_answer_bench_times_the_answer_the_serving_path_gives() -> None:
     from kvroute.tools.bench.answer import build, run_answer
     from kvroute.v1 import kvroute_pb2 as pb
 
-    answer, query_bytes, _ = build(workers=6, prompt_blocks=32, other_blocks=10, inflight_requests=12, block_size=16,
-                                   seed=1)
+    answer, query_bytes, _ = build(workers=6, prompt_blocks=32, other_blocks=10, inflight_requests=12, block_size=16, seed=1)
     reply = pb.RouterReply.FromString(answer())
     columns = reply.result.columns
     assert len(columns.worker_id) == 6 and reply.result.query_id == 1
-    assert sum(columns.reserved_requests) == 12                        # the other router's requests, all of them
+    assert sum(columns.reserved_requests) == 12  # the other router's requests, all of them
     assert sum(columns.reserved_prefill_tokens) == 12 * 256
     assert max(columns.matched_blocks) <= 32 and any(columns.matched_blocks)
     assert query_bytes > 32 * 8
     result = run_answer(workers=6, prompt_tokens=512, other_blocks=10, inflight_requests=12, iterations=5, pause_ms=0.1)
     assert all(result[k] > 0 for k in ("back_to_back_p50_us", "after_pause_p50_us", "after_traffic_p50_us"))
     assert result["back_to_back_p99_us"] >= result["back_to_back_p50_us"] and "unmarked_p50_us" not in result
-    bounded = run_answer(workers=6, prompt_tokens=512, other_blocks=10, inflight_requests=12, iterations=5,
-                         pause_ms=0.1, max_index_entries=10_000)
+    bounded = run_answer(
+        workers=6, prompt_tokens=512, other_blocks=10, inflight_requests=12, iterations=5, pause_ms=0.1, max_index_entries=10_000
+    )
     assert bounded["unmarked_p50_us"] > 0 and bounded["index_entries"] == result["index_entries"] < 10_000
     with pytest.raises(ValueError, match="must exceed"):
-        run_answer(workers=6, prompt_tokens=512, other_blocks=10, inflight_requests=12, iterations=5,
-                   max_index_entries=10)
+        run_answer(workers=6, prompt_tokens=512, other_blocks=10, inflight_requests=12, iterations=5, max_index_entries=10)

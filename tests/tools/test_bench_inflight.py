@@ -13,8 +13,13 @@ pytestmark = pytest.mark.e2e  # starts kvroute processes
 
 
 def test_inflight_bench_cli_prints_json_last() -> None:
-    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "bench", "inflight", "--trials", "5",
-                          "--block-keys", "8", "--json"], capture_output=True, text=True, timeout=120, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvroute.cli", "bench", "inflight", "--trials", "5", "--block-keys", "8", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["trials"] == 5 and result["block_keys"] == 8

@@ -21,8 +21,9 @@ pytestmark = pytest.mark.e2e  # starts kvroute processes
 def sharing_preserved(workload_name: str, vocab_size: int, block_size: int = 16) -> bool:
     """Block key k of the raw workload <-> block key k of the folded one, one to one, across every
     request: then every engine cache and the index see exactly the raw workload's reuse."""
-    workload = generate(GeneratedWorkload(workload_name, requests=150, rate_rps=20, groups=8,
-                                          system_prompt_tokens=2048, output_tokens=16, seed=0))
+    workload = generate(
+        GeneratedWorkload(workload_name, requests=150, rate_rps=20, groups=8, system_prompt_tokens=2048, output_tokens=16, seed=0)
+    )
     forward: dict[int, int] = {}
     backward: dict[int, int] = {}
     for req in workload:
@@ -74,10 +75,30 @@ def test_pairwise_agreement() -> None:
 
 def test_live_kv_aware_beats_round_robin_like_the_simulator(tmp_path: Path) -> None:
     requests = 120
-    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "bench", "live", "--workload", "shared-prefix",
-                          "--requests", str(requests), "--policies", "kv_aware,round_robin",
-                          "--kv-aware-param", "load_bound=1.5", "--workdir", str(tmp_path), "--json"],
-                         check=False, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvroute.cli",
+            "bench",
+            "live",
+            "--workload",
+            "shared-prefix",
+            "--requests",
+            str(requests),
+            "--policies",
+            "kv_aware,round_robin",
+            "--kv-aware-param",
+            "load_bound=1.5",
+            "--workdir",
+            str(tmp_path),
+            "--json",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     # The weights reach kv_aware's router and its simulation, and no other router.
@@ -100,9 +121,29 @@ def test_the_endpoint_picker_runs_beside_its_router(tmp_path: Path) -> None:
     """--epp: the same policy through `kvroute epp`, the client sending to the engine it picked; its
     hit rate is the router's up to timing (docs/benchmarks/2026-12-04-epp.md: within 2.3 points in a run)."""
     requests = 120
-    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "bench", "live", "--workload", "shared-prefix",
-                          "--requests", str(requests), "--policies", "kv_aware", "--epp", "--workdir", str(tmp_path),
-                          "--json"], check=False, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvroute.cli",
+            "bench",
+            "live",
+            "--workload",
+            "shared-prefix",
+            "--requests",
+            str(requests),
+            "--policies",
+            "kv_aware",
+            "--epp",
+            "--workdir",
+            str(tmp_path),
+            "--json",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     router, picker = result["policies"]["kv_aware"], result["policies"]["epp:kv_aware"]
@@ -114,8 +155,13 @@ def test_the_endpoint_picker_runs_beside_its_router(tmp_path: Path) -> None:
 
 
 def test_bad_kv_aware_weights_fail_before_any_process_starts() -> None:
-    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "bench", "live", "--kv-aware-param", "load_bound=0.5"],
-                         check=False, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvroute.cli", "bench", "live", "--kv-aware-param", "load_bound=0.5"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode != 0 and "load_bound must be 0 (off) or >= 1.0" in out.stderr
     assert "starting" not in out.stderr
 
@@ -123,9 +169,30 @@ def test_bad_kv_aware_weights_fail_before_any_process_starts() -> None:
 def test_pd_fleet_kv_aware_prefill_choice_beats_round_robin(tmp_path: Path) -> None:
     """--pd: the same workload through a P/D fleet, the prefill worker chosen by each policy."""
     requests = 80
-    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "bench", "live", "--pd", "vllm", "--engines", "2",
-                          "--decode-engines", "1", "--requests", str(requests), "--workdir", str(tmp_path), "--json"],
-                         check=False, capture_output=True, text=True, timeout=150)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvroute.cli",
+            "bench",
+            "live",
+            "--pd",
+            "vllm",
+            "--engines",
+            "2",
+            "--decode-engines",
+            "1",
+            "--requests",
+            str(requests),
+            "--workdir",
+            str(tmp_path),
+            "--json",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["fleet"]["pd"] == "vllm" and set(result["policies"]) == {"kv_aware", "round_robin"}
@@ -139,7 +206,12 @@ def test_pd_fleet_kv_aware_prefill_choice_beats_round_robin(tmp_path: Path) -> N
 
 
 def test_pd_refuses_an_existing_fleet_before_any_process_starts() -> None:
-    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "bench", "live", "--pd", "vllm", "--router-url",
-                          "http://127.0.0.1:1"], check=False, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvroute.cli", "bench", "live", "--pd", "vllm", "--router-url", "http://127.0.0.1:1"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode != 0 and "--pd starts its own P/D fleet" in out.stderr
     assert "starting" not in out.stderr

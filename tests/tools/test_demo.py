@@ -19,14 +19,34 @@ from kvroute.tools.local_cluster import wait_until
 
 pytestmark = pytest.mark.e2e  # starts kvroute processes
 
-SHORT = ("--engines", "2", "--conversations", "6", "--turns", "2", "--system-prompts", "2",
-         "--system-prompt-words", "200", "--arrival-rate", "20", "--think-time", "0.05")
+SHORT = (
+    "--engines",
+    "2",
+    "--conversations",
+    "6",
+    "--turns",
+    "2",
+    "--system-prompts",
+    "2",
+    "--system-prompt-words",
+    "200",
+    "--arrival-rate",
+    "20",
+    "--think-time",
+    "0.05",
+)
 
 
 def run_demo(tmpdir: Path, *args: str, timeout: float = 150) -> subprocess.CompletedProcess:
     env = {**os.environ, "TMPDIR": str(tmpdir)}  # where its own temporary directory goes
-    return subprocess.run([sys.executable, "-m", "kvroute.cli", "demo", *SHORT, *args], env=env, capture_output=True,
-                          text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "kvroute.cli", "demo", *SHORT, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def test_the_demo_removes_its_temporary_directory_and_keeps_a_given_workdir(tmp_path: Path) -> None:
@@ -58,8 +78,14 @@ def test_the_demo_serves_two_models_behind_each_router(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- disturbance: the detector, then live
 
 
-def snapshots(seconds: int, own_cores: float, outside_cores: list[float] | float, steal_cores: float = 0.0,
-              wait_ms_per_s: float = 0.0, interval: float = 0.5) -> list[CpuSnapshot]:
+def snapshots(
+    seconds: int,
+    own_cores: float,
+    outside_cores: list[float] | float,
+    steal_cores: float = 0.0,
+    wait_ms_per_s: float = 0.0,
+    interval: float = 0.5,
+) -> list[CpuSnapshot]:
     """Synthetic /proc readings: our processes use `own_cores`, others `outside_cores` (per interval)."""
     n = int(seconds / interval)
     outside = outside_cores if isinstance(outside_cores, list) else [outside_cores] * n

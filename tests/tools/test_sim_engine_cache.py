@@ -62,13 +62,14 @@ def test_lru_eviction_emits_removed_and_reset_clears() -> None:
 
 # ---------------------------------------------------------------- the pure cache on its own
 
+
 def cached_request(cache: PrefixCache, tokens: list[int], extra_tokens: int = 0):
     """Allocate, compute and cache every full prompt block of `tokens`; returns the (pinned) allocation."""
     hashes = cache.chain_hashes(tokens)
     alloc = cache.allocate(hashes, len(tokens), len(tokens) + extra_tokens)
     assert alloc is not None
     start = alloc.hit_tokens // cache.block_size
-    cache.commit(alloc, hashes[start:], tokens[start * cache.block_size:len(hashes) * cache.block_size])
+    cache.commit(alloc, hashes[start:], tokens[start * cache.block_size : len(hashes) * cache.block_size])
     return alloc
 
 
@@ -103,7 +104,7 @@ def test_hit_accounting_counts_prompt_tokens_and_cached_tokens() -> None:
 
 def test_pinned_blocks_are_never_evicted_and_a_full_cache_makes_requests_wait() -> None:
     cache = PrefixCache(num_blocks=4, block_size=4, hash_seed="t")
-    a = cached_request(cache, list(range(8)))             # 2 blocks, pinned
+    a = cached_request(cache, list(range(8)))  # 2 blocks, pinned
     assert cache.allocate(cache.chain_hashes(list(range(100, 112))), 12, 12) is None  # needs 3, only 2 free
     assert cache.take_events()[-1] == StoredEvent(cache.chain_hashes(list(range(8))), None, list(range(8)))
     assert not [e for e in cache.events if isinstance(e, RemovedEvent)]

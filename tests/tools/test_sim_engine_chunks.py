@@ -18,8 +18,7 @@ BS = 16
 
 
 def make(budget: int, num_blocks: int = 256, **kw) -> Scheduler:
-    return Scheduler(PrefixCache(num_blocks, BS, "t"), CostModel(), max_num_batched_tokens=budget, vocab_size=1000,
-                     **kw)
+    return Scheduler(PrefixCache(num_blocks, BS, "t"), CostModel(), max_num_batched_tokens=budget, vocab_size=1000, **kw)
 
 
 def tokens(start: int, n: int) -> list[int]:

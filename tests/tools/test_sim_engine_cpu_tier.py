@@ -28,8 +28,9 @@ def drain(sched: Scheduler) -> list:
     return results
 
 
-def run(sched: Scheduler, name: str, prompt: list[int], namespace: CacheNamespace = BASE_NAMESPACE,
-        max_tokens: int = 1) -> SimRequest:
+def run(
+    sched: Scheduler, name: str, prompt: list[int], namespace: CacheNamespace = BASE_NAMESPACE, max_tokens: int = 1
+) -> SimRequest:
     req = SimRequest(name, prompt, max_tokens, namespace=namespace)
     sched.add(req)
     drain(sched)
@@ -37,6 +38,7 @@ def run(sched: Scheduler, name: str, prompt: list[int], namespace: CacheNamespac
 
 
 # ---------------------------------------------------------------- namespaces
+
 
 def test_namespaces_never_share_blocks_and_events_say_which_namespace() -> None:
     cache = PrefixCache(64, 4, "t")
@@ -79,10 +81,11 @@ def test_128_bit_digests_chain_on_the_whole_digest() -> None:
 
 # ---------------------------------------------------------------- CPU tier
 
+
 def test_eviction_moves_a_block_to_cpu_and_a_hit_loads_it_back() -> None:
     cache = PrefixCache(num_blocks=4, block_size=4, hash_seed="t", cpu_offload_blocks=4)
     sched = Scheduler(cache, CostModel(), vocab_size=1000)
-    a = list(range(100, 112))              # 3 blocks; with 1 output token it needs 4 blocks
+    a = list(range(100, 112))  # 3 blocks; with 1 output token it needs 4 blocks
     run(sched, "a", a)
     a_hashes = cache.chain_hashes(a)
     cache.take_events()
@@ -111,10 +114,10 @@ def test_eviction_moves_a_block_to_cpu_and_a_hit_loads_it_back() -> None:
 def test_the_full_cpu_lru_drops_its_oldest_block() -> None:
     cache = PrefixCache(num_blocks=2, block_size=4, hash_seed="t", cpu_offload_blocks=1)
     sched = Scheduler(cache, CostModel(), vocab_size=1000)
-    run(sched, "a", list(range(100, 105)))   # one full block + 1 token: 2 blocks
-    run(sched, "b", list(range(200, 205)))   # evicts a's block to the CPU
+    run(sched, "a", list(range(100, 105)))  # one full block + 1 token: 2 blocks
+    run(sched, "b", list(range(200, 205)))  # evicts a's block to the CPU
     cache.take_events()
-    run(sched, "c", list(range(300, 305)))   # evicts b's block to the CPU: a's CPU block falls out
+    run(sched, "c", list(range(300, 305)))  # evicts b's block to the CPU: a's CPU block falls out
     events = cache.take_events()
     dropped = [e for e in events if isinstance(e, RemovedEvent) and e.medium == CPU and e.moved_to is None]
     assert dropped == [RemovedEvent(cache.chain_hashes(list(range(100, 104))), CPU)]

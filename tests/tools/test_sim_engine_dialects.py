@@ -18,58 +18,139 @@ from kvroute.tools.sim_engine.wire_encoding import MsgpackEventEncoder
 
 NS = CacheNamespace(lora_name="sql", lora_id=1, cache_salt="s")
 H1, H2, H3 = 11, 12, 13
-BATCH = [StoredEvent([H1, H2], None, [1, 2, 3, 4], namespace=NS), StoredEvent([H3], H2, [5, 6], namespace=NS),
-         RemovedEvent([H1]), ClearedEvent([H2, H3])]
+BATCH = [
+    StoredEvent([H1, H2], None, [1, 2, 3, 4], namespace=NS),
+    StoredEvent([H3], H2, [5, 6], namespace=NS),
+    RemovedEvent([H1]),
+    ClearedEvent([H2, H3]),
+]
 
 # Per dialect, from the tables of docs/wire-formats.md: batch length, the first BlockStored, the continuing one,
 # BlockRemoved.
 # `None` in a map means the key is present with nil; a key that is absent is omitted on the wire.
 EXPECTED = {
-    "vllm-0.9.0": (2, ["BlockStored", [H1, H2], None, [1, 2, 3, 4], 2, 1],
-                   ["BlockStored", [H3], H2, [5, 6], 2, 1], ["BlockRemoved", [H1]]),
-    "vllm-0.9.1": (3, ["BlockStored", [H1, H2], None, [1, 2, 3, 4], 2, 1],
-                   ["BlockStored", [H3], H2, [5, 6], 2, 1], ["BlockRemoved", [H1]]),
-    "vllm-0.10.2": (3, ["BlockStored", [H1, H2], None, [1, 2, 3, 4], 2, 1, "GPU"],
-                    ["BlockStored", [H3], H2, [5, 6], 2, 1, "GPU"], ["BlockRemoved", [H1], "GPU"]),
-    "vllm-0.14": (3, ["BlockStored", [H1, H2], None, [1, 2, 3, 4], 2, 1, "GPU", "sql"],
-                  ["BlockStored", [H3], H2, [5, 6], 2, 1, "GPU", "sql"], ["BlockRemoved", [H1], "GPU"]),
+    "vllm-0.9.0": (
+        2,
+        ["BlockStored", [H1, H2], None, [1, 2, 3, 4], 2, 1],
+        ["BlockStored", [H3], H2, [5, 6], 2, 1],
+        ["BlockRemoved", [H1]],
+    ),
+    "vllm-0.9.1": (
+        3,
+        ["BlockStored", [H1, H2], None, [1, 2, 3, 4], 2, 1],
+        ["BlockStored", [H3], H2, [5, 6], 2, 1],
+        ["BlockRemoved", [H1]],
+    ),
+    "vllm-0.10.2": (
+        3,
+        ["BlockStored", [H1, H2], None, [1, 2, 3, 4], 2, 1, "GPU"],
+        ["BlockStored", [H3], H2, [5, 6], 2, 1, "GPU"],
+        ["BlockRemoved", [H1], "GPU"],
+    ),
+    "vllm-0.14": (
+        3,
+        ["BlockStored", [H1, H2], None, [1, 2, 3, 4], 2, 1, "GPU", "sql"],
+        ["BlockStored", [H3], H2, [5, 6], 2, 1, "GPU", "sql"],
+        ["BlockRemoved", [H1], "GPU"],
+    ),
     # extra_keys: per block (LoRA name, salt on the request's first block)
     # (docs/wire-formats.md#vllm-extra-keys-lora-and-cache-salt)
-    "vllm-0.17": (3, ["BlockStored", [H1, H2], None, [1, 2, 3, 4], 2, 1, "GPU", "sql", [["sql", "s"], ["sql"]]],
-                  ["BlockStored", [H3], H2, [5, 6], 2, 1, "GPU", "sql", [["sql"]]], ["BlockRemoved", [H1], "GPU"]),
-    "vllm-0.20": (3, ["BlockStored", [H1, H2], None, [1, 2, 3, 4], 2, 1, "GPU", "sql", [["sql", "s"], ["sql"]], 0],
-                  ["BlockStored", [H3], H2, [5, 6], 2, 1, "GPU", "sql", [["sql"]], 0], ["BlockRemoved", [H1], "GPU", 0]),
-    "vllm-0.22": (3, ["BlockStored", [H1, H2], None, [1, 2, 3, 4], 2, 1, "GPU", "sql", [["sql", "s"], ["sql"]], 0,
-                      "full_attention", None],
-                  ["BlockStored", [H3], H2, [5, 6], 2, 1, "GPU", "sql", [["sql"]], 0, "full_attention", None],
-                  ["BlockRemoved", [H1], "GPU", 0]),
-    "sglang-0.4.8": (3, ["BlockStored", [H1, H2, H3], None, [1, 2, 3, 4, 5, 6], 2, None], None,  # coalesced
-                     ["BlockRemoved", [H1]]),
-    "sglang-0.5.9": (3, ["BlockStored", [H1, H2, H3], None, [1, 2, 3, 4, 5, 6], 2, None, "GPU"], None,
-                     ["BlockRemoved", [H1], "GPU"]),
+    "vllm-0.17": (
+        3,
+        ["BlockStored", [H1, H2], None, [1, 2, 3, 4], 2, 1, "GPU", "sql", [["sql", "s"], ["sql"]]],
+        ["BlockStored", [H3], H2, [5, 6], 2, 1, "GPU", "sql", [["sql"]]],
+        ["BlockRemoved", [H1], "GPU"],
+    ),
+    "vllm-0.20": (
+        3,
+        ["BlockStored", [H1, H2], None, [1, 2, 3, 4], 2, 1, "GPU", "sql", [["sql", "s"], ["sql"]], 0],
+        ["BlockStored", [H3], H2, [5, 6], 2, 1, "GPU", "sql", [["sql"]], 0],
+        ["BlockRemoved", [H1], "GPU", 0],
+    ),
+    "vllm-0.22": (
+        3,
+        ["BlockStored", [H1, H2], None, [1, 2, 3, 4], 2, 1, "GPU", "sql", [["sql", "s"], ["sql"]], 0, "full_attention", None],
+        ["BlockStored", [H3], H2, [5, 6], 2, 1, "GPU", "sql", [["sql"]], 0, "full_attention", None],
+        ["BlockRemoved", [H1], "GPU", 0],
+    ),
+    "sglang-0.4.8": (
+        3,
+        ["BlockStored", [H1, H2, H3], None, [1, 2, 3, 4, 5, 6], 2, None],
+        None,  # coalesced
+        ["BlockRemoved", [H1]],
+    ),
+    "sglang-0.5.9": (
+        3,
+        ["BlockStored", [H1, H2, H3], None, [1, 2, 3, 4, 5, 6], 2, None, "GPU"],
+        None,
+        ["BlockRemoved", [H1], "GPU"],
+    ),
 }
-_VLLM_MAP = {"type": "BlockStored", "block_hashes": [H1, H2], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
-             "block_size": 2, "lora_id": 1, "medium": "GPU", "lora_name": "sql", "extra_keys": [["sql", "s"], ["sql"]],
-             "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
-_VLLM_MAP_NEXT = {**_VLLM_MAP, "block_hashes": [H3], "parent_block_hash": H2, "token_ids": [5, 6],
-                  "extra_keys": [["sql"]]}
+_VLLM_MAP = {
+    "type": "BlockStored",
+    "block_hashes": [H1, H2],
+    "parent_block_hash": None,
+    "token_ids": [1, 2, 3, 4],
+    "block_size": 2,
+    "lora_id": 1,
+    "medium": "GPU",
+    "lora_name": "sql",
+    "extra_keys": [["sql", "s"], ["sql"]],
+    "group_idx": 0,
+    "kv_cache_spec_kind": "full_attention",
+}
+_VLLM_MAP_NEXT = {**_VLLM_MAP, "block_hashes": [H3], "parent_block_hash": H2, "token_ids": [5, 6], "extra_keys": [["sql"]]}
 _VLLM_REMOVED = {"type": "BlockRemoved", "block_hashes": [H1], "medium": "GPU", "group_idx": 0}
 for _name in ("vllm-0.24", "vllm-0.26", "vllm-0.33"):
     EXPECTED[_name] = (3, _VLLM_MAP, _VLLM_MAP_NEXT, _VLLM_REMOVED)
-_SGLANG_MAP = {"type": "BlockStored", "block_hashes": [H1, H2, H3], "parent_block_hash": None,
-               "token_ids": [1, 2, 3, 4, 5, 6], "block_size": 2, "lora_id": None, "medium": "GPU", "cache_salt": "s",
-               "session_id": None}
+_SGLANG_MAP = {
+    "type": "BlockStored",
+    "block_hashes": [H1, H2, H3],
+    "parent_block_hash": None,
+    "token_ids": [1, 2, 3, 4, 5, 6],
+    "block_size": 2,
+    "lora_id": None,
+    "medium": "GPU",
+    "cache_salt": "s",
+    "session_id": None,
+}
 EXPECTED["sglang-0.5.20"] = (3, _SGLANG_MAP, None, {"type": "BlockRemoved", "block_hashes": [H1], "medium": "GPU"})
-EXPECTED["sglang-0.5.22"] = (3, {**_SGLANG_MAP, "lora_name": "sql"}, None,
-                             {"type": "BlockRemoved", "block_hashes": [H1], "medium": "GPU"})
-EXPECTED["trtllm-zmq"] = (3, {"type": "BlockStored", "block_hashes": [H1, H2], "parent_block_hash": None,
-                              "token_ids": [1, 2, 3, 4], "block_size": 2, "lora_id": 1, "medium": "GPU",
-                              "lora_name": None, "group_idx": 0, "kv_cache_spec_kind": "full_attention",
-                              "mm_keys": [[], []]},
-                          {"type": "BlockStored", "block_hashes": [H3], "parent_block_hash": H2, "token_ids": [5, 6],
-                           "block_size": 2, "lora_id": 1, "medium": "GPU", "lora_name": None, "group_idx": 0,
-                           "kv_cache_spec_kind": "full_attention", "mm_keys": [[]]},
-                          {"type": "BlockRemoved", "block_hashes": [H1], "medium": "GPU", "group_idx": 0})
+EXPECTED["sglang-0.5.22"] = (
+    3,
+    {**_SGLANG_MAP, "lora_name": "sql"},
+    None,
+    {"type": "BlockRemoved", "block_hashes": [H1], "medium": "GPU"},
+)
+EXPECTED["trtllm-zmq"] = (
+    3,
+    {
+        "type": "BlockStored",
+        "block_hashes": [H1, H2],
+        "parent_block_hash": None,
+        "token_ids": [1, 2, 3, 4],
+        "block_size": 2,
+        "lora_id": 1,
+        "medium": "GPU",
+        "lora_name": None,
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+        "mm_keys": [[], []],
+    },
+    {
+        "type": "BlockStored",
+        "block_hashes": [H3],
+        "parent_block_hash": H2,
+        "token_ids": [5, 6],
+        "block_size": 2,
+        "lora_id": 1,
+        "medium": "GPU",
+        "lora_name": None,
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+        "mm_keys": [[]],
+    },
+    {"type": "BlockRemoved", "block_hashes": [H1], "medium": "GPU", "group_idx": 0},
+)
 
 
 def test_every_zmq_dialect_is_covered() -> None:
@@ -88,11 +169,11 @@ def test_batch_and_event_positions_or_keys(dialect: str) -> None:
         assert batch[2] == 0
     events = batch[1]
     expected = [first] + ([following] if following is not None else []) + [removed]
-    assert events[:len(expected)] == expected
+    assert events[: len(expected)] == expected
     assert events[-1] == ({"type": "AllBlocksCleared"} if isinstance(first, dict) else ["AllBlocksCleared"])
     if isinstance(first, dict):
-        assert all(next(iter(e)) == "type" for e in events)                # the tag key comes first
-        assert list(events[0]) == list(first)                           # and the fields in declaration order
+        assert all(next(iter(e)) == "type" for e in events)  # the tag key comes first
+        assert list(events[0]) == list(first)  # and the fields in declaration order
 
 
 def test_map_header_size_tracks_the_number_of_declared_fields() -> None:
@@ -108,20 +189,32 @@ def test_map_header_size_tracks_the_number_of_declared_fields() -> None:
 def test_sglang_coalesces_only_stores_that_continue_each_other() -> None:
     enc = MsgpackEventEncoder(get_dialect("sglang-0.5.9"), 2)
     other_chain = StoredEvent([21], 99, [7, 8])
-    events = msgspec.msgpack.decode(enc.encode([StoredEvent([H1], None, [1, 2]), StoredEvent([H2], H1, [3, 4]),
-                                                other_chain, RemovedEvent([H1]), StoredEvent([H3], H2, [5, 6])]))[1]
+    events = msgspec.msgpack.decode(
+        enc.encode(
+            [
+                StoredEvent([H1], None, [1, 2]),
+                StoredEvent([H2], H1, [3, 4]),
+                other_chain,
+                RemovedEvent([H1]),
+                StoredEvent([H3], H2, [5, 6]),
+            ]
+        )
+    )[1]
     assert [e[1] for e in events] == [[H1, H2], [21], [H1], [H3]]  # a remove in between ends the run
-    vllm = msgspec.msgpack.decode(MsgpackEventEncoder(get_dialect("vllm-0.22"), 2).encode(
-        [StoredEvent([H1], None, [1, 2]), StoredEvent([H2], H1, [3, 4])]))[1]
+    vllm = msgspec.msgpack.decode(
+        MsgpackEventEncoder(get_dialect("vllm-0.22"), 2).encode([StoredEvent([H1], None, [1, 2]), StoredEvent([H2], H1, [3, 4])])
+    )[1]
     assert len(vllm) == 2
 
 
-@pytest.mark.parametrize("dialect,medium,locality", [("vllm-0.10.2", "CPU", None), ("vllm-0.26", "CPU", "LOCAL"),
-                                                     ("sglang-0.5.20", "CPU_PINNED", None)])
+@pytest.mark.parametrize(
+    "dialect,medium,locality",
+    [("vllm-0.10.2", "CPU", None), ("vllm-0.26", "CPU", "LOCAL"), ("sglang-0.5.20", "CPU_PINNED", None)],
+)
 def test_cpu_tier_events_carry_the_engines_medium_name(dialect: str, medium: str, locality: str | None) -> None:
     raw = MsgpackEventEncoder(get_dialect(dialect), 2).encode(
-        [RemovedEvent([H1], "GPU", moved_to=CPU), StoredEvent([H1], None, [1, 2], CPU, moved_from="GPU"),
-         RemovedEvent([H1], CPU)])
+        [RemovedEvent([H1], "GPU", moved_to=CPU), StoredEvent([H1], None, [1, 2], CPU, moved_from="GPU"), RemovedEvent([H1], CPU)]
+    )
     removed_gpu, stored_cpu, removed_cpu = msgspec.msgpack.decode(raw)[1]
     if isinstance(stored_cpu, dict):
         assert removed_gpu["medium"] == "GPU" and stored_cpu["medium"] == removed_cpu["medium"] == medium
@@ -139,8 +232,9 @@ def test_a_cpu_tier_is_refused_where_events_cannot_show_it(dialect: str) -> None
     EngineConfig(dialect=dialect)
 
 
-@pytest.mark.parametrize("dialect,form", [("vllm-0.9.1", "bytes"), ("sglang-0.5.22", "bytes"),
-                                          ("vllm-0.33", "hex"), ("trtllm-zmq", "hex")])
+@pytest.mark.parametrize(
+    "dialect,form", [("vllm-0.9.1", "bytes"), ("sglang-0.5.22", "bytes"), ("vllm-0.33", "hex"), ("trtllm-zmq", "hex")]
+)
 def test_hash_forms_exist_only_where_the_spec_says(dialect: str, form: str) -> None:
     with pytest.raises(ValueError, match="block hashes"):
         EngineConfig(dialect=dialect, event_hash_form=form)
@@ -154,8 +248,9 @@ ONE_TO_16 = list(range(1, 17))
 def published(dialect: str, tokens: list[int], form: str | None = None, hash_seed: str = "t") -> tuple[bytes, PrefixCache]:
     """Commit `tokens` as one request's blocks in a cache labelled like `dialect`'s engine; the encoded batch."""
     d = get_dialect(dialect)
-    cache = PrefixCache(64, 16, hash_seed, digest_bits=128 if form == "bytes" else 64,
-                        labeler=DialectLabeler("m", 16, d.hash_scheme(form)))
+    cache = PrefixCache(
+        64, 16, hash_seed, digest_bits=128 if form == "bytes" else 64, labeler=DialectLabeler("m", 16, d.hash_scheme(form))
+    )
     hashes = cache.chain_hashes(tokens)
     alloc = cache.allocate(hashes, len(tokens), len(tokens) + 1)
     cache.commit(alloc, hashes, tokens)

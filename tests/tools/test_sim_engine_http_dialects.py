@@ -24,8 +24,9 @@ from kvroute.tools.sim_engine.server import start_server
 from kvroute.tools.sim_engine.tokenizer import load_engine_tokenizer
 
 MODEL = "tiny-llama"
-ZMQ_EVENTS = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
-                         "replay_endpoint": "tcp://127.0.0.1:*"})
+ZMQ_EVENTS = json.dumps(
+    {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +41,9 @@ class Engine:
         self.engine, self.url, self.http = engine, url, http
 
     async def complete(self, prompt: list[int], **body) -> tuple[int, dict]:
-        async with self.http.post(self.url + "/v1/completions",
-                                  json={"model": MODEL, "prompt": prompt, "max_tokens": 1, **body}) as r:
+        async with self.http.post(
+            self.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1, **body}
+        ) as r:
             return r.status, await r.json()
 
     async def get_json(self, path: str):
@@ -85,8 +87,7 @@ async def start(tokenizer):
 
     async def _start(kv_events: str | None = ZMQ_EVENTS, event_buffer_max_size: int = 10000, **config) -> Engine:
         config = EngineConfig(**{"num_blocks": 256, "max_model_len": 1024, "speedup": 50, **config})
-        args = SimpleNamespace(kv_events_config=kv_events, data_parallel_rank=0,
-                               event_buffer_max_size=event_buffer_max_size)
+        args = SimpleNamespace(kv_events_config=kv_events, data_parallel_rank=0, event_buffer_max_size=event_buffer_max_size)
         engine = SimEngine(config, tokenizer, CostModel(), build_publisher(args, config))
         runner, port = await start_server(engine, "127.0.0.1", 0)
         engines.append((runner, engine))
@@ -110,6 +111,7 @@ def stored_of(events: list) -> list:
 
 
 # ---------------------------------------------------------------- audit
+
 
 @pytest.mark.parametrize("dialect,block_size", [("vllm-0.26", 16), ("sglang-0.5.9", 32), ("trtllm-zmq", 64)])
 async def test_audit_is_the_cached_prompt_blocks_minus_lru_evictions(start, dialect: str, block_size: int) -> None:
@@ -154,14 +156,14 @@ async def test_audit_with_a_cpu_tier_and_the_events_that_moved_blocks(start) -> 
 @pytest.mark.parametrize("dialect", [name for name, d in DIALECTS.items() if d.transport == "zmq"])
 async def test_every_dialect_publishes_every_step_and_audits_its_namespaces(start, dialect: str) -> None:
     d = DIALECTS[dialect]
-    eng = await start(dialect=dialect, num_blocks=8, lora_adapters=("sql",),
-                      cpu_offload_blocks=8 if d.cpu_medium else 0)
+    eng = await start(dialect=dialect, num_blocks=8, lora_adapters=("sql",), cpu_offload_blocks=8 if d.cpu_medium else 0)
     keys = []
     for i, (model, salt) in enumerate([(MODEL, None), ("sql", None), (MODEL, "x"), ("sql", "y"), (MODEL, None)]):
         p = prompt(70 + i, 2)  # 2 full blocks + 1 output token: 3 blocks reserved, 2 cached
         assert (await eng.complete(p, model=model, **({"cache_salt": salt} if salt else {})))[0] == 200
-        keys.append(prompt_block_keys(p, 16, MODEL, "" if model == MODEL else model,
-                                      salt if d.honours_cache_salt and salt else ""))
+        keys.append(
+            prompt_block_keys(p, 16, MODEL, "" if model == MODEL else model, salt if d.honours_cache_salt and salt else "")
+        )
     batches = await eng.batches()
     assert [seq for seq, _ in batches] == list(range(len(batches)))  # no batch failed to encode
     # The 4th and 5th requests evict 3 blocks, least recently used first: request 1's tail and head, request 2's tail.
@@ -172,6 +174,7 @@ async def test_every_dialect_publishes_every_step_and_audits_its_namespaces(star
 
 
 # ---------------------------------------------------------------- LoRA adapters and cache_salt
+
 
 async def test_adapters_are_listed_and_served_in_their_own_namespace(start) -> None:
     eng = await start(lora_adapters=("sql", "chat"))
@@ -219,8 +222,9 @@ async def test_cache_salt_namespaces_blocks_and_is_on_the_wire(start) -> None:
         assert status == 400 and body["error"]["param"] == "cache_salt"
     plain, salted = stored_of(await eng.events())
     assert plain[8] is None and salted[8] == [["x"], None, None]  # the salt rides on the first block only
-    assert (await eng.audit())["tiers"]["gpu"] == sorted(prompt_block_keys(p, 16, MODEL) +
-                                                         prompt_block_keys(p, 16, MODEL, "", "x"))
+    assert (await eng.audit())["tiers"]["gpu"] == sorted(
+        prompt_block_keys(p, 16, MODEL) + prompt_block_keys(p, 16, MODEL, "", "x")
+    )
 
 
 @pytest.mark.parametrize("dialect,honoured", [("sglang-0.5.9", False), ("sglang-0.5.20", True)])
@@ -237,6 +241,7 @@ async def test_sglang_honours_cache_salt_from_0_5_20(start, dialect: str, honour
 
 # ---------------------------------------------------------------- faults and resets
 
+
 @pytest.mark.parametrize("dialect", ["vllm-0.26", "vllm-0.10.2"])
 async def test_reset_prefix_cache_emits_all_blocks_cleared(start, dialect: str) -> None:
     eng = await start(dialect=dialect)
@@ -248,6 +253,7 @@ async def test_reset_prefix_cache_emits_all_blocks_cleared(start, dialect: str) 
     stored = stored_of([e for _, events in batches for e in events])
     assert stored and (stored[0]["parent_block_hash"] if isinstance(stored[0], dict) else stored[0][2]) is None
     assert batches[-1][1] == ([{"type": "AllBlocksCleared"}] if dialect == "vllm-0.26" else [["AllBlocksCleared"]])
+
 
 async def test_fault_hooks_over_http(start) -> None:
     eng = await start()
@@ -285,6 +291,7 @@ async def test_sglang_flush_cache_is_its_reset(start) -> None:
 
 # ---------------------------------------------------------------- metrics in each engine's names
 
+
 async def test_sglang_metrics_names(start) -> None:
     eng = await start(dialect="sglang-0.5.20")
     p = prompt(7)
@@ -313,6 +320,7 @@ async def test_vllm_metrics_keep_the_names_the_demo_reads(start) -> None:
 
 # ---------------------------------------------------------------- TensorRT-LLM pull path
 
+
 async def drain(eng: Engine) -> list[dict]:
     status, events = await eng.post("/kv_cache_events")
     assert status == 200
@@ -320,11 +328,17 @@ async def drain(eng: Engine) -> list[dict]:
 
 
 async def test_trtllm_pull_events(start) -> None:
-    eng = await start(kv_events=None, dialect="trtllm-pull", block_size=16, num_blocks=8, cpu_offload_blocks=4,
-                      lora_adapters=("sql",), max_model_len=512)
-    created, = await drain(eng)
-    assert created == {"event_id": 0, "window_size": 512,
-                       "data": {"type": "created", "num_blocks_per_cache_level": [8, 4]}}
+    eng = await start(
+        kv_events=None,
+        dialect="trtllm-pull",
+        block_size=16,
+        num_blocks=8,
+        cpu_offload_blocks=4,
+        lora_adapters=("sql",),
+        max_model_len=512,
+    )
+    (created,) = await drain(eng)
+    assert created == {"event_id": 0, "window_size": 512, "data": {"type": "created", "num_blocks_per_cache_level": [8, 4]}}
     ones = list(range(1, 17))
     await eng.complete(ones + ones, max_tokens=1)
     (stored,) = await drain(eng)
@@ -333,8 +347,10 @@ async def test_trtllm_pull_events(start) -> None:
     assert data["type"] == "stored" and data["parent_hash"] is None and len(data["blocks"]) == 2
     first, second = data["blocks"]
     assert first["block_hash"] == 6052439777046529588  # the v1_block_key vector of docs/wire-formats.md#tensorrt-llm-block-hashes
-    assert first["tokens"][:2] == [{"type": "unique_token", "token_id": 1, "token_extra_id": 0},
-                                   {"type": "unique_token", "token_id": 2, "token_extra_id": 0}]
+    assert first["tokens"][:2] == [
+        {"type": "unique_token", "token_id": 1, "token_extra_id": 0},
+        {"type": "unique_token", "token_id": 2, "token_extra_id": 0},
+    ]
     assert len(second["tokens"]) == 16 and first["cache_level"] == 0 and first["priority"] == 35
     assert "lora_id" not in first and "cache_salt" not in first
     assert await drain(eng) == []  # draining is destructive
@@ -344,16 +360,23 @@ async def test_trtllm_pull_events(start) -> None:
     events = await drain(eng)
     updates = [e["data"] for e in events if e["data"]["type"] == "updated"]
     assert {u["block_hash"] for u in updates} >= {first["block_hash"], second["block_hash"]}
-    assert all(u["cache_level"] == {"type": "event_diff", "old_value": 0, "new_value": 1} and u["priority"] is None
-               for u in updates)
+    assert all(
+        u["cache_level"] == {"type": "event_diff", "old_value": 0, "new_value": 1} and u["priority"] is None for u in updates
+    )
     assert not [e for e in events if e["data"]["type"] == "removed"]  # offloaded, not gone
     assert [e["event_id"] for e in events] == list(range(2, 2 + len(events)))
 
     await eng.complete(ones + ones + [5], max_tokens=1)  # the prefix is on the secondary level: onboarded back
     onboard = [e["data"] for e in await drain(eng) if e["data"]["type"] == "updated"]
-    assert onboard[:2] == [{"type": "updated", "block_hash": h, "priority": None,
-                            "cache_level": {"type": "event_diff", "old_value": 1, "new_value": 0}}
-                           for h in (first["block_hash"], second["block_hash"])]
+    assert onboard[:2] == [
+        {
+            "type": "updated",
+            "block_hash": h,
+            "priority": None,
+            "cache_level": {"type": "event_diff", "old_value": 1, "new_value": 0},
+        }
+        for h in (first["block_hash"], second["block_hash"])
+    ]
 
     await eng.complete(prompt(30, 1), model="sql", cache_salt="t", max_tokens=1)
     (lora,) = [e["data"] for e in await drain(eng) if e["data"]["type"] == "stored"]

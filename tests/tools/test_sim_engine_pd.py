@@ -19,8 +19,9 @@ async def start(tiny_model_dir):
     started = []
 
     async def start_engine(role: str, protocol: str) -> str:
-        engine = SimEngine(EngineConfig(num_blocks=256, max_model_len=1024, speedup=50),
-                           load_engine_tokenizer(tiny_model_dir), CostModel())
+        engine = SimEngine(
+            EngineConfig(num_blocks=256, max_model_len=1024, speedup=50), load_engine_tokenizer(tiny_model_dir), CostModel()
+        )
         runner, port = await start_server(engine, "127.0.0.1", 0, role, protocol, transfer_ms_per_block=0.5)
         started.append((runner, engine))
         return f"http://127.0.0.1:{port}"
@@ -38,8 +39,9 @@ async def post(url: str, body: dict) -> tuple[int, dict, dict]:
 
 async def test_vllm_prefill_returns_transfer_params_that_a_decode_leg_takes(start) -> None:
     prefill, decode = await start("prefill", "vllm"), await start("decode", "vllm")
-    status, _, answer = await post(prefill, {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {
-        "do_remote_decode": True, "do_remote_prefill": False}})
+    status, _, answer = await post(
+        prefill, {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+    )
     assert status == 200, answer
     params = answer["kv_transfer_params"]
     blocks = answer["usage"]["prompt_tokens"] // 16
@@ -52,18 +54,26 @@ async def test_vllm_prefill_returns_transfer_params_that_a_decode_leg_takes(star
     assert headers["x-sim-kv-transfer"] == f"from={params['remote_engine_id']};blocks={blocks}"
     assert answer["usage"]["completion_tokens"] == 4
     async with aiohttp.ClientSession() as session, session.get(decode + "/kvroute/pd") as resp:
-        assert await resp.json() == {"role": "decode", "protocol": "vllm", "prefill_legs": 0, "decode_legs": 1,
-                                     "blocks_received": blocks}
+        assert await resp.json() == {
+            "role": "decode",
+            "protocol": "vllm",
+            "prefill_legs": 0,
+            "decode_legs": 1,
+            "blocks_received": blocks,
+        }
         # The transferred prompt was stored, not computed: its blocks are in the decode engine's cache.
         async with session.get(decode + "/kvroute/blocks") as blocks_resp:
             assert (await blocks_resp.json())["counts"]["gpu"] >= blocks
 
 
-@pytest.mark.parametrize("params,message", [
-    ("yes", "kv_transfer_params must be an object"),
-    ({"do_remote_prefill": True, "remote_engine_id": "x"}, "remote_block_ids (a list)"),
-    ({"do_remote_prefill": True, "remote_block_ids": [1]}, "remote_engine_id (a string)"),
-])
+@pytest.mark.parametrize(
+    "params,message",
+    [
+        ("yes", "kv_transfer_params must be an object"),
+        ({"do_remote_prefill": True, "remote_engine_id": "x"}, "remote_block_ids (a list)"),
+        ({"do_remote_prefill": True, "remote_block_ids": [1]}, "remote_engine_id (a string)"),
+    ],
+)
 async def test_a_malformed_remote_prefill_is_a_400(start, params, message) -> None:
     decode = await start("decode", "vllm")
     status, _, answer = await post(decode, {"prompt": PROMPT, "kv_transfer_params": params})

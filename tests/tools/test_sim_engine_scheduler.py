@@ -99,7 +99,7 @@ def test_decode_blocks_are_stored_chained_to_the_prompt() -> None:
     assert chain == sched.cache.chain_hashes(req.prompt + req.output[:-1])  # the newest token has no KV yet
     for prev, ev in itertools.pairwise(stored):
         assert ev.parent_block_hash == prev.block_hashes[-1]
-    assert [t for e in stored for t in e.token_ids] == list(req.prompt + req.output)[:len(chain) * 4]
+    assert [t for e in stored for t in e.token_ids] == list(req.prompt + req.output)[: len(chain) * 4]
     assert sched.cache.usage() == 0  # finished: everything unpinned
 
 

@@ -21,8 +21,9 @@ LONG_SYSTEM = " ".join(["the cache router keeps every prefix block of the system
 @pytest.fixture
 async def engine(tiny_model_dir):
     tokenizer = load_engine_tokenizer(tiny_model_dir)
-    publisher = KvEventPublisher({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*",
-                                  "replay_endpoint": "tcp://127.0.0.1:*"}, block_size=16)
+    publisher = KvEventPublisher(
+        {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}, block_size=16
+    )
     eng = SimEngine(EngineConfig(num_blocks=256, max_model_len=1024, speedup=20), tokenizer, CostModel(), publisher)
     runner, port = await start_server(eng, "127.0.0.1", 0)
     eng.url = f"http://127.0.0.1:{port}"
@@ -42,17 +43,25 @@ async def sse_chunks(resp: aiohttp.ClientResponse) -> list[str]:
     assert raw.endswith("\n\n")
     events = raw.split("\n\n")[:-1]
     assert all(e.startswith("data: ") for e in events)
-    return [e[len("data: "):] for e in events]
+    return [e[len("data: ") :] for e in events]
 
 
 def chat(user: str, **kw) -> dict:
-    return {"model": "tiny-llama", "messages": [{"role": "system", "content": LONG_SYSTEM},
-                                                {"role": "user", "content": user}], **kw}
+    return {
+        "model": "tiny-llama",
+        "messages": [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": user}],
+        **kw,
+    }
 
 
 async def test_streaming_chat_completion(engine) -> None:
-    async with aiohttp.ClientSession() as http, http.post(engine.url + "/v1/chat/completions",
-                         json=chat("hello", max_tokens=5, stream=True, stream_options={"include_usage": True})) as resp:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(
+            engine.url + "/v1/chat/completions",
+            json=chat("hello", max_tokens=5, stream=True, stream_options={"include_usage": True}),
+        ) as resp,
+    ):
         assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
         chunks = await sse_chunks(resp)
     assert chunks[-1] == "[DONE]"
@@ -123,8 +132,10 @@ async def test_errors_are_vllm_like(engine) -> None:
 
 
 async def test_client_disconnect_aborts_the_request(engine) -> None:
-    async with aiohttp.ClientSession() as http, http.post(engine.url + "/v1/completions",
-                         json={"prompt": "a b c", "max_tokens": 800, "stream": True}) as r:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(engine.url + "/v1/completions", json={"prompt": "a b c", "max_tokens": 800, "stream": True}) as r,
+    ):
         await r.content.readline()  # first token is out
         assert engine.cache.usage() > 0
     await eventually(lambda: not engine.scheduler.has_work(), 2, what="the abandoned request's work gone")
@@ -144,8 +155,10 @@ async def test_incoming_traceparent_parents_the_server_span(engine, monkeypatch)
     monkeypatch.setattr(server, "tracer", provider.get_tracer("test"))
     trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     headers = {"traceparent": f"00-{trace_id}-{parent_id}-01"}
-    async with aiohttp.ClientSession() as http, \
-            http.post(engine.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=headers) as r:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(engine.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=headers) as r,
+    ):
         assert r.status == 200
     (span,) = exporter.get_finished_spans()
     assert format(span.context.trace_id, "032x") == trace_id and format(span.parent.span_id, "016x") == parent_id

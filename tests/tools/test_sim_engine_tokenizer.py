@@ -14,12 +14,23 @@ from kvroute.tools.tiny_model import CHAT_TEMPLATE
 
 CHATS = [
     [{"role": "user", "content": "hello"}],
-    [{"role": "system", "content": "You are terse. <s> is not special here </s>"},
-     {"role": "user", "content": "the cache router"}, {"role": "assistant", "content": "ok"},
-     {"role": "user", "content": "and again, ünïcödé 🙂"}],
-    [{"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "image_url", "image_url": {"url": "x"}},
-                                  {"type": "text", "text": "part two"}]}],
-    [{"role": "user", "content": ""}, {"role": "tool", "content": "{\"a\": 1}", "name": "lookup"}],
+    [
+        {"role": "system", "content": "You are terse. <s> is not special here </s>"},
+        {"role": "user", "content": "the cache router"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "and again, ünïcödé 🙂"},
+    ],
+    [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "part one"},
+                {"type": "image_url", "image_url": {"url": "x"}},
+                {"type": "text", "text": "part two"},
+            ],
+        }
+    ],
+    [{"role": "user", "content": ""}, {"role": "tool", "content": '{"a": 1}', "name": "lookup"}],
 ]
 
 
@@ -40,13 +51,13 @@ RICH_TEMPLATE = """{% for m in messages %}
 
 
 @pytest.mark.parametrize("messages", CHATS, ids=range(len(CHATS)))
-def test_every_template_feature_renders_as_the_router_renders_it(tiny_model_dir: Path, tmp_path: Path,
-                                                                  messages: list) -> None:
+def test_every_template_feature_renders_as_the_router_renders_it(tiny_model_dir: Path, tmp_path: Path, messages: list) -> None:
     model = tmp_path / "rich"
     model.mkdir()
     (model / "tokenizer.json").write_bytes((tiny_model_dir / "tokenizer.json").read_bytes())
-    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": RICH_TEMPLATE, "bos_token": "<s>",
-                                                              "eos_token": {"content": "</s>"}}))
+    (model / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": RICH_TEMPLATE, "bos_token": "<s>", "eos_token": {"content": "</s>"}})
+    )
     engine, router = load_engine_tokenizer(model), load_tokenizer(model, cache_tokens=0)
     assert engine.encode_chat(messages) == list(router.encode_chat(messages))
 

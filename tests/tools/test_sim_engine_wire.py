@@ -22,6 +22,7 @@ EVENTS = [StoredEvent([2**63 + 1], None, [1, 2]), RemovedEvent([2**63 + 1]), Cle
 
 # ---------------------------------------------------------------- config and bind rules
 
+
 def test_bind_heuristic_and_config_parsing() -> None:
     assert pub_binds("tcp://*:5557") and pub_binds("tcp://[::]:5557") and pub_binds("ipc:///tmp/x")
     assert pub_binds("inproc://x") and not pub_binds("tcp://127.0.0.1:5557") and not pub_binds("tcp://0.0.0.0:5557")
@@ -30,8 +31,12 @@ def test_bind_heuristic_and_config_parsing() -> None:
     assert config["replay_endpoint"] is None and config["max_queue_size"] == 100000 and config["topic"] == "kv"
     assert KvEventPublisher.from_cli("", 16) is None
     assert KvEventPublisher.from_cli('{"enable_kv_cache_events": true, "publisher": "null"}', 16) is None
-    for bad in ('{"enable_kv_cache_events": true, "endpoint_typo": "x"}', "not json", '{"buffer_steps": 0}',
-                '{"bind": true}'):  # "bind" is SGLang >= 0.5.22's key, not vLLM's
+    for bad in (
+        '{"enable_kv_cache_events": true, "endpoint_typo": "x"}',
+        "not json",
+        '{"buffer_steps": 0}',
+        '{"bind": true}',
+    ):  # "bind" is SGLang >= 0.5.22's key, not vLLM's
         with pytest.raises(ValueError):
             parse_kv_events_config(bad)
 
@@ -94,14 +99,18 @@ def test_data_parallel_rank_offsets_ports_and_is_written_into_batches() -> None:
 def test_only_vllm_0_33_raises_the_replay_high_water_mark() -> None:
     hwm = {}
     for dialect in ("vllm-0.26", "vllm-0.33"):
-        pub = KvEventPublisher({"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*",
-                                "buffer_steps": 50}, 16, get_dialect(dialect))
+        pub = KvEventPublisher(
+            {"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*", "buffer_steps": 50},
+            16,
+            get_dialect(dialect),
+        )
         hwm[dialect] = pub._replay.getsockopt(zmq.SNDHWM)
         pub.close()
     assert hwm == {"vllm-0.26": 1000, "vllm-0.33": 102}
 
 
 # ---------------------------------------------------------------- over real ZMQ sockets
+
 
 async def recv_or_none(sock: zmq.asyncio.Socket, timeout: float) -> list[bytes] | None:
     try:
@@ -161,9 +170,18 @@ async def test_sub_socket_receives_three_frame_batches(dialect: str) -> None:
     _, (stored,), _ = msgspec.msgpack.decode(got[1][2])
     if dialect == "vllm-0.26":
         assert events[2] == {"type": "AllBlocksCleared"}
-        assert stored == {"type": "BlockStored", "block_hashes": [7, 8], "parent_block_hash": 6, "token_ids": [1, 2, 3, 4],
-                          "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0,
-                          "kv_cache_spec_kind": "full_attention"}
+        assert stored == {
+            "type": "BlockStored",
+            "block_hashes": [7, 8],
+            "parent_block_hash": 6,
+            "token_ids": [1, 2, 3, 4],
+            "block_size": 2,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+            "group_idx": 0,
+            "kv_cache_spec_kind": "full_attention",
+        }
     elif dialect == "vllm-0.22":
         assert events[1] == ["BlockRemoved", [2**63 + 1], "GPU", 0]
         assert stored == ["BlockStored", [7, 8], 6, [1, 2, 3, 4], 2, None, "GPU", None, None, 0, "full_attention", None]
@@ -183,11 +201,19 @@ async def replay(dealer: zmq.asyncio.Socket, start: int) -> list[list[bytes]]:
             return replies
 
 
-@pytest.mark.parametrize("dialect,framing", [("vllm-0.24", "old"), ("sglang-0.4.8", "old"), ("vllm-0.26", "new"),
-                                             ("sglang-0.5.22", "new"), ("trtllm-zmq", "new")])
+@pytest.mark.parametrize(
+    "dialect,framing",
+    [("vllm-0.24", "old"), ("sglang-0.4.8", "old"), ("vllm-0.26", "new"), ("sglang-0.5.22", "new"), ("trtllm-zmq", "new")],
+)
 async def test_replay_over_dealer_returns_requested_batches_then_end_marker(dialect: str, framing: str) -> None:
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
-              "replay_endpoint": "tcp://127.0.0.1:*", "buffer_steps": 3, "topic": "t"}
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://127.0.0.1:*",
+        "replay_endpoint": "tcp://127.0.0.1:*",
+        "buffer_steps": 3,
+        "topic": "t",
+    }
     pub = KvEventPublisher(config, 2, get_dialect(dialect))
     pub.start()
     ctx = zmq.asyncio.Context()
@@ -235,11 +261,11 @@ async def test_publish_never_blocks_and_a_full_queue_leaves_a_seq_gap() -> None:
 
 # ---------------------------------------------------------------- fault hooks
 
+
 @contextlib.asynccontextmanager
 async def live_and_replay(dialect: str):
     """A started publisher with a joined SUB socket and a DEALER on its replay socket."""
-    pub = KvEventPublisher({"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}, 2,
-                           get_dialect(dialect))
+    pub = KvEventPublisher({"endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"}, 2, get_dialect(dialect))
     pub.start()
     ctx = zmq.asyncio.Context()
     try:
@@ -255,8 +281,12 @@ async def live_and_replay(dialect: str):
 async def test_dropped_batches_leave_a_gap_that_replay_fills() -> None:
     async with live_and_replay("vllm-0.33") as (pub, sub, dealer):
         base = pub.seq
-        assert pub.inject_faults(drop_next_batches=2) == {"next_seq": base, "drop_next_batches": 2,
-                                                          "dropped_by_fault": 0, "restarts": 0}
+        assert pub.inject_faults(drop_next_batches=2) == {
+            "next_seq": base,
+            "drop_next_batches": 2,
+            "dropped_by_fault": 0,
+            "restarts": 0,
+        }
         for h in range(100, 104):
             pub.publish([RemovedEvent([h])])
         await pub.flush()

@@ -41,8 +41,25 @@ def test_every_generated_workload_runs() -> None:
 
 
 def test_seed_makes_runs_bit_for_bit_reproducible() -> None:
-    argv = [sys.executable, "-m", "kvroute.cli", "simulate", "--workload", "rag", "--requests", "80", "--rate", "5",
-            "--workers", "4", "--policies", "random,kv_aware", "--seed", "7", "--json"]
+    argv = [
+        sys.executable,
+        "-m",
+        "kvroute.cli",
+        "simulate",
+        "--workload",
+        "rag",
+        "--requests",
+        "80",
+        "--rate",
+        "5",
+        "--workers",
+        "4",
+        "--policies",
+        "random,kv_aware",
+        "--seed",
+        "7",
+        "--json",
+    ]
     outputs = [subprocess.run(argv, check=False, capture_output=True, text=True, timeout=120) for _ in range(2)]
     assert all(o.returncode == 0 for o in outputs), outputs[0].stderr
     first, second = (json.loads(o.stdout.strip().splitlines()[-1]) for o in outputs)
@@ -51,9 +68,11 @@ def test_seed_makes_runs_bit_for_bit_reproducible() -> None:
 
 def test_mooncake_trace_rows_map_to_shared_token_blocks(tmp_path: Path) -> None:
     # Rows in the Mooncake conversation trace's format (timestamp ms, lengths, 512-token hash ids).
-    rows = [{"timestamp": 0, "input_length": 1100, "output_length": 10, "hash_ids": [0, 1, 2]},
-            {"timestamp": 250, "input_length": 1500, "output_length": 0, "hash_ids": [0, 1, 3]},
-            {"timestamp": 500, "input_length": 300, "output_length": 5, "hash_ids": [4]}]
+    rows = [
+        {"timestamp": 0, "input_length": 1100, "output_length": 10, "hash_ids": [0, 1, 2]},
+        {"timestamp": 250, "input_length": 1500, "output_length": 0, "hash_ids": [0, 1, 3]},
+        {"timestamp": 500, "input_length": 300, "output_length": 5, "hash_ids": [4]},
+    ]
     trace = tmp_path / "trace.jsonl"
     trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     loaded = load_mooncake_trace(trace)
@@ -76,8 +95,9 @@ def test_parallel_sweep_gives_the_sequential_numbers() -> None:
     workload = generate(GeneratedWorkload("multi-turn", requests=120, rate_rps=6, seed=4))
     config = FleetConfig(workers=4, num_blocks=512, seed=4)
     seen: list[dict[str, int]] = []
-    parallel = run_policies(["kv_aware", "random", "least_loaded"], workload, config, jobs=2,
-                            progress=lambda counts: seen.append(dict(counts)))
+    parallel = run_policies(
+        ["kv_aware", "random", "least_loaded"], workload, config, jobs=2, progress=lambda counts: seen.append(dict(counts))
+    )
     sequential = run_policies(["kv_aware", "random", "least_loaded"], workload, config, jobs=1)
     assert list(parallel) == ["kv_aware", "random", "least_loaded"]
     for name in parallel:
@@ -97,9 +117,26 @@ def test_a_failing_policy_fails_the_sweep_instead_of_hanging() -> None:
 
 def test_report_and_plots_are_written(tmp_path: Path) -> None:
     report, plots = tmp_path / "report.md", tmp_path / "plots"
-    argv = [sys.executable, "-m", "kvroute.cli", "simulate", "--workload", "shared-prefix", "--requests", "60",
-            "--rate", "5", "--workers", "2", "--policies", "round_robin,kv_aware", "--report", str(report),
-            "--plots", str(plots)]
+    argv = [
+        sys.executable,
+        "-m",
+        "kvroute.cli",
+        "simulate",
+        "--workload",
+        "shared-prefix",
+        "--requests",
+        "60",
+        "--rate",
+        "5",
+        "--workers",
+        "2",
+        "--policies",
+        "round_robin,kv_aware",
+        "--report",
+        str(report),
+        "--plots",
+        str(plots),
+    ]
     out = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     for name in ("ttft_cdf.png", "hit_rate.png"):
@@ -216,7 +253,7 @@ def test_seed_summary_counts_ties_for_every_policy_and_never_the_oracle() -> Non
     kv, tree, oracle = summary["kv_aware"], summary["approx_tree"], summary["ttft_oracle"]
     assert kv["ttft_p99_ms"] == {"mean": 78.0, "min": 76.0, "max": 80.0}
     assert kv["hit_rate"]["mean"] == 0.7
-    assert (kv["lowest_p50_seeds"], kv["lowest_p99_seeds"]) == (1, 2)      # seed 3's p99 is a tie: both count
+    assert (kv["lowest_p50_seeds"], kv["lowest_p99_seeds"]) == (1, 2)  # seed 3's p99 is a tie: both count
     assert (tree["lowest_p50_seeds"], tree["lowest_p99_seeds"]) == (1, 1)
     assert (oracle["lowest_p50_seeds"], oracle["lowest_p99_seeds"]) == (0, 0)  # a reference, not a router policy
     text = "\n".join(markdown(per_seed, summary))
@@ -227,18 +264,39 @@ def test_seed_summary_counts_ties_for_every_policy_and_never_the_oracle() -> Non
 
 def test_simulate_over_several_seeds(tmp_path: Path) -> None:
     report = tmp_path / "seeds.md"
-    argv = [sys.executable, "-m", "kvroute.cli", "simulate", "--workload", "shared-prefix", "--requests", "60",
-            "--rate", "5", "--workers", "2", "--policies", "round_robin,kv_aware", "--seeds", "1,2",
-            "--report", str(report), "--json"]
+    argv = [
+        sys.executable,
+        "-m",
+        "kvroute.cli",
+        "simulate",
+        "--workload",
+        "shared-prefix",
+        "--requests",
+        "60",
+        "--rate",
+        "5",
+        "--workers",
+        "2",
+        "--policies",
+        "round_robin,kv_aware",
+        "--seeds",
+        "1,2",
+        "--report",
+        str(report),
+        "--json",
+    ]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(result["seeds"]) == {"1", "2"} and set(result["summary"]) == {"round_robin", "kv_aware"}
-    single = subprocess.run(argv[:argv.index("--seeds")] + ["--seed", "2", "--json"], capture_output=True, text=True,
-                            timeout=120, check=False)
+    single = subprocess.run(
+        argv[: argv.index("--seeds")] + ["--seed", "2", "--json"], capture_output=True, text=True, timeout=120, check=False
+    )
     assert json.loads(single.stdout.strip().splitlines()[-1])["policies"] == result["seeds"]["2"]  # same runs
     assert "lowest p99" in report.read_text()
-    bad = subprocess.run(argv[:argv.index("--seeds")] + ["--seeds", "1,1"], capture_output=True, text=True, timeout=60, check=False)
+    bad = subprocess.run(
+        argv[: argv.index("--seeds")] + ["--seeds", "1,1"], capture_output=True, text=True, timeout=60, check=False
+    )
     assert bad.returncode == 2 and "expected distinct integers" in bad.stderr
 
 
@@ -259,8 +317,11 @@ def test_routers_that_see_each_other_at_once_decide_exactly_as_one_router() -> N
 
 
 def pd_workload(requests: int = 300, rate: float = 10.0) -> list:
-    return generate(GeneratedWorkload("shared-prefix", requests=requests, rate_rps=rate, groups=8,
-                                      system_prompt_tokens=2048, output_tokens=32, seed=0))
+    return generate(
+        GeneratedWorkload(
+            "shared-prefix", requests=requests, rate_rps=rate, groups=8, system_prompt_tokens=2048, output_tokens=32, seed=0
+        )
+    )
 
 
 def test_pd_pools_route_prefill_by_policy_and_hand_the_kv_to_decode() -> None:
@@ -276,8 +337,7 @@ def test_pd_pools_route_prefill_by_policy_and_hand_the_kv_to_decode() -> None:
     # A decode leg waits for its prefill and the transfer: TTFT grows with the time per block.
     slow = simulate_policy("kv_aware", workload, dataclasses.replace(pd, transfer_s_per_block=0.01))
     prompt_blocks = len(workload[0].tokens) // 16
-    assert sorted(slow.ttft_s)[len(slow.ttft_s) // 2] > sorted(kv.ttft_s)[len(kv.ttft_s) // 2] + \
-        0.8 * prompt_blocks * 0.01
+    assert sorted(slow.ttft_s)[len(slow.ttft_s) // 2] > sorted(kv.ttft_s)[len(kv.ttft_s) // 2] + 0.8 * prompt_blocks * 0.01
     for bad in (dataclasses.replace(colocated, prefill_workers=4), dataclasses.replace(colocated, prefill_workers=5)):
         with pytest.raises(ValueError, match="prefill_workers"):
             simulate_policy("kv_aware", workload[:5], bad)
@@ -286,15 +346,51 @@ def test_pd_pools_route_prefill_by_policy_and_hand_the_kv_to_decode() -> None:
 
 
 def test_simulate_compares_pd_pools_with_colocated_at_the_same_worker_count() -> None:
-    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "simulate", "--workload", "shared-prefix",
-                          "--requests", "200", "--workers", "4", "--num-blocks", "640", "--policies",
-                          "kv_aware,round_robin,ttft_oracle", "--prefill-workers", "2", "--json"],
-                         check=False, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvroute.cli",
+            "simulate",
+            "--workload",
+            "shared-prefix",
+            "--requests",
+            "200",
+            "--workers",
+            "4",
+            "--num-blocks",
+            "640",
+            "--policies",
+            "kv_aware,round_robin,ttft_oracle",
+            "--prefill-workers",
+            "2",
+            "--json",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     policies = json.loads(out.stdout.strip().splitlines()[-1])["policies"]
     assert set(policies) == {"kv_aware", "round_robin", "ttft_oracle", "kv_aware P/D 2+2", "round_robin P/D 2+2"}
     assert policies["kv_aware P/D 2+2"]["hit_rate"] > policies["round_robin P/D 2+2"]["hit_rate"]
-    refused = subprocess.run([sys.executable, "-m", "kvroute.cli", "simulate", "--workload", "shared-prefix",
-                              "--workers", "4", "--prefill-workers", "4"], check=False, capture_output=True, text=True,
-                             timeout=60)
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvroute.cli",
+            "simulate",
+            "--workload",
+            "shared-prefix",
+            "--workers",
+            "4",
+            "--prefill-workers",
+            "4",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert refused.returncode == 2 and "leaves no decode worker" in refused.stderr

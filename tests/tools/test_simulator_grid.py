@@ -11,14 +11,29 @@ import pytest
 
 from kvroute.tools.simulator.grid import GridSpec, kv_aware_ratio, run_grid
 
-TINY = ["--grid", "--grid-sources", "one-shot,shared-prefix", "--grid-caches", "default,tight", "--grid-rates",
-        "high", "--grid-routers", "1,2", "--requests", "40", "--seeds", "1,2",
-        "--policies", "kv_aware,round_robin,least_loaded,chwbl"]
+TINY = [
+    "--grid",
+    "--grid-sources",
+    "one-shot,shared-prefix",
+    "--grid-caches",
+    "default,tight",
+    "--grid-rates",
+    "high",
+    "--grid-routers",
+    "1,2",
+    "--requests",
+    "40",
+    "--seeds",
+    "1,2",
+    "--policies",
+    "kv_aware,round_robin,least_loaded,chwbl",
+]
 
 
 def _simulate(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvroute.cli", "simulate", *argv], check=False, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "kvroute.cli", "simulate", *argv], check=False, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_tiny_grid_reports_every_point_and_the_ratio_to_the_best_other_policy() -> None:
@@ -29,7 +44,8 @@ def test_tiny_grid_reports_every_point_and_the_ratio_to_the_best_other_policy() 
     assert document["grid"]["routers"] == [1, 2] and document["grid"]["seeds"] == [1, 2]
     points = document["points"]
     assert [(p["source"], p["cache"], p["routers"]) for p in points] == [
-        (s, c, r) for s in ("one-shot", "shared-prefix") for c in ("default", "tight") for r in (1, 2)]
+        (s, c, r) for s in ("one-shot", "shared-prefix") for c in ("default", "tight") for r in (1, 2)
+    ]
     assert {p["view_delay_ms"] for p in points if p["routers"] == 2} == {10.0}
     assert [p["num_blocks"] for p in points if p["routers"] == 1] == [1024, 512, 1024, 512]
     for p in points:
@@ -48,8 +64,11 @@ def test_tiny_grid_reports_every_point_and_the_ratio_to_the_best_other_policy() 
     for routers in ("1", "2"):
         at = [p for p in points if p["routers"] == int(routers)]
         assert document["summary"][routers] == {
-            "points": 4, "meet_p50": sum(p["meets_p50"] for p in at), "meet_p99": sum(p["meets_p99"] for p in at),
-            "meet_both": sum(p["meets_p50"] and p["meets_p99"] for p in at)}
+            "points": 4,
+            "meet_p50": sum(p["meets_p50"] for p in at),
+            "meet_p99": sum(p["meets_p99"] for p in at),
+            "meet_both": sum(p["meets_p50"] and p["meets_p99"] for p in at),
+        }
     rows = [line for line in table if line.startswith(("| one-shot", "| shared-prefix"))]
     assert len(rows) == len(points)
     for row, p in zip(rows, points):
@@ -60,9 +79,21 @@ def test_tiny_grid_reports_every_point_and_the_ratio_to_the_best_other_policy() 
     assert any(line.startswith(f"| 1 | 4 | {document['summary']['1']['meet_p50']} | ") for line in table)
 
     # The same grid in one process: the same numbers, bit for bit.
-    assert run_grid(GridSpec(sources=("one-shot", "shared-prefix"), caches=("default", "tight"), rates=("high",),
-                             routers=(1, 2), requests=40, seeds=(1, 2),
-                             policies=("kv_aware", "round_robin", "least_loaded", "chwbl")), jobs=1) == document
+    assert (
+        run_grid(
+            GridSpec(
+                sources=("one-shot", "shared-prefix"),
+                caches=("default", "tight"),
+                rates=("high",),
+                routers=(1, 2),
+                requests=40,
+                seeds=(1, 2),
+                policies=("kv_aware", "round_robin", "least_loaded", "chwbl"),
+            ),
+            jobs=1,
+        )
+        == document
+    )
 
 
 def test_ratio_is_against_the_lowest_other_policy() -> None:

@@ -22,8 +22,9 @@ from kvroute.tools.simulator.workloads import load_mooncake_trace
 
 
 def simulate(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvroute.cli", "simulate", *args], capture_output=True, text=True,
-                          timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "kvroute.cli", "simulate", *args], capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 def short_prompts(n: int, seed: int = 5) -> list[list[int]]:
@@ -56,8 +57,7 @@ async def test_a_captured_trace_carries_its_block_size_and_the_simulator_uses_it
     # The shared 192 tokens of each prompt are visible (at 512 nothing is: 0% for every policy), and
     # kv_aware finds them on the worker that holds them where round_robin has to cache each everywhere.
     assert result["oracle_hit_rate"] > 0.6
-    assert policies["kv_aware"]["hit_rate"] > 0.5 and policies["kv_aware"]["hit_rate"] > policies["round_robin"][
-        "hit_rate"] + 0.1
+    assert policies["kv_aware"]["hit_rate"] > 0.5 and policies["kv_aware"]["hit_rate"] > policies["round_robin"]["hit_rate"] + 0.1
     assert policies["kv_aware"]["ttft_p50_ms"] < policies["round_robin"]["ttft_p50_ms"]
 
 
@@ -78,27 +78,39 @@ def test_a_plain_mooncake_trace_is_512_and_short_prompts_in_it_get_a_warning(tmp
     assert len(result["warnings"]) == 1 and "100% of the trace's prompt tokens" in result["warnings"][0]
     assert "partial 512-token blocks" in result["warnings"][0] and "--capture-block-tokens" in result["warnings"][0]
     assert [line for line in out.stderr.splitlines() if "warning" in line] == [
-        f"kvroute simulate: warning: {result['warnings'][0]}"]
+        f"kvroute simulate: warning: {result['warnings'][0]}"
+    ]
     # Long prompts at 512 (the public traces' case) stay quiet.
-    long_rows = [{"timestamp": i * 40, "input_length": 5000, "output_length": 8, "hash_ids": list(range(10))}
-                 for i in range(20)]
-    quiet = simulate("--trace", str(write_rows(tmp_path / "long.jsonl", long_rows)), "--workers", "2",
-                     "--policies", "kv_aware", "--json")
+    long_rows = [{"timestamp": i * 40, "input_length": 5000, "output_length": 8, "hash_ids": list(range(10))} for i in range(20)]
+    quiet = simulate(
+        "--trace", str(write_rows(tmp_path / "long.jsonl", long_rows)), "--workers", "2", "--policies", "kv_aware", "--json"
+    )
     assert quiet.returncode == 0 and "warning" not in quiet.stderr, quiet.stderr
     # --block-size still overrides the trace's.
     finer = simulate("--trace", str(path), "--workers", "2", "--policies", "kv_aware", "--block-size", "16", "--json")
     assert json.loads(finer.stdout.splitlines()[-1])["block_size"] == 16
 
 
-@pytest.mark.parametrize(("rows", "message"), [
-    ([{"timestamp": 0, "input_length": 100, "output_length": 1, "hash_ids": [0, 1], "block_size": 64},
-      {"timestamp": 1, "input_length": 100, "output_length": 1, "hash_ids": [0]}],
-     ":2: block_size 512 (a row without one means 512), but line 1 has 64"),
-    ([{"timestamp": 0, "input_length": 100, "output_length": 1, "hash_ids": [0], "block_size": 64}],
-     ":1: 1 hash ids of 64 tokens cannot cover input_length 100"),
-    ([{"timestamp": 0, "input_length": 100, "output_length": 1, "hash_ids": [0], "block_size": 0}],
-     ":1: block_size must be positive, got 0"),
-])
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        (
+            [
+                {"timestamp": 0, "input_length": 100, "output_length": 1, "hash_ids": [0, 1], "block_size": 64},
+                {"timestamp": 1, "input_length": 100, "output_length": 1, "hash_ids": [0]},
+            ],
+            ":2: block_size 512 (a row without one means 512), but line 1 has 64",
+        ),
+        (
+            [{"timestamp": 0, "input_length": 100, "output_length": 1, "hash_ids": [0], "block_size": 64}],
+            ":1: 1 hash ids of 64 tokens cannot cover input_length 100",
+        ),
+        (
+            [{"timestamp": 0, "input_length": 100, "output_length": 1, "hash_ids": [0], "block_size": 0}],
+            ":1: block_size must be positive, got 0",
+        ),
+    ],
+)
 def test_inconsistent_block_sizes_are_one_line_errors(tmp_path: Path, rows: list[dict], message: str) -> None:
     out = simulate("--trace", str(write_rows(tmp_path / "bad.jsonl", rows)), "--workers", "2")
     assert out.returncode == 2 and out.stdout == ""

@@ -31,29 +31,67 @@ def vllm_python() -> str:
 
 
 def vllm_env(index: int) -> dict[str, str]:
-    return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_CPU_OMP_THREADS_BIND": str(index % 2)}
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": str(index % 2),
+    }
 
 
-def start_vllm(cluster: LocalCluster, model_dir: Path, index: int, *extra: str, max_model_len: int = 2048,
-               num_blocks: int = 128) -> EngineHandle:
+def start_vllm(
+    cluster: LocalCluster, model_dir: Path, index: int, *extra: str, max_model_len: int = 2048, num_blocks: int = 128
+) -> EngineHandle:
     """vLLM number `index` of `cluster`, publishing KV events on ports it binds; `extra` are more flags."""
     port, ev_port, replay_port = free_port(), free_port(), free_port()
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ev_port}",
-              "replay_endpoint": f"tcp://*:{replay_port}", "topic": ""}
-    proc = ManagedProcess(f"vllm-{index}", [
-        vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--served-model-name", cluster.model, "--load-format", "dummy", "--block-size", str(BLOCK_SIZE),
-        "--enable-prefix-caching", "--enforce-eager", "--dtype", "float32", "--max-model-len", str(max_model_len),
-        "--max-num-seqs", "8", "--num-gpu-blocks-override", str(num_blocks), "--host", "127.0.0.1", "--port", str(port),
-        "--kv-events-config", json.dumps(config), *extra], cluster.workdir / f"vllm-{index}.log")
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{ev_port}",
+        "replay_endpoint": f"tcp://*:{replay_port}",
+        "topic": "",
+    }
+    proc = ManagedProcess(
+        f"vllm-{index}",
+        [
+            vllm_python(),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            cluster.model,
+            "--load-format",
+            "dummy",
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--enable-prefix-caching",
+            "--enforce-eager",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(max_model_len),
+            "--max-num-seqs",
+            "8",
+            "--num-gpu-blocks-override",
+            str(num_blocks),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--kv-events-config",
+            json.dumps(config),
+            *extra,
+        ],
+        cluster.workdir / f"vllm-{index}.log",
+    )
     proc.start(env=vllm_env(index))
-    handle = EngineHandle(f"vllm-{index}", f"http://127.0.0.1:{port}", ev_port, replay_port, proc,
-                          block_size=BLOCK_SIZE)
+    handle = EngineHandle(f"vllm-{index}", f"http://127.0.0.1:{port}", ev_port, replay_port, proc, block_size=BLOCK_SIZE)
     cluster.engines.append(handle)
     return handle
 
 
 def wait_vllm_healthy(engine: EngineHandle) -> None:
-    wait_until(lambda: http_ok(engine.url + "/health"), VLLM_START_S, f"{engine.worker_id} healthy", [engine.engine],
-               interval=1)
+    wait_until(lambda: http_ok(engine.url + "/health"), VLLM_START_S, f"{engine.worker_id} healthy", [engine.engine], interval=1)

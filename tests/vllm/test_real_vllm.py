@@ -35,7 +35,7 @@ from tests.vllm.real_vllm import BLOCK_SIZE, new_cluster, start_vllm, vllm_env, 
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-LATE_DOC = 50    # documents LATE_DOC + i are served by vLLM i before any agent runs
+LATE_DOC = 50  # documents LATE_DOC + i are served by vLLM i before any agent runs
 
 
 def document(seed: int) -> str:
@@ -106,8 +106,11 @@ def cluster(tmp_path_factory):
 def test_agents_started_late_learn_earlier_prefixes_by_replay(cluster: LocalCluster) -> None:
     for i, engine in enumerate(cluster.engines):
         body = cluster.chat_request(document(LATE_DOC + i), "what else does it say")
-        decision = wait_until(lambda body=body: (d := route(cluster, body)) and d["cached_tokens"] > 0 and d, 60,
-                              f"{engine.worker_id}'s replayed events reach the router")
+        decision = wait_until(
+            lambda body=body: (d := route(cluster, body)) and d["cached_tokens"] > 0 and d,
+            60,
+            f"{engine.worker_id}'s replayed events reach the router",
+        )
         assert decision["worker_id"] == engine.worker_id, decision
         assert decision["cached_tokens"] >= 8 * BLOCK_SIZE, decision
         counters = cluster.agent_counters(engine)
@@ -116,8 +119,11 @@ def test_agents_started_late_learn_earlier_prefixes_by_replay(cluster: LocalClus
         status, raw = http_post_json(cluster.router_urls["kv"] + "/v1/chat/completions", body, timeout=60)
         assert status == 200, raw
         # vLLM's own counter agrees: the prefix served before the agent existed was a hit there.
-        wait_until(lambda engine=engine, hits_before=hits_before: prefix_hits(engine.url) - hits_before >= 8 * BLOCK_SIZE, 10,
-                   "vLLM's prefix-cache counter shows the hit")
+        wait_until(
+            lambda engine=engine, hits_before=hits_before: prefix_hits(engine.url) - hits_before >= 8 * BLOCK_SIZE,
+            10,
+            "vLLM's prefix-cache counter shows the hit",
+        )
 
 
 def test_shared_prefix_goes_to_the_vllm_that_cached_it(cluster: LocalCluster) -> None:
@@ -126,8 +132,11 @@ def test_shared_prefix_goes_to_the_vllm_that_cached_it(cluster: LocalCluster) ->
         chat(engine.url, cluster.chat_request(document(i), "summarise"))
     for i, engine in enumerate(cluster.engines):
         body = cluster.chat_request(document(i), "now list the key points")
-        decision = wait_until(lambda body=body: (d := route(cluster, body)) and d["cached_tokens"] > 0 and d,
-                              60, f"{engine.worker_id}'s KV events reach the router")
+        decision = wait_until(
+            lambda body=body: (d := route(cluster, body)) and d["cached_tokens"] > 0 and d,
+            60,
+            f"{engine.worker_id}'s KV events reach the router",
+        )
         assert decision["worker_id"] == engine.worker_id, decision
         assert decision["cached_tokens"] >= 8 * BLOCK_SIZE
         hits_before = settled_prefix_hits(cluster)
@@ -172,8 +181,12 @@ def test_a_restarted_vllm_loses_its_old_prefixes_in_the_control_plane(cluster: L
     engine.engine.stop(timeout=30)
     engine.engine.start(env=vllm_env(1))
     wait_vllm_healthy(engine)
-    wait_until(lambda: cached_blocks(cluster, engine.worker_id) == 0, 30,
-               "the control plane to drop the old process's blocks", [engine.engine, engine.agent])
+    wait_until(
+        lambda: cached_blocks(cluster, engine.worker_id) == 0,
+        30,
+        "the control plane to drop the old process's blocks",
+        [engine.engine, engine.agent],
+    )
     after = cluster.agent_counters(engine)
     assert after["reconnect_resets"] + after["sequence_resets"] > before["reconnect_resets"] + before["sequence_resets"]
 
@@ -184,8 +197,9 @@ def test_a_restarted_vllm_loses_its_old_prefixes_in_the_control_plane(cluster: L
     new_doc = cluster.chat_request(document(70), "summarise")
     chat(engine.url, new_doc)
     body = cluster.chat_request(document(70), "and then?")
-    decision = wait_until(lambda: (d := route(cluster, body)) and d["cached_tokens"] > 0 and d, 30,
-                          "the restarted vLLM's events reach the router")
+    decision = wait_until(
+        lambda: (d := route(cluster, body)) and d["cached_tokens"] > 0 and d, 30, "the restarted vLLM's events reach the router"
+    )
     assert decision["worker_id"] == engine.worker_id and decision["cached_tokens"] >= 8 * BLOCK_SIZE, decision
     assert 0 < cached_blocks(cluster, engine.worker_id) <= 16  # one document (and its decode blocks), nothing older
 
@@ -194,8 +208,13 @@ def test_probe_audit_of_the_real_vllms_finds_no_divergence(cluster: LocalCluster
     """`kvroute audit --probe`: a real vLLM has no block-set endpoint (404), so each is audited by a probe:
     a random 8-block prompt sent twice; the hit vLLM's own prefix-cache counters count for the second
     send equals what the control plane predicted from the events of the first."""
-    proc = subprocess.run(kvroute_argv("audit", "--control-plane", cluster.control_plane_addr, "--probe", "--json"),
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        kvroute_argv("audit", "--control-plane", cluster.control_plane_addr, "--probe", "--json"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert result["divergence"] == 0 and result["probed"] == len(cluster.engines) and result["errors"] == [], result

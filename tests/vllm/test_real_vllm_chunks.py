@@ -30,25 +30,37 @@ from tests.vllm.real_vllm import BLOCK_SIZE, new_cluster, start_vllm, wait_vllm_
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-BUDGET = 32           # tokens per step: the first prompt takes one step per block
+BUDGET = 32  # tokens per step: the first prompt takes one step per block
 MAX_MODEL_LEN = 4096  # the tiny model's positions
 NUM_BLOCKS = 256
-FIRST_LEN = 3000      # 93 full blocks and 24 tokens: its last step leaves 8 tokens of budget to the second
-SHARED = 2400         # 75 blocks
-SECOND_LEN = 2500     # the shared prefix, then 3 full blocks and 4 tokens of its own
-WARMUP_LEN = 40       # one full block
+FIRST_LEN = 3000  # 93 full blocks and 24 tokens: its last step leaves 8 tokens of budget to the second
+SHARED = 2400  # 75 blocks
+SECOND_LEN = 2500  # the shared prefix, then 3 full blocks and 4 tokens of its own
+WARMUP_LEN = 40  # one full block
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     cluster, model_dir = new_cluster(tmp_path_factory, "real-vllm-chunks")
     try:
-        vllm = start_vllm(cluster, model_dir, 0, "--max-num-batched-tokens", str(BUDGET),
-                          max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS)
+        vllm = start_vllm(
+            cluster, model_dir, 0, "--max-num-batched-tokens", str(BUDGET), max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS
+        )
         # The same schedule; its cost model is slowed to ~22 ms a step so the prefill lasts ~2 s.
-        sim = cluster.add_sim_engine("sim", "--max-num-batched-tokens", str(BUDGET), "--max-model-len",
-                                     str(MAX_MODEL_LEN), "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", "8",
-                                     "--prefill-tokens-per-s", "1600", start_agent=False)
+        sim = cluster.add_sim_engine(
+            "sim",
+            "--max-num-batched-tokens",
+            str(BUDGET),
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--num-blocks",
+            str(NUM_BLOCKS),
+            "--max-num-seqs",
+            "8",
+            "--prefill-tokens-per-s",
+            "1600",
+            start_agent=False,
+        )
         wait_until(lambda: http_ok(sim.url + "/health"), 60, "the sim engine healthy", [sim.engine])
         wait_vllm_healthy(vllm)
         yield {"vllm": vllm, "sim": sim}
@@ -59,6 +71,7 @@ def engines(tmp_path_factory):
 @dataclass
 class Overlap:
     """What one engine did with the two overlapping prompts."""
+
     hits: float = 0.0
     queries: float = 0.0
     first_blocks_seen_when_second_sent: int = 0
@@ -86,8 +99,9 @@ class Events:
 
 
 def complete(engine: EngineHandle, prompt: list[int], done: dict[str, bool], name: str) -> None:
-    status, raw = http_post_json(engine.url + "/v1/completions", {"model": "tiny-llama", "prompt": prompt,
-                                                                   "max_tokens": 1}, timeout=300)
+    status, raw = http_post_json(
+        engine.url + "/v1/completions", {"model": "tiny-llama", "prompt": prompt, "max_tokens": 1}, timeout=300
+    )
     assert status == 200, raw
     done[name] = True
 
@@ -95,9 +109,12 @@ def complete(engine: EngineHandle, prompt: list[int], done: dict[str, bool], nam
 def counters_reach(engine: EngineHandle, queries: float) -> tuple[float, float]:
     """The engine's (queries, hits) once its query counter shows `queries` tokens (vLLM publishes its
     counters a little after the response)."""
-    return wait_until(lambda: (c := engine_prefix_counters(engine.url))[0] >= queries and c, 30,
-                      f"{engine.worker_id}'s prefix-cache counters to count {queries} queried tokens",
-                      [engine.engine])
+    return wait_until(
+        lambda: (c := engine_prefix_counters(engine.url))[0] >= queries and c,
+        30,
+        f"{engine.worker_id}'s prefix-cache counters to count {queries} queried tokens",
+        [engine.engine],
+    )
 
 
 def overlap(engine: EngineHandle, first: list[int], second: list[int]) -> Overlap:
@@ -119,8 +136,8 @@ def overlap(engine: EngineHandle, first: list[int], second: list[int]) -> Overla
         done: dict[str, bool] = {}
         threads = [threading.Thread(target=complete, args=(engine, first, done, "first"))]
         threads[0].start()
-        ours = {tuple(first[i:i + BLOCK_SIZE]) for i in range(0, len(first), BLOCK_SIZE)}
-        ours |= {tuple(second[i:i + BLOCK_SIZE]) for i in range(SHARED, len(second), BLOCK_SIZE)}
+        ours = {tuple(first[i : i + BLOCK_SIZE]) for i in range(0, len(first), BLOCK_SIZE)}
+        ours |= {tuple(second[i : i + BLOCK_SIZE]) for i in range(SHARED, len(second), BLOCK_SIZE)}
         seen, wanted = 0, FIRST_LEN // BLOCK_SIZE + (SECOND_LEN - SHARED) // BLOCK_SIZE
         while seen < wanted:
             batch = events.next_batch(60.0)
@@ -149,8 +166,8 @@ def test_a_prompt_sent_mid_prefill_hits_every_scheduled_block_and_the_sim_engine
     first = [rng.randrange(10, 2000) for _ in range(FIRST_LEN)]
     second = first[:SHARED] + [rng.randrange(10, 2000) for _ in range(SECOND_LEN - SHARED)]
     # One block per step: the first prompt's 93 full blocks, then the second's own 3.
-    expected = [[first[i:i + BLOCK_SIZE]] for i in range(0, FIRST_LEN - BLOCK_SIZE + 1, BLOCK_SIZE)]
-    expected += [[second[i:i + BLOCK_SIZE]] for i in range(SHARED, SECOND_LEN - BLOCK_SIZE + 1, BLOCK_SIZE)]
+    expected = [[first[i : i + BLOCK_SIZE]] for i in range(0, FIRST_LEN - BLOCK_SIZE + 1, BLOCK_SIZE)]
+    expected += [[second[i : i + BLOCK_SIZE]] for i in range(SHARED, SECOND_LEN - BLOCK_SIZE + 1, BLOCK_SIZE)]
     seen = {name: overlap(engine, first, second) for name, engine in engines.items()}
     for name, got in seen.items():
         why = (name, got.hits, got.queries, got.first_blocks_seen_when_second_sent, got.first_done_when_second_sent)

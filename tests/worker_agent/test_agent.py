@@ -33,9 +33,18 @@ TOKENS = list(range(1, 129))
 
 
 def stored(hashes: list[int], parent: int | None, tokens: list[int], block_size: int) -> dict:
-    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-            "block_size": block_size, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0,
-            "kv_cache_spec_kind": "full_attention"}
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": block_size,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+    }
 
 
 def removed(hashes: list[int]) -> dict:
@@ -125,15 +134,18 @@ class FakeEngine:
 
     async def _models(self, request: web.Request) -> web.Response:
         adapters = [{"id": a, "object": "model", "root": f"/adapters/{a}", "parent": MODEL} for a in self.adapters]
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model", "root": "/models/tiny",
-                                                              "parent": None}, *adapters]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": MODEL, "object": "model", "root": "/models/tiny", "parent": None}, *adapters]}
+        )
 
     async def _version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": "0.32.0"})
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=f'vllm:num_requests_running{{engine="0"}} {self.running}\n'
-                                 'vllm:num_requests_waiting{engine="0"} 1\nvllm:kv_cache_usage_perc{engine="0"} 0.5\n')
+        return web.Response(
+            text=f'vllm:num_requests_running{{engine="0"}} {self.running}\n'
+            'vllm:num_requests_waiting{engine="0"} 1\nvllm:kv_cache_usage_perc{engine="0"} 0.5\n'
+        )
 
     async def publish(self, *events: dict, live: bool = True) -> int:
         return await self.ranks[0].publish(*events, live=live)
@@ -144,8 +156,6 @@ class FakeEngine:
         if self.runner:
             await self.runner.cleanup()
         self.ctx.destroy(linger=0)
-
-
 
 
 @pytest.fixture
@@ -175,12 +185,22 @@ async def test_events_flow_from_engine_to_control_plane(fleet) -> None:
     engine, cp, port, stub = fleet
     keys = prompt_block_keys(TOKENS[:64], 16, MODEL)
     await engine.publish(stored([11, 12], None, TOKENS[:32], 16), live=False)  # before the agent: replayed at start
-    agent, task = await start_agent(AgentConfig(
-        control_plane=f"127.0.0.1:{port}", kv_events=engine.kv_endpoint, replay_endpoint=engine.replay_endpoint,
-        engine_url=engine.url, worker_id="gpu-0", metrics_port=None, engine_poll_interval_s=0.05))
+    agent, task = await start_agent(
+        AgentConfig(
+            control_plane=f"127.0.0.1:{port}",
+            kv_events=engine.kv_endpoint,
+            replay_endpoint=engine.replay_endpoint,
+            engine_url=engine.url,
+            worker_id="gpu-0",
+            metrics_port=None,
+            engine_poll_interval_s=0.05,
+        )
+    )
     try:
         await eventually(lambda: agent.workers[0].link.connected and agent.counters["batches"] == 1)
-        assert agent.workers[0].identity.model == MODEL and agent.workers[0].identity.engine_version == "0.32.0"  # learned from the engine
+        assert (
+            agent.workers[0].identity.model == MODEL and agent.workers[0].identity.engine_version == "0.32.0"
+        )  # learned from the engine
         await asyncio.wait_for(engine.pub.recv(), 5)  # the SUB's subscription reached the engine
         await engine.publish(stored([13, 14], 12, TOKENS[32:64], 16))
         await eventually(lambda: agent.counters["batches"] == 2 and agent.workers[0].link.acked_seq >= 2)
@@ -200,9 +220,16 @@ async def test_events_flow_from_engine_to_control_plane(fleet) -> None:
 async def test_metrics_and_health_endpoints(fleet) -> None:
     engine, _cp, port, _stub = fleet
     mport = free_port()
-    agent, task = await start_agent(AgentConfig(
-        control_plane=f"127.0.0.1:{port}", kv_events=engine.kv_endpoint, engine_url=engine.url, model=MODEL,
-        worker_id="gpu-0", metrics_port=mport))
+    agent, task = await start_agent(
+        AgentConfig(
+            control_plane=f"127.0.0.1:{port}",
+            kv_events=engine.kv_endpoint,
+            engine_url=engine.url,
+            model=MODEL,
+            worker_id="gpu-0",
+            metrics_port=mport,
+        )
+    )
     try:
         await eventually(lambda: agent.workers[0].link.connected)
         await asyncio.wait_for(engine.pub.recv(), 5)
@@ -215,8 +242,16 @@ async def test_metrics_and_health_endpoints(fleet) -> None:
             async with session.get(f"http://127.0.0.1:{mport}/health") as resp:
                 health = await resp.json()
         samples = {s.name: s.value for s in prom_samples(text) if s.name.startswith("kvroute_") and not s.labels}
-        for name in ("batches", "malformed_frames", "malformed_events", "unknown_events", "gaps", "replays",
-                     "sequence_resets", "orphan_blocks"):
+        for name in (
+            "batches",
+            "malformed_frames",
+            "malformed_events",
+            "unknown_events",
+            "gaps",
+            "replays",
+            "sequence_resets",
+            "orphan_blocks",
+        ):
             assert f"kvroute_agent_{name}_total" in samples, name
         assert samples["kvroute_agent_batches_total"] == 1 and samples["kvroute_agent_malformed_frames_total"] == 1
         assert samples["kvroute_agent_orphan_blocks_total"] == 1
@@ -230,15 +265,27 @@ async def test_metrics_and_health_endpoints(fleet) -> None:
 
 async def test_engine_block_size_wins_over_the_flag(fleet) -> None:
     engine, cp, port, stub = fleet
-    agent, task = await start_agent(AgentConfig(
-        control_plane=f"127.0.0.1:{port}", kv_events=engine.kv_endpoint, engine_url=engine.url, model=MODEL,
-        worker_id="gpu-0", block_size=16))
+    agent, task = await start_agent(
+        AgentConfig(
+            control_plane=f"127.0.0.1:{port}",
+            kv_events=engine.kv_endpoint,
+            engine_url=engine.url,
+            model=MODEL,
+            worker_id="gpu-0",
+            block_size=16,
+        )
+    )
     try:
         await eventually(lambda: agent.workers[0].link.connected)
         await asyncio.wait_for(engine.pub.recv(), 5)
         await engine.publish(stored([1, 2], None, TOKENS[:64], 32))  # the engine really uses 32-token blocks
-        await eventually(lambda: cp.registry.get("gpu-0") is not None and cp.registry.get("gpu-0").block_size == 32
-                    and agent.workers[0].link.connected)
+        await eventually(
+            lambda: (
+                cp.registry.get("gpu-0") is not None
+                and cp.registry.get("gpu-0").block_size == 32
+                and agent.workers[0].link.connected
+            )
+        )
         await eventually(lambda: agent.workers[0].link.acked_seq >= 1)
         assert await matched(stub, prompt_block_keys(TOKENS[:64], 32, MODEL), 32) == {"gpu-0": 2}
     finally:
@@ -249,9 +296,16 @@ async def test_engine_block_size_wins_over_the_flag(fleet) -> None:
 async def test_engine_restart_resyncs_the_control_plane(fleet) -> None:
     engine, _cp, port, stub = fleet
     keys = prompt_block_keys(TOKENS[:32], 16, MODEL)
-    agent, task = await start_agent(AgentConfig(
-        control_plane=f"127.0.0.1:{port}", kv_events=engine.kv_endpoint, replay_endpoint=engine.replay_endpoint,
-        engine_url=engine.url, model=MODEL, worker_id="gpu-0"))
+    agent, task = await start_agent(
+        AgentConfig(
+            control_plane=f"127.0.0.1:{port}",
+            kv_events=engine.kv_endpoint,
+            replay_endpoint=engine.replay_endpoint,
+            engine_url=engine.url,
+            model=MODEL,
+            worker_id="gpu-0",
+        )
+    )
     try:
         await eventually(lambda: agent.workers[0].link.connected)
         await asyncio.wait_for(engine.pub.recv(), 5)
@@ -261,7 +315,12 @@ async def test_engine_restart_resyncs_the_control_plane(fleet) -> None:
         engine.ranks[0].restart()
         await engine.publish(stored([1, 2], None, TOKENS[:32], 16))
         await eventually(lambda: agent.counters["sequence_resets"] == 1 and agent.counters["batches"] == 4)
-        await eventually(lambda: agent.workers[0].link.counters.snapshots_sent >= 2 and agent.workers[0].link.acked_seq == agent.workers[0].link.last_sent_seq)
+        await eventually(
+            lambda: (
+                agent.workers[0].link.counters.snapshots_sent >= 2
+                and agent.workers[0].link.acked_seq == agent.workers[0].link.last_sent_seq
+            )
+        )
         assert sorted(agent.workers[0].resolver.held_keys()) == sorted(keys)
         assert await matched(stub, keys, 16) == {"gpu-0": 2}
         assert await matched(stub, prompt_block_keys([0] * 16, 16, MODEL), 16) == {"gpu-0": 0}  # old state gone
@@ -273,15 +332,19 @@ async def test_engine_restart_resyncs_the_control_plane(fleet) -> None:
 async def test_control_plane_down_then_up(fleet) -> None:
     engine, cp, port, stub = fleet
     await cp.stop(0)
-    agent, task = await start_agent(AgentConfig(
-        control_plane=f"127.0.0.1:{port}", kv_events=engine.kv_endpoint, engine_url=engine.url, model=MODEL,
-        worker_id="gpu-0"))
+    agent, task = await start_agent(
+        AgentConfig(
+            control_plane=f"127.0.0.1:{port}", kv_events=engine.kv_endpoint, engine_url=engine.url, model=MODEL, worker_id="gpu-0"
+        )
+    )
     cp2 = ControlPlaneServer(ControlPlaneConfig(listen=f"127.0.0.1:{port}", heartbeat_timeout_s=1.0))
     try:
         await asyncio.wait_for(engine.pub.recv(), 5)
         await engine.publish(stored([1, 2], None, TOKENS[:32], 16))  # arrives while the control plane is down
         await eventually(lambda: agent.counters["batches"] == 1)
-        await eventually(lambda: agent.counters["control_plane_failures"] >= 1, what="a failed connect to the stopped control plane")
+        await eventually(
+            lambda: agent.counters["control_plane_failures"] >= 1, what="a failed connect to the stopped control plane"
+        )
         assert agent.counters["control_plane_connected"] == 0
         assert not task.done()
         await cp2.start()
@@ -303,9 +366,17 @@ async def test_data_parallel_engine_is_one_worker_per_rank_on_offset_ports() -> 
     rank0, rank1 = engine.ranks
     assert int(rank1.kv_endpoint.rsplit(":", 1)[1]) == int(rank0.kv_endpoint.rsplit(":", 1)[1]) + 1
     await rank1.publish(stored([7], None, TOKENS[64:80], 16), live=False)  # before the agent: rank 1's replay has it
-    agent, task = await start_agent(AgentConfig(
-        control_plane=f"127.0.0.1:{port}", kv_events=rank0.kv_endpoint, replay_endpoint=rank0.replay_endpoint,
-        engine_url=engine.url, model=MODEL, worker_id="gpu-0", data_parallel_size=2))
+    agent, task = await start_agent(
+        AgentConfig(
+            control_plane=f"127.0.0.1:{port}",
+            kv_events=rank0.kv_endpoint,
+            replay_endpoint=rank0.replay_endpoint,
+            engine_url=engine.url,
+            model=MODEL,
+            worker_id="gpu-0",
+            data_parallel_size=2,
+        )
+    )
     try:
         w0, w1 = agent.workers
         assert (w0.identity.worker_id, w1.identity.worker_id) == ("gpu-0-dp0", "gpu-0-dp1")
@@ -339,8 +410,9 @@ async def test_data_parallel_engine_is_one_worker_per_rank_on_offset_ports() -> 
 async def test_lora_adapters_follow_the_engine(fleet) -> None:
     engine, _cp, port, _stub = fleet
     engine.adapters = ["sql"]
-    agent, task = await start_agent(AgentConfig(
-        control_plane=f"127.0.0.1:{port}", kv_events=engine.kv_endpoint, engine_url=engine.url, worker_id="gpu-0"))
+    agent, task = await start_agent(
+        AgentConfig(control_plane=f"127.0.0.1:{port}", kv_events=engine.kv_endpoint, engine_url=engine.url, worker_id="gpu-0")
+    )
     agent.models.interval_s = 0.05
     try:
         (w,) = agent.workers
@@ -379,17 +451,39 @@ class FakeTrtllmServe:
         return web.json_response(self.bodies.pop(0) if self.bodies else [])
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.json_response([{"numActiveRequests": 4, "numQueuedRequests": 1,
-                                   "kvCacheStats": {"maxNumBlocks": 64, "usedNumBlocks": 16, "tokensPerBlock": 4}}])
+        return web.json_response(
+            [
+                {
+                    "numActiveRequests": 4,
+                    "numQueuedRequests": 1,
+                    "kvCacheStats": {"maxNumBlocks": 64, "usedNumBlocks": 16, "tokensPerBlock": 4},
+                }
+            ]
+        )
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
 
 def trt_stored(event_id: int, parent: int | None, blocks: list[tuple[int, list[int]]], window: int = 64) -> dict:
-    return {"event_id": event_id, "window_size": window, "data": {"type": "stored", "parent_hash": parent, "blocks": [
-        {"type": "stored_block", "block_hash": h, "cache_level": 0, "priority": 35,
-         "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in tokens]} for h, tokens in blocks]}}
+    return {
+        "event_id": event_id,
+        "window_size": window,
+        "data": {
+            "type": "stored",
+            "parent_hash": parent,
+            "blocks": [
+                {
+                    "type": "stored_block",
+                    "block_hash": h,
+                    "cache_level": 0,
+                    "priority": 35,
+                    "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in tokens],
+                }
+                for h, tokens in blocks
+            ],
+        },
+    }
 
 
 async def test_trtllm_pull_path_end_to_end() -> None:
@@ -399,28 +493,47 @@ async def test_trtllm_pull_path_end_to_end() -> None:
     port = await cp.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     stub = pb_grpc.ControlPlaneStub(channel)
-    created = [{"event_id": i, "window_size": w, "data": {"type": "created", "num_blocks_per_cache_level": [64, 0]}}
-               for i, w in enumerate((64, 16))]
-    engine.bodies = [
-        created + [trt_stored(2, None, [(2**64 - 1, TOKENS[:4]), (2**63, TOKENS[4:8]), (3, TOKENS[8:10])]),  # + partial
-                   trt_stored(3, None, [(9, TOKENS[:4])], window=16)],                                  # sliding window
-        [{"event_id": 4, "window_size": 64, "data": {"type": "removed", "block_hashes": [3]}},           # the partial
-         trt_stored(5, 2**63, [(4, TOKENS[8:12])])],
+    created = [
+        {"event_id": i, "window_size": w, "data": {"type": "created", "num_blocks_per_cache_level": [64, 0]}}
+        for i, w in enumerate((64, 16))
     ]
-    agent, task = await start_agent(AgentConfig(
-        control_plane=f"127.0.0.1:{port}", engine="trtllm", engine_url=engine.url, worker_id="trt-0", block_size=4,
-        kv_events_poll_interval_s=0.02, engine_poll_interval_s=0.05))
+    engine.bodies = [
+        created
+        + [
+            trt_stored(2, None, [(2**64 - 1, TOKENS[:4]), (2**63, TOKENS[4:8]), (3, TOKENS[8:10])]),  # + partial
+            trt_stored(3, None, [(9, TOKENS[:4])], window=16),
+        ],  # sliding window
+        [
+            {"event_id": 4, "window_size": 64, "data": {"type": "removed", "block_hashes": [3]}},  # the partial
+            trt_stored(5, 2**63, [(4, TOKENS[8:12])]),
+        ],
+    ]
+    agent, task = await start_agent(
+        AgentConfig(
+            control_plane=f"127.0.0.1:{port}",
+            engine="trtllm",
+            engine_url=engine.url,
+            worker_id="trt-0",
+            block_size=4,
+            kv_events_poll_interval_s=0.02,
+            engine_poll_interval_s=0.05,
+        )
+    )
     try:
         (w,) = agent.workers
         assert agent.config.transport == "http" and w.source is None
-        await eventually(lambda: w.link.connected and not engine.bodies and w.link.acked_seq >= 2
-                    and len(w.resolver) == 3)
+        await eventually(lambda: w.link.connected and not engine.bodies and w.link.acked_seq >= 2 and len(w.resolver) == 3)
         assert await matched(stub, prompt_block_keys(TOKENS[:12], 4, MODEL), 4) == {"trt-0": 3}
         c = agent.counters
         assert (c["window_filtered_events"], c["partial_blocks"], c["unknown_removes"], c["gaps"]) == (1, 1, 0, 0)
         engine.bodies = [[trt_stored(7, None, [(5, TOKENS[100:104])])]]  # event 6 never arrives: state unknown
-        await eventually(lambda: agent.counters["state_resets"] == 1 and w.link.acked_seq == w.link.last_sent_seq
-                    and w.resolver.held_keys() == prompt_block_keys(TOKENS[100:104], 4, MODEL))
+        await eventually(
+            lambda: (
+                agent.counters["state_resets"] == 1
+                and w.link.acked_seq == w.link.last_sent_seq
+                and w.resolver.held_keys() == prompt_block_keys(TOKENS[100:104], 4, MODEL)
+            )
+        )
         assert await matched(stub, prompt_block_keys(TOKENS[:12], 4, MODEL), 4) == {"trt-0": 0}
         assert await matched(stub, prompt_block_keys(TOKENS[100:104], 4, MODEL), 4) == {"trt-0": 1}
         assert (agent.counters["gaps"], agent.counters["unrecoverable_gaps"]) == (1, 1)
@@ -447,13 +560,40 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_cli_defaults_and_config() -> None:
     args = parse()
     assert (args.control_plane, args.engine, args.kv_events, args.kv_events_bind, args.replay_endpoint) == (
-        "127.0.0.1:50051", "vllm", "tcp://127.0.0.1:5557", False, None)
+        "127.0.0.1:50051",
+        "vllm",
+        "tcp://127.0.0.1:5557",
+        False,
+        None,
+    )
     assert (args.engine_url, args.worker_id, args.model, args.block_size, args.metrics_port, args.topic) == (
-        "http://127.0.0.1:8000", None, None, 16, None, "")
+        "http://127.0.0.1:8000",
+        None,
+        None,
+        16,
+        None,
+        "",
+    )
     assert (args.kv_events_transport, args.data_parallel_size, args.data_parallel_rank_start) == ("auto", None, 0)
-    config = cli.config_from_args(parse("--kv-events", "tcp://0.0.0.0:5557", "--kv-events-bind", "--replay-endpoint",
-                                        "tcp://10.0.0.7:5558", "--engine-url", "http://10.0.0.7:8000", "--model", "m",
-                                        "--block-size", "32", "--metrics-port", "9400", "--log-level", "debug"))
+    config = cli.config_from_args(
+        parse(
+            "--kv-events",
+            "tcp://0.0.0.0:5557",
+            "--kv-events-bind",
+            "--replay-endpoint",
+            "tcp://10.0.0.7:5558",
+            "--engine-url",
+            "http://10.0.0.7:8000",
+            "--model",
+            "m",
+            "--block-size",
+            "32",
+            "--metrics-port",
+            "9400",
+            "--log-level",
+            "debug",
+        )
+    )
     assert config.kv_events_bind and config.block_size == 32 and config.metrics_port == 9400
     assert config.transport == "zmq" and config.ranks is None
     (worker,) = WorkerAgent(config).workers
@@ -471,52 +611,80 @@ def test_cli_role_is_registered_with_every_rank() -> None:
 
 
 def test_cli_engines_transports_and_data_parallel_ranks() -> None:
-    config = cli.config_from_args(parse("--engine", "trtllm", "--engine-url", "http://10.0.0.9:8000",
-                                        "--kv-events-poll-interval-ms", "20"))
+    config = cli.config_from_args(
+        parse("--engine", "trtllm", "--engine-url", "http://10.0.0.9:8000", "--kv-events-poll-interval-ms", "20")
+    )
     assert config.transport == "http" and config.kv_events_poll_interval_s == 0.02  # trtllm implies its pull path
     agent = WorkerAgent(config)
     assert agent.poller is not None and all(w.source is None for w in agent.workers)
     assert agent.poller.url == "http://10.0.0.9:8000/kv_cache_events"
     streaming = cli.config_from_args(parse("--engine", "trtllm", "--kv-events-transport", "zmq"))
     assert streaming.transport == "zmq" and WorkerAgent(streaming).poller is None
-    dp = cli.config_from_args(parse("--engine", "sglang", "--kv-events", "tcp://10.0.0.8:5557", "--replay-endpoint",
-                                    "tcp://10.0.0.8:5567", "--data-parallel-size", "2", "--data-parallel-rank-start", "4",
-                                    "--worker-id", "node-b"))
+    dp = cli.config_from_args(
+        parse(
+            "--engine",
+            "sglang",
+            "--kv-events",
+            "tcp://10.0.0.8:5557",
+            "--replay-endpoint",
+            "tcp://10.0.0.8:5567",
+            "--data-parallel-size",
+            "2",
+            "--data-parallel-rank-start",
+            "4",
+            "--worker-id",
+            "node-b",
+        )
+    )
     assert dp.ranks == [4, 5]
     workers = WorkerAgent(dp).workers
-    assert [(w.identity.worker_id, w.rank, w.source.endpoint, w.source.replay_endpoint, w.source.expected_rank)
-            for w in workers] == [("node-b-dp4", 4, "tcp://10.0.0.8:5561", "tcp://10.0.0.8:5571", 4),
-                                  ("node-b-dp5", 5, "tcp://10.0.0.8:5562", "tcp://10.0.0.8:5572", 5)]
+    assert [
+        (w.identity.worker_id, w.rank, w.source.endpoint, w.source.replay_endpoint, w.source.expected_rank) for w in workers
+    ] == [
+        ("node-b-dp4", 4, "tcp://10.0.0.8:5561", "tcp://10.0.0.8:5571", 4),
+        ("node-b-dp5", 5, "tcp://10.0.0.8:5562", "tcp://10.0.0.8:5572", 5),
+    ]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (("--engine", "ollama"), "engine 'ollama' is not supported"),
-    (("--kv-events-transport", "grpc"), "transport 'grpc' is not one of zmq, http, auto"),
-    (("--block-size", "0"), "expected a positive integer"),
-    (("--data-parallel-size", "0"), "expected a positive integer"),
-    (("--data-parallel-size", "two"), "expected a positive integer, got 'two'"),
-    (("--data-parallel-rank-start", "-1"), "expected an integer >= 0"),
-    (("--metrics-port", "x"), "argument --metrics-port: port 'x' is not a number"),
-    (("--kv-events", "udp://h:1"), "'udp://h:1' is not tcp://HOST:PORT, ipc://PATH or inproc://NAME"),
-    (("--replay-endpoint", "tcp://h"), "argument --replay-endpoint: no port in 'h'"),
-    (("--engine", "trtllm", "--kv-events", "nonsense"), "argument --kv-events: 'nonsense' is not tcp://"),  # unused, still checked
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (("--engine", "ollama"), "engine 'ollama' is not supported"),
+        (("--kv-events-transport", "grpc"), "transport 'grpc' is not one of zmq, http, auto"),
+        (("--block-size", "0"), "expected a positive integer"),
+        (("--data-parallel-size", "0"), "expected a positive integer"),
+        (("--data-parallel-size", "two"), "expected a positive integer, got 'two'"),
+        (("--data-parallel-rank-start", "-1"), "expected an integer >= 0"),
+        (("--metrics-port", "x"), "argument --metrics-port: port 'x' is not a number"),
+        (("--kv-events", "udp://h:1"), "'udp://h:1' is not tcp://HOST:PORT, ipc://PATH or inproc://NAME"),
+        (("--replay-endpoint", "tcp://h"), "argument --replay-endpoint: no port in 'h'"),
+        (
+            ("--engine", "trtllm", "--kv-events", "nonsense"),
+            "argument --kv-events: 'nonsense' is not tcp://",
+        ),  # unused, still checked
+    ],
+)
 def test_cli_rejects_bad_values_clearly(capsys, argv: tuple[str, ...], message: str) -> None:
     with pytest.raises(SystemExit) as info:
         parse(*argv)
     assert info.value.code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (("--engine", "vllm", "--kv-events-transport", "http"), "vllm publishes KV events over ZMQ only"),
-    (("--engine", "trtllm", "--replay-endpoint", "tcp://h:5558"), "pull path (http) has no replay endpoint"),
-    (("--data-parallel-rank-start", "2"), "needs data_parallel_size"),
-    (("--data-parallel-size", "2", "--kv-events", "ipc:///tmp/kv"), "vllm cannot publish KV events on ipc://"),
-    (("--data-parallel-size", "2", "--kv-events", "tcp://h:0"), "port 0 cannot be offset"),
-    (("--data-parallel-size", "4", "--kv-events", "tcp://h:5557", "--replay-endpoint", "tcp://h:5559"),
-     "replay endpoints overlap"),
-    (("--engine", "trtllm", "--kv-events", "tcp://*:5557"), None),  # the pull path does not use --kv-events
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (("--engine", "vllm", "--kv-events-transport", "http"), "vllm publishes KV events over ZMQ only"),
+        (("--engine", "trtllm", "--replay-endpoint", "tcp://h:5558"), "pull path (http) has no replay endpoint"),
+        (("--data-parallel-rank-start", "2"), "needs data_parallel_size"),
+        (("--data-parallel-size", "2", "--kv-events", "ipc:///tmp/kv"), "vllm cannot publish KV events on ipc://"),
+        (("--data-parallel-size", "2", "--kv-events", "tcp://h:0"), "port 0 cannot be offset"),
+        (
+            ("--data-parallel-size", "4", "--kv-events", "tcp://h:5557", "--replay-endpoint", "tcp://h:5559"),
+            "replay endpoints overlap",
+        ),
+        (("--engine", "trtllm", "--kv-events", "tcp://*:5557"), None),  # the pull path does not use --kv-events
+    ],
+)
 def test_cli_rejects_options_that_do_not_fit_together(capsys, argv: tuple[str, ...], message: str | None) -> None:
     config = cli.config_from_args(parse(*argv))
     if message is None:

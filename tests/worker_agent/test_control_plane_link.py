@@ -38,8 +38,9 @@ class FakeControlPlane(pb_grpc.ControlPlaneServicer):
             if body == "register":
                 await asyncio.sleep(self.register_delay_s)
                 self.registered_at.append(len(messages))
-                yield pb.ControlMessage(registered=pb.Registered(worker_id=message.register.worker_id,
-                                                                 heartbeat_timeout_ms=self.heartbeat_timeout_ms))
+                yield pb.ControlMessage(
+                    registered=pb.Registered(worker_id=message.register.worker_id, heartbeat_timeout_ms=self.heartbeat_timeout_ms)
+                )
             elif body == "batch" and self.ack:
                 yield pb.ControlMessage(ack=pb.Ack(seq=message.batch.seq, applied_events=len(message.batch.events)))
 
@@ -75,16 +76,15 @@ async def start_server(servicer: pb_grpc.ControlPlaneServicer, port: int = 0) ->
     return server, port
 
 
-
-
 class Worker:
     def __init__(self, port: int, **link_options) -> None:
         self.resolver = BlockResolver(MODEL)
         self.load = pb.WorkerLoad(running_requests=3, waiting_requests=1, kv_usage=0.25, observed_unix_ms=1)
         self.identity = WorkerIdentity("w1", MODEL, "vllm", 4, "http://10.0.0.7:8000", "0.32.0")
         link_options.setdefault("backoff_max_s", 0.3)
-        self.link = ControlPlaneLink(f"127.0.0.1:{port}", self.identity, self.resolver.snapshot_events, lambda: self.load,
-                                     **link_options)
+        self.link = ControlPlaneLink(
+            f"127.0.0.1:{port}", self.identity, self.resolver.snapshot_events, lambda: self.load, **link_options
+        )
         self.task = asyncio.create_task(self.link.run())
 
     def apply(self, *events) -> None:  # what the agent does for every engine batch
@@ -115,9 +115,15 @@ async def test_register_snapshot_batches_acks_heartbeats(fake) -> None:
         await eventually(lambda: w.link.acked_seq >= 3 and len(cp.heartbeats()) >= 3)
         first = cp.streams[0][0]
         assert first.WhichOneof("body") == "register"
-        assert first.register == pb.RegisterWorker(worker_id="w1", model=MODEL, engine="vllm", block_size=4,
-                                                   endpoint="http://10.0.0.7:8000", engine_version="0.32.0",
-                                                   agent_instance=w.link.instance)
+        assert first.register == pb.RegisterWorker(
+            worker_id="w1",
+            model=MODEL,
+            engine="vllm",
+            block_size=4,
+            endpoint="http://10.0.0.7:8000",
+            engine_version="0.32.0",
+            agent_instance=w.link.instance,
+        )
         batches = cp.batches()
         assert [b.seq for b in batches] == [1, 2, 3]
         assert batches[0].snapshot and list(batches[0].events[0].stored.block_keys) == KEYS[:2]
@@ -139,8 +145,10 @@ async def test_snapshot_carries_every_tier_and_identity_carries_rank_and_adapter
         await w.link.connected_event.wait()
         await eventually(lambda: cp.batches() and cp.heartbeats())
         (snapshot,) = cp.batches()
-        assert [(e.stored.tier, list(e.stored.block_keys)) for e in snapshot.events] == [(pb.TIER_GPU, KEYS[:1]),
-                                                                                         (pb.TIER_CPU, KEYS[1:2])]
+        assert [(e.stored.tier, list(e.stored.block_keys)) for e in snapshot.events] == [
+            (pb.TIER_GPU, KEYS[:1]),
+            (pb.TIER_CPU, KEYS[1:2]),
+        ]
         assert list(cp.streams[0][0].register.lora_adapters) == ["sql"]
         assert not cp.streams[0][0].register.HasField("data_parallel_rank")
         assert list(cp.heartbeats()[0].lora_adapters) == ["sql"]

@@ -27,7 +27,7 @@ def test_work_without_events_for_a_window_is_silent_and_says_what_the_engine_did
     watch = SilenceWatch(10.0)
     samples = steady(12, 400, 1)
     assert not feed(watch, samples[:20])  # up to 9.5 s: not a window of history yet
-    assert feed(watch, samples[20:21])    # 10 s
+    assert feed(watch, samples[20:21])  # 10 s
     assert watch.since == pytest.approx(10.0)
     assert watch.reason.startswith("the engine computed 4000 uncached prompt tokens for 10 requests in the last 10s")
 

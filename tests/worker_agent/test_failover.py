@@ -22,8 +22,9 @@ class Agent:
     def __init__(self, address: str, **options) -> None:
         self.resolver = BlockResolver(MODEL)
         options.setdefault("backoff_max_s", 0.2)
-        self.link = ControlPlaneLink(address, WorkerIdentity("w1", MODEL, "vllm", 4, "http://w1"),
-                                     self.resolver.snapshot_events, pb.WorkerLoad, **options)
+        self.link = ControlPlaneLink(
+            address, WorkerIdentity("w1", MODEL, "vllm", 4, "http://w1"), self.resolver.snapshot_events, pb.WorkerLoad, **options
+        )
         self.task = asyncio.create_task(self.link.run())
 
     def apply(self, *events) -> None:
@@ -79,7 +80,7 @@ async def test_past_the_bound_the_held_deltas_become_a_snapshot() -> None:
         await eventually(lambda: not agent.link.connected)
         parent = 1
         for i in range(2, 12):  # ten single-block stores: more than the 4 events it may hold
-            agent.apply(BlockStored([i], parent, TOKENS[(i - 1) * 4:i * 4], 4))
+            agent.apply(BlockStored([i], parent, TOKENS[(i - 1) * 4 : i * 4], 4))
             parent = i
         assert agent.link.counters.overflow_resyncs == 1
         proxy.restore()

@@ -72,8 +72,7 @@ def test_trtllm_json_fixture_converts_to_the_expected_actions(path: Path) -> Non
             want.append(("reset", a["rank"]))
         else:
             want.append(("events", a["rank"], a["first_id"], a["last_id"], [event(e) for e in a["events"]]))
-    got = [("reset", a.rank) if type(a) is RankReset else ("events", a.rank, a.first_id, a.last_id, a.events)
-           for a in actions]
+    got = [("reset", a.rank) if type(a) is RankReset else ("events", a.rank, a.first_id, a.last_id, a.events) for a in actions]
     assert got == want
     counters = converter.counters.as_dict()
     assert {k: counters[k] for k in expected["counters"]} == expected["counters"]
@@ -96,9 +95,19 @@ def test_a_fixture_per_spec_version_row() -> None:
 
 # Array-era element counts including the tag (docs/wire-formats.md#vllm-array-and-map-eras,
 # docs/wire-formats.md#sglang-events-per-version): the replicas must match them.
-ARRAY_LENGTHS = {"vllm-0.9.0": (6, 2), "vllm-0.9.1": (6, 2), "vllm-0.10.2": (7, 3), "vllm-0.10.2-bytes-hashes": (7, 3),
-                 "vllm-0.14": (8, None), "vllm-0.17": (9, None), "vllm-0.20": (10, 4), "vllm-0.22": (12, 4),
-                 "sglang-0.4.7": (6, 2), "sglang-0.5.5": (6, 2), "sglang-0.5.13": (7, 3)}
+ARRAY_LENGTHS = {
+    "vllm-0.9.0": (6, 2),
+    "vllm-0.9.1": (6, 2),
+    "vllm-0.10.2": (7, 3),
+    "vllm-0.10.2-bytes-hashes": (7, 3),
+    "vllm-0.14": (8, None),
+    "vllm-0.17": (9, None),
+    "vllm-0.20": (10, 4),
+    "vllm-0.22": (12, 4),
+    "sglang-0.4.7": (6, 2),
+    "sglang-0.5.5": (6, 2),
+    "sglang-0.5.13": (7, 3),
+}
 
 
 @pytest.mark.parametrize("name", sorted(ARRAY_LENGTHS))
@@ -134,12 +143,17 @@ def test_replicas_reproduce_the_spec_example_bytes() -> None:
     gen = generator()
     s090 = gen.vllm_schema("0.9.0")
     assert s090.payload([s090.stored([-2, 3], None, [1, 2, 3, 4], 2, None)], rank=None) == bytes.fromhex(
-        "92 cb3ff8000000000000 91 96 ab") + b"BlockStored" + bytes.fromhex("92 fe 03 c0 94 01 02 03 04 02 c0")
+        "92 cb3ff8000000000000 91 96 ab"
+    ) + b"BlockStored" + bytes.fromhex("92 fe 03 c0 94 01 02 03 04 02 c0")
     s1002 = gen.vllm_schema("0.10.2")
     assert s1002.payload([s1002.stored([2**64 - 1, 5], None, [1, 2, 3, 4], 4, None, "GPU")]).startswith(
-        bytes.fromhex("93 cb3ff8000000000000 91 97 ab") + b"BlockStored"
-        + bytes.fromhex("92 cf ffffffffffffffff 05 c0 94 01020304 04 c0 a3") + b"GPU")
+        bytes.fromhex("93 cb3ff8000000000000 91 97 ab")
+        + b"BlockStored"
+        + bytes.fromhex("92 cf ffffffffffffffff 05 c0 94 01020304 04 c0 a3")
+        + b"GPU"
+    )
     s033 = gen.vllm_schema("0.33.0")
-    payload = s033.payload([s033.stored([8866452693264111234], None, [1, 2], 2, None, "GPU", None, group_idx=0,
-                                        kv_cache_spec_kind="full_attention")])
+    payload = s033.payload(
+        [s033.stored([8866452693264111234], None, [1, 2], 2, None, "GPU", None, group_idx=0, kv_cache_spec_kind="full_attention")]
+    )
     assert len(payload) == 175 and payload.startswith(bytes.fromhex("93cb3ff800000000000091de000aa4") + b"type")

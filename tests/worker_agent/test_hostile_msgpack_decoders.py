@@ -28,8 +28,11 @@ from kvroute.worker_agent.msgpack_wire import BatchDecoder, OversizeBatchError, 
 from tests.hostile import NAMES, Bounded, namespaces, token_ids
 
 ZMQ_DIALECTS = sorted(name for name, d in DIALECTS.items() if d.transport == "zmq")
-DECODERS: dict[str, BatchDecoder] = {"vllm": vllm_wire.DECODER, "sglang": sglang_wire.DECODER,
-                                     "trtllm": vllm_wire.DECODER}  # TRT-LLM's publisher sends vLLM's map shape
+DECODERS: dict[str, BatchDecoder] = {
+    "vllm": vllm_wire.DECODER,
+    "sglang": sglang_wire.DECODER,
+    "trtllm": vllm_wire.DECODER,
+}  # TRT-LLM's publisher sends vLLM's map shape
 
 I64 = st.integers(-(2**63), 2**63 - 1)
 ENGINES = st.sampled_from(("vllm", "sglang"))
@@ -72,8 +75,11 @@ def cache_events(draw, d: Dialect, form: str, block_size: int, max_events: int =
             # SGLang 0.4.7 hashes a whole radix node: more tokens than pages (docs/wire-formats.md#sglang-block-hashes).
             extra = draw(st.integers(0, block_size)) if d.engine == "sglang" else 0
             tokens = draw(token_ids(n * block_size + extra))
-            out.append(StoredEvent(draw(st.lists(hashes, min_size=n, max_size=n)), draw(parents), tokens,
-                                   draw(media), draw(namespaces())))
+            out.append(
+                StoredEvent(
+                    draw(st.lists(hashes, min_size=n, max_size=n)), draw(parents), tokens, draw(media), draw(namespaces())
+                )
+            )
         elif kind == "removed":
             out.append(RemovedEvent(draw(st.lists(hashes, min_size=1, max_size=4)), draw(media)))
         else:
@@ -91,22 +97,30 @@ def expected_event(d: Dialect, ev, block_size: int):
         return AllBlocksCleared()
     medium = "gpu" if ev.medium == GPU else d.cpu_medium.lower()
     if isinstance(ev, RemovedEvent):
-        return BlockRemoved([u64(h) for h in ev.block_hashes], medium,
-                            0 if "group_idx" in d.removed_fields else None)
+        return BlockRemoved([u64(h) for h in ev.block_hashes], medium, 0 if "group_idx" in d.removed_fields else None)
     ns, fields = ev.namespace, d.stored_fields
     salt = None
     if d.engine == "sglang" and "cache_salt" in fields:
-        salt = ns.cache_salt                      # SGLang 0.5.20+ maps name the salt directly
+        salt = ns.cache_salt  # SGLang 0.5.20+ maps name the salt directly
     elif d.engine == "vllm" and "extra_keys" in fields and ev.parent_block_hash is None:
-        salt = ns.cache_salt                      # vLLM 0.17+: block 0's extra keys, first block of a prompt
+        salt = ns.cache_salt  # vLLM 0.17+: block 0's extra keys, first block of a prompt
     unkeyable = None
     if d.engine == "sglang" and len(ev.token_ids) > len(ev.block_hashes) * block_size:
         unkeyable = 0
     return BlockStored(
-        [u64(h) for h in ev.block_hashes], None if ev.parent_block_hash is None else u64(ev.parent_block_hash),
-        list(ev.token_ids), block_size, ns.lora_name if d.lora_on_wire == "lora_name" else None, medium,
-        0 if "group_idx" in fields else None, "full_attention" if "kv_cache_spec_kind" in fields else None,
-        salt, None if d.engine == "sglang" else ns.lora_id, False, unkeyable)
+        [u64(h) for h in ev.block_hashes],
+        None if ev.parent_block_hash is None else u64(ev.parent_block_hash),
+        list(ev.token_ids),
+        block_size,
+        ns.lora_name if d.lora_on_wire == "lora_name" else None,
+        medium,
+        0 if "group_idx" in fields else None,
+        "full_attention" if "kv_cache_spec_kind" in fields else None,
+        salt,
+        None if d.engine == "sglang" else ns.lora_id,
+        False,
+        unkeyable,
+    )
 
 
 @st.composite
@@ -126,9 +140,18 @@ def engine_batches(draw, max_events: int = 5):
 
 
 @given(engine_batches(), st.integers(0, 2**64 - 1))
-@example((DIALECTS["vllm-0.26"], 2, 0, [StoredEvent([1], None, [5, 6], GPU, CacheNamespace("a", 1, "a"))],
-          MsgpackEventEncoder(DIALECTS["vllm-0.26"], 2).encode(
-              [StoredEvent([1], None, [5, 6], GPU, CacheNamespace("a", 1, "a"))], 1.0)), 7)  # salt equal to the LoRA name
+@example(
+    (
+        DIALECTS["vllm-0.26"],
+        2,
+        0,
+        [StoredEvent([1], None, [5, 6], GPU, CacheNamespace("a", 1, "a"))],
+        MsgpackEventEncoder(DIALECTS["vllm-0.26"], 2).encode(
+            [StoredEvent([1], None, [5, 6], GPU, CacheNamespace("a", 1, "a"))], 1.0
+        ),
+    ),
+    7,
+)  # salt equal to the LoRA name
 def test_every_dialects_batches_decode_to_the_events_the_field_tables_say(batch, seq: int) -> None:
     d, block_size, rank, events, payload = batch
     decoded = decoder_of(d).decode_payload(seq, payload)
@@ -153,17 +176,19 @@ def test_a_vllm_batch_written_as_a_map_decodes_the_same(batch) -> None:
 @given(engine_batches(), st.binary(max_size=16), st.integers(0, 2**64 - 1))
 def test_three_frames_give_the_batch_whatever_the_topic(batch, topic: bytes, seq: int) -> None:
     d, _, _, _, payload = batch
-    assert decoder_of(d).decode_frames([topic, seq.to_bytes(8, "big"), payload]) == \
-        decoder_of(d).decode_payload(seq, payload)
+    assert decoder_of(d).decode_frames([topic, seq.to_bytes(8, "big"), payload]) == decoder_of(d).decode_payload(seq, payload)
 
 
 # ---------------------------------------------------------------- hostile values
 
-_SCALARS = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=12)
-            | st.binary(max_size=12))
-MSGPACK_VALUES = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=4)
-                              | st.dictionaries(st.text(max_size=8) | st.integers(-5, 5), inner, max_size=4),
-                              max_leaves=12)
+_SCALARS = (
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=12) | st.binary(max_size=12)
+)
+MSGPACK_VALUES = st.recursive(
+    _SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8) | st.integers(-5, 5), inner, max_size=4),
+    max_leaves=12,
+)
 
 
 def raw_fragments() -> st.SearchStrategy[msgspec.Raw]:
@@ -173,10 +198,15 @@ def raw_fragments() -> st.SearchStrategy[msgspec.Raw]:
         st.binary(min_size=1, max_size=8).map(lambda b: msgspec.Raw(bytes([0xA0 | len(b)]) + b"\xff" + b[1:])),
         st.integers(1000, 3000).map(lambda n: msgspec.Raw(b"\x91" * n + b"\xc0")),
         st.integers(1000, 3000).map(lambda n: msgspec.Raw(b"\x81\xa1k" * n + b"\xc0")),
-        st.sampled_from([msgspec.Raw(b"\xd4\x01\x00"), msgspec.Raw(b"\xd6\xff\x00\x00\x00\x00"),  # ext, timestamp ext
-                         msgspec.Raw(b"\x81\x91\x00\x00"),                                    # {[0]: 0}
-                         msgspec.Raw(b"\xcb\x7f\xf8\x00\x00\x00\x00\x00\x00"),                  # NaN
-                         msgspec.Raw(b"\xdb\x00\x01\x00\x00" + b"a" * 65536)]),                 # a 64 KiB string
+        st.sampled_from(
+            [
+                msgspec.Raw(b"\xd4\x01\x00"),
+                msgspec.Raw(b"\xd6\xff\x00\x00\x00\x00"),  # ext, timestamp ext
+                msgspec.Raw(b"\x81\x91\x00\x00"),  # {[0]: 0}
+                msgspec.Raw(b"\xcb\x7f\xf8\x00\x00\x00\x00\x00\x00"),  # NaN
+                msgspec.Raw(b"\xdb\x00\x01\x00\x00" + b"a" * 65536),
+            ]
+        ),  # a 64 KiB string
     )
 
 
@@ -249,11 +279,11 @@ def test_truncated_and_mutated_batches_raise_only_wire_format_errors(batch, data
     if mutation == "truncate":
         payload = payload[:at]
     elif mutation == "flip":
-        payload = payload[:at] + bytes([payload[at] ^ data.draw(st.integers(1, 255))]) + payload[at + 1:]
+        payload = payload[:at] + bytes([payload[at] ^ data.draw(st.integers(1, 255))]) + payload[at + 1 :]
     elif mutation == "insert":
         payload = payload[:at] + data.draw(st.binary(min_size=1, max_size=9)) + payload[at:]
     else:
-        payload = payload[:at] + payload[at + data.draw(st.integers(1, 9)):]
+        payload = payload[:at] + payload[at + data.draw(st.integers(1, 9)) :]
     decoded = decode_hostile(decoder_of(d), payload)
     if decoded is not None:  # whatever came through is engine-neutral events of the documented types
         assert all(type(e) in (BlockStored, BlockRemoved, AllBlocksCleared) for e in decoded.events)
@@ -261,8 +291,11 @@ def test_truncated_and_mutated_batches_raise_only_wire_format_errors(batch, data
 
 @given(ENGINES, HOSTILE_VALUES, HOSTILE_VALUES, HOSTILE_VALUES)
 def test_wrong_types_in_the_batch_raise_only_wire_format_errors(engine: str, ts, events, rank) -> None:
-    for payload in (batch_bytes(ts, events, rank), batch_bytes(ts, events, with_rank=False),
-                    msgspec.msgpack.encode({"ts": ts, "events": events, "data_parallel_rank": rank})):
+    for payload in (
+        batch_bytes(ts, events, rank),
+        batch_bytes(ts, events, with_rank=False),
+        msgspec.msgpack.encode({"ts": ts, "events": events, "data_parallel_rank": rank}),
+    ):
         decode_hostile(DECODERS[engine], payload)
 
 
@@ -280,8 +313,8 @@ def test_a_bad_event_is_counted_and_its_neighbours_apply(data) -> None:
     decoded = bounded(decoder_of(d).decode_payload, payload, 3, payload)
     want_before = [expected_event(d, e, block_size) for e in before]
     want_after = [expected_event(d, e, block_size) for e in after]
-    assert decoded.events[:len(want_before)] == want_before
-    assert decoded.events[len(decoded.events) - len(want_after):] == want_after
+    assert decoded.events[: len(want_before)] == want_before
+    assert decoded.events[len(decoded.events) - len(want_after) :] == want_after
     kept = len(decoded.events) - len(want_before) - len(want_after)
     assert kept in (0, 1)
     assert kept + len(decoded.bad_events) + len(decoded.unknown_events) == 1  # the bad one is accounted for once
@@ -298,8 +331,11 @@ def test_decode_event_raises_only_event_errors(engine: str, buf: bytes) -> None:
 
 @given(ENGINES, st.integers(0, 150), st.integers(1, 100))
 def test_more_events_than_the_limit_are_refused_before_they_are_taken_apart(engine: str, events: int, limit: int) -> None:
-    for payload in (batch_bytes(1.0, [0] * events), batch_bytes(1.0, [["AllBlocksCleared"]] * events),
-                    msgspec.msgpack.encode({"ts": 1.0, "events": [0] * events})):
+    for payload in (
+        batch_bytes(1.0, [0] * events),
+        batch_bytes(1.0, [["AllBlocksCleared"]] * events),
+        msgspec.msgpack.encode({"ts": 1.0, "events": [0] * events}),
+    ):
         try:
             decoded = bounded(DECODERS[engine].decode_payload, payload, 1, payload, max_events=limit)
         except OversizeBatchError:
@@ -314,20 +350,39 @@ def test_more_events_than_the_limit_are_refused_before_they_are_taken_apart(engi
 
 
 def good_event(h: int) -> dict:
-    return {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": None, "token_ids": [1, 2],
-            "block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None}
+    return {
+        "type": "BlockStored",
+        "block_hashes": [h],
+        "parent_block_hash": None,
+        "token_ids": [1, 2],
+        "block_size": 2,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
 
 
-@pytest.mark.parametrize("bad", [
-    msgspec.Raw(b"\xa3\xff\xfe\xfd"),                                  # a string that is not UTF-8
-    {**good_event(5), "medium": msgspec.Raw(b"\xa2\xc3\x28")},          # ... as a field
-    msgspec.Raw(b"\x91" * 5000 + b"\xc0"),                             # nested past the recursion limit
-    {**good_event(5), "extra_keys": msgspec.Raw(b"\x91" * 5000 + b"\xc0")},  # ... inside an Any field
-    {**good_event(5), "new_field": msgspec.Raw(b"\x91" * 5000 + b"\xc0")},   # ... inside an unknown field
-    ["BlockRemoved", [1], "GPU", 0, msgspec.Raw(b"\x91" * 5000 + b"\xc0")],  # ... past an array's known fields
-    {"type": "NewEvent", "x": msgspec.Raw(b"\x91" * 5000 + b"\xc0")},        # ... in an unknown event type
-], ids=["utf8-event", "utf8-field", "deep-event", "deep-any-field", "deep-unknown-field", "deep-array-tail",
-        "deep-unknown-type"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        msgspec.Raw(b"\xa3\xff\xfe\xfd"),  # a string that is not UTF-8
+        {**good_event(5), "medium": msgspec.Raw(b"\xa2\xc3\x28")},  # ... as a field
+        msgspec.Raw(b"\x91" * 5000 + b"\xc0"),  # nested past the recursion limit
+        {**good_event(5), "extra_keys": msgspec.Raw(b"\x91" * 5000 + b"\xc0")},  # ... inside an Any field
+        {**good_event(5), "new_field": msgspec.Raw(b"\x91" * 5000 + b"\xc0")},  # ... inside an unknown field
+        ["BlockRemoved", [1], "GPU", 0, msgspec.Raw(b"\x91" * 5000 + b"\xc0")],  # ... past an array's known fields
+        {"type": "NewEvent", "x": msgspec.Raw(b"\x91" * 5000 + b"\xc0")},  # ... in an unknown event type
+    ],
+    ids=[
+        "utf8-event",
+        "utf8-field",
+        "deep-event",
+        "deep-any-field",
+        "deep-unknown-field",
+        "deep-array-tail",
+        "deep-unknown-type",
+    ],
+)
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_regression_hostile_event_between_good_ones(engine: str, bad) -> None:
     """Invalid UTF-8 lost the whole batch (PayloadError from the one-call decode); deep nesting raised

@@ -52,8 +52,7 @@ def steps(draw, hex_hashes: bool, block_size: int):
                 n = draw(st.integers(1, 4))
                 tokens = draw(token_ids(n * block_size))
                 ns = draw(namespaces())
-                step.append(StoredEvent(draw(st.lists(hashes, min_size=n, max_size=n)), draw(parents), tokens,
-                                        GPU, ns))
+                step.append(StoredEvent(draw(st.lists(hashes, min_size=n, max_size=n)), draw(parents), tokens, GPU, ns))
             elif kind == "removed":
                 step.append(RemovedEvent(draw(st.lists(hashes, min_size=1, max_size=4))))
             elif kind == "moved":  # offload: removed from the GPU tier, stored on the CPU tier (an `updated` each)
@@ -71,9 +70,16 @@ def expected(ev, block_size: int) -> list:
         if ev.moved_from is not None:
             return []  # `updated` events: counted, ignored
         ns = ev.namespace
-        return [BlockStored([u64(h) for h in ev.block_hashes],
-                            None if ev.parent_block_hash is None else u64(ev.parent_block_hash), list(ev.token_ids),
-                            block_size, lora_id=ns.lora_id, cache_salt=ns.cache_salt or None)]
+        return [
+            BlockStored(
+                [u64(h) for h in ev.block_hashes],
+                None if ev.parent_block_hash is None else u64(ev.parent_block_hash),
+                list(ev.token_ids),
+                block_size,
+                lora_id=ns.lora_id,
+                cache_salt=ns.cache_salt or None,
+            )
+        ]
     if isinstance(ev, RemovedEvent):
         return [] if ev.moved_to is not None else [BlockRemoved([u64(h) for h in ev.block_hashes])]
     return [BlockRemoved([u64(h) for h in ev.block_hashes])] if ev.block_hashes else []
@@ -112,22 +118,34 @@ def test_polled_bodies_convert_to_the_events_the_field_table_says(polls) -> None
     assert all(a.rank == rank for a in actions)
     assert [e for a in actions for e in a.events] == [e for step in all_steps for ev in step for e in expected(ev, block_size)]
     c = converter.counters
-    assert c.updated_events == sum(len(ev.block_hashes) for step in all_steps for ev in step
-                                   if isinstance(ev, StoredEvent) and ev.moved_from is not None)
+    assert c.updated_events == sum(
+        len(ev.block_hashes) for step in all_steps for ev in step if isinstance(ev, StoredEvent) and ev.moved_from is not None
+    )
     assert c.malformed_events == c.unknown_events == c.unknown_fields == c.gaps == 0
 
 
 # ---------------------------------------------------------------- hostile values
 
-_SCALARS = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
-            | st.text(max_size=12))
-JSON_VALUES = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=4)
-                           | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+_SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12)
+JSON_VALUES = st.recursive(
+    _SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12
+)
 # Fragments json.dumps never writes: NaN, numbers past every range, a lone surrogate, bytes that are not
 # UTF-8, nesting past any recursion limit, a huge number of digits.
 RAW_FRAGMENTS = st.one_of(
-    st.sampled_from([b"NaN", b"-Infinity", b"1e999", b'"\\ud800"', b'"\xff\xfe"', b'"\xc3("', b"18446744073709551616",
-                     b"-9223372036854775809", b"1" + b"0" * 5000]),
+    st.sampled_from(
+        [
+            b"NaN",
+            b"-Infinity",
+            b"1e999",
+            b'"\\ud800"',
+            b'"\xff\xfe"',
+            b'"\xc3("',
+            b"18446744073709551616",
+            b"-9223372036854775809",
+            b"1" + b"0" * 5000,
+        ]
+    ),
     st.integers(1000, 3000).map(lambda n: b"[" * n + b"]" * n),
     st.integers(1000, 3000).map(lambda n: b'{"a":' * n + b"0" + b"}" * n),
 )
@@ -156,8 +174,9 @@ def one_event(draw) -> StoredEvent | RemovedEvent:
     hashes, parents = HASHES[False]
     if draw(st.booleans()):
         n = draw(st.integers(1, 3))
-        return StoredEvent(draw(st.lists(hashes, min_size=n, max_size=n)), draw(parents), draw(token_ids(2 * n)), GPU,
-                           draw(namespaces()))
+        return StoredEvent(
+            draw(st.lists(hashes, min_size=n, max_size=n)), draw(parents), draw(token_ids(2 * n)), GPU, draw(namespaces())
+        )
     return RemovedEvent(draw(st.lists(hashes, min_size=1, max_size=4)))
 
 
@@ -200,7 +219,7 @@ def feed_hostile(converter: TrtllmEventConverter, body: bytes) -> list | None:
 
 
 @given(st.binary(max_size=256))
-@example(b"[" + b"[" * 5000)              # nested past the recursion limit, unterminated
+@example(b"[" + b"[" * 5000)  # nested past the recursion limit, unterminated
 @example(b'[{"event_id": 1' + b"0" * 100_000 + b"}]")  # 100k digits
 @example(b'["\\ud800"]')
 def test_arbitrary_bytes_raise_only_body_errors(body: bytes) -> None:
@@ -216,11 +235,11 @@ def test_truncated_and_mutated_bodies_raise_only_body_errors(polls, data) -> Non
     if mutation == "truncate":
         body = body[:at]
     elif mutation == "flip" and body:
-        body = body[:at] + bytes([body[at] ^ data.draw(st.integers(1, 255))]) + body[at + 1:]
+        body = body[:at] + bytes([body[at] ^ data.draw(st.integers(1, 255))]) + body[at + 1 :]
     elif mutation == "insert":
         body = body[:at] + data.draw(INSERTS) + body[at:]
     else:
-        body = body[:at] + body[at + data.draw(st.integers(1, 9)):]
+        body = body[:at] + body[at + data.draw(st.integers(1, 9)) :]
     feed_hostile(TrtllmEventConverter(), body)
 
 
@@ -248,15 +267,18 @@ def test_a_bad_event_is_counted_and_its_neighbours_apply(data) -> None:
     events = [e for a in actions if isinstance(a, RankEvents) for e in a.events]
     want_before = [e for step in before for ev in step for e in expected(ev, 2)]
     want_after = [e for step in after for ev in step for e in expected(ev, 2)]
-    assert events[:len(want_before)] == want_before
-    assert events[len(events) - len(want_after):] == want_after
+    assert events[: len(want_before)] == want_before
+    assert events[len(events) - len(want_after) :] == want_after
     kept = len(events) - len(want_before) - len(want_after)
     assert 0 <= kept <= 2  # a hostile stored event may still be readable, as up to two runs of block sizes
     c = converter.counters
-    updated = sum(len(ev.block_hashes) for step in before + after for ev in step
-                  if isinstance(ev, StoredEvent) and ev.moved_from is not None)
-    counted = c.malformed_events + c.unknown_events + c.window_filtered_events + c.updated_events - updated \
-        + c.rank_mismatches
+    updated = sum(
+        len(ev.block_hashes)
+        for step in before + after
+        for ev in step
+        if isinstance(ev, StoredEvent) and ev.moved_from is not None
+    )
+    counted = c.malformed_events + c.unknown_events + c.window_filtered_events + c.updated_events - updated + c.rank_mismatches
     if kept == 0 and counted == 0 and not any(isinstance(a, RankReset) for a in actions):
         alone = TrtllmEventConverter()  # then it must be a readable event that says nothing (e.g. no blocks)
         assert [a for a in alone.feed(b"[" + bad + b"]") if a.events] == [] and alone.counters.malformed_events == 0
@@ -281,17 +303,21 @@ def test_more_events_than_the_limit_are_refused_before_they_are_taken_apart(even
 # ---------------------------------------------------------------- regressions the properties found
 
 
-@pytest.mark.parametrize("bad", [b'{"event_id": 1, "data": {"type": "removed", "block_hashes": [1' + b"0" * 30 + b"]}}",
-                                 b'{"event_id": 1, "window_size": 1e999, "data": {"type": "removed", "block_hashes": [1]}}',
-                                 b'{"event_id": 1, "data": ' + b"[" * 5000 + b"]" * 5000 + b"}",
-                                 b'{"event_id": 1, "data": {"type": "\\ud800"}}',
-                                 b'{"event_id": 1, "data": {"type": "\xff"}}'],
-                         ids=["hash-past-u64", "number-past-float", "deep", "lone-surrogate", "not-utf8"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b'{"event_id": 1, "data": {"type": "removed", "block_hashes": [1' + b"0" * 30 + b"]}}",
+        b'{"event_id": 1, "window_size": 1e999, "data": {"type": "removed", "block_hashes": [1]}}',
+        b'{"event_id": 1, "data": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+        b'{"event_id": 1, "data": {"type": "\\ud800"}}',
+        b'{"event_id": 1, "data": {"type": "\xff"}}',
+    ],
+    ids=["hash-past-u64", "number-past-float", "deep", "lone-surrogate", "not-utf8"],
+)
 def test_regression_one_unreadable_event_between_good_ones(bad: bytes) -> None:
     """Numbers past every range raised msgspec.ValidationError out of `feed` (and the poller's loop, which
     stopped the agent); deep nesting raised RecursionError; a lone surrogate or invalid UTF-8 lost the body."""
-    good = [dumps({"event_id": i, "data": {"type": "removed", "block_hashes": [i]}, "window_size": WINDOW})
-            for i in (0, 2)]
+    good = [dumps({"event_id": i, "data": {"type": "removed", "block_hashes": [i]}, "window_size": WINDOW}) for i in (0, 2)]
     converter = TrtllmEventConverter()
     actions = converter.feed(b"[" + b",".join([good[0], bad, good[1]]) + b"]")
     assert [e.block_hashes for a in actions if isinstance(a, RankEvents) for e in a.events] == [[0], [2]]

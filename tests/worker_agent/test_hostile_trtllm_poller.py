@@ -51,9 +51,15 @@ class Recorder:
     def __init__(self, url: str, max_body_bytes: int) -> None:
         self.batches: list[DecodedBatch] = []
         self.resets: list[str] = []
-        self.poller = TrtllmEventPoller(url, TrtllmEventConverter(), lambda rank, b: self.batches.append(b),
-                                        lambda rank, why: self.resets.append(why), interval_s=0.01, timeout_s=2,
-                                        max_body_bytes=max_body_bytes)
+        self.poller = TrtllmEventPoller(
+            url,
+            TrtllmEventConverter(),
+            lambda rank, b: self.batches.append(b),
+            lambda rank, why: self.resets.append(why),
+            interval_s=0.01,
+            timeout_s=2,
+            max_body_bytes=max_body_bytes,
+        )
 
     def removed_ids(self) -> list[int]:
         return [h for b in self.batches for e in b.events if isinstance(e, BlockRemoved) for h in e.block_hashes]
@@ -65,22 +71,25 @@ def chunked(body: bytes):
         resp.enable_chunked_encoding()
         await resp.prepare(request)
         for i in range(0, len(body), 100):
-            await resp.write(body[i:i + 100])
+            await resp.write(body[i : i + 100])
         await resp.write_eof()
         return resp
+
     return answer
 
 
 def gzipped(body: bytes) -> web.Response:
-    return web.Response(body=gzip.compress(body), headers={"Content-Type": "application/json",
-                                                           "Content-Encoding": "gzip"})
+    return web.Response(body=gzip.compress(body), headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
 
 
 BIG = json.dumps([removed(i) for i in range(1, 200)]).encode()  # ~15 KB, over the 4 KiB limit below
 
 
-@pytest.mark.parametrize("answer", [web.Response(body=BIG, content_type="application/json"), chunked(BIG),
-                                    gzipped(BIG)], ids=["content-length", "chunked", "gzip"])
+@pytest.mark.parametrize(
+    "answer",
+    [web.Response(body=BIG, content_type="application/json"), chunked(BIG), gzipped(BIG)],
+    ids=["content-length", "chunked", "gzip"],
+)
 async def test_a_body_over_the_limit_is_dropped_and_counted_and_the_gap_resets_the_rank(answer) -> None:
     engine = Engine()
     server = await engine.start()
@@ -118,8 +127,7 @@ async def test_regression_a_number_past_every_range_no_longer_stops_the_poll_loo
     engine = Engine()
     server = await engine.start()
     hostile = b'[{"event_id": 0, "data": {"type": "removed", "block_hashes": [1' + b"0" * 5000 + b"]}}]"
-    engine.responses = [web.Response(body=hostile, content_type="application/json"),
-                        web.json_response([removed(1)])]
+    engine.responses = [web.Response(body=hostile, content_type="application/json"), web.json_response([removed(1)])]
     rec = Recorder(str(server.make_url("/")), max_body_bytes=1 << 20)
     task = asyncio.create_task(rec.poller.run())
     try:
@@ -154,8 +162,14 @@ async def test_a_poll_that_fails_unexpectedly_is_counted_and_the_loop_goes_on() 
     server = await engine.start()
     engine.responses = [web.json_response([removed(0)]), web.json_response([removed(1)])]
     batches: list[DecodedBatch] = []
-    poller = TrtllmEventPoller(str(server.make_url("/")), BrokenConverter(), lambda r, b: batches.append(b),
-                               lambda r, why: None, interval_s=0.01, timeout_s=2)
+    poller = TrtllmEventPoller(
+        str(server.make_url("/")),
+        BrokenConverter(),
+        lambda r, b: batches.append(b),
+        lambda r, why: None,
+        interval_s=0.01,
+        timeout_s=2,
+    )
     task = asyncio.create_task(poller.run())
     try:
         for _ in range(200):

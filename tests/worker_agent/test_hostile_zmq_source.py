@@ -34,8 +34,16 @@ FRAMES = st.lists(st.binary(max_size=12), max_size=6)
 
 
 def store(h: int) -> dict:
-    return {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": None, "token_ids": [h, h + 1],
-            "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None}
+    return {
+        "type": "BlockStored",
+        "block_hashes": [h],
+        "parent_block_hash": None,
+        "token_ids": [h, h + 1],
+        "block_size": BS,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
 
 
 def batch(h: int) -> bytes:
@@ -112,8 +120,9 @@ class Recorder:
         self.resolver = BlockResolver(MODEL)
         self.applied: list[int] = []
         self.resets: list[str] = []
-        self.source = ZmqEventSource("tcp://127.0.0.1:1", self._on_batch, self._on_reset, replay_endpoint,
-                                     replay_timeout_s=0.5, context=ctx)
+        self.source = ZmqEventSource(
+            "tcp://127.0.0.1:1", self._on_batch, self._on_reset, replay_endpoint, replay_timeout_s=0.5, context=ctx
+        )
 
     def _on_batch(self, b: DecodedBatch) -> None:
         self.applied.append(b.seq)
@@ -125,11 +134,13 @@ class Recorder:
 
 
 GARBAGE = st.one_of(
-    FRAMES,                                                                          # any frames at all
-    st.tuples(st.binary(max_size=4), st.integers(0, 2**64 - 1), st.binary(max_size=24))  # 3 frames, any seq
-    .map(lambda t: [t[0], t[1].to_bytes(8, "big"), t[2]]),
-    st.tuples(st.integers(0, 2**64 - 1), st.integers(1, 20), st.integers(0, 255))    # a batch, corrupted
-    .map(lambda t: [b"", t[0].to_bytes(8, "big"), batch(t[1])[:-t[2] % 9 - 1]]),
+    FRAMES,  # any frames at all
+    st.tuples(st.binary(max_size=4), st.integers(0, 2**64 - 1), st.binary(max_size=24)).map(  # 3 frames, any seq
+        lambda t: [t[0], t[1].to_bytes(8, "big"), t[2]]
+    ),
+    st.tuples(st.integers(0, 2**64 - 1), st.integers(1, 20), st.integers(0, 255)).map(  # a batch, corrupted
+        lambda t: [b"", t[0].to_bytes(8, "big"), batch(t[1])[: -t[2] % 9 - 1]]
+    ),
 ).filter(undecodable)
 
 
@@ -155,6 +166,7 @@ def test_garbage_between_batches_never_moves_the_sequence(valid_first: list[bool
 
 def test_regression_a_batch_whose_seq_jumps_to_2_63_is_a_bounded_gap() -> None:
     """The gap's missing seqs were listed one by one: a batch numbered 2**63 hung the agent."""
+
     async def scenario() -> None:
         rec = Recorder()
         await rec.source.handle_frames([b"", (0).to_bytes(8, "big"), batch(1)])
@@ -170,6 +182,7 @@ def test_regression_a_batch_whose_seq_jumps_to_2_63_is_a_bounded_gap() -> None:
 def test_regression_an_undecodable_payload_does_not_use_up_its_seq() -> None:
     """A payload that could not be decoded still advanced the sequence: garbage with a seq frame one past the
     last batch made the engine's real batch of that number look like a restart (reset, state dropped)."""
+
     async def scenario() -> None:
         rec = Recorder()
         await rec.source.handle_frames([b"", (0).to_bytes(8, "big"), batch(1)])
@@ -264,8 +277,12 @@ async def test_regression_a_gap_decodes_only_the_batches_it_lacks() -> None:
 LIVE_FATES = st.sampled_from(("live", "live", "live", "lost", "corrupted"))
 
 
-@given(st.lists(LIVE_FATES, min_size=1, max_size=12), st.sampled_from(("old", "new")),
-       st.lists(st.lists(st.binary(max_size=9), max_size=5), max_size=2), st.lists(GARBAGE, max_size=4))
+@given(
+    st.lists(LIVE_FATES, min_size=1, max_size=12),
+    st.sampled_from(("old", "new")),
+    st.lists(st.lists(st.binary(max_size=9), max_size=5), max_size=2),
+    st.lists(GARBAGE, max_size=4),
+)
 def test_lost_and_corrupted_batches_are_replayed_whatever_else_the_peers_send(fates, framing, junk, garbage) -> None:
     async def scenario() -> None:
         ctx = zmq.asyncio.Context()
@@ -278,7 +295,7 @@ def test_lost_and_corrupted_batches_are_replayed_whatever_else_the_peers_send(fa
                     await rec.source.handle_frames([b"", seq.to_bytes(8, "big"), peer.buffer[seq][:-1]])
                 elif fate == "live":
                     await rec.source.handle_frames([b"", seq.to_bytes(8, "big"), peer.buffer[seq]])
-                for frames in garbage[seq % 2::2]:
+                for frames in garbage[seq % 2 :: 2]:
                     await rec.source.handle_frames(frames)
             assert rec.applied == list(range(len(fates) + 1)) and rec.resets == []
             assert set(rec.resolver.held_keys()) == {key(s + 100) for s in range(len(fates) + 1)}

@@ -74,13 +74,15 @@ def test_parse_sglang_names() -> None:
 
 def test_parse_trtllm_iteration_stats() -> None:
     last = pb.WorkerLoad(kv_usage=0.7)
-    body = (b'[{"iter": 1, "numActiveRequests": 9, "numQueuedRequests": 9, "kvCacheStats": {"maxNumBlocks": 100, '
-            b'"usedNumBlocks": 10}}, {"iter": 2, "numActiveRequests": 3, "numQueuedRequests": 2, "gpuMemUsage": 1,'
-            b' "kvCacheStats": {"maxNumBlocks": 200, "usedNumBlocks": 50, "freeNumBlocks": 150, "tokensPerBlock": 32}}]')
+    body = (
+        b'[{"iter": 1, "numActiveRequests": 9, "numQueuedRequests": 9, "kvCacheStats": {"maxNumBlocks": 100, '
+        b'"usedNumBlocks": 10}}, {"iter": 2, "numActiveRequests": 3, "numQueuedRequests": 2, "gpuMemUsage": 1,'
+        b' "kvCacheStats": {"maxNumBlocks": 200, "usedNumBlocks": 50, "freeNumBlocks": 150, "tokensPerBlock": 32}}]'
+    )
     load = parse_trtllm_stats(body, last, now_ms=5)
     assert (load.running_requests, load.waiting_requests, load.observed_unix_ms) == (3, 2, 5)
     assert load.kv_usage == pytest.approx(0.25)  # the newest entry
-    partial = parse_trtllm_stats(b'[{"numActiveRequests": 4}]', last)   # fields missing: usage stays last known
+    partial = parse_trtllm_stats(b'[{"numActiveRequests": 4}]', last)  # fields missing: usage stays last known
     assert (partial.running_requests, partial.waiting_requests) == (4, 0) and partial.kv_usage == pytest.approx(0.7)
     idle = parse_trtllm_stats(b"[]", last)  # no iteration since the last poll: nothing ran
     assert (idle.running_requests, idle.waiting_requests) == (0, 0) and idle.kv_usage == pytest.approx(0.7)
@@ -93,25 +95,32 @@ def test_parse_work_counters_of_each_engine() -> None:
     vllm = VLLM_METRICS + (
         'vllm:prefix_cache_queries_total{engine="0"} 1000\nvllm:prefix_cache_queries_total{engine="1"} 600\n'
         'vllm:prefix_cache_hits_total{engine="1"} 366\n'  # + engine 0's 1234 above: 1600 - 1600 hits
-        'vllm:gpu_prefix_cache_queries_total 99999\n'       # the older name is not read beside the newer one
-        'vllm:time_to_first_token_seconds_count{engine="0"} 7\nvllm:time_to_first_token_seconds_sum 1.5\n')
+        "vllm:gpu_prefix_cache_queries_total 99999\n"  # the older name is not read beside the newer one
+        'vllm:time_to_first_token_seconds_count{engine="0"} 7\nvllm:time_to_first_token_seconds_sum 1.5\n'
+    )
     assert parse_metrics(vllm)[1] == EngineWork(0.0, 7.0)
-    older = ("vllm:num_requests_running 1\nvllm:gpu_prefix_cache_queries_total 500\n"
-             "vllm:gpu_prefix_cache_hits_total 100\nvllm:time_to_first_token_seconds_count 3\n")
+    older = (
+        "vllm:num_requests_running 1\nvllm:gpu_prefix_cache_queries_total 500\n"
+        "vllm:gpu_prefix_cache_hits_total 100\nvllm:time_to_first_token_seconds_count 3\n"
+    )
     assert parse_metrics(older)[1] == EngineWork(400.0, 3.0)
     assert parse_metrics(VLLM_METRICS)[1] is None  # no request counter: no work known
-    sglang = SGLANG_TEXT + ('sglang:prompt_tokens_total{model_name="tiny"} 900\n'
-                            'sglang:cached_tokens_total{model_name="tiny",cache_source="device"} 300\n'
-                            'sglang:cached_tokens_total{model_name="tiny",cache_source="host"} 100\n'
-                            'sglang:num_requests_total{model_name="tiny"} 4\n')
+    sglang = SGLANG_TEXT + (
+        'sglang:prompt_tokens_total{model_name="tiny"} 900\n'
+        'sglang:cached_tokens_total{model_name="tiny",cache_source="device"} 300\n'
+        'sglang:cached_tokens_total{model_name="tiny",cache_source="host"} 100\n'
+        'sglang:num_requests_total{model_name="tiny"} 4\n'
+    )
     assert parse_metrics(sglang, SGLANG_METRICS)[1] == EngineWork(500.0, 4.0)
     assert parse_metrics(SGLANG_TEXT, SGLANG_METRICS)[1] is None  # started without --enable-metrics' counters
 
 
 def test_parse_trtllm_work_of_the_drained_iterations() -> None:
-    body = (b'[{"numActiveRequests": 1, "inflightBatchingStats": {"numContextRequests": 2, "numCtxTokens": 640}},'
-            b' {"numActiveRequests": 1, "inflightBatchingStats": {"numContextRequests": 0, "numCtxTokens": 0}},'
-            b' {"numActiveRequests": 1, "inflightBatchingStats": {"numContextRequests": 1, "numCtxTokens": 64}}]')
+    body = (
+        b'[{"numActiveRequests": 1, "inflightBatchingStats": {"numContextRequests": 2, "numCtxTokens": 640}},'
+        b' {"numActiveRequests": 1, "inflightBatchingStats": {"numContextRequests": 0, "numCtxTokens": 0}},'
+        b' {"numActiveRequests": 1, "inflightBatchingStats": {"numContextRequests": 1, "numCtxTokens": 64}}]'
+    )
     assert parse_trtllm_metrics(body, pb.WorkerLoad())[1] == EngineWork(704.0, 3.0)
     assert parse_trtllm_metrics(b"[]", pb.WorkerLoad())[1] == EngineWork(0.0, 0.0)  # idle: no work
     assert parse_trtllm_metrics(b'[{"numActiveRequests": 4}]', pb.WorkerLoad())[1] is None  # not reported
@@ -164,8 +173,9 @@ async def test_poller_keeps_last_known_load_when_the_engine_goes_away() -> None:
 
 async def test_trtllm_poller_reads_json() -> None:
     async def metrics(request: web.Request) -> web.Response:
-        return web.json_response([{"numActiveRequests": 2, "numQueuedRequests": 1,
-                                   "kvCacheStats": {"maxNumBlocks": 10, "usedNumBlocks": 5}}])
+        return web.json_response(
+            [{"numActiveRequests": 2, "numQueuedRequests": 1, "kvCacheStats": {"maxNumBlocks": 10, "usedNumBlocks": 5}}]
+        )
 
     server = await serve("/metrics", metrics)
     poller = EngineLoadPoller(str(server.make_url("")), engine="trtllm")
@@ -195,7 +205,9 @@ def test_parse_models_finds_the_base_model_and_its_adapters() -> None:
     # An adapter listed first is not taken for the base model.
     assert parse_models(b'{"data": [{"id": "a", "parent": "b"}, {"id": "b"}]}', None) == ("b", ["a"])
     assert parse_models(b'{"data": [{"id": "trt-model", "object": "model", "owned_by": "tensorrt_llm"}]}', None) == (
-        "trt-model", [])
+        "trt-model",
+        [],
+    )
     for bad in (b"{}", b'{"data": []}', b"<html>", b'{"data": [{"object": "model"}]}'):
         with pytest.raises(ValueError):
             parse_models(bad, None)

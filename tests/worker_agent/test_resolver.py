@@ -39,8 +39,7 @@ def test_duplicate_store_and_duplicate_remove_are_no_ops() -> None:
     r.apply([BlockStored([101, 102], None, TOKENS[:32], 16)])
     # Real vLLM re-stores a recomputed block and re-announces prefix hits (parent None from block 0).
     assert r.apply([BlockStored([102], 101, TOKENS[16:32], 16)]) == []
-    assert r.apply([BlockStored([101, 102, 103], None, TOKENS[:48], 16)]) == [
-        KeysStored("gpu", [KEYS[2]])]
+    assert r.apply([BlockStored([101, 102, 103], None, TOKENS[:48], 16)]) == [KeysStored("gpu", [KEYS[2]])]
     assert r.counters.duplicate_stores == 3
     assert changes(r.apply([BlockRemoved([103]), BlockRemoved([103])])) == [("removed", [KEYS[2]])]
     assert r.counters.unknown_removes == 1
@@ -52,8 +51,8 @@ def test_two_engine_hashes_with_one_key_are_reference_counted() -> None:
     # e.g. the same tokens under two cache salts: different engine hashes, one kvroute key.
     r = BlockResolver(MODEL)
     assert changes(r.apply([BlockStored([1], None, TOKENS[:16], 16)])) == [("stored", KEYS[:1])]
-    assert r.apply([BlockStored([2], None, TOKENS[:16], 16)]) == []   # key already announced
-    assert r.apply([BlockRemoved([1])]) == []                         # still held through hash 2
+    assert r.apply([BlockStored([2], None, TOKENS[:16], 16)]) == []  # key already announced
+    assert r.apply([BlockRemoved([1])]) == []  # still held through hash 2
     assert r.held_keys() == KEYS[:1]
     assert changes(r.apply([BlockRemoved([2])])) == [("removed", KEYS[:1])]
     assert r.held_keys() == [] and r.engine_blocks == 0
@@ -86,11 +85,24 @@ def test_all_blocks_cleared_wipes_everything() -> None:
 
 def test_event_order_is_kept_and_consecutive_changes_are_merged() -> None:
     r = BlockResolver(MODEL)
-    out = r.apply([BlockStored([1], None, TOKENS[:16], 16), BlockStored([2], 1, TOKENS[16:32], 16),
-                   BlockRemoved([2]), BlockRemoved([1]), BlockStored([1], None, TOKENS[:16], 16), AllBlocksCleared(),
-                   BlockStored([1], None, TOKENS[:16], 16)])
-    assert changes(out) == [("stored", KEYS[:2]), ("removed", [KEYS[1], KEYS[0]]), ("stored", KEYS[:1]), ("cleared", []),
-                            ("stored", KEYS[:1])]
+    out = r.apply(
+        [
+            BlockStored([1], None, TOKENS[:16], 16),
+            BlockStored([2], 1, TOKENS[16:32], 16),
+            BlockRemoved([2]),
+            BlockRemoved([1]),
+            BlockStored([1], None, TOKENS[:16], 16),
+            AllBlocksCleared(),
+            BlockStored([1], None, TOKENS[:16], 16),
+        ]
+    )
+    assert changes(out) == [
+        ("stored", KEYS[:2]),
+        ("removed", [KEYS[1], KEYS[0]]),
+        ("stored", KEYS[:1]),
+        ("cleared", []),
+        ("stored", KEYS[:1]),
+    ]
 
 
 def stored_on(tier_deltas: list[BlockDelta]) -> dict[str, list[int]]:
@@ -124,8 +136,17 @@ def test_one_hash_on_two_tiers_is_held_once_per_tier() -> None:
 
 def test_medium_names_normalise_to_three_tiers() -> None:
     r = BlockResolver(MODEL)
-    media = {"gpu": "gpu", "cpu": "cpu", "cpu_pinned": "cpu", "storage": "disk", "disk": "disk", "fs": "disk",
-             "obj": "disk", "external": "disk", "nvme_pool": "disk"}
+    media = {
+        "gpu": "gpu",
+        "cpu": "cpu",
+        "cpu_pinned": "cpu",
+        "storage": "disk",
+        "disk": "disk",
+        "fs": "disk",
+        "obj": "disk",
+        "external": "disk",
+        "nvme_pool": "disk",
+    }
     for i, (medium, tier) in enumerate(media.items()):
         (event,) = r.apply([BlockStored([100 + i], None, [i] * 16, 16, medium=medium)])
         assert event.tier == tier, medium
@@ -145,8 +166,12 @@ def test_tiers_go_on_the_wire_as_the_tier_enum() -> None:
 def test_only_the_main_full_attention_group_is_indexed() -> None:
     r = BlockResolver(MODEL)
     # Hybrid model (vLLM 0.22+): one store per KV group, same engine hashes.
-    out = r.apply([BlockStored([1, 2], None, TOKENS[:32], 16, group_idx=0, kv_cache_spec_kind="full_attention"),
-                   BlockStored([1, 2], None, TOKENS[:64], 16, group_idx=1, kv_cache_spec_kind="sliding_window")])
+    out = r.apply(
+        [
+            BlockStored([1, 2], None, TOKENS[:32], 16, group_idx=0, kv_cache_spec_kind="full_attention"),
+            BlockStored([1, 2], None, TOKENS[:64], 16, group_idx=1, kv_cache_spec_kind="sliding_window"),
+        ]
+    )
     assert changes(out) == [("stored", KEYS[:2])]
     assert r.apply([BlockRemoved([1], group_idx=1)]) == []  # the sliding-window group evicted its copy
     assert r.held_keys() == KEYS[:2]
@@ -160,7 +185,8 @@ def test_main_group_is_learned_when_group_0_is_not_full_attention() -> None:
     r = BlockResolver(MODEL)
     assert r.apply([BlockStored([1], None, TOKENS[:16], 16, group_idx=0, kv_cache_spec_kind="mamba")]) == []
     assert changes(r.apply([BlockStored([1], None, TOKENS[:16], 16, group_idx=1, kv_cache_spec_kind="mla_attention")])) == [
-        ("stored", KEYS[:1])]
+        ("stored", KEYS[:1])
+    ]
     assert r.apply([BlockRemoved([1], group_idx=0)]) == []
     assert changes(r.apply([BlockRemoved([1], group_idx=1)])) == [("removed", KEYS[:1])]
 

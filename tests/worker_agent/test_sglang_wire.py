@@ -21,18 +21,30 @@ def test_array_position_7_is_not_a_lora_name() -> None:
 
 
 def test_bad_and_unknown_events_keep_their_neighbours() -> None:
-    events = [["BlockRemoved", [1], "GPU"],
-              {"type": "BlockStored", "block_hashes": [2], "parent_block_hash": None, "token_ids": [[1, 2], []],
-               "block_size": 1},                                          # an empty bigram pair
-              {"type": "BlockStored", "block_hashes": [2], "token_ids": [1], "block_size": 0},
-              {"type": "BlockStored", "block_hashes": [3], "token_ids": [5], "block_size": 1, "cache_salt": "t",
-               "future": 1},                                              # parent omitted, unknown key
-              ["HiCacheEvicted", [1]],
-              ["BlockRemoved", [1], "CPU_PINNED"]]
+    events = [
+        ["BlockRemoved", [1], "GPU"],
+        {
+            "type": "BlockStored",
+            "block_hashes": [2],
+            "parent_block_hash": None,
+            "token_ids": [[1, 2], []],
+            "block_size": 1,
+        },  # an empty bigram pair
+        {"type": "BlockStored", "block_hashes": [2], "token_ids": [1], "block_size": 0},
+        {
+            "type": "BlockStored",
+            "block_hashes": [3],
+            "token_ids": [5],
+            "block_size": 1,
+            "cache_salt": "t",
+            "future": 1,
+        },  # parent omitted, unknown key
+        ["HiCacheEvicted", [1]],
+        ["BlockRemoved", [1], "CPU_PINNED"],
+    ]
     batch = decode_payload(4, enc([1.0, events, 2]))
     assert batch.dp_rank == 2 and batch.unknown_events == ["HiCacheEvicted"] and len(batch.bad_events) == 2
-    assert batch.events == [BlockRemoved([1]), BlockStored([3], None, [5], 1, cache_salt="t"),
-                            BlockRemoved([1], "cpu_pinned")]
+    assert batch.events == [BlockRemoved([1]), BlockStored([3], None, [5], 1, cache_salt="t"), BlockRemoved([1], "cpu_pinned")]
 
 
 def test_bigram_pairs_and_batch_shape() -> None:

@@ -48,19 +48,40 @@ def test_ranks_without_attention_dp() -> None:
 
 def test_bad_events_count_and_keep_their_ids() -> None:
     c = TrtllmEventConverter()
-    stored = {"event_id": 2, "data": {"type": "stored", "parent_hash": None, "blocks": [
-        {"type": "stored_block", "block_hash": 9, "tokens": [{"type": "unique_token", "token_id": 1, "token_extra_id": 0}],
-         "cache_level": 0, "priority": 35}]}, "window_size": 64}
-    actions = c.feed(body(removed(0, 1), {"event_id": 1, "data": {"type": "removed"}}, stored,
-                          {"event_id": 3, "data": {"type": "stored", "blocks": [{"type": "stored_block",
-                                                                                 "block_hash": "xyz", "tokens": []}]}},
-                          {"no": "id"}, removed(4, 2)))
+    stored = {
+        "event_id": 2,
+        "data": {
+            "type": "stored",
+            "parent_hash": None,
+            "blocks": [
+                {
+                    "type": "stored_block",
+                    "block_hash": 9,
+                    "tokens": [{"type": "unique_token", "token_id": 1, "token_extra_id": 0}],
+                    "cache_level": 0,
+                    "priority": 35,
+                }
+            ],
+        },
+        "window_size": 64,
+    }
+    actions = c.feed(
+        body(
+            removed(0, 1),
+            {"event_id": 1, "data": {"type": "removed"}},
+            stored,
+            {"event_id": 3, "data": {"type": "stored", "blocks": [{"type": "stored_block", "block_hash": "xyz", "tokens": []}]}},
+            {"no": "id"},
+            removed(4, 2),
+        )
+    )
     assert c.counters.malformed_events == 3 and c.counters.gaps == 0  # events 1 and 3 keep the sequence whole
     assert [type(e) for a in actions for e in a.events] == [BlockRemoved, BlockStored, BlockRemoved]
 
 
-@pytest.mark.parametrize("raw, message", [(b"", "not JSON"), (b"[{", "not JSON"), (b'{"event_id": 1}', "not a JSON array"),
-                                          (b"[1, 2]", None)])
+@pytest.mark.parametrize(
+    "raw, message", [(b"", "not JSON"), (b"[{", "not JSON"), (b'{"event_id": 1}', "not a JSON array"), (b"[1, 2]", None)]
+)
 def test_bodies(raw: bytes, message: str | None) -> None:
     c = TrtllmEventConverter()
     if message is None:
@@ -72,14 +93,25 @@ def test_bodies(raw: bytes, message: str | None) -> None:
 
 def test_token_extra_ids_and_multimodal_keys_stop_the_chain_at_their_block() -> None:
     def block(h: int, extra: int = 0, **more) -> dict:
-        return {"type": "stored_block", "block_hash": h, "cache_level": 0, "priority": 35, **more,
-                "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": extra} for t in (1, 2)]}
+        return {
+            "type": "stored_block",
+            "block_hash": h,
+            "cache_level": 0,
+            "priority": 35,
+            **more,
+            "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": extra} for t in (1, 2)],
+        }
 
-    event = {"event_id": 0, "window_size": 64, "data": {"type": "stored", "parent_hash": None, "blocks": [
-        block(1), block(2), block(3, extra=7), block(4)]}}
+    event = {
+        "event_id": 0,
+        "window_size": 64,
+        "data": {"type": "stored", "parent_hash": None, "blocks": [block(1), block(2), block(3, extra=7), block(4)]},
+    }
     ((stored,),) = [a.events for a in TrtllmEventConverter().feed(body(event))]
     assert stored == BlockStored([1, 2, 3, 4], None, [1, 2] * 4, 2, unkeyable_from=2)
-    event["data"]["blocks"] = [block(1, mm_keys=[{"type": "mm_key", "hash": "ab" * 32, "uuid": "cd" * 8,
-                                                  "start_offset": 0}]), block(2)]
+    event["data"]["blocks"] = [
+        block(1, mm_keys=[{"type": "mm_key", "hash": "ab" * 32, "uuid": "cd" * 8, "start_offset": 0}]),
+        block(2),
+    ]
     ((stored,),) = [a.events for a in TrtllmEventConverter().feed(body(event))]
     assert stored.unkeyable_from == 0

@@ -28,8 +28,16 @@ BS = 4
 
 def root_store(h: int) -> dict:
     """A one-block prompt whose tokens derive from h, so every batch has its own key."""
-    return {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": None, "token_ids": tokens(h),
-            "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None}
+    return {
+        "type": "BlockStored",
+        "block_hashes": [h],
+        "parent_block_hash": None,
+        "token_ids": tokens(h),
+        "block_size": BS,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
 
 
 @dataclass(frozen=True)
@@ -43,13 +51,27 @@ class Dialect:
 
 DIALECTS = {
     "vllm-0.33": Dialect(vllm_wire.decode_payload, root_store, "new"),
-    "vllm-0.23": Dialect(vllm_wire.decode_payload, lambda h: ["BlockStored", [h], None, tokens(h), BS, None, "GPU", None,
-                                                              None, 0, "full_attention", None], "old"),
-    "sglang-0.5.22": Dialect(sglang_wire.decode_payload, lambda h: {
-        "type": "BlockStored", "block_hashes": [-h], "parent_block_hash": None, "token_ids": tokens(h), "block_size": BS,
-        "lora_id": None, "medium": "GPU"}, "new"),
-    "sglang-0.5.13": Dialect(sglang_wire.decode_payload, lambda h: ["BlockStored", [-h], None, tokens(h), BS, None, "GPU"],
-                             "old"),
+    "vllm-0.23": Dialect(
+        vllm_wire.decode_payload,
+        lambda h: ["BlockStored", [h], None, tokens(h), BS, None, "GPU", None, None, 0, "full_attention", None],
+        "old",
+    ),
+    "sglang-0.5.22": Dialect(
+        sglang_wire.decode_payload,
+        lambda h: {
+            "type": "BlockStored",
+            "block_hashes": [-h],
+            "parent_block_hash": None,
+            "token_ids": tokens(h),
+            "block_size": BS,
+            "lora_id": None,
+            "medium": "GPU",
+        },
+        "new",
+    ),
+    "sglang-0.5.13": Dialect(
+        sglang_wire.decode_payload, lambda h: ["BlockStored", [-h], None, tokens(h), BS, None, "GPU"], "old"
+    ),
     "trtllm-stream": Dialect(vllm_wire.decode_payload, lambda h: {**root_store(h), "mm_keys": [[]]}, "new"),
 }
 
@@ -74,8 +96,16 @@ class Engine:
     """A PUB socket plus a replay ROUTER with a buffer, as vLLM's ZmqEventPublisher. (XPUB is a PUB that
     also reports subscriptions: the tests use that to know the SUB has joined, instead of sleeping.)"""
 
-    def __init__(self, ctx: zmq.asyncio.Context, framing: str = "new", replay: bool = True, answer: bool = True,
-                 pub_connect: str | None = None, pub_bind: str | None = None, replay_bind: str | None = None) -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        framing: str = "new",
+        replay: bool = True,
+        answer: bool = True,
+        pub_connect: str | None = None,
+        pub_bind: str | None = None,
+        replay_bind: str | None = None,
+    ) -> None:
         self.ctx = ctx
         self.pub = ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -158,13 +188,31 @@ def bind_when_free(socket: zmq.Socket, endpoint: str) -> None:
 class Agent:
     """The source feeding a real BlockResolver, as the agent wires it."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, replay_endpoint: str | None, *, bind: bool = False,
-                 replay_timeout_s: float = 0.5, topic: str = "", decode=vllm_wire.decode_payload) -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        replay_endpoint: str | None,
+        *,
+        bind: bool = False,
+        replay_timeout_s: float = 0.5,
+        topic: str = "",
+        decode=vllm_wire.decode_payload,
+    ) -> None:
         self.resolver = BlockResolver(MODEL)
         self.applied: list[int] = []
         self.resets: list[str] = []
-        self.source = ZmqEventSource(endpoint, self._on_batch, self._on_reset, replay_endpoint, bind=bind, topic=topic,
-                                     replay_timeout_s=replay_timeout_s, context=ctx, decode=decode)
+        self.source = ZmqEventSource(
+            endpoint,
+            self._on_batch,
+            self._on_reset,
+            replay_endpoint,
+            bind=bind,
+            topic=topic,
+            replay_timeout_s=replay_timeout_s,
+            context=ctx,
+            decode=decode,
+        )
         self.task = asyncio.create_task(self.source.run())
 
     def _on_batch(self, batch: DecodedBatch) -> None:
@@ -211,13 +259,14 @@ async def test_malformed_and_truncated_frames_between_valid_batches(ctx, caplog)
     engine = Engine(ctx, replay=False)
     agent = Agent(ctx, engine.endpoint, None)
     try:
-        await joined(engine, agent)                                             # seq 0: key(1000)
-        await engine.pub.send_multipart([b"", (1).to_bytes(8, "big")])           # truncated: 2 frames
+        await joined(engine, agent)  # seq 0: key(1000)
+        await engine.pub.send_multipart([b"", (1).to_bytes(8, "big")])  # truncated: 2 frames
         await engine.pub.send_multipart([b"", b"\x00\x00\x01", payload(root_store(1))])  # 3-byte sequence frame
-        await engine.pub.send_multipart(frames(1, b"\xc1\xc1garbage\xc1"))       # garbage payload (seq 1 not used up)
-        await engine.pub.send_multipart(frames(7, payload(root_store(2))[:-7]))   # truncated payload: no gap to 7
-        await engine.publish(1, payload(root_store(30), ["BlockStored", "broken"], {"type": "NewEvent"},
-                                        {**root_store(31), "new_field": [1]}))
+        await engine.pub.send_multipart(frames(1, b"\xc1\xc1garbage\xc1"))  # garbage payload (seq 1 not used up)
+        await engine.pub.send_multipart(frames(7, payload(root_store(2))[:-7]))  # truncated payload: no gap to 7
+        await engine.publish(
+            1, payload(root_store(30), ["BlockStored", "broken"], {"type": "NewEvent"}, {**root_store(31), "new_field": [1]})
+        )
         await engine.publish(2, payload(root_store(40)))
         await settle(lambda: agent.applied == [0, 1, 2])
         assert agent.applied == [0, 1, 2]
@@ -386,8 +435,8 @@ async def test_malformed_replay_messages_are_counted(ctx) -> None:
             if int.from_bytes(start8, "big") == 0:
                 await router.send_multipart([identity, b"", END, b""])
                 continue
-            await router.send_multipart([identity, b"", b"x", b"y", b"z", b"w"])      # 4 frames after delimiter
-            await router.send_multipart([identity, b"", b"\x01", good])               # short seq
+            await router.send_multipart([identity, b"", b"x", b"y", b"z", b"w"])  # 4 frames after delimiter
+            await router.send_multipart([identity, b"", b"\x01", good])  # short seq
             await router.send_multipart([identity, b"", (1).to_bytes(8, "big"), good])
             await router.send_multipart([identity, b"", (1).to_bytes(8, "big"), good])  # duplicate: deduped
             await router.send_multipart([identity, b"", (2).to_bytes(8, "big"), b"\xc1"])  # garbage: not seq 2

@@ -50,14 +50,29 @@ class Built(NamedTuple):
     index: PrefixIndex
 
 
-def build(workers: int, prompt_blocks: int, other_blocks: int, inflight_requests: int, block_size: int,
-          seed: int, max_index_entries: int = 0, index_backend: str = "auto") -> Built:
-    return _build(workers, prompt_blocks, other_blocks, inflight_requests, block_size, seed, max_index_entries,
-                  index_backend)[0]
+def build(
+    workers: int,
+    prompt_blocks: int,
+    other_blocks: int,
+    inflight_requests: int,
+    block_size: int,
+    seed: int,
+    max_index_entries: int = 0,
+    index_backend: str = "auto",
+) -> Built:
+    return _build(workers, prompt_blocks, other_blocks, inflight_requests, block_size, seed, max_index_entries, index_backend)[0]
 
 
-def _build(workers: int, prompt_blocks: int, other_blocks: int, inflight_requests: int, block_size: int,
-           seed: int, max_index_entries: int, index_backend: str) -> tuple[Built, list[int], list[int]]:
+def _build(
+    workers: int,
+    prompt_blocks: int,
+    other_blocks: int,
+    inflight_requests: int,
+    block_size: int,
+    seed: int,
+    max_index_entries: int,
+    index_backend: str,
+) -> tuple[Built, list[int], list[int]]:
     """The fleet, and the prompt's keys and the workers' slots (for timing the walk alone)."""
     rng = random.Random(seed)
     index = make_index(index_backend, max_index_entries)
@@ -69,13 +84,13 @@ def _build(workers: int, prompt_blocks: int, other_blocks: int, inflight_request
     for w in range(workers):
         record = registry.register(f"w{w}", MODEL, "sim", block_size, f"http://127.0.0.1:{20000 + w}")
         slots.append(record.slot)
-        index.store(record.slot, prompt[: rng.randrange(prompt_blocks + 1)]
-                    + [rng.getrandbits(64) for _ in range(other_blocks)])
+        index.store(record.slot, prompt[: rng.randrange(prompt_blocks + 1)] + [rng.getrandbits(64) for _ in range(other_blocks)])
     other = inflight.open_session("other-router")
     tail = 256 // block_size
     for i in range(inflight_requests):
-        inflight.reserve(other, i + 1, rng.randrange(workers), [rng.getrandbits(64) for _ in range(tail)],
-                         256, 0, 8192, block_size)
+        inflight.reserve(
+            other, i + 1, rng.randrange(workers), [rng.getrandbits(64) for _ in range(tail)], 256, 0, 8192, block_size
+        )
     asking = inflight.open_session("this-router").router
     message = query_message(MODEL, {block_size: prompt})
     message.query.query_id = 1
@@ -103,8 +118,13 @@ def skewed_index(backend: str, workers: int, prompt_blocks: int, other_blocks: i
     return index, prompt
 
 
-def _timed(answer: Callable[[], object], iterations: int, before: Callable[[], None], name: str,
-           clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+def _timed(
+    answer: Callable[[], object],
+    iterations: int,
+    before: Callable[[], None],
+    name: str,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, float]:
     samples = []
     for _ in range(iterations):
         before()
@@ -114,15 +134,27 @@ def _timed(answer: Callable[[], object], iterations: int, before: Callable[[], N
     return {f"{name}_p50_us": round(percentile(samples, 50), 1), f"{name}_p99_us": round(percentile(samples, 99), 1)}
 
 
-def run_answer(workers: int = 64, prompt_tokens: int = 8192, block_size: int = 16, other_blocks: int = 2000,
-               inflight_requests: int = 128, iterations: int = 2000, pause_ms: float = 1.0, seed: int = 0,
-               max_index_entries: int = 0, index_backend: str = "auto") -> dict:
+def run_answer(
+    workers: int = 64,
+    prompt_tokens: int = 8192,
+    block_size: int = 16,
+    other_blocks: int = 2000,
+    inflight_requests: int = 128,
+    iterations: int = 2000,
+    pause_ms: float = 1.0,
+    seed: int = 0,
+    max_index_entries: int = 0,
+    index_backend: str = "auto",
+) -> dict:
     backend = resolve_backend(index_backend)
-    (answer, query_bytes, index), prompt, slots = _build(workers, prompt_tokens // block_size, other_blocks,
-                                                         inflight_requests, block_size, seed, max_index_entries, backend)
+    (answer, query_bytes, index), prompt, slots = _build(
+        workers, prompt_tokens // block_size, other_blocks, inflight_requests, block_size, seed, max_index_entries, backend
+    )
     if max_index_entries and index.entry_count() >= max_index_entries:
-        raise ValueError(f"--max-index-entries {max_index_entries} must exceed the fleet's {index.entry_count()} "
-                         "entries: this bench times walks, not evictions")
+        raise ValueError(
+            f"--max-index-entries {max_index_entries} must exceed the fleet's {index.entry_count()} "
+            "entries: this bench times walks, not evictions"
+        )
     for _ in range(50):
         answer()
     traffic = bytearray(4 << 20)
@@ -145,14 +177,25 @@ def run_answer(workers: int = 64, prompt_tokens: int = 8192, block_size: int = 1
         # this thread's CPU time: what the walk costs a core, without the time other processes took it away
         result.update(_timed(walk, iterations, lambda: None, f"{name}_cpu", time.thread_time))
     skewed, skewed_prompt = skewed_index(backend, workers, prompt_tokens // block_size, other_blocks, seed)
-    result.update(_timed(lambda: skewed.match_tiers(skewed_prompt), iterations, lambda: None, "skewed_match_tiers_cpu",
-                         time.thread_time))
+    result.update(
+        _timed(lambda: skewed.match_tiers(skewed_prompt), iterations, lambda: None, "skewed_match_tiers_cpu", time.thread_time)
+    )
     if is_bounded(index):
+
         def unmark() -> None:  # a new lap, twice: nothing is marked (private: only a bench wants this)
             index._new_lap()
             index._new_lap()
 
         result.update(_timed(answer, iterations, unmark, "unmarked"))
-    return {**result, "index_backend": backend, "pause_ms": pause_ms, "workers": workers, "prompt_tokens": prompt_tokens,
-            "query_bytes": query_bytes, "inflight_elsewhere": inflight_requests, "iterations": iterations,
-            "max_index_entries": max_index_entries, "index_entries": index.entry_count()}
+    return {
+        **result,
+        "index_backend": backend,
+        "pause_ms": pause_ms,
+        "workers": workers,
+        "prompt_tokens": prompt_tokens,
+        "query_bytes": query_bytes,
+        "inflight_elsewhere": inflight_requests,
+        "iterations": iterations,
+        "max_index_entries": max_index_entries,
+        "index_entries": index.entry_count(),
+    }

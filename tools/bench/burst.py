@@ -44,8 +44,9 @@ def burst_prompts(seed: int, requests: int = BURST_REQUESTS) -> list[list[int]]:
     return [prefix + [rng.randrange(3, VOCAB) for _ in range(TAIL_TOKENS)] for _ in range(requests)]
 
 
-def burst_decisions(policy: RoutingPolicy, prompts: list[list[int]], workers: int = 8, block_size: int = 16,
-                    speculative: bool = True) -> list[str]:
+def burst_decisions(
+    policy: RoutingPolicy, prompts: list[list[int]], workers: int = 8, block_size: int = 16, speculative: bool = True
+) -> list[str]:
     """Where `prompts` arriving at once go on an empty fleet when each decision sees all earlier ones
     through a router's tracker (in-flight load, and speculative holders unless `speculative` is off)."""
     tracker = RouterInflight()
@@ -72,11 +73,13 @@ def send_burst(router_urls: list[str], model: str, prompts: list[list[int]], max
 
     async def main() -> list[str]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+
             async def one(i: int, tokens: list[int]) -> str:
                 body = {"model": model, "prompt": tokens, "max_tokens": max_tokens}
                 async with session.post(router_urls[i % len(router_urls)] + "/v1/completions", json=body) as resp:
                     await resp.read()
                     return resp.headers.get("x-kvroute-worker", "") if resp.status == 200 else ""
+
             return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
 
     return asyncio.run(main())
@@ -100,15 +103,23 @@ def run_burst(workers: int = 8, seed: int = 11, routers: int = 2) -> dict:
             cluster.start_router(name, "kv_aware", "--no-router-session")
         for name in (*shared, *unshared):  # every worker known: a router still syncing decides on load alone
             url = cluster.router_urls[name]
-            wait_until(lambda url=url: json.loads(http_get(url + "/ready")[1]).get("workers") == workers, 30,
-                       f"router {name} with all {workers} workers", cluster.all_processes())
+            wait_until(
+                lambda url=url: json.loads(http_get(url + "/ready")[1]).get("workers") == workers,
+                30,
+                f"router {name} with all {workers} workers",
+                cluster.all_processes(),
+            )
         for label, names, seed_offset in (("shared", shared, 0), ("unshared", unshared, 1)):
             prompts = burst_prompts(seed + seed_offset)  # a new prefix for each run
             started = time.perf_counter()
             served = send_burst([cluster.router_urls[n] for n in names], cluster.model, prompts)
             used = Counter(served)
-            result[label] = {"workers_used": len(used), "per_worker": dict(sorted(used.items())),
-                             "failed": served.count(""), "wall_s": round(time.perf_counter() - started, 2)}
+            result[label] = {
+                "workers_used": len(used),
+                "per_worker": dict(sorted(used.items())),
+                "failed": served.count(""),
+                "wall_s": round(time.perf_counter() - started, 2),
+            }
             time.sleep(1.0)  # let the engines finish before the next burst
         result["reference_workers"] = reference_workers(workers, burst_prompts(seed))
     finally:

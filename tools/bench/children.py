@@ -36,8 +36,7 @@ class ChildProcess:
         return pid_of_managed(self.process)
 
     def wait_ready(self, timeout_s: float) -> dict:
-        return wait_until(lambda: _read(self.ready_file), timeout_s, f"{self.process.name} ready", [self.process],
-                          interval=0.01)
+        return wait_until(lambda: _read(self.ready_file), timeout_s, f"{self.process.name} ready", [self.process], interval=0.01)
 
     def signal(self, sig: int) -> None:
         assert self.process.popen is not None
@@ -87,8 +86,7 @@ def _child(module: str, workdir: Path, name: str, args: tuple[str, ...]) -> Chil
 
 def start_agents(workdir: Path, name: str, control_plane: str, *args: str, taskset: str = "") -> ChildProcess:
     """`kvroute.tools.bench.synthetic_agents` against `control_plane`, with its own flags `args`."""
-    return _child("kvroute.tools.bench.synthetic_agents", workdir, name,
-                  ("--control-plane", control_plane, *args)).start(taskset)
+    return _child("kvroute.tools.bench.synthetic_agents", workdir, name, ("--control-plane", control_plane, *args)).start(taskset)
 
 
 def start_follower(workdir: Path, name: str, control_plane: str, *args: str, taskset: str = "") -> ChildProcess:

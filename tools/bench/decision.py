@@ -58,7 +58,22 @@ from kvroute.tools.tiny_model import build_model_dir
 from kvroute.v1 import kvroute_pb2 as pb
 
 MODEL = "tiny-llama"
-WORDS = ["cache", "token", "prefix", "router", "worker", "model", "request", "latency", "block", "memory", "engine", "query", "index", "policy"]
+WORDS = [
+    "cache",
+    "token",
+    "prefix",
+    "router",
+    "worker",
+    "model",
+    "request",
+    "latency",
+    "block",
+    "memory",
+    "engine",
+    "query",
+    "index",
+    "policy",
+]
 FOLLOW_BATCH_KEYS = 64  # keys stored (and as many removed) per agent batch under --follow-rate
 
 
@@ -73,12 +88,15 @@ def prompt_text(tokenizer, n_tokens: int, seed: int) -> str:
 
 def chat_messages(system_text: str, i: int) -> list[dict]:
     """A long shared system prompt and a new user turn: the repeated-chat-prefix case."""
-    return [{"role": "system", "content": system_text},
-            {"role": "user", "content": f"question {i}: which worker holds this prefix, and why?"}]
+    return [
+        {"role": "system", "content": system_text},
+        {"role": "user", "content": f"question {i}: which worker holds this prefix, and why?"},
+    ]
 
 
-async def in_flight_elsewhere(address: str, worker_ids: list[str], block_size: int, requests: int,
-                              seed: int) -> ControlPlaneClient:
+async def in_flight_elsewhere(
+    address: str, worker_ids: list[str], block_size: int, requests: int, seed: int
+) -> ControlPlaneClient:
     """Another router with `requests` requests in flight (new 256-token tails of other prompts), as
     in a serving fleet: the control plane then holds speculative claims while we query."""
     rng = random.Random(seed + 1)
@@ -116,9 +134,22 @@ def applied_events(metrics_url: str) -> float:
     return by_op.get("stored", 0.0) + by_op.get("removed", 0.0)
 
 
-async def measure(address: str, tokenizer, uncached, system_text: str, workers: int, block_size: int,
-                  iterations: int, seed: int, index: str, metrics_url: str, start_feed: Callable[[], None] | None,
-                  interval_s: float, max_seconds: float = 300.0, inflight_requests: int = 128) -> dict:
+async def measure(
+    address: str,
+    tokenizer,
+    uncached,
+    system_text: str,
+    workers: int,
+    block_size: int,
+    iterations: int,
+    seed: int,
+    index: str,
+    metrics_url: str,
+    start_feed: Callable[[], None] | None,
+    interval_s: float,
+    max_seconds: float = 300.0,
+    inflight_requests: int = 128,
+) -> dict:
     view = FleetView("bench-router", models={MODEL}) if index == "local" else None
     client = ControlPlaneClient(address, query_timeout_s=1.0, view=view, max_message_bytes=256 * 1024 * 1024)
     if view is None:
@@ -128,11 +159,13 @@ async def measure(address: str, tokenizer, uncached, system_text: str, workers: 
         raise RuntimeError("router session to the control plane did not open")
     if view is not None:
         await _until(lambda: view.synced, 120, "the view's first snapshot")
-    other_router = await in_flight_elsewhere(address, [f"w{w}" for w in range(workers)], block_size,
-                                             inflight_requests, seed)
+    other_router = await in_flight_elsewhere(address, [f"w{w}" for w in range(workers)], block_size, inflight_requests, seed)
     if view is not None:
-        await _until(lambda: _reserved_elsewhere(view, other_router.session.router_id) >= inflight_requests, 30,
-                     "the other router's requests in the view")
+        await _until(
+            lambda: _reserved_elsewhere(view, other_router.session.router_id) >= inflight_requests,
+            30,
+            "the other router's requests in the view",
+        )
     index_ms: list[float] = []
     sizes: dict[str, int] = {}
     if view is None:
@@ -202,9 +235,15 @@ async def measure(address: str, tokenizer, uncached, system_text: str, workers: 
         result["view_lag_ms_end"] = round(view.lag_s * 1000, 1)  # how old the newest change was when it arrived
     await client.close()
     await other_router.close()
-    return {**result, "prompt_tokens": len(tokenizer.encode_chat(chat_messages(system_text, 0))),
-            "workers": workers, "iterations": iterations, "inflight_elsewhere": inflight_requests,
-            "fail_open": fail_open, **sizes}
+    return {
+        **result,
+        "prompt_tokens": len(tokenizer.encode_chat(chat_messages(system_text, 0))),
+        "workers": workers,
+        "iterations": iterations,
+        "inflight_elsewhere": inflight_requests,
+        "fail_open": fail_open,
+        **sizes,
+    }
 
 
 def _view_applied(view: FleetView | None) -> int:
@@ -234,24 +273,24 @@ def control_plane_answer_mean_ms(metrics_url: str) -> float:
     return round(values[total] / values[count] * 1000, 3) if values.get(count) else 0.0
 
 
-def measure_echo_floor(request_bytes: int, reply_bytes: int, iterations: int, core: int | None,
-                       workdir: Path) -> float:
+def measure_echo_floor(request_bytes: int, reply_bytes: int, iterations: int, core: int | None, workdir: Path) -> float:
     """p50 ms of a bare gRPC stream round trip to a `kvroute.tools.bench.grpc_echo` process (on `core` if given)."""
     return round(percentile(echo_round_trips_ms(request_bytes, reply_bytes, iterations, core, workdir), 50), 3)
 
 
-def echo_round_trips_ms(request_bytes: int, reply_bytes: int, iterations: int, core: int | None,
-                        workdir: Path) -> list[float]:
+def echo_round_trips_ms(request_bytes: int, reply_bytes: int, iterations: int, core: int | None, workdir: Path) -> list[float]:
     """Bare gRPC stream round trips (ms) to a `kvroute.tools.bench.grpc_echo` process (on `core` if given)."""
     return aio.run_value(echo_round_trips(request_bytes, reply_bytes, iterations, core, workdir))
 
 
-async def echo_round_trips(request_bytes: int, reply_bytes: int, iterations: int, core: int | None,
-                           workdir: Path) -> list[float]:
+async def echo_round_trips(request_bytes: int, reply_bytes: int, iterations: int, core: int | None, workdir: Path) -> list[float]:
     """`echo_round_trips_ms` on the running event loop (grpc.aio keeps to the first loop a process runs)."""
     port = free_port()
-    server = ManagedProcess("grpc-echo", [sys.executable, "-m", "kvroute.tools.bench.grpc_echo", "--port", str(port),
-                                          "--reply-bytes", str(reply_bytes)], workdir / "grpc-echo.log")
+    server = ManagedProcess(
+        "grpc-echo",
+        [sys.executable, "-m", "kvroute.tools.bench.grpc_echo", "--port", str(port), "--reply-bytes", str(reply_bytes)],
+        workdir / "grpc-echo.log",
+    )
     server.start()
     try:
         if core is not None:
@@ -272,10 +311,20 @@ def pin_apart(control_plane_pid: int) -> int | None:
     return cores[1]
 
 
-def run_decision(prompt_tokens: int = 8192, workers: int = 64, block_size: int = 16, iterations: int = 300,
-                 other_blocks: int | None = None, seed: int = 0, pin_cores: bool = False, max_index_entries: int = 0,
-                 index: str = "local", follow_rate: float = 0.0, interval_ms: float | None = None,
-                 max_seconds: float = 300.0) -> dict:
+def run_decision(
+    prompt_tokens: int = 8192,
+    workers: int = 64,
+    block_size: int = 16,
+    iterations: int = 300,
+    other_blocks: int | None = None,
+    seed: int = 0,
+    pin_cores: bool = False,
+    max_index_entries: int = 0,
+    index: str = "local",
+    follow_rate: float = 0.0,
+    interval_ms: float | None = None,
+    max_seconds: float = 300.0,
+) -> dict:
     """`other_blocks` per worker: 16,384 under `follow_rate` (>= 1M entries with 64 workers), else 2000.
     `interval_ms` between decisions: 2 under `follow_rate`, else 0 (back to back)."""
     if index not in ("local", "remote"):
@@ -285,32 +334,69 @@ def run_decision(prompt_tokens: int = 8192, workers: int = 64, block_size: int =
     if interval_ms is None:
         interval_ms = 2.0 if follow_rate else 0.0
     workdir = Path(tempfile.mkdtemp(prefix="kvroute-bench-"))
-    cluster = LocalCluster(workdir=workdir, tokenizer_dir=build_model_dir(workdir / MODEL),
-                           heartbeat_timeout_s=3600)
+    cluster = LocalCluster(workdir=workdir, tokenizer_dir=build_model_dir(workdir / MODEL), heartbeat_timeout_s=3600)
     agents: ChildProcess | None = None
     try:
         # Claims of the other router's in-flight requests stay for the whole run (no engine confirms them).
         metrics_port = free_port()
         bound = ("--max-index-entries", str(max_index_entries)) if max_index_entries else ()
-        address = cluster.start_control_plane(extra_args=("--speculative-ttl-ms", "3600000",
-                                                          "--metrics-port", str(metrics_port), *bound))
+        address = cluster.start_control_plane(
+            extra_args=("--speculative-ttl-ms", "3600000", "--metrics-port", str(metrics_port), *bound)
+        )
         control_plane_core = pin_apart(cluster.control_plane.popen.pid) if pin_cores else None
         tokenizer = load_tokenizer(cluster.tokenizer_dir)
         uncached = load_tokenizer(cluster.tokenizer_dir, cache_tokens=0)  # what a never-seen prompt costs
         system_text = prompt_text(uncached, prompt_tokens - 24, seed)
         prefix = prompt_block_keys(uncached.encode_chat(chat_messages(system_text, 0)), block_size, MODEL)
         (workdir / "prefix.json").write_text(json.dumps([prefix]))
-        agents = start_agents(workdir, "agents", address, "--workers", str(workers), "--worker-prefix", "w",
-                              "--model", MODEL, "--block-size", str(block_size), "--prefix-file",
-                              str(workdir / "prefix.json"), "--snapshot-keys", str(other_blocks), "--seed", str(seed),
-                              "--rate", str(follow_rate), "--batch-keys", str(FOLLOW_BATCH_KEYS), "--hold-keys",
-                              str(other_blocks), "--heartbeat-s", "5", "--wait-signal", taskset=str(control_plane_core) if control_plane_core is not None else "")
+        agents = start_agents(
+            workdir,
+            "agents",
+            address,
+            "--workers",
+            str(workers),
+            "--worker-prefix",
+            "w",
+            "--model",
+            MODEL,
+            "--block-size",
+            str(block_size),
+            "--prefix-file",
+            str(workdir / "prefix.json"),
+            "--snapshot-keys",
+            str(other_blocks),
+            "--seed",
+            str(seed),
+            "--rate",
+            str(follow_rate),
+            "--batch-keys",
+            str(FOLLOW_BATCH_KEYS),
+            "--hold-keys",
+            str(other_blocks),
+            "--heartbeat-s",
+            "5",
+            "--wait-signal",
+            taskset=str(control_plane_core) if control_plane_core is not None else "",
+        )
         filled = agents.wait_ready(300)
         started_agents = agents
-        result = aio.run_value(measure(
-            address, tokenizer, uncached, system_text, workers, block_size, iterations, seed, index,
-            f"http://127.0.0.1:{metrics_port}/metrics",
-            (lambda: started_agents.signal(signal.SIGUSR1)) if follow_rate else None, interval_ms / 1000, max_seconds))
+        result = aio.run_value(
+            measure(
+                address,
+                tokenizer,
+                uncached,
+                system_text,
+                workers,
+                block_size,
+                iterations,
+                seed,
+                index,
+                f"http://127.0.0.1:{metrics_port}/metrics",
+                (lambda: started_agents.signal(signal.SIGUSR1)) if follow_rate else None,
+                interval_ms / 1000,
+                max_seconds,
+            )
+        )
         result["control_plane_answer_mean_ms"] = control_plane_answer_mean_ms(f"http://127.0.0.1:{metrics_port}/metrics")
         feed = agents.finish()
         agents = None
@@ -320,9 +406,16 @@ def run_decision(prompt_tokens: int = 8192, workers: int = 64, block_size: int =
         if agents is not None:
             agents.process.stop()
         cluster.stop()
-    out = {**result, "index": index, "follow_rate": follow_rate, "interval_ms": interval_ms,
-           "pinned_cores": control_plane_core is not None, "max_index_entries": max_index_entries}
+    out = {
+        **result,
+        "index": index,
+        "follow_rate": follow_rate,
+        "interval_ms": interval_ms,
+        "pinned_cores": control_plane_core is not None,
+        "max_index_entries": max_index_entries,
+    }
     if index == "remote":  # after the control plane has stopped, in its place (its core when pinned)
-        out["grpc_echo_p50_ms"] = measure_echo_floor(result["query_bytes"], result["answer_bytes"], iterations,
-                                                     control_plane_core, workdir)
+        out["grpc_echo_p50_ms"] = measure_echo_floor(
+            result["query_bytes"], result["answer_bytes"], iterations, control_plane_core, workdir
+        )
     return out

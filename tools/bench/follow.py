@@ -71,8 +71,11 @@ MODEL = "bench-model"
 def _ms_stats(prefix: str, values: list[float]) -> dict[str, float]:
     if not values:
         return {f"{prefix}_p50_ms": float("nan"), f"{prefix}_p99_ms": float("nan")}
-    return {f"{prefix}_p50_ms": round(percentile(values, 50), 3), f"{prefix}_p99_ms": round(percentile(values, 99), 3),
-            f"{prefix}_max_ms": round(max(values), 3)}
+    return {
+        f"{prefix}_p50_ms": round(percentile(values, 50), 3),
+        f"{prefix}_p99_ms": round(percentile(values, 99), 3),
+        f"{prefix}_max_ms": round(max(values), 3),
+    }
 
 
 def _lags_ms(sent_ns: dict[str, int], seen_ns: dict[str, int]) -> tuple[list[float], int]:
@@ -112,21 +115,35 @@ async def _reserve_trials(address: str, worker_ids: list[str], trials: int, inte
     return sent
 
 
-async def freshness(workdir: Path, agents_at: str, follower_at: str, label: str, args, control_planes: list[int],
-                    others: tuple[int, ...] = ()) -> dict:
+async def freshness(
+    workdir: Path, agents_at: str, follower_at: str, label: str, args, control_planes: list[int], others: tuple[int, ...] = ()
+) -> dict:
     """Agents on `agents_at` at args.rate batches/s, the follower on `follower_at`, router A reserving on
     `agents_at`. The CPU that processes other than ours (`control_planes`, `others`, the agents, the
     follower, this one) took meanwhile, and how long the control planes' and the follower's event loops
     waited for a CPU, are reported as `disturbance` (tools/disturbance.py)."""
     workers = args.workers
-    agents = start_agents(workdir, f"agents-{label}", agents_at, "--workers", str(workers), "--model", MODEL,
-                          "--rate", str(args.rate * args.batch_keys * 2), "--batch-keys", str(args.batch_keys),
-                          "--wait-signal", taskset=args.taskset_agents)
+    agents = start_agents(
+        workdir,
+        f"agents-{label}",
+        agents_at,
+        "--workers",
+        str(workers),
+        "--model",
+        MODEL,
+        "--rate",
+        str(args.rate * args.batch_keys * 2),
+        "--batch-keys",
+        str(args.batch_keys),
+        "--wait-signal",
+        taskset=args.taskset_agents,
+    )
     follower = None
     try:
         agents.wait_ready(60)
-        follower = start_follower(workdir, f"follower-{label}", follower_at, "--index-backend", args.index_backend,
-                                  taskset=args.taskset_follower)
+        follower = start_follower(
+            workdir, f"follower-{label}", follower_at, "--index-backend", args.index_backend, taskset=args.taskset_follower
+        )
         follower.wait_ready(60)
         loops = [*control_planes, follower.pid]
         monitor = DisturbanceMonitor([os.getpid(), agents.pid, *loops, *others], loops)
@@ -135,8 +152,7 @@ async def freshness(workdir: Path, agents_at: str, follower_at: str, label: str,
         agents.signal(signal.SIGUSR1)
         duration = args.batches / args.rate
         trials = max(1, int(duration / args.reserve_interval_s))
-        reserved = await _reserve_trials(agents_at, [f"synthetic-{i}" for i in range(workers)], trials,
-                                         args.reserve_interval_s)
+        reserved = await _reserve_trials(agents_at, [f"synthetic-{i}" for i in range(workers)], trials, args.reserve_interval_s)
         sent = agents.finish()
         disturbance = monitor.stop()
         await asyncio.sleep(0.5)  # the last batches reach the view
@@ -152,29 +168,54 @@ async def freshness(workdir: Path, agents_at: str, follower_at: str, label: str,
     # The work on the path, per batch (heartbeats, reservations and keepalives included): what a lag
     # would be with a CPU always free; the rest of the lag is waiting.
     batches = max(1, len(sent["sent_ns"]))
-    work = {f"cpu_us_per_batch{suffix}": {"control_planes": round(sum(cpu[p] for p in control_planes) / batches * 1e6, 1),
-                                          "follower": round(cpu[follower.pid] / batches * 1e6, 1)}}
-    return {**_ms_stats(f"view_lag{suffix}", lags), f"view_lag{suffix}_samples": len(lags), **work,
-            f"view_lag{suffix}_unseen": unseen, f"agent_events_per_s{suffix}": sent["events_per_s"],
-            **_ms_stats(f"placement_visible{suffix}", placed), f"placement_visible{suffix}_samples": len(placed),
-            f"placement_visible{suffix}_unseen": unplaced, f"disturbance{suffix}": disturbance.to_json()}
+    work = {
+        f"cpu_us_per_batch{suffix}": {
+            "control_planes": round(sum(cpu[p] for p in control_planes) / batches * 1e6, 1),
+            "follower": round(cpu[follower.pid] / batches * 1e6, 1),
+        }
+    }
+    return {
+        **_ms_stats(f"view_lag{suffix}", lags),
+        f"view_lag{suffix}_samples": len(lags),
+        **work,
+        f"view_lag{suffix}_unseen": unseen,
+        f"agent_events_per_s{suffix}": sent["events_per_s"],
+        **_ms_stats(f"placement_visible{suffix}", placed),
+        f"placement_visible{suffix}_samples": len(placed),
+        f"placement_visible{suffix}_unseen": unplaced,
+        f"disturbance{suffix}": disturbance.to_json(),
+    }
 
 
 def catchup(workdir: Path, address: str, cp_pid: int, entries: int, runs: int, args) -> dict:
     """Fill the control plane at `address` (process `cp_pid`) to >= `entries` entries (8 workers), then
     time `runs` new followers."""
     per_worker = -(-entries // 8)
-    agents = start_agents(workdir, "agents-catchup", address, "--workers", "8", "--worker-prefix", "catchup-",
-                          "--model", MODEL, "--snapshot-keys", str(per_worker), "--seed", "9",
-                          taskset=args.taskset_agents)
+    agents = start_agents(
+        workdir,
+        "agents-catchup",
+        address,
+        "--workers",
+        "8",
+        "--worker-prefix",
+        "catchup-",
+        "--model",
+        MODEL,
+        "--snapshot-keys",
+        str(per_worker),
+        "--seed",
+        "9",
+        taskset=args.taskset_agents,
+    )
     out: dict = {}
     try:
         filled = agents.wait_ready(600)
         stream, process, cpu, cp_cpu, rss = [], [], [], [], []
         for run in range(runs):
             cp_before = process_cpu_s(cp_pid)
-            follower = start_follower(workdir, f"follower-catchup-{run}", address, "--index-backend",
-                                      args.index_backend, taskset=args.taskset_follower)
+            follower = start_follower(
+                workdir, f"follower-catchup-{run}", address, "--index-backend", args.index_backend, taskset=args.taskset_follower
+            )
             try:
                 ready = follower.wait_ready(600)
                 cp_cpu.append(process_cpu_s(cp_pid) - cp_before)  # the snapshot's share, and the process start's wait
@@ -186,12 +227,17 @@ def catchup(workdir: Path, address: str, cp_pid: int, entries: int, runs: int, a
             process.append(ready["process_to_synced_s"])
             cpu.append(ready["sync_cpu_s"])
             rss.append((ready["rss_synced_bytes"] - ready["rss_before_bytes"]) / ready["entries"])
-        out = {"router_catchup_s_1m": round(statistics.median(stream), 3), "router_catchup_s_1m_max": max(stream),
-               "router_catchup_runs_s": stream, "router_catchup_process_s_1m": round(statistics.median(process), 3),
-               "router_catchup_cpu_s_1m": round(statistics.median(cpu), 3),
-               "control_plane_catchup_cpu_s_1m": round(statistics.median(cp_cpu), 3),
-               "catchup_entries": ready["entries"], "catchup_agent_entries": filled["entries"],
-               "rss_bytes_per_entry": round(statistics.median(rss), 1)}
+        out = {
+            "router_catchup_s_1m": round(statistics.median(stream), 3),
+            "router_catchup_s_1m_max": max(stream),
+            "router_catchup_runs_s": stream,
+            "router_catchup_process_s_1m": round(statistics.median(process), 3),
+            "router_catchup_cpu_s_1m": round(statistics.median(cpu), 3),
+            "control_plane_catchup_cpu_s_1m": round(statistics.median(cp_cpu), 3),
+            "catchup_entries": ready["entries"],
+            "catchup_agent_entries": filled["entries"],
+            "rss_bytes_per_entry": round(statistics.median(rss), 1),
+        }
     finally:
         agents.process.stop()
     return out
@@ -226,8 +272,9 @@ async def over_redis(workdir: Path, args) -> dict:
             if args.taskset_control_plane:
                 pin(pid_of(replica), args.taskset_control_plane)
         assert redis.process is not None
-        return await freshness(workdir, a.address, b.address, "redis", args, [pid_of(a), pid_of(b)],
-                               (pid_of_managed(redis.process),))
+        return await freshness(
+            workdir, a.address, b.address, "redis", args, [pid_of(a), pid_of(b)], (pid_of_managed(redis.process),)
+        )
     finally:
         a.stop()
         b.stop()
@@ -242,15 +289,16 @@ def fleet_state(workers: int, keys_per_worker: int, seed: int = 1) -> FleetState
     rng = random.Random(seed)
     state = FleetState.build()
     for w in range(workers):
-        record = state.applier.register(f"w{w}", RegisterBody(MODEL, "sim", 16, f"http://127.0.0.1:{20000 + w}",
-                                                               "", [], None, f"i{w}", ""), resume=False)
-        state.applier.apply_batch(record, 1, True, [BlockOp(Op.STORED, 0, [rng.getrandbits(64)
-                                                                             for _ in range(keys_per_worker)])])
+        record = state.applier.register(
+            f"w{w}", RegisterBody(MODEL, "sim", 16, f"http://127.0.0.1:{20000 + w}", "", [], None, f"i{w}", ""), resume=False
+        )
+        state.applier.apply_batch(record, 1, True, [BlockOp(Op.STORED, 0, [rng.getrandbits(64) for _ in range(keys_per_worker)])])
     return state
 
 
-async def recorded_updates(state: FleetState, batches: int, batch_keys: int, batches_per_message: int,
-                           seed: int = 2) -> tuple[list[bytes], list[bytes], int]:
+async def recorded_updates(
+    state: FleetState, batches: int, batch_keys: int, batches_per_message: int, seed: int = 2
+) -> tuple[list[bytes], list[bytes], int]:
     """(the snapshot's messages, then `batches` agent batches as the feed sends them, block events in
     those). Each batch stores `batch_keys` new keys on a worker and removes as many of its oldest."""
     feed = FollowFeed(state, "bench", window_changes=batches + 16, window_bytes=1 << 40)
@@ -273,8 +321,7 @@ async def recorded_updates(state: FleetState, batches: int, batch_keys: int, bat
         del fifo[record.slot][:batch_keys]
         fifo[record.slot].extend(new)
         seqs[record.slot] += 1
-        state.applier.apply_batch(record, seqs[record.slot], False,
-                                  [BlockOp(Op.STORED, 0, new), BlockOp(Op.REMOVED, 0, old)])
+        state.applier.apply_batch(record, seqs[record.slot], False, [BlockOp(Op.STORED, 0, new), BlockOp(Op.REMOVED, 0, old)])
         events += len(new) + len(old)
         if (i + 1) % batches_per_message == 0 or i == batches - 1:
             deltas.append(await anext(stream))
@@ -282,8 +329,9 @@ async def recorded_updates(state: FleetState, batches: int, batch_keys: int, bat
     return snapshot, deltas, events
 
 
-async def view_memory_and_ingest(entries: int, workers: int, batches: int, batch_keys: int,
-                                 batches_per_message: int, index_backend: str) -> dict:
+async def view_memory_and_ingest(
+    entries: int, workers: int, batches: int, batch_keys: int, batches_per_message: int, index_backend: str
+) -> dict:
     state = fleet_state(workers, -(-entries // workers))
     snapshot, deltas, events = await recorded_updates(state, batches, batch_keys, batches_per_message)
     del state
@@ -308,11 +356,17 @@ async def view_memory_and_ingest(entries: int, workers: int, batches: int, batch
         apply(parse(message))
     elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     # Per CPU second too: on a shared machine the wall-clock rate is also how much of a core this got.
-    return {"bytes_per_entry": round(allocated / held, 1), "view_entries": held,
-            "ingest_events_per_s": round(events / elapsed), "ingest_events_per_cpu_s": round(events / max(cpu, 1e-9)),
-            "ingest_block_events": events, "ingest_seconds": round(elapsed, 3), "ingest_cpu_seconds": round(cpu, 3),
-            "ingest_batches_per_message": batches_per_message,
-            "ingest_batch_keys": batch_keys}
+    return {
+        "bytes_per_entry": round(allocated / held, 1),
+        "view_entries": held,
+        "ingest_events_per_s": round(events / elapsed),
+        "ingest_events_per_cpu_s": round(events / max(cpu, 1e-9)),
+        "ingest_block_events": events,
+        "ingest_seconds": round(elapsed, 3),
+        "ingest_cpu_seconds": round(cpu, 3),
+        "ingest_batches_per_message": batches_per_message,
+        "ingest_batch_keys": batch_keys,
+    }
 
 
 # ------------------------------------------------------------------ the whole bench
@@ -327,8 +381,13 @@ def run_follow(args) -> dict:
 
 async def _run_follow(args) -> dict:
     workdir = Path(args.workdir) if args.workdir else temp_workdir("kvroute-bench-follow-")
-    result: dict = {"loadavg_1m_start": round(os.getloadavg()[0], 2), "index_backend": resolve_backend(args.index_backend), "rate_batches_per_s": args.rate, "workers": args.workers,
-                    "batch_keys": args.batch_keys}
+    result: dict = {
+        "loadavg_1m_start": round(os.getloadavg()[0], 2),
+        "index_backend": resolve_backend(args.index_backend),
+        "rate_batches_per_s": args.rate,
+        "workers": args.workers,
+        "batch_keys": args.batch_keys,
+    }
     runs: list[dict] = []
     for _ in range(args.repeat):
         run: dict = {}
@@ -348,8 +407,11 @@ async def _run_follow(args) -> dict:
     if args.repeat > 1:
         result["runs"] = runs
     if args.memory_entries:
-        result.update(await view_memory_and_ingest(args.memory_entries, 64, args.ingest_batches, args.batch_keys,
-                                                   args.ingest_batches_per_message, args.index_backend))
+        result.update(
+            await view_memory_and_ingest(
+                args.memory_entries, 64, args.ingest_batches, args.batch_keys, args.ingest_batches_per_message, args.index_backend
+            )
+        )
     result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     return result
 

@@ -66,8 +66,7 @@ async def run(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     on_stop_signal(stop.set)
     view = StampingView(args.router_id, index_factory=partial(make_index, args.index_backend))
-    client = ControlPlaneClient(args.control_plane, use_session=False, view=view,
-                                max_message_bytes=256 * 1024 * 1024)
+    client = ControlPlaneClient(args.control_plane, use_session=False, view=view, max_message_bytes=256 * 1024 * 1024)
     rss_before = rss_bytes()
     opened, cpu_opened = time.monotonic(), time.process_time()
     client.start()
@@ -76,20 +75,33 @@ async def run(args: argparse.Namespace) -> int:
             await asyncio.sleep(0.001)
         if view.synced:
             synced = time.monotonic()
-            write_port_file(args.ready_file, {
-                "entries": view.state.index.entry_count() if view.state is not None else 0,
-                "stream_to_synced_s": round(synced - opened, 4),
-                "sync_cpu_s": round(time.process_time() - cpu_opened, 4),
-                "snapshot_s": round(view.snapshot_done - view.snapshot_started, 4),
-                "process_to_synced_s": round(synced - STARTED, 4),
-                "rss_before_bytes": rss_before, "rss_synced_bytes": rss_bytes()})
+            write_port_file(
+                args.ready_file,
+                {
+                    "entries": view.state.index.entry_count() if view.state is not None else 0,
+                    "stream_to_synced_s": round(synced - opened, 4),
+                    "sync_cpu_s": round(time.process_time() - cpu_opened, 4),
+                    "snapshot_s": round(view.snapshot_done - view.snapshot_started, 4),
+                    "process_to_synced_s": round(synced - STARTED, 4),
+                    "rss_before_bytes": rss_before,
+                    "rss_synced_bytes": rss_bytes(),
+                },
+            )
         await stop.wait()
     finally:
         await client.close()
     counters = view.counters
-    write_port_file(args.report_file, {"batches": view.batches, "reserved": view.reserved, "changes": counters.changes,
-                                       "messages": counters.messages, "snapshots": counters.snapshots,
-                                       "lag_s": view.lag_s})
+    write_port_file(
+        args.report_file,
+        {
+            "batches": view.batches,
+            "reserved": view.reserved,
+            "changes": counters.changes,
+            "messages": counters.messages,
+            "snapshots": counters.snapshots,
+            "lag_s": view.lag_s,
+        },
+    )
     return 0
 
 

@@ -45,15 +45,14 @@ from kvroute.worker_agent import vllm_wire
 from kvroute.worker_agent.msgpack_wire import OversizeBatchError, WireFormatError
 
 MODEL, WORKER, BLOCK_SIZE = "fuzz-model", "fuzz-0", 4
-MAX_FRAME_BYTES = 64 << 10   # the agent's --kv-events-max-frame-bytes here: small, so oversize frames are cheap
-MAX_BATCH_EVENTS = 256       # its --kv-events-max-batch-events
-BAD_PER_VALID = 4            # about one valid batch per this many bad messages
-OVERSIZE_FRAMES = 3          # each costs the agent a reconnect (~0.5 s)
+MAX_FRAME_BYTES = 64 << 10  # the agent's --kv-events-max-frame-bytes here: small, so oversize frames are cheap
+MAX_BATCH_EVENTS = 256  # its --kv-events-max-batch-events
+BAD_PER_VALID = 4  # about one valid batch per this many bad messages
+OVERSIZE_FRAMES = 3  # each costs the agent a reconnect (~0.5 s)
 END_SEQ = b"\xff" * 8
 ENCODER = MsgpackEventEncoder(get_dialect("vllm-0.26"), BLOCK_SIZE)
 # Counters that must stay 0: nothing bad may cost the worker its state.
-MUST_BE_ZERO = ("state_resets", "unrecoverable_gaps", "sequence_resets", "reconnect_resets", "callback_errors",
-                "rank_mismatches")
+MUST_BE_ZERO = ("state_resets", "unrecoverable_gaps", "sequence_resets", "reconnect_resets", "callback_errors", "rank_mismatches")
 
 
 def undecodable(payload: bytes) -> bool:
@@ -75,7 +74,7 @@ class Traffic:
         self.next_hash = 1
         self.chains: list[tuple[list[int], list[int]]] = []  # (engine hashes, kvroute keys) of held prompts
         self.expected: set[int] = set()
-        self.counts: Counter[str] = Counter()                # events sent, and the bad ones inside batches
+        self.counts: Counter[str] = Counter()  # events sent, and the bad ones inside batches
 
     def _store(self) -> dict:
         n = self.rng.randint(1, 3)
@@ -132,6 +131,7 @@ class HostileEngine:
     async def serve_models(self) -> str:
         """The engine's `GET /v1/models` (an agent registers its worker only while its engine answers
         there); its other endpoints stay absent: the agent's load polls fail and are counted. Returns the URL."""
+
         async def models(_: web.Request) -> web.Response:
             return web.json_response({"object": "list", "data": [{"id": MODEL}]})
 
@@ -199,10 +199,10 @@ class Fuzzer:
         rng = self.rng
         for _ in range(8):
             at = rng.randrange(len(payload))
-            bad = payload[:at] + bytes([payload[at] ^ rng.randrange(1, 256)]) + payload[at + 1:]
+            bad = payload[:at] + bytes([payload[at] ^ rng.randrange(1, 256)]) + payload[at + 1 :]
             if undecodable(bad):
                 return bad
-        return payload[:rng.randrange(1, len(payload))]  # a truncated batch never decodes
+        return payload[: rng.randrange(1, len(payload))]  # a truncated batch never decodes
 
     # ------------------------------------------------------------------ bad messages
 
@@ -215,8 +215,7 @@ class Fuzzer:
             frames = [b"", rng.randbytes(rng.choice((0, 1, 4, 7, 9, 16))), rng.randbytes(rng.randrange(33))]
         elif kind == "random":
             payload = rng.randbytes(rng.randrange(1, 65))
-            frames = [rng.randbytes(rng.randrange(5)), rng.randbytes(8), payload if undecodable(payload) else
-                      b"\xc1" + payload]
+            frames = [rng.randbytes(rng.randrange(5)), rng.randbytes(8), payload if undecodable(payload) else b"\xc1" + payload]
         elif kind == "corrupt":  # a corrupted copy of a batch sent earlier, under the next seq or any
             original = self.engine.buffer[rng.randrange(self.seq)] if self.seq else msgspec.msgpack.encode([1.0, [], 0])
             frames = [b"", rng.choice((self.seq, rng.getrandbits(64))).to_bytes(8, "big"), self.corrupted(original)]
@@ -251,7 +250,7 @@ class Fuzzer:
         sums: dict[str, float] = {}
         for sample in samples(body.decode()):
             if sample.name.startswith("kvroute_agent_"):
-                name = sample.name[len("kvroute_agent_"):].removesuffix("_total")
+                name = sample.name[len("kvroute_agent_") :].removesuffix("_total")
                 sums[name] = sums.get(name, 0.0) + sample.value
         return sums
 
@@ -263,12 +262,17 @@ class Fuzzer:
         deadline = time.monotonic() + timeout
         while True:
             c = await self.counters()
-            if (c.get("last_seq") == self.seq - 1 and c.get("malformed_frames") == self.expected_malformed_frames()
-                    and c.get("oversize_batches", 0) == self.sent["oversize_batches"]):
+            if (
+                c.get("last_seq") == self.seq - 1
+                and c.get("malformed_frames") == self.expected_malformed_frames()
+                and c.get("oversize_batches", 0) == self.sent["oversize_batches"]
+            ):
                 return c
             if time.monotonic() > deadline:
-                raise TimeoutError(f"agent did not catch up: last_seq {c.get('last_seq')} (want {self.seq - 1}), "
-                                   f"malformed_frames {c.get('malformed_frames')} (want {self.expected_malformed_frames()})")
+                raise TimeoutError(
+                    f"agent did not catch up: last_seq {c.get('last_seq')} (want {self.seq - 1}), "
+                    f"malformed_frames {c.get('malformed_frames')} (want {self.expected_malformed_frames()})"
+                )
             await asyncio.sleep(0.05)
 
 
@@ -281,14 +285,16 @@ def control_plane_keys(address: str) -> set[int] | None:
     return {k for tier in reply.tiers if tier.tier == pb.TIER_GPU for k in tier.block_keys}
 
 
-async def drive(cluster: LocalCluster, agent: ManagedProcess, engine: HostileEngine, metrics_url: str, messages: int,
-                seed: int) -> FuzzReport:
+async def drive(
+    cluster: LocalCluster, agent: ManagedProcess, engine: HostileEngine, metrics_url: str, messages: int, seed: int
+) -> FuzzReport:
     started = time.monotonic()
     rng = random.Random(seed)
     fuzzer = Fuzzer(engine, rng, metrics_url)
     await engine.subscribed()
-    await asyncio.to_thread(wait_until, lambda: any(w.worker_id == WORKER for w in cluster.list_workers()), 30,
-                            "the agent registered", [agent])
+    await asyncio.to_thread(
+        wait_until, lambda: any(w.worker_id == WORKER for w in cluster.list_workers()), 30, "the agent registered", [agent]
+    )
     oversize_at = {messages * (k + 1) // (OVERSIZE_FRAMES + 1) for k in range(OVERSIZE_FRAMES)} if messages >= 100 else set()
     for i in range(messages):
         if i % BAD_PER_VALID == 0:
@@ -309,8 +315,11 @@ async def drive(cluster: LocalCluster, agent: ManagedProcess, engine: HostileEng
         if held == expected:
             break
         await asyncio.sleep(0.1)
-    timings = {"send_s": round(sent_at - started, 2), "agent_catch_up_s": round(caught_up_at - sent_at, 2),
-               "control_plane_s": round(time.monotonic() - caught_up_at, 2)}
+    timings = {
+        "send_s": round(sent_at - started, 2),
+        "agent_catch_up_s": round(caught_up_at - sent_at, 2),
+        "control_plane_s": round(time.monotonic() - caught_up_at, 2),
+    }
     health_started = time.monotonic()
     try:
         status, _ = await asyncio.to_thread(http_get, metrics_url + "/health", 1.0)
@@ -319,21 +328,41 @@ async def drive(cluster: LocalCluster, agent: ManagedProcess, engine: HostileEng
         health_ms = float("inf")
     counters = await fuzzer.counters()
     sent, counts = fuzzer.sent, fuzzer.traffic.counts
-    bad_expected = {"malformed_frames": fuzzer.expected_malformed_frames(), "oversize_frames": sent["oversize_frames"],
-                    "oversize_batches": sent["oversize_batches"], "malformed_events": counts["malformed_events"],
-                    "unknown_events": counts["unknown_events"], "unknown_fields": counts["unknown_fields"],
-                    **dict.fromkeys(MUST_BE_ZERO, 0)}
+    bad_expected = {
+        "malformed_frames": fuzzer.expected_malformed_frames(),
+        "oversize_frames": sent["oversize_frames"],
+        "oversize_batches": sent["oversize_batches"],
+        "malformed_events": counts["malformed_events"],
+        "unknown_events": counts["unknown_events"],
+        "unknown_fields": counts["unknown_fields"],
+        **dict.fromkeys(MUST_BE_ZERO, 0),
+    }
     bad = sent["malformed_frames"] + sent["oversize_frames"] + sent["oversize_batches"]
     crashes = sum(not p.alive() for p in (agent, cluster.control_plane))
     return FuzzReport(
-        target="agent-zmq", messages=bad + sent["valid"], bad_messages=bad, valid_messages=sent["valid"],
-        valid_events=counts["events"], applied=held == expected,
-        bad_counted={name: int(counters.get(name, -1)) for name in bad_expected}, bad_expected=bad_expected,
-        crashes=crashes, health_ms=round(health_ms, 1), seconds=round(time.monotonic() - started, 1),
-        details={"keys_expected": len(expected), "keys_held": None if held is None else len(held),
-                 "replay_requests": engine.replay_requests, "replay_junk_sent": engine.junk_sent,
-                 "gaps_filled": int(counters.get("gaps", 0)), "reconnects": int(counters.get("reconnects", 0)),
-                 "max_frame_bytes": MAX_FRAME_BYTES, "max_batch_events": MAX_BATCH_EVENTS, **timings})
+        target="agent-zmq",
+        messages=bad + sent["valid"],
+        bad_messages=bad,
+        valid_messages=sent["valid"],
+        valid_events=counts["events"],
+        applied=held == expected,
+        bad_counted={name: int(counters.get(name, -1)) for name in bad_expected},
+        bad_expected=bad_expected,
+        crashes=crashes,
+        health_ms=round(health_ms, 1),
+        seconds=round(time.monotonic() - started, 1),
+        details={
+            "keys_expected": len(expected),
+            "keys_held": None if held is None else len(held),
+            "replay_requests": engine.replay_requests,
+            "replay_junk_sent": engine.junk_sent,
+            "gaps_filled": int(counters.get("gaps", 0)),
+            "reconnects": int(counters.get("reconnects", 0)),
+            "max_frame_bytes": MAX_FRAME_BYTES,
+            "max_batch_events": MAX_BATCH_EVENTS,
+            **timings,
+        },
+    )
 
 
 def run_fuzz(messages: int, seed: int, workdir: Path) -> FuzzReport:
@@ -346,13 +375,35 @@ def run_fuzz(messages: int, seed: int, workdir: Path) -> FuzzReport:
         engine = HostileEngine(ctx)
         engine_url = await engine.serve_models()
         metrics_port = free_port()
-        agent = ManagedProcess("agent", kvroute_argv(
-            "agent", "--control-plane", cluster.control_plane_addr, "--engine", "vllm",
-            "--kv-events", f"tcp://127.0.0.1:{engine.port}", "--replay-endpoint", f"tcp://127.0.0.1:{engine.replay_port}",
-            "--engine-url", engine_url,
-            "--worker-id", WORKER, "--model", MODEL, "--block-size", str(BLOCK_SIZE), "--metrics-port", str(metrics_port),
-            "--kv-events-max-frame-bytes", str(MAX_FRAME_BYTES), "--kv-events-max-batch-events", str(MAX_BATCH_EVENTS)),
-            workdir / "agent.log")
+        agent = ManagedProcess(
+            "agent",
+            kvroute_argv(
+                "agent",
+                "--control-plane",
+                cluster.control_plane_addr,
+                "--engine",
+                "vllm",
+                "--kv-events",
+                f"tcp://127.0.0.1:{engine.port}",
+                "--replay-endpoint",
+                f"tcp://127.0.0.1:{engine.replay_port}",
+                "--engine-url",
+                engine_url,
+                "--worker-id",
+                WORKER,
+                "--model",
+                MODEL,
+                "--block-size",
+                str(BLOCK_SIZE),
+                "--metrics-port",
+                str(metrics_port),
+                "--kv-events-max-frame-bytes",
+                str(MAX_FRAME_BYTES),
+                "--kv-events-max-batch-events",
+                str(MAX_BATCH_EVENTS),
+            ),
+            workdir / "agent.log",
+        )
         agent.start()
         try:
             return await drive(cluster, agent, engine, f"http://127.0.0.1:{metrics_port}", messages, seed)

@@ -39,13 +39,19 @@ from kvroute.v1 import kvroute_pb2 as pb
 
 MODEL, WORKER, BLOCK_SIZE = "fuzz-model", "fuzz-valid", 4
 BAD_PER_VALID = 4
-CHECK_EVERY = 500   # bad inputs between two comparisons of the index with what the valid agent sent
+CHECK_EVERY = 500  # bad inputs between two comparisons of the index with what the valid agent sent
 TIMEOUT_S = 10.0
 SERVICE = "/kvroute.v1.ControlPlane/"
-I, FP, NF, AE, OK = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
-                     grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.OK)
-_BAD_CODES = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED,
-                        grpc.StatusCode.UNAVAILABLE})
+I, FP, NF, AE, OK = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.OK,
+)
+_BAD_CODES = frozenset(
+    {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE}
+)
 _TIERS = (pb.TIER_GPU, pb.TIER_GPU, pb.TIER_GPU, pb.TIER_CPU, pb.TIER_DISK)
 
 
@@ -61,16 +67,25 @@ class ValidAgent:
         self.acked = 0
         self.batches_events = 0
         self.acks = asyncio.Condition()
-        self.call = channel.stream_stream(SERVICE + "Connect", request_serializer=pb.AgentMessage.SerializeToString,
-                                          response_deserializer=pb.ControlMessage.FromString)(self._messages(),
-                                                                                             timeout=3600)
+        self.call = channel.stream_stream(
+            SERVICE + "Connect",
+            request_serializer=pb.AgentMessage.SerializeToString,
+            response_deserializer=pb.ControlMessage.FromString,
+        )(self._messages(), timeout=3600)
         self.reader = asyncio.create_task(self._read())
         self.heartbeats = asyncio.create_task(self._heartbeat())
 
     async def _messages(self):
-        yield pb.AgentMessage(register=pb.RegisterWorker(worker_id=WORKER, model=MODEL, engine="sim",
-                                                         block_size=BLOCK_SIZE, endpoint="http://127.0.0.1:9",
-                                                         agent_instance="fuzz"))
+        yield pb.AgentMessage(
+            register=pb.RegisterWorker(
+                worker_id=WORKER,
+                model=MODEL,
+                engine="sim",
+                block_size=BLOCK_SIZE,
+                endpoint="http://127.0.0.1:9",
+                agent_instance="fuzz",
+            )
+        )
         while (message := await self.outbox.get()) is not None:
             yield message
 
@@ -84,8 +99,13 @@ class ValidAgent:
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(0.3)
-            self.outbox.put_nowait(pb.AgentMessage(heartbeat=pb.Heartbeat(load=pb.WorkerLoad(
-                running_requests=self.rng.randrange(10), kv_usage=self.rng.random()))))
+            self.outbox.put_nowait(
+                pb.AgentMessage(
+                    heartbeat=pb.Heartbeat(
+                        load=pb.WorkerLoad(running_requests=self.rng.randrange(10), kv_usage=self.rng.random())
+                    )
+                )
+            )
 
     def batch(self) -> None:
         rng = self.rng
@@ -128,8 +148,8 @@ class ValidAgent:
 class Call:
     kind: str
     method: str
-    messages: list[bytes]       # one for a unary method; the stream's messages otherwise
-    expect: frozenset | None    # allowed statuses; None: any but UNKNOWN, INTERNAL, UNAVAILABLE, DEADLINE_EXCEEDED
+    messages: list[bytes]  # one for a unary method; the stream's messages otherwise
+    expect: frozenset | None  # allowed statuses; None: any but UNKNOWN, INTERNAL, UNAVAILABLE, DEADLINE_EXCEEDED
 
     @property
     def streaming(self) -> bool:
@@ -151,25 +171,53 @@ class HostileTraffic:
 
     def hostile_register(self, **changes) -> pb.RegisterWorker:
         self.hostile_ids += 1
-        fields = {"worker_id": f"hostile-{self.hostile_ids}", "model": MODEL, "engine": "sim", "block_size": BLOCK_SIZE,
-                  "endpoint": "http://127.0.0.1:9", **changes}
+        fields = {
+            "worker_id": f"hostile-{self.hostile_ids}",
+            "model": MODEL,
+            "engine": "sim",
+            "block_size": BLOCK_SIZE,
+            "endpoint": "http://127.0.0.1:9",
+            **changes,
+        }
         return pb.RegisterWorker(**fields)
 
     def chain(self, block_size: int) -> pb.KeyChain:
         return pb.KeyChain(block_size=block_size, block_keys=[self.rng.getrandbits(64) for _ in range(3)])
 
     def batch(self, seq: int) -> pb.EventBatch:
-        return pb.EventBatch(seq=seq, events=[pb.BlockEvent(stored=pb.BlocksStored(
-            block_keys=[self.rng.getrandbits(64) for _ in range(4)], tier=pb.TIER_GPU))])
+        return pb.EventBatch(
+            seq=seq,
+            events=[
+                pb.BlockEvent(stored=pb.BlocksStored(block_keys=[self.rng.getrandbits(64) for _ in range(4)], tier=pb.TIER_GPU))
+            ],
+        )
 
     def bad(self) -> Call:
         rng = self.rng
-        kind = rng.choice(("unparseable", "unparseable", "connect", "connect", "connect", "router_session",
-                           "router_session", "query", "unknown_worker", "random", "random"))
+        kind = rng.choice(
+            (
+                "unparseable",
+                "unparseable",
+                "connect",
+                "connect",
+                "connect",
+                "router_session",
+                "router_session",
+                "query",
+                "unknown_worker",
+                "random",
+                "random",
+            )
+        )
         if kind == "unparseable":
             method = rng.choice(("Query", "ListWorkers", "GetWorkerKeys", "Connect", "RouterSession"))
-            cls = {"Query": pb.QueryRequest, "ListWorkers": pb.ListWorkersRequest, "Connect": pb.AgentMessage,
-                   "GetWorkerKeys": pb.GetWorkerKeysRequest, "RouterSession": pb.RouterMessage}[method]
+            cls = {
+                "Query": pb.QueryRequest,
+                "ListWorkers": pb.ListWorkersRequest,
+                "Connect": pb.AgentMessage,
+                "GetWorkerKeys": pb.GetWorkerKeysRequest,
+                "RouterSession": pb.RouterMessage,
+            }[method]
             bad = unparseable_bytes(rng, cls)
             first = []  # a stream's bad message may come after a valid first one
             if method == "Connect" and rng.random() < 0.5:
@@ -183,28 +231,46 @@ class HostileTraffic:
             return rng.choice(_ROUTER_SESSION)(self)
         if kind == "query":
             chains = [self.chain(0)] if rng.random() < 0.5 else [self.chain(BLOCK_SIZE), self.chain(BLOCK_SIZE)]
-            return Call("query:bad_chains", "Query", [pb.QueryRequest(model=MODEL, chains=chains).SerializeToString()],
-                        frozenset({I}))
+            return Call(
+                "query:bad_chains", "Query", [pb.QueryRequest(model=MODEL, chains=chains).SerializeToString()], frozenset({I})
+            )
         if kind == "unknown_worker":
-            return Call(kind, "GetWorkerKeys", [pb.GetWorkerKeysRequest(worker_id=f"nobody-{rng.randrange(10**6)}")
-                                                .SerializeToString()], frozenset({NF}))
+            return Call(
+                kind,
+                "GetWorkerKeys",
+                [pb.GetWorkerKeysRequest(worker_id=f"nobody-{rng.randrange(10**6)}").SerializeToString()],
+                frozenset({NF}),
+            )
         method = rng.choice(("Query", "ListWorkers", "GetWorkerKeys", "Connect", "RouterSession"))
         return Call(f"random:{method}", method, [rng.randbytes(rng.randrange(48))], None)
 
     def valid(self) -> Call:
         if self.rng.random() < 0.5:
-            return Call("valid", "ListWorkers", [pb.ListWorkersRequest(model=MODEL).SerializeToString()],
-                        frozenset({OK}))
-        return Call("valid", "Query", [pb.QueryRequest(model=MODEL, chains=[self.chain(BLOCK_SIZE)], columnar=True)
-                                       .SerializeToString()], frozenset({OK}))
+            return Call("valid", "ListWorkers", [pb.ListWorkersRequest(model=MODEL).SerializeToString()], frozenset({OK}))
+        return Call(
+            "valid",
+            "Query",
+            [pb.QueryRequest(model=MODEL, chains=[self.chain(BLOCK_SIZE)], columnar=True).SerializeToString()],
+            frozenset({OK}),
+        )
 
 
 def _connect_bad_register(t: HostileTraffic) -> Call:
-    changes = t.rng.choice(({"worker_id": ""}, {"model": ""}, {"block_size": 0},
-                            {"endpoint": t.rng.choice(("", "10.0.0.7:8000", "ftp://x", "http://[::1", "http://h:99999",
-                                                       "http://a b", "http://h/\x00"))}))
-    return Call(f"connect:bad_register:{next(iter(changes))}", "Connect", [_agent(register=t.hostile_register(**changes))],
-                frozenset({I}))
+    changes = t.rng.choice(
+        (
+            {"worker_id": ""},
+            {"model": ""},
+            {"block_size": 0},
+            {
+                "endpoint": t.rng.choice(
+                    ("", "10.0.0.7:8000", "ftp://x", "http://[::1", "http://h:99999", "http://a b", "http://h/\x00")
+                )
+            },
+        )
+    )
+    return Call(
+        f"connect:bad_register:{next(iter(changes))}", "Connect", [_agent(register=t.hostile_register(**changes))], frozenset({I})
+    )
 
 
 def _connect_not_registered(t: HostileTraffic) -> Call:
@@ -218,26 +284,36 @@ def _connect_double_register(t: HostileTraffic) -> Call:
 
 
 def _connect_out_of_sequence(t: HostileTraffic) -> Call:
-    return Call("connect:out_of_sequence", "Connect",
-                [_agent(register=t.hostile_register()), _agent(batch=t.batch(t.rng.choice((0, 2, 7, 2**64 - 1))))],
-                frozenset({FP}))
+    return Call(
+        "connect:out_of_sequence",
+        "Connect",
+        [_agent(register=t.hostile_register()), _agent(batch=t.batch(t.rng.choice((0, 2, 7, 2**64 - 1))))],
+        frozenset({FP}),
+    )
 
 
 def _connect_worker_in_use(t: HostileTraffic) -> Call:
-    return Call("connect:worker_in_use", "Connect", [_agent(register=t.hostile_register(worker_id=WORKER))],
-                frozenset({AE}))
+    return Call("connect:worker_in_use", "Connect", [_agent(register=t.hostile_register(worker_id=WORKER))], frozenset({AE}))
 
 
 def _connect_bad_kv_usage(t: HostileTraffic) -> Call:
     usage = t.rng.choice((float("nan"), float("inf"), -1.0, 1.5, 1e30))
-    return Call("connect:bad_kv_usage", "Connect", [_agent(register=t.hostile_register()),
-                                                    _agent(heartbeat=pb.Heartbeat(load=pb.WorkerLoad(kv_usage=usage)))],
-                frozenset({I}))
+    return Call(
+        "connect:bad_kv_usage",
+        "Connect",
+        [_agent(register=t.hostile_register()), _agent(heartbeat=pb.Heartbeat(load=pb.WorkerLoad(kv_usage=usage)))],
+        frozenset({I}),
+    )
 
 
-_CONNECT: list[Callable[[HostileTraffic], Call]] = [_connect_bad_register, _connect_not_registered,
-                                                    _connect_double_register, _connect_out_of_sequence,
-                                                    _connect_worker_in_use, _connect_bad_kv_usage]
+_CONNECT: list[Callable[[HostileTraffic], Call]] = [
+    _connect_bad_register,
+    _connect_not_registered,
+    _connect_double_register,
+    _connect_out_of_sequence,
+    _connect_worker_in_use,
+    _connect_bad_kv_usage,
+]
 
 
 def _hello(t: HostileTraffic) -> bytes:
@@ -245,8 +321,12 @@ def _hello(t: HostileTraffic) -> bytes:
 
 
 def _session_no_hello(t: HostileTraffic) -> Call:
-    return Call("router_session:no_hello", "RouterSession",
-                [_router(query=pb.QueryRequest(model=MODEL, chains=[t.chain(BLOCK_SIZE)]))], frozenset({FP}))
+    return Call(
+        "router_session:no_hello",
+        "RouterSession",
+        [_router(query=pb.QueryRequest(model=MODEL, chains=[t.chain(BLOCK_SIZE)]))],
+        frozenset({FP}),
+    )
 
 
 def _session_double_hello(t: HostileTraffic) -> Call:
@@ -259,14 +339,21 @@ def _session_empty_router_id(t: HostileTraffic) -> Call:
 
 def _session_bad_query(t: HostileTraffic) -> Call:
     chains = [t.chain(0)] if t.rng.random() < 0.5 else [t.chain(BLOCK_SIZE), t.chain(BLOCK_SIZE)]
-    return Call("router_session:bad_query", "RouterSession",
-                [_hello(t), _router(query=pb.QueryRequest(model=MODEL, chains=chains))], frozenset({I}))
+    return Call(
+        "router_session:bad_query",
+        "RouterSession",
+        [_hello(t), _router(query=pb.QueryRequest(model=MODEL, chains=chains))],
+        frozenset({I}),
+    )
 
 
 def _session_reservation_without_worker(t: HostileTraffic) -> Call:
-    return Call("router_session:reservation_without_worker", "RouterSession",
-                [_hello(t), _router(reserve=pb.Reservation(reservation_id=1, block_size=BLOCK_SIZE, block_keys=[1, 2]))],
-                frozenset({I}))
+    return Call(
+        "router_session:reservation_without_worker",
+        "RouterSession",
+        [_hello(t), _router(reserve=pb.Reservation(reservation_id=1, block_size=BLOCK_SIZE, block_keys=[1, 2]))],
+        frozenset({I}),
+    )
 
 
 def _session_empty_message(t: HostileTraffic) -> Call:
@@ -274,8 +361,13 @@ def _session_empty_message(t: HostileTraffic) -> Call:
 
 
 _ROUTER_SESSION: list[Callable[[HostileTraffic], Call]] = [
-    _session_no_hello, _session_double_hello, _session_empty_router_id, _session_bad_query,
-    _session_reservation_without_worker, _session_empty_message]
+    _session_no_hello,
+    _session_double_hello,
+    _session_empty_router_id,
+    _session_bad_query,
+    _session_reservation_without_worker,
+    _session_empty_message,
+]
 
 
 async def send(channel: grpc.aio.Channel, call: Call, outcomes: Outcomes) -> None:
@@ -295,26 +387,35 @@ async def send(channel: grpc.aio.Channel, call: Call, outcomes: Outcomes) -> Non
     if code != OK and not detail:
         ok = False  # every refusal says why
     expect = "any" if call.expect is None else "/".join(sorted(c.name for c in call.expect))
-    outcomes.add(call.kind, expect, code.name, ok, hang=code == grpc.StatusCode.DEADLINE_EXCEEDED,
-                 seconds=time.monotonic() - started,
-                 example=None if ok else f"{call.method} {[m[:100] for m in call.messages]!r} -> {code.name} {detail[:300]}")
+    outcomes.add(
+        call.kind,
+        expect,
+        code.name,
+        ok,
+        hang=code == grpc.StatusCode.DEADLINE_EXCEEDED,
+        seconds=time.monotonic() - started,
+        example=None if ok else f"{call.method} {[m[:100] for m in call.messages]!r} -> {code.name} {detail[:300]}",
+    )
 
 
 async def worker_keys(channel: grpc.aio.Channel, worker_id: str) -> dict[int, set[int]] | None:
     try:
-        reply = await channel.unary_unary(SERVICE + "GetWorkerKeys",
-                                          request_serializer=pb.GetWorkerKeysRequest.SerializeToString,
-                                          response_deserializer=pb.GetWorkerKeysResponse.FromString)(
-            pb.GetWorkerKeysRequest(worker_id=worker_id), timeout=5)
+        reply = await channel.unary_unary(
+            SERVICE + "GetWorkerKeys",
+            request_serializer=pb.GetWorkerKeysRequest.SerializeToString,
+            response_deserializer=pb.GetWorkerKeysResponse.FromString,
+        )(pb.GetWorkerKeysRequest(worker_id=worker_id), timeout=5)
     except grpc.aio.AioRpcError:
         return None
     return {tier.tier: set(tier.block_keys) for tier in reply.tiers}
 
 
 async def hostile_blocks(channel: grpc.aio.Channel) -> int:
-    reply = await channel.unary_unary(SERVICE + "ListWorkers", request_serializer=pb.ListWorkersRequest.SerializeToString,
-                                      response_deserializer=pb.ListWorkersResponse.FromString)(
-        pb.ListWorkersRequest(), timeout=5)
+    reply = await channel.unary_unary(
+        SERVICE + "ListWorkers",
+        request_serializer=pb.ListWorkersRequest.SerializeToString,
+        response_deserializer=pb.ListWorkersResponse.FromString,
+    )(pb.ListWorkersRequest(), timeout=5)
     total = 0
     for worker in reply.workers:
         if worker.worker_id != WORKER:
@@ -348,9 +449,15 @@ async def drive(address: str, messages: int, seed: int) -> tuple[Outcomes, dict,
             held = await worker_keys(channel, WORKER)
             stray = await hostile_blocks(channel)
             if not acked or held != agent.held or stray:
-                mismatches.append({"after_batch": agent.seq, "acked": acked, "stray_blocks": stray,
-                                   "keys_expected": {m: len(k) for m, k in agent.held.items()},
-                                   "keys_held": None if held is None else {m: len(k) for m, k in held.items()}})
+                mismatches.append(
+                    {
+                        "after_batch": agent.seq,
+                        "acked": acked,
+                        "stray_blocks": stray,
+                        "keys_expected": {m: len(k) for m, k in agent.held.items()},
+                        "keys_held": None if held is None else {m: len(k) for m, k in held.items()},
+                    }
+                )
             return acked
 
         try:
@@ -367,9 +474,13 @@ async def drive(address: str, messages: int, seed: int) -> tuple[Outcomes, dict,
                 outcomes.add("valid_batch", "acked", "acked" if acked else "not acked", acked)
         finally:
             await agent.close()
-    details = {"valid_batches": agent.seq, "valid_events": agent.batches_events,
-               "keys_at_the_end": {m: len(k) for m, k in agent.held.items()},
-               "index_checks": checkpoints, "index_mismatches": mismatches}
+    details = {
+        "valid_batches": agent.seq,
+        "valid_events": agent.batches_events,
+        "keys_at_the_end": {m: len(k) for m, k in agent.held.items()},
+        "index_checks": checkpoints,
+        "index_mismatches": mismatches,
+    }
     return outcomes, details, not mismatches
 
 
@@ -380,8 +491,13 @@ def run_fuzz(messages: int, seed: int, workdir: Path) -> FuzzReport:
         address = cluster.start_control_plane()
         outcomes, details, applied = asyncio.run(drive(address, messages, seed))
         health = asyncio.run(health_ms(address))
-        return outcomes.report("control-plane", applied=applied, crashes=int(not cluster.control_plane.alive()),
-                               health_ms=round(health, 1), seconds=round(time.monotonic() - started, 1),
-                               details=details)
+        return outcomes.report(
+            "control-plane",
+            applied=applied,
+            crashes=int(not cluster.control_plane.alive()),
+            health_ms=round(health, 1),
+            seconds=round(time.monotonic() - started, 1),
+            details=details,
+        )
     finally:
         cluster.stop()

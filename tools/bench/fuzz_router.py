@@ -46,11 +46,11 @@ from kvroute.tools.local_cluster import LocalCluster, free_port, http_get, http_
 from kvroute.tools.tiny_model import build_model_dir
 from kvroute.v1 import kvroute_pb2 as pb
 
-MAX_PROMPT_TOKENS = 512    # the router's --max-prompt-tokens here: small, so a prompt over it is cheap to send
+MAX_PROMPT_TOKENS = 512  # the router's --max-prompt-tokens here: small, so a prompt over it is cheap to send
 MAX_BODY_BYTES = 64 << 10  # its --max-body-bytes
 BAD_PER_VALID = 4
-PROXIED_EVERY = 5          # one valid request in this many goes through to the engine (the rest: /v1/route)
-TIMEOUT_S = 10.0           # an answer slower than this is a hang
+PROXIED_EVERY = 5  # one valid request in this many goes through to the engine (the rest: /v1/route)
+TIMEOUT_S = 10.0  # an answer slower than this is a hang
 WORDS = ["the", "cache", "router", "sends", "each", "prompt", "to", "the", "worker", "that", "holds", "its", "longest", "prefix"]
 
 
@@ -74,13 +74,20 @@ def start_fleet(workdir: Path) -> RouterFleet:
     try:
         cluster.start_sim_fleet(1)
         grpc_port = free_port()
-        url = cluster.start_router("fuzz", "kv_aware", "--grpc-port", str(grpc_port), "--max-prompt-tokens",
-                                   str(MAX_PROMPT_TOKENS), "--max-body-bytes", str(MAX_BODY_BYTES))
+        url = cluster.start_router(
+            "fuzz",
+            "kv_aware",
+            "--grpc-port",
+            str(grpc_port),
+            "--max-prompt-tokens",
+            str(MAX_PROMPT_TOKENS),
+            "--max-body-bytes",
+            str(MAX_BODY_BYTES),
+        )
         fleet = RouterFleet(cluster, url, f"127.0.0.1:{grpc_port}")
         # Ready: it has the fleet from the control plane (before that, a request is a 503 no_workers), and its
         # gRPC health, which follows readiness every 0.5 s, says so too.
-        wait_until(lambda: http_ok(url + "/ready") and health_ms(fleet) < 1000, 30, "the router ready",
-                   cluster.all_processes())
+        wait_until(lambda: http_ok(url + "/ready") and health_ms(fleet) < 1000, 30, "the router ready", cluster.all_processes())
     except BaseException:
         cluster.stop()
         raise
@@ -151,7 +158,7 @@ class HttpRequest:
     body: bytes = b""
     method: str = "POST"
     headers: dict[str, str] = field(default_factory=dict)
-    raw: bytes = b""             # sent as it is on a new connection, instead of method/path/headers/body
+    raw: bytes = b""  # sent as it is on a new connection, instead of method/path/headers/body
 
 
 def _json(value: object) -> bytes:
@@ -167,8 +174,10 @@ class HttpTraffic:
         chat = rng.random() < 0.5 if chat is None else chat
         body: dict = {"model": self.model, "max_tokens": rng.randint(1, 4)}
         if chat:
-            body["messages"] = [{"role": "system", "content": text(rng, 12)},
-                                {"role": "user", "content": text(rng, rng.randint(1, 40))}]
+            body["messages"] = [
+                {"role": "system", "content": text(rng, 12)},
+                {"role": "user", "content": text(rng, rng.randint(1, 40))},
+            ]
         else:
             body["prompt"] = text(rng, rng.randint(1, 60))
         if rng.random() < 0.2:
@@ -179,17 +188,38 @@ class HttpTraffic:
         body = self.valid_body()
         path = ("/v1/chat/completions" if "messages" in body else "/v1/completions") if proxied else "/v1/route"
         # Headers the router passes on to the engine as they came: any text, also beyond Latin-1.
-        headers = {"X-Client-Note": self.rng.choice(("plain", "café", "日本語のメモ", "emoji 🙂", "caf\udce9"))} \
-            if self.rng.random() < 0.3 else {}
+        headers = (
+            {"X-Client-Note": self.rng.choice(("plain", "café", "日本語のメモ", "emoji 🙂", "caf\udce9"))}
+            if self.rng.random() < 0.3
+            else {}
+        )
         return HttpRequest("valid", "200", path, _json(body), headers=headers)
 
     def bad(self) -> HttpRequest:
         rng = self.rng
-        kind = rng.choice(("not_json", "truncated", "not_object", "wrong_type", "wrong_type", "surrogate",
-                           "huge_number", "deep_nesting", "unknown_model", "too_long", "too_large", "bad_path",
-                           "bad_header", "framing", "mutated", "mutated", "random_json"))
+        kind = rng.choice(
+            (
+                "not_json",
+                "truncated",
+                "not_object",
+                "wrong_type",
+                "wrong_type",
+                "surrogate",
+                "huge_number",
+                "deep_nesting",
+                "unknown_model",
+                "too_long",
+                "too_large",
+                "bad_path",
+                "bad_header",
+                "framing",
+                "mutated",
+                "mutated",
+                "random_json",
+            )
+        )
         path = rng.choice(("/v1/route", "/v1/route", "/v1/completions", "/v1/chat/completions"))
-        body = self.valid_body(chat=path.endswith("chat/completions") or (path == "/v1/route" and rng.random() < .5))
+        body = self.valid_body(chat=path.endswith("chat/completions") or (path == "/v1/route" and rng.random() < 0.5))
         if kind == "not_json":
             raw = rng.randbytes(rng.randrange(0, 64))
             while _is_json(raw):
@@ -197,7 +227,7 @@ class HttpTraffic:
             return HttpRequest(kind, "4xx", path, raw)
         if kind == "truncated":
             raw = _json(body)
-            return HttpRequest(kind, "4xx", path, raw[:rng.randrange(len(raw))])
+            return HttpRequest(kind, "4xx", path, raw[: rng.randrange(len(raw))])
         if kind == "not_object":
             return HttpRequest(kind, "4xx", path, _json(rng.choice(([], [body], "text", 12, 1.5, None, True))))
         if kind == "wrong_type":
@@ -227,8 +257,7 @@ class HttpTraffic:
                 raw = raw.replace('"x"', huge, 1)
             else:
                 raw = raw.replace('"x"', f"[1, {huge}, 2]", 1)
-            return HttpRequest(f"{kind}:{where}", "4xx", path if path != "/v1/chat/completions" else "/v1/route",
-                               raw.encode())
+            return HttpRequest(f"{kind}:{where}", "4xx", path if path != "/v1/chat/completions" else "/v1/route", raw.encode())
         if kind == "deep_nesting":
             depth = rng.choice((1_000, 10_000, 100_000))
             where = rng.choice(("prompt", "messages", "model", "body"))
@@ -250,19 +279,40 @@ class HttpTraffic:
             body["prompt"] = "y" * (MAX_BODY_BYTES + rng.randrange(1, 4096))
             return HttpRequest(kind, "4xx", "/v1/route" if path == "/v1/chat/completions" else path, _json(body))
         if kind == "bad_path":
-            method, bad_path = rng.choice((("POST", "/v1/nothing"), ("GET", "/v1/completions"), ("PUT", "/v1/route"),
-                                           ("POST", "/v1/models"), ("DELETE", "/health"), ("POST", "/%ff%fe")))
+            method, bad_path = rng.choice(
+                (
+                    ("POST", "/v1/nothing"),
+                    ("GET", "/v1/completions"),
+                    ("PUT", "/v1/route"),
+                    ("POST", "/v1/models"),
+                    ("DELETE", "/health"),
+                    ("POST", "/%ff%fe"),
+                )
+            )
             return HttpRequest(kind, "4xx", bad_path, _json(body), method)
         if kind == "bad_header":
             return HttpRequest(kind, "4xx", path, _json(body), headers={"x-session-id": "caf\udce9 \udcff"})
         if kind == "framing":
             raw = _json(body)
-            head = rng.choice((b"GARBAGE / HTTP/1.1", b"POST /v1/route HTTP/9.9", b"POST /v1/rou\x00te HTTP/1.1",
-                               b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",  # a TLS ClientHello's start
-                               b"POST " + path.encode() + b" HTTP/1.1"))
-            headers = rng.choice((b"Content-Length: abc", b"Content-Length: 2\r\nContent-Length: 3", b"Bad Header: 1",
-                                  b"X-Big: " + b"a" * 9000, b"Transfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0",
-                                  b"Content-Length: -5"))
+            head = rng.choice(
+                (
+                    b"GARBAGE / HTTP/1.1",
+                    b"POST /v1/route HTTP/9.9",
+                    b"POST /v1/rou\x00te HTTP/1.1",
+                    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",  # a TLS ClientHello's start
+                    b"POST " + path.encode() + b" HTTP/1.1",
+                )
+            )
+            headers = rng.choice(
+                (
+                    b"Content-Length: abc",
+                    b"Content-Length: 2\r\nContent-Length: 3",
+                    b"Bad Header: 1",
+                    b"X-Big: " + b"a" * 9000,
+                    b"Transfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0",
+                    b"Content-Length: -5",
+                )
+            )
             return HttpRequest(kind, "4xx text", path, raw=head + b"\r\nHost: r\r\n" + headers + b"\r\n\r\n" + raw)
         if kind == "mutated":
             raw = bytearray(_json(body))
@@ -274,25 +324,57 @@ class HttpTraffic:
 
 _WRONG: dict[str, list] = {
     "model": [12, 1.5, True, None, [], ["tiny-llama"], {"name": "tiny-llama"}],
-    "prompt": [None, 12, 1.5, True, {}, [], [[]], [-1], [2**32], [1.5], [True], ["a", 1], [[1, 2], "b", [-3]],
-               {"text": "x"}],
-    "messages": [None, "hello", 12, {}, [], [1], ["hi"], [{}], [{"role": 5, "content": "x"}], [{"role": None}],
-                 [{"role": "user", "content": "x"}, 7]],
+    "prompt": [None, 12, 1.5, True, {}, [], [[]], [-1], [2**32], [1.5], [True], ["a", 1], [[1, 2], "b", [-3]], {"text": "x"}],
+    "messages": [
+        None,
+        "hello",
+        12,
+        {},
+        [],
+        [1],
+        ["hi"],
+        [{}],
+        [{"role": 5, "content": "x"}],
+        [{"role": None}],
+        [{"role": "user", "content": "x"}, 7],
+    ],
 }
-_FIELD_NAMES = ("model", "prompt", "messages", "lora_name", "cache_salt", "user", "tools", "chat_template_kwargs",
-                "add_generation_prompt", "max_tokens", "stream")
+_FIELD_NAMES = (
+    "model",
+    "prompt",
+    "messages",
+    "lora_name",
+    "cache_salt",
+    "user",
+    "tools",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "max_tokens",
+    "stream",
+)
 
 
 def random_json(rng: random.Random, depth: int) -> object:
     roll = rng.random()
     if depth <= 0 or roll < 0.4:
-        return rng.choice((None, True, False, rng.randrange(-2**70, 2**70), rng.random() * 10**rng.randrange(-5, 300),
-                           text(rng, rng.randrange(4)), "tiny-llama", "".join(chr(rng.randrange(0x20, 0x3000))
-                                                                              for _ in range(rng.randrange(8)))))
+        return rng.choice(
+            (
+                None,
+                True,
+                False,
+                rng.randrange(-(2**70), 2**70),
+                rng.random() * 10 ** rng.randrange(-5, 300),
+                text(rng, rng.randrange(4)),
+                "tiny-llama",
+                "".join(chr(rng.randrange(0x20, 0x3000)) for _ in range(rng.randrange(8))),
+            )
+        )
     if roll < 0.7:
         return [random_json(rng, depth - 1) for _ in range(rng.randrange(4))]
-    return {rng.choice(_FIELD_NAMES) if rng.random() < 0.7 else text(rng, 1): random_json(rng, depth - 1)
-            for _ in range(rng.randrange(5))}
+    return {
+        rng.choice(_FIELD_NAMES) if rng.random() < 0.7 else text(rng, 1): random_json(rng, depth - 1)
+        for _ in range(rng.randrange(5))
+    }
 
 
 def _is_json(raw: bytes) -> bool:
@@ -310,8 +392,13 @@ def is_openai_error(status: int, body: bytes) -> bool:
         return False
     # The router's own errors say invalid_request_error or server_error; an engine's, passed through, its own
     # (vLLM: BadRequestError), in the same shape.
-    return (isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}
-            and isinstance(error["message"], str) and bool(error["message"]) and isinstance(error["type"], str))
+    return (
+        isinstance(error, dict)
+        and set(error) == {"message", "type", "param", "code"}
+        and isinstance(error["message"], str)
+        and bool(error["message"])
+        and isinstance(error["type"], str)
+    )
 
 
 class HttpClient:
@@ -400,17 +487,25 @@ def send(client: HttpClient, req: HttpRequest, outcomes: Outcomes) -> None:
         outcomes.add(req.kind, req.expect, f"connection error: {type(exc).__name__}", False)
         return
     got, ok = http_outcome(req, status, body)
-    outcomes.add(req.kind, req.expect, got, ok, seconds=time.monotonic() - started,
-                 example=None if ok else f"{req.method} {req.path} {req.headers} {(req.raw or req.body)[:300]!r} -> {status} "
-                                         f"{body[:300]!r}")
+    outcomes.add(
+        req.kind,
+        req.expect,
+        got,
+        ok,
+        seconds=time.monotonic() - started,
+        example=None
+        if ok
+        else f"{req.method} {req.path} {req.headers} {(req.raw or req.body)[:300]!r} -> {status} {body[:300]!r}",
+    )
 
 
 # ---------------------------------------------------------------- gRPC
 
 _ROUTE, _PREFILL_DONE, _RELEASE = "/kvroute.v1.Router/Route", "/kvroute.v1.Router/PrefillDone", "/kvroute.v1.Router/Release"
 _REQUEST_TYPES = {_ROUTE: pb.RouteRequest, _PREFILL_DONE: pb.ReservationRef, _RELEASE: pb.ReleaseRequest}
-_BAD_CODES = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED,
-                        grpc.StatusCode.UNAVAILABLE})
+_BAD_CODES = frozenset(
+    {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE}
+)
 INVALID, NOT_FOUND, OK = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OK
 
 
@@ -446,20 +541,28 @@ class GrpcTraffic:
 
     def bad(self) -> GrpcCall:
         rng = self.rng
-        kind = rng.choice(("unparseable", "unparseable", "surrogate", "semantic", "semantic", "semantic",
-                           "unknown_reservation", "mutated", "random"))
+        kind = rng.choice(
+            (
+                "unparseable",
+                "unparseable",
+                "surrogate",
+                "semantic",
+                "semantic",
+                "semantic",
+                "unknown_reservation",
+                "mutated",
+                "random",
+            )
+        )
         method = rng.choice((_ROUTE, _ROUTE, _PREFILL_DONE, _RELEASE))
         if kind == "unparseable":
             return GrpcCall(kind, method, unparseable_bytes(rng, _REQUEST_TYPES[method]), frozenset({INVALID}))
         if kind == "surrogate":
             where = rng.choice(("model", "prompt", "lora_name", "cache_salt", "session_id"))
-            return GrpcCall(f"{kind}:{where}", _ROUTE, lone_surrogate_string(self.valid_route(), where),
-                            frozenset({INVALID}))
+            return GrpcCall(f"{kind}:{where}", _ROUTE, lone_surrogate_string(self.valid_route(), where), frozenset({INVALID}))
         if kind == "unknown_reservation":
-            message = (pb.ReservationRef if method == _PREFILL_DONE else pb.ReleaseRequest)(
-                reservation_id=rng.getrandbits(64))
-            return GrpcCall(kind, _RELEASE if method == _ROUTE else method, message.SerializeToString(),
-                            frozenset({NOT_FOUND}))
+            message = (pb.ReservationRef if method == _PREFILL_DONE else pb.ReleaseRequest)(reservation_id=rng.getrandbits(64))
+            return GrpcCall(kind, _RELEASE if method == _ROUTE else method, message.SerializeToString(), frozenset({NOT_FOUND}))
         if kind == "semantic":
             name, request, codes = rng.choice(_SEMANTIC)(self)
             return GrpcCall(f"{kind}:{name}", _ROUTE, request.SerializeToString(), codes)
@@ -509,7 +612,7 @@ def _semantic_parts_and_content(t: GrpcTraffic):
 def _semantic_bad_tool_json(t: GrpcTraffic):
     r = pb.RouteRequest(model=t.model)
     r.messages.messages.add(role="user", content="x")
-    r.tools.add(name="f", parameters_json=t.rng.choice(("{", "nan", "[" * 100_000, "\"\\ud800\"")))
+    r.tools.add(name="f", parameters_json=t.rng.choice(("{", "nan", "[" * 100_000, '"\\ud800"')))
     return "bad_tool_json", r, frozenset({INVALID})
 
 
@@ -528,9 +631,17 @@ def _semantic_empty_messages(t: GrpcTraffic):
     return "empty_messages", r, frozenset({INVALID})
 
 
-_SEMANTIC: list[Callable] = [_semantic_no_model, _semantic_unknown_model, _semantic_no_input, _semantic_empty_token_ids,
-                             _semantic_tools_without_messages, _semantic_parts_and_content, _semantic_bad_tool_json,
-                             _semantic_too_long, _semantic_empty_messages]
+_SEMANTIC: list[Callable] = [
+    _semantic_no_model,
+    _semantic_unknown_model,
+    _semantic_no_input,
+    _semantic_empty_token_ids,
+    _semantic_tools_without_messages,
+    _semantic_parts_and_content,
+    _semantic_bad_tool_json,
+    _semantic_too_long,
+    _semantic_empty_messages,
+]
 
 
 def call(channel: grpc.Channel, grpc_call: GrpcCall, outcomes: Outcomes) -> bytes | None:
@@ -543,9 +654,15 @@ def call(channel: grpc.Channel, grpc_call: GrpcCall, outcomes: Outcomes) -> byte
     ok = code not in _BAD_CODES if grpc_call.expect is None else code in grpc_call.expect
     if code != OK and not detail:
         ok = False  # every refusal says why
-    outcomes.add(grpc_call.kind, "any" if grpc_call.expect is None else "/".join(sorted(c.name for c in grpc_call.expect)),
-                 code.name, ok, hang=code == grpc.StatusCode.DEADLINE_EXCEEDED, seconds=time.monotonic() - started,
-                 example=None if ok else f"{grpc_call.method} {grpc_call.payload[:200]!r} -> {code.name} {detail[:300]}")
+    outcomes.add(
+        grpc_call.kind,
+        "any" if grpc_call.expect is None else "/".join(sorted(c.name for c in grpc_call.expect)),
+        code.name,
+        ok,
+        hang=code == grpc.StatusCode.DEADLINE_EXCEEDED,
+        seconds=time.monotonic() - started,
+        example=None if ok else f"{grpc_call.method} {grpc_call.payload[:200]!r} -> {code.name} {detail[:300]}",
+    )
     return reply
 
 
@@ -556,30 +673,47 @@ def run_grpc(fleet: RouterFleet, messages: int, seed: int, outcomes: Outcomes) -
         for i in range(messages + 1):
             if i % BAD_PER_VALID == 0:
                 reserve = rng.random() < 0.3
-                reply = call(channel, GrpcCall("valid", _ROUTE, traffic.valid_route(reserve).SerializeToString(),
-                                               frozenset({OK})), outcomes)
+                reply = call(
+                    channel,
+                    GrpcCall("valid", _ROUTE, traffic.valid_route(reserve).SerializeToString(), frozenset({OK})),
+                    outcomes,
+                )
                 if reserve and reply is not None:
                     rid = pb.RouteResponse.FromString(reply).reservation_id
                     if rng.random() < 0.5:
-                        call(channel, GrpcCall("valid", _PREFILL_DONE, pb.ReservationRef(reservation_id=rid)
-                                               .SerializeToString(), frozenset({OK})), outcomes)
-                    call(channel, GrpcCall("valid", _RELEASE, pb.ReleaseRequest(reservation_id=rid)
-                                           .SerializeToString(), frozenset({OK})), outcomes)
+                        call(
+                            channel,
+                            GrpcCall(
+                                "valid", _PREFILL_DONE, pb.ReservationRef(reservation_id=rid).SerializeToString(), frozenset({OK})
+                            ),
+                            outcomes,
+                        )
+                    call(
+                        channel,
+                        GrpcCall("valid", _RELEASE, pb.ReleaseRequest(reservation_id=rid).SerializeToString(), frozenset({OK})),
+                        outcomes,
+                    )
             if i < messages:
                 bad = traffic.bad()
                 reply = call(channel, bad, outcomes)
                 if reply is not None and bad.method == _ROUTE:  # a mutated request may still reserve: release it
                     rid = pb.RouteResponse.FromString(reply).reservation_id
                     if rid:
-                        call(channel, GrpcCall("valid", _RELEASE, pb.ReleaseRequest(reservation_id=rid)
-                                               .SerializeToString(), frozenset({OK})), outcomes)
+                        call(
+                            channel,
+                            GrpcCall(
+                                "valid", _RELEASE, pb.ReleaseRequest(reservation_id=rid).SerializeToString(), frozenset({OK})
+                            ),
+                            outcomes,
+                        )
 
 
 # ---------------------------------------------------------------- both
 
 
-def run(target: str, drive: Callable[[RouterFleet, int, int, Outcomes], None], messages: int, seed: int,
-        workdir: Path) -> FuzzReport:
+def run(
+    target: str, drive: Callable[[RouterFleet, int, int, Outcomes], None], messages: int, seed: int, workdir: Path
+) -> FuzzReport:
     started = time.monotonic()
     fleet = start_fleet(workdir)
     try:
@@ -593,9 +727,14 @@ def run(target: str, drive: Callable[[RouterFleet, int, int, Outcomes], None], m
             applied, audit = held == 0, {"reservations_held_after": held}
         health = health_ms(fleet)
         crashes = sum(not p.alive() for p in fleet.processes())
-        return outcomes.report(target, applied=applied, crashes=crashes, health_ms=round(health, 1),
-                               seconds=round(time.monotonic() - started, 1),
-                               details={"send_s": round(sent_s, 1), **audit})
+        return outcomes.report(
+            target,
+            applied=applied,
+            crashes=crashes,
+            health_ms=round(health, 1),
+            seconds=round(time.monotonic() - started, 1),
+            details={"send_s": round(sent_s, 1), **audit},
+        )
     finally:
         fleet.cluster.stop()
 

@@ -32,8 +32,13 @@ WARMUP_TRIALS = 20
 
 async def register_worker(stub: pb_grpc.ControlPlaneStub) -> grpc.aio.StreamStreamCall:
     call = stub.Connect()
-    await call.write(pb.AgentMessage(register=pb.RegisterWorker(
-        worker_id=WORKER, model=MODEL, engine="sim", block_size=BLOCK_SIZE, endpoint="http://127.0.0.1:9")))
+    await call.write(
+        pb.AgentMessage(
+            register=pb.RegisterWorker(
+                worker_id=WORKER, model=MODEL, engine="sim", block_size=BLOCK_SIZE, endpoint="http://127.0.0.1:9"
+            )
+        )
+    )
     await call.read()
     return call
 
@@ -71,15 +76,24 @@ async def measure(address: str, trials: int, block_keys: int, seed: int) -> dict
             keys = [rng.getrandbits(64) for _ in range(block_keys)]
             query = pb.QueryRequest(model=MODEL, chains=[pb.KeyChain(block_size=BLOCK_SIZE, block_keys=keys)])
             started = time.perf_counter()
-            await router_a.write(pb.RouterMessage(reserve=pb.Reservation(
-                reservation_id=trial, worker_id=WORKER, block_size=BLOCK_SIZE, block_keys=keys,
-                prefill_tokens=block_keys * BLOCK_SIZE, ttl_ms=60_000)))
-            reserve_polls = await poll_until(router_b, query, lambda w: w.reserved_requests == 1
-                                             and w.speculative_blocks == block_keys, rtts)
+            await router_a.write(
+                pb.RouterMessage(
+                    reserve=pb.Reservation(
+                        reservation_id=trial,
+                        worker_id=WORKER,
+                        block_size=BLOCK_SIZE,
+                        block_keys=keys,
+                        prefill_tokens=block_keys * BLOCK_SIZE,
+                        ttl_ms=60_000,
+                    )
+                )
+            )
+            reserve_polls = await poll_until(
+                router_b, query, lambda w: w.reserved_requests == 1 and w.speculative_blocks == block_keys, rtts
+            )
             reserved = time.perf_counter()
             await router_a.write(pb.RouterMessage(release=pb.ReservationDone(reservation_id=trial)))
-            release_polls = await poll_until(router_b, query, lambda w: w.reserved_requests == 0
-                                             and w.matched_blocks == 0, rtts)
+            release_polls = await poll_until(router_b, query, lambda w: w.reserved_requests == 0 and w.matched_blocks == 0, rtts)
             released = time.perf_counter()
             if trial >= WARMUP_TRIALS:
                 reserve_ms.append((reserved - started) * 1000)
@@ -97,7 +111,8 @@ async def measure(address: str, trials: int, block_keys: int, seed: int) -> dict
         "release_visible_p99_ms": round(percentile(release_ms, 99), 3),
         "query_rtt_p50_ms": round(percentile([r * 1000 for r in rtts], 50), 3),
         "polls_per_trial": round(sum(polls) / len(polls), 2),
-        "trials": trials, "block_keys": block_keys,
+        "trials": trials,
+        "block_keys": block_keys,
     }
 
 

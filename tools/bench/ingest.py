@@ -54,9 +54,18 @@ def make_payloads(n_batches: int, blocks_per_event: int, block_size: int, seed: 
         tokens = [rng.randrange(50_000) for _ in range(blocks_per_event * block_size)]
         hashes = list(range(next_hash, next_hash + blocks_per_event))
         next_hash += blocks_per_event
-        event = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None, "token_ids": tokens,
-                 "block_size": block_size, "lora_id": None, "medium": "GPU", "lora_name": None, "group_idx": 0,
-                 "kv_cache_spec_kind": "full_attention"}
+        event = {
+            "type": "BlockStored",
+            "block_hashes": hashes,
+            "parent_block_hash": None,
+            "token_ids": tokens,
+            "block_size": block_size,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+            "group_idx": 0,
+            "kv_cache_spec_kind": "full_attention",
+        }
         removal = {"type": "BlockRemoved", "block_hashes": hashes[:2], "medium": "GPU", "group_idx": 0}
         payloads.append(msgspec.msgpack.encode([time.time(), [event, removal], 0]))
     return payloads
@@ -74,8 +83,9 @@ def packed(backend: str):
     return pack_keys if backend == "native" else (lambda keys: array("Q", keys))
 
 
-def apply_rates(backend: str, n_batches: int, blocks_per_event: int, workers: int, seed: int,
-                max_index_entries: int) -> tuple[dict[str, int], dict[str, int]]:
+def apply_rates(
+    backend: str, n_batches: int, blocks_per_event: int, workers: int, seed: int, max_index_entries: int
+) -> tuple[dict[str, int], dict[str, int]]:
     """Block events per second the index applies (stores and removals), per input form: per second of
     this process's CPU time (one core's throughput, whatever else the machine runs) and of wall time."""
     rng = random.Random(seed)
@@ -116,19 +126,29 @@ def build_for_memory(backend: str, entries: int, workers: int, seed: int, max_in
 
 def rss_per_entry(backend: str, entries: int, workers: int, seed: int, max_index_entries: int) -> float:
     """The build in a fresh interpreter: resident set after minus before, per entry (0: no /proc here)."""
-    code = ("import json, sys; from kvroute.tools.bench.ingest import build_for_memory, _rss_bytes; "
-            f"build = build_for_memory({backend!r}, {entries}, {workers}, {seed}, {max_index_entries}); "
-            "before = rss_bytes(); index = build(); "
-            "print(json.dumps((rss_bytes() - before) / index.entry_count()))")
+    code = (
+        "import json, sys; from kvroute.tools.bench.ingest import build_for_memory, _rss_bytes; "
+        f"build = build_for_memory({backend!r}, {entries}, {workers}, {seed}, {max_index_entries}); "
+        "before = rss_bytes(); index = build(); "
+        "print(json.dumps((rss_bytes() - before) / index.entry_count()))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=False)
     if out.returncode:
         raise RuntimeError(f"the RSS build failed: {out.stderr.strip()[-2000:]}")
     return round(json.loads(out.stdout), 1)
 
 
-def run_ingest(n_batches: int = 4000, blocks_per_event: int = 16, block_size: int = 16, workers: int = 8,
-               seed: int = 0, max_index_entries: int = 0, index_backend: str = "auto",
-               memory_entries: int = 1_000_000, rss: bool = True) -> dict:
+def run_ingest(
+    n_batches: int = 4000,
+    blocks_per_event: int = 16,
+    block_size: int = 16,
+    workers: int = 8,
+    seed: int = 0,
+    max_index_entries: int = 0,
+    index_backend: str = "auto",
+    memory_entries: int = 1_000_000,
+    rss: bool = True,
+) -> dict:
     backend = resolve_backend(index_backend)
     payloads = make_payloads(n_batches, blocks_per_event, block_size, seed)
     resolvers = [BlockResolver("bench-model") for _ in range(workers)]
@@ -155,9 +175,18 @@ def run_ingest(n_batches: int = 4000, blocks_per_event: int = 16, block_size: in
     entries = mem_index.entry_count()
     allocated = sum(s.size_diff for s in after.compare_to(before, "filename"))
     evicted = index.counters.entries if is_bounded(index) else 0
-    return {"index_backend": backend, "block_events_per_s": round(block_events / elapsed),
-            "apply_events_per_s": rates, "apply_events_per_wall_s": rates_wall, "bytes_per_block_entry": round(allocated / entries, 1),
-            "estimated_bytes_per_entry": round(mem_index.estimated_bytes() / entries, 1),
-            "rss_bytes_per_entry": rss_per_entry(backend, memory_entries, workers, seed, max_index_entries) if rss else 0.0,
-            "block_events": block_events, "seconds": round(elapsed, 3), "index_entries_measured": entries,
-            "max_index_entries": max_index_entries, "index_entries": index.entry_count(), "evicted_entries": evicted}
+    return {
+        "index_backend": backend,
+        "block_events_per_s": round(block_events / elapsed),
+        "apply_events_per_s": rates,
+        "apply_events_per_wall_s": rates_wall,
+        "bytes_per_block_entry": round(allocated / entries, 1),
+        "estimated_bytes_per_entry": round(mem_index.estimated_bytes() / entries, 1),
+        "rss_bytes_per_entry": rss_per_entry(backend, memory_entries, workers, seed, max_index_entries) if rss else 0.0,
+        "block_events": block_events,
+        "seconds": round(elapsed, 3),
+        "index_entries_measured": entries,
+        "max_index_entries": max_index_entries,
+        "index_entries": index.entry_count(),
+        "evicted_entries": evicted,
+    }

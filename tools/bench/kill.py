@@ -26,10 +26,10 @@ FAULTS = ("engine", "agent", "router", "control_plane")
 
 @dataclass
 class Sent:
-    router: int           # the router the request was (last) sent to
+    router: int  # the router the request was (last) sent to
     started: float
     ended: float = 0.0
-    status: int = 0       # 0: failed without an HTTP answer
+    status: int = 0  # 0: failed without an HTTP answer
     error: str = ""
     retried: bool = False  # the first router refused the connection
 
@@ -42,7 +42,7 @@ class FaultResult:
     restarted_at: float
     requests: int = 0
     failed: int = 0
-    inflight_on_killed: int = 0   # requests in flight on the killed process's router at the kill (router only)
+    inflight_on_killed: int = 0  # requests in flight on the killed process's router at the kill (router only)
     retried: int = 0
     errors: list[str] = field(default_factory=list)
 
@@ -133,8 +133,6 @@ class RetryingLoad:
         record.ended = time.monotonic()
 
 
-
-
 def run_kill(rate: float = 100.0, phase_s: float = 6.0, down_s: float = 2.0, workdir: Path | None = None) -> dict:
     from kvroute.tools.tiny_model import build_model_dir
 
@@ -149,10 +147,12 @@ def run_kill(rate: float = 100.0, phase_s: float = 6.0, down_s: float = 2.0, wor
         load = RetryingLoad(cluster, urls, rate)
         load.start()
         time.sleep(phase_s)  # a calm stretch first: the baseline
-        victims = {"engine": (engines[0].worker_id, engines[0].engine),
-                   "agent": (f"agent-{engines[1].worker_id}", engines[1].agent),
-                   "router": ("r1", cluster.routers["r1"]),
-                   "control_plane": ("control-plane", cluster.control_plane)}
+        victims = {
+            "engine": (engines[0].worker_id, engines[0].engine),
+            "agent": (f"agent-{engines[1].worker_id}", engines[1].agent),
+            "router": ("r1", cluster.routers["r1"]),
+            "control_plane": ("control-plane", cluster.control_plane),
+        }
         for kind in FAULTS:
             name, process = victims[kind]
             assert process is not None
@@ -160,12 +160,16 @@ def run_kill(rate: float = 100.0, phase_s: float = 6.0, down_s: float = 2.0, wor
             process.kill()  # SIGKILL, and reaped
             # In flight on it: sent to it before it was gone and not answered (accepted by the kernel counts).
             dead_at = time.monotonic()
-            inflight = sum(1 for s in list(load.sent) if s.router == 1 and s.started < dead_at
-                           and (not s.ended or s.ended >= killed_at) and not s.status)
+            inflight = sum(
+                1
+                for s in list(load.sent)
+                if s.router == 1 and s.started < dead_at and (not s.ended or s.ended >= killed_at) and not s.status
+            )
             time.sleep(down_s)
             process.start()
-            results.append(FaultResult(kind, name, killed_at, time.monotonic(),
-                                       inflight_on_killed=inflight if kind == "router" else 0))
+            results.append(
+                FaultResult(kind, name, killed_at, time.monotonic(), inflight_on_killed=inflight if kind == "router" else 0)
+            )
             time.sleep(max(0.0, phase_s - down_s))
         sent = load.stop()
         baseline_failed = sum(1 for s in sent if s.ended < results[0].killed_at and s.status != 200)
@@ -178,18 +182,28 @@ def run_kill(rate: float = 100.0, phase_s: float = 6.0, down_s: float = 2.0, wor
             fault.failed = len(failed)
             fault.retried = sum(1 for s in window if s.retried and s.status == 200)
             fault.errors = sorted({s.error for s in failed})[:5]
-        return {"rate": rate, "phase_s": phase_s, "down_s": down_s, "requests": len(sent),
-                "baseline_failed": baseline_failed, "failed_total": sum(1 for s in sent if s.status != 200),
-                "faults": [asdict(f) for f in results]}
+        return {
+            "rate": rate,
+            "phase_s": phase_s,
+            "down_s": down_s,
+            "requests": len(sent),
+            "baseline_failed": baseline_failed,
+            "failed_total": sum(1 for s in sent if s.status != 200),
+            "faults": [asdict(f) for f in results],
+        }
     finally:
         cluster.stop()
 
 
 def format_table(result: dict) -> str:
-    lines = [(f"kill -9 under {result['rate']:g} req/s over 2 routers ({result['requests']} requests, "
-             f"{result['baseline_failed']} failed before the first fault)"),
-             "| process killed | requests ended until the next kill | failed | in flight on it at the kill | retried on the other router |",
-             "|---|---|---|---|---|"]
+    lines = [
+        (
+            f"kill -9 under {result['rate']:g} req/s over 2 routers ({result['requests']} requests, "
+            f"{result['baseline_failed']} failed before the first fault)"
+        ),
+        "| process killed | requests ended until the next kill | failed | in flight on it at the kill | retried on the other router |",
+        "|---|---|---|---|---|",
+    ]
     for f in result["faults"]:
         inflight = str(f["inflight_on_killed"]) if f["kind"] == "router" else "-"
         lines.append(f"| {f['kind']} ({f['process']}) | {f['requests']} | {f['failed']} | {inflight} | {f['retried']} |")

@@ -59,9 +59,9 @@ def request_bodies(workload: list[SimWorkloadRequest], model: str, vocab_size: i
     """Encoded up front so JSON encoding is not inside the timed window. A request's session (the
     multi-turn conversation) goes in OpenAI's `user` field, which the router's session policy reads,
     as the simulator's session policy reads `SimWorkloadRequest.session`."""
+
     def body(r: SimWorkloadRequest) -> dict:
-        out = {"model": model, "prompt": map_token_ids(r.tokens, vocab_size), "max_tokens": r.output_tokens,
-               "stream": True}
+        out = {"model": model, "prompt": map_token_ids(r.tokens, vocab_size), "max_tokens": r.output_tokens, "stream": True}
         if r.session:
             out["user"] = r.session
         return out
@@ -78,7 +78,7 @@ class LiveRun:
     speedup: float
     requests: int = 0
     errors: int = 0
-    ttft_s: list[float] = field(default_factory=list)   # wall seconds, client side
+    ttft_s: list[float] = field(default_factory=list)  # wall seconds, client side
     e2e_s: list[float] = field(default_factory=list)
     per_worker: dict[str, int] = field(default_factory=dict)
     per_prefill_worker: dict[str, int] = field(default_factory=dict)  # P/D fleets: x-kvroute-prefill-worker
@@ -94,16 +94,21 @@ class LiveRun:
 
     def summary(self) -> dict:
         """Latencies in cost-model milliseconds (wall x speedup), comparable with the simulator's."""
+
         def ms(values: list[float], q: float) -> float:
             return round(percentile(values, q) * 1000 * self.speedup, 2)
 
-        return {"requests": self.requests, "errors": self.errors,
-                "hit_rate": None if self.hit_rate is None else round(self.hit_rate, 4),
-                "ttft_p50_ms": ms(self.ttft_s, 50), "ttft_p99_ms": ms(self.ttft_s, 99),
-                "e2e_p50_ms": ms(self.e2e_s, 50), "e2e_p99_ms": ms(self.e2e_s, 99),
-                "wall_s": round(self.wall_s, 2), "per_worker": dict(sorted(self.per_worker.items()))} | (
-                    {"per_prefill_worker": dict(sorted(self.per_prefill_worker.items()))} if self.per_prefill_worker
-                    else {})
+        return {
+            "requests": self.requests,
+            "errors": self.errors,
+            "hit_rate": None if self.hit_rate is None else round(self.hit_rate, 4),
+            "ttft_p50_ms": ms(self.ttft_s, 50),
+            "ttft_p99_ms": ms(self.ttft_s, 99),
+            "e2e_p50_ms": ms(self.e2e_s, 50),
+            "e2e_p99_ms": ms(self.e2e_s, 99),
+            "wall_s": round(self.wall_s, 2),
+            "per_worker": dict(sorted(self.per_worker.items())),
+        } | ({"per_prefill_worker": dict(sorted(self.per_prefill_worker.items()))} if self.per_prefill_worker else {})
 
 
 def _chunk_has_text(line: bytes) -> bool:
@@ -114,16 +119,22 @@ def _chunk_has_text(line: bytes) -> bool:
     return bool(choices) and bool(choices[0].get("text") or (choices[0].get("delta") or {}).get("content"))
 
 
-async def send_one(session: aiohttp.ClientSession, url: str, body: bytes, run: LiveRun, worker_hint: str,
-                   started: float | None = None, on_response: Callable[[], Awaitable[None]] | None = None) -> None:
+async def send_one(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    run: LiveRun,
+    worker_hint: str,
+    started: float | None = None,
+    on_response: Callable[[], Awaitable[None]] | None = None,
+) -> None:
     """One streamed completion; TTFT = first SSE data chunk that carries text. `started`: when the
     request left the client (before an endpoint picker was asked); `on_response`: called once the
     response headers are in (what Envoy reports to the picker then)."""
     started = time.perf_counter() if started is None else started
     first_at: float | None = None
     try:
-        async with session.post(url + "/v1/completions", data=body,
-                                headers={"Content-Type": "application/json"}) as resp:
+        async with session.post(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
             if on_response is not None:
@@ -171,16 +182,30 @@ def epp_sender(stub, engine_names: dict[str, str]) -> Sender:
                 if len(run.first_errors) < 5:
                     run.first_errors.append(f"epp answered {picked.status}: {picked.error_body[:200]!r}")
                 return
-            await send_one(session, f"http://{endpoint}", body, run, engine_names.get(endpoint, endpoint), started,
-                           lambda: stream.response(served=endpoint))
+            await send_one(
+                session,
+                f"http://{endpoint}",
+                body,
+                run,
+                engine_names.get(endpoint, endpoint),
+                started,
+                lambda: stream.response(served=endpoint),
+            )
         finally:
             await stream.close()
 
     return send
 
 
-async def open_loop(session: aiohttp.ClientSession, targets: Iterator[tuple[str, str]], bodies: list[bytes],
-                    arrivals_s: list[float], speedup: float, run: LiveRun, send: Sender = send_one) -> None:
+async def open_loop(
+    session: aiohttp.ClientSession,
+    targets: Iterator[tuple[str, str]],
+    bodies: list[bytes],
+    arrivals_s: list[float],
+    speedup: float,
+    run: LiveRun,
+    send: Sender = send_one,
+) -> None:
     """Each request leaves at its arrival time / speedup, whether or not earlier ones are done."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
@@ -193,8 +218,14 @@ async def open_loop(session: aiohttp.ClientSession, targets: Iterator[tuple[str,
     await asyncio.gather(*(at(i, a, *next(targets), b) for i, (a, b) in enumerate(zip(arrivals_s, bodies))))
 
 
-async def closed_loop(session: aiohttp.ClientSession, targets: Iterator[tuple[str, str]], bodies: list[bytes],
-                      concurrency: int, run: LiveRun, send: Sender = send_one) -> None:
+async def closed_loop(
+    session: aiohttp.ClientSession,
+    targets: Iterator[tuple[str, str]],
+    bodies: list[bytes],
+    concurrency: int,
+    run: LiveRun,
+    send: Sender = send_one,
+) -> None:
     """`concurrency` clients, each sending its next request when the previous one is done."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
@@ -210,9 +241,16 @@ async def closed_loop(session: aiohttp.ClientSession, targets: Iterator[tuple[st
     await asyncio.gather(*(client() for _ in range(concurrency)))
 
 
-async def drive(targets: Iterator[tuple[str, str]], bodies: list[bytes], workload: list[SimWorkloadRequest],
-                speedup: float, concurrency: int, run: LiveRun, epp: str | None = None,
-                engine_names: dict[str, str] | None = None) -> None:
+async def drive(
+    targets: Iterator[tuple[str, str]],
+    bodies: list[bytes],
+    workload: list[SimWorkloadRequest],
+    speedup: float,
+    concurrency: int,
+    run: LiveRun,
+    epp: str | None = None,
+    engine_names: dict[str, str] | None = None,
+) -> None:
     """`epp`: ask this endpoint picker (gRPC HOST:PORT) for every request and send it to the engine
     it picks (`engine_names`: endpoint -> engine name, for the per-worker counts)."""
     connector = aiohttp.TCPConnector(limit=0)
@@ -256,8 +294,12 @@ def direct_targets(engine_urls: list[str]) -> Iterator[tuple[str, str]]:
 def reset_engines(engine_urls: list[str], timeout_s: float = 30.0) -> None:
     """Fresh caches for every policy; 409 means blocks are still held, so retry until they are not."""
     for url in engine_urls:
-        wait_until(lambda url=url: http_post_json(url + "/reset_prefix_cache")[0] == 200, timeout_s,
-                   f"{url} reset_prefix_cache", interval=0.2)
+        wait_until(
+            lambda url=url: http_post_json(url + "/reset_prefix_cache")[0] == 200,
+            timeout_s,
+            f"{url} reset_prefix_cache",
+            interval=0.2,
+        )
 
 
 def engines_counters(engine_urls: list[str]) -> list[tuple[float, float]]:
@@ -270,13 +312,21 @@ def fleet_idle(cluster: LocalCluster) -> bool:
     return bool(workers) and all(not (w.load.running_requests or w.load.waiting_requests) for w in workers)
 
 
-def wait_router_ready(router_url: str, model: str, workers: int, probes: list[list[int]], timeout_s: float = 30.0,
-                      procs: tuple[ManagedProcess, ...] = (), fleet_idle: Callable[[], bool] | None = None) -> None:
+def wait_router_ready(
+    router_url: str,
+    model: str,
+    workers: int,
+    probes: list[list[int]],
+    timeout_s: float = 30.0,
+    procs: tuple[ManagedProcess, ...] = (),
+    fleet_idle: Callable[[], bool] | None = None,
+) -> None:
     """The router knows every worker over a live control plane, no probe prompt is cached anywhere
     (the reset's AllBlocksCleared events have reached the index) and, with `fleet_idle`, the engines'
     reported load is idle again: the agents poll it, so right after a run the control plane still
     holds its last requests as running, and a run that starts then begins from a skewed load (seen:
     the endpoint picker's run, started at once after the router's, piled on one engine)."""
+
     def ready() -> bool:
         if fleet_idle is not None and not fleet_idle():
             return False
@@ -290,13 +340,19 @@ def wait_router_ready(router_url: str, model: str, workers: int, probes: list[li
                 return False
         return True
 
-    wait_until(ready, timeout_s, f"router {router_url} ready with {workers} workers and clean caches", list(procs),
-               interval=0.2)
+    wait_until(ready, timeout_s, f"router {router_url} ready with {workers} workers and clean caches", list(procs), interval=0.2)
 
 
-def run_live(name: str, url: str | list[str] | None, engine_urls: list[str], bodies: list[bytes],
-             workload: list[SimWorkloadRequest], args: argparse.Namespace,
-             ready: Callable[[], None] | None = None, epp: str | None = None) -> LiveRun:
+def run_live(
+    name: str,
+    url: str | list[str] | None,
+    engine_urls: list[str],
+    bodies: list[bytes],
+    workload: list[SimWorkloadRequest],
+    args: argparse.Namespace,
+    ready: Callable[[], None] | None = None,
+    epp: str | None = None,
+) -> LiveRun:
     """One policy (url None: direct to the engines; several: its routers in turn; `epp`: through that
     endpoint picker, the client sending to the engines as Envoy would): reset caches, wait until
     `ready`, replay, read the engines' counter deltas."""
@@ -325,17 +381,31 @@ def fleet_config(args: argparse.Namespace, engines: int) -> FleetConfig:
     """The FleetConfig of the live fleet: same engines, cache, batching limits and cost model (the
     sim engines run CostModel's defaults, since no cost flag is passed to them)."""
     engine = EngineConfig()
-    return FleetConfig(workers=engines, num_blocks=args.num_blocks, block_size=args.block_size, cost=CostModel(),
-                       max_num_batched_tokens=engine.max_num_batched_tokens, max_num_seqs=engine.max_num_seqs,
-                       seed=args.seed, kv_aware_params=parse_kv_aware_params(args.kv_aware_param))
+    return FleetConfig(
+        workers=engines,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        cost=CostModel(),
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        max_num_seqs=engine.max_num_seqs,
+        seed=args.seed,
+        kv_aware_params=parse_kv_aware_params(args.kv_aware_param),
+    )
 
 
 def sim_engine_args(args: argparse.Namespace) -> list[str]:
     """Engine flags that pin what fleet_config() assumes (batching limits from the same defaults)."""
     engine = EngineConfig()
-    return ["--num-blocks", str(args.num_blocks), "--speedup", str(args.speedup),
-            "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
-            "--max-num-seqs", str(engine.max_num_seqs)]
+    return [
+        "--num-blocks",
+        str(args.num_blocks),
+        "--speedup",
+        str(args.speedup),
+        "--max-num-batched-tokens",
+        str(engine.max_num_batched_tokens),
+        "--max-num-seqs",
+        str(engine.max_num_seqs),
+    ]
 
 
 def simulate(policy: str, workload: list[SimWorkloadRequest], config: FleetConfig) -> dict:
@@ -344,8 +414,14 @@ def simulate(policy: str, workload: list[SimWorkloadRequest], config: FleetConfi
     def ms(values: list[float], q: float) -> float:
         return round(percentile(values, q) * 1000, 2)
 
-    return {"policy": policy, "hit_rate": round(run.hit_rate, 4), "ttft_p50_ms": ms(run.ttft_s, 50),
-            "ttft_p99_ms": ms(run.ttft_s, 99), "e2e_p50_ms": ms(run.e2e_s, 50), "rejected": run.rejected}
+    return {
+        "policy": policy,
+        "hit_rate": round(run.hit_rate, 4),
+        "ttft_p50_ms": ms(run.ttft_s, 50),
+        "ttft_p99_ms": ms(run.ttft_s, 99),
+        "e2e_p50_ms": ms(run.e2e_s, 50),
+        "rejected": run.rejected,
+    }
 
 
 def sim_policy_for(name: str) -> str:
@@ -378,8 +454,7 @@ def sim_workload(workload: list[SimWorkloadRequest], run: LiveRun, closed: bool)
     replies, so it replays the times the live clients actually sent at, in cost-model seconds."""
     if not closed:
         return workload
-    return [dataclasses.replace(r, arrival_s=run.sent_s[i] * run.speedup) for i, r in enumerate(workload)
-            if i in run.sent_s]
+    return [dataclasses.replace(r, arrival_s=run.sent_s[i] * run.speedup) for i, r in enumerate(workload) if i in run.sent_s]
 
 
 # ---------------------------------------------------------------------------- comparison and output
@@ -390,7 +465,7 @@ def pairwise_agree(live: dict[str, float | None], sim: dict[str, float]) -> bool
     direct and round_robin) or a missing live value constrains nothing."""
     names = [n for n in live if live[n] is not None]
     for i, a in enumerate(names):
-        for b in names[i + 1:]:
+        for b in names[i + 1 :]:
             if sim[a] != sim[b] and (live[a] > live[b]) != (sim[a] > sim[b]):  # type: ignore[operator]
                 return False
     return True
@@ -400,27 +475,36 @@ def compare(policies: dict[str, dict]) -> dict[str, bool]:
     def metric(side: str, key: str) -> dict:
         return {n: p[side][key] for n, p in policies.items()}
 
-    return {"hit_rate": pairwise_agree(metric("live", "hit_rate"), metric("sim", "hit_rate")),
-            "ttft_p50": pairwise_agree(metric("live", "ttft_p50_ms"), metric("sim", "ttft_p50_ms"))}
+    return {
+        "hit_rate": pairwise_agree(metric("live", "hit_rate"), metric("sim", "hit_rate")),
+        "ttft_p50": pairwise_agree(metric("live", "ttft_p50_ms"), metric("sim", "ttft_p50_ms")),
+    }
 
 
 def print_table(policies: dict[str, dict], ordering: dict[str, bool], file: TextIO = sys.stdout) -> None:
     def pct(v: float | None) -> str:
         return "n/a" if v is None else f"{v:.1%}"
 
-    header = (f"{'policy':<17}{'reqs':>6}{'errs':>6}{'hit live':>10}{'hit sim':>9}{'TTFT p50 live':>15}"
-              f"{'sim':>9}{'TTFT p99 live':>15}{'sim':>9}{'e2e p50 live':>14}{'sim':>9}{'wall s':>8}")
+    header = (
+        f"{'policy':<17}{'reqs':>6}{'errs':>6}{'hit live':>10}{'hit sim':>9}{'TTFT p50 live':>15}"
+        f"{'sim':>9}{'TTFT p99 live':>15}{'sim':>9}{'e2e p50 live':>14}{'sim':>9}{'wall s':>8}"
+    )
     print(header, file=file)
     print("-" * len(header), file=file)
     for name, p in policies.items():
         lv, sm = p["live"], p["sim"]
-        print(f"{name:<17}{lv['requests']:>6}{lv['errors']:>6}{pct(lv['hit_rate']):>10}{pct(sm['hit_rate']):>9}"
-              f"{lv['ttft_p50_ms']:>13.1f}ms{sm['ttft_p50_ms']:>7.1f}ms{lv['ttft_p99_ms']:>13.1f}ms"
-              f"{sm['ttft_p99_ms']:>7.1f}ms{lv['e2e_p50_ms']:>12.1f}ms{sm['e2e_p50_ms']:>7.1f}ms{lv['wall_s']:>8.1f}",
-              file=file)
+        print(
+            f"{name:<17}{lv['requests']:>6}{lv['errors']:>6}{pct(lv['hit_rate']):>10}{pct(sm['hit_rate']):>9}"
+            f"{lv['ttft_p50_ms']:>13.1f}ms{sm['ttft_p50_ms']:>7.1f}ms{lv['ttft_p99_ms']:>13.1f}ms"
+            f"{sm['ttft_p99_ms']:>7.1f}ms{lv['e2e_p50_ms']:>12.1f}ms{sm['e2e_p50_ms']:>7.1f}ms{lv['wall_s']:>8.1f}",
+            file=file,
+        )
     yes = {True: "yes", False: "NO"}
-    print(f"latencies in cost-model ms (live wall time x speedup); ordering agrees: hit rate {yes[ordering['hit_rate']]}, "
-          f"TTFT p50 {yes[ordering['ttft_p50']]}", file=file)
+    print(
+        f"latencies in cost-model ms (live wall time x speedup); ordering agrees: hit rate {yes[ordering['hit_rate']]}, "
+        f"TTFT p50 {yes[ordering['ttft_p50']]}",
+        file=file,
+    )
 
 
 # ---------------------------------------------------------------------------- entry
@@ -430,8 +514,9 @@ def split_csv(csv: str) -> list[str]:
     return [s.strip().rstrip("/") for s in csv.split(",") if s.strip()]
 
 
-def local_cluster(args: argparse.Namespace, workload: list[SimWorkloadRequest],
-                  prefix: str) -> tuple[LocalCluster, list[bytes], list[list[int]]]:
+def local_cluster(
+    args: argparse.Namespace, workload: list[SimWorkloadRequest], prefix: str
+) -> tuple[LocalCluster, list[bytes], list[list[int]]]:
     """A local cluster (nothing started yet) in --workdir or a temp dir, with the workload's request
     bodies and readiness probes in the tiny model's vocabulary."""
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix=prefix))
@@ -445,8 +530,10 @@ def local_cluster(args: argparse.Namespace, workload: list[SimWorkloadRequest],
 def run_local(args: argparse.Namespace, workload: list[SimWorkloadRequest], log: Callable[..., None]) -> dict[str, LiveRun]:
     """Start control plane, engines with agents and one router per policy; run every policy."""
     cluster, bodies, probes = local_cluster(args, workload, "kvroute-bench-live-")
-    log(f"starting {args.engines} sim engines x {args.num_blocks} blocks of {args.block_size}, speedup "
-        f"{args.speedup}; logs in {cluster.workdir}")
+    log(
+        f"starting {args.engines} sim engines x {args.num_blocks} blocks of {args.block_size}, speedup "
+        f"{args.speedup}; logs in {cluster.workdir}"
+    )
     runs: dict[str, LiveRun] = {}
     try:
         cluster.start_sim_fleet(args.engines, *sim_engine_args(args))
@@ -467,8 +554,14 @@ def run_local(args: argparse.Namespace, workload: list[SimWorkloadRequest], log:
 
                 def ready(urls=urls) -> None:
                     for url in urls:
-                        wait_router_ready(url, cluster.model, args.engines, probes, procs=tuple(cluster.all_processes()),
-                                          fleet_idle=partial(fleet_idle, cluster))
+                        wait_router_ready(
+                            url,
+                            cluster.model,
+                            args.engines,
+                            probes,
+                            procs=tuple(cluster.all_processes()),
+                            fleet_idle=partial(fleet_idle, cluster),
+                        )
 
                 runs[name] = run_live(name, urls, engine_urls, bodies, workload, args, ready)
             if args.epp:  # the same caches' state checked through the router, then the picker's own readiness
@@ -476,11 +569,13 @@ def run_local(args: argparse.Namespace, workload: list[SimWorkloadRequest], log:
 
                 def epp_ready(ready=ready, address=epps[policy]) -> None:
                     ready()
-                    wait_until(lambda: grpc_serving(address, "readiness"), 30, f"epp {address} ready",
-                               list(cluster.all_processes()))
+                    wait_until(
+                        lambda: grpc_serving(address, "readiness"), 30, f"epp {address} ready", list(cluster.all_processes())
+                    )
 
-                runs[EPP_PREFIX + policy] = run_live(EPP_PREFIX + policy, None, engine_urls, bodies, workload, args,
-                                                     epp_ready, epp=epps[policy])
+                runs[EPP_PREFIX + policy] = run_live(
+                    EPP_PREFIX + policy, None, engine_urls, bodies, workload, args, epp_ready, epp=epps[policy]
+                )
         if args.direct:
             log("live: direct ...")
             runs[DIRECT] = run_live(DIRECT, None, engine_urls, bodies, workload, args)
@@ -489,8 +584,9 @@ def run_local(args: argparse.Namespace, workload: list[SimWorkloadRequest], log:
     return runs
 
 
-def run_remote(args: argparse.Namespace, workload: list[SimWorkloadRequest],
-               log: Callable[..., None]) -> tuple[dict[str, LiveRun], int]:
+def run_remote(
+    args: argparse.Namespace, workload: list[SimWorkloadRequest], log: Callable[..., None]
+) -> tuple[dict[str, LiveRun], int]:
     """Bench an already running router (its own policy) and/or its engines directly."""
     engine_urls = split_csv(args.engine_urls)
     if not engine_urls:
@@ -507,8 +603,9 @@ def run_remote(args: argparse.Namespace, workload: list[SimWorkloadRequest],
         policy, engines = health["policy"], engines or int(health["workers"])
         probes = probe_prompts(workload, args.vocab_size) if engine_urls else []
         log(f"live: {policy} via {url} ...")
-        runs[policy] = run_live(policy, url, engine_urls, bodies, workload, args,
-                                partial(wait_router_ready, url, args.model, engines, probes))
+        runs[policy] = run_live(
+            policy, url, engine_urls, bodies, workload, args, partial(wait_router_ready, url, args.model, engines, probes)
+        )
     if args.direct:
         log("live: direct ...")
         runs[DIRECT] = run_live(DIRECT, None, engine_urls, bodies, workload, args)
@@ -543,8 +640,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.pd and args.decode_engines < 1:
         raise ValueError("--decode-engines must be >= 1")
     if args.epp and (args.router_url or args.engine_urls):
-        raise ValueError("--epp starts its endpoint pickers on a local fleet (no --router-url "
-                         "/ --engine-urls)")
+        raise ValueError("--epp starts its endpoint pickers on a local fleet (no --router-url / --engine-urls)")
     if args.direct and args.router_url and not args.engine_urls:
         raise ValueError("--direct needs --engine-urls")
     if not args.router_url and args.engine_urls and not args.direct:
@@ -574,29 +670,45 @@ def run(args: argparse.Namespace) -> int:
     config = fleet_config(args, engines)
     closed = args.concurrency > 0
     sims: dict[str, dict] = {}
+
     def sim_key(name: str) -> str:  # open loop: direct and round_robin simulate alike
         return name if closed else f"{sim_policy_for(name)}@{routers_of(name)}"
 
     for name, live in runs.items():
         if sim_key(name) not in sims:
             log(f"simulating {sim_policy_for(name)} with {routers_of(name)} router(s) ...")
-            sims[sim_key(name)] = simulate(sim_policy_for(name), sim_workload(workload, live, closed),
-                                           dataclasses.replace(config, routers=routers_of(name)))
+            sims[sim_key(name)] = simulate(
+                sim_policy_for(name), sim_workload(workload, live, closed), dataclasses.replace(config, routers=routers_of(name))
+            )
     policies = {name: {"live": r.summary(), "sim": sims[sim_key(name)]} for name, r in runs.items()}
     ordering = compare(policies)
-    result = {"workload": {"name": args.workload, "requests": len(workload), "rate_rps": args.rate,
-                           "groups": args.groups, "system_prompt_tokens": args.system_prompt_tokens,
-                           "output_tokens": args.output_tokens, "seed": args.seed},
-              "fleet": {"engines": engines, "routers": args.routers, "num_blocks": args.num_blocks,
-                        "block_size": args.block_size,
-                        "speedup": args.speedup, "loop": f"closed x{args.concurrency}" if closed else "open",
-                        "sim_arrivals": "live send times" if closed else "workload",
-                        "kv_aware_params": config.kv_aware_params},
-              "policies": policies, "ordering": ordering, "ordering_agrees": all(ordering.values()),
-              "wall_s": round(time.monotonic() - started, 1)}
+    result = {
+        "workload": {
+            "name": args.workload,
+            "requests": len(workload),
+            "rate_rps": args.rate,
+            "groups": args.groups,
+            "system_prompt_tokens": args.system_prompt_tokens,
+            "output_tokens": args.output_tokens,
+            "seed": args.seed,
+        },
+        "fleet": {
+            "engines": engines,
+            "routers": args.routers,
+            "num_blocks": args.num_blocks,
+            "block_size": args.block_size,
+            "speedup": args.speedup,
+            "loop": f"closed x{args.concurrency}" if closed else "open",
+            "sim_arrivals": "live send times" if closed else "workload",
+            "kv_aware_params": config.kv_aware_params,
+        },
+        "policies": policies,
+        "ordering": ordering,
+        "ordering_agrees": all(ordering.values()),
+        "wall_s": round(time.monotonic() - started, 1),
+    }
     if not args.json:
         print_table(policies, ordering)
-        print(f"{len(workload)} {args.workload} requests, {engines} engines x {args.num_blocks} blocks; "
-              f"{result['wall_s']}s")
+        print(f"{len(workload)} {args.workload} requests, {engines} engines x {args.num_blocks} blocks; {result['wall_s']}s")
     print(json.dumps(result))
     return 0 if all(r.errors == 0 for r in runs.values()) else 1

@@ -27,10 +27,10 @@ from kvroute.tools.local_cluster import ManagedProcess, free_port, http_ok, wait
 
 @dataclass(frozen=True)
 class Peer:
-    name: str          # what `--peer` takes
+    name: str  # what `--peer` takes
     package: str
     version: str
-    executable: str    # the console script the package installs
+    executable: str  # the console script the package installs
     policies: tuple[str, ...]
 
 
@@ -52,8 +52,7 @@ def peer_bin(peer: Peer) -> Path:
         return exe
     print(f"installing {peer.package}=={peer.version} into {root} (once)", file=sys.stderr)
     venv.EnvBuilder(with_pip=True, clear=True).create(root)
-    subprocess.run([str(root / "bin" / "python"), "-m", "pip", "install", "-q", f"{peer.package}=={peer.version}"],
-                   check=True)
+    subprocess.run([str(root / "bin" / "python"), "-m", "pip", "install", "-q", f"{peer.package}=={peer.version}"], check=True)
     if not exe.exists():
         raise RuntimeError(f"{peer.package} installed no {peer.executable} in {root / 'bin'}")
     return exe
@@ -63,8 +62,20 @@ def start_peer(peer: Peer, policy: str, engine_urls: list[str], workdir: Path) -
     """Run the peer with `policy` in front of `engine_urls`; (its process, its base URL) once it answers."""
     port = free_port()
     # Each instance gets its own metrics port: two instances must not share the default one.
-    common = ["--host", "127.0.0.1", "--port", str(port), "--policy", policy, "--prometheus-host", "127.0.0.1",
-              "--prometheus-port", str(free_port()), "--worker-urls", *engine_urls]
+    common = [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
+        "--worker-urls",
+        *engine_urls,
+    ]
     if peer.name == "smg":
         argv = [str(peer_bin(peer)), "launch", "--log-level", "warn", *common]
     elif peer.name == "vllm-router":

@@ -84,8 +84,9 @@ def _stage_samples(url: str) -> dict[str, list[float]]:
         return json.loads(resp.read())
 
 
-def run_proxy(requests: int = 2000, policies: tuple[str, ...] = ("round_robin", "kv_aware"),
-              peers: tuple[str, ...] = (), engines: int = 2) -> dict:
+def run_proxy(
+    requests: int = 2000, policies: tuple[str, ...] = ("round_robin", "kv_aware"), peers: tuple[str, ...] = (), engines: int = 2
+) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="kvroute-bench-"))
     cluster = LocalCluster(workdir=workdir, tokenizer_dir=build_model_dir(workdir / "tiny-llama"))
     extra: list[ManagedProcess] = []
@@ -94,9 +95,11 @@ def run_proxy(requests: int = 2000, policies: tuple[str, ...] = ("round_robin", 
         engine_urls = [e.url for e in fleet]
         targets: dict[str, str] = {}
         port = free_port()
-        passthrough = ManagedProcess("passthrough", [sys.executable, "-m", "kvroute.tools.bench.passthrough",
-                                                     "--engine", engine_urls[0], "--port", str(port)],
-                                     workdir / "passthrough.log")
+        passthrough = ManagedProcess(
+            "passthrough",
+            [sys.executable, "-m", "kvroute.tools.bench.passthrough", "--engine", engine_urls[0], "--port", str(port)],
+            workdir / "passthrough.log",
+        )
         passthrough.start()
         extra.append(passthrough)
         targets["passthrough"] = f"http://127.0.0.1:{port}"
@@ -104,8 +107,11 @@ def run_proxy(requests: int = 2000, policies: tuple[str, ...] = ("round_robin", 
         probe = {"model": cluster.model, "prompt": "probe"}
         for policy in policies:
             url = cluster.start_router(policy, policy, "--stage-timing")
-            wait_until(lambda u=url: json.loads(http_post_json(u + "/v1/route", probe)[1]).get("fail_open") is False,
-                       30, f"router {policy} sees the control plane")
+            wait_until(
+                lambda u=url: json.loads(http_post_json(u + "/v1/route", probe)[1]).get("fail_open") is False,
+                30,
+                f"router {policy} sees the control plane",
+            )
             targets[f"kvroute:{policy}"] = url
         for name in peers:
             peer = PEERS[name]
@@ -117,15 +123,17 @@ def run_proxy(requests: int = 2000, policies: tuple[str, ...] = ("round_robin", 
             _stage_samples(targets[name])
         own_view = {name: decides_on_own_view(url) for name, url in targets.items() if name.startswith("kvroute:")}
         samples = asyncio.run(measure(engine_urls[0], targets, cluster.model, requests))
-        stages = {name: {stage: _stats(values) for stage, values in _stage_samples(targets[name]).items() if values}
-                  for name in targets if name.startswith("kvroute:")}
+        stages = {
+            name: {stage: _stats(values) for stage, values in _stage_samples(targets[name]).items() if values}
+            for name in targets
+            if name.startswith("kvroute:")
+        }
     finally:
         for proc in extra:
             proc.stop()
         cluster.stop()
     direct = _stats(samples.pop("direct"))
-    result: dict = {"requests": requests, "engines": engines, "direct_p50_ms": direct["p50"],
-                    "direct_p99_ms": direct["p99"]}
+    result: dict = {"requests": requests, "engines": engines, "direct_p50_ms": direct["p50"], "direct_p99_ms": direct["p99"]}
     by_target = {name: _stats(values) for name, values in samples.items()}
     result["latency_ms"] = by_target
     result["stages_ms"] = stages
@@ -137,12 +145,19 @@ def run_proxy(requests: int = 2000, policies: tuple[str, ...] = ("round_robin", 
 
 def format_table(result: dict) -> str:
     """The human-readable report: added latency per target, then each kvroute router's stages."""
-    lines = [(f"direct to an engine: p50 {result['direct_p50_ms']:.3f} ms, p99 {result['direct_p99_ms']:.3f} ms "
-             f"({result['requests']} requests per target, interleaved)"), "",
-             f"{'target':<22} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10}"]
+    lines = [
+        (
+            f"direct to an engine: p50 {result['direct_p50_ms']:.3f} ms, p99 {result['direct_p99_ms']:.3f} ms "
+            f"({result['requests']} requests per target, interleaved)"
+        ),
+        "",
+        f"{'target':<22} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10}",
+    ]
     for name, s in result["latency_ms"].items():
-        lines.append(f"{name:<22} {s['p50']:>8.3f} {s['p99']:>8.3f} {result['added_p50_ms'][name]:>+10.3f} "
-                     f"{result['added_p99_ms'][name]:>+10.3f}")
+        lines.append(
+            f"{name:<22} {s['p50']:>8.3f} {s['p99']:>8.3f} {result['added_p50_ms'][name]:>+10.3f} "
+            f"{result['added_p99_ms'][name]:>+10.3f}"
+        )
     for name, stages in result["stages_ms"].items():
         lines += ["", f"{name} stages (inside the handler)   p50 ms   p99 ms"]
         lines += [f"  {stage:<33} {s['p50']:>7.3f} {s['p99']:>8.3f}" for stage, s in stages.items()]

@@ -48,16 +48,34 @@ def percentile(values: list[float], q: float) -> float:
 class ReplicaProcess:
     """A `kvroute control-plane` process: a replica over Redis at `redis_url`, or ("") an embedded one."""
 
-    def __init__(self, workdir: Path, redis_url: str, name: str, shards: int = 16, heartbeat_s: float = 600.0,
-                 extra: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, workdir: Path, redis_url: str, name: str, shards: int = 16, heartbeat_s: float = 600.0, extra: tuple[str, ...] = ()
+    ) -> None:
         self.metrics_port = free_port()  # known before start: a restarted replica keeps its /metrics address
-        self.address = ""                # its gRPC address once started (it listens on port 0)
+        self.address = ""  # its gRPC address once started (it listens on port 0)
         redis = ("--redis", redis_url, "--redis-shards", str(shards), "--snapshot-interval-s", "3600") if redis_url else ()
-        self.process = ManagedProcess(name, kvroute_argv(
-            "control-plane", "--listen", "127.0.0.1:0", "--port-file", str(workdir / f"{name}.ports"),
-            "--metrics-port", str(self.metrics_port), *redis, "--replica-id", name,
-            "--heartbeat-timeout", str(heartbeat_s), "--log-level", "WARNING", *extra), workdir / f"{name}.log",
-            port_file=workdir / f"{name}.ports")
+        self.process = ManagedProcess(
+            name,
+            kvroute_argv(
+                "control-plane",
+                "--listen",
+                "127.0.0.1:0",
+                "--port-file",
+                str(workdir / f"{name}.ports"),
+                "--metrics-port",
+                str(self.metrics_port),
+                *redis,
+                "--replica-id",
+                name,
+                "--heartbeat-timeout",
+                str(heartbeat_s),
+                "--log-level",
+                "WARNING",
+                *extra,
+            ),
+            workdir / f"{name}.log",
+            port_file=workdir / f"{name}.ports",
+        )
 
     def start(self) -> float:
         """Start; seconds until /ready answered 200."""
@@ -95,9 +113,16 @@ async def ingest_through_redis(a: ReplicaProcess, b: ReplicaProcess, payloads: l
     from kvroute.worker_agent.vllm_wire import decode_payload
 
     resolvers = [BlockResolver("bench-model") for _ in range(workers)]
-    links = [ControlPlaneLink(a.address, WorkerIdentity(f"ingest-{w}", "bench-model", "vllm", 16, f"http://w{w}"),
-                              resolvers[w].snapshot_events, pb.WorkerLoad, max_pending_events=10_000_000)
-             for w in range(workers)]
+    links = [
+        ControlPlaneLink(
+            a.address,
+            WorkerIdentity(f"ingest-{w}", "bench-model", "vllm", 16, f"http://w{w}"),
+            resolvers[w].snapshot_events,
+            pb.WorkerLoad,
+            max_pending_events=10_000_000,
+        )
+        for w in range(workers)
+    ]
     tasks = [asyncio.create_task(link.run()) for link in links]
     try:
         await _until(lambda: all(link.connected and link.acked_seq >= 1 for link in links), 30)
@@ -114,9 +139,12 @@ async def ingest_through_redis(a: ReplicaProcess, b: ReplicaProcess, payloads: l
         while b.metric("kvroute_cp_block_events_total") - before < sent:
             await asyncio.sleep(0.01)
         elapsed = time.perf_counter() - started
-        return {"ingest_events_per_s": round(sent / elapsed), "ingest_block_events": sent,
-                "ingest_seconds": round(elapsed, 3),
-                "ingest_batches_per_s": round(sum(link.counters.batches_sent for link in links) / elapsed)}
+        return {
+            "ingest_events_per_s": round(sent / elapsed),
+            "ingest_block_events": sent,
+            "ingest_seconds": round(elapsed, 3),
+            "ingest_batches_per_s": round(sum(link.counters.batches_sent for link in links) / elapsed),
+        }
     finally:
         for task in tasks:
             task.cancel()
@@ -131,8 +159,9 @@ async def freshness(a: ReplicaProcess, b: ReplicaProcess, trials: int) -> dict:
     from kvroute.worker_agent.vllm_wire import BlockStored
 
     resolver = BlockResolver("fresh-model")
-    link = ControlPlaneLink(a.address, WorkerIdentity("fresh-0", "fresh-model", "vllm", 4, "http://fresh"),
-                            resolver.snapshot_events, pb.WorkerLoad)
+    link = ControlPlaneLink(
+        a.address, WorkerIdentity("fresh-0", "fresh-model", "vllm", 4, "http://fresh"), resolver.snapshot_events, pb.WorkerLoad
+    )
     task = asyncio.create_task(link.run())
     rng = random.Random(7)
     samples = []
@@ -143,8 +172,9 @@ async def freshness(a: ReplicaProcess, b: ReplicaProcess, trials: int) -> dict:
             for i in range(trials):
                 tokens = [rng.randrange(1, 50_000) for _ in range(4)]
                 events = resolver.apply([BlockStored([10_000 + i], None, tokens, 4)])
-                query = pb.QueryRequest(model="fresh-model", chains=[pb.KeyChain(
-                    block_size=4, block_keys=[events[0].keys[0]])], columnar=True)
+                query = pb.QueryRequest(
+                    model="fresh-model", chains=[pb.KeyChain(block_size=4, block_keys=[events[0].keys[0]])], columnar=True
+                )
                 started = time.perf_counter()
                 link.send(events)
                 while True:
@@ -156,8 +186,11 @@ async def freshness(a: ReplicaProcess, b: ReplicaProcess, trials: int) -> dict:
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-    return {"freshness_p50_ms": round(statistics.median(samples), 3), "freshness_p99_ms": round(percentile(samples, 0.99), 3),
-            "freshness_trials": len(samples)}
+    return {
+        "freshness_p50_ms": round(statistics.median(samples), 3),
+        "freshness_p99_ms": round(percentile(samples, 0.99), 3),
+        "freshness_trials": len(samples),
+    }
 
 
 async def _until(predicate, timeout_s: float) -> None:
@@ -175,9 +208,17 @@ async def _fill(writer, blocks: int, workers: int, per_batch: int) -> int:
     rng = random.Random(blocks)
 
     async def one(w: int) -> int:
-        session = await writer.register(pb.RegisterWorker(worker_id=f"catchup-{w}", model="m", engine="sim",
-                                                          block_size=16, endpoint=f"http://c{w}",
-                                                          agent_instance=f"bench-{w}"), "bench")
+        session = await writer.register(
+            pb.RegisterWorker(
+                worker_id=f"catchup-{w}",
+                model="m",
+                engine="sim",
+                block_size=16,
+                endpoint=f"http://c{w}",
+                agent_instance=f"bench-{w}",
+            ),
+            "bench",
+        )
         written, seq = 0, 0
         while written < blocks // workers:
             seq += 1
@@ -197,8 +238,9 @@ async def catch_up(redis: RedisServer, workdir: Path, sizes: tuple[int, ...]) ->
     out: dict = {}
     for blocks in sizes:
         redis.cli("flushall")
-        writer = ControlPlaneServer(ControlPlaneConfig(listen="127.0.0.1:0", redis_url=redis.url, replica_id="writer",
-                                                       heartbeat_timeout_s=600.0))
+        writer = ControlPlaneServer(
+            ControlPlaneConfig(listen="127.0.0.1:0", redis_url=redis.url, replica_id="writer", heartbeat_timeout_s=600.0)
+        )
         await writer.start()
         assert writer.redis_log is not None
         await writer.redis_log.wait_ready(30)
@@ -233,8 +275,14 @@ async def catch_up(redis: RedisServer, workdir: Path, sizes: tuple[int, ...]) ->
 # ------------------------------------------------------------------ answers per second
 
 
-async def answers(replicas: list[ReplicaProcess], redis: RedisServer, workers: int = 64, chain: int = 256,
-                  rates: tuple[int, ...] = (250, 500, 1000, 1500, 2000, 3000), step_s: float = 3.0) -> dict:
+async def answers(
+    replicas: list[ReplicaProcess],
+    redis: RedisServer,
+    workers: int = 64,
+    chain: int = 256,
+    rates: tuple[int, ...] = (250, 500, 1000, 1500, 2000, 3000),
+    step_s: float = 3.0,
+) -> dict:
     """Highest offered rate per replica whose p99 stays <= 5 ms (and all answered), open loop."""
     import grpc
 
@@ -269,9 +317,15 @@ async def answers(replicas: list[ReplicaProcess], redis: RedisServer, workers: i
             await asyncio.gather(*tasks)
             achieved = len(latencies) / (loop.time() - start) / len(replicas)
             p99 = percentile(latencies, 0.99)
-            table.append({"offered_per_replica": rate, "answered_per_s_per_replica": round(achieved),
-                          "p50_ms": round(statistics.median(latencies), 3) if latencies else None, "p99_ms": round(p99, 3),
-                          "failed": failures})
+            table.append(
+                {
+                    "offered_per_replica": rate,
+                    "answered_per_s_per_replica": round(achieved),
+                    "p50_ms": round(statistics.median(latencies), 3) if latencies else None,
+                    "p99_ms": round(p99, 3),
+                    "failed": failures,
+                }
+            )
             if p99 <= 5.0 and not failures and achieved >= 0.95 * rate:
                 best = rate
             else:
@@ -282,8 +336,9 @@ async def answers(replicas: list[ReplicaProcess], redis: RedisServer, workers: i
     return {"answers_per_s": best, "steps": table}
 
 
-async def router_sessions(a: ReplicaProcess, b: ReplicaProcess, redis_url: str, reservations: int = 1000,
-                          claiming: int = 200, keys: int = 256) -> dict:
+async def router_sessions(
+    a: ReplicaProcess, b: ReplicaProcess, redis_url: str, reservations: int = 1000, claiming: int = 200, keys: int = 256
+) -> dict:
     """A router on A reserves `reservations` on the answer fleet's workers, the first `claiming` with
     `keys` claimed keys each (TTL 60 s); then B is killed -9 and restarted."""
     import grpc
@@ -300,13 +355,21 @@ async def router_sessions(a: ReplicaProcess, b: ReplicaProcess, redis_url: str, 
             router = await open_router(pb_grpc.ControlPlaneStub(channel), "bench-sessions")
             for i in range(reservations):
                 chain = [rng.getrandbits(63) for _ in range(keys)] if i < claiming else []
-                await router.write(pb.RouterMessage(reserve=pb.Reservation(
-                    reservation_id=i + 1, worker_id=f"answer-{i % 16}", block_size=16, block_keys=chain,
-                    prefill_tokens=1000, ttl_ms=60_000)))
+                await router.write(
+                    pb.RouterMessage(
+                        reserve=pb.Reservation(
+                            reservation_id=i + 1,
+                            worker_id=f"answer-{i % 16}",
+                            block_size=16,
+                            block_keys=chain,
+                            prefill_tokens=1000,
+                            ttl_ms=60_000,
+                        )
+                    )
+                )
 
             def counts_all() -> bool:
-                return (b.metric("kvroute_cp_reservations") >= reservations
-                        and b.metric("kvroute_cp_speculative_claims") >= claims)
+                return b.metric("kvroute_cp_reservations") >= reservations and b.metric("kvroute_cp_speculative_claims") >= claims
 
             await _until(counts_all, 60)
 
@@ -331,8 +394,11 @@ async def router_sessions(a: ReplicaProcess, b: ReplicaProcess, redis_url: str, 
             router.cancel()
     finally:
         await redis.aclose()
-    return {"sessions_state_bytes": size, "sessions_restart_ready_s": round(ready_s, 3),
-            "sessions_restart_visible_s": round(visible_s, 3)}
+    return {
+        "sessions_state_bytes": size,
+        "sessions_restart_ready_s": round(ready_s, 3),
+        "sessions_restart_visible_s": round(visible_s, 3),
+    }
 
 
 async def prepare_answer_fleet(a: ReplicaProcess, workers: int, chain: int = 256) -> None:
@@ -345,10 +411,16 @@ async def prepare_answer_fleet(a: ReplicaProcess, workers: int, chain: int = 256
     keys = [rng.getrandbits(63) for _ in range(chain)]
     links = []
     for w in range(workers):
-        held = keys[:rng.randrange(1, chain)]
+        held = keys[: rng.randrange(1, chain)]
         events = [KeysStored(Tier.GPU, held)]
-        links.append(ControlPlaneLink(a.address, WorkerIdentity(f"answer-{w}", "answer-model", "vllm", 16,
-                                                                f"http://a{w}"), lambda e=events: e, pb.WorkerLoad))
+        links.append(
+            ControlPlaneLink(
+                a.address,
+                WorkerIdentity(f"answer-{w}", "answer-model", "vllm", 16, f"http://a{w}"),
+                lambda e=events: e,
+                pb.WorkerLoad,
+            )
+        )
     tasks = [asyncio.create_task(link.run()) for link in links]
     await _until(lambda: all(link.acked_seq >= 1 for link in links), 60)
     for task in tasks:  # the workers stay registered (heartbeat timeout 600 s); their streams may go
@@ -391,8 +463,14 @@ async def run_async(batches: int, trials: int, sizes: tuple[int, ...], workdir: 
     return result
 
 
-def run_replicas(batches: int = 4000, trials: int = 200, sizes: tuple[int, ...] = (100_000, 1_000_000),
-                 workdir: str = "", chaos_s: float = 0.0, step_s: float = 3.0) -> dict:
+def run_replicas(
+    batches: int = 4000,
+    trials: int = 200,
+    sizes: tuple[int, ...] = (100_000, 1_000_000),
+    workdir: str = "",
+    chaos_s: float = 0.0,
+    step_s: float = 3.0,
+) -> dict:
     path = Path(workdir) if workdir else temp_workdir("kvroute-bench-replicas-")
     result = asyncio.run(run_async(batches, trials, sizes, path, step_s))
     if chaos_s > 0:
@@ -406,8 +484,9 @@ def run_chaos_bench(workdir: Path, phase_s: float) -> dict:
     from kvroute.tools.tiny_model import build_model_dir
 
     redis = RedisServer(workdir).start()
-    cluster = ReplicaCluster(workdir=workdir / "chaos", tokenizer_dir=build_model_dir(workdir / "tiny-llama"),
-                             heartbeat_timeout_s=5.0)
+    cluster = ReplicaCluster(
+        workdir=workdir / "chaos", tokenizer_dir=build_model_dir(workdir / "tiny-llama"), heartbeat_timeout_s=5.0
+    )
     try:
         cluster.start_replicas(redis.port, 3)
         for i in range(8):
@@ -418,11 +497,17 @@ def run_chaos_bench(workdir: Path, phase_s: float) -> dict:
         kwargs = {"warm_s": phase_s, "cut_s": 5.0, "gap_s": phase_s, "tail_s": phase_s}
         baseline = run_chaos(cluster, urls, faults=False, **kwargs)
         chaos = run_chaos(cluster, urls, faults=True, **kwargs)
-        return {"chaos_requests": chaos.requests, "chaos_failed": chaos.failed, "chaos_hit_rate": round(chaos.hit_rate, 4),
-                "chaos_baseline_hit_rate": round(baseline.hit_rate, 4), "chaos_fail_open": chaos.fail_open,
-                "chaos_fail_open_outside_deadline": chaos.fail_open_outside_deadline,
-                "chaos_baseline_fail_open": baseline.fail_open, "chaos_audit_clean_s": chaos.audit_clean_s,
-                "chaos_restart_ready_s": round(chaos.restart_ready_s, 3)}
+        return {
+            "chaos_requests": chaos.requests,
+            "chaos_failed": chaos.failed,
+            "chaos_hit_rate": round(chaos.hit_rate, 4),
+            "chaos_baseline_hit_rate": round(baseline.hit_rate, 4),
+            "chaos_fail_open": chaos.fail_open,
+            "chaos_fail_open_outside_deadline": chaos.fail_open_outside_deadline,
+            "chaos_baseline_fail_open": baseline.fail_open,
+            "chaos_audit_clean_s": chaos.audit_clean_s,
+            "chaos_restart_ready_s": round(chaos.restart_ready_s, 3),
+        }
     finally:
         cluster.stop()
         redis.stop()

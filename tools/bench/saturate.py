@@ -52,15 +52,20 @@ class MissingTool(RuntimeError):
 def require_tools() -> None:
     missing = [tool for tool in ("nginx", "wrk") if shutil.which(tool) is None]
     if missing:
-        raise MissingTool(f"kvroute bench saturate: error: {' and '.join(missing)} not installed "
-                          "(apt-get install -y nginx wrk)")
+        raise MissingTool(f"kvroute bench saturate: error: {' and '.join(missing)} not installed (apt-get install -y nginx wrk)")
 
 
 def completion_json(model: str) -> str:
-    return json.dumps({"id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": model,
-                       "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
-                                    "finish_reason": "stop"}],
-                       "usage": {"prompt_tokens": 600, "completion_tokens": 1, "total_tokens": 601}})
+    return json.dumps(
+        {
+            "id": "chatcmpl-bench",
+            "object": "chat.completion",
+            "created": 0,
+            "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 600, "completion_tokens": 1, "total_tokens": 601},
+        }
+    )
 
 
 def nginx_config(workdir: Path, ports: list[int], model: str) -> str:
@@ -69,19 +74,22 @@ def nginx_config(workdir: Path, ports: list[int], model: str) -> str:
     answer = completion_json(model).replace("'", "")
     models = json.dumps({"object": "list", "data": [{"id": model, "object": "model", "owned_by": "bench"}]})
     temp = workdir / "nginx-temp"
-    servers = "\n".join(f"""
+    servers = "\n".join(
+        f"""
     server {{
         listen 127.0.0.1:{port} reuseport;
         location = /health {{ return 200 'ok'; }}
         location = /v1/models {{ default_type application/json; return 200 '{models}'; }}
         location / {{ default_type application/json; return 200 '{answer}'; }}
-    }}""" for port in ports)
+    }}"""
+        for port in ports
+    )
     return f"""
 worker_processes 1;
 daemon off;
-pid {workdir / 'nginx.pid'};
-error_log {workdir / 'nginx-error.log'} warn;
-{'user root;' if os.geteuid() == 0 else ''}
+pid {workdir / "nginx.pid"};
+error_log {workdir / "nginx-error.log"} warn;
+{"user root;" if os.geteuid() == 0 else ""}
 events {{ worker_connections 4096; }}
 http {{
     access_log off;
@@ -103,8 +111,11 @@ def start_nginx(workdir: Path, engines: int, model: str, core: int) -> tuple[Man
     (workdir / "nginx-temp").mkdir(parents=True, exist_ok=True)
     conf = workdir / "nginx.conf"
     conf.write_text(nginx_config(workdir, ports, model))
-    proc = ManagedProcess("nginx", [shutil.which("nginx") or "nginx", "-c", str(conf), "-p", str(workdir),
-                                    "-e", str(workdir / "nginx-error.log")], workdir / "nginx.log")
+    proc = ManagedProcess(
+        "nginx",
+        [shutil.which("nginx") or "nginx", "-c", str(conf), "-p", str(workdir), "-e", str(workdir / "nginx-error.log")],
+        workdir / "nginx.log",
+    )
     proc.start()
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     wait_until(lambda: all(http_ok(u + "/health") for u in urls), 30, "nginx", [proc])
@@ -133,10 +144,19 @@ def tree_cpu_s(pid: int) -> float:
 def request_bodies(model: str) -> list[str]:
     """SYSTEM_PROMPTS x QUESTIONS chat requests of ~600 words, interleaved over the system prompts."""
     systems = [long_text(5000 + g, 560) for g in range(SYSTEM_PROMPTS)]
-    return [json.dumps({"model": model, "max_tokens": 1, "messages": [
-        {"role": "system", "content": systems[i % SYSTEM_PROMPTS]},
-        {"role": "user", "content": f"question {i}: {long_text(i, 40)}"}]})
-        for i in range(SYSTEM_PROMPTS * QUESTIONS)]
+    return [
+        json.dumps(
+            {
+                "model": model,
+                "max_tokens": 1,
+                "messages": [
+                    {"role": "system", "content": systems[i % SYSTEM_PROMPTS]},
+                    {"role": "user", "content": f"question {i}: {long_text(i, 40)}"},
+                ],
+            }
+        )
+        for i in range(SYSTEM_PROMPTS * QUESTIONS)
+    ]
 
 
 def wrk_script(workdir: Path, bodies: list[str]) -> Path:
@@ -165,9 +185,26 @@ _ERRORS = re.compile(r"Socket errors: connect (\d+), read (\d+), write (\d+), ti
 
 def run_wrk(url: str, script: Path, seconds: float, connections: int, core: int) -> dict:
     """wrk on `core` for `seconds` (whole seconds: wrk takes no fractions)."""
-    done = subprocess.run(["taskset", "-c", str(core), shutil.which("wrk") or "wrk", "-t1", f"-c{connections}",
-                           f"-d{max(1, round(seconds))}s", "--timeout", "10s", "-s", str(script), url],
-                          capture_output=True, text=True, timeout=seconds + 60, check=False)
+    done = subprocess.run(
+        [
+            "taskset",
+            "-c",
+            str(core),
+            shutil.which("wrk") or "wrk",
+            "-t1",
+            f"-c{connections}",
+            f"-d{max(1, round(seconds))}s",
+            "--timeout",
+            "10s",
+            "-s",
+            str(script),
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=seconds + 60,
+        check=False,
+    )
     out = done.stdout
     if done.returncode != 0:
         raise RuntimeError(f"wrk against {url} failed ({done.returncode}): {done.stderr or out}")
@@ -180,8 +217,7 @@ def run_wrk(url: str, script: Path, seconds: float, connections: int, core: int)
     return {"requests": int(m.group(1)), "seconds": duration, "non_2xx": bad, "socket_errors": errors}
 
 
-def measure(name: str, url: str, pids: dict[str, int], script: Path, seconds: float, connections: int,
-            wrk_core: int) -> dict:
+def measure(name: str, url: str, pids: dict[str, int], script: Path, seconds: float, connections: int, wrk_core: int) -> dict:
     """wrk against `url`; the CPU time of the processes `pids` (by part: "router", "control_plane", ...)
     over the window, per request and in cores."""
     before = {part: tree_cpu_s(pid) for part, pid in pids.items()}
@@ -191,19 +227,33 @@ def measure(name: str, url: str, pids: dict[str, int], script: Path, seconds: fl
     wall = time.monotonic() - started
     requests = max(1, stats["requests"])
     cpu = sum(parts.values())
-    return {"target": name, "requests_per_s": round(stats["requests"] / stats["seconds"], 1),
-            "cpu_us_per_request": round(cpu / requests * 1e6, 1), "cpu_cores": round(cpu / wall, 3),
-            "cpu_us_per_request_by_part": {part: round(v / requests * 1e6, 1) for part, v in parts.items()},
-            "requests": stats["requests"], "non_2xx": stats["non_2xx"], "socket_errors": stats["socket_errors"]}
+    return {
+        "target": name,
+        "requests_per_s": round(stats["requests"] / stats["seconds"], 1),
+        "cpu_us_per_request": round(cpu / requests * 1e6, 1),
+        "cpu_cores": round(cpu / wall, 3),
+        "cpu_us_per_request_by_part": {part: round(v / requests * 1e6, 1) for part, v in parts.items()},
+        "requests": stats["requests"],
+        "non_2xx": stats["non_2xx"],
+        "socket_errors": stats["socket_errors"],
+    }
 
 
-def run_saturate(peers: tuple[str, ...] = (), seconds: float = 10.0, rounds: int = 3, connections: int = 32,
-                 engines: int = 4, router_core: int = 0, workdir: str = "") -> dict:
+def run_saturate(
+    peers: tuple[str, ...] = (),
+    seconds: float = 10.0,
+    rounds: int = 3,
+    connections: int = 32,
+    engines: int = 4,
+    router_core: int = 0,
+    workdir: str = "",
+) -> dict:
     require_tools()
     cores = sorted(os.sched_getaffinity(0))
     if router_core not in cores or len(cores) < 2:
-        raise MissingTool(f"kvroute bench saturate: error: needs core {router_core} and another one; this process "
-                          f"may run on {cores}")
+        raise MissingTool(
+            f"kvroute bench saturate: error: needs core {router_core} and another one; this process may run on {cores}"
+        )
     other = next(c for c in cores if c != router_core)
     path = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="kvroute-bench-saturate-"))
     cluster = LocalCluster(workdir=path, tokenizer_dir=build_model_dir(path / "tiny-llama"), heartbeat_timeout_s=3600)
@@ -220,9 +270,24 @@ def run_saturate(peers: tuple[str, ...] = (), seconds: float = 10.0, rounds: int
         script = wrk_script(path, bodies)
         chains = system_prompt_chains(cluster.tokenizer_dir, bodies)
         (path / "prefixes.json").write_text(json.dumps(chains))
-        agents = start_agents(path, "agents", address, "--workers", str(engines), "--worker-prefix", "nginx-",
-                              "--model", model, "--endpoints", ",".join(urls), "--prefix-file",
-                              str(path / "prefixes.json"), "--heartbeat-s", "1", taskset=str(other))
+        agents = start_agents(
+            path,
+            "agents",
+            address,
+            "--workers",
+            str(engines),
+            "--worker-prefix",
+            "nginx-",
+            "--model",
+            model,
+            "--endpoints",
+            ",".join(urls),
+            "--prefix-file",
+            str(path / "prefixes.json"),
+            "--heartbeat-s",
+            "1",
+            taskset=str(other),
+        )
         agents.wait_ready(60)
         targets: dict[str, tuple[str, dict[str, int]]] = {"direct": (urls[0], {"engine": pid_of_managed(nginx)})}
         for policy in ("round_robin", "kv_aware"):
@@ -240,8 +305,10 @@ def run_saturate(peers: tuple[str, ...] = (), seconds: float = 10.0, rounds: int
                 targets[f"{name}:{policy}"] = (url, {"router": pid_of_managed(proc)})
         for name, (url, _) in targets.items():  # warm-up: connections, caches, the kv_aware view's first claims
             run_wrk(url, script, 1.0, connections, other)
-        runs = [[measure(name, url, pids, script, seconds, connections, other)
-                 for name, (url, pids) in targets.items()] for _ in range(rounds)]
+        runs = [
+            [measure(name, url, pids, script, seconds, connections, other) for name, (url, pids) in targets.items()]
+            for _ in range(rounds)
+        ]
     finally:
         if agents is not None:
             agents.process.stop()
@@ -259,8 +326,7 @@ def system_prompt_chains(tokenizer_dir: Path, bodies: list[str]) -> list[list[in
 
     tokenizer = load_tokenizer(tokenizer_dir)
     model = tokenizer_dir.name
-    return [prompt_block_keys(tokenizer.encode_chat(json.loads(b)["messages"]), 16, model)
-            for b in bodies[:SYSTEM_PROMPTS]]
+    return [prompt_block_keys(tokenizer.encode_chat(json.loads(b)["messages"]), 16, model) for b in bodies[:SYSTEM_PROMPTS]]
 
 
 def summarize(runs: list[list[dict]], seconds: float, connections: int, engines: int, router_core: int) -> dict:
@@ -269,14 +335,24 @@ def summarize(runs: list[list[dict]], seconds: float, connections: int, engines:
     def median(name: str, key: str, digits: int = 1) -> float:
         return round(statistics.median(m[key] for run in runs for m in run if m["target"] == name), digits)
 
-    return {"requests_per_s": {n: median(n, "requests_per_s") for n in names},
-            "cpu_us_per_request": {n: median(n, "cpu_us_per_request") for n in names},
-            "cpu_cores": {n: median(n, "cpu_cores", 3) for n in names},
-            "cpu_us_per_request_by_part": {n: {part: round(statistics.median(
-                m["cpu_us_per_request_by_part"][part] for run in runs for m in run if m["target"] == n), 1)
-                for part in runs[0][i]["cpu_us_per_request_by_part"]} for i, n in enumerate(names)},
-            "non_2xx": {n: sum(m["non_2xx"] for run in runs for m in run if m["target"] == n) for n in names},
-            "socket_errors": {n: sum(m["socket_errors"] for run in runs for m in run if m["target"] == n)
-                              for n in names},
-            "seconds": seconds, "connections": connections, "engines": engines, "router_core": router_core,
-            "rounds": runs}
+    return {
+        "requests_per_s": {n: median(n, "requests_per_s") for n in names},
+        "cpu_us_per_request": {n: median(n, "cpu_us_per_request") for n in names},
+        "cpu_cores": {n: median(n, "cpu_cores", 3) for n in names},
+        "cpu_us_per_request_by_part": {
+            n: {
+                part: round(
+                    statistics.median(m["cpu_us_per_request_by_part"][part] for run in runs for m in run if m["target"] == n), 1
+                )
+                for part in runs[0][i]["cpu_us_per_request_by_part"]
+            }
+            for i, n in enumerate(names)
+        },
+        "non_2xx": {n: sum(m["non_2xx"] for run in runs for m in run if m["target"] == n) for n in names},
+        "socket_errors": {n: sum(m["socket_errors"] for run in runs for m in run if m["target"] == n) for n in names},
+        "seconds": seconds,
+        "connections": connections,
+        "engines": engines,
+        "router_core": router_core,
+        "rounds": runs,
+    }

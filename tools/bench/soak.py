@@ -31,8 +31,8 @@ from kvroute.tools.bench.kill import RetryingLoad
 from kvroute.tools.local_cluster import LocalCluster, ManagedProcess, free_port, http_get, http_ok, http_post_json, wait_until
 from kvroute.tools.procfs import open_fds, rss_bytes
 
-RSS_GROWTH_PCT = 5.0   # the bound issue 17 asks for (+-5% from minute 5); docs/benchmarks/2026-12-04-soak-and-kill.md
-RSS_SLACK_MB = 4.0     # below this, growth is allocator noise on a short run
+RSS_GROWTH_PCT = 5.0  # the bound issue 17 asks for (+-5% from minute 5); docs/benchmarks/2026-12-04-soak-and-kill.md
+RSS_SLACK_MB = 4.0  # below this, growth is allocator noise on a short run
 FD_SLACK = 4
 
 
@@ -75,10 +75,12 @@ class Churn:
 
     def _run(self) -> None:
         engines = self.cluster.engines
-        actions = [("engine-0 restarted", lambda: self._restart(engines[0].engine)),
-                   ("engine-1 prefix cache reset", lambda: http_post_json(engines[1].url + "/reset_prefix_cache")),
-                   ("engine-2's agent restarted", lambda: self._restart(engines[2].agent)),
-                   ("engine-3 restarted with other adapters", lambda: self._change_adapters(engines[3].engine))]
+        actions = [
+            ("engine-0 restarted", lambda: self._restart(engines[0].engine)),
+            ("engine-1 prefix cache reset", lambda: http_post_json(engines[1].url + "/reset_prefix_cache")),
+            ("engine-2's agent restarted", lambda: self._restart(engines[2].agent)),
+            ("engine-3 restarted with other adapters", lambda: self._change_adapters(engines[3].engine)),
+        ]
         i = 0
         started = time.monotonic()
         while not self._stop.wait(self.every_s):
@@ -101,9 +103,16 @@ class Churn:
         engine.start()
 
 
-def run_soak(minutes: float, sample_s: float = 60.0, churn_s: float = 20.0, rate: float = 20.0,
-             warmup_s: float = 300.0, workdir: Path | None = None, plots: Path | None = None,
-             router_cache_tokens: int = 16384) -> dict:
+def run_soak(
+    minutes: float,
+    sample_s: float = 60.0,
+    churn_s: float = 20.0,
+    rate: float = 20.0,
+    warmup_s: float = 300.0,
+    workdir: Path | None = None,
+    plots: Path | None = None,
+    router_cache_tokens: int = 16384,
+) -> dict:
     from kvroute.tools.tiny_model import build_model_dir
 
     workdir = workdir or Path(tempfile.mkdtemp(prefix="kvroute-soak-"))
@@ -113,14 +122,19 @@ def run_soak(minutes: float, sample_s: float = 60.0, churn_s: float = 20.0, rate
         cp_metrics = f"http://127.0.0.1:{free_port()}"
         cluster.start_control_plane(extra_args=("--metrics-port", cp_metrics.rsplit(":", 1)[1]))
         engines = cluster.start_sim_fleet(4, "--speedup", "20", "--num-blocks", "1024")
-        urls = [cluster.start_router(f"r{i}", "kv_aware", "--tokenizer-cache-tokens", str(router_cache_tokens))
-                for i in range(2)]
+        urls = [cluster.start_router(f"r{i}", "kv_aware", "--tokenizer-cache-tokens", str(router_cache_tokens)) for i in range(2)]
         for url in urls:
             wait_until(lambda u=url: http_ok(u + "/ready"), 30, "router ready")
-        steady = {"control-plane": cluster.control_plane, "router-r0": cluster.routers["r0"],
-                  "router-r1": cluster.routers["r1"], "agent-engine-0": engines[0].agent,
-                  "agent-engine-1": engines[1].agent, "agent-engine-3": engines[3].agent,
-                  "engine-1": engines[1].engine, "engine-2": engines[2].engine}
+        steady = {
+            "control-plane": cluster.control_plane,
+            "router-r0": cluster.routers["r0"],
+            "router-r1": cluster.routers["r1"],
+            "agent-engine-0": engines[0].agent,
+            "agent-engine-1": engines[1].agent,
+            "agent-engine-3": engines[3].agent,
+            "engine-1": engines[1].engine,
+            "engine-2": engines[2].engine,
+        }
         churned = {"engine-0": engines[0].engine, "agent-engine-2": engines[2].agent, "engine-3": engines[3].engine}
         load, churn = RetryingLoad(cluster, urls, rate), Churn(cluster, churn_s)
         load.start()
@@ -137,7 +151,8 @@ def run_soak(minutes: float, sample_s: float = 60.0, churn_s: float = 20.0, rate
                 status, body = http_get(cp_metrics + "/metrics")
                 if status == 200:
                     sample.index_entries = sample_sums(body.decode(), {"kvroute_cp_index_entries"}).get(
-                        "kvroute_cp_index_entries", 0.0)
+                        "kvroute_cp_index_entries", 0.0
+                    )
             except OSError:
                 pass
             for i, url in enumerate(urls):
@@ -146,7 +161,8 @@ def run_soak(minutes: float, sample_s: float = 60.0, churn_s: float = 20.0, rate
                     if status == 200:
                         cache = sample_sums(body.decode(), {"kvroute_router_tokenizer_cache_bytes"})
                         sample.tokenizer_cache_mb[f"router-r{i}"] = round(
-                            cache.get("kvroute_router_tokenizer_cache_bytes", 0.0) / 2**20, 2)
+                            cache.get("kvroute_router_tokenizer_cache_bytes", 0.0) / 2**20, 2
+                        )
                 except OSError:
                     pass
             samples.append(sample)
@@ -171,8 +187,14 @@ def _report(samples: list[Sample], steady: list[str], sent, churned: list, warmu
         rss0, rss1 = first.rss_mb[name], last.rss_mb[name]
         fd0, fd1 = first.fds[name], last.fds[name]
         pct = 100.0 * (rss1 - rss0) / rss0
-        growth[name] = {"rss_mb_from": rss0, "rss_mb_to": rss1, "rss_pct": round(pct, 2), "fds_from": fd0, "fds_to": fd1,
-                        "tokenizer_cache_mb": [first.tokenizer_cache_mb.get(name), last.tokenizer_cache_mb.get(name)]}
+        growth[name] = {
+            "rss_mb_from": rss0,
+            "rss_mb_to": rss1,
+            "rss_pct": round(pct, 2),
+            "fds_from": fd0,
+            "fds_to": fd1,
+            "tokenizer_cache_mb": [first.tokenizer_cache_mb.get(name), last.tokenizer_cache_mb.get(name)],
+        }
         if rss1 - rss0 > max(RSS_GROWTH_PCT / 100 * rss0, RSS_SLACK_MB):
             violations.append(f"{name}: RSS {rss0} -> {rss1} MB ({pct:+.1f}%)")
         if fd1 - fd0 > FD_SLACK:
@@ -180,14 +202,28 @@ def _report(samples: list[Sample], steady: list[str], sent, churned: list, warmu
     if plots is not None:
         _plot(samples, plots)
     ok = sum(1 for s in sent if s.status == 200)
-    return {"minutes": round(samples[-1].at_s / 60, 2), "samples": len(samples), "warmup_s": warmup_s,
-            "requests": len(sent), "requests_ok": ok, "churn_events": len(churned),
-            "index_entries_first_last": [first.index_entries, last.index_entries],
-            "bound": {"rss_growth_pct": RSS_GROWTH_PCT, "rss_slack_mb": RSS_SLACK_MB, "fd_slack": FD_SLACK},
-            "growth": growth, "violations": violations,
-            "table": [{"at_s": s.at_s, "rss_mb": s.rss_mb, "fds": s.fds, "index_entries": s.index_entries,
-                       "tokenizer_cache_mb": s.tokenizer_cache_mb}
-                      for s in samples]}
+    return {
+        "minutes": round(samples[-1].at_s / 60, 2),
+        "samples": len(samples),
+        "warmup_s": warmup_s,
+        "requests": len(sent),
+        "requests_ok": ok,
+        "churn_events": len(churned),
+        "index_entries_first_last": [first.index_entries, last.index_entries],
+        "bound": {"rss_growth_pct": RSS_GROWTH_PCT, "rss_slack_mb": RSS_SLACK_MB, "fd_slack": FD_SLACK},
+        "growth": growth,
+        "violations": violations,
+        "table": [
+            {
+                "at_s": s.at_s,
+                "rss_mb": s.rss_mb,
+                "fds": s.fds,
+                "index_entries": s.index_entries,
+                "tokenizer_cache_mb": s.tokenizer_cache_mb,
+            }
+            for s in samples
+        ],
+    }
 
 
 def _plot(samples: list[Sample], path: Path) -> None:
@@ -211,14 +247,19 @@ def _plot(samples: list[Sample], path: Path) -> None:
 
 
 def format_table(result: dict) -> str:
-    lines = [(f"soak: {result['minutes']} min, {result['requests']} requests ({result['requests_ok']} ok), "
-             f"{result['churn_events']} churn events; index entries {result['index_entries_first_last']}"),
-             ("| process (runs throughout) | RSS MB after warm-up | RSS MB at the end | change | fds "
-              "| tokenizer cache MB |"),
-             "|---|---|---|---|---|---|"]
+    lines = [
+        (
+            f"soak: {result['minutes']} min, {result['requests']} requests ({result['requests_ok']} ok), "
+            f"{result['churn_events']} churn events; index entries {result['index_entries_first_last']}"
+        ),
+        ("| process (runs throughout) | RSS MB after warm-up | RSS MB at the end | change | fds | tokenizer cache MB |"),
+        "|---|---|---|---|---|---|",
+    ]
     for name, g in result["growth"].items():
         cache = g["tokenizer_cache_mb"]
-        lines.append(f"| {name} | {g['rss_mb_from']} | {g['rss_mb_to']} | {g['rss_pct']:+.1f}% | "
-                     f"{g['fds_from']} -> {g['fds_to']} | {'' if cache[0] is None else f'{cache[0]} -> {cache[1]}'} |")
+        lines.append(
+            f"| {name} | {g['rss_mb_from']} | {g['rss_mb_to']} | {g['rss_pct']:+.1f}% | "
+            f"{g['fds_from']} -> {g['fds_to']} | {'' if cache[0] is None else f'{cache[0]} -> {cache[1]}'} |"
+        )
     lines.append("violations: " + ("; ".join(result["violations"]) or "none"))
     return "\n".join(lines)

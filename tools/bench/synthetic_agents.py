@@ -41,8 +41,15 @@ _MASK = (1 << 64) - 1
 
 
 class Worker:
-    def __init__(self, stub: pb_grpc.ControlPlaneStub, worker_id: str, register: pb.RegisterWorker,
-                 snapshot: list[int], hold: int, rng: random.Random) -> None:
+    def __init__(
+        self,
+        stub: pb_grpc.ControlPlaneStub,
+        worker_id: str,
+        register: pb.RegisterWorker,
+        snapshot: list[int],
+        hold: int,
+        rng: random.Random,
+    ) -> None:
         self.worker_id, self.register, self.snapshot = worker_id, register, snapshot
         self.call = stub.Connect()
         self.seq = 0
@@ -59,8 +66,13 @@ class Worker:
             raise RuntimeError(f"{self.worker_id}: not registered: {first}")
         self.fifo.extend(self.snapshot[-own_keys:] if own_keys else ())
         self.seq = 1
-        await self.call.write(pb.AgentMessage(batch=pb.EventBatch(seq=1, snapshot=True, events=[
-            pb.BlockEvent(stored=pb.BlocksStored(block_keys=self.snapshot))])))
+        await self.call.write(
+            pb.AgentMessage(
+                batch=pb.EventBatch(
+                    seq=1, snapshot=True, events=[pb.BlockEvent(stored=pb.BlocksStored(block_keys=self.snapshot))]
+                )
+            )
+        )
         self.reader = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
@@ -87,8 +99,15 @@ class Worker:
         return keys_per_batch + max(0, excess)
 
     async def heartbeat(self) -> None:
-        await self.call.write(pb.AgentMessage(heartbeat=pb.Heartbeat(load=pb.WorkerLoad(
-            running_requests=0, waiting_requests=0, kv_usage=0.1, observed_unix_ms=int(time.time() * 1000)))))
+        await self.call.write(
+            pb.AgentMessage(
+                heartbeat=pb.Heartbeat(
+                    load=pb.WorkerLoad(
+                        running_requests=0, waiting_requests=0, kv_usage=0.1, observed_unix_ms=int(time.time() * 1000)
+                    )
+                )
+            )
+        )
 
     async def close(self) -> None:
         self.call.cancel()
@@ -115,12 +134,19 @@ async def run(args: argparse.Namespace) -> int:
         worker_id = f"{args.worker_prefix}{i}"
         endpoint = endpoints[i % len(endpoints)] if endpoints else f"http://127.0.0.1:{20000 + i}"
         chain = chains[i % len(chains)] if chains else []
-        held = chain[:rng.randrange(len(chain) + 1)]
+        held = chain[: rng.randrange(len(chain) + 1)]
         own = [rng.getrandbits(64) for _ in range(args.snapshot_keys)]
-        register = pb.RegisterWorker(worker_id=worker_id, model=args.model, engine="sim", block_size=args.block_size,
-                                     endpoint=endpoint, agent_instance=f"synthetic-{i}")
-        workers.append(Worker(stub, worker_id, register, held + own, max(args.hold_keys, len(own)),
-                              random.Random(rng.getrandbits(64))))
+        register = pb.RegisterWorker(
+            worker_id=worker_id,
+            model=args.model,
+            engine="sim",
+            block_size=args.block_size,
+            endpoint=endpoint,
+            agent_instance=f"synthetic-{i}",
+        )
+        workers.append(
+            Worker(stub, worker_id, register, held + own, max(args.hold_keys, len(own)), random.Random(rng.getrandbits(64)))
+        )
     sent_ns: dict[str, int] = {}
     events = batches = 0
     started = time.monotonic()
@@ -129,8 +155,7 @@ async def run(args: argparse.Namespace) -> int:
             await worker.start(args.snapshot_keys)
         while not all(w.acked >= 1 for w in workers):
             await asyncio.sleep(0.01)
-        write_port_file(args.ready_file, {"workers": len(workers),
-                                          "entries": sum(len(w.snapshot) for w in workers)})
+        write_port_file(args.ready_file, {"workers": len(workers), "entries": sum(len(w.snapshot) for w in workers)})
         waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(go.wait())]
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for wait in waits:
@@ -157,8 +182,16 @@ async def run(args: argparse.Namespace) -> int:
         for worker in workers:
             await worker.close()
         await channel.close()
-    write_port_file(args.report_file, {"sent_ns": sent_ns, "batches": batches, "events": events,
-                                       "seconds": round(elapsed, 3), "events_per_s": round(events / max(elapsed, 1e-9))})
+    write_port_file(
+        args.report_file,
+        {
+            "sent_ns": sent_ns,
+            "batches": batches,
+            "events": events,
+            "seconds": round(elapsed, 3),
+            "events_per_s": round(events / max(elapsed, 1e-9)),
+        },
+    )
     return 0
 
 
@@ -170,8 +203,11 @@ def main() -> int:
     p.add_argument("--model", default="bench-model")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--endpoints", default="", help="comma-separated engine URLs, worker i gets the (i mod n)th")
-    p.add_argument("--prefix-file", default="",
-                   help="JSON list of key chains: worker i holds a prefix of chain i mod n (its length drawn per worker)")
+    p.add_argument(
+        "--prefix-file",
+        default="",
+        help="JSON list of key chains: worker i holds a prefix of chain i mod n (its length drawn per worker)",
+    )
     p.add_argument("--snapshot-keys", type=int, default=0, help="random keys per worker in its snapshot")
     p.add_argument("--hold-keys", type=int, default=4096, help="a worker removes its oldest keys past this many")
     p.add_argument("--rate", type=float, default=0.0, help="block events per second (stored + removed), 0 = none")

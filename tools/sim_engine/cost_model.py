@@ -57,8 +57,7 @@ class CostModel:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
 
-    def step_seconds(self, prefill_tokens: int, decode_seqs: int, context_tokens: int = 0,
-                     loaded_tokens: int = 0) -> float:
+    def step_seconds(self, prefill_tokens: int, decode_seqs: int, context_tokens: int = 0, loaded_tokens: int = 0) -> float:
         """Duration of one engine step; 0.0 for an empty step."""
         if prefill_tokens == 0 and decode_seqs == 0:
             return 0.0

@@ -97,19 +97,32 @@ def make_metrics(dialect: Dialect, model: str, cpu_tier: bool) -> EngineMetricsF
 class SimEngine:
     """One simulated engine: pure cache + scheduler + cost model, driven by an asyncio loop."""
 
-    def __init__(self, config: EngineConfig, tokenizer, cost: CostModel | None = None,
-                 publisher: EventPublisher | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, tokenizer, cost: CostModel | None = None, publisher: EventPublisher | None = None
+    ) -> None:
         self.config = config
         self.dialect = get_dialect(config.dialect)
         self.tokenizer = tokenizer
         self.cost = cost or CostModel()
         labeler = DialectLabeler(config.model, config.block_size, self.dialect.hash_scheme(config.event_hash_form))
-        self.cache = PrefixCache(config.num_blocks, config.block_size, config.hash_seed,
-                                 digest_bits=128 if config.event_hash_form == "bytes" else 64,
-                                 cpu_offload_blocks=config.cpu_offload_blocks, labeler=labeler)
+        self.cache = PrefixCache(
+            config.num_blocks,
+            config.block_size,
+            config.hash_seed,
+            digest_bits=128 if config.event_hash_form == "bytes" else 64,
+            cpu_offload_blocks=config.cpu_offload_blocks,
+            labeler=labeler,
+        )
         self.vocab_size = int(tokenizer.vocab_size)
-        self.scheduler = Scheduler(self.cache, self.cost, config.max_num_batched_tokens, config.max_num_seqs,
-                                   self.vocab_size, seed=config.seed, min_token_id=_first_plain_token(tokenizer))
+        self.scheduler = Scheduler(
+            self.cache,
+            self.cost,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            self.vocab_size,
+            seed=config.seed,
+            min_token_id=_first_plain_token(tokenizer),
+        )
         self.publisher = publisher
         self.metrics = make_metrics(self.dialect, config.model, config.cpu_offload_blocks > 0)
         self._wakeup = asyncio.Event()
@@ -193,12 +206,16 @@ class SimEngine:
         if max_tokens < 1:
             raise RequestRejected(f"max_tokens must be at least 1, got {max_tokens}.")
         if n > limit:
-            raise RequestRejected(f"This model's maximum context length is {limit} tokens. However, your request has "
-                                  f"{n} input tokens. Please reduce the length of the input messages.")
+            raise RequestRejected(
+                f"This model's maximum context length is {limit} tokens. However, your request has "
+                f"{n} input tokens. Please reduce the length of the input messages."
+            )
         if n + max_tokens > limit:
-            raise RequestRejected(f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
-                                  f"maximum context length is {limit} tokens and your request has {n} input tokens "
-                                  f"({max_tokens} > {limit} - {n}).")
+            raise RequestRejected(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
+                f"maximum context length is {limit} tokens and your request has {n} input tokens "
+                f"({max_tokens} > {limit} - {n})."
+            )
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise RequestRejected(f"Token id {bad} is out of vocabulary")
@@ -221,13 +238,15 @@ class SimEngine:
             return BASE_NAMESPACE
         return CacheNamespace(lora_name, lora_id, salt or None)
 
-    def submit(self, prompt: list[int], max_tokens: int, namespace: CacheNamespace = BASE_NAMESPACE,
-               remote_prefilled: bool = False) -> tuple[SimRequest, asyncio.Queue]:
+    def submit(
+        self, prompt: list[int], max_tokens: int, namespace: CacheNamespace = BASE_NAMESPACE, remote_prefilled: bool = False
+    ) -> tuple[SimRequest, asyncio.Queue]:
         """Queue a request; its queue yields output token ids, then None when it is done.
         `remote_prefilled`: a P/D decode leg whose prompt KV was transferred (none of it is computed)."""
         self.validate(prompt, max_tokens)
-        req = SimRequest(f"req-{next(self._ids)}", list(prompt), max_tokens, namespace=namespace,
-                         remote_prefilled=remote_prefilled)
+        req = SimRequest(
+            f"req-{next(self._ids)}", list(prompt), max_tokens, namespace=namespace, remote_prefilled=remote_prefilled
+        )
         self.scheduler.add(req)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[req.request_id] = queue
@@ -254,8 +273,7 @@ class SimEngine:
             self.publish_pending_events()
         return ok
 
-    def inject_faults(self, drop_next_batches: int = 0, restart_publisher: bool = False,
-                      drop_cache: bool = False) -> dict:
+    def inject_faults(self, drop_next_batches: int = 0, restart_publisher: bool = False, drop_cache: bool = False) -> dict:
         """Fault hooks for end-to-end tests (see `server.py`). `drop_cache` empties the cache without
         any event, as a restarted engine has; it raises RuntimeError while requests hold blocks."""
         if self.publisher is None and (drop_next_batches or restart_publisher):

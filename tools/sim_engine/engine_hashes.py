@@ -117,8 +117,9 @@ def _combine(seed: int, term: int) -> int:
     return seed ^ ((term + (seed << 6) + (seed >> 2)) & _U64)
 
 
-def trtllm_v1_block_hash(tokens: Sequence[int], parent: int = 0, salt_id: int | None = None,
-                         lora_task_id: int | None = None) -> int:
+def trtllm_v1_block_hash(
+    tokens: Sequence[int], parent: int = 0, salt_id: int | None = None, lora_task_id: int | None = None
+) -> int:
     """TRT-LLM's BlockKeyHasher (v1_block_key) for one block; `parent` 0 = a request's first block."""
     seed = (len(tokens) ^ (parent * _MIX64_A)) & _U64
     if parent == 0 and salt_id is not None:
@@ -142,9 +143,11 @@ def trtllm_v2_digest(prior: bytes | None, tokens: Sequence[int], namespace: Cach
 
 # ---------------------------------------------------------------- schemes
 
+
 class HashScheme(Protocol):
-    def chain(self, identities: Sequence[int], blocks: list[Sequence[int]], parent: BlockRecord | None,
-              namespace: CacheNamespace) -> list[tuple[BlockHash, object]]:
+    def chain(
+        self, identities: Sequence[int], blocks: list[Sequence[int]], parent: BlockRecord | None, namespace: CacheNamespace
+    ) -> list[tuple[BlockHash, object]]:
         """(published hash, chaining state) of each block of a run."""
         ...
 
@@ -152,6 +155,7 @@ class HashScheme(Protocol):
 @dataclass(frozen=True)
 class VllmHashes:
     """vLLM: the cache identity in the era's wire form: "u64", "i64" (builtin hash) or "bytes"."""
+
     form: str = "u64"
 
     def chain(self, identities, blocks, parent, namespace):
@@ -170,6 +174,7 @@ class SglangContentHashes:
 @dataclass(frozen=True)
 class SglangChainedHashes:
     """SGLang >= 0.5.6; `namespaced` = 0.5.20+ (salt prior and LoRA mapping)."""
+
     namespaced: bool = False
 
     def chain(self, identities, blocks, parent, namespace):
@@ -191,6 +196,7 @@ class SglangChainedHashes:
 @dataclass(frozen=True)
 class TrtllmV1Hashes:
     """TRT-LLM v1_block_key; `signed` for the ZMQ publisher, which translates hashes to int64."""
+
     signed: bool = False
 
     def chain(self, identities, blocks, parent, namespace):
@@ -224,12 +230,16 @@ class DialectLabeler:
     def __init__(self, model: str, block_size: int, scheme: HashScheme) -> None:
         self.model, self.block_size, self.scheme = model, block_size, scheme
 
-    def label(self, identities: Sequence[int], tokens: Sequence[int], parent: BlockRecord | None,
-              namespace: CacheNamespace) -> list[BlockRecord]:
+    def label(
+        self, identities: Sequence[int], tokens: Sequence[int], parent: BlockRecord | None, namespace: CacheNamespace
+    ) -> list[BlockRecord]:
         bs = self.block_size
-        blocks = [tokens[i * bs:(i + 1) * bs] for i in range(len(identities))]
-        seed = parent.key if parent is not None else namespace_seed(
-            self.model, bs, namespace.lora_name or "", namespace.cache_salt or "")
+        blocks = [tokens[i * bs : (i + 1) * bs] for i in range(len(identities))]
+        seed = (
+            parent.key
+            if parent is not None
+            else namespace_seed(self.model, bs, namespace.lora_name or "", namespace.cache_salt or "")
+        )
         keys = chain_block_keys(tokens, bs, seed)
         previous = parent.published if parent is not None else None
         records = []

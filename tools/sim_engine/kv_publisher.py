@@ -52,8 +52,14 @@ END_SEQ = b"\xff" * 8  # (-1).to_bytes(8, "big", signed=True)
 # KVEventsConfig keys and defaults (docs/wire-formats.md#publisher-configuration; SGLang: the same keys, publisher "null"
 # by default).
 CONFIG_DEFAULTS: dict[str, Any] = {
-    "enable_kv_cache_events": False, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": None,
-    "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000, "topic": "",
+    "enable_kv_cache_events": False,
+    "publisher": "zmq",
+    "endpoint": "tcp://*:5557",
+    "replay_endpoint": None,
+    "buffer_steps": 10000,
+    "hwm": 100000,
+    "max_queue_size": 100000,
+    "topic": "",
 }
 
 
@@ -125,14 +131,15 @@ def events_enabled(config: dict[str, Any], dialect: Dialect) -> bool:
 
 @dataclass
 class FaultState:
-    drop_next_batches: int = 0   # batches still to withhold from the PUB socket
+    drop_next_batches: int = 0  # batches still to withhold from the PUB socket
     dropped_by_fault: int = 0
     restarts: int = 0
 
 
 class KvEventPublisher:
-    def __init__(self, config: dict | str | None, block_size: int, dialect: Dialect | None = None,
-                 data_parallel_rank: int = 0) -> None:
+    def __init__(
+        self, config: dict | str | None, block_size: int, dialect: Dialect | None = None, data_parallel_rank: int = 0
+    ) -> None:
         dialect = dialect or get_dialect(DEFAULT_DIALECT)
         if dialect.transport != "zmq":
             raise ValueError(f"dialect {dialect.name} does not publish over ZMQ")
@@ -149,7 +156,7 @@ class KvEventPublisher:
         self.max_queue_size: int = config["max_queue_size"]
         self.block_size, self.replay_framing = block_size, dialect.replay_framing
         self.data_parallel_rank = data_parallel_rank
-        self.seq = 0                # next sequence number the sender assigns
+        self.seq = 0  # next sequence number the sender assigns
         self.dropped_batches = 0
         self.faults = FaultState()
         self._pending: deque[tuple[float, list[CacheEvent], int]] = deque()  # (ts, events, seqs dropped before)
@@ -172,8 +179,9 @@ class KvEventPublisher:
             open_zmq(self._replay, "--kv-events-config", self.replay_endpoint, bind=True)
 
     @classmethod
-    def from_cli(cls, config_json: str | None, block_size: int, dialect: Dialect | None = None,
-                 data_parallel_rank: int = 0) -> KvEventPublisher | None:
+    def from_cli(
+        cls, config_json: str | None, block_size: int, dialect: Dialect | None = None, data_parallel_rank: int = 0
+    ) -> KvEventPublisher | None:
         """None when the config does not enable a ZMQ publisher (the engine's null publisher)."""
         dialect = dialect or get_dialect(DEFAULT_DIALECT)
         config = parse_kv_events_config(config_json, dialect)
@@ -221,8 +229,12 @@ class KvEventPublisher:
             if self._idle is not None:
                 self._idle.set()
         self.faults.drop_next_batches += drop_next_batches
-        return {"next_seq": self.seq, "drop_next_batches": self.faults.drop_next_batches,
-                "dropped_by_fault": self.faults.dropped_by_fault, "restarts": self.faults.restarts}
+        return {
+            "next_seq": self.seq,
+            "drop_next_batches": self.faults.drop_next_batches,
+            "dropped_by_fault": self.faults.dropped_by_fault,
+            "restarts": self.faults.restarts,
+        }
 
     def publish(self, events: list[CacheEvent]) -> None:
         """Queue one batch (the events of one scheduler step). Never blocks; empty batches are skipped."""

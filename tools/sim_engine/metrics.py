@@ -27,10 +27,53 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from kvroute.tools.sim_engine.scheduler import Scheduler, StepResult
 
 # vLLM's bucket boundaries for vllm:time_to_first_token_seconds and vllm:e2e_request_latency_seconds.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 ITERATION_STATS_KEPT = 1000
 
 
@@ -92,24 +135,37 @@ class VllmMetrics(_PrometheusFamily):
         self.running = self.gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = self.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = self.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.queries = self.counter("vllm:prefix_cache_queries",
-                                    "Prefix cache queries, in terms of number of queried tokens.")
+        self.queries = self.counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
         self.hits = self.counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
-        self.external = (self.counter("vllm:external_prefix_cache_queries",
-                                      "External prefix cache queries from KV connector cross-instance cache "
-                                      "sharing, in terms of number of queried tokens."),
-                         self.counter("vllm:external_prefix_cache_hits",
-                                      "External prefix cache hits from KV connector cross-instance cache sharing, "
-                                      "in terms of number of cached tokens.")) if cpu_tier else None
+        self.external = (
+            (
+                self.counter(
+                    "vllm:external_prefix_cache_queries",
+                    "External prefix cache queries from KV connector cross-instance cache "
+                    "sharing, in terms of number of queried tokens.",
+                ),
+                self.counter(
+                    "vllm:external_prefix_cache_hits",
+                    "External prefix cache hits from KV connector cross-instance cache sharing, "
+                    "in terms of number of cached tokens.",
+                ),
+            )
+            if cpu_tier
+            else None
+        )
         self.prompt_tokens = self.counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = self.counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.preemptions = self.counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
-        self.finished_requests = Counter("vllm:request_success", "Count of successfully processed requests.",
-                               ["model_name", "finished_reason"], registry=self.registry).labels(model, "length")
-        self.ttft = self.histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                                   TTFT_BUCKETS)
-        self.e2e = self.histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                                  E2E_BUCKETS)
+        self.finished_requests = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        ).labels(model, "length")
+        self.ttft = self.histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.e2e = self.histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", E2E_BUCKETS)
 
     def render(self, scheduler: Scheduler) -> tuple[bytes, str]:
         cache = scheduler.cache
@@ -137,10 +193,12 @@ class SglangMetrics(_PrometheusFamily):
         self.generation_tokens = self.counter("sglang:generation_tokens", "Number of generation tokens processed.")
         self.cached_tokens = self.counter("sglang:cached_tokens", "Number of cached prompt tokens.")
         self.finished_requests = self.counter("sglang:num_requests", "Number of requests processed.")
-        self.ttft = self.histogram("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                                   TTFT_BUCKETS)
-        self.e2e = self.histogram("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in "
-                                  "seconds", E2E_BUCKETS)
+        self.ttft = self.histogram(
+            "sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.e2e = self.histogram(
+            "sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds", E2E_BUCKETS
+        )
 
     def render(self, scheduler: Scheduler) -> tuple[bytes, str]:
         cache = scheduler.cache
@@ -168,21 +226,34 @@ class TrtllmIterationStats:
             self.alloc_new += cache.blocks_for(len(req.prompt) + req.max_tokens) - reused
         prefilling = [r for r in scheduler.running if not r.prefill_done]
         lookups = self.reused + self.missed
-        self.iterations.append({
-            "iter": self.iter, "iterLatencyMS": result.seconds * 1000.0,
-            "numActiveRequests": len(scheduler.running), "numQueuedRequests": len(scheduler.waiting),
-            "numCompletedRequests": len(result.finished), "maxNumActiveRequests": scheduler.max_num_seqs,
-            "kvCacheStats": {
-                "maxNumBlocks": cache.num_blocks, "freeNumBlocks": cache.num_blocks - cache.used_blocks,
-                "usedNumBlocks": cache.used_blocks, "tokensPerBlock": cache.block_size,
-                "allocTotalBlocks": self.alloc_new + self.reused, "allocNewBlocks": self.alloc_new,
-                "reusedBlocks": self.reused, "missedBlocks": self.missed,
-                "cacheHitRate": self.reused / lookups if lookups else 0.0},
-            "inflightBatchingStats": {
-                "numScheduledRequests": result.decode_seqs + len(result.first_tokens) + len(prefilling),
-                "numContextRequests": len(result.first_tokens) + len(prefilling), "numGenRequests": result.decode_seqs,
-                "numPausedRequests": 0, "numCtxTokens": result.prefill_tokens},
-        })
+        self.iterations.append(
+            {
+                "iter": self.iter,
+                "iterLatencyMS": result.seconds * 1000.0,
+                "numActiveRequests": len(scheduler.running),
+                "numQueuedRequests": len(scheduler.waiting),
+                "numCompletedRequests": len(result.finished),
+                "maxNumActiveRequests": scheduler.max_num_seqs,
+                "kvCacheStats": {
+                    "maxNumBlocks": cache.num_blocks,
+                    "freeNumBlocks": cache.num_blocks - cache.used_blocks,
+                    "usedNumBlocks": cache.used_blocks,
+                    "tokensPerBlock": cache.block_size,
+                    "allocTotalBlocks": self.alloc_new + self.reused,
+                    "allocNewBlocks": self.alloc_new,
+                    "reusedBlocks": self.reused,
+                    "missedBlocks": self.missed,
+                    "cacheHitRate": self.reused / lookups if lookups else 0.0,
+                },
+                "inflightBatchingStats": {
+                    "numScheduledRequests": result.decode_seqs + len(result.first_tokens) + len(prefilling),
+                    "numContextRequests": len(result.first_tokens) + len(prefilling),
+                    "numGenRequests": result.decode_seqs,
+                    "numPausedRequests": 0,
+                    "numCtxTokens": result.prefill_tokens,
+                },
+            }
+        )
         self.iter += 1
 
     def render(self, scheduler: Scheduler) -> tuple[bytes, str]:

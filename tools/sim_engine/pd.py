@@ -51,15 +51,23 @@ class PdFieldError(ValueError):
 
 @dataclass(slots=True)
 class PdLeg:
-    kind: str          # "prefill" or "decode"
-    source: str = ""   # decode: where the KV comes from (remote engine id, or bootstrap host:port)
-    blocks: int = 0    # decode: blocks to transfer
+    kind: str  # "prefill" or "decode"
+    source: str = ""  # decode: where the KV comes from (remote engine id, or bootstrap host:port)
+    blocks: int = 0  # decode: blocks to transfer
     room: int | None = None  # SGLang's bootstrap room
 
 
 class PdEngineSide:
-    def __init__(self, role: str, protocol: str, engine_id: str, host: str, port: int, speedup: float = 1.0,
-                 transfer_s_per_block: float = DEFAULT_TRANSFER_MS_PER_BLOCK / 1000) -> None:
+    def __init__(
+        self,
+        role: str,
+        protocol: str,
+        engine_id: str,
+        host: str,
+        port: int,
+        speedup: float = 1.0,
+        transfer_s_per_block: float = DEFAULT_TRANSFER_MS_PER_BLOCK / 1000,
+    ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if protocol not in PROTOCOLS:
@@ -93,21 +101,22 @@ class PdEngineSide:
             return None
         blocks, engine = params.get("remote_block_ids"), params.get("remote_engine_id")
         if not isinstance(blocks, list) or not isinstance(engine, str) or not engine:
-            raise PdFieldError("a remote prefill needs kv_transfer_params.remote_block_ids (a list) and "
-                               "remote_engine_id (a string), as the prefill worker returned them", "kv_transfer_params")
+            raise PdFieldError(
+                "a remote prefill needs kv_transfer_params.remote_block_ids (a list) and "
+                "remote_engine_id (a string), as the prefill worker returned them",
+                "kv_transfer_params",
+            )
         return PdLeg("decode", engine, len(blocks))
 
     @staticmethod
     def _bootstrap(body: dict) -> int:
         host, port, room = body.get("bootstrap_host"), body.get("bootstrap_port"), body.get("bootstrap_room")
         if not isinstance(host, str) or not host:
-            raise PdFieldError("a disaggregated server needs bootstrap_host (the prefill server's host)",
-                               "bootstrap_host")
+            raise PdFieldError("a disaggregated server needs bootstrap_host (the prefill server's host)", "bootstrap_host")
         if port is not None and (isinstance(port, bool) or not isinstance(port, int)):
             raise PdFieldError("bootstrap_port must be an integer or null", "bootstrap_port")
         if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room <= _ROOM_LIMIT:
-            raise PdFieldError("a disaggregated server needs bootstrap_room, an integer in 0..2^63-1",
-                               "bootstrap_room")
+            raise PdFieldError("a disaggregated server needs bootstrap_room, an integer in 0..2^63-1", "bootstrap_room")
         return room
 
     async def receive(self, leg: PdLeg) -> None:
@@ -119,14 +128,26 @@ class PdEngineSide:
 
     def transfer_params(self, request_id: str, prompt_blocks: int) -> dict:
         """What a vLLM prefill leg's answer returns for its decode leg."""
-        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": list(range(prompt_blocks)),
-                "remote_engine_id": self.engine_id, "remote_request_id": request_id, "remote_host": self.host,
-                "remote_port": self.port, "tp_size": 1}
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": list(range(prompt_blocks)),
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request_id,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "tp_size": 1,
+        }
 
     @staticmethod
     def transfer_header(leg: PdLeg) -> str:
         return f"from={leg.source};blocks={leg.blocks}" + (f";room={leg.room}" if leg.room is not None else "")
 
     def state(self) -> dict:
-        return {"role": self.role, "protocol": self.protocol, "prefill_legs": self.prefill_legs,
-                "decode_legs": self.decode_legs, "blocks_received": self.blocks_received}
+        return {
+            "role": self.role,
+            "protocol": self.protocol,
+            "prefill_legs": self.prefill_legs,
+            "decode_legs": self.decode_legs,
+            "blocks_received": self.blocks_received,
+        }

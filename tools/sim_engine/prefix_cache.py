@@ -72,8 +72,9 @@ BlockHash = int | bytes | str  # what an event carries: the identity, or the eng
 @dataclass(frozen=True, slots=True)
 class CacheNamespace:
     """What keeps equal tokens of different requests apart: the LoRA adapter and the cache salt."""
+
     lora_name: str | None = None
-    lora_id: int | None = None     # the adapter's int id (vLLM numbers adapters from 1)
+    lora_id: int | None = None  # the adapter's int id (vLLM numbers adapters from 1)
     cache_salt: str | None = None
 
 
@@ -94,7 +95,7 @@ class StoredEvent:
 class RemovedEvent:
     block_hashes: list[BlockHash]
     medium: str = GPU
-    moved_to: str | None = None    # set when the blocks live on in another tier (a StoredEvent follows)
+    moved_to: str | None = None  # set when the blocks live on in another tier (a StoredEvent follows)
 
 
 @dataclass(slots=True)
@@ -108,17 +109,19 @@ CacheEvent = StoredEvent | RemovedEvent | ClearedEvent
 @dataclass(slots=True)
 class BlockRecord:
     """What the cache keeps about one cached block besides its identity (when a labeler or the CPU tier is on)."""
-    published: BlockHash              # the hash its events carry
-    parent: BlockHash | None          # the published hash of the block before it (None: a request's first block)
+
+    published: BlockHash  # the hash its events carry
+    parent: BlockHash | None  # the published hash of the block before it (None: a request's first block)
     tokens: Sequence[int]
     namespace: CacheNamespace
-    key: int | None = None            # kvroute block key (audits)
-    state: object = None              # the engine hash function's chaining state (e.g. a full digest)
+    key: int | None = None  # kvroute block key (audits)
+    state: object = None  # the engine hash function's chaining state (e.g. a full digest)
 
 
 class BlockLabeler(Protocol):
-    def label(self, identities: Sequence[int], tokens: Sequence[int], parent: BlockRecord | None,
-              namespace: CacheNamespace) -> list[BlockRecord]:
+    def label(
+        self, identities: Sequence[int], tokens: Sequence[int], parent: BlockRecord | None, namespace: CacheNamespace
+    ) -> list[BlockRecord]:
         """Records for a run of new full blocks (`tokens` covers them all), chained from `parent`."""
         ...
 
@@ -126,10 +129,11 @@ class BlockLabeler(Protocol):
 @dataclass(slots=True)
 class Allocation:
     """What one request holds: its pinned cached blocks (chain order) plus uncached working blocks."""
+
     pinned_hashes: list[int] = field(default_factory=list)
     working_blocks: int = 0
     hit_tokens: int = 0
-    loaded_tokens: int = 0            # of hit_tokens: copied back from the CPU tier
+    loaded_tokens: int = 0  # of hit_tokens: copied back from the CPU tier
     namespace: CacheNamespace = BASE_NAMESPACE
 
 
@@ -138,8 +142,16 @@ class CacheFullError(ValueError):
 
 
 class PrefixCache:
-    def __init__(self, num_blocks: int, block_size: int, hash_seed: str | None = None, *, digest_bits: int = 64,
-                 cpu_offload_blocks: int = 0, labeler: BlockLabeler | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        hash_seed: str | None = None,
+        *,
+        digest_bits: int = 64,
+        cpu_offload_blocks: int = 0,
+        labeler: BlockLabeler | None = None,
+    ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         if digest_bits not in (64, 128):
@@ -151,11 +163,11 @@ class PrefixCache:
         self.digest_bytes = digest_bits // 8
         self._mask = (1 << digest_bits) - 1
         seed = hash_seed.encode() if hash_seed is not None else os.urandom(32)
-        self.none_hash = int.from_bytes(hashlib.sha256(b"sim-none-hash" + seed).digest()[-self.digest_bytes:], "big")
+        self.none_hash = int.from_bytes(hashlib.sha256(b"sim-none-hash" + seed).digest()[-self.digest_bytes :], "big")
         self._roots: dict[CacheNamespace, int] = {BASE_NAMESPACE: self.none_hash}
-        self._refcount: dict[int, int] = {}                # cached hash -> pinning requests
+        self._refcount: dict[int, int] = {}  # cached hash -> pinning requests
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached and unpinned, least recently used first
-        self._working = 0                                  # uncached blocks reserved by requests
+        self._working = 0  # uncached blocks reserved by requests
         self.cpu_offload_blocks = cpu_offload_blocks
         self._cpu: OrderedDict[int, None] = OrderedDict()  # CPU tier, least recently used first
         self.labeler = labeler
@@ -178,8 +190,9 @@ class PrefixCache:
             self._roots[namespace] = root
         return root
 
-    def chain_hashes(self, token_ids: Sequence[int], parent: int | None = None,
-                     namespace: CacheNamespace = BASE_NAMESPACE) -> list[int]:
+    def chain_hashes(
+        self, token_ids: Sequence[int], parent: int | None = None, namespace: CacheNamespace = BASE_NAMESPACE
+    ) -> list[int]:
         """Hashes of the full blocks of `token_ids`, chained from `parent` (None = the namespace's first block)."""
         bs = self.block_size
         n = len(token_ids) // bs
@@ -191,7 +204,7 @@ class PrefixCache:
         h = self.root_hash(namespace) if parent is None else parent
         out = [0] * n
         for i in range(n):
-            h = _xxh3_128(h.to_bytes(width, "big") + data[i * stride:(i + 1) * stride]) & mask
+            h = _xxh3_128(h.to_bytes(width, "big") + data[i * stride : (i + 1) * stride]) & mask
             out[i] = h
         return out
 
@@ -252,8 +265,7 @@ class PrefixCache:
             self.events.append(RemovedEvent([record.published]))
             return
         self.events.append(RemovedEvent([record.published], GPU, moved_to=CPU))
-        self.events.append(StoredEvent([record.published], record.parent, record.tokens, CPU, record.namespace,
-                                       moved_from=GPU))
+        self.events.append(StoredEvent([record.published], record.parent, record.tokens, CPU, record.namespace, moved_from=GPU))
         self._cpu[victim] = None
         if len(self._cpu) > self.cpu_offload_blocks:
             oldest, _ = self._cpu.popitem(last=False)
@@ -274,8 +286,7 @@ class PrefixCache:
         del self._cpu[h]
         record = self._records[h]
         self.events.append(RemovedEvent([record.published], CPU, moved_to=GPU))
-        self.events.append(StoredEvent([record.published], record.parent, record.tokens, GPU, record.namespace,
-                                       moved_from=CPU))
+        self.events.append(StoredEvent([record.published], record.parent, record.tokens, GPU, record.namespace, moved_from=CPU))
         self._refcount[h] = 1
 
     # ---------------------------------------------------------------- request lifecycle
@@ -293,11 +304,14 @@ class PrefixCache:
     def check_fits(self, total_tokens: int) -> None:
         needed = self.blocks_for(total_tokens)
         if needed > self.num_blocks:
-            raise CacheFullError(f"request needs {needed} KV blocks ({total_tokens} tokens of {self.block_size}) "
-                                 f"but the KV cache only has {self.num_blocks} blocks")
+            raise CacheFullError(
+                f"request needs {needed} KV blocks ({total_tokens} tokens of {self.block_size}) "
+                f"but the KV cache only has {self.num_blocks} blocks"
+            )
 
-    def allocate(self, prompt_hashes: Sequence[int], prompt_len: int, total_tokens: int,
-                 namespace: CacheNamespace = BASE_NAMESPACE) -> Allocation | None:
+    def allocate(
+        self, prompt_hashes: Sequence[int], prompt_len: int, total_tokens: int, namespace: CacheNamespace = BASE_NAMESPACE
+    ) -> Allocation | None:
         """Pin the cached prefix and reserve the rest; None (nothing changed) if it does not fit right now.
 
         Raises CacheFullError if it could never fit.
@@ -330,8 +344,13 @@ class PrefixCache:
         self.queries_tokens += prompt_len
         self.hits_tokens += hit_blocks * bs
         self.cpu_hits_tokens += len(loaded) * bs
-        return Allocation(pinned_hashes=pinned, working_blocks=working, hit_tokens=hit_blocks * bs,
-                          loaded_tokens=len(loaded) * bs, namespace=namespace)
+        return Allocation(
+            pinned_hashes=pinned,
+            working_blocks=working,
+            hit_tokens=hit_blocks * bs,
+            loaded_tokens=len(loaded) * bs,
+            namespace=namespace,
+        )
 
     def commit(self, alloc: Allocation, hashes: Sequence[int], token_ids: Sequence[int]) -> None:
         """Cache newly full blocks `hashes` (continuing the request's chain) covering `token_ids`."""
@@ -359,8 +378,9 @@ class PrefixCache:
         del self._cpu[h]
         self.events.append(RemovedEvent([self._records.pop(h).published], CPU))
 
-    def _emit_stored(self, hashes: Sequence[int], new_hashes: set[int], token_ids: Sequence[int],
-                     parent: int | None, namespace: CacheNamespace) -> None:
+    def _emit_stored(
+        self, hashes: Sequence[int], new_hashes: set[int], token_ids: Sequence[int], parent: int | None, namespace: CacheNamespace
+    ) -> None:
         """One BlockStored per run of consecutive new blocks; a shared block in between splits it."""
         start = None  # first block of the current run of new blocks
         for i, h in enumerate(hashes):
@@ -373,11 +393,12 @@ class PrefixCache:
         if start is not None:
             self._store_run(hashes, token_ids, start, len(hashes), parent, namespace)
 
-    def _store_run(self, hashes: Sequence[int], token_ids: Sequence[int], start: int, end: int,
-                   parent: int | None, namespace: CacheNamespace) -> None:
+    def _store_run(
+        self, hashes: Sequence[int], token_ids: Sequence[int], start: int, end: int, parent: int | None, namespace: CacheNamespace
+    ) -> None:
         bs = self.block_size
         run_parent = hashes[start - 1] if start else parent
-        tokens = token_ids[start * bs:end * bs]
+        tokens = token_ids[start * bs : end * bs]
         if self._records is None:
             self.events.append(StoredEvent(list(hashes[start:end]), run_parent, tokens, GPU, namespace))
             return
@@ -389,16 +410,20 @@ class PrefixCache:
             records = self._plain_records(run, tokens, parent_record, namespace)
         for h, record in zip(run, records):
             self._records[h] = record
-        self.events.append(StoredEvent([r.published for r in records],
-                                       parent_record.published if parent_record else None, tokens, GPU, namespace))
+        self.events.append(
+            StoredEvent(
+                [r.published for r in records], parent_record.published if parent_record else None, tokens, GPU, namespace
+            )
+        )
 
-    def _plain_records(self, run: Sequence[int], tokens: Sequence[int], parent: BlockRecord | None,
-                       namespace: CacheNamespace) -> list[BlockRecord]:
+    def _plain_records(
+        self, run: Sequence[int], tokens: Sequence[int], parent: BlockRecord | None, namespace: CacheNamespace
+    ) -> list[BlockRecord]:
         """Records without a labeler (the CPU tier alone): the identity is the published hash."""
         bs, previous = self.block_size, (parent.published if parent else None)
         records = []
         for i, h in enumerate(run):
-            records.append(BlockRecord(h, previous, tokens[i * bs:(i + 1) * bs], namespace))
+            records.append(BlockRecord(h, previous, tokens[i * bs : (i + 1) * bs], namespace))
             previous = h
         return records
 

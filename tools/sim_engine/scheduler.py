@@ -46,13 +46,13 @@ from kvroute.tools.sim_engine.prefix_cache import BASE_NAMESPACE, Allocation, Ca
 @dataclass(slots=True)
 class SimRequest:
     request_id: str
-    prompt: Sequence[int]        # packed into array('I') by Scheduler.add (cheap slices, hashing, events)
+    prompt: Sequence[int]  # packed into array('I') by Scheduler.add (cheap slices, hashing, events)
     max_tokens: int
     prompt_hashes: list[int] = field(default_factory=list)
     alloc: Allocation | None = None
-    computed: int = 0            # prompt tokens computed or taken from cache
+    computed: int = 0  # prompt tokens computed or taken from cache
     output: array = field(default_factory=lambda: array("I"))
-    hashed_tokens: int = 0       # tokens covered by cached full blocks so far
+    hashed_tokens: int = 0  # tokens covered by cached full blocks so far
     namespace: CacheNamespace = BASE_NAMESPACE  # LoRA adapter and cache salt: which blocks it may share
     remote_prefilled: bool = False  # P/D decode leg: the prompt's KV came from a prefill worker, none is computed
 
@@ -72,20 +72,28 @@ class SimRequest:
 
 @dataclass(slots=True)
 class StepResult:
-    seconds: float                              # model time of this step (cost model)
-    prefill_tokens: int                         # prompt tokens computed in this step
-    new_tokens: list[tuple[SimRequest, int]]    # (request, output token) in this step
-    first_tokens: list[SimRequest]              # requests whose first token came out in this step
-    finished: list[SimRequest]                  # requests that reached max_tokens in this step
+    seconds: float  # model time of this step (cost model)
+    prefill_tokens: int  # prompt tokens computed in this step
+    new_tokens: list[tuple[SimRequest, int]]  # (request, output token) in this step
+    first_tokens: list[SimRequest]  # requests whose first token came out in this step
+    finished: list[SimRequest]  # requests that reached max_tokens in this step
     decode_seqs: int = 0
     context_tokens: int = 0
     admitted: list[SimRequest] = field(default_factory=list)
-    loaded_tokens: int = 0                      # cached tokens copied back from the CPU tier in this step
+    loaded_tokens: int = 0  # cached tokens copied back from the CPU tier in this step
 
 
 class Scheduler:
-    def __init__(self, cache: PrefixCache, cost: CostModel, max_num_batched_tokens: int = 8192,
-                 max_num_seqs: int = 256, vocab_size: int = 2048, seed: int = 0, min_token_id: int = 3) -> None:
+    def __init__(
+        self,
+        cache: PrefixCache,
+        cost: CostModel,
+        max_num_batched_tokens: int = 8192,
+        max_num_seqs: int = 256,
+        vocab_size: int = 2048,
+        seed: int = 0,
+        min_token_id: int = 3,
+    ) -> None:
         if max_num_batched_tokens <= 0 or max_num_seqs <= 0:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         if not 0 <= min_token_id < vocab_size:
@@ -134,8 +142,7 @@ class Scheduler:
 
     def pending_prefill_tokens(self) -> int:
         """Prompt tokens still to compute, counting waiting requests in full (no cache lookup)."""
-        return (sum(len(r.prompt) - r.computed for r in self.running)
-                + sum(len(r.prompt) for r in self.waiting))
+        return sum(len(r.prompt) - r.computed for r in self.running) + sum(len(r.prompt) for r in self.waiting)
 
     # ------------------------------------------------------------------ step
 
@@ -171,8 +178,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             # Looked up on every try, so a request kept waiting finds what was cached meanwhile.
-            alloc = self.cache.allocate(req.prompt_hashes, len(req.prompt), len(req.prompt) + req.max_tokens,
-                                        req.namespace)
+            alloc = self.cache.allocate(req.prompt_hashes, len(req.prompt), len(req.prompt) + req.max_tokens, req.namespace)
             if alloc is None:
                 break  # head-of-line waits for blocks, as in vLLM's FCFS
             loaded_tokens += alloc.loaded_tokens
@@ -195,8 +201,9 @@ class Scheduler:
             self.running.remove(req)
             self.cache.release(req.alloc)
         seconds = self.cost.step_seconds(prefill_tokens, len(decoders), context_tokens, loaded_tokens)
-        return StepResult(seconds, prefill_tokens, new_tokens, first, finished, len(decoders), context_tokens,
-                          admitted, loaded_tokens)
+        return StepResult(
+            seconds, prefill_tokens, new_tokens, first, finished, len(decoders), context_tokens, admitted, loaded_tokens
+        )
 
     def fast_forward(self, max_steps: int) -> StepResult | None:
         """Run up to `max_steps` pure-decode steps at once (no request waiting or prefilling).
@@ -223,8 +230,7 @@ class Scheduler:
             self.running.remove(req)
             self.cache.release(req.alloc)
         # k steps of n decodes; the context grows by n tokens per step.
-        seconds = (k * self.cost.step_seconds(0, n)
-                   + self.cost.decode_per_context_token_s * (k * context0 + n * k * (k - 1) // 2))
+        seconds = k * self.cost.step_seconds(0, n) + self.cost.decode_per_context_token_s * (k * context0 + n * k * (k - 1) // 2)
         return StepResult(seconds, 0, [], [], finished, n, k * context0 + n * k * (k - 1) // 2)
 
     def _random_tokens(self, k: int) -> list[int]:
@@ -233,7 +239,7 @@ class Scheduler:
             self._token_pool = [self._rng.randrange(self.min_token_id, self.vocab_size) for _ in range(1 << 12)]
         start = self._pool_offset
         self._pool_offset = (start + k) % len(self._token_pool)
-        out = self._token_pool[start:start + k]
+        out = self._token_pool[start : start + k]
         while len(out) < k:
             out += self._token_pool[: k - len(out)]
         return out
@@ -250,12 +256,12 @@ class Scheduler:
             return
         seq = req.prompt + req.output if full > len(req.prompt) else req.prompt
         parent = req.alloc.pinned_hashes[-1] if req.alloc.pinned_hashes else None
-        span = seq[req.hashed_tokens:full]
+        span = seq[req.hashed_tokens : full]
         prompt_full = len(req.prompt_hashes) * bs
         if req.hashed_tokens < prompt_full:
             # Prompt blocks: hashed at arrival; any decode blocks continue the chain from them.
-            hashes = req.prompt_hashes[req.hashed_tokens // bs:full // bs]
-            rest = span[len(hashes) * bs:]
+            hashes = req.prompt_hashes[req.hashed_tokens // bs : full // bs]
+            rest = span[len(hashes) * bs :]
             if rest:
                 hashes = hashes + self.cache.chain_hashes(rest, hashes[-1] if hashes else parent, req.namespace)
         else:

@@ -66,14 +66,17 @@ from kvroute.tools.sim_engine.trtllm_events import TrtllmEventQueue
 
 tracer = trace.get_tracer("kvroute.sim_engine")
 
+
 class ApiError(Exception):
     def __init__(self, message: str, status: int = 400, err_type: str = "BadRequestError", param: str | None = None):
         super().__init__(message)
         self.message, self.status, self.err_type, self.param = message, status, err_type, param
 
     def response(self) -> web.Response:
-        return web.json_response({"error": {"message": self.message, "type": self.err_type, "param": self.param,
-                                            "code": self.status}}, status=self.status)
+        return web.json_response(
+            {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.status}},
+            status=self.status,
+        )
 
 
 class SimServer:
@@ -130,8 +133,11 @@ class SimServer:
             raise ApiError(str(exc), 404, "NotFoundError", "model") from exc
 
     def _max_tokens(self, body: dict, chat: bool) -> int:
-        value = body.get("max_completion_tokens") if chat and body.get("max_completion_tokens") is not None \
+        value = (
+            body.get("max_completion_tokens")
+            if chat and body.get("max_completion_tokens") is not None
             else body.get("max_tokens")
+        )
         if value is None:
             return self.config.default_max_tokens
         if isinstance(value, bool) or not isinstance(value, int):
@@ -183,8 +189,9 @@ class SimServer:
                     max_tokens = 1  # SGLang's prefill server answers once the prompt is done
                 if leg is not None and leg.kind == "decode":
                     await self.pd.receive(leg)
-                req, queue = self.engine.submit(prompt, max_tokens, namespace,
-                                                remote_prefilled=leg is not None and leg.kind == "decode")
+                req, queue = self.engine.submit(
+                    prompt, max_tokens, namespace, remote_prefilled=leg is not None and leg.kind == "decode"
+                )
             except RequestRejected as exc:
                 return ApiError(str(exc)).response()
             except ApiError as exc:
@@ -206,7 +213,8 @@ class SimServer:
                     answer = self._final_body(req, tokens, chat)
                     if leg is not None and leg.kind == "prefill" and self.pd.protocol == "vllm":
                         answer["kv_transfer_params"] = self.pd.transfer_params(
-                            req.request_id, len(prompt) // self.config.block_size)
+                            req.request_id, len(prompt) // self.config.block_size
+                        )
                     resp = web.json_response(answer, headers=headers)
                 span.set_attribute("kvroute.cached_tokens", req.hit_tokens)
                 return resp
@@ -232,25 +240,38 @@ class SimServer:
         return req.namespace.lora_name or self.config.model
 
     def _usage(self, req: SimRequest) -> dict:
-        return {"prompt_tokens": len(req.prompt), "completion_tokens": len(req.output),
-                "total_tokens": len(req.prompt) + len(req.output),
-                "prompt_tokens_details": {"cached_tokens": req.hit_tokens}}
+        return {
+            "prompt_tokens": len(req.prompt),
+            "completion_tokens": len(req.output),
+            "total_tokens": len(req.prompt) + len(req.output),
+            "prompt_tokens_details": {"cached_tokens": req.hit_tokens},
+        }
 
     def _final_body(self, req: SimRequest, tokens: list[int], chat: bool) -> dict:
         text = self.engine.tokenizer.decode(tokens)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": "length", "stop_reason": None}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+            }
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None}
-        return {"id": self._response_id(chat), "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": self._served_name(req), "choices": [choice],
-                "usage": self._usage(req)}
+        return {
+            "id": self._response_id(chat),
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self._served_name(req),
+            "choices": [choice],
+            "usage": self._usage(req),
+        }
 
-    async def _stream(self, request: web.Request, req: SimRequest, queue, chat: bool,
-                      include_usage: bool, headers: dict[str, str]) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           **headers})
+    async def _stream(
+        self, request: web.Request, req: SimRequest, queue, chat: bool, include_usage: bool, headers: dict[str, str]
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
         created, rid = int(time.time()), self._response_id(chat)
@@ -264,16 +285,14 @@ class SimServer:
         n = 0
         while (token := await queue.get()) is not None:
             if chat and n == 0:  # like vLLM, the role chunk goes out with the first token, after prefill
-                await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}])
+                await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
             n += 1
             text = self.engine.tokenizer.decode([token])
             finish = "length" if n >= req.max_tokens else None
             if chat:
                 await send([{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}])
             else:
-                await send([{"index": 0, "text": text, "logprobs": None, "finish_reason": finish,
-                             "stop_reason": None}])
+                await send([{"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}])
         if include_usage:
             await send([], usage=self._usage(req))
         await resp.write(b"data: [DONE]\n\n")
@@ -284,10 +303,29 @@ class SimServer:
 
     async def handle_models(self, request: web.Request) -> web.Response:
         created, model = int(time.time()), self.config.model
-        data = [{"id": model, "object": "model", "created": created, "owned_by": "vllm", "root": model,
-                 "parent": None, "max_model_len": self.config.max_model_len}]
-        data += [{"id": name, "object": "model", "created": created, "owned_by": "vllm", "root": name,
-                  "parent": model, "max_model_len": None} for name in self.config.lora_adapters]
+        data = [
+            {
+                "id": model,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": model,
+                "parent": None,
+                "max_model_len": self.config.max_model_len,
+            }
+        ]
+        data += [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": name,
+                "parent": model,
+                "max_model_len": None,
+            }
+            for name in self.config.lora_adapters
+        ]
         return web.json_response({"object": "list", "data": data})
 
     async def handle_health(self, request: web.Request) -> web.Response:
@@ -295,8 +333,9 @@ class SimServer:
 
     async def handle_version(self, request: web.Request) -> web.Response:
         dialect = self.engine.dialect
-        return web.json_response({"version": dialect.version, "engine": dialect.engine, "dialect": dialect.name,
-                                  "server": "kvroute-sim-engine"})
+        return web.json_response(
+            {"version": dialect.version, "engine": dialect.engine, "dialect": dialect.name, "server": "kvroute-sim-engine"}
+        )
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         body, content_type = self.engine.render_metrics()
@@ -305,8 +344,11 @@ class SimServer:
     async def handle_reset(self, request: web.Request) -> web.Response:
         if self.engine.reset_prefix_cache():
             return web.Response(status=200)
-        return ApiError(f"prefix cache not reset: {self.engine.cache.used_blocks} KV blocks are still in use by "
-                        "running requests", 409, "ConflictError").response()
+        return ApiError(
+            f"prefix cache not reset: {self.engine.cache.used_blocks} KV blocks are still in use by running requests",
+            409,
+            "ConflictError",
+        ).response()
 
     async def handle_kv_cache_events(self, request: web.Request) -> web.Response:
         return web.json_response(self.engine.publisher.drain())
@@ -315,10 +357,17 @@ class SimServer:
         cache = self.engine.cache
         keys = cache.block_keys()
         tiers = {"gpu": sorted(keys[GPU]), "cpu": sorted(keys[CPU])}
-        return web.json_response({"model": self.config.model, "block_size": cache.block_size, "tiers": tiers,
-                                  "counts": {tier: len(k) for tier, k in tiers.items()},
-                                  "num_blocks": cache.num_blocks, "cpu_offload_blocks": cache.cpu_offload_blocks,
-                                  "used_blocks": cache.used_blocks})
+        return web.json_response(
+            {
+                "model": self.config.model,
+                "block_size": cache.block_size,
+                "tiers": tiers,
+                "counts": {tier: len(k) for tier, k in tiers.items()},
+                "num_blocks": cache.num_blocks,
+                "cpu_offload_blocks": cache.cpu_offload_blocks,
+                "used_blocks": cache.used_blocks,
+            }
+        )
 
     async def handle_pd(self, request: web.Request) -> web.Response:
         if self.pd is None:
@@ -346,17 +395,21 @@ class SimServer:
         return web.json_response(state)
 
 
-async def start_server(engine: SimEngine, host: str = "127.0.0.1", port: int = 0, pd_role: str | None = None,
-                       pd_protocol: str | None = None,
-                       transfer_ms_per_block: float = DEFAULT_TRANSFER_MS_PER_BLOCK) -> tuple[web.AppRunner, int]:
+async def start_server(
+    engine: SimEngine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    pd_role: str | None = None,
+    pd_protocol: str | None = None,
+    transfer_ms_per_block: float = DEFAULT_TRANSFER_MS_PER_BLOCK,
+) -> tuple[web.AppRunner, int]:
     """Start the engine loop and the HTTP server; returns the runner (cleanup() stops it) and the bound port.
     `pd_role` / `pd_protocol` (either set): take part in prefill/decode disaggregation (pd.py); the
     protocol defaults to the dialect's engine (sglang for SGLang dialects, else vllm), the role to both."""
     server = SimServer(engine)
     if pd_role is not None or pd_protocol is not None:  # checked before anything starts
         protocol = pd_protocol or ("sglang" if engine.dialect.engine == "sglang" else "vllm")
-        server.pd = PdEngineSide(pd_role or "both", protocol, "", host, port, engine.config.speedup,
-                                 transfer_ms_per_block / 1000)
+        server.pd = PdEngineSide(pd_role or "both", protocol, "", host, port, engine.config.speedup, transfer_ms_per_block / 1000)
     engine.start()
     # handler_cancellation: a client that goes away cancels its handler, which aborts the request.
     runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True)

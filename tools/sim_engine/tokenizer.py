@@ -53,7 +53,8 @@ def _fail(message: str) -> None:
 def _template_environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
     env.filters["tojson"] = lambda value, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
     env.globals["raise_exception"] = _fail
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
@@ -65,8 +66,9 @@ def _message(i: int, m: Any) -> dict:
     message = dict(m)
     content = message.get("content")
     if isinstance(content, list):
-        message["content"] = "\n".join(str(part.get("text", "")) for part in content
-                                       if isinstance(part, Mapping) and part.get("type", "text") == "text")
+        message["content"] = "\n".join(
+            str(part.get("text", "")) for part in content if isinstance(part, Mapping) and part.get("type", "text") == "text"
+        )
     return message
 
 
@@ -90,9 +92,13 @@ class EngineTokenizer:
         if self._template is None:
             raise PromptError("this model's tokenizer has no chat_template; use /v1/completions")
         try:
-            text = self._template.render(messages=[_message(i, m) for i, m in enumerate(messages)], tools=None,
-                                         documents=None, add_generation_prompt=True,
-                                         **{"bos_token": "", "eos_token": "", **self.special_tokens})
+            text = self._template.render(
+                messages=[_message(i, m) for i, m in enumerate(messages)],
+                tools=None,
+                documents=None,
+                add_generation_prompt=True,
+                **{"bos_token": "", "eos_token": "", **self.special_tokens},
+            )
         except PromptError:
             raise
         except Exception as exc:  # a template error is the request's fault

@@ -34,8 +34,15 @@ CACHE_LEVELS = {GPU: 0, "CPU": 1}  # primary, secondary
 
 
 class TrtllmEventQueue:
-    def __init__(self, num_blocks: int, secondary_blocks: int, window_size: int, max_size: int = 10000,
-                 hex_hashes: bool = False, attention_dp_rank: int | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        secondary_blocks: int,
+        window_size: int,
+        max_size: int = 10000,
+        hex_hashes: bool = False,
+        attention_dp_rank: int | None = None,
+    ) -> None:
         if max_size <= 0:
             raise ValueError("event_buffer_max_size must be positive")
         self.num_blocks, self.secondary_blocks = num_blocks, secondary_blocks
@@ -87,10 +94,19 @@ class TrtllmEventQueue:
         """The `data` objects of one cache event (none, one, or one `updated` per block)."""
         if isinstance(event, StoredEvent):
             if event.moved_from is not None:
-                return [{"type": "updated", "block_hash": h,
-                         "cache_level": {"type": "event_diff", "old_value": CACHE_LEVELS[event.moved_from],
-                                         "new_value": CACHE_LEVELS[event.medium]},
-                         "priority": None} for h in event.block_hashes]
+                return [
+                    {
+                        "type": "updated",
+                        "block_hash": h,
+                        "cache_level": {
+                            "type": "event_diff",
+                            "old_value": CACHE_LEVELS[event.moved_from],
+                            "new_value": CACHE_LEVELS[event.medium],
+                        },
+                        "priority": None,
+                    }
+                    for h in event.block_hashes
+                ]
             return [{"type": "stored", "parent_hash": event.parent_block_hash, "blocks": self._blocks(event)}]
         if isinstance(event, RemovedEvent):
             return [] if event.moved_to is not None else [{"type": "removed", "block_hashes": list(event.block_hashes)}]
@@ -104,10 +120,14 @@ class TrtllmEventQueue:
         blocks = []
         for i, h in enumerate(event.block_hashes):
             block: dict[str, Any] = {
-                "type": "stored_block", "block_hash": h,
-                "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0}
-                           for t in tokens[i * size:(i + 1) * size]],
-                "cache_level": CACHE_LEVELS[event.medium], "priority": DEFAULT_PRIORITY}
+                "type": "stored_block",
+                "block_hash": h,
+                "tokens": [
+                    {"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in tokens[i * size : (i + 1) * size]
+                ],
+                "cache_level": CACHE_LEVELS[event.medium],
+                "priority": DEFAULT_PRIORITY,
+            }
             if ns.lora_id is not None:
                 block["lora_id"] = ns.lora_id
             if ns.cache_salt:
@@ -128,5 +148,9 @@ class TrtllmEventQueue:
             self.faults.restarts += 1
             self._created()
         self.faults.drop_next_batches += drop_next_batches
-        return {"next_event_id": self.next_event_id, "drop_next_batches": self.faults.drop_next_batches,
-                "dropped_by_fault": self.faults.dropped_by_fault, "restarts": self.faults.restarts}
+        return {
+            "next_event_id": self.next_event_id,
+            "drop_next_batches": self.faults.drop_next_batches,
+            "dropped_by_fault": self.faults.dropped_by_fault,
+            "restarts": self.faults.restarts,
+        }

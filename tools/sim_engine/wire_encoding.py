@@ -58,11 +58,17 @@ def coalesce_stores(events: list[CacheEvent]) -> list[CacheEvent]:
     out: list[CacheEvent] = []
     for event in events:
         last = out[-1] if out else None
-        if (isinstance(event, StoredEvent) and isinstance(last, StoredEvent) and last.block_hashes
-                and event.parent_block_hash == last.block_hashes[-1] and event.medium == last.medium
-                and event.namespace == last.namespace):
-            out[-1] = replace(last, block_hashes=last.block_hashes + event.block_hashes,
-                              token_ids=list(last.token_ids) + list(event.token_ids))
+        if (
+            isinstance(event, StoredEvent)
+            and isinstance(last, StoredEvent)
+            and last.block_hashes
+            and event.parent_block_hash == last.block_hashes[-1]
+            and event.medium == last.medium
+            and event.namespace == last.namespace
+        ):
+            out[-1] = replace(
+                last, block_hashes=last.block_hashes + event.block_hashes, token_ids=list(last.token_ids) + list(event.token_ids)
+            )
         else:
             out.append(event)
     return out
@@ -102,14 +108,22 @@ class MsgpackEventEncoder:
     def _stored_values(self, event: StoredEvent) -> dict[str, Any]:
         ns, dialect = event.namespace, self.dialect
         return {
-            "block_hashes": list(event.block_hashes), "parent_block_hash": event.parent_block_hash,
-            "token_ids": list(event.token_ids), "block_size": self.block_size,
+            "block_hashes": list(event.block_hashes),
+            "parent_block_hash": event.parent_block_hash,
+            "token_ids": list(event.token_ids),
+            "block_size": self.block_size,
             "lora_id": None if dialect.engine == "sglang" else ns.lora_id,
             "medium": self.medium(event.medium),
             "lora_name": ns.lora_name if dialect.lora_on_wire == "lora_name" else None,
-            "extra_keys": self._extra_keys(event), "group_idx": 0, "kv_cache_spec_kind": "full_attention",
-            "kv_cache_spec_sliding_window": None, "locality": self._locality(event.medium), "ownership": None,
-            "session_id": None, "lookahead_token_ids": None, "cache_salt": ns.cache_salt,
+            "extra_keys": self._extra_keys(event),
+            "group_idx": 0,
+            "kv_cache_spec_kind": "full_attention",
+            "kv_cache_spec_sliding_window": None,
+            "locality": self._locality(event.medium),
+            "ownership": None,
+            "session_id": None,
+            "lookahead_token_ids": None,
+            "cache_salt": ns.cache_salt,
             "mm_keys": [[] for _ in event.block_hashes],
         }
 
@@ -118,8 +132,13 @@ class MsgpackEventEncoder:
             values = self._stored_values(event)
             return self.stored(**{f: values[f] for f in self.dialect.stored_fields})
         if isinstance(event, RemovedEvent):
-            values = {"block_hashes": list(event.block_hashes), "medium": self.medium(event.medium), "group_idx": 0,
-                      "locality": self._locality(event.medium), "ownership": None}
+            values = {
+                "block_hashes": list(event.block_hashes),
+                "medium": self.medium(event.medium),
+                "group_idx": 0,
+                "locality": self._locality(event.medium),
+                "ownership": None,
+            }
             return self.removed(**{f: values[f] for f in self.dialect.removed_fields})
         if isinstance(event, ClearedEvent):
             return self.cleared()

@@ -24,71 +24,135 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="Mooncake JSONL trace (timestamp ms, input_length, output_length, hash_ids)")
     src.add_argument("--workload", choices=WORKLOAD_NAMES, help="generated workload")
-    src.add_argument("--grid", action="store_true",
-                     help="every --grid-sources x --grid-caches x --grid-rates point, once per seed of --seeds "
-                          "(default 3,4,5) and per router count of --grid-routers, with one set of policy "
-                          "parameters; prints per point each policy's TTFT p50 / p99 and hit rate (means over "
-                          "the seeds) and kv_aware's ratio to the best other policy, flagged past 1.02x (p50) "
-                          "or 1.1x (p99). A source's default point is the rate and blocks per engine of the "
-                          "simulator suite (agent 3 req/s 4096 blocks, rag 6 / 2048, multi-turn 12 / 1024, "
-                          "hot-prefix 24 / 2048, one-shot 8 / 1024, shared-prefix 12 / 1024; 16-token blocks, "
-                          "32 groups) or, for mooncake, the trace's own arrival times and 2048 blocks of 512 "
-                          f"tokens; cache sizes scale the blocks ({factors(CACHE_FACTORS)}), rates the arrival "
-                          f"rate ({factors(RATE_FACTORS)}). --workers, --requests, --limit (the trace's), "
-                          "--policies, --jobs (points in parallel, default 1), --kv-aware-param, "
-                          "--event-delay-ms and --prefill-tokens-per-s apply to every point; the other "
-                          "workload knobs do not")
-    p.add_argument("--policies", type=name_list([*POLICIES, TTFT_ORACLE], "policy"), default=None,
-                   help="comma-separated policies (default round_robin,random,least_loaded,kv_aware; with --grid "
-                        f"{','.join(GRID_POLICIES)}); ttft_oracle (simulator only) is a reference that reads the "
-                        "engines' exact state")
+    src.add_argument(
+        "--grid",
+        action="store_true",
+        help="every --grid-sources x --grid-caches x --grid-rates point, once per seed of --seeds "
+        "(default 3,4,5) and per router count of --grid-routers, with one set of policy "
+        "parameters; prints per point each policy's TTFT p50 / p99 and hit rate (means over "
+        "the seeds) and kv_aware's ratio to the best other policy, flagged past 1.02x (p50) "
+        "or 1.1x (p99). A source's default point is the rate and blocks per engine of the "
+        "simulator suite (agent 3 req/s 4096 blocks, rag 6 / 2048, multi-turn 12 / 1024, "
+        "hot-prefix 24 / 2048, one-shot 8 / 1024, shared-prefix 12 / 1024; 16-token blocks, "
+        "32 groups) or, for mooncake, the trace's own arrival times and 2048 blocks of 512 "
+        f"tokens; cache sizes scale the blocks ({factors(CACHE_FACTORS)}), rates the arrival "
+        f"rate ({factors(RATE_FACTORS)}). --workers, --requests, --limit (the trace's), "
+        "--policies, --jobs (points in parallel, default 1), --kv-aware-param, "
+        "--event-delay-ms and --prefill-tokens-per-s apply to every point; the other "
+        "workload knobs do not",
+    )
+    p.add_argument(
+        "--policies",
+        type=name_list([*POLICIES, TTFT_ORACLE], "policy"),
+        default=None,
+        help="comma-separated policies (default round_robin,random,least_loaded,kv_aware; with --grid "
+        f"{','.join(GRID_POLICIES)}); ttft_oracle (simulator only) is a reference that reads the "
+        "engines' exact state",
+    )
     p.add_argument("--workers", type=int, default=8, help="simulated engines")
-    p.add_argument("--num-blocks", type=int, default=None,
-                   help="KV capacity per engine in blocks (default: 1M tokens' worth, about what a 70B model leaves free on 8x80 GB)")
-    p.add_argument("--block-size", type=int, default=None,
-                   help="engine block size (default for a trace: the block size its hash ids stand for, its rows' "
-                        "block_size, 512 in Mooncake's traces which name none, since sharing is known at that "
-                        "granularity only; 16 for generated workloads)")
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV capacity per engine in blocks (default: 1M tokens' worth, about what a 70B model leaves free on 8x80 GB)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="engine block size (default for a trace: the block size its hash ids stand for, its rows' "
+        "block_size, 512 in Mooncake's traces which name none, since sharing is known at that "
+        "granularity only; 16 for generated workloads)",
+    )
     p.add_argument("--limit", type=int, default=None, help="use only the first N trace requests")
     p.add_argument("--time-scale", type=float, default=1.0, help="divide trace inter-arrival times by this")
     add_generated_workload_knobs(p.add_argument_group("generated workload"))
     p.add_argument("--prefill-tokens-per-s", type=float, default=None, help="cost model: prefill rate")
     p.add_argument("--event-delay-ms", type=float, default=0.0, help="KV event propagation delay to the index")
-    p.add_argument("--routers", type=positive(int), default=1,
-                   help="routers taking the requests in turn, each deciding on its own view of the fleet and sharing "
-                        "its in-flight requests through the control plane")
-    p.add_argument("--view-delay-ms", type=non_negative(float), default=None,
-                   help="how late every change (engine events and load, other routers' reservations) reaches a "
-                        "router's view; with --routers 1 and 0 the router reads the control plane's state itself "
-                        "(default 0; with --grid 10, the view-lag target, for its points with several routers)")
+    p.add_argument(
+        "--routers",
+        type=positive(int),
+        default=1,
+        help="routers taking the requests in turn, each deciding on its own view of the fleet and sharing "
+        "its in-flight requests through the control plane",
+    )
+    p.add_argument(
+        "--view-delay-ms",
+        type=non_negative(float),
+        default=None,
+        help="how late every change (engine events and load, other routers' reservations) reaches a "
+        "router's view; with --routers 1 and 0 the router reads the control plane's state itself "
+        "(default 0; with --grid 10, the view-lag target, for its points with several routers)",
+    )
     grid = p.add_argument_group("grid")
-    grid.add_argument("--grid-sources", type=name_list(list(SOURCES), "source"), default=",".join(SOURCES),
-                      help="the grid's workloads and trace")
-    grid.add_argument("--grid-caches", type=name_list(list(CACHE_FACTORS), "cache size"),
-                      default=",".join(CACHE_FACTORS), help="the grid's cache sizes")
-    grid.add_argument("--grid-rates", type=name_list(list(RATE_FACTORS), "rate"), default=",".join(RATE_FACTORS),
-                      help="the grid's arrival rates")
+    grid.add_argument(
+        "--grid-sources",
+        type=name_list(list(SOURCES), "source"),
+        default=",".join(SOURCES),
+        help="the grid's workloads and trace",
+    )
+    grid.add_argument(
+        "--grid-caches",
+        type=name_list(list(CACHE_FACTORS), "cache size"),
+        default=",".join(CACHE_FACTORS),
+        help="the grid's cache sizes",
+    )
+    grid.add_argument(
+        "--grid-rates",
+        type=name_list(list(RATE_FACTORS), "rate"),
+        default=",".join(RATE_FACTORS),
+        help="the grid's arrival rates",
+    )
     grid.add_argument("--grid-routers", type=int_list, default="1,4", help="the grid's router counts")
-    grid.add_argument("--grid-trace", default=None,
-                      help="the grid's Mooncake trace (default: the slice the repository ships in traces/)")
-    p.add_argument("--kv-aware-param", type=kv_aware_param, action="append", default=[], metavar="NAME=VALUE",
-                   help="override one of kv_aware's weights (kvroute.data_plane.decision.policies.KvAwareParams), repeatable")
-    p.add_argument("--prefill-workers", type=non_negative(int), default=0, metavar="N",
-                   help="also simulate each policy on P/D pools of the same --workers: N prefill workers (the policy "
-                        "chooses among them), the rest decode (fewest requests), KV moved per --pd-transfer-ms-per-block; "
-                        "its rows are named POLICY P/D N+M and its hit rate is the prefill pool's")
-    p.add_argument("--pd-transfer-ms-per-block", type=non_negative(float), default=0.1, metavar="MS",
-                   help="P/D: time a prefill's KV takes to reach its decode worker, per block")
+    grid.add_argument(
+        "--grid-trace", default=None, help="the grid's Mooncake trace (default: the slice the repository ships in traces/)"
+    )
+    p.add_argument(
+        "--kv-aware-param",
+        type=kv_aware_param,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override one of kv_aware's weights (kvroute.data_plane.decision.policies.KvAwareParams), repeatable",
+    )
+    p.add_argument(
+        "--prefill-workers",
+        type=non_negative(int),
+        default=0,
+        metavar="N",
+        help="also simulate each policy on P/D pools of the same --workers: N prefill workers (the policy "
+        "chooses among them), the rest decode (fewest requests), KV moved per --pd-transfer-ms-per-block; "
+        "its rows are named POLICY P/D N+M and its hit rate is the prefill pool's",
+    )
+    p.add_argument(
+        "--pd-transfer-ms-per-block",
+        type=non_negative(float),
+        default=0.1,
+        metavar="MS",
+        help="P/D: time a prefill's KV takes to reach its decode worker, per block",
+    )
     p.add_argument("--seed", type=int, default=0, help="makes a run reproducible bit for bit")
-    p.add_argument("--seeds", type=int_list, default=None, metavar="S1,S2,...",
-                   help="run the comparison once per seed and summarise it per policy (mean, min, max; on how "
-                        "many seeds each had the lowest p50 and p99): tells a win from a tie (replaces --seed)")
-    p.add_argument("--jobs", type=positive(int), default=None,
-                   help="policies simulated in parallel (default: one per core); with --grid, seeds of points "
-                        "(default 1)")
+    p.add_argument(
+        "--seeds",
+        type=int_list,
+        default=None,
+        metavar="S1,S2,...",
+        help="run the comparison once per seed and summarise it per policy (mean, min, max; on how "
+        "many seeds each had the lowest p50 and p99): tells a win from a tie (replaces --seed)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=positive(int),
+        default=None,
+        help="policies simulated in parallel (default: one per core); with --grid, seeds of points (default 1)",
+    )
     p.add_argument("--report", default=None, help="also write a Markdown report to this file")
-    p.add_argument("--plots", default=None, metavar="DIR",
-                   help="also write PNG plots (ttft_cdf.png, hit_rate.png) to DIR; the report links them")
+    p.add_argument(
+        "--plots",
+        default=None,
+        metavar="DIR",
+        help="also write PNG plots (ttft_cdf.png, hit_rate.png) to DIR; the report links them",
+    )
     p.add_argument("--json", action="store_true", help="print only the JSON result")
 
 
@@ -108,10 +172,20 @@ def generated_workload(args: argparse.Namespace) -> list:
     """The generated workload those knobs (and --workload, --seed) describe."""
     from kvroute.tools.simulator.workloads import GeneratedWorkload, generate
 
-    return generate(GeneratedWorkload(args.workload, requests=args.requests, rate_rps=args.rate, arrival=args.arrival,
-                                      seed=args.seed, groups=args.groups, system_prompt_tokens=args.system_prompt_tokens,
-                                      output_tokens=args.output_tokens, burst_size=args.burst_size,
-                                      burst_gap_ms=args.burst_gap_ms))
+    return generate(
+        GeneratedWorkload(
+            args.workload,
+            requests=args.requests,
+            rate_rps=args.rate,
+            arrival=args.arrival,
+            seed=args.seed,
+            groups=args.groups,
+            system_prompt_tokens=args.system_prompt_tokens,
+            output_tokens=args.output_tokens,
+            burst_size=args.burst_size,
+            burst_gap_ms=args.burst_gap_ms,
+        )
+    )
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -164,15 +238,22 @@ def run(args: argparse.Namespace) -> int:
 def _run_grid(args: argparse.Namespace, kv_aware_params: dict) -> int:
     from kvroute.tools.simulator.grid import GRID_POLICIES, SHIPPED_TRACE, GridSpec, markdown, run_grid
 
-    spec = GridSpec(sources=args.grid_sources.split(","), caches=args.grid_caches.split(","),
-                    rates=args.grid_rates.split(","),
-                    seeds=[int(s) for s in (args.seeds or "3,4,5").split(",")],
-                    routers=[int(r) for r in args.grid_routers.split(",")],
-                    view_delay_ms=10.0 if args.view_delay_ms is None else args.view_delay_ms,
-                    policies=args.policies.split(",") if args.policies else GRID_POLICIES,
-                    requests=args.requests, trace_limit=args.limit, workers=args.workers, trace_path=args.grid_trace or str(SHIPPED_TRACE),
-                    prefill_tokens_per_s=args.prefill_tokens_per_s, event_delay_ms=args.event_delay_ms,
-                    kv_aware_params=kv_aware_params)
+    spec = GridSpec(
+        sources=args.grid_sources.split(","),
+        caches=args.grid_caches.split(","),
+        rates=args.grid_rates.split(","),
+        seeds=[int(s) for s in (args.seeds or "3,4,5").split(",")],
+        routers=[int(r) for r in args.grid_routers.split(",")],
+        view_delay_ms=10.0 if args.view_delay_ms is None else args.view_delay_ms,
+        policies=args.policies.split(",") if args.policies else GRID_POLICIES,
+        requests=args.requests,
+        trace_limit=args.limit,
+        workers=args.workers,
+        trace_path=args.grid_trace or str(SHIPPED_TRACE),
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        event_delay_ms=args.event_delay_ms,
+        kv_aware_params=kv_aware_params,
+    )
     started = time.monotonic()
 
     def progress(done: int, total: int) -> None:
@@ -184,9 +265,11 @@ def _run_grid(args: argparse.Namespace, kv_aware_params: dict) -> int:
     except ValueError as exc:
         print(f"kvroute simulate: error: {exc}", file=sys.stderr)
         return 2
-    head = (f"grid: {len(spec.sources)} sources x {len(spec.caches)} caches x {len(spec.rates)} rates x routers "
-            f"{', '.join(map(str, spec.routers))} (view delay {spec.view_delay_ms:g} ms); seeds "
-            f"{', '.join(map(str, spec.seeds))}; {spec.workers} workers; {time.monotonic() - started:.0f}s")
+    head = (
+        f"grid: {len(spec.sources)} sources x {len(spec.caches)} caches x {len(spec.rates)} rates x routers "
+        f"{', '.join(map(str, spec.routers))} (view delay {spec.view_delay_ms:g} ms); seeds "
+        f"{', '.join(map(str, spec.seeds))}; {spec.workers} workers; {time.monotonic() - started:.0f}s"
+    )
     lines = markdown(document)
     if not args.json:
         print(head)
@@ -219,14 +302,17 @@ def _trace_warnings(trace) -> list[str]:
     """Why this trace's numbers may mislead: sharing its block size cannot show."""
     if trace.tail_token_share <= TAIL_SHARE_WARNING:
         return []
-    return [(f"{trace.tail_token_share:.0%} of the trace's prompt tokens lie in partial {trace.block_size}-token "
-             "blocks, which it can only show as shared when a whole prompt repeats: hit rates are understated and "
-             "kv_aware's advantage with them (a prefix-aware policy can even trail round_robin); capture with a "
-             "smaller `kvroute router --capture-block-tokens` for prompts this short")]
+    return [
+        (
+            f"{trace.tail_token_share:.0%} of the trace's prompt tokens lie in partial {trace.block_size}-token "
+            "blocks, which it can only show as shared when a whole prompt repeats: hit rates are understated and "
+            "kv_aware's advantage with them (a prefix-aware policy can even trail round_robin); capture with a "
+            "smaller `kvroute router --capture-block-tokens` for prompts this short"
+        )
+    ]
 
 
-def _run_seeds(args: argparse.Namespace, trace, kv_aware_params: dict, seeds: list[int], warnings: list[str],
-               log) -> int:
+def _run_seeds(args: argparse.Namespace, trace, kv_aware_params: dict, seeds: list[int], warnings: list[str], log) -> int:
     from kvroute.tools.simulator.seeds import markdown, summarize
 
     started = time.monotonic()
@@ -246,8 +332,16 @@ def _run_seeds(args: argparse.Namespace, trace, kv_aware_params: dict, seeds: li
     if args.report:
         with open(args.report, "w") as f:
             f.write(f"# kvroute simulate\n\n{head}\n\n" + _warning_lines(warnings) + "\n".join(lines) + "\n")
-    print(json.dumps({"seeds": {str(s): r for s, r in per_seed.items()}, "summary": summary,
-                      "block_size": outcome["block_size"], "warnings": warnings}))
+    print(
+        json.dumps(
+            {
+                "seeds": {str(s): r for s, r in per_seed.items()},
+                "summary": summary,
+                "block_size": outcome["block_size"],
+                "warnings": warnings,
+            }
+        )
+    )
     return 0
 
 
@@ -264,21 +358,35 @@ def _run_one_seed(args: argparse.Namespace, trace, kv_aware_params: dict, warnin
     if args.plots:
         from kvroute.tools.simulator.plots import write_plots
 
-        plots = write_plots(outcome["runs"], outcome["oracle"], outcome["oracle_inf"], args.plots,
-                            f"{outcome['source_name']}, {args.workers} workers")
+        plots = write_plots(
+            outcome["runs"],
+            outcome["oracle"],
+            outcome["oracle_inf"],
+            args.plots,
+            f"{outcome['source_name']}, {args.workers} workers",
+        )
         log("plots: " + ", ".join(str(p) for p in plots))
     if args.report:
         with open(args.report, "w") as f:
-            f.write(f"# kvroute simulate\n\n{outcome['summary']}\n\n" + _warning_lines(warnings)
-                    + "\n".join(outcome["lines"]) + "\n")
+            f.write(
+                f"# kvroute simulate\n\n{outcome['summary']}\n\n" + _warning_lines(warnings) + "\n".join(outcome["lines"]) + "\n"
+            )
             for path in plots:
                 rel = os.path.relpath(path, os.path.dirname(os.path.abspath(args.report)))
                 f.write(f"\n![{path.stem}]({rel})\n")
-    views = {"routers": args.routers, "view_delay_ms": args.view_delay_ms} \
-        if args.routers > 1 or args.view_delay_ms > 0 else {}
-    print(json.dumps({"oracle_hit_rate": round(outcome["oracle"], 4),
-                      "oracle_hit_rate_infinite": round(outcome["oracle_inf"], 4), "policies": outcome["policies"],
-                      "block_size": outcome["block_size"], "warnings": warnings} | views))
+    views = {"routers": args.routers, "view_delay_ms": args.view_delay_ms} if args.routers > 1 or args.view_delay_ms > 0 else {}
+    print(
+        json.dumps(
+            {
+                "oracle_hit_rate": round(outcome["oracle"], 4),
+                "oracle_hit_rate_infinite": round(outcome["oracle_inf"], 4),
+                "policies": outcome["policies"],
+                "block_size": outcome["block_size"],
+                "warnings": warnings,
+            }
+            | views
+        )
+    )
     return 0
 
 
@@ -300,21 +408,40 @@ def _simulate(args: argparse.Namespace, trace, kv_aware_params: dict, log) -> di
         source = source_name = f"workload {args.workload}"
     num_blocks = args.num_blocks or max(1, 1_048_576 // block_size)
     cost = CostModel(prefill_tokens_per_s=args.prefill_tokens_per_s) if args.prefill_tokens_per_s else CostModel()
-    config = FleetConfig(workers=args.workers, num_blocks=num_blocks, block_size=block_size, cost=cost,
-                         event_delay_s=args.event_delay_ms / 1000, seed=args.seed, kv_aware_params=kv_aware_params,
-                         routers=args.routers, view_delay_s=args.view_delay_ms / 1000)
+    config = FleetConfig(
+        workers=args.workers,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        cost=cost,
+        event_delay_s=args.event_delay_ms / 1000,
+        seed=args.seed,
+        kv_aware_params=kv_aware_params,
+        routers=args.routers,
+        view_delay_s=args.view_delay_ms / 1000,
+    )
     log(f"{source}: {len(workload)} requests, {args.workers} workers x {num_blocks} blocks of {block_size}")
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
     t0 = time.monotonic()
-    runs = run_policies(names, workload, config, jobs=args.jobs or default_jobs(len(names)),
-                        progress=None if args.json else ProgressLine(len(workload), len(names)))
+    runs = run_policies(
+        names,
+        workload,
+        config,
+        jobs=args.jobs or default_jobs(len(names)),
+        progress=None if args.json else ProgressLine(len(workload), len(names)),
+    )
     if args.prefill_workers:  # the same fleet size split into P/D pools, every router policy again
         pd_names = [n for n in names if n != TTFT_ORACLE]
-        pd_config = dataclasses.replace(config, prefill_workers=args.prefill_workers,
-                                        transfer_s_per_block=args.pd_transfer_ms_per_block / 1000)
+        pd_config = dataclasses.replace(
+            config, prefill_workers=args.prefill_workers, transfer_s_per_block=args.pd_transfer_ms_per_block / 1000
+        )
         label = f"P/D {args.prefill_workers}+{args.workers - args.prefill_workers}"
-        pd_runs = run_policies(pd_names, workload, pd_config, jobs=args.jobs or default_jobs(len(pd_names)),
-                               progress=None if args.json else ProgressLine(len(workload), len(pd_names)))
+        pd_runs = run_policies(
+            pd_names,
+            workload,
+            pd_config,
+            jobs=args.jobs or default_jobs(len(pd_names)),
+            progress=None if args.json else ProgressLine(len(workload), len(pd_names)),
+        )
         runs |= {f"{name} {label}": run_ for name, run_ in pd_runs.items()}
     log(f"  {len(names)} policies simulated in {time.monotonic() - t0:.1f}s")
     results = {}
@@ -333,14 +460,29 @@ def _simulate(args: argparse.Namespace, trace, kv_aware_params: dict, log) -> di
         }
     total_blocks = num_blocks * args.workers
     oracle, oracle_inf = oracle_hit_rates(workload, block_size, [total_blocks, None])
-    lines = ["| policy | hit rate | % of ceiling | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms | req/s | imbalance |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| policy | hit rate | % of ceiling | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms | req/s | imbalance |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in results.items():
         share = r["hit_rate"] / oracle if oracle else 0.0
-        lines.append(f"| {name} | {r['hit_rate']:.1%} | {share:.0%} | {r['ttft_p50_ms']:.1f} | {r['ttft_p90_ms']:.1f} | "
-                     f"{r['ttft_p99_ms']:.1f} | {r['e2e_p50_ms']:.1f} | {r['e2e_p99_ms']:.1f} | {r['throughput_rps']:.2f} | {r['imbalance']:.2f} |")
-    summary = (f"{source}; {len(workload)} requests; {args.workers} workers x {num_blocks} blocks of {block_size}; "
-               f"pooled-cache ceiling {oracle:.1%} (infinite cache {oracle_inf:.1%}); seed {args.seed}; "
-               f"{time.monotonic() - started:.1f}s")
-    return {"policies": results, "lines": lines, "summary": summary, "runs": runs, "oracle": oracle,
-            "oracle_inf": oracle_inf, "source": source, "source_name": source_name, "block_size": block_size}
+        lines.append(
+            f"| {name} | {r['hit_rate']:.1%} | {share:.0%} | {r['ttft_p50_ms']:.1f} | {r['ttft_p90_ms']:.1f} | "
+            f"{r['ttft_p99_ms']:.1f} | {r['e2e_p50_ms']:.1f} | {r['e2e_p99_ms']:.1f} | {r['throughput_rps']:.2f} | {r['imbalance']:.2f} |"
+        )
+    summary = (
+        f"{source}; {len(workload)} requests; {args.workers} workers x {num_blocks} blocks of {block_size}; "
+        f"pooled-cache ceiling {oracle:.1%} (infinite cache {oracle_inf:.1%}); seed {args.seed}; "
+        f"{time.monotonic() - started:.1f}s"
+    )
+    return {
+        "policies": results,
+        "lines": lines,
+        "summary": summary,
+        "runs": runs,
+        "oracle": oracle,
+        "oracle_inf": oracle_inf,
+        "source": source,
+        "source_name": source_name,
+        "block_size": block_size,
+    }

@@ -66,10 +66,10 @@ class FleetConfig:
     event_delay_s: float = 0.0
     seed: int = 0
     kv_aware_params: dict = field(default_factory=dict)  # KvAwareParams fields (kv_aware runs only)
-    routers: int = 1            # routers deciding in turn, each on its own view of the fleet
-    view_delay_s: float = 0.0   # how late each change of the control plane's state reaches a router's view
+    routers: int = 1  # routers deciding in turn, each on its own view of the fleet
+    view_delay_s: float = 0.0  # how late each change of the control plane's state reaches a router's view
     index_backend: str = "auto"  # the prefix index's (kvroute.prefix_index.make_index): results are the same on each
-    prefill_workers: int = 0    # P/D pools: this many prefill workers, the rest decode (0: every worker does both)
+    prefill_workers: int = 0  # P/D pools: this many prefill workers, the rest decode (0: every worker does both)
     transfer_s_per_block: float = 0.0001  # P/D: a prefill leg's KV reaches its decode worker after this per block
 
 
@@ -97,8 +97,14 @@ class _Worker:
         self.worker_id = f"w{i}"
         self.slot = i
         self.cache = PrefixCache(config.num_blocks, config.block_size, hash_seed=f"sim-{config.seed}-{i}")
-        self.scheduler = Scheduler(self.cache, config.cost, config.max_num_batched_tokens, config.max_num_seqs,
-                                   vocab_size=50_000, seed=config.seed * 1000 + i)
+        self.scheduler = Scheduler(
+            self.cache,
+            config.cost,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            vocab_size=50_000,
+            seed=config.seed * 1000 + i,
+        )
         self.resolver = BlockResolver(MODEL)
         self.busy = False
         self.busy_s = 0.0
@@ -116,8 +122,8 @@ class _SimRouter:
         self.own = RouterInflight()
         self.state = state
         self.view = view
-        self.applied = 0       # changes of the log applied to the view
-        self.session = None    # its session at the control plane (several routers)
+        self.applied = 0  # changes of the log applied to the view
+        self.session = None  # its session at the control plane (several routers)
 
     def catch_up(self, log: list[tuple[float, pb.FleetChange]], until: float) -> None:
         """Apply the control plane's changes made at or before `until` to this router's view."""
@@ -134,16 +140,18 @@ class _ControlPlane:
     """The control plane's state; with views, every change it applies is logged with its time."""
 
     def __init__(self, workers: list[_Worker], views: bool, block_size: int, index_backend: str) -> None:
-        self.state = FleetState.build(make_index(index_backend), heartbeat_timeout_s=float("inf"),
-                                      reservation_max_age_s=1e12)
+        self.state = FleetState.build(make_index(index_backend), heartbeat_timeout_s=float("inf"), reservation_max_age_s=1e12)
         self.log: list[tuple[float, pb.FleetChange]] = []
         self.now = 0.0
         if views:
             encoder = ChangeEncoder(self.state, "control-plane", lambda change, model: self.log.append((self.now, change)))
             self.state.applier.listener = self.state.inflight.listener = encoder
-        self.records = [self.state.applier.register(w.worker_id, RegisterBody(MODEL, "sim", block_size, "", "", [], None,
-                                                                              "", ""), resume=False)
-                        for w in workers]
+        self.records = [
+            self.state.applier.register(
+                w.worker_id, RegisterBody(MODEL, "sim", block_size, "", "", [], None, "", ""), resume=False
+            )
+            for w in workers
+        ]
         self._seq = [0] * len(workers)
 
     def apply_events(self, w: _Worker, wire: list, now: float) -> None:
@@ -169,8 +177,9 @@ class _ControlPlane:
             self.state.applier.heartbeat(self.records[w.slot], HeartbeatBody(running, waiting, 0.0, 0, []))
 
 
-def true_ttft(w: _Worker, prompt: Sequence[int], max_tokens: int, now: float,
-              max_num_batched_tokens: int) -> tuple[bool, float, int]:
+def true_ttft(
+    w: _Worker, prompt: Sequence[int], max_tokens: int, now: float, max_num_batched_tokens: int
+) -> tuple[bool, float, int]:
     """(would wait for KV blocks or a sequence slot, TTFT in s, cached tokens) of `prompt` on `w`
     if nothing else arrived: the rest of the running step, then FIFO steps that prefill the queue
     ahead and this prompt's uncached tokens within the token budget, each priced by the engine's
@@ -198,8 +207,7 @@ def true_ttft(w: _Worker, prompt: Sequence[int], max_tokens: int, now: float,
         ahead_blocks.update(r.prompt_hashes)
     hit = cached_blocks(cache.chain_hashes(prompt), len(prompt)) * bs
     need += cache.blocks_for(len(prompt) + max_tokens) - hit // bs
-    blocked = (need > cache.free_blocks() + cache.evictable_blocks
-               or len(sched.running) + len(sched.waiting) >= sched.max_num_seqs)
+    blocked = need > cache.free_blocks() + cache.evictable_blocks or len(sched.running) + len(sched.waiting) >= sched.max_num_seqs
     queue = ahead + [len(prompt) - hit]
     decoders = sum(1 for r in sched.running if r.prefill_done)
     t = w.step_end - now if w.busy else 0.0
@@ -228,8 +236,9 @@ def _to_wire(event, block_size: int):
     raise TypeError(event)
 
 
-def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config: FleetConfig,
-                    progress=None, detail: bool = False) -> PolicyRun:
+def simulate_policy(
+    policy_name: str, workload: list[SimWorkloadRequest], config: FleetConfig, progress=None, detail: bool = False
+) -> PolicyRun:
     oracle = policy_name == TTFT_ORACLE
     pd = config.prefill_workers > 0
     if pd and (oracle or not config.prefill_workers < config.workers):
@@ -239,18 +248,24 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
     views = config.routers > 1 or config.view_delay_s > 0
     cp = _ControlPlane(workers, views, config.block_size, config.index_backend)
     known = [KnownWorker(w.worker_id, MODEL, "", config.block_size, pb.WorkerLoad()) for w in workers]
-    decode_known = known[config.prefill_workers:] if pd else []
+    decode_known = known[config.prefill_workers :] if pd else []
     if pd:
-        known = known[:config.prefill_workers]  # the policy chooses among the prefill pool only
+        known = known[: config.prefill_workers]  # the policy chooses among the prefill pool only
     decode_policy = make_policy("least_loaded", seed=config.seed)
     prefill_legs: dict[str, SimWorkloadRequest] = {}  # P/D: prefill leg id -> its request
     transfers: list[tuple[float, int, SimWorkloadRequest, float, _SimRouter]] = []  # P/D: (due, order, request, arrival, router)
     routers = []
     for number in range(max(1, config.routers)):
-        policy = None if oracle else make_policy(policy_name, seed=config.seed + number,
-                                                 **(config.kv_aware_params if policy_name == "kv_aware" else {}))
-        router = _SimRouter(number, policy, known, FleetState.build(make_index(config.index_backend)) if views else cp.state,
-                            views)
+        policy = (
+            None
+            if oracle
+            else make_policy(
+                policy_name, seed=config.seed + number, **(config.kv_aware_params if policy_name == "kv_aware" else {})
+            )
+        )
+        router = _SimRouter(
+            number, policy, known, FleetState.build(make_index(config.index_backend)) if views else cp.state, views
+        )
         if config.routers > 1:
             router.session = cp.state.inflight.open_session(router.router_id)
             router.state.applier.listener = None
@@ -296,8 +311,11 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
             start_step(w, t)
 
     while heap or next_arrival < len(arrivals) or transfers:
-        if transfers and (not heap or transfers[0][0] <= heap[0][0]) and (
-                next_arrival >= len(arrivals) or transfers[0][0] <= arrivals[next_arrival].arrival_s):
+        if (
+            transfers
+            and (not heap or transfers[0][0] <= heap[0][0])
+            and (next_arrival >= len(arrivals) or transfers[0][0] <= arrivals[next_arrival].arrival_s)
+        ):
             now, _, req, arrival, router = heapq.heappop(transfers)
             start_decode_leg(req, arrival, router, now)
             continue
@@ -324,10 +342,10 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
             reservation = None
             if router.session is not None:
                 cp.now = now
-                reservation = cp.state.inflight.reserve(router.session, next(seq), w.slot, keys, prefill, 0,
-                                                        len(req.tokens), config.block_size)
-            tickets[sim_req.request_id] = (router, router.own.start(w.worker_id, prefill, keys), req.arrival_s,
-                                           reservation)
+                reservation = cp.state.inflight.reserve(
+                    router.session, next(seq), w.slot, keys, prefill, 0, len(req.tokens), config.block_size
+                )
+            tickets[sim_req.request_id] = (router, router.own.start(w.worker_id, prefill, keys), req.arrival_s, reservation)
             cp.report_load(w, now)
             if not w.busy:
                 start_step(w, now)
@@ -374,28 +392,31 @@ def simulate_policy(policy_name: str, workload: list[SimWorkloadRequest], config
             cp.apply_events(w, wire, now)
     run.makespan_s = now
     run.busy_s = [w.busy_s for w in workers]
-    computing = workers[:config.prefill_workers] if pd else workers  # decode legs' prompts arrive as KV
+    computing = workers[: config.prefill_workers] if pd else workers  # decode legs' prompts arrive as KV
     run.hit_tokens = sum(w.cache.hits_tokens for w in computing)
     run.query_tokens = sum(w.cache.queries_tokens for w in computing)
     return run
 
 
-def _policy_choice(router: _SimRouter, workers: list[_Worker], req: SimWorkloadRequest, keys: list[int],
-                   config: FleetConfig) -> tuple[_Worker, int]:
+def _policy_choice(
+    router: _SimRouter, workers: list[_Worker], req: SimWorkloadRequest, keys: list[int], config: FleetConfig
+) -> tuple[_Worker, int]:
     """The router's way: the index's answer from the state it decides on (`answer_columns`, as the
     control plane answers and a router's view does), then `decide`."""
     chains = {config.block_size: keys}
     state = router.state
     asking = state.inflight.routers.get(router.router_id) if router.session is not None else None
     columns = answer_columns(state, MODEL, chains, "", asking)
-    request = RoutingInput(MODEL, len(req.tokens), token_ids=req.tokens, session_key=req.session, chains=chains,
-                           now_s=req.arrival_s)
+    request = RoutingInput(
+        MODEL, len(req.tokens), token_ids=req.tokens, session_key=req.session, chains=chains, now_s=req.arrival_s
+    )
     decision = decide(router.policy, request, router.known, router.own, columns)
     return workers[int(decision.worker_id[1:])], decision.cached_tokens
 
 
-def _oracle_choice(workers: list[_Worker], req: SimWorkloadRequest, now: float, config: FleetConfig,
-                   rng: random.Random) -> tuple[_Worker, int]:
+def _oracle_choice(
+    workers: list[_Worker], req: SimWorkloadRequest, now: float, config: FleetConfig, rng: random.Random
+) -> tuple[_Worker, int]:
     """ttft_oracle: the lowest true TTFT among workers with room, ties at random."""
     options = [(true_ttft(w, req.tokens, req.output_tokens, now, config.max_num_batched_tokens), w) for w in workers]
     best = min(est[:2] for est, _ in options)
@@ -408,8 +429,7 @@ def oracle_hit_rate(workload: list[SimWorkloadRequest], block_size: int, capacit
     return oracle_hit_rates(workload, block_size, [capacity_blocks])[0]
 
 
-def oracle_hit_rates(workload: list[SimWorkloadRequest], block_size: int,
-                     capacities_blocks: list[int | None]) -> list[float]:
+def oracle_hit_rates(workload: list[SimWorkloadRequest], block_size: int, capacities_blocks: list[int | None]) -> list[float]:
     """`oracle_hit_rate` for several capacities in one pass (each prompt is hashed once)."""
     lrus: list[OrderedDict[int, None]] = [OrderedDict() for _ in capacities_blocks]
     hits = [0] * len(capacities_blocks)

@@ -39,6 +39,7 @@ SHIPPED_TRACE = Path(__file__).resolve().parents[2] / "traces" / "mooncake_conve
 @dataclass(frozen=True)
 class SourceDefaults:
     """A source's default point: arrival rate (req/s; None = the trace's own times) and blocks per engine."""
+
     rate_rps: float | None
     num_blocks: int
     block_size: int
@@ -98,8 +99,7 @@ def _workload(spec: GridSpec, task: _Task) -> list[SimWorkloadRequest]:
         return requests
     base = SOURCES[task.source].rate_rps
     assert base is not None
-    return generate(GeneratedWorkload(task.source, requests=spec.requests, rate_rps=base * factor, seed=task.seed,
-                                      groups=GROUPS))
+    return generate(GeneratedWorkload(task.source, requests=spec.requests, rate_rps=base * factor, seed=task.seed, groups=GROUPS))
 
 
 def factors(table: dict[str, float]) -> str:
@@ -120,17 +120,26 @@ def _run_task(spec: GridSpec, task: _Task) -> tuple[_Task, dict]:
     ceiling, ceiling_inf = oracle_hit_rates(workload, defaults.block_size, [blocks * spec.workers, None])
     by_routers: dict[int, dict[str, dict[str, float]]] = {}
     for routers in spec.routers:
-        config = FleetConfig(workers=spec.workers, num_blocks=blocks, block_size=defaults.block_size, cost=cost,
-                             event_delay_s=spec.event_delay_ms / 1000, seed=task.seed,
-                             kv_aware_params=spec.kv_aware_params, routers=routers,
-                             view_delay_s=spec.view_delay_ms / 1000 if routers > 1 else 0.0)
+        config = FleetConfig(
+            workers=spec.workers,
+            num_blocks=blocks,
+            block_size=defaults.block_size,
+            cost=cost,
+            event_delay_s=spec.event_delay_ms / 1000,
+            seed=task.seed,
+            kv_aware_params=spec.kv_aware_params,
+            routers=routers,
+            view_delay_s=spec.view_delay_ms / 1000 if routers > 1 else 0.0,
+        )
         by_routers[routers] = {}
         for name in spec.policies:
             run = simulate_policy(name, workload, config)
-            by_routers[routers][name] = {"hit_rate": run.hit_rate, "ttft_p50_ms": percentile(run.ttft_s, 50) * 1000,
-                                         "ttft_p99_ms": percentile(run.ttft_s, 99) * 1000}
-    return task, {"ceiling": ceiling, "ceiling_infinite": ceiling_inf, "requests": len(workload),
-                  "routers": by_routers}
+            by_routers[routers][name] = {
+                "hit_rate": run.hit_rate,
+                "ttft_p50_ms": percentile(run.ttft_s, 50) * 1000,
+                "ttft_p99_ms": percentile(run.ttft_s, 99) * 1000,
+            }
+    return task, {"ceiling": ceiling, "ceiling_infinite": ceiling_inf, "requests": len(workload), "routers": by_routers}
 
 
 def _run_task_star(args: tuple[GridSpec, _Task]) -> tuple[_Task, dict]:
@@ -150,8 +159,10 @@ def run_grid(spec: GridSpec, jobs: int = 1, progress: Callable[[int, int], None]
     if CHALLENGER not in spec.policies or len(spec.policies) < 2:
         raise ValueError(f"the grid compares {CHALLENGER} with other policies: name it and at least one more")
     if MOONCAKE in spec.sources and not Path(spec.trace_path).is_file():
-        raise ValueError(f"the grid's Mooncake trace {spec.trace_path} is not a file: pass --grid-trace, or leave "
-                         f"{MOONCAKE} out of --grid-sources")
+        raise ValueError(
+            f"the grid's Mooncake trace {spec.trace_path} is not a file: pass --grid-trace, or leave "
+            f"{MOONCAKE} out of --grid-sources"
+        )
     tasks = [_Task(s, c, r, seed) for s in spec.sources for c in spec.caches for r in spec.rates for seed in spec.seeds]
     results: dict[_Task, dict] = {}
     if jobs <= 1:
@@ -185,10 +196,14 @@ def _document(spec: GridSpec, results: dict[_Task, dict]) -> dict:
                 for routers in spec.routers:
                     policies = {}
                     for name in spec.policies:
-                        seeds = {str(s): {k: round(v, 4 if k == "hit_rate" else 3)
-                                          for k, v in r["routers"][routers][name].items()} for s, r in per_seed.items()}
-                        policies[name] = {metric: _mean([r["routers"][routers][name][metric] for r in per_seed.values()])
-                                          for metric in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms")}
+                        seeds = {
+                            str(s): {k: round(v, 4 if k == "hit_rate" else 3) for k, v in r["routers"][routers][name].items()}
+                            for s, r in per_seed.items()
+                        }
+                        policies[name] = {
+                            metric: _mean([r["routers"][routers][name][metric] for r in per_seed.values()])
+                            for metric in ("hit_rate", "ttft_p50_ms", "ttft_p99_ms")
+                        }
                         policies[name]["per_seed"] = seeds
                     ratio_p50, best_p50 = kv_aware_ratio({n: p["ttft_p50_ms"] for n, p in policies.items()})
                     ratio_p99, best_p99 = kv_aware_ratio({n: p["ttft_p99_ms"] for n, p in policies.items()})
@@ -202,48 +217,80 @@ def _document(spec: GridSpec, results: dict[_Task, dict]) -> dict:
                     tally["meet_p50"] += meets_p50
                     tally["meet_p99"] += meets_p99
                     tally["meet_both"] += meets_p50 and meets_p99
-                    points.append({
-                        "source": source, "cache": cache, "rate": rate, "routers": routers,
-                        "view_delay_ms": spec.view_delay_ms if routers > 1 else 0.0,
-                        "workers": spec.workers, "num_blocks": num_blocks(source, cache),
-                        "block_size": defaults.block_size,
-                        "rate_rps": None if defaults.rate_rps is None else defaults.rate_rps * RATE_FACTORS[rate],
-                        "rate_factor": RATE_FACTORS[rate], "cache_factor": CACHE_FACTORS[cache],
-                        "requests": first["requests"],
-                        "ceiling": round(_mean([r["ceiling"] for r in per_seed.values()]), 4),
-                        "ceiling_infinite": round(_mean([r["ceiling_infinite"] for r in per_seed.values()]), 4),
-                        "policies": policies,
-                        "kv_aware_ratio_p50": round(ratio_p50, 4), "best_other_p50": best_p50,
-                        "kv_aware_ratio_p99": round(ratio_p99, 4), "best_other_p99": best_p99,
-                        "meets_p50": meets_p50, "meets_p99": meets_p99,
-                    })
-    return {"grid": {"sources": list(spec.sources), "caches": {c: CACHE_FACTORS[c] for c in spec.caches},
-                     "rates": {r: RATE_FACTORS[r] for r in spec.rates}, "seeds": list(spec.seeds),
-                     "routers": list(spec.routers), "view_delay_ms": spec.view_delay_ms,
-                     "policies": list(spec.policies), "requests": spec.requests, "trace_limit": spec.trace_limit, "workers": spec.workers,
-                     "kv_aware_params": spec.kv_aware_params,
-                     "targets": {"p50_ratio": P50_TARGET, "p99_ratio": P99_TARGET}},
-            "points": points, "summary": summary}
+                    points.append(
+                        {
+                            "source": source,
+                            "cache": cache,
+                            "rate": rate,
+                            "routers": routers,
+                            "view_delay_ms": spec.view_delay_ms if routers > 1 else 0.0,
+                            "workers": spec.workers,
+                            "num_blocks": num_blocks(source, cache),
+                            "block_size": defaults.block_size,
+                            "rate_rps": None if defaults.rate_rps is None else defaults.rate_rps * RATE_FACTORS[rate],
+                            "rate_factor": RATE_FACTORS[rate],
+                            "cache_factor": CACHE_FACTORS[cache],
+                            "requests": first["requests"],
+                            "ceiling": round(_mean([r["ceiling"] for r in per_seed.values()]), 4),
+                            "ceiling_infinite": round(_mean([r["ceiling_infinite"] for r in per_seed.values()]), 4),
+                            "policies": policies,
+                            "kv_aware_ratio_p50": round(ratio_p50, 4),
+                            "best_other_p50": best_p50,
+                            "kv_aware_ratio_p99": round(ratio_p99, 4),
+                            "best_other_p99": best_p99,
+                            "meets_p50": meets_p50,
+                            "meets_p99": meets_p99,
+                        }
+                    )
+    return {
+        "grid": {
+            "sources": list(spec.sources),
+            "caches": {c: CACHE_FACTORS[c] for c in spec.caches},
+            "rates": {r: RATE_FACTORS[r] for r in spec.rates},
+            "seeds": list(spec.seeds),
+            "routers": list(spec.routers),
+            "view_delay_ms": spec.view_delay_ms,
+            "policies": list(spec.policies),
+            "requests": spec.requests,
+            "trace_limit": spec.trace_limit,
+            "workers": spec.workers,
+            "kv_aware_params": spec.kv_aware_params,
+            "targets": {"p50_ratio": P50_TARGET, "p99_ratio": P99_TARGET},
+        },
+        "points": points,
+        "summary": summary,
+    }
 
 
 def markdown(document: dict) -> list[str]:
     """Per point and router count: each policy's p50 / p99 ms (hit rate), the pooled ceiling, kv_aware's
     ratios to the best other policy, flagged where they miss a target; then the count per router count."""
     policies = document["grid"]["policies"]
-    lines = ["| source | cache | rate | routers | ceiling | " + " | ".join(policies)
-             + " | kv_aware p50 ratio | kv_aware p99 ratio | misses |",
-             "|---|---|---|---|---|" + "---|" * len(policies) + "---|---|---|"]
+    lines = [
+        "| source | cache | rate | routers | ceiling | "
+        + " | ".join(policies)
+        + " | kv_aware p50 ratio | kv_aware p99 ratio | misses |",
+        "|---|---|---|---|---|" + "---|" * len(policies) + "---|---|---|",
+    ]
     for p in document["points"]:
-        cells = [f"{p['policies'][n]['ttft_p50_ms']:.1f} / {p['policies'][n]['ttft_p99_ms']:.1f} "
-                 f"({p['policies'][n]['hit_rate']:.0%})" for n in policies]
+        cells = [
+            f"{p['policies'][n]['ttft_p50_ms']:.1f} / {p['policies'][n]['ttft_p99_ms']:.1f} ({p['policies'][n]['hit_rate']:.0%})"
+            for n in policies
+        ]
         misses = [f"p50 (vs {p['best_other_p50']})"] if not p["meets_p50"] else []
         misses += [f"p99 (vs {p['best_other_p99']})"] if not p["meets_p99"] else []
-        lines.append(f"| {p['source']} | {p['cache']} | {p['rate']} | {p['routers']} | {p['ceiling']:.1%} | "
-                     + " | ".join(cells) + f" | {p['kv_aware_ratio_p50']:.3f} | {p['kv_aware_ratio_p99']:.3f} | "
-                     f"{'**' + ', '.join(misses) + '**' if misses else ''} |")
+        lines.append(
+            f"| {p['source']} | {p['cache']} | {p['rate']} | {p['routers']} | {p['ceiling']:.1%} | "
+            + " | ".join(cells)
+            + f" | {p['kv_aware_ratio_p50']:.3f} | {p['kv_aware_ratio_p99']:.3f} | "
+            f"{'**' + ', '.join(misses) + '**' if misses else ''} |"
+        )
     targets = document["grid"]["targets"]
-    lines += ["", (f"| routers | points | p50 <= {targets['p50_ratio']}x best other | "
-                   f"p99 <= {targets['p99_ratio']}x best other | both |"), "|---|---|---|---|---|"]
+    lines += [
+        "",
+        (f"| routers | points | p50 <= {targets['p50_ratio']}x best other | p99 <= {targets['p99_ratio']}x best other | both |"),
+        "|---|---|---|---|---|",
+    ]
     for routers, t in document["summary"].items():
         lines.append(f"| {routers} | {t['points']} | {t['meet_p50']} | {t['meet_p99']} | {t['meet_both']} |")
     return lines

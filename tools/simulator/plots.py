@@ -7,8 +7,7 @@ from pathlib import Path
 from kvroute.tools.simulator.fleet import PolicyRun
 
 
-def write_plots(runs: dict[str, PolicyRun], oracle: float, oracle_infinite: float, out_dir: str | Path,
-                title: str) -> list[Path]:
+def write_plots(runs: dict[str, PolicyRun], oracle: float, oracle_infinite: float, out_dir: str | Path, title: str) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display on servers

@@ -30,8 +30,11 @@ def summarize(per_seed: Mapping[int, Mapping[str, Mapping[str, float]]]) -> dict
         entry: dict = {}
         for metric in METRICS:
             values = [results[name][metric] for results in per_seed.values()]
-            entry[metric] = {"mean": round(sum(values) / len(values), 4 if metric == "hit_rate" else 2),
-                             "min": min(values), "max": max(values)}
+            entry[metric] = {
+                "mean": round(sum(values) / len(values), 4 if metric == "hit_rate" else 2),
+                "min": min(values),
+                "max": max(values),
+            }
         entry["lowest_p50_seeds"] = entry["lowest_p99_seeds"] = 0
         out[name] = entry
     routers = [name for name in policies if name not in NOT_A_ROUTER_POLICY]
@@ -49,19 +52,26 @@ def summarize(per_seed: Mapping[int, Mapping[str, Mapping[str, float]]]) -> dict
 def markdown(per_seed: Mapping[int, Mapping[str, Mapping[str, float]]], summary: Mapping[str, dict]) -> list[str]:
     """Per-seed p50 / p99 by policy, then the summary; one Markdown table each."""
     seeds = list(per_seed)
-    lines = ["| policy | " + " | ".join(f"seed {s} p50 / p99 ms" for s in seeds) + " |",
-             "|---|" + "---|" * len(seeds)]
+    lines = ["| policy | " + " | ".join(f"seed {s} p50 / p99 ms" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
     for name in summary:
         cells = [f"{per_seed[s][name]['ttft_p50_ms']:.2f} / {per_seed[s][name]['ttft_p99_ms']:.2f}" for s in seeds]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     n = len(seeds)
-    lines += ["", "| policy | hit rate | TTFT p50 ms mean [min, max] | TTFT p99 ms mean [min, max] | lowest p50 | lowest p99 |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| policy | hit rate | TTFT p50 ms mean [min, max] | TTFT p99 ms mean [min, max] | lowest p50 | lowest p99 |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, s in summary.items():
         p50, p99 = s["ttft_p50_ms"], s["ttft_p99_ms"]
         reference = name in NOT_A_ROUTER_POLICY
-        lines.append(f"| {name} | {s['hit_rate']['mean']:.1%} | {p50['mean']:.2f} [{p50['min']:.2f}, {p50['max']:.2f}] | "
-                     f"{p99['mean']:.2f} [{p99['min']:.2f}, {p99['max']:.2f}] | "
-                     + ("(reference) | (reference) |" if reference else
-                        f"{s['lowest_p50_seeds']} of {n} | {s['lowest_p99_seeds']} of {n} |"))
+        lines.append(
+            f"| {name} | {s['hit_rate']['mean']:.1%} | {p50['mean']:.2f} [{p50['min']:.2f}, {p50['max']:.2f}] | "
+            f"{p99['mean']:.2f} [{p99['min']:.2f}, {p99['max']:.2f}] | "
+            + (
+                "(reference) | (reference) |"
+                if reference
+                else f"{s['lowest_p50_seeds']} of {n} | {s['lowest_p99_seeds']} of {n} |"
+            )
+        )
     return lines

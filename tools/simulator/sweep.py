@@ -36,17 +36,20 @@ def _child(name: str, workload: list[SimWorkloadRequest], config: FleetConfig, c
         conn.close()
 
 
-def run_policies(names: list[str], workload: list[SimWorkloadRequest], config: FleetConfig, jobs: int = 1,
-                 progress: ProgressFn | None = None) -> dict[str, PolicyRun]:
+def run_policies(
+    names: list[str], workload: list[SimWorkloadRequest], config: FleetConfig, jobs: int = 1, progress: ProgressFn | None = None
+) -> dict[str, PolicyRun]:
     """PolicyRun per policy name, in the order given."""
     done_count = {name: 0 for name in names}
     if jobs <= 1 or len(names) <= 1:
         results = {}
         for name in names:
+
             def report(done: int, name: str = name) -> None:
                 done_count[name] = done
                 if progress:
                     progress(done_count)
+
             results[name] = simulate_policy(name, workload, config, progress=report)
             report(len(workload))
         return results

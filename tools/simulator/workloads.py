@@ -30,6 +30,7 @@ class SimWorkloadRequest:
 @dataclass
 class Trace:
     """A trace's requests and the block size its hash ids stand for."""
+
     requests: list[SimWorkloadRequest]
     block_size: int
     tail_token_share: float  # of all prompt tokens, those in a partial last block (never shared)
@@ -71,12 +72,16 @@ def load_mooncake_trace(path: str | Path, limit: int | None = None) -> Trace:
                 # The filler after each block's id is shared, so building a block is a copy.
                 filler = array("I", range(1, block_size))
             elif row_block_size != block_size:
-                raise ValueError(f"{path}:{line_no}: block_size {row_block_size} (a row without one means "
-                                 f"{MOONCAKE_BLOCK_TOKENS}), but line {size_line} has {block_size}: one trace, one "
-                                 "block size")
+                raise ValueError(
+                    f"{path}:{line_no}: block_size {row_block_size} (a row without one means "
+                    f"{MOONCAKE_BLOCK_TOKENS}), but line {size_line} has {block_size}: one trace, one "
+                    "block size"
+                )
             if len(row.hash_ids) * block_size < row.input_length:
-                raise ValueError(f"{path}:{line_no}: {len(row.hash_ids)} hash ids of {block_size} tokens cannot "
-                                 f"cover input_length {row.input_length}")
+                raise ValueError(
+                    f"{path}:{line_no}: {len(row.hash_ids)} hash ids of {block_size} tokens cannot "
+                    f"cover input_length {row.input_length}"
+                )
             tokens = array("I")
             for h in row.hash_ids:
                 block = block_tokens.get(h)
@@ -85,7 +90,7 @@ def load_mooncake_trace(path: str | Path, limit: int | None = None) -> Trace:
                     block = block_tokens[h] = array("I", (h % _TOKEN_ID_LIMIT,)) + filler
                 tokens += block
             if row.input_length < len(tokens):
-                del tokens[row.input_length:]
+                del tokens[row.input_length :]
             tail_tokens += row.input_length % block_size
             total_tokens += row.input_length
             out.append(SimWorkloadRequest(row.timestamp / 1000.0, tokens, max(1, row.output_length)))
@@ -97,23 +102,24 @@ def load_mooncake_trace(path: str | Path, limit: int | None = None) -> Trace:
 @dataclass
 class GeneratedWorkload:
     """Knobs shared by the generated suite."""
+
     name: str
     requests: int = 2000
     rate_rps: float = 20.0
-    arrival: str = "poisson"          # or "bursty"
+    arrival: str = "poisson"  # or "bursty"
     seed: int = 0
     system_prompt_tokens: int = 2048  # shared-prefix / agent schema size
-    groups: int = 8                   # distinct shared prompts / documents / agents
+    groups: int = 8  # distinct shared prompts / documents / agents
     user_tokens: int = 256
     output_tokens: int = 128
     turns: int = 4
     docs: int = 32
     doc_tokens: int = 2048
     docs_per_request: int = 2
-    hot_share: float = 0.6            # hot-prefix: share of requests on the one hot system prompt
-    burst_size: int = 4               # bursts: requests per burst, all on one prefix
-    burst_gap_ms: float = 1.5         # bursts: between two requests of a burst
-    new_prefix_share: float = 0.5     # bursts: share of bursts on a prefix never seen before
+    hot_share: float = 0.6  # hot-prefix: share of requests on the one hot system prompt
+    burst_size: int = 4  # bursts: requests per burst, all on one prefix
+    burst_gap_ms: float = 1.5  # bursts: between two requests of a burst
+    new_prefix_share: float = 0.5  # bursts: share of bursts on a prefix never seen before
 
 
 WORKLOAD_NAMES = ("shared-prefix", "multi-turn", "rag", "agent", "one-shot", "hot-prefix", "bursts")
@@ -153,8 +159,11 @@ def generate(w: GeneratedWorkload) -> list[SimWorkloadRequest]:
         system = unique(256)
         for t in arrivals:
             chosen = rng.sample(range(w.docs), w.docs_per_request)
-            out.append(SimWorkloadRequest(t, pack_token_ids(system + [tok for d in chosen for tok in docs[d]] + unique(w.user_tokens)),
-                                          w.output_tokens))
+            out.append(
+                SimWorkloadRequest(
+                    t, pack_token_ids(system + [tok for d in chosen for tok in docs[d]] + unique(w.user_tokens)), w.output_tokens
+                )
+            )
     elif w.name == "multi-turn":
         systems = [unique(w.system_prompt_tokens // 2) for _ in range(w.groups)]
         conversations: list[list[int]] = []
@@ -202,8 +211,9 @@ def _bursts(w: GeneratedWorkload, rng: random.Random, unique) -> list[SimWorkloa
             prefixes.append(unique(w.system_prompt_tokens))
             prefix = prefixes[-1]
         else:
-            prefix = rng.choice(prefixes[-w.groups:])
+            prefix = rng.choice(prefixes[-w.groups :])
         for i in range(min(w.burst_size, w.requests - len(out))):
-            out.append(SimWorkloadRequest(t + i * w.burst_gap_ms / 1000, pack_token_ids(prefix + unique(w.user_tokens)),
-                                          w.output_tokens))
+            out.append(
+                SimWorkloadRequest(t + i * w.burst_gap_ms / 1000, pack_token_ids(prefix + unique(w.user_tokens)), w.output_tokens)
+            )
     return out

@@ -48,9 +48,30 @@ from kvroute.data_plane.decision.policies.kv_aware import KvAware, KvAwareParams
 from kvroute.data_plane.decision.policies.load_balancing import LeastLoaded, RandomPolicy, RoundRobin
 from kvroute.data_plane.decision.policies.session import SessionAffinity
 
-__all__ = ["POLICIES", "ApproxTree", "Candidate", "CandidateExplanation", "Choice", "Explanation", "KvAware", "KvAwareParams", "LeastLoaded",
-           "PolicyNeeds", "PrefixHashBoundedLoad", "PromptTree", "RandomPolicy", "RoundRobin", "RoutingInput", "RoutingPolicy",
-           "SessionAffinity", "explain_scores", "kv_aware_param", "make_policy", "parse_kv_aware_params", "request_load"]
+__all__ = [
+    "POLICIES",
+    "ApproxTree",
+    "Candidate",
+    "CandidateExplanation",
+    "Choice",
+    "Explanation",
+    "KvAware",
+    "KvAwareParams",
+    "LeastLoaded",
+    "PolicyNeeds",
+    "PrefixHashBoundedLoad",
+    "PromptTree",
+    "RandomPolicy",
+    "RoundRobin",
+    "RoutingInput",
+    "RoutingPolicy",
+    "SessionAffinity",
+    "explain_scores",
+    "kv_aware_param",
+    "make_policy",
+    "parse_kv_aware_params",
+    "request_load",
+]
 
 POLICIES: dict[str, type] = {
     "kv_aware": KvAware,

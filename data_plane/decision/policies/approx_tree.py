@@ -46,10 +46,10 @@ def _as_tokens(token_ids: Sequence[int]) -> array:
 def _common_prefix(edge: array, tokens: array, start: int) -> int:
     """How many leading tokens of `edge` equal tokens[start:]; O(result) with C-level comparisons."""
     n = min(len(edge), len(tokens) - start)
-    if tokens[start:start + n] == edge[:n]:  # the usual case: the whole edge matches
+    if tokens[start : start + n] == edge[:n]:  # the usual case: the whole edge matches
         return n
     k = 0  # a mismatch lies before n, so both loops stop in range
-    while tokens[start + k:start + k + _CHUNK] == edge[k:k + _CHUNK]:
+    while tokens[start + k : start + k + _CHUNK] == edge[k : k + _CHUNK]:
         k += _CHUNK
     while tokens[start + k] == edge[k]:
         k += 1
@@ -60,11 +60,11 @@ class _Node:
     __slots__ = ("children", "edge", "end", "parent", "tenants")
 
     def __init__(self, edge: array, end: int, parent: _Node | None) -> None:
-        self.edge = edge                        # the run of tokens on the edge into this node
-        self.end = end                          # prompt offset where the edge ends (the node's depth)
+        self.edge = edge  # the run of tokens on the edge into this node
+        self.end = end  # prompt offset where the edge ends (the node's depth)
         self.parent = parent
-        self.children: dict[int, _Node] = {}    # first token of a child's edge -> child
-        self.tenants: dict[str, int] = {}       # worker id -> last use (logical clock)
+        self.children: dict[int, _Node] = {}  # first token of a child's edge -> child
+        self.tenants: dict[str, int] = {}  # worker id -> last use (logical clock)
 
 
 class PromptTree:
@@ -195,14 +195,19 @@ class ApproxTree:
     is this router's own view (a /v1/route probe counts as a send, like round_robin's turn). Workers
     that leave the fleet keep their (bounded) share of the tree until evicted. Scores: 0 for the
     chosen worker, 1 + load for the rest."""
+
     name = "approx_tree"
     needs = NEEDS_TOKENS
 
-    def __init__(self, cache_threshold: float = APPROX_CACHE_THRESHOLD,
-                 balance_abs_threshold: int = APPROX_BALANCE_ABS_THRESHOLD,
-                 balance_rel_threshold: float = APPROX_BALANCE_REL_THRESHOLD,
-                 max_tree_size: int = APPROX_MAX_TREE_TOKENS,
-                 seed: int | None = None, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        cache_threshold: float = APPROX_CACHE_THRESHOLD,
+        balance_abs_threshold: int = APPROX_BALANCE_ABS_THRESHOLD,
+        balance_rel_threshold: float = APPROX_BALANCE_REL_THRESHOLD,
+        max_tree_size: int = APPROX_MAX_TREE_TOKENS,
+        seed: int | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
         if not 0.0 <= cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
         self.cache_threshold = cache_threshold

@@ -19,18 +19,19 @@ from typing import Protocol
 @dataclass(slots=True)
 class Candidate:
     """One worker as a policy sees it: index match, engine-reported load, this router's in-flight work."""
+
     worker_id: str
     endpoint: str
     block_size: int
-    cached_tokens: int = 0           # prompt tokens already in this worker's KV cache (prefix match, any tier)
-    cpu_cached_tokens: int = 0       # of those, on the CPU tier (must be loaded back)
-    disk_cached_tokens: int = 0      # of those, on a disk/remote tier
-    running_requests: int = 0        # engine-reported (heartbeat)
-    waiting_requests: int = 0        # engine-reported (heartbeat)
-    kv_usage: float = 0.0            # engine-reported (heartbeat), 0..1
-    inflight_requests: int = 0       # routed by kvroute routers (this one exactly, others via the control plane), not finished
+    cached_tokens: int = 0  # prompt tokens already in this worker's KV cache (prefix match, any tier)
+    cpu_cached_tokens: int = 0  # of those, on the CPU tier (must be loaded back)
+    disk_cached_tokens: int = 0  # of those, on a disk/remote tier
+    running_requests: int = 0  # engine-reported (heartbeat)
+    waiting_requests: int = 0  # engine-reported (heartbeat)
+    kv_usage: float = 0.0  # engine-reported (heartbeat), 0..1
+    inflight_requests: int = 0  # routed by kvroute routers (this one exactly, others via the control plane), not finished
     pending_prefill_tokens: int = 0  # of those, uncached prompt tokens whose prefill is not done yet
-    worker_cached_blocks: int = 0    # blocks the worker's cache holds in all (index), for spreading new prefixes
+    worker_cached_blocks: int = 0  # blocks the worker's cache holds in all (index), for spreading new prefixes
     inflight_cached_tokens: int = 0  # of cached_tokens, those only in-flight requests are computing there now
 
 
@@ -39,9 +40,9 @@ class RoutingInput:
     model: str
     prompt_tokens: int
     token_ids: Sequence[int] = ()  # the prompt itself, for policies that read it (chwbl, approx_tree)
-    session_key: str = ""          # x-session-id header or OpenAI `user`; "" = none (session policy)
+    session_key: str = ""  # x-session-id header or OpenAI `user`; "" = none (session policy)
     chains: Mapping[int, Sequence[int]] = field(default_factory=dict)  # block size -> the prompt's block keys
-    now_s: float = 0.0             # when it arrived (monotonic, or simulated), for policies that keep rates
+    now_s: float = 0.0  # when it arrived (monotonic, or simulated), for policies that keep rates
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,7 @@ class PolicyNeeds:
     ids (tokenizing), `block_keys` = its block keys per block size, `index` = the control plane's
     answer (a query). Without `index`, candidates come from the known fleet and this router's
     in-flight state; without `tokens`, `RoutingInput.token_ids` is empty and `prompt_tokens` 0."""
+
     tokens: bool = False
     block_keys: bool = False
     index: bool = False
@@ -72,6 +74,7 @@ class CandidateExplanation:
     sum to `cost` (empty for a policy whose score is not a formula). `eligible`: still in the
     running at the last step (inside the load bound, and the spread pool while caches fill); None
     when the policy has no such step."""
+
     worker_id: str
     cost: float
     terms: dict[str, float] = field(default_factory=dict)
@@ -83,6 +86,7 @@ class CandidateExplanation:
 @dataclass(slots=True)
 class Explanation:
     """A decision taken apart: per candidate its cost terms, and in one sentence why the winner won."""
+
     policy: str
     reason: str
     workers: list[CandidateExplanation] = field(default_factory=list)
@@ -99,9 +103,11 @@ class RoutingPolicy(Protocol):
 def explain_scores(policy: str, choice: Choice, candidates: list[Candidate]) -> Explanation:
     """The explanation of a policy without a cost formula (`explain` not defined): its scores, lower
     first in the retry order."""
-    return Explanation(policy, f"{choice.worker.worker_id} chosen by {policy} (its scores order the retries; "
-                               "the policy has no cost terms)",
-                       [CandidateExplanation(c.worker_id, choice.scores.get(c.worker_id, 0.0)) for c in candidates])
+    return Explanation(
+        policy,
+        f"{choice.worker.worker_id} chosen by {policy} (its scores order the retries; the policy has no cost terms)",
+        [CandidateExplanation(c.worker_id, choice.scores.get(c.worker_id, 0.0)) for c in candidates],
+    )
 
 
 def require_candidates(candidates: list[Candidate]) -> None:
@@ -134,4 +140,3 @@ def others_by_load(chosen: Candidate, candidates: list[Candidate]) -> dict[str, 
     """Scores for policies whose choice is not a cost: 0 for the chosen worker, 1 + load for the
     rest, so a retry goes to the least loaded other worker."""
     return {c.worker_id: 0.0 if c is chosen else 1.0 + request_load(c) for c in candidates}
-

@@ -43,11 +43,18 @@ class PrefixHashBoundedLoad:
     Same prefix, same worker while that worker is under the bound. Deterministic (no ties to break;
     `seed`/`rng` are accepted for a uniform make_policy call). Scores: 0 for the chosen worker,
     1 + the ring-walk position for the rest (a retry continues the walk)."""
+
     name = "chwbl"
     needs = NEEDS_TOKENS
 
-    def __init__(self, prefix_tokens: int = CHWBL_PREFIX_TOKENS, load_factor: float = CHWBL_LOAD_FACTOR,
-                 replication: int = CHWBL_REPLICATION, seed: int | None = None, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        prefix_tokens: int = CHWBL_PREFIX_TOKENS,
+        load_factor: float = CHWBL_LOAD_FACTOR,
+        replication: int = CHWBL_REPLICATION,
+        seed: int | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
         if prefix_tokens < 1 or replication < 1:
             raise ValueError("prefix_tokens and replication must be >= 1")
         if load_factor < 1.0:
@@ -59,8 +66,7 @@ class PrefixHashBoundedLoad:
 
     def _ring(self, worker_ids: tuple[str, ...]) -> tuple[list[int], list[str]]:
         if worker_ids != self._ring_of:  # the fleet changed: rebuild (rare; candidates are usually the same set)
-            ring = sorted((xxhash.xxh3_64_intdigest(f"{w}#{i}".encode()), w)
-                          for w in worker_ids for i in range(self.replication))
+            ring = sorted((xxhash.xxh3_64_intdigest(f"{w}#{i}".encode()), w) for w in worker_ids for i in range(self.replication))
             self._points, self._owners = [p for p, _ in ring], [w for _, w in ring]
             self._ring_of = worker_ids
         return self._points, self._owners

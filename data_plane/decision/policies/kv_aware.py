@@ -88,6 +88,7 @@ class KvAwareParams:
     Defaults were chosen with `kvroute simulate` over the generated suite (docs/operations.md: "Choosing kv_aware's
     weights"); they are not fitted to one workload.
     """
+
     queue_weight: float = 1.0
     mean_prompt_tokens: float = 2048.0
     decode_weight: float = 128.0
@@ -105,9 +106,18 @@ class KvAwareParams:
     demand_hard_bound: float = 4.0
 
     def __post_init__(self) -> None:
-        for name in ("queue_weight", "mean_prompt_tokens", "decode_weight", "recompute_weight",
-                     "load_bound_slack_tokens", "temperature", "spread_new_prefixes", "demand_half_life_s",
-                     "demand_holders_headroom", "demand_hard_bound"):
+        for name in (
+            "queue_weight",
+            "mean_prompt_tokens",
+            "decode_weight",
+            "recompute_weight",
+            "load_bound_slack_tokens",
+            "temperature",
+            "spread_new_prefixes",
+            "demand_half_life_s",
+            "demand_holders_headroom",
+            "demand_hard_bound",
+        ):
             if not getattr(self, name) >= 0:  # also rejects NaN
                 raise ValueError(f"kv_aware {name} must be >= 0, got {getattr(self, name)}")
         for name in ("cpu_tier_credit", "disk_tier_credit", "spread_while_fill_below", "inflight_prefix_credit"):
@@ -126,11 +136,11 @@ class KvAware:
     placement); among those, rendezvous hashing on the prompt's first block no candidate holds, so
     two routers deciding on the same new prefix at the same instant still agree; the seeded
     `random.Random` only when the prompt has no full block. Never "always the first worker"."""
+
     name = "kv_aware"
     needs = NEEDS_INDEX
 
-    def __init__(self, params: KvAwareParams | None = None, seed: int | None = None,
-                 rng: random.Random | None = None) -> None:
+    def __init__(self, params: KvAwareParams | None = None, seed: int | None = None, rng: random.Random | None = None) -> None:
         self.params = params or KvAwareParams()
         self._rng = make_rng(seed, rng)
         self.demand = PrefixDemand(self.params.demand_half_life_s) if self.params.demand_half_life_s else None
@@ -147,8 +157,12 @@ class KvAware:
     def _credited(self, candidates: list[Candidate]) -> list[float]:
         p = self.params
         cpu_loss, disk_loss = 1.0 - p.cpu_tier_credit, 1.0 - p.disk_tier_credit
-        return [c.cached_tokens - cpu_loss * c.cpu_cached_tokens - disk_loss * c.disk_cached_tokens
-                if c.cpu_cached_tokens or c.disk_cached_tokens else c.cached_tokens for c in candidates]
+        return [
+            c.cached_tokens - cpu_loss * c.cpu_cached_tokens - disk_loss * c.disk_cached_tokens
+            if c.cpu_cached_tokens or c.disk_cached_tokens
+            else c.cached_tokens
+            for c in candidates
+        ]
 
     def _costs(self, prompt: int, candidates: list[Candidate], credited: list[float], best: float) -> list[float]:
         """The one copy of the formula: uncached prefill + recompute_weight x recomputed + queued
@@ -160,9 +174,13 @@ class KvAware:
             inflight = c.inflight_requests
             waiting = c.waiting_requests - inflight  # engine-counted waiting that kvroute did not send
             running = c.running_requests
-            out.append((prompt - cr if cr < prompt else 0.0) + recompute * (best - cr) + c.pending_prefill_tokens
-                       + (waiting_tokens * waiting if waiting > 0 else 0.0)
-                       + decode * (running if running > inflight else inflight))
+            out.append(
+                (prompt - cr if cr < prompt else 0.0)
+                + recompute * (best - cr)
+                + c.pending_prefill_tokens
+                + (waiting_tokens * waiting if waiting > 0 else 0.0)
+                + decode * (running if running > inflight else inflight)
+            )
         return out
 
     def choose(self, request: RoutingInput, candidates: list[Candidate]) -> Choice:
@@ -200,32 +218,46 @@ class KvAware:
         costs = self._costs(prompt, candidates, credited, best)
         bounded = bool(p.load_bound) and len(candidates) > 1
         # The bound `choose` used for this request (with demand tracking it depends on what came before).
-        pool, pool_costs = (self._within_bound(candidates, credited, prompt, costs, self._last_bound) if bounded
-                            else (candidates, costs))
+        pool, pool_costs = (
+            self._within_bound(candidates, credited, prompt, costs, self._last_bound) if bounded else (candidates, costs)
+        )
         in_bound = {c.worker_id for c in pool}
         spreading = bool(p.spread_new_prefixes) and len(pool) > 1 and not best
         if spreading:
             pool, pool_costs = self._spread_new(pool, pool_costs, prompt)
         in_spread = {c.worker_id for c in pool}
-        workers = [CandidateExplanation(c.worker_id, cost, self._terms(prompt, c, cr, best), cr,
-                                        c.worker_id in in_bound if bounded else None,
-                                        c.worker_id in in_spread if spreading else None)
-                   for c, cr, cost in zip(candidates, credited, costs)]
+        workers = [
+            CandidateExplanation(
+                c.worker_id,
+                cost,
+                self._terms(prompt, c, cr, best),
+                cr,
+                c.worker_id in in_bound if bounded else None,
+                c.worker_id in in_spread if spreading else None,
+            )
+            for c, cr, cost in zip(candidates, credited, costs)
+        ]
         steps = []
         if bounded and len(in_bound) < len(candidates):
             out = [c.worker_id for c in candidates if c.worker_id not in in_bound]
-            steps.append(f"the load bound ({self._last_bound:g} x the fleet's mean pending prefill + "
-                         f"{p.load_bound_slack_tokens:g} tokens) left out {', '.join(out)}")
+            steps.append(
+                f"the load bound ({self._last_bound:g} x the fleet's mean pending prefill + "
+                f"{p.load_bound_slack_tokens:g} tokens) left out {', '.join(out)}"
+            )
         if spreading and len(in_spread) < len(in_bound):
-            steps.append(f"no worker holds the prompt and caches are still filling: only the {len(in_spread)} "
-                         "workers with the emptiest caches were considered")
+            steps.append(
+                f"no worker holds the prompt and caches are still filling: only the {len(in_spread)} "
+                "workers with the emptiest caches were considered"
+            )
         steps.append(self._why_winner(choice.worker.worker_id, pool, pool_costs))
         return Explanation(self.name, "; ".join(steps), workers, {f.name: getattr(p, f.name) for f in fields(p)})
 
     def _why_winner(self, chosen: str, pool: list[Candidate], costs: list[float]) -> str:
         if self.params.temperature > 0:
-            return (f"{chosen} drawn at temperature {self.params.temperature:g} among {len(pool)} eligible workers "
-                    "(probability ~ exp(-(cost - lowest) / temperature))")
+            return (
+                f"{chosen} drawn at temperature {self.params.temperature:g} among {len(pool)} eligible workers "
+                "(probability ~ exp(-(cost - lowest) / temperature))"
+            )
         mine = next((cost for c, cost in zip(pool, costs) if c.worker_id == chosen), None)
         if mine is None:
             return f"{chosen} chosen"
@@ -235,10 +267,14 @@ class KvAware:
         runner_cost, runner = others[0]
         if runner_cost - mine <= 1e-9 * max(1.0, abs(mine)):
             tied = [w for cost, w in others if cost - mine <= 1e-9 * max(1.0, abs(mine))]
-            return (f"{chosen} tied on cost ({mine:.0f}) with {', '.join(tied)}: the fewest cached blocks, then "
-                    "rendezvous hashing on the prompt's first block no candidate holds")
-        return (f"{chosen} has the lowest cost ({mine:.0f}) of {len(pool)} eligible workers; next {runner} at "
-                f"{runner_cost:.0f} (+{runner_cost - mine:.0f} prefill-token equivalents)")
+            return (
+                f"{chosen} tied on cost ({mine:.0f}) with {', '.join(tied)}: the fewest cached blocks, then "
+                "rendezvous hashing on the prompt's first block no candidate holds"
+            )
+        return (
+            f"{chosen} has the lowest cost ({mine:.0f}) of {len(pool)} eligible workers; next {runner} at "
+            f"{runner_cost:.0f} (+{runner_cost - mine:.0f} prefill-token equivalents)"
+        )
 
     def _terms(self, prompt: int, c: Candidate, credited: float, best: float) -> dict[str, float]:
         """`_costs`' formula for one candidate, term by term, summed in `_costs`' order (so the sum is
@@ -246,11 +282,13 @@ class KvAware:
         p = self.params
         waiting = c.waiting_requests - c.inflight_requests
         running, inflight = c.running_requests, c.inflight_requests
-        return {"uncached_prefill": float(prompt - credited) if credited < prompt else 0.0,
-                "recompute": p.recompute_weight * (best - credited),
-                "pending_prefill": float(c.pending_prefill_tokens),
-                "queue": p.queue_weight * p.mean_prompt_tokens * waiting if waiting > 0 else 0.0,
-                "decode": p.decode_weight * (running if running > inflight else inflight)}
+        return {
+            "uncached_prefill": float(prompt - credited) if credited < prompt else 0.0,
+            "recompute": p.recompute_weight * (best - credited),
+            "pending_prefill": float(c.pending_prefill_tokens),
+            "queue": p.queue_weight * p.mean_prompt_tokens * waiting if waiting > 0 else 0.0,
+            "decode": p.decode_weight * (running if running > inflight else inflight),
+        }
 
     def _tie_break(self, request: RoutingInput, tied: list[Candidate]) -> Candidate:
         bs = tied[0].block_size
@@ -279,21 +317,27 @@ class KvAware:
             return p.load_bound
         return max(p.load_bound, p.demand_hard_bound)
 
-    def _within_bound(self, candidates: list[Candidate], credited: list[float], prompt: int,
-                      costs: list[float], bound: float | None = None) -> tuple[list[Candidate], list[float]]:
+    def _within_bound(
+        self, candidates: list[Candidate], credited: list[float], prompt: int, costs: list[float], bound: float | None = None
+    ) -> tuple[list[Candidate], list[float]]:
         """Workers whose pending prefill with this request's stays within the bound (or is the
         least), with their costs."""
         p = self.params
         uncached = [prompt - cr if cr < prompt else 0.0 for cr in credited]
         pending = [c.pending_prefill_tokens for c in candidates]
         credit = p.inflight_prefix_credit
-        work = [q - min(q, credit * c.inflight_cached_tokens) + u if credit else q + u
-                for q, u, c in zip(pending, uncached, candidates)]
+        work = [
+            q - min(q, credit * c.inflight_cached_tokens) + u if credit else q + u
+            for q, u, c in zip(pending, uncached, candidates)
+        ]
         least = min(work)
         bound = p.load_bound if bound is None else bound
         scale, total, slack = bound / len(candidates), sum(pending), p.load_bound_slack_tokens
-        return _keep(candidates, costs,
-                     [i for i, (w, u) in enumerate(zip(work, uncached)) if w <= least or w <= scale * (total + u) + slack])
+        return _keep(
+            candidates,
+            costs,
+            [i for i, (w, u) in enumerate(zip(work, uncached)) if w <= least or w <= scale * (total + u) + slack],
+        )
 
     def _spread_new(self, pool: list[Candidate], costs: list[float], prompt: int) -> tuple[list[Candidate], list[float]]:
         """While caches fill: the workers whose cache is within spread_new_prefixes x this prompt of
@@ -359,8 +403,9 @@ def parse_kv_aware_params(items: Sequence[str]) -> dict[str, float]:
         if not sep or name not in _KV_AWARE_FIELDS:
             close = difflib.get_close_matches(name, _KV_AWARE_FIELDS, n=1) if sep else []
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"--kv-aware-param {item!r}: expected NAME=VALUE with NAME one of "
-                             f"{', '.join(sorted(_KV_AWARE_FIELDS))}{hint}")
+            raise ValueError(
+                f"--kv-aware-param {item!r}: expected NAME=VALUE with NAME one of {', '.join(sorted(_KV_AWARE_FIELDS))}{hint}"
+            )
         try:
             out[name] = float(value)
         except ValueError:

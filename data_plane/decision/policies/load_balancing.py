@@ -22,6 +22,7 @@ class RoundRobin:
 
     Scores are the position in the rotation from the chosen worker (0, 1, 2...), so a retry goes
     to the next worker in the cycle."""
+
     name = "round_robin"
     needs = NEEDS_NOTHING
 
@@ -40,6 +41,7 @@ class RoundRobin:
 
 class RandomPolicy:
     """Uniformly random (seeded or injected `random.Random`); all scores 0."""
+
     name = "random"
     needs = NEEDS_NOTHING
 
@@ -53,6 +55,7 @@ class RandomPolicy:
 
 class LeastLoaded:
     """Fewest requests (`request_load`). Ignores the cache."""
+
     name = "least_loaded"
     needs = NEEDS_NOTHING
 

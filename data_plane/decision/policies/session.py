@@ -19,6 +19,7 @@ class SessionAffinity:
     Keyed requests ignore load (pure affinity is the baseline: a busy session stays where it is).
     Requests without a session key go to the least loaded worker (LeastLoaded, seeded tie-break).
     Scores are the rendezvous rank (0 = chosen): a retry goes where the session would move."""
+
     name = "session"
     needs = NEEDS_NOTHING
 
