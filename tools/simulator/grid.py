@@ -26,6 +26,7 @@ import multiprocessing as mp
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvroute.tools.sim_engine.cost_model import CostModel
 from kvroute.tools.simulator.fleet import FleetConfig, oracle_hit_rates, simulate_policy
@@ -194,7 +195,7 @@ def _document(spec: GridSpec, results: dict[_Task, dict]) -> dict:
                 per_seed = {seed: results[_Task(source, cache, rate, seed)] for seed in spec.seeds}
                 first = per_seed[spec.seeds[0]]
                 for routers in spec.routers:
-                    policies = {}
+                    policies: dict[str, dict[str, Any]] = {}
                     for name in spec.policies:
                         seeds = {
                             str(s): {k: round(v, 4 if k == "hit_rate" else 3) for k, v in r["routers"][routers][name].items()}
