@@ -217,7 +217,11 @@ class ModelTokenizers:
     def _load(self, model: str) -> PromptTokenizer:
         directory = resolve_tokenizer_dir(self.sources.get(model, model), self.hub_cache)
         tokenizer = self._loader(directory, self.cache_tokens)
-        log.info("model %r: tokenizer loaded from %s", model, directory)
+        # The default model's loads at start, before the listeners, where a busy port must be the only
+        # line printed (the router's "listening" line names the model); the others' on their first request.
+        log.log(
+            logging.DEBUG if model == self.default_model else logging.INFO, "model %r: tokenizer loaded from %s", model, directory
+        )
         return tokenizer
 
     def _keep(self, model: str, tokenizer: PromptTokenizer) -> None:
