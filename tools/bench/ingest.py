@@ -127,7 +127,7 @@ def build_for_memory(backend: str, entries: int, workers: int, seed: int, max_in
 def rss_per_entry(backend: str, entries: int, workers: int, seed: int, max_index_entries: int) -> float:
     """The build in a fresh interpreter: resident set after minus before, per entry (0: no /proc here)."""
     code = (
-        "import json, sys; from kvroute.tools.bench.ingest import build_for_memory, _rss_bytes; "
+        "import json, sys; from kvroute.tools.bench.ingest import build_for_memory; from kvroute.tools.procfs import rss_bytes; "
         f"build = build_for_memory({backend!r}, {entries}, {workers}, {seed}, {max_index_entries}); "
         "before = rss_bytes(); index = build(); "
         "print(json.dumps((rss_bytes() - before) / index.entry_count()))"
