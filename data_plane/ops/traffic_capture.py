@@ -187,7 +187,10 @@ class TrafficCapture:
             except TimeoutError:
                 pass
             await self.flush()
-            if self._stop.is_set():  # checked after the flush, so the last rows are always written
+            if self._stop.is_set():
+                # Rows recorded while that flush was writing (its thread, awaited) are not in it: one
+                # more flush, now that nothing is writing, so the last rows are always written.
+                await self.flush()
                 return
 
     # ------------------------------------------------------------ the request path

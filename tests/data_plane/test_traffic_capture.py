@@ -8,12 +8,14 @@ simulator replays the file with prefix hits.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
 import re
 import subprocess
 import sys
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -151,6 +153,44 @@ async def test_write_failure_drops_and_counts_rows_and_logs_once(caplog) -> None
     assert counter(metrics, "kvroute_router_capture_dropped_rows_total") == 3
     assert counter(metrics, "kvroute_router_capture_rows_total") == 0
     assert len([r for r in caplog.records if "cannot write" in r.getMessage()]) == 1
+
+
+class _SlowDisk:
+    """A capture file whose writes wait until `release` is set (a disk, or a machine, that is slow)."""
+
+    def __init__(self, real) -> None:
+        self.real, self.writing, self.release = real, threading.Event(), threading.Event()
+
+    def write(self, data) -> int:
+        self.writing.set()
+        self.release.wait(10)
+        return self.real.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+async def test_rows_recorded_while_a_periodic_flush_writes_are_written_at_close(tmp_path: Path) -> None:
+    """Closing while the periodic flush is still writing: the rows recorded meanwhile were not in its
+    batch, and the close writes them too."""
+    path = tmp_path / "slow.jsonl"
+    disks: list[_SlowDisk] = []
+
+    def open_file(p: Path) -> _SlowDisk:
+        disks.append(_SlowDisk(open(p, "wb", buffering=0)))  # noqa: SIM115 - the capture closes it
+        return disks[-1]
+
+    cap = TrafficCapture(path, flush_interval_s=0.01, block_tokens=512, open_file=open_file)
+    cap.start()
+    cap.record(1, [1] * 700, 5, "m")
+    await asyncio.to_thread(disks[0].writing.wait, 10)  # the periodic flush is writing row 1
+    cap.record(2, [2] * 700, 5, "m")
+    cap.record(3, [3] * 700, 5, "m")
+    closing = asyncio.create_task(cap.aclose())
+    await asyncio.sleep(0)  # aclose has asked the flush loop to stop
+    disks[0].release.set()
+    await closing
+    assert [r["timestamp"] for r in read_rows(path)] == [1, 2, 3]
 
 
 class _DiskThatFillsUp:
