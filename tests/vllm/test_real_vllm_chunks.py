@@ -161,16 +161,29 @@ def overlap(engine: EngineHandle, first: list[int], second: list[int]) -> Overla
     return out
 
 
-def test_a_prompt_sent_mid_prefill_hits_every_scheduled_block_and_the_sim_engine_agrees(engines) -> None:
-    rng = random.Random(3)
+def prompts(seed: int) -> tuple[list[int], list[int]]:
+    rng = random.Random(seed)
     first = [rng.randrange(10, 2000) for _ in range(FIRST_LEN)]
-    second = first[:SHARED] + [rng.randrange(10, 2000) for _ in range(SECOND_LEN - SHARED)]
-    # One block per step: the first prompt's 93 full blocks, then the second's own 3.
-    expected = [[first[i : i + BLOCK_SIZE]] for i in range(0, FIRST_LEN - BLOCK_SIZE + 1, BLOCK_SIZE)]
-    expected += [[second[i : i + BLOCK_SIZE]] for i in range(SHARED, SECOND_LEN - BLOCK_SIZE + 1, BLOCK_SIZE)]
-    seen = {name: overlap(engine, first, second) for name, engine in engines.items()}
-    for name, got in seen.items():
-        why = (name, got.hits, got.queries, got.first_blocks_seen_when_second_sent, got.first_done_when_second_sent)
+    return first, first[:SHARED] + [rng.randrange(10, 2000) for _ in range(SECOND_LEN - SHARED)]
+
+
+# The test sends the second prompt when it has read the first chunk's event; on a busy machine it
+# may read it only after the whole prefill ended. That run shows nothing about mid-prefill hits, so
+# it is run again with fresh prompts (a late harness, not the engine's doing).
+ATTEMPTS = 4
+
+
+def test_a_prompt_sent_mid_prefill_hits_every_scheduled_block_and_the_sim_engine_agrees(engines) -> None:
+    for name, engine in engines.items():
+        for attempt in range(ATTEMPTS):
+            first, second = prompts(3 + attempt)
+            got = overlap(engine, first, second)
+            if not got.first_done_when_second_sent:
+                break
+        # One block per step: the first prompt's 93 full blocks, then the second's own 3.
+        expected = [[first[i : i + BLOCK_SIZE]] for i in range(0, FIRST_LEN - BLOCK_SIZE + 1, BLOCK_SIZE)]
+        expected += [[second[i : i + BLOCK_SIZE]] for i in range(SHARED, SECOND_LEN - BLOCK_SIZE + 1, BLOCK_SIZE)]
+        why = (name, attempt, got.hits, got.queries, got.first_blocks_seen_when_second_sent, got.first_done_when_second_sent)
         assert got.batches == expected, (why, [[len(tokens) // BLOCK_SIZE for tokens in b] for b in got.batches])
         # The second prompt was sent mid-prefill: few of the first one's blocks cached, no answer yet.
         assert got.first_blocks_seen_when_second_sent < FIRST_LEN // BLOCK_SIZE and not got.first_done_when_second_sent, why
