@@ -54,6 +54,16 @@ def route(cluster: LocalCluster, body: dict) -> dict:
     return json.loads(raw)
 
 
+def route_when_known(cluster: LocalCluster, body: dict) -> dict | None:
+    """The decision, or None while the router answers 503 (it has not reached the control plane, or
+    knows no worker yet): for waits."""
+    status, raw = http_post_json(cluster.router_urls["kv"] + "/v1/route", body)
+    if status == 503:
+        return None
+    assert status == 200, raw
+    return json.loads(raw)
+
+
 def cached_blocks(cluster: LocalCluster, worker_id: str) -> int | None:
     return {w.worker_id: w.cached_blocks for w in cluster.list_workers()}.get(worker_id)
 
@@ -107,7 +117,7 @@ def test_agents_started_late_learn_earlier_prefixes_by_replay(cluster: LocalClus
     for i, engine in enumerate(cluster.engines):
         body = cluster.chat_request(document(LATE_DOC + i), "what else does it say")
         decision = wait_until(
-            lambda body=body: (d := route(cluster, body)) and d["cached_tokens"] > 0 and d,
+            lambda body=body: (d := route_when_known(cluster, body)) and d["cached_tokens"] > 0 and d,
             60,
             f"{engine.worker_id}'s replayed events reach the router",
         )
@@ -133,7 +143,7 @@ def test_shared_prefix_goes_to_the_vllm_that_cached_it(cluster: LocalCluster) ->
     for i, engine in enumerate(cluster.engines):
         body = cluster.chat_request(document(i), "now list the key points")
         decision = wait_until(
-            lambda body=body: (d := route(cluster, body)) and d["cached_tokens"] > 0 and d,
+            lambda body=body: (d := route_when_known(cluster, body)) and d["cached_tokens"] > 0 and d,
             60,
             f"{engine.worker_id}'s KV events reach the router",
         )
@@ -198,7 +208,9 @@ def test_a_restarted_vllm_loses_its_old_prefixes_in_the_control_plane(cluster: L
     chat(engine.url, new_doc)
     body = cluster.chat_request(document(70), "and then?")
     decision = wait_until(
-        lambda: (d := route(cluster, body)) and d["cached_tokens"] > 0 and d, 30, "the restarted vLLM's events reach the router"
+        lambda: (d := route_when_known(cluster, body)) and d["cached_tokens"] > 0 and d,
+        30,
+        "the restarted vLLM's events reach the router",
     )
     assert decision["worker_id"] == engine.worker_id and decision["cached_tokens"] >= 8 * BLOCK_SIZE, decision
     assert 0 < cached_blocks(cluster, engine.worker_id) <= 16  # one document (and its decode blocks), nothing older
