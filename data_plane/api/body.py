@@ -25,9 +25,11 @@ from kvroute.data_plane.prepare.tokenization import lone_surrogate
 SESSION_HEADER = "x-session-id"
 
 
-def error_type(status: int) -> str:
-    """OpenAI's error `type` for an HTTP status (the error object: data_plane/api/errors.py)."""
-    return "server_error" if status >= 500 else "invalid_request_error"
+def error_object(message: str, status: int, code: str | None = None, param: str | None = None) -> dict:
+    """OpenAI's error object for an HTTP status: `type` is "server_error" for 5xx, else
+    "invalid_request_error" (what each field carries: data_plane/api/errors.py)."""
+    error_type = "server_error" if status >= 500 else "invalid_request_error"
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 _ROUTING_FIELDS = ("model", "lora_name", "cache_salt", "user")  # strings the router hashes or compares

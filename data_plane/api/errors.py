@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from aiohttp import web
 
-from kvroute.data_plane.api.body import error_type
+from kvroute.data_plane.api.body import error_object
 
 log = logging.getLogger("kvroute.router.http")
 
@@ -37,9 +37,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def error_response(
     message: str, status: int, code: str | None = None, param: str | None = None, headers: Mapping[str, str] | None = None
 ) -> web.Response:
-    return web.json_response(
-        {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}, status=status, headers=headers
-    )
+    return web.json_response(error_object(message, status, code, param), status=status, headers=headers)
 
 
 def _http_exception_message(request: web.Request, exc: web.HTTPException) -> str:
@@ -78,7 +76,7 @@ def engine_error_body(status: int, body: bytes, headers: Iterable[tuple[str, str
     message, param, code = _engine_error_fields(body)
     if not message:
         message = f"the engine answered HTTP {status} with no message"
-    return json.dumps({"error": {"message": message, "type": error_type(status), "param": param, "code": code}}).encode()
+    return json.dumps(error_object(message, status, code, param)).encode()
 
 
 def _engine_error_fields(body: bytes) -> tuple[str, str | None, str | None]:

@@ -51,7 +51,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from kvroute.bad_request import BadRequest
-from kvroute.data_plane.api.body import error_type, parse_routing_body
+from kvroute.data_plane.api.body import error_object, parse_routing_body
 from kvroute.data_plane.cp_link.inflight import InflightTicket
 from kvroute.data_plane.decision.policies import request_load
 from kvroute.data_plane.prepare.request_prep import PrepareError
@@ -122,7 +122,7 @@ def _metadata_value(msg: ext.ProcessingRequest, namespace: str, key: str):
 
 def immediate(status: int, message: str, code: str | None = None, param: str | None = None) -> ext.ProcessingResponse:
     """An answer Envoy sends to the client in place of forwarding: OpenAI's error object."""
-    body = json.dumps({"error": {"message": message, "type": error_type(status), "param": param, "code": code}}).encode()
+    body = json.dumps(error_object(message, status, code, param)).encode()
     return ext.ProcessingResponse(
         immediate_response=ext.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),
