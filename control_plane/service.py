@@ -48,6 +48,7 @@ def load_to_pb(record: WorkerRecord) -> pb.WorkerLoad:
         waiting_requests=load.waiting_requests,
         kv_usage=load.kv_usage,
         observed_unix_ms=load.observed_unix_ms,
+        kv_capacity_tokens=load.kv_capacity_tokens,
     )
 
 
@@ -172,6 +173,7 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
                                 load.kv_usage,
                                 load.observed_unix_ms or int(time.time() * 1000),
                                 list(heartbeat.lora_adapters),
+                                load.kv_capacity_tokens,
                             ),
                         )
                     elif body == "register":
@@ -260,6 +262,8 @@ class ControlPlaneService(pb_grpc.ControlPlaneServicer):
             columns.waiting_requests.extend(answer.waiting_requests)
             columns.kv_usage.extend(answer.kv_usage)
             columns.cached_blocks.extend(answer.cached_blocks)
+            columns.kv_capacity_tokens.extend(answer.kv_capacity_tokens)
+            columns.other_routers = answer.other_routers
         else:
             add, get = response.workers.add, self.registry.get
             for i, worker_id in enumerate(answer.worker_id):

@@ -4,6 +4,10 @@
   `vllm:num_requests_waiting`; KV usage = `vllm:kv_cache_usage_perc` (older `vllm:gpu_cache_usage_perc`).
 - SGLang, Prometheus `/metrics` (server started with `--enable-metrics`): `sglang:num_running_reqs`,
   `sglang:num_queue_reqs`, `sglang:token_usage` (fraction of KV tokens in use).
+- KV capacity in tokens, beside the usage (0 when the engine does not say): vLLM's info gauge
+  `vllm:cache_config_info`, labels `num_gpu_blocks` x `block_size` (vLLM's CacheConfig.metrics_info);
+  SGLang's gauge `sglang:max_total_num_tokens`; TensorRT-LLM's `kvCacheStats.maxNumBlocks` x
+  `tokensPerBlock`. Summed over label sets, as the counts are.
 - TensorRT-LLM, `GET /metrics` on trtllm-serve: a JSON list of iteration stats since the last call;
   the newest entry's `numActiveRequests`, `numQueuedRequests` and `kvCacheStats`
   (`usedNumBlocks / maxNumBlocks`). Missing fields count as unknown (usage kept as last known); an
@@ -65,6 +69,7 @@ class PrometheusLoadNames:
     running: str
     waiting: str
     usage: tuple[str, ...]  # KV usage 0..1, newest name first
+    capacity: str = ""  # KV capacity: the sample's num_gpu_blocks x block_size labels, else its value, in tokens
     # (prompt tokens looked up, of those served from the cache), newest names first; and the requests counter
     prompt_cached: tuple[tuple[str, str], ...] = ()
     requests: str = ""
@@ -76,13 +81,14 @@ class PrometheusLoadNames:
     @property
     def wanted(self) -> tuple[str, ...]:
         work = [name for pair in self.prompt_cached for name in pair] + ([self.requests] if self.requests else [])
-        return (*self.load_names, *work)
+        return (*self.load_names, *work, *([self.capacity] if self.capacity else []))
 
 
 VLLM_METRICS = PrometheusLoadNames(
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
     ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "vllm:cache_config_info",
     (
         ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"),
         ("vllm:gpu_prefix_cache_queries_total", "vllm:gpu_prefix_cache_hits_total"),
@@ -93,6 +99,7 @@ SGLANG_METRICS = PrometheusLoadNames(
     "sglang:num_running_reqs",
     "sglang:num_queue_reqs",
     ("sglang:token_usage",),
+    "sglang:max_total_num_tokens",
     (("sglang:prompt_tokens_total", "sglang:cached_tokens_total"),),
     "sglang:num_requests_total",
 )
@@ -113,7 +120,20 @@ def _samples(text: str, names: PrometheusLoadNames) -> Iterator[tuple[str, float
                 continue
     for sample in found:
         if math.isfinite(sample.value):
-            yield sample.name, sample.value
+            if sample.name == names.capacity:
+                yield sample.name, _capacity_tokens(sample.labels, sample.value)
+            else:
+                yield sample.name, sample.value
+
+
+def _capacity_tokens(labels: dict[str, str], value: float) -> float:
+    """An info gauge's num_gpu_blocks x block_size labels (vLLM), else the sample's value (tokens)."""
+    if "num_gpu_blocks" in labels:
+        try:
+            return max(0.0, float(labels["num_gpu_blocks"]) * float(labels.get("block_size", "0")))
+        except ValueError:  # "None" before the engine has profiled its memory
+            return 0.0
+    return max(0.0, value)
 
 
 def _now_ms(now_ms: int | None) -> int:
@@ -139,6 +159,7 @@ def parse_metrics(
         waiting_requests=max(0, int(sums[names.waiting])),
         kv_usage=min(1.0, max(0.0, usage)),
         observed_unix_ms=_now_ms(now_ms),
+        kv_capacity_tokens=int(sums[names.capacity]) if names.capacity and math.isfinite(sums[names.capacity]) else 0,
     )
     pair = next((p for p in names.prompt_cached if counts[p[0]]), None)
     if pair is None or not counts[names.requests]:
@@ -154,6 +175,7 @@ def parse_load(text: str, names: PrometheusLoadNames = VLLM_METRICS, now_ms: int
 class _KvCacheStats(msgspec.Struct):
     max_blocks: int | None = msgspec.field(default=None, name="maxNumBlocks")
     used_blocks: int | None = msgspec.field(default=None, name="usedNumBlocks")
+    tokens_per_block: int | None = msgspec.field(default=None, name="tokensPerBlock")
 
 
 class _InflightBatchingStats(msgspec.Struct):
@@ -198,17 +220,26 @@ def parse_trtllm_stats(body: bytes, last: pb.WorkerLoad, now_ms: int | None = No
 
 def _trtllm_load(stats: list[_IterationStats], last: pb.WorkerLoad, now_ms: int | None) -> pb.WorkerLoad:
     if not stats:
-        return pb.WorkerLoad(running_requests=0, waiting_requests=0, kv_usage=last.kv_usage, observed_unix_ms=_now_ms(now_ms))
+        return pb.WorkerLoad(
+            running_requests=0,
+            waiting_requests=0,
+            kv_usage=last.kv_usage,
+            observed_unix_ms=_now_ms(now_ms),
+            kv_capacity_tokens=last.kv_capacity_tokens,
+        )
     newest = stats[-1]
-    usage = last.kv_usage
+    usage, capacity = last.kv_usage, last.kv_capacity_tokens
     kv = newest.kv_cache
     if kv is not None and kv.max_blocks and kv.used_blocks is not None:
         usage = min(1.0, max(0.0, kv.used_blocks / kv.max_blocks))
+    if kv is not None and kv.max_blocks and kv.tokens_per_block:
+        capacity = max(0, kv.max_blocks * kv.tokens_per_block)
     return pb.WorkerLoad(
         running_requests=max(0, newest.active or 0),
         waiting_requests=max(0, newest.queued or 0),
         kv_usage=usage,
         observed_unix_ms=_now_ms(now_ms),
+        kv_capacity_tokens=capacity,
     )
 
 

@@ -43,6 +43,7 @@ class WorkerLoadView(Protocol):
     running_requests: int
     waiting_requests: int
     kv_usage: float
+    kv_capacity_tokens: int
 
 
 class KnownWorkerView(Protocol):
@@ -78,6 +79,7 @@ class IndexColumnsView(Protocol):
     waiting_requests: Sequence[int]
     kv_usage: Sequence[float]
     cached_blocks: Sequence[int]  # empty from an older control plane: the known worker's count stands
+    kv_capacity_tokens: Sequence[int]  # empty from an older control plane: the known worker's load stands
 
 
 _NOTHING_OWN = (0, 0)
@@ -113,6 +115,7 @@ def _from_columns(
     by_id = {w.worker_id: w for w in known}
     out = []
     held = columns.cached_blocks
+    capacity = columns.kv_capacity_tokens
     claims = columns.speculative_blocks or repeat(0)  # an answer may leave it out: nothing claimed
     for i, (wid, matched, cpu, disk, claimed, reserved, prefill, running, waiting, usage) in enumerate(
         zip(
@@ -154,6 +157,7 @@ def _from_columns(
                 own_pending + prefill,
                 held[i] if held else w.cached_blocks,
                 in_flight if in_flight < prompt_tokens else prompt_tokens,
+                capacity[i] if capacity else w.load.kv_capacity_tokens,
             )
         )
     if out and len(out) < len(by_id):  # some known worker is not in the answer: one no agent reports on?
@@ -187,6 +191,7 @@ def _from_known(
                 own_pending,
                 w.cached_blocks,
                 in_flight,
+                w.load.kv_capacity_tokens,
             )
         )
     return out

@@ -217,7 +217,12 @@ def to_route_response(d: RouteDecision) -> pb.RouteResponse:
                 cached_tokens=c.cached_tokens,
                 score=d.scores.get(c.worker_id, 0.0),
                 inflight_requests=c.inflight_requests,
-                load=pb.WorkerLoad(running_requests=c.running_requests, waiting_requests=c.waiting_requests, kv_usage=c.kv_usage),
+                load=pb.WorkerLoad(
+                    running_requests=c.running_requests,
+                    waiting_requests=c.waiting_requests,
+                    kv_usage=c.kv_usage,
+                    kv_capacity_tokens=c.kv_capacity_tokens,
+                ),
             )
             for c in d.candidates
         ],

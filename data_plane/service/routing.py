@@ -155,7 +155,13 @@ class Router:
             if clock is not None:
                 clock.mark("query")
             routing_input = RoutingInput(
-                model, prompt_tokens, token_ids=token_ids or (), session_key=session_key, chains=chains, now_s=started
+                model,
+                prompt_tokens,
+                token_ids=token_ids or (),
+                session_key=session_key,
+                chains=chains,
+                now_s=started,
+                other_routers=columns.other_routers if columns is not None else 0,
             )
             decision = decide(
                 self.policy, routing_input, known, self.inflight, columns, reason, self.health.cooling_down(), explain

@@ -34,6 +34,8 @@ class IndexColumns:
     waiting_requests: list[int] = field(default_factory=list)
     kv_usage: list[float] = field(default_factory=list)
     cached_blocks: list[int] = field(default_factory=list)  # blocks each worker holds on the gpu tier in all
+    kv_capacity_tokens: list[int] = field(default_factory=list)  # each engine's KV cache size, 0 = unknown
+    other_routers: int = 0  # router sessions open at the control plane besides the asking router's
 
 
 _NO_MATCH = TierMatch()
@@ -80,6 +82,8 @@ def answer_columns(
     out.running_requests = [load.running_requests for load in loads]
     out.waiting_requests = [load.waiting_requests for load in loads]
     out.kv_usage = [load.kv_usage for load in loads]
+    out.kv_capacity_tokens = [load.kv_capacity_tokens for load in loads]
+    out.other_routers = len(inflight.routers) - (1 if asking is not None else 0)
     count = index.worker_block_count
     out.cached_blocks = [count(slot, Tier.GPU) for slot in slots]
     return out

@@ -117,7 +117,9 @@ class LogApplier:
 
     def heartbeat(self, record: WorkerRecord, body: HeartbeatBody) -> None:
         self.registry.touch(record)
-        self.registry.update_load(record, body.running_requests, body.waiting_requests, body.kv_usage, body.observed_unix_ms)
+        self.registry.update_load(
+            record, body.running_requests, body.waiting_requests, body.kv_usage, body.observed_unix_ms, body.kv_capacity_tokens
+        )
         if tuple(body.lora_adapters) != record.lora_adapters:
             self.registry.set_lora_adapters(record, body.lora_adapters)
         if self.listener is not None:
@@ -157,7 +159,12 @@ class LogApplier:
             record.role,
         )
         heartbeat = HeartbeatBody(
-            load.running_requests, load.waiting_requests, load.kv_usage, load.observed_unix_ms, list(record.lora_adapters)
+            load.running_requests,
+            load.waiting_requests,
+            load.kv_usage,
+            load.observed_unix_ms,
+            list(record.lora_adapters),
+            load.kv_capacity_tokens,
         )
         return WorkerSnapshot(record.worker_id, epoch, record.last_seq, register, heartbeat, tiers)
 

@@ -136,6 +136,7 @@ def _fill_heartbeat(heartbeat: pb.WorkerHeartbeat, record: WorkerRecord) -> None
     heartbeat.worker_id = record.worker_id
     heartbeat.load.running_requests, heartbeat.load.waiting_requests = load.running_requests, load.waiting_requests
     heartbeat.load.kv_usage, heartbeat.load.observed_unix_ms = load.kv_usage, load.observed_unix_ms
+    heartbeat.load.kv_capacity_tokens = load.kv_capacity_tokens
     heartbeat.lora_adapters.extend(record.lora_adapters)
 
 
@@ -210,7 +211,12 @@ def apply_change(state: FleetState, change: pb.FleetChange) -> None:
         state.applier.heartbeat(
             record,
             HeartbeatBody(
-                load.running_requests, load.waiting_requests, load.kv_usage, load.observed_unix_ms, list(heartbeat.lora_adapters)
+                load.running_requests,
+                load.waiting_requests,
+                load.kv_usage,
+                load.observed_unix_ms,
+                list(heartbeat.lora_adapters),
+                load.kv_capacity_tokens,
             ),
         )
     elif kind == "router":

@@ -62,6 +62,7 @@ class HeartbeatBody(msgspec.Struct, array_like=True):
     kv_usage: float
     observed_unix_ms: int
     lora_adapters: list[str]
+    kv_capacity_tokens: int = 0  # last, so entries written before it decode (as unknown)
 
 
 class WorkerSnapshot(msgspec.Struct, array_like=True):

@@ -30,6 +30,7 @@ class WorkerLoadState:
     waiting_requests: int = 0
     kv_usage: float = 0.0
     observed_unix_ms: int = 0
+    kv_capacity_tokens: int = 0  # 0 = the engine did not say
 
 
 @dataclass(slots=True)
@@ -153,11 +154,17 @@ class WorkerRegistry:
         record.last_seen = self._clock()
 
     def update_load(
-        self, record: WorkerRecord, running_requests: int, waiting_requests: int, kv_usage: float, observed_unix_ms: int
+        self,
+        record: WorkerRecord,
+        running_requests: int,
+        waiting_requests: int,
+        kv_usage: float,
+        observed_unix_ms: int,
+        kv_capacity_tokens: int = 0,
     ) -> None:
         load = record.load
         load.running_requests, load.waiting_requests = running_requests, waiting_requests
-        load.kv_usage, load.observed_unix_ms = kv_usage, observed_unix_ms
+        load.kv_usage, load.observed_unix_ms, load.kv_capacity_tokens = kv_usage, observed_unix_ms, kv_capacity_tokens
         record.match_template = None
 
     def set_lora_adapters(self, record: WorkerRecord, adapters: Iterable[str]) -> None:

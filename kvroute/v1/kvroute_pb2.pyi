@@ -136,16 +136,18 @@ class Heartbeat(_message.Message):
     def __init__(self, load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "kv_usage", "observed_unix_ms")
+    __slots__ = ("running_requests", "waiting_requests", "kv_usage", "observed_unix_ms", "kv_capacity_tokens")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     OBSERVED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     kv_usage: float
     observed_unix_ms: int
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., observed_unix_ms: _Optional[int] = ...) -> None: ...
+    kv_capacity_tokens: int
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., observed_unix_ms: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ...) -> None: ...
 
 class ControlMessage(_message.Message):
     __slots__ = ("registered", "ack")
@@ -236,7 +238,7 @@ class QueryResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerMatch, _Mapping]]] = ..., query_id: _Optional[int] = ..., columns: _Optional[_Union[WorkerColumns, _Mapping]] = ...) -> None: ...
 
 class WorkerColumns(_message.Message):
-    __slots__ = ("worker_id", "matched_blocks", "cpu_blocks", "disk_blocks", "speculative_blocks", "reserved_requests", "reserved_prefill_tokens", "running_requests", "waiting_requests", "kv_usage", "cached_blocks")
+    __slots__ = ("worker_id", "matched_blocks", "cpu_blocks", "disk_blocks", "speculative_blocks", "reserved_requests", "reserved_prefill_tokens", "running_requests", "waiting_requests", "kv_usage", "cached_blocks", "kv_capacity_tokens", "other_routers")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +250,8 @@ class WorkerColumns(_message.Message):
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OTHER_ROUTERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: _containers.RepeatedScalarFieldContainer[str]
     matched_blocks: _containers.RepeatedScalarFieldContainer[int]
     cpu_blocks: _containers.RepeatedScalarFieldContainer[int]
@@ -259,7 +263,9 @@ class WorkerColumns(_message.Message):
     waiting_requests: _containers.RepeatedScalarFieldContainer[int]
     kv_usage: _containers.RepeatedScalarFieldContainer[float]
     cached_blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[_Iterable[str]] = ..., matched_blocks: _Optional[_Iterable[int]] = ..., cpu_blocks: _Optional[_Iterable[int]] = ..., disk_blocks: _Optional[_Iterable[int]] = ..., speculative_blocks: _Optional[_Iterable[int]] = ..., reserved_requests: _Optional[_Iterable[int]] = ..., reserved_prefill_tokens: _Optional[_Iterable[int]] = ..., running_requests: _Optional[_Iterable[int]] = ..., waiting_requests: _Optional[_Iterable[int]] = ..., kv_usage: _Optional[_Iterable[float]] = ..., cached_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_capacity_tokens: _containers.RepeatedScalarFieldContainer[int]
+    other_routers: int
+    def __init__(self, worker_id: _Optional[_Iterable[str]] = ..., matched_blocks: _Optional[_Iterable[int]] = ..., cpu_blocks: _Optional[_Iterable[int]] = ..., disk_blocks: _Optional[_Iterable[int]] = ..., speculative_blocks: _Optional[_Iterable[int]] = ..., reserved_requests: _Optional[_Iterable[int]] = ..., reserved_prefill_tokens: _Optional[_Iterable[int]] = ..., running_requests: _Optional[_Iterable[int]] = ..., waiting_requests: _Optional[_Iterable[int]] = ..., kv_usage: _Optional[_Iterable[float]] = ..., cached_blocks: _Optional[_Iterable[int]] = ..., kv_capacity_tokens: _Optional[_Iterable[int]] = ..., other_routers: _Optional[int] = ...) -> None: ...
 
 class RouterMessage(_message.Message):
     __slots__ = ("hello", "query", "reserve", "prefill_done", "release", "ops")

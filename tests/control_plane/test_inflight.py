@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvroute.fleet.answer import answer_columns
 from kvroute.fleet.inflight import DuplicateReservation, InflightTracker
+from kvroute.fleet.state import FleetState
 from kvroute.prefix_index import TierMatch
 
 
@@ -166,3 +168,13 @@ def test_cleared_worker_loses_claims_dropped_worker_loses_everything(tracker: In
 def test_bad_settings_are_refused(index) -> None:
     with pytest.raises(ValueError):
         InflightTracker(index, default_ttl_s=0)
+
+
+def test_the_answer_counts_the_other_routers_deciding_on_the_fleet() -> None:
+    state = FleetState.build()
+    assert answer_columns(state, "m", {}).other_routers == 0  # alone
+    mine = state.inflight.open_session("router-a")
+    state.inflight.open_session("router-b")
+    state.inflight.open_session("router-b")  # one router, two sessions (it moved replicas)
+    assert answer_columns(state, "m", {}, "", mine.router).other_routers == 1
+    assert answer_columns(state, "m", {}).other_routers == 2  # a unary query names no router

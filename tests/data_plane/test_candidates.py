@@ -34,6 +34,7 @@ def _columns(ids: list[str], matched: list[int], **extra: list) -> IndexColumns:
         running_requests=extra.get("running", [0] * n),
         waiting_requests=extra.get("waiting", [0] * n),
         kv_usage=extra.get("usage", [0.0] * n),
+        kv_capacity_tokens=extra.get("capacity", [0] * n),
     )
 
 
@@ -51,12 +52,14 @@ def test_columns_give_the_index_match_tiers_and_reservations_plus_own_inflight()
         running=[3, 4, 5],
         waiting=[0, 1, 0],
         usage=[0.5, 0.25, 0.0],
+        capacity=[16_384, 0, 0],
     )
     out = build_candidates(_known("a", "b"), own, {BS: keys}, len(tokens), cols)
     assert [c.worker_id for c in out] == ["a", "b"]  # "z" is not known here yet: left out
     a, b = out
     assert (a.cached_tokens, a.cpu_cached_tokens, a.inflight_requests, a.pending_prefill_tokens) == (64, 16, 2, 100)
     assert (a.running_requests, a.waiting_requests, a.kv_usage, a.endpoint) == (3, 0, 0.5, "http://a")
+    assert (a.kv_capacity_tokens, b.kv_capacity_tokens) == (16_384, 0)
     assert b.cached_tokens == 3 * BS  # own in-flight prompt beats the index's 1 block
     assert (b.inflight_requests, b.pending_prefill_tokens, b.worker_cached_blocks) == (1, 40, 10)
 
@@ -95,7 +98,18 @@ def test_a_pb_answer_reads_the_same_as_plain_columns() -> None:
         running_requests=[2],
         waiting_requests=[3],
         kv_usage=[0.5],
+        kv_capacity_tokens=[4096],
     )
-    plain = _columns(["a"], [2], disk=[1], reserved=[1], prefill=[7], running=[2], waiting=[3], usage=[0.5])
+    plain = _columns(["a"], [2], disk=[1], reserved=[1], prefill=[7], running=[2], waiting=[3], usage=[0.5], capacity=[4096])
     known = _known("a")
     assert build_candidates(known, RouterInflight(), {}, 100, cols) == build_candidates(known, RouterInflight(), {}, 100, plain)
+
+
+def test_kv_capacity_comes_from_the_answer_or_else_the_known_workers_last_heartbeat() -> None:
+    known = [KnownWorker("a", "m", "http://a", BS, pb.WorkerLoad(kv_usage=0.5, kv_capacity_tokens=8192))]
+    newer = _columns(["a"], [0], capacity=[16_384])
+    assert build_candidates(known, RouterInflight(), {}, 10, newer)[0].kv_capacity_tokens == 16_384
+    older = _columns(["a"], [0])
+    older.kv_capacity_tokens = []  # a control plane from before the column
+    assert build_candidates(known, RouterInflight(), {}, 10, older)[0].kv_capacity_tokens == 8192
+    assert build_candidates(known, RouterInflight(), {}, 10, None)[0].kv_capacity_tokens == 8192  # failing open

@@ -40,7 +40,7 @@ def digest(state: FleetState) -> dict:
             r.lora_adapters,
             r.data_parallel_rank,
             r.role,
-            (load.running_requests, load.waiting_requests, round(load.kv_usage, 6)),
+            (load.running_requests, load.waiting_requests, round(load.kv_usage, 6), load.kv_capacity_tokens),
             tuple(tuple(sorted(state.index.worker_keys(r.slot, tier))) for tier in TIERS),
             inflight.reserved_by_others(r.slot, None),
         )
@@ -128,7 +128,10 @@ async def test_the_view_equals_the_control_plane_after_every_change(control_plan
                 await agent.send(
                     heartbeat=pb.Heartbeat(
                         load=pb.WorkerLoad(
-                            running_requests=rng.randint(0, 9), waiting_requests=rng.randint(0, 3), kv_usage=rng.random()
+                            running_requests=rng.randint(0, 9),
+                            waiting_requests=rng.randint(0, 3),
+                            kv_usage=rng.random(),
+                            kv_capacity_tokens=rng.choice([0, 16_384, 1 << 20]),
                         ),
                         lora_adapters=rng.choice([[], ["ad"], ["ad", "other"]]),
                     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -138,7 +139,7 @@ def test_new_prefixes_spread_by_cache_size_while_caches_fill() -> None:
     # Full caches (emptiest >= 0.9 x fullest): block counts now measure in-flight work, the cost decides.
     full = [
         cand("busy", worker_cached_blocks=1000, running_requests=1),
-        cand("idle", worker_cached_blocks=920, running_requests=4),
+        cand("idle", worker_cached_blocks=920, running_requests=20),
     ]
     assert KvAware(seed=0).choose(new, full).worker.worker_id == "busy"
     # A prompt some worker holds part of is not new: the cost (here: its cache hit) decides.
@@ -248,3 +249,57 @@ def test_a_prefix_is_replicated_for_sustained_demand_not_for_one_busy_moment() -
     # Without demand tracking the bound spreads both alike (one busy moment is enough).
     plain = KvAware(KvAwareParams(demand_half_life_s=0.0))
     assert plain.choose(rare_request, holder_busy(rare)).worker.worker_id != "holder"
+
+
+def test_a_worker_without_room_in_its_kv_cache_is_left_out_while_another_has_room() -> None:
+    # A 4608-token prompt whose first 2304 tokens one worker holds, in a 16384-token cache that three
+    # such requests nearly fill (usage 888 of 1024 blocks): there it would wait for a running request
+    # to finish (seconds of decode); the empty worker recomputes 2304 tokens (~0.15 s) and starts now.
+    r = request(list(range(4608)))
+    capacity = 16384
+    full_holder = cand("holder", cached_tokens=2304, running_requests=3, kv_usage=888 / 1024, kv_capacity_tokens=capacity)
+    empty = cand("empty", kv_capacity_tokens=capacity)
+    policy = KvAware(seed=0)
+    choice = policy.choose(r, [full_holder, empty])
+    assert choice.worker.worker_id == "empty"
+    assert "no room in the KV cache of holder" in policy.explain(r, [full_holder, empty], choice).reason
+    # The cost alone prefers the holder (2304 uncached + 3 x 128 decode vs 4608 + 2304 recomputed):
+    # so it goes there with the check off, or when the engine does not report its capacity.
+    assert KvAware(KvAwareParams(kv_fit=0), seed=0).choose(r, [full_holder, empty]).worker.worker_id == "holder"
+    unknown = replace(full_holder, kv_capacity_tokens=0)
+    assert KvAware(seed=0).choose(r, [unknown, empty]).worker.worker_id == "holder"
+    # Room for 2304 + 128 tokens at 80% usage (3276 free): the holder.
+    roomy = replace(full_holder, kv_usage=0.8)
+    assert KvAware(seed=0).choose(r, [roomy, empty]).worker.worker_id == "holder"
+    # Prefill that routers queued there is not allocated yet, but will be: 3276 - 1000 < 2432.
+    queued = replace(roomy, pending_prefill_tokens=1000)
+    assert KvAware(seed=0).choose(r, [queued, empty]).worker.worker_id == "empty"
+    # Room nowhere: every worker would make it wait, the cost decides as without the check.
+    crowded = replace(empty, kv_usage=0.95)
+    assert KvAware(seed=0).choose(r, [full_holder, crowded]).worker.worker_id == "holder"
+
+
+def test_near_ties_spread_different_prompts_over_routers_and_they_agree_on_each() -> None:
+    # Four workers holding none of the prompts, their costs within near_tie_tokens (512) of each
+    # other (0..3 running x 128), and one far busier. Routers deciding a burst on one view would
+    # all send it to w0 with near ties off; with other routers on the fleet, different prompts
+    # spread over w0..w3, each prompt to the same worker whichever router decides, never to the
+    # busy one. A router alone knows its own in-flight work: the cheapest.
+    ws = [cand(f"w{i}", running_requests=i, worker_cached_blocks=1000) for i in range(4)]
+    ws.append(cand("busy", running_requests=20, worker_cached_blocks=1000))
+    prompts = [list(range(10_000 * k, 10_000 * k + 512)) for k in range(1, 41)]
+    shared = [replace(request(p), other_routers=3) for p in prompts]
+    one, other = KvAware(seed=1), KvAware(seed=2)
+    picks = [one.choose(r, ws).worker.worker_id for r in shared]
+    assert picks == [other.choose(r, list(reversed(ws))).worker.worker_id for r in shared]
+    assert set(picks) == {"w0", "w1", "w2", "w3"}
+    near_tie = next(r for r, w in zip(shared, picks) if w != "w0")
+    reason = one.explain(near_tie, ws, one.choose(near_tie, ws)).reason
+    assert "within near_tie_tokens" in reason and "3 other routers" in reason
+    assert {KvAware(seed=0).choose(request(p), ws).worker.worker_id for p in prompts} == {"w0"}
+    cheapest_only = KvAware(KvAwareParams(near_tie_tokens=0), seed=0)
+    assert {cheapest_only.choose(r, ws).worker.worker_id for r in shared} == {"w0"}
+    # A worker holding more of the prompt is not a near tie of those that hold less: it keeps the prompt.
+    held = replace(request(prompts[0]), other_routers=3)
+    holder = cand("holder", cached_tokens=256, running_requests=3, worker_cached_blocks=1000)
+    assert {KvAware(seed=s).choose(held, [*ws, holder]).worker.worker_id for s in range(5)} == {"holder"}

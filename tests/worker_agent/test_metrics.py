@@ -44,6 +44,31 @@ def test_parse_sums_counts_and_averages_usage() -> None:
     assert load.kv_usage == pytest.approx(0.375) and load.observed_unix_ms == 42
 
 
+def test_parse_kv_capacity_of_each_engine() -> None:
+    # vLLM: the cache_config_info gauge's labels, num_gpu_blocks x block_size, per engine core summed.
+    vllm = (
+        VLLM_METRICS
+        + "# TYPE vllm:cache_config_info gauge\n"
+        + 'vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="1024"} 1.0\n'
+        + 'vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="1",num_gpu_blocks="512"} 1.0\n'
+    )
+    assert parse_load(vllm).kv_capacity_tokens == 1536 * 16
+    # Not profiled yet ("None") or not exported (older vLLM): unknown.
+    assert (
+        parse_load(VLLM_METRICS + 'vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n').kv_capacity_tokens == 0
+    )
+    assert parse_load(VLLM_METRICS).kv_capacity_tokens == 0
+    # SGLang: max_total_num_tokens, in tokens already.
+    sglang = SGLANG_TEXT + 'sglang:max_total_num_tokens{model_name="tiny",dp_rank="0"} 161721.0\n'
+    assert parse_load(sglang, SGLANG_METRICS).kv_capacity_tokens == 161721
+    # TensorRT-LLM: maxNumBlocks x tokensPerBlock of the newest iteration; kept while no iteration says.
+    body = b'[{"numActiveRequests": 1, "kvCacheStats": {"maxNumBlocks": 200, "usedNumBlocks": 50, "tokensPerBlock": 32}}]'
+    load = parse_trtllm_stats(body, pb.WorkerLoad())
+    assert load.kv_capacity_tokens == 6400
+    assert parse_trtllm_stats(b"[]", load).kv_capacity_tokens == 6400
+    assert parse_trtllm_stats(b'[{"numActiveRequests": 4}]', load).kv_capacity_tokens == 6400
+
+
 def test_parse_older_usage_name_and_no_labels() -> None:
     text = "vllm:num_requests_running 1\nvllm:num_requests_waiting 2 1700000000000\nvllm:gpu_cache_usage_perc 0.9\n"
     load = parse_load(text)

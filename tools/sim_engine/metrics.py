@@ -2,10 +2,11 @@
 
 - vLLM: Prometheus text, `vllm:*` names with label `model_name` (the agent and `kvroute demo`
   read `vllm:num_requests_{running,waiting}`, `vllm:kv_cache_usage_perc` and
-  `vllm:prefix_cache_{queries,hits}_total`). With a CPU tier, the tokens the GPU cache did not
+  `vllm:prefix_cache_{queries,hits}_total`), and the info gauge `vllm:cache_config_info` (value 1;
+  labels `block_size`, `num_gpu_blocks`, `enable_prefix_caching`, of vLLM's larger set). With a CPU tier, the tokens the GPU cache did not
   have are queried from it like from vLLM's KV connector: `vllm:external_prefix_cache_{queries,hits}_total`.
 - SGLang: Prometheus text, `sglang:*` names: gauges `num_running_reqs`, `num_queue_reqs`,
-  `num_used_tokens`, `token_usage` (used / total KV tokens), `cache_hit_rate` (here cumulative:
+  `max_total_num_tokens`, `num_used_tokens`, `token_usage` (used / total KV tokens), `cache_hit_rate` (here cumulative:
   cached prompt tokens / prompt tokens), counters `prompt_tokens`, `generation_tokens`,
   `cached_tokens`, `num_requests`, and the TTFT / e2e histograms.
 - TensorRT-LLM: trtllm-serve returns a JSON list of per-iteration stats and drains it on every
@@ -135,6 +136,12 @@ class VllmMetrics(_PrometheusFamily):
         self.running = self.gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = self.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = self.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.cache_config = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            ["block_size", "num_gpu_blocks", "enable_prefix_caching"],
+            registry=self.registry,
+        )
         self.queries = self.counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
         self.hits = self.counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.external = (
@@ -178,6 +185,7 @@ class VllmMetrics(_PrometheusFamily):
         self.running.set(len(scheduler.running))
         self.waiting.set(len(scheduler.waiting))
         self.kv_usage.set(cache.usage())
+        self.cache_config.labels(str(cache.block_size), str(cache.num_blocks), "True").set(1)
         return self.exposition()
 
 
@@ -186,6 +194,7 @@ class SglangMetrics(_PrometheusFamily):
         super().__init__(model)
         self.running = self.gauge("sglang:num_running_reqs", "The number of running requests.")
         self.queued = self.gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.")
+        self.max_tokens = self.gauge("sglang:max_total_num_tokens", "Maximum total number of tokens")
         self.used_tokens = self.gauge("sglang:num_used_tokens", "The number of used tokens.")
         self.token_usage = self.gauge("sglang:token_usage", "The token usage.")
         self.hit_rate = self.gauge("sglang:cache_hit_rate", "The prefix cache hit rate.")
@@ -205,6 +214,7 @@ class SglangMetrics(_PrometheusFamily):
         self.advance(self.cached_tokens, cache.hits_tokens)
         self.running.set(len(scheduler.running))
         self.queued.set(len(scheduler.waiting))
+        self.max_tokens.set(cache.num_blocks * cache.block_size)
         self.used_tokens.set(cache.used_blocks * cache.block_size)
         self.token_usage.set(cache.usage())
         self.hit_rate.set(cache.hits_tokens / cache.queries_tokens if cache.queries_tokens else 0.0)

@@ -171,10 +171,11 @@ class _ControlPlane:
     def report_load(self, w: _Worker, now: float) -> None:
         """The worker's queues changed: the control plane hears of it at once."""
         load = self.records[w.slot].load
-        running, waiting = len(w.scheduler.running), len(w.scheduler.waiting)
-        if (load.running_requests, load.waiting_requests) != (running, waiting):
+        running, waiting, usage = len(w.scheduler.running), len(w.scheduler.waiting), w.cache.usage()
+        if (load.running_requests, load.waiting_requests, load.kv_usage) != (running, waiting, usage):
             self.now = now
-            self.state.applier.heartbeat(self.records[w.slot], HeartbeatBody(running, waiting, 0.0, 0, []))
+            capacity = w.cache.num_blocks * w.cache.block_size
+            self.state.applier.heartbeat(self.records[w.slot], HeartbeatBody(running, waiting, usage, 0, [], capacity))
 
 
 def true_ttft(
@@ -408,7 +409,13 @@ def _policy_choice(
     asking = state.inflight.routers.get(router.router_id) if router.session is not None else None
     columns = answer_columns(state, MODEL, chains, "", asking)
     request = RoutingInput(
-        MODEL, len(req.tokens), token_ids=req.tokens, session_key=req.session, chains=chains, now_s=req.arrival_s
+        MODEL,
+        len(req.tokens),
+        token_ids=req.tokens,
+        session_key=req.session,
+        chains=chains,
+        now_s=req.arrival_s,
+        other_routers=columns.other_routers,
     )
     decision = decide(router.policy, request, router.known, router.own, columns)
     return workers[int(decision.worker_id[1:])], decision.cached_tokens

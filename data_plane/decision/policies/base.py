@@ -33,6 +33,7 @@ class Candidate:
     pending_prefill_tokens: int = 0  # of those, uncached prompt tokens whose prefill is not done yet
     worker_cached_blocks: int = 0  # blocks the worker's cache holds in all (index), for spreading new prefixes
     inflight_cached_tokens: int = 0  # of cached_tokens, those only in-flight requests are computing there now
+    kv_capacity_tokens: int = 0  # engine-reported (heartbeat): its KV cache size in tokens, 0 = unknown
 
 
 @dataclass(slots=True)
@@ -43,6 +44,7 @@ class RoutingInput:
     session_key: str = ""  # x-session-id header or OpenAI `user`; "" = none (session policy)
     chains: Mapping[int, Sequence[int]] = field(default_factory=dict)  # block size -> the prompt's block keys
     now_s: float = 0.0  # when it arrived (monotonic, or simulated), for policies that keep rates
+    other_routers: int = 0  # routers besides this one deciding on the fleet now (the index's answer); 0 = alone or unknown
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,6 +85,30 @@ class KvAwareParams:
                         passes demand_hard_bound x the fleet mean + slack (a queue no affinity is worth), so
                         a passing burst does not replicate a prefix that does not need it.
 
+    kv_fit, kv_fit_output_tokens: room in the KV cache. A request an engine cannot hold beside what it
+                        holds waits there until running requests finish (a decode's length, seconds), longer
+                        than any queue the load bound tolerates, and the cost's decode term cannot see it. So
+                        a worker is eligible only if this request fits (unless it fits nowhere; the load bound
+                        then applies among the fitting ones):
+                            prompt_tokens - credited(w) + kv_fit_output_tokens
+                                <= kv_fit x (kv_capacity_tokens(w) x (1 - kv_usage(w)) - pending_prefill_tokens(w))
+                        with capacity and usage as the engine reports them (a worker that reports no capacity
+                        fits) and the prefill routers queued there counted as not yet allocated. 0 = off.
+                        kv_fit_output_tokens: the output a request is expected to hold KV for (requests
+                        rarely say; max_tokens is only a bound). kv_fit_min_share: the rule applies only
+                        while at least this share of the workers has room. When fewer do, the fleet's KV is
+                        oversubscribed: a request waits for room wherever it goes, and sending it to
+                        whichever worker has room for the moment only moves prefixes and recomputes them
+                        (the simulator's tight-cache points thrashed: hit rate 63% -> 51%, p50 2.6x).
+    near_tie_tokens:    while other routers decide on the same fleet (RoutingInput.other_routers, from the
+                        index's answer): workers that hold as much of the prompt as the cheapest, cost at
+                        most this much more and have room for it (kv_fit) are one choice, made by rendezvous hashing on the prompt (below).
+                        The load a router sees is late by what the others sent meanwhile, so it cannot rank
+                        them; routers deciding on one view at one instant (a burst of arrivals) then spread
+                        different prompts over them instead of all sending to the one cheapest worker, and
+                        still agree on one prompt. A router alone knows its own in-flight work exactly: the
+                        cheapest only. 0 = the cheapest only always.
+
     Defaults were chosen with `kvroute simulate` over the generated suite (docs/operations.md: "Choosing kv_aware's
     weights"); they are not fitted to one workload.
     """
@@ -104,6 +128,10 @@ class KvAwareParams:
     demand_half_life_s: float = 10.0
     demand_holders_headroom: float = 1.0
     demand_hard_bound: float = 4.0
+    kv_fit: float = 1.0
+    kv_fit_output_tokens: float = 128.0
+    kv_fit_min_share: float = 0.5
+    near_tie_tokens: float = 512.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -117,10 +145,19 @@ class KvAwareParams:
             "demand_half_life_s",
             "demand_holders_headroom",
             "demand_hard_bound",
+            "kv_fit_output_tokens",
+            "near_tie_tokens",
         ):
             if not getattr(self, name) >= 0:  # also rejects NaN
                 raise ValueError(f"kv_aware {name} must be >= 0, got {getattr(self, name)}")
-        for name in ("cpu_tier_credit", "disk_tier_credit", "spread_while_fill_below", "inflight_prefix_credit"):
+        for name in (
+            "cpu_tier_credit",
+            "disk_tier_credit",
+            "spread_while_fill_below",
+            "inflight_prefix_credit",
+            "kv_fit",
+            "kv_fit_min_share",
+        ):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"kv_aware {name} must be in [0, 1], got {getattr(self, name)}")
         if self.load_bound and not self.load_bound >= 1.0:
@@ -135,7 +172,9 @@ class KvAware:
     workers, which then evict each other: the simulator showed ~1.6x the misses of a balanced
     placement); among those, rendezvous hashing on the prompt's first block no candidate holds, so
     two routers deciding on the same new prefix at the same instant still agree; the seeded
-    `random.Random` only when the prompt has no full block. Never "always the first worker"."""
+    `random.Random` only when the prompt has no full block. Never "always the first worker".
+    While other routers decide on the same fleet, near ties (KvAwareParams.near_tie_tokens) go to
+    the same rendezvous hashing, so a burst decided on one view spreads instead of herding."""
 
     name = "kv_aware"
     needs = NEEDS_INDEX
@@ -190,22 +229,38 @@ class KvAware:
         prompt = request.prompt_tokens
         costs = self._costs(prompt, candidates, credited, max(credited))
         scores = dict(zip([c.worker_id for c in candidates], costs))
+        fitting = self._fitting(candidates, credited, prompt) if p.kv_fit and len(candidates) > 1 else None
         if p.load_bound and len(candidates) > 1:
             self._last_bound = self._bound_for(request, candidates, credited)
-            pool, pool_costs = self._within_bound(candidates, credited, prompt, costs, self._last_bound)
+            pool, pool_costs = self._within_bound(candidates, credited, prompt, costs, self._last_bound, fitting)
+        elif fitting is not None:
+            pool, pool_costs = _keep(candidates, costs, fitting)
         else:
             pool, pool_costs = candidates, costs
         if p.spread_new_prefixes and len(pool) > 1 and not max(credited):
             pool, pool_costs = self._spread_new(pool, pool_costs, prompt)
         if p.temperature > 0:
             return Choice(self._sample(pool_costs, pool), scores)
-        low = min(pool_costs)
+        return Choice(self._lowest(request, pool, pool_costs), scores)
+
+    def _lowest(self, request: RoutingInput, pool: list[Candidate], costs: list[float]) -> Candidate:
+        """The minimum cost; near ties (with other routers, see KvAwareParams.near_tie_tokens) by
+        rendezvous hashing, exact ties by the fewest cached blocks first."""
+        low = min(costs)
+        if self.params.near_tie_tokens and request.other_routers:
+            cheapest = next(c for c, cost in zip(pool, costs) if cost == low)
+            held, prompt, limit = cheapest.cached_tokens, request.prompt_tokens, low + self.params.near_tie_tokens
+            near = [
+                c for c, cost in zip(pool, costs) if cost <= limit and c.cached_tokens == held and self._has_room(c, prompt, held)
+            ]
+            if len(near) > 1 or (near and near[0] is not cheapest):
+                return self._tie_break(request, near)
         limit = low + 1e-9 * max(1.0, abs(low))
-        tied = [c for c, cost in zip(pool, pool_costs) if cost <= limit]
+        tied = [c for c, cost in zip(pool, costs) if cost <= limit]
         if len(tied) > 1:
             fewest = min(c.worker_cached_blocks for c in tied)
             tied = [c for c in tied if c.worker_cached_blocks == fewest]
-        return Choice(tied[0] if len(tied) == 1 else self._tie_break(request, tied), scores)
+        return tied[0] if len(tied) == 1 else self._tie_break(request, tied)
 
     def explain(self, request: RoutingInput, candidates: list[Candidate], choice: Choice) -> Explanation:
         """`choose`'s steps taken apart for `choice` (only when a caller asks: POST /v1/route?explain=1,
@@ -217,11 +272,14 @@ class KvAware:
         best, prompt = max(credited), request.prompt_tokens
         costs = self._costs(prompt, candidates, credited, best)
         bounded = bool(p.load_bound) and len(candidates) > 1
+        fitting = self._fitting(candidates, credited, prompt) if p.kv_fit and len(candidates) > 1 else None
         # The bound `choose` used for this request (with demand tracking it depends on what came before).
-        pool, pool_costs = (
-            self._within_bound(candidates, credited, prompt, costs, self._last_bound) if bounded else (candidates, costs)
-        )
+        if bounded:
+            pool, pool_costs = self._within_bound(candidates, credited, prompt, costs, self._last_bound, fitting)
+        else:
+            pool, pool_costs = _keep(candidates, costs, fitting) if fitting is not None else (candidates, costs)
         in_bound = {c.worker_id for c in pool}
+        unfit = [candidates[i].worker_id for i in range(len(candidates)) if fitting is not None and i not in set(fitting)]
         spreading = bool(p.spread_new_prefixes) and len(pool) > 1 and not best
         if spreading:
             pool, pool_costs = self._spread_new(pool, pool_costs, prompt)
@@ -232,14 +290,16 @@ class KvAware:
                 cost,
                 self._terms(prompt, c, cr, best),
                 cr,
-                c.worker_id in in_bound if bounded else None,
+                c.worker_id in in_bound if bounded or unfit else None,
                 c.worker_id in in_spread if spreading else None,
             )
             for c, cr, cost in zip(candidates, credited, costs)
         ]
         steps = []
-        if bounded and len(in_bound) < len(candidates):
-            out = [c.worker_id for c in candidates if c.worker_id not in in_bound]
+        if unfit:
+            steps.append(f"no room in the KV cache of {', '.join(unfit)} for this request beside what they hold")
+        if bounded and len(in_bound) < len(candidates) - len(unfit):
+            out = [c.worker_id for c in candidates if c.worker_id not in in_bound and c.worker_id not in unfit]
             steps.append(
                 f"the load bound ({self._last_bound:g} x the fleet's mean pending prefill + "
                 f"{p.load_bound_slack_tokens:g} tokens) left out {', '.join(out)}"
@@ -249,10 +309,10 @@ class KvAware:
                 f"no worker holds the prompt and caches are still filling: only the {len(in_spread)} "
                 "workers with the emptiest caches were considered"
             )
-        steps.append(self._why_winner(choice.worker.worker_id, pool, pool_costs))
+        steps.append(self._why_winner(request, choice.worker.worker_id, pool, pool_costs))
         return Explanation(self.name, "; ".join(steps), workers, {f.name: getattr(p, f.name) for f in fields(p)})
 
-    def _why_winner(self, chosen: str, pool: list[Candidate], costs: list[float]) -> str:
+    def _why_winner(self, request: RoutingInput, chosen: str, pool: list[Candidate], costs: list[float]) -> str:
         if self.params.temperature > 0:
             return (
                 f"{chosen} drawn at temperature {self.params.temperature:g} among {len(pool)} eligible workers "
@@ -265,6 +325,13 @@ class KvAware:
         if not others:
             return f"{chosen} is the only eligible worker (cost {mine:.0f})"
         runner_cost, runner = others[0]
+        if runner_cost < mine:  # a near tie (only with other routers deciding on the fleet)
+            return (
+                f"{chosen} costs {mine:.0f}, within near_tie_tokens ({self.params.near_tie_tokens:g}) of the "
+                f"lowest ({runner} at {runner_cost:.0f}) and holds as much of the prompt: while "
+                f"{request.other_routers} other routers decide on this fleet, rendezvous hashing on the "
+                "prompt chooses among such workers"
+            )
         if runner_cost - mine <= 1e-9 * max(1.0, abs(mine)):
             tied = [w for cost, w in others if cost - mine <= 1e-9 * max(1.0, abs(mine))]
             return (
@@ -317,11 +384,32 @@ class KvAware:
             return p.load_bound
         return max(p.load_bound, p.demand_hard_bound)
 
+    def _fitting(self, candidates: list[Candidate], credited: list[float], prompt: int) -> list[int] | None:
+        """Indices of the workers whose free KV holds this request (see KvAwareParams.kv_fit); None when
+        all of them do, or fewer than kv_fit_min_share of them (then room does not tell them apart)."""
+        has_room = self._has_room
+        fits = [i for i, (c, cr) in enumerate(zip(candidates, credited)) if has_room(c, prompt, cr)]
+        return fits if len(candidates) > len(fits) >= max(1.0, self.params.kv_fit_min_share * len(candidates)) else None
+
+    def _has_room(self, c: Candidate, prompt: int, credited: float) -> bool:
+        """This request fits in `c`'s free KV (KvAwareParams.kv_fit; unknown capacity fits; kv_fit 0: all do)."""
+        p = self.params
+        if not c.kv_capacity_tokens or not p.kv_fit:
+            return True
+        free = c.kv_capacity_tokens * (1.0 - c.kv_usage) - c.pending_prefill_tokens
+        return prompt - credited + p.kv_fit_output_tokens <= p.kv_fit * free
+
     def _within_bound(
-        self, candidates: list[Candidate], credited: list[float], prompt: int, costs: list[float], bound: float | None = None
+        self,
+        candidates: list[Candidate],
+        credited: list[float],
+        prompt: int,
+        costs: list[float],
+        bound: float | None = None,
+        among: list[int] | None = None,
     ) -> tuple[list[Candidate], list[float]]:
-        """Workers whose pending prefill with this request's stays within the bound (or is the
-        least), with their costs."""
+        """Workers (of the indices `among`, None = all) whose pending prefill with this request's stays
+        within the bound of the whole fleet's mean (or is the least of them), with their costs."""
         p = self.params
         uncached = [prompt - cr if cr < prompt else 0.0 for cr in credited]
         pending = [c.pending_prefill_tokens for c in candidates]
@@ -330,13 +418,14 @@ class KvAware:
             q - min(q, credit * c.inflight_cached_tokens) + u if credit else q + u
             for q, u, c in zip(pending, uncached, candidates)
         ]
-        least = min(work)
+        indices = range(len(candidates)) if among is None else among
+        least = min(work[i] for i in indices)
         bound = p.load_bound if bound is None else bound
         scale, total, slack = bound / len(candidates), sum(pending), p.load_bound_slack_tokens
         return _keep(
             candidates,
             costs,
-            [i for i, (w, u) in enumerate(zip(work, uncached)) if w <= least or w <= scale * (total + u) + slack],
+            [i for i in indices if work[i] <= least or work[i] <= scale * (total + uncached[i]) + slack],
         )
 
     def _spread_new(self, pool: list[Candidate], costs: list[float], prompt: int) -> tuple[list[Candidate], list[float]]:
