@@ -160,7 +160,7 @@ class WorkerRegistry:
         waiting_requests: int,
         kv_usage: float,
         observed_unix_ms: int,
-        kv_capacity_tokens: int = 0,
+        kv_capacity_tokens: int,
     ) -> None:
         load = record.load
         load.running_requests, load.waiting_requests = running_requests, waiting_requests

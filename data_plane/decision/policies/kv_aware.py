@@ -88,8 +88,8 @@ class KvAwareParams:
     kv_fit, kv_fit_output_tokens: room in the KV cache. A request an engine cannot hold beside what it
                         holds waits there until running requests finish (a decode's length, seconds), longer
                         than any queue the load bound tolerates, and the cost's decode term cannot see it. So
-                        a worker is eligible only if this request fits (unless it fits nowhere; the load bound
-                        then applies among the fitting ones):
+                        a worker is eligible only if this request fits (while kv_fit_min_share of the workers
+                        do, below; the load bound then applies among the fitting ones):
                             prompt_tokens - credited(w) + kv_fit_output_tokens
                                 <= kv_fit x (kv_capacity_tokens(w) x (1 - kv_usage(w)) - pending_prefill_tokens(w))
                         with capacity and usage as the engine reports them (a worker that reports no capacity
@@ -102,12 +102,12 @@ class KvAwareParams:
                         (the simulator's tight-cache points thrashed: hit rate 63% -> 51%, p50 2.6x).
     near_tie_tokens:    while other routers decide on the same fleet (RoutingInput.other_routers, from the
                         index's answer): workers that hold as much of the prompt as the cheapest, cost at
-                        most this much more and have room for it (kv_fit) are one choice, made by rendezvous hashing on the prompt (below).
-                        The load a router sees is late by what the others sent meanwhile, so it cannot rank
-                        them; routers deciding on one view at one instant (a burst of arrivals) then spread
-                        different prompts over them instead of all sending to the one cheapest worker, and
-                        still agree on one prompt. A router alone knows its own in-flight work exactly: the
-                        cheapest only. 0 = the cheapest only always.
+                        most this much more and have room for it (kv_fit) are one choice, made by rendezvous
+                        hashing on the prompt (below). The load a router sees is late by what the others
+                        sent meanwhile, so it cannot rank them; routers deciding on one view at one instant
+                        (a burst of arrivals) then spread different prompts over them instead of all sending
+                        to the one cheapest worker, and still agree on one prompt. A router alone knows its
+                        own in-flight work exactly: the cheapest only. 0 = the cheapest only always.
 
     Defaults were chosen with `kvroute simulate` over the generated suite (docs/operations.md: "Choosing kv_aware's
     weights"); they are not fitted to one workload.
@@ -229,14 +229,9 @@ class KvAware:
         prompt = request.prompt_tokens
         costs = self._costs(prompt, candidates, credited, max(credited))
         scores = dict(zip([c.worker_id for c in candidates], costs))
-        fitting = self._fitting(candidates, credited, prompt) if p.kv_fit and len(candidates) > 1 else None
         if p.load_bound and len(candidates) > 1:
             self._last_bound = self._bound_for(request, candidates, credited)
-            pool, pool_costs = self._within_bound(candidates, credited, prompt, costs, self._last_bound, fitting)
-        elif fitting is not None:
-            pool, pool_costs = _keep(candidates, costs, fitting)
-        else:
-            pool, pool_costs = candidates, costs
+        pool, pool_costs, _ = self._eligible(candidates, credited, prompt, costs)
         if p.spread_new_prefixes and len(pool) > 1 and not max(credited):
             pool, pool_costs = self._spread_new(pool, pool_costs, prompt)
         if p.temperature > 0:
@@ -272,14 +267,11 @@ class KvAware:
         best, prompt = max(credited), request.prompt_tokens
         costs = self._costs(prompt, candidates, credited, best)
         bounded = bool(p.load_bound) and len(candidates) > 1
-        fitting = self._fitting(candidates, credited, prompt) if p.kv_fit and len(candidates) > 1 else None
-        # The bound `choose` used for this request (with demand tracking it depends on what came before).
-        if bounded:
-            pool, pool_costs = self._within_bound(candidates, credited, prompt, costs, self._last_bound, fitting)
-        else:
-            pool, pool_costs = _keep(candidates, costs, fitting) if fitting is not None else (candidates, costs)
+        # The bound is the one `choose` used for this request (with demand tracking it depends on what came before).
+        pool, pool_costs, fitting = self._eligible(candidates, credited, prompt, costs)
         in_bound = {c.worker_id for c in pool}
-        unfit = [candidates[i].worker_id for i in range(len(candidates)) if fitting is not None and i not in set(fitting)]
+        fits = set(range(len(candidates))) if fitting is None else set(fitting)
+        unfit = [c.worker_id for i, c in enumerate(candidates) if i not in fits]
         spreading = bool(p.spread_new_prefixes) and len(pool) > 1 and not best
         if spreading:
             pool, pool_costs = self._spread_new(pool, pool_costs, prompt)
@@ -383,6 +375,21 @@ class KvAware:
         if share * len(candidates) > holders * p.demand_holders_headroom:
             return p.load_bound
         return max(p.load_bound, p.demand_hard_bound)
+
+    def _eligible(
+        self, candidates: list[Candidate], credited: list[float], prompt: int, costs: list[float]
+    ) -> tuple[list[Candidate], list[float], list[int] | None]:
+        """The workers with room (`_fitting`) and within the load bound `choose` set last, with their
+        costs, and the indices of those with room (None: room left none out)."""
+        p = self.params
+        fitting = self._fitting(candidates, credited, prompt) if p.kv_fit and len(candidates) > 1 else None
+        if p.load_bound and len(candidates) > 1:
+            pool, pool_costs = self._within_bound(candidates, credited, prompt, costs, self._last_bound, fitting)
+        elif fitting is not None:
+            pool, pool_costs = _keep(candidates, costs, fitting)
+        else:
+            pool, pool_costs = candidates, costs
+        return pool, pool_costs, fitting
 
     def _fitting(self, candidates: list[Candidate], credited: list[float], prompt: int) -> list[int] | None:
         """Indices of the workers whose free KV holds this request (see KvAwareParams.kv_fit); None when
