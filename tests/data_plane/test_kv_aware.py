@@ -251,6 +251,37 @@ def test_a_prefix_is_replicated_for_sustained_demand_not_for_one_busy_moment() -
     assert plain.choose(rare_request, holder_busy(rare)).worker.worker_id != "holder"
 
 
+def test_a_prefix_most_requests_ask_for_gets_more_holders_before_any_queue_grows() -> None:
+    """Replication ahead of queues: a 2048-token prefix that every request asks for, held by two of
+    eight workers, each request a hit with a 256-token prefill. No queue builds (nothing pending), so
+    the load bound keeps it on its holders; demand says it wants all eight. Once the prefix's decayed
+    request count reaches replicate_min_requests, a request goes to a worker that does not hold it,
+    and with every worker holding it the cheapest holder takes it again."""
+    hot = list(range(2304))
+
+    def fleet(holders: int) -> list[Candidate]:
+        return [
+            cand(f"w{i}", cached_tokens=2048 if i < holders else 0, running_requests=6 if i < holders else 0) for i in range(8)
+        ]
+
+    def at(i: int) -> RoutingInput:
+        return RoutingInput("m", len(hot), chains=request(hot).chains, now_s=i * 0.05)
+
+    policy = KvAware(seed=0)
+    # Eight requests over 0.35 s, decayed with a 10 s half life: a count just under 8, not yet.
+    firsts = [policy.choose(at(i), fleet(2)).worker.worker_id for i in range(8)]
+    assert set(firsts) <= {"w0", "w1"}
+    choice = policy.choose(at(8), fleet(2))
+    assert choice.worker.worker_id not in {"w0", "w1"}  # the ninth adds a holder
+    assert "demand asks for more holders" in policy.explain(at(8), fleet(2), choice).reason
+    # Holders for all the demand: the cheapest holder, as without replication.
+    full = [cand(f"w{i}", cached_tokens=2048, running_requests=6 if i else 0) for i in range(8)]
+    assert policy.choose(at(9), full).worker.worker_id == "w0"
+    # Off: the two holders keep it, however long the demand lasts.
+    off = KvAware(KvAwareParams(replicate_min_requests=0), seed=0)
+    assert {off.choose(at(i), fleet(2)).worker.worker_id for i in range(20)} <= {"w0", "w1"}
+
+
 def test_a_worker_without_room_in_its_kv_cache_is_left_out_while_another_has_room() -> None:
     # A 4608-token prompt whose first 2304 tokens one worker holds, in a 16384-token cache that three
     # such requests nearly fill (usage 888 of 1024 blocks): there it would wait for a running request

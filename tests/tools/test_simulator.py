@@ -303,13 +303,20 @@ def test_simulate_over_several_seeds(tmp_path: Path) -> None:
 def test_routers_that_see_each_other_at_once_decide_exactly_as_one_router() -> None:
     """Each router decides on its own view, fed by the control plane's change log; with no view delay,
     what four routers share through it (reservations, prefill done, releases, engine events, load)
-    makes them decide as one router does, request for request, with near ties off (routers that know
-    of others spread near ties on purpose; what this checks is the state they share). A late view
-    makes them differ: the delay is really applied."""
+    makes them decide as one router does, request for request, with near ties and replication ahead of
+    queues off (routers that know of others spread near ties on purpose, and each counts a prefix's
+    demand from its own requests; what this checks is the state they share). A late view makes them
+    differ: the delay is really applied."""
     from kvroute.tools.simulator.workloads import GeneratedWorkload, generate
 
     workload = generate(GeneratedWorkload("bursts", requests=240, rate_rps=4, seed=3, groups=8, burst_gap_ms=1.5))
-    config = {"workers": 4, "num_blocks": 1024, "block_size": 16, "seed": 3, "kv_aware_params": {"near_tie_tokens": 0.0}}
+    config = {
+        "workers": 4,
+        "num_blocks": 1024,
+        "block_size": 16,
+        "seed": 3,
+        "kv_aware_params": {"near_tie_tokens": 0.0, "replicate_min_requests": 0.0},
+    }
     one = simulate_policy("kv_aware", workload, FleetConfig(**config), detail=True)
     four = simulate_policy("kv_aware", workload, FleetConfig(**config, routers=4), detail=True)
     assert four.requests == one.requests and four.hit_tokens == one.hit_tokens

@@ -84,6 +84,17 @@ class KvAwareParams:
                         as above; one whose holders can serve its demand stays on them unless a holder's work
                         passes demand_hard_bound x the fleet mean + slack (a queue no affinity is worth), so
                         a passing burst does not replicate a prefix that does not need it.
+    replicate_min_requests: replication ahead of queues. A prefix asking for more holders than it has (as
+                        above) whose decayed request count has reached this many goes to the cheapest eligible
+                        worker that does not hold it, which then holds it (the router's in-flight claim counts
+                        it as a holder at once, so one request adds one holder and replication stops when the
+                        holders match the demand). The load bound alone never moves a prefix whose requests are
+                        all short hits: their pending prefill stays small, but on few holders their decode
+                        batches are large and every prefill step behind them slower (the simulator's
+                        hot-prefix workload, 60% of requests on one prefix: two holders, p50 3-4% above
+                        spreading it). The count keeps one request's worth of evidence from copying a prefix
+                        (a run's second request would otherwise see a share of 1/2); it is the fleet's,
+                        estimated as the router's own count x (1 + other_routers). 0 = off.
 
     kv_fit, kv_fit_output_tokens: room in the KV cache. A request an engine cannot hold beside what it
                         holds waits there until running requests finish (a decode's length, seconds), longer
@@ -132,6 +143,7 @@ class KvAwareParams:
     kv_fit_output_tokens: float = 128.0
     kv_fit_min_share: float = 0.5
     near_tie_tokens: float = 512.0
+    replicate_min_requests: float = 8.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -147,6 +159,7 @@ class KvAwareParams:
             "demand_hard_bound",
             "kv_fit_output_tokens",
             "near_tie_tokens",
+            "replicate_min_requests",
         ):
             if not getattr(self, name) >= 0:  # also rejects NaN
                 raise ValueError(f"kv_aware {name} must be >= 0, got {getattr(self, name)}")
@@ -173,8 +186,10 @@ class KvAware:
     placement); among those, rendezvous hashing on the prompt's first block no candidate holds, so
     two routers deciding on the same new prefix at the same instant still agree; the seeded
     `random.Random` only when the prompt has no full block. Never "always the first worker".
-    While other routers decide on the same fleet, near ties (KvAwareParams.near_tie_tokens) go to
-    the same rendezvous hashing, so a burst decided on one view spreads instead of herding."""
+    A prefix whose demand asks for more holders than it has goes to a worker that does not hold it
+    (KvAwareParams.replicate_min_requests). While other routers decide on the same fleet, near ties
+    (KvAwareParams.near_tie_tokens) go to the same rendezvous hashing, so a burst decided on one view
+    spreads instead of herding."""
 
     name = "kv_aware"
     needs = NEEDS_INDEX
@@ -184,6 +199,7 @@ class KvAware:
         self._rng = make_rng(seed, rng)
         self.demand = PrefixDemand(self.params.demand_half_life_s) if self.params.demand_half_life_s else None
         self._last_bound = self.params.load_bound
+        self._replicate = False
 
     def credited_tokens(self, c: Candidate) -> float:
         return self._credited([c])[0]
@@ -229,9 +245,10 @@ class KvAware:
         prompt = request.prompt_tokens
         costs = self._costs(prompt, candidates, credited, max(credited))
         scores = dict(zip([c.worker_id for c in candidates], costs))
+        self._replicate = False
         if p.load_bound and len(candidates) > 1:
             self._last_bound = self._bound_for(request, candidates, credited)
-        pool, pool_costs, _ = self._eligible(candidates, credited, prompt, costs)
+        pool, pool_costs, _, _ = self._eligible(candidates, credited, prompt, costs)
         if p.spread_new_prefixes and len(pool) > 1 and not max(credited):
             pool, pool_costs = self._spread_new(pool, pool_costs, prompt)
         if p.temperature > 0:
@@ -267,8 +284,9 @@ class KvAware:
         best, prompt = max(credited), request.prompt_tokens
         costs = self._costs(prompt, candidates, credited, best)
         bounded = bool(p.load_bound) and len(candidates) > 1
-        # The bound is the one `choose` used for this request (with demand tracking it depends on what came before).
-        pool, pool_costs, fitting = self._eligible(candidates, credited, prompt, costs)
+        # The bound, and whether to replicate, are what `choose` used for this request (with demand
+        # tracking they depend on what came before).
+        pool, pool_costs, fitting, replicating = self._eligible(candidates, credited, prompt, costs)
         in_bound = {c.worker_id for c in pool}
         fits = set(range(len(candidates))) if fitting is None else set(fitting)
         unfit = [c.worker_id for i, c in enumerate(candidates) if i not in fits]
@@ -290,7 +308,12 @@ class KvAware:
         steps = []
         if unfit:
             steps.append(f"no room in the KV cache of {', '.join(unfit)} for this request beside what they hold")
-        if bounded and len(in_bound) < len(candidates) - len(unfit):
+        if replicating:
+            steps.append(
+                f"this prefix's demand asks for more holders than it has (replicate_min_requests "
+                f"{p.replicate_min_requests:g} reached): only workers that do not hold it were considered"
+            )
+        elif bounded and len(in_bound) < len(candidates) - len(unfit):
             out = [c.worker_id for c in candidates if c.worker_id not in in_bound and c.worker_id not in unfit]
             steps.append(
                 f"the load bound ({self._last_bound:g} x the fleet's mean pending prefill + "
@@ -359,7 +382,8 @@ class KvAware:
 
     def _bound_for(self, request: RoutingInput, candidates: list[Candidate], credited: list[float]) -> float:
         """The load bound for this request: `load_bound`, or with demand tracking `demand_hard_bound`
-        for a prefix whose holders can serve its demand (this request is counted first)."""
+        for a prefix whose holders can serve its demand (this request is counted first). Sets
+        `_replicate` for a prefix short of holders with replicate_min_requests reached."""
         p, demand = self.params, self.demand
         if demand is None:
             return p.load_bound
@@ -373,23 +397,32 @@ class KvAware:
         share = demand.count(anchor, request.now_s)
         holders = sum(1 for cr in credited if cr >= 0.5 * best)
         if share * len(candidates) > holders * p.demand_holders_headroom:
+            # Each of n routers sees ~1/n of the requests: its count times n estimates the fleet's.
+            seen = demand.requests(anchor) * (1 + request.other_routers)
+            self._replicate = bool(p.replicate_min_requests) and seen >= p.replicate_min_requests
             return p.load_bound
         return max(p.load_bound, p.demand_hard_bound)
 
     def _eligible(
         self, candidates: list[Candidate], credited: list[float], prompt: int, costs: list[float]
-    ) -> tuple[list[Candidate], list[float], list[int] | None]:
-        """The workers with room (`_fitting`) and within the load bound `choose` set last, with their
-        costs, and the indices of those with room (None: room left none out)."""
+    ) -> tuple[list[Candidate], list[float], list[int] | None, bool]:
+        """The workers with room (`_fitting`), within the load bound `choose` set last and, while
+        `choose` found the prefix short of holders, not holding it (when one such is left); with their
+        costs, the indices of those with room (None: room left none out) and whether only non-holders
+        were kept."""
         p = self.params
         fitting = self._fitting(candidates, credited, prompt) if p.kv_fit and len(candidates) > 1 else None
+        kept: list[int] = list(range(len(candidates))) if fitting is None else fitting
         if p.load_bound and len(candidates) > 1:
-            pool, pool_costs = self._within_bound(candidates, credited, prompt, costs, self._last_bound, fitting)
-        elif fitting is not None:
-            pool, pool_costs = _keep(candidates, costs, fitting)
-        else:
-            pool, pool_costs = candidates, costs
-        return pool, pool_costs, fitting
+            kept = self._within_bound(candidates, credited, prompt, self._last_bound, kept)
+        replicating = False
+        if self._replicate and len(kept) > 1:
+            half = 0.5 * max(credited)
+            others = [i for i in kept if credited[i] < half]
+            if others:
+                kept, replicating = others, True
+        pool, pool_costs = _keep(candidates, costs, kept)
+        return pool, pool_costs, fitting, replicating
 
     def _fitting(self, candidates: list[Candidate], credited: list[float], prompt: int) -> list[int] | None:
         """Indices of the workers whose free KV holds this request (see KvAwareParams.kv_fit); None when
@@ -407,16 +440,10 @@ class KvAware:
         return prompt - credited + p.kv_fit_output_tokens <= p.kv_fit * free
 
     def _within_bound(
-        self,
-        candidates: list[Candidate],
-        credited: list[float],
-        prompt: int,
-        costs: list[float],
-        bound: float | None = None,
-        among: list[int] | None = None,
-    ) -> tuple[list[Candidate], list[float]]:
-        """Workers (of the indices `among`, None = all) whose pending prefill with this request's stays
-        within the bound of the whole fleet's mean (or is the least of them), with their costs."""
+        self, candidates: list[Candidate], credited: list[float], prompt: int, bound: float, among: list[int]
+    ) -> list[int]:
+        """The indices (of `among`) of workers whose pending prefill with this request's stays within
+        the bound of the whole fleet's mean (or is the least of them)."""
         p = self.params
         uncached = [prompt - cr if cr < prompt else 0.0 for cr in credited]
         pending = [c.pending_prefill_tokens for c in candidates]
@@ -425,15 +452,9 @@ class KvAware:
             q - min(q, credit * c.inflight_cached_tokens) + u if credit else q + u
             for q, u, c in zip(pending, uncached, candidates)
         ]
-        indices = range(len(candidates)) if among is None else among
-        least = min(work[i] for i in indices)
-        bound = p.load_bound if bound is None else bound
+        least = min(work[i] for i in among)
         scale, total, slack = bound / len(candidates), sum(pending), p.load_bound_slack_tokens
-        return _keep(
-            candidates,
-            costs,
-            [i for i in indices if work[i] <= least or work[i] <= scale * (total + uncached[i]) + slack],
-        )
+        return [i for i in among if work[i] <= least or work[i] <= scale * (total + uncached[i]) + slack]
 
     def _spread_new(self, pool: list[Candidate], costs: list[float], prompt: int) -> tuple[list[Candidate], list[float]]:
         """While caches fill: the workers whose cache is within spread_new_prefixes x this prompt of
@@ -478,6 +499,10 @@ class PrefixDemand:
         if len(prefixes) > self.MAX_PREFIXES:
             del prefixes[next(iter(prefixes))]
         return value[0] / self.total[0]
+
+    def requests(self, anchor: int) -> float:
+        """The anchor's decayed request count as of its last `count`."""
+        return self.prefixes.get(anchor, (0.0, 0.0))[0]
 
 
 def _keep(pool: list[Candidate], costs: list[float], kept: list[int]) -> tuple[list[Candidate], list[float]]:
