@@ -273,7 +273,9 @@ def test_a_prefix_most_requests_ask_for_gets_more_holders_before_any_queue_grows
     assert set(firsts) <= {"w0", "w1"}
     choice = policy.choose(at(8), fleet(2))
     assert choice.worker.worker_id not in {"w0", "w1"}  # the ninth adds a holder
-    assert "demand asks for more holders" in policy.explain(at(8), fleet(2), choice).reason
+    explanation = policy.explain(at(8), fleet(2), choice)
+    assert "demand asks for more holders" in explanation.reason and "load bound" not in explanation.reason
+    assert all(w.within_load_bound for w in explanation.workers)  # the holders were left out by replication
     # Holders for all the demand: the cheapest holder, as without replication.
     full = [cand(f"w{i}", cached_tokens=2048, running_requests=6 if i else 0) for i in range(8)]
     assert policy.choose(at(9), full).worker.worker_id == "w0"

@@ -289,8 +289,9 @@ class KvAware:
         bounded = bool(p.load_bound) and len(candidates) > 1
         # The bound, and whether to replicate, are what `choose` used for this request (with demand
         # tracking they depend on what came before).
-        pool, pool_costs, fitting, replicating = self._eligible(candidates, credited, prompt, costs)
-        in_bound = {c.worker_id for c in pool}
+        pool, pool_costs, fitting, within = self._eligible(candidates, credited, prompt, costs)
+        in_bound = {candidates[i].worker_id for i in within}
+        replicating = len(pool) < len(within)
         fits = set(range(len(candidates))) if fitting is None else set(fitting)
         unfit = [c.worker_id for i, c in enumerate(candidates) if i not in fits]
         spreading = bool(p.spread_new_prefixes) and len(pool) > 1 and not best
@@ -311,18 +312,18 @@ class KvAware:
         steps = []
         if unfit:
             steps.append(f"no room in the KV cache of {', '.join(unfit)} for this request beside what they hold")
-        if replicating:
-            steps.append(
-                f"this prefix's demand asks for more holders than it has (replicate_min_requests "
-                f"{p.replicate_min_requests:g} reached): only workers that do not hold it were considered"
-            )
-        elif bounded and len(in_bound) < len(candidates) - len(unfit):
+        if bounded and len(in_bound) < len(candidates) - len(unfit):
             out = [c.worker_id for c in candidates if c.worker_id not in in_bound and c.worker_id not in unfit]
             steps.append(
                 f"the load bound ({self._last_bound:g} x the fleet's mean pending prefill + "
                 f"{p.load_bound_slack_tokens:g} tokens) left out {', '.join(out)}"
             )
-        if spreading and len(in_spread) < len(in_bound):
+        if replicating:
+            steps.append(
+                f"this prefix's demand asks for more holders than it has (replicate_min_requests "
+                f"{p.replicate_min_requests:g} reached): only workers that do not hold it were considered"
+            )
+        if spreading and len(in_spread) < len(in_bound):  # spreading: nothing cached, so no replication
             steps.append(
                 f"no worker holds the prompt and caches are still filling: only the {len(in_spread)} "
                 "workers with the emptiest caches were considered"
@@ -406,24 +407,22 @@ class KvAware:
 
     def _eligible(
         self, candidates: list[Candidate], credited: list[float], prompt: int, costs: list[float]
-    ) -> tuple[list[Candidate], list[float], list[int] | None, bool]:
+    ) -> tuple[list[Candidate], list[float], list[int] | None, list[int]]:
         """The workers with room (`_fitting`), within the load bound `choose` set last and, while
         `choose` found the prefix short of holders, not holding it (when one such is left); with their
-        costs, the indices of those with room (None: room left none out) and whether only non-holders
-        were kept."""
+        costs, the indices of those with room (None: room left none out) and of those within the
+        bound (before replication kept only non-holders)."""
         p = self.params
         fitting = self._fitting(candidates, credited, prompt) if p.kv_fit and len(candidates) > 1 else None
         kept: list[int] = list(range(len(candidates))) if fitting is None else fitting
         if p.load_bound and len(candidates) > 1:
             kept = self._within_bound(candidates, credited, prompt, self._last_bound, kept)
-        replicating = False
+        within = kept
         if self._replicate and len(kept) > 1:
             half = 0.5 * max(credited)
-            others = [i for i in kept if credited[i] < half]
-            if others:
-                kept, replicating = others, True
+            kept = [i for i in kept if credited[i] < half] or kept
         pool, pool_costs = _keep(candidates, costs, kept)
-        return pool, pool_costs, fitting, replicating
+        return pool, pool_costs, fitting, within
 
     def _fitting(self, candidates: list[Candidate], credited: list[float], prompt: int) -> list[int] | None:
         """Indices of the workers whose free KV holds this request (see KvAwareParams.kv_fit); None when
