@@ -336,3 +336,35 @@ def test_near_ties_spread_different_prompts_over_routers_and_they_agree_on_each(
     held = replace(request(prompts[0]), other_routers=3)
     holder = cand("holder", cached_tokens=256, running_requests=3, worker_cached_blocks=1000)
     assert {KvAware(seed=s).choose(held, [*ws, holder]).worker.worker_id for s in range(5)} == {"holder"}
+
+
+def test_a_worker_with_room_at_a_small_extra_cost_wins_even_while_most_workers_lack_room() -> None:
+    # rag with a tight cache: six of eight workers hold the 256-token system prompt and are nearly
+    # full (three 4608-token requests each), two hold nothing and are empty. Fewer than half have
+    # room, so the room rule alone stands down; but the empty ones cost only 128 tokens more (256
+    # recomputed vs three running decodes), and on a full holder the request waits for a decode.
+    r = request(list(range(4608)))
+    capacity = 16384
+    full = [
+        cand(f"h{i}", cached_tokens=256, running_requests=3, kv_usage=888 / 1024, kv_capacity_tokens=capacity) for i in range(6)
+    ]
+    empty = [cand(f"e{i}", kv_capacity_tokens=capacity) for i in range(2)]
+    policy = KvAware(seed=0)
+    choice = policy.choose(r, full + empty)
+    assert choice.worker.worker_id in {"e0", "e1"}
+    reason = policy.explain(r, full + empty, choice).reason
+    assert "no room in the KV cache of h0, h1, h2, h3, h4, h5" in reason and "kv_fit_near_tokens" not in reason
+    # A worker with room but far costlier (prefill queued there) is left out with the full ones.
+    queued = replace(empty[1], pending_prefill_tokens=3000)
+    choice = policy.choose(r, [*full, empty[0], queued])
+    assert choice.worker.worker_id == "e0"
+    reason = policy.explain(r, [*full, empty[0], queued], choice).reason
+    assert (
+        "no room in the KV cache of h0, h1, h2, h3, h4, h5 " in reason
+        and "(512) of the lowest cost were considered: left out e1" in reason
+    )
+    assert KvAware(KvAwareParams(kv_fit_near_tokens=0), seed=0).choose(r, full + empty).worker.worker_id.startswith("h")
+    # A long prefix on the full workers: moving would recompute 2048 tokens, so the holders keep it
+    # (the fleet's KV is oversubscribed; the request waits wherever it goes).
+    long_held = [replace(c, cached_tokens=2304) for c in full]
+    assert KvAware(seed=0).choose(r, long_held + empty).worker.worker_id.startswith("h")

@@ -114,6 +114,11 @@ class KvAwareParams:
                         oversubscribed: a request waits for room wherever it goes, and sending it to
                         whichever worker has room for the moment only moves prefixes and recomputes them
                         (the simulator's tight-cache points thrashed: hit rate 63% -> 51%, p50 2.6x).
+                        kv_fit_near_tokens: while fewer than that share have room, the workers with room
+                        that cost at most this much more than the cheapest worker still take precedence:
+                        moving there recomputes little (a short system prompt every request shares) and
+                        starts now, while the cheapest waits for KV. Moves that would recompute more stay
+                        off. 0 = off.
     near_tie_tokens:    while other routers decide on the same fleet (RoutingInput.other_routers, from the
                         index's answer): workers that hold as much of the prompt as the cheapest, cost at
                         most this much more and have room for it (kv_fit) are one choice, made by rendezvous
@@ -145,6 +150,7 @@ class KvAwareParams:
     kv_fit: float = 1.0
     kv_fit_output_tokens: float = 128.0
     kv_fit_min_share: float = 0.5
+    kv_fit_near_tokens: float = 512.0
     near_tie_tokens: float = 512.0
     replicate_min_requests: float = 8.0
 
@@ -163,6 +169,7 @@ class KvAwareParams:
             "kv_fit_output_tokens",
             "near_tie_tokens",
             "replicate_min_requests",
+            "kv_fit_near_tokens",
         ):
             if not getattr(self, name) >= 0:  # also rejects NaN
                 raise ValueError(f"kv_aware {name} must be >= 0, got {getattr(self, name)}")
@@ -293,7 +300,9 @@ class KvAware:
         in_bound = {candidates[i].worker_id for i in within}
         replicating = len(pool) < len(within)
         fits = set(range(len(candidates))) if fitting is None else set(fitting)
-        unfit = [c.worker_id for i, c in enumerate(candidates) if i not in fits]
+        left_out = [i for i in range(len(candidates)) if i not in fits]
+        unfit = [candidates[i].worker_id for i in left_out if not self._has_room(candidates[i], prompt, credited[i])]
+        far = [candidates[i].worker_id for i in left_out if candidates[i].worker_id not in unfit]
         spreading = bool(p.spread_new_prefixes) and len(pool) > 1 and not best
         if spreading:
             pool, pool_costs = self._spread_new(pool, pool_costs, prompt)
@@ -304,7 +313,7 @@ class KvAware:
                 cost,
                 self._terms(prompt, c, cr, best),
                 cr,
-                c.worker_id in in_bound if bounded or unfit else None,
+                c.worker_id in in_bound if bounded or left_out else None,
                 c.worker_id in in_spread if spreading else None,
             )
             for c, cr, cost in zip(candidates, credited, costs)
@@ -312,8 +321,13 @@ class KvAware:
         steps = []
         if unfit:
             steps.append(f"no room in the KV cache of {', '.join(unfit)} for this request beside what they hold")
-        if bounded and len(in_bound) < len(candidates) - len(unfit):
-            out = [c.worker_id for c in candidates if c.worker_id not in in_bound and c.worker_id not in unfit]
+        if far:
+            steps.append(
+                f"most workers lack room, so only those with room within kv_fit_near_tokens "
+                f"({p.kv_fit_near_tokens:g}) of the lowest cost were considered: left out {', '.join(far)}"
+            )
+        if bounded and len(in_bound) < len(candidates) - len(left_out):
+            out = [c.worker_id for i, c in enumerate(candidates) if c.worker_id not in in_bound and i in fits]
             steps.append(
                 f"the load bound ({self._last_bound:g} x the fleet's mean pending prefill + "
                 f"{p.load_bound_slack_tokens:g} tokens) left out {', '.join(out)}"
@@ -413,7 +427,7 @@ class KvAware:
         costs, the indices of those with room (None: room left none out) and of those within the
         bound (before replication kept only non-holders)."""
         p = self.params
-        fitting = self._fitting(candidates, credited, prompt) if p.kv_fit and len(candidates) > 1 else None
+        fitting = self._fitting(candidates, credited, prompt, costs) if p.kv_fit and len(candidates) > 1 else None
         kept: list[int] = list(range(len(candidates))) if fitting is None else fitting
         if p.load_bound and len(candidates) > 1:
             kept = self._within_bound(candidates, credited, prompt, self._last_bound, kept)
@@ -424,12 +438,23 @@ class KvAware:
         pool, pool_costs = _keep(candidates, costs, kept)
         return pool, pool_costs, fitting, within
 
-    def _fitting(self, candidates: list[Candidate], credited: list[float], prompt: int) -> list[int] | None:
-        """Indices of the workers whose free KV holds this request (see KvAwareParams.kv_fit); None when
-        all of them do, or fewer than kv_fit_min_share of them (then room does not tell them apart)."""
+    def _fitting(self, candidates: list[Candidate], credited: list[float], prompt: int, costs: list[float]) -> list[int] | None:
+        """Indices of the workers whose free KV holds this request (see KvAwareParams.kv_fit); while
+        fewer than kv_fit_min_share of them do, only those within kv_fit_near_tokens of the lowest
+        cost. None when all of them do, or none qualifies (then room does not tell them apart)."""
         has_room = self._has_room
         fits = [i for i, (c, cr) in enumerate(zip(candidates, credited)) if has_room(c, prompt, cr)]
-        return fits if len(candidates) > len(fits) >= max(1.0, self.params.kv_fit_min_share * len(candidates)) else None
+        if not len(candidates) > len(fits):
+            return None
+        if len(fits) >= max(1.0, self.params.kv_fit_min_share * len(candidates)):
+            return fits
+        near = self.params.kv_fit_near_tokens
+        if near and fits:
+            limit = min(costs) + near
+            close = [i for i in fits if costs[i] <= limit]
+            if close:
+                return close
+        return None
 
     def _has_room(self, c: Candidate, prompt: int, credited: float) -> bool:
         """This request fits in `c`'s free KV (KvAwareParams.kv_fit; unknown capacity fits; kv_fit 0: all do)."""
