@@ -619,6 +619,16 @@ class LocalCluster:
             proc.stop()
 
 
+def grpc_health_serving(address: str, service: str) -> bool:
+    """Whether the gRPC health service at HOST:PORT answers SERVING for `service` (e.g. "readiness")."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    return answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def _tcp_open(addr: str) -> bool:
     host, port = addr.rsplit(":", 1)
     try:

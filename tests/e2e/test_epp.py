@@ -15,10 +15,17 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvroute.tools.ext_proc_client import EnvoyExtProcStream, Picked
-from kvroute.tools.local_cluster import LocalCluster, free_port, http_get, http_post_json, long_text, wait_until
+from kvroute.tools.local_cluster import (
+    LocalCluster,
+    free_port,
+    http_get,
+    http_post_json,
+    long_text,
+    wait_until,
+)
+from kvroute.tools.local_cluster import grpc_health_serving as serving
 
 MODEL = "tiny-llama"
 
@@ -79,12 +86,6 @@ def quiet(url: str) -> bool:
         ):
             return False
     return True
-
-
-def serving(address: str, service: str) -> bool:
-    with grpc.insecure_channel(address) as channel:
-        answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
-    return answer.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def route(url: str, path: str, body: dict) -> dict:

@@ -25,6 +25,7 @@ from kvroute.tools.ext_proc_client import EnvoyExtProcStream
 from kvroute.tools.local_cluster import (
     LocalCluster,
     free_port,
+    grpc_health_serving,
     http_get,
     http_post_json,
     http_post_json_headers,
@@ -197,6 +198,8 @@ def test_the_endpoint_picker_routes_by_the_requests_model(cluster: LocalCluster,
     picker = cluster.start_epp(
         "many", "kv_aware", "--query-timeout-ms", "500", "--model-tokenizer", f"{CHAT_MODEL}={tiny_model_dir}"
     )
+    # Open for connections before its view of the fleet has synced: until then it has no worker to pick.
+    wait_until(lambda: grpc_health_serving(picker, "readiness"), 30, "epp ready", cluster.all_processes())
 
     async def pick(body: dict):
         async with grpc.aio.insecure_channel(picker) as channel:
