@@ -413,7 +413,7 @@ class KvAware:
             return p.load_bound
         anchor = chain[min(len(chain), int(best) // bs) - 1] if int(best) >= bs else chain[0]
         share = demand.count(anchor, request.now_s)
-        holders = sum(1 for cr in credited if cr >= 0.5 * best)
+        holders = sum(1 for cr in credited if _holds(cr, best))
         if share * len(candidates) > holders * p.demand_holders_headroom:
             self._replicate = bool(p.replicate_min_requests) and demand.requests(anchor) >= p.replicate_min_requests
             return p.load_bound
@@ -433,8 +433,8 @@ class KvAware:
             kept = self._within_bound(candidates, credited, prompt, self._last_bound, kept)
         within = kept
         if self._replicate and len(kept) > 1:
-            half = 0.5 * max(credited)
-            kept = [i for i in kept if credited[i] < half] or kept
+            best = max(credited)
+            kept = [i for i in kept if not _holds(credited[i], best)] or kept
         pool, pool_costs = _keep(candidates, costs, kept)
         return pool, pool_costs, fitting, within
 
@@ -528,6 +528,12 @@ class PrefixDemand:
     def requests(self, anchor: int) -> float:
         """The anchor's decayed request count as of its last `count`."""
         return self.prefixes.get(anchor, (0.0, 0.0))[0]
+
+
+def _holds(credited: float, best: float) -> bool:
+    """A worker holds the request's prefix when it has at least half the best worker's credited tokens:
+    the holders demand is weighed against are the ones replication moves the prefix away from."""
+    return credited >= 0.5 * best
 
 
 def _keep(pool: list[Candidate], costs: list[float], kept: list[int]) -> tuple[list[Candidate], list[float]]:
