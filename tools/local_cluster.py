@@ -536,7 +536,10 @@ class LocalCluster:
 
     # -------------------------------------------------------------- routers
 
-    def start_router(self, name: str, policy: str, *extra: str, env: dict[str, str] | None = None) -> str:
+    def start_router(self, name: str, policy: str, *extra: str, env: dict[str, str] | None = None, ready: bool = False) -> str:
+        """`kvroute router` on this fleet's control plane: its URL, once /health answers. `ready`: also
+        wait for /ready, i.e. its first view of the fleet; a request before that is a 503 no_workers
+        (routers meant never to be ready, with no control plane or static workers, leave it off)."""
         port_file = self.workdir / f"router-{name}.ports"
         router = ManagedProcess(
             f"router-{name}",
@@ -570,6 +573,8 @@ class LocalCluster:
         wait_until(lambda: http_ok(url + "/health"), 30, f"router {name}", [router])
         self.routers[name] = router
         self.router_urls[name] = url
+        if ready:
+            wait_until(lambda: http_ok(url + "/ready"), 30, f"router {name} ready", self.all_processes())
         return url
 
     def start_epp(self, name: str, policy: str, *extra: str) -> str:
@@ -620,12 +625,18 @@ class LocalCluster:
 
 
 def grpc_health_serving(address: str, service: str) -> bool:
-    """Whether the gRPC health service at HOST:PORT answers SERVING for `service` (e.g. "readiness")."""
+    """Whether the gRPC health service at HOST:PORT answers SERVING for `service` (e.g. "readiness");
+    False while nothing answers there (as `http_ok`), any other error raised (e.g. an unknown service)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
-        answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            return False
+        raise
     return answer.status == health_pb2.HealthCheckResponse.SERVING
 
 

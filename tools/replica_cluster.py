@@ -157,11 +157,11 @@ class ReplicaCluster(LocalCluster):
         finally:
             self.control_plane_addr = every
 
-    def start_router(self, name: str, policy: str, *extra: str, env: dict[str, str] | None = None) -> str:
+    def start_router(self, name: str, policy: str, *extra: str, env: dict[str, str] | None = None, ready: bool = False) -> str:
         every = self.control_plane_addr
         self.control_plane_addr = self.rotated_addresses()
         try:
-            return super().start_router(name, policy, *extra, env=env)
+            return super().start_router(name, policy, *extra, env=env, ready=ready)
         finally:
             self.control_plane_addr = every
 

@@ -20,12 +20,12 @@ from kvroute.tools.ext_proc_client import EnvoyExtProcStream, Picked
 from kvroute.tools.local_cluster import (
     LocalCluster,
     free_port,
+    grpc_health_serving,
     http_get,
     http_post_json,
     long_text,
     wait_until,
 )
-from kvroute.tools.local_cluster import grpc_health_serving as serving
 
 MODEL = "tiny-llama"
 
@@ -69,7 +69,7 @@ def fleet(module_local_fleet) -> Iterator[tuple[LocalCluster, str, dict[str, str
     # them) each 0.5 s: let the router and the pickers see the same one.
     time.sleep(1.5)
     for name in ("main", "session", "shedding"):
-        wait_until(lambda name=name: serving(epps[name], "readiness"), 15, f"epp {name} ready")
+        wait_until(lambda name=name: grpc_health_serving(epps[name], "readiness"), 15, f"epp {name} ready")
     yield cluster, url, epps
 
 
@@ -316,11 +316,11 @@ def test_the_served_endpoint_is_read_back(fleet) -> None:
 def test_health_follows_gaie_services(fleet) -> None:
     _, _, epps = fleet
     for service in ("", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
-        assert serving(epps["main"], service), service
+        assert grpc_health_serving(epps["main"], service), service
     # A picker that knows no worker of any model is alive but not ready.
-    assert serving(epps["nothing"], "liveness")
-    assert not serving(epps["nothing"], "readiness")
-    assert not serving(epps["nothing"], "envoy.service.ext_proc.v3.ExternalProcessor")
+    assert grpc_health_serving(epps["nothing"], "liveness")
+    assert not grpc_health_serving(epps["nothing"], "readiness")
+    assert not grpc_health_serving(epps["nothing"], "envoy.service.ext_proc.v3.ExternalProcessor")
     # --metrics-port: the router's /metrics, /health and /ready
     asyncio.run(pick(epps["main"], "/v1/completions", json.dumps({"model": MODEL, "prompt": "hi"}).encode(), "streamed"))
     assert http_get(epps["main-metrics"] + "/ready")[0] == 200

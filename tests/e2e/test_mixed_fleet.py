@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from kvroute.tools.local_cluster import LocalCluster, http_get, http_post_json, http_post_json_headers, long_text, wait_until
+from kvroute.tools.local_cluster import LocalCluster, http_post_json, http_post_json_headers, long_text
 
 FLEET = (("vllm", "vllm-0.24", 16), ("sglang", "sglang-0.5.22", 32), ("trtllm", "trtllm-pull", 64))
 DOC_WORDS = 600  # ~610 prompt tokens: 9 blocks of 64, 19 of 32, 38 of 16
@@ -32,8 +32,7 @@ def cluster(module_local_fleet):
     c.wait_engines_healthy()
     c.wait_workers_registered()
     # A generous index deadline: on two shared cores a 20 ms query can time out and fail open.
-    url = c.start_router("kv", "kv_aware", "--query-timeout-ms", "500")
-    wait_until(lambda: http_get(url + "/ready")[0] == 200, 30, "router ready", c.all_processes())
+    c.start_router("kv", "kv_aware", "--query-timeout-ms", "500", ready=True)
     return c
 
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from kvroute.tools.local_cluster import LocalCluster, http_get, http_post_json_headers, wait_until
+from kvroute.tools.local_cluster import LocalCluster, http_post_json_headers
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +22,7 @@ def fleet(module_local_fleet) -> Iterator[tuple[LocalCluster, str]]:
     cluster.start_sim_fleet(2)
     cluster.wait_engines_healthy()
     cluster.wait_workers_registered(2)
-    url = cluster.start_router("r", "kv_aware")
-    # Its port opens before its first view of the fleet: a request in between is a 503 no_workers.
-    wait_until(lambda: http_get(url + "/ready")[0] == 200, 30, "router ready", cluster.all_processes())
+    url = cluster.start_router("r", "kv_aware", ready=True)
     yield cluster, url
 
 

@@ -12,15 +12,14 @@ import time
 
 import pytest
 
-from kvroute.tools.local_cluster import LocalCluster, http_get, http_post_json, long_text, wait_until
+from kvroute.tools.local_cluster import LocalCluster, http_post_json, long_text, wait_until
 
 
 @pytest.fixture(scope="module")
 def cluster(module_local_fleet):
     c = module_local_fleet("e2e", block_size=16)
     c.start_sim_fleet(3, "--num-blocks", "512", "--speedup", "50")
-    url = c.start_router("kv", "kv_aware")
-    wait_until(lambda: http_get(url + "/ready")[0] == 200, 30, "router ready", c.all_processes())
+    c.start_router("kv", "kv_aware", ready=True)
     return c
 
 

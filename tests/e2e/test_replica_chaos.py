@@ -13,7 +13,6 @@ import json
 
 import pytest
 
-from kvroute.tools.local_cluster import http_get, wait_until
 from kvroute.tools.replica_cluster import ReplicaCluster, run_chaos
 from kvroute.tools.tiny_model import build_model_dir
 
@@ -29,9 +28,8 @@ def start_fleet(workdir, redis_port: int, redis_url: str = ""):
             cluster.add_sim_engine(f"engine-{i}", "--speedup", "20", "--num-blocks", "2048")
         cluster.wait_engines_healthy()
         cluster.wait_workers_registered()
-        urls = [cluster.start_router(f"r{i}", "kv_aware") for i in range(ROUTERS)]
-        for url in urls:  # a request before a router's first view of the fleet would be a 503
-            wait_until(lambda url=url: http_get(url + "/ready")[0] == 200, 30, "router ready", cluster.all_processes())
+        # ready: a request before a router's first view of the fleet would be a 503, counted as lost
+        urls = [cluster.start_router(f"r{i}", "kv_aware", ready=True) for i in range(ROUTERS)]
     except BaseException:
         cluster.stop()
         raise

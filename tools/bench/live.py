@@ -26,7 +26,15 @@ from typing import TextIO
 import aiohttp
 
 from kvroute.data_plane.decision.policies import parse_kv_aware_params
-from kvroute.tools.local_cluster import LocalCluster, ManagedProcess, engine_prefix_counters, http_get, http_post_json, wait_until
+from kvroute.tools.local_cluster import (
+    LocalCluster,
+    ManagedProcess,
+    engine_prefix_counters,
+    grpc_health_serving,
+    http_get,
+    http_post_json,
+    wait_until,
+)
 from kvroute.tools.sim_engine.cost_model import CostModel
 from kvroute.tools.sim_engine.engine import EngineConfig
 from kvroute.tools.simulator.cli import generated_workload
@@ -570,7 +578,10 @@ def run_local(args: argparse.Namespace, workload: list[SimWorkloadRequest], log:
                 def epp_ready(ready=ready, address=epps[policy]) -> None:
                     ready()
                     wait_until(
-                        lambda: grpc_serving(address, "readiness"), 30, f"epp {address} ready", list(cluster.all_processes())
+                        lambda: grpc_health_serving(address, "readiness"),
+                        30,
+                        f"epp {address} ready",
+                        list(cluster.all_processes()),
                     )
 
                 runs[EPP_PREFIX + policy] = run_live(
@@ -610,18 +621,6 @@ def run_remote(
         log("live: direct ...")
         runs[DIRECT] = run_live(DIRECT, None, engine_urls, bodies, workload, args)
     return runs, engines
-
-
-def grpc_serving(address: str, service: str) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    try:
-        with grpc.insecure_channel(address) as channel:
-            answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
-    except grpc.RpcError:
-        return False
-    return answer.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def probe_prompts(workload: list[SimWorkloadRequest], vocab_size: int, n: int = 8) -> list[list[int]]:
